@@ -1,0 +1,1 @@
+"""Benchmarks of the Little Horse kernels; each module runs as ``python -m bench.<name>``."""

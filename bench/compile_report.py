@@ -1,0 +1,227 @@
+"""The sm_90 compile report: every kernel config the package can select, compiled for the H100/H200.
+
+    python -m bench.compile_report [--filter TEXT] [--jobs N]
+
+Needs no GPU: Triton compiles for ``GPUTarget("cuda", 90, 32)`` on the CPU, and the ``cuobjdump`` in
+Triton's wheel reads the cubin. One row per config: kernel, shape class, dtype, block sizes, warps,
+stages, registers, spill bytes (stack + local), shared memory, tensor-core instructions (HGMMA and
+HMMA) and 128-bit global loads. Exits 1 if any config spills or needs more shared memory than an
+sm_90 block may have. Each kernel family adds its configs to ``CONFIG_FAMILIES``.
+
+Pointers, row strides and N are compiled as multiples of 16, the specialisation Triton picks on a
+GPU for aligned tensors with hidden sizes that are multiples of 16 (the usual case). The report
+must run without ``TRITON_INTERPRET=1``, which replaces the kernels by interpreted functions.
+"""
+
+import argparse
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import layernorm
+
+SM90 = GPUTarget("cuda", 90, 32)
+SM90_MAX_SHARED_BYTES = 232448  # 227 KiB of opt-in shared memory per block
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One compilation: a kernel with its pointer dtypes, constexprs and launch options."""
+
+    kernel: str
+    shape_class: str
+    dtype: torch.dtype
+    fn_path: str  # "module.function" of the @triton.jit kernel; a path, since JIT functions don't pickle
+    pointer_types: dict = field(repr=False)  # argument name -> triton type of the pointee
+    constexprs: dict = field(repr=False)
+    num_warps: int = 4
+    num_stages: int = 1
+
+    @property
+    def fn(self):
+        module, name = self.fn_path.rsplit(".", 1)
+        return getattr(importlib.import_module(module), name)
+
+    @property
+    def blocks(self) -> str:
+        return "x".join(str(v) for k, v in self.constexprs.items() if k.startswith("BLOCK_"))
+
+    @property
+    def dtype_name(self) -> str:
+        return TRITON_TYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    config: KernelConfig
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+    tensor_core_instructions: int
+    global_loads_128: int
+
+
+def _signature(cfg: KernelConfig) -> tuple[dict, dict]:
+    signature, attrs = {}, {}
+    for index, name in enumerate(cfg.fn.arg_names):
+        if name in cfg.constexprs:
+            signature[name] = "constexpr"
+        elif name in cfg.pointer_types:
+            signature[name] = "*" + cfg.pointer_types[name]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif name == "eps":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name == "N" or name.startswith("stride"):
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, attrs
+
+
+def parse_resource_usage(text: str) -> tuple[int, int]:
+    """(registers, spill bytes) from ``cuobjdump --dump-resource-usage``; spills = STACK + LOCAL."""
+    match = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:\d+\s+LOCAL:(\d+)", text)
+    if match is None:
+        raise ValueError(f"no resource usage line in cuobjdump output:\n{text}")
+    registers, stack, local = (int(g) for g in match.groups())
+    return registers, stack + local
+
+
+def count_sass(text: str) -> tuple[int, int]:
+    """(tensor-core instructions, 128-bit global loads) in ``cuobjdump --dump-sass`` output."""
+    tensor_core = len(re.findall(r"\bH[G]?MMA\b", text))
+    loads_128 = len(re.findall(r"\bLDG\.E[.\w]*\.128\b", text))
+    return tensor_core, loads_128
+
+
+def compile_config(cfg: KernelConfig) -> CompileResult:
+    signature, attrs = _signature(cfg)
+    source = ASTSource(cfg.fn, signature, constexprs=cfg.constexprs, attrs=attrs)
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    compiled = triton.compile(source, target=SM90, options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run(
+            [CUOBJDUMP, "--dump-resource-usage", cubin.name], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run(
+            [CUOBJDUMP, "--dump-sass", cubin.name], capture_output=True, text=True, check=True
+        ).stdout
+    registers, spill_bytes = parse_resource_usage(usage)
+    tensor_core, loads_128 = count_sass(sass)
+    return CompileResult(cfg, registers, spill_bytes, compiled.metadata.shared, tensor_core, loads_128)
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs per kernel family
+# ----------------------------------------------------------------------------------------------
+
+
+def norm_configs() -> list[KernelConfig]:
+    """Every RowConfig that layernorm.row_config can return, for LayerNorm (residual, weight, bias)
+    and RMSNorm (residual, weight), the variants with the most live values, in every dtype."""
+    configs = []
+    for dtype, ty in TRITON_TYPES.items():
+        for norm, rms in (("layer_norm", False), ("rms_norm", True)):
+            flags = {"IS_RMS": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms}
+            for backward in (False, True):
+                limit = layernorm.BWD_MAX_ROW_IN_REGISTERS if backward else layernorm.FWD_MAX_ROW_IN_REGISTERS
+                sizes = [2**p for p in range(limit.bit_length())] + [2 * limit]
+                for n in sizes:
+                    cfg = layernorm.row_config(n, backward)
+                    shape_class = f"N<={n}" if cfg.row_in_registers else f"N>{limit}"
+                    configs += _norm_kernel_configs(norm, shape_class, dtype, ty, flags, cfg, backward)
+    return configs
+
+
+def _norm_kernel_configs(norm, shape_class, dtype, ty, flags, cfg, backward) -> list[KernelConfig]:
+    blocks = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}
+    if not backward:
+        pointers = dict.fromkeys(("X", "RESIDUAL", "W", "B", "Y", "RESIDUAL_OUT"), ty)
+        pointers.update(MEAN="fp32", RSTD="fp32")
+        constexprs = {**flags, "HAS_RESIDUAL": True, **blocks, "ROW_IN_REGISTERS": cfg.row_in_registers}
+        fn = "kernels.layernorm._norm_fwd_kernel"
+        return [KernelConfig(f"{norm}_fwd", shape_class, dtype, fn, pointers, constexprs, cfg.num_warps)]
+    pointers = dict.fromkeys(("DY", "DRESIDUAL_OUT", "X", "W", "DX"), ty)
+    pointers.update(dict.fromkeys(("MEAN", "RSTD", "C1", "C2", "DW_PARTIAL", "DB_PARTIAL"), "fp32"))
+    constexprs = {**flags, "HAS_DRESIDUAL": True, **blocks, "COEFFS_IN_TILE": cfg.row_in_registers}
+    fn = "kernels.layernorm._norm_bwd_kernel"
+    configs = [KernelConfig(f"{norm}_bwd", shape_class, dtype, fn, pointers, constexprs, cfg.num_warps)]
+    if not cfg.row_in_registers:
+        coeffs = layernorm.CHUNKED_BWD_ROW_COEFFS
+        constexprs = {"IS_RMS": flags["IS_RMS"], "HAS_WEIGHT": True, "BLOCK_N": coeffs.block_n}
+        fn = "kernels.layernorm._norm_bwd_row_coeffs_kernel"
+        name = f"{norm}_bwd_row_coeffs"
+        configs.append(KernelConfig(name, shape_class, dtype, fn, pointers, constexprs, coeffs.num_warps))
+    return configs
+
+
+CONFIG_FAMILIES = {"norms": norm_configs}
+
+
+def all_configs() -> list[KernelConfig]:
+    return [cfg for family in CONFIG_FAMILIES.values() for cfg in family()]
+
+
+def failures(results: list[CompileResult]) -> list[str]:
+    """One line per config that spills registers or exceeds the sm_90 shared-memory limit."""
+    bad = []
+    for r in results:
+        c = r.config
+        name = f"{c.kernel} {c.shape_class} {c.dtype_name} blocks {c.blocks} warps {c.num_warps}"
+        if r.spill_bytes > 0:
+            bad.append(f"{name}: spills {r.spill_bytes} bytes")
+        if r.shared_bytes > SM90_MAX_SHARED_BYTES:
+            bad.append(f"{name}: needs {r.shared_bytes} bytes of shared memory (max {SM90_MAX_SHARED_BYTES})")
+    return bad
+
+
+COLUMNS = ("kernel", "shape", "dtype", "blocks", "warps", "stages", "regs", "spill", "smem", "tc", "ldg128")
+
+
+def format_table(results: list[CompileResult]) -> str:
+    rows = [COLUMNS] + [
+        (r.config.kernel, r.config.shape_class, r.config.dtype_name, r.config.blocks,
+         r.config.num_warps, r.config.num_stages, r.registers, r.spill_bytes, r.shared_bytes,
+         r.tensor_core_instructions, r.global_loads_128)
+        for r in results
+    ]  # fmt: skip
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(str(v).rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--filter", default="", help="only kernels whose name contains this text")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="parallel compilations")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("unset TRITON_INTERPRET: the interpreter cannot compile kernels")
+    configs = [c for c in all_configs() if args.filter in c.kernel]
+    if not configs:
+        parser.error(f"no kernel config matches --filter {args.filter!r}")
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(pool.map(compile_config, configs))
+    print(format_table(results))
+    bad = failures(results)
+    print(f"\n{len(results)} configs compiled for sm_90 (triton {triton.__version__}); {len(bad)} failing")
+    for line in bad:
+        print(f"FAIL {line}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""GPU timing shared by the benchmarks: CUDA-event timings, rotated inputs, machine ceilings.
+
+Every GPU time here comes from CUDA events recorded on the stream around each call, never from a
+wall clock around asynchronous launches. Three things keep the samples honest:
+
+* warm-up calls first (Triton and ``torch.compile`` compile on the first call, the caching
+  allocator grows, clocks ramp up);
+* each call reads one of several copies of its inputs, enough copies that together they exceed
+  twice the L2 cache, so no call finds its inputs left in L2 by an earlier one;
+* a spin kernel (``torch.cuda._sleep``) queued ahead of each batch of calls keeps the GPU busy
+  while the host enqueues the batch, so host overhead (Python, autograd, guards) never shows up
+  as a gap inside a call's pair of events.
+
+Reported: the median of the samples and their 20th and 80th percentiles as the spread.
+Throughputs are in decimal units: GB/s = 1e9 bytes per second, TFLOP/s = 1e12 FLOPs per second.
+"""
+
+import functools
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+H200_L2_BYTES = 50 * 2**20  # used where the device does not report its L2 size
+L2_MULTIPLE = 2  # rotated inputs span at least this many L2 caches
+MEMORY_FRACTION = 0.25  # of the free device memory, at most, for rotated copies
+MAX_SPIN_MS = 200.0  # never spin longer than this ahead of one batch
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Summary of the per-call GPU times of one benchmark, in milliseconds."""
+
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    samples: int
+
+
+def summarize(samples_ms: Sequence[float]) -> Timing:
+    """Median and 20th/80th percentiles (inclusive method) of per-call times in ms."""
+    if len(samples_ms) < 2:
+        raise ValueError(f"need at least 2 samples to summarize, got {len(samples_ms)}")
+    deciles = statistics.quantiles(samples_ms, n=10, method="inclusive")
+    return Timing(statistics.median(samples_ms), deciles[1], deciles[7], len(samples_ms))
+
+
+def rotation_copies(bytes_per_copy: int, l2_bytes: int, budget_bytes: int) -> int:
+    """Copies of the inputs to rotate among: enough to span ``L2_MULTIPLE`` L2 caches.
+
+    At least one; at most as many as fit in ``budget_bytes`` (one copy is always allowed: a
+    benchmark that cannot hold one copy fails on its own).
+    """
+    wanted = -(-L2_MULTIPLE * l2_bytes // max(1, bytes_per_copy))  # ceiling division
+    affordable = budget_bytes // max(1, bytes_per_copy)
+    return max(1, min(wanted, affordable))
+
+
+def l2_cache_bytes(device: torch.device) -> int:
+    """The L2 cache size the device reports, or the H200's 50 MiB where it reports none."""
+    reported = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+    return reported or H200_L2_BYTES
+
+
+def rotating_inputs(make_copy: Callable[[], T], bytes_per_copy: int, device: torch.device) -> list[T]:
+    """Independent copies of a benchmark's inputs, built by ``make_copy``, to rotate among.
+
+    ``bytes_per_copy`` is what one call reads from its copy; the count is from
+    :func:`rotation_copies`, with a budget of ``MEMORY_FRACTION`` of the free device memory.
+    """
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    budget = int(free_bytes * MEMORY_FRACTION)
+    return [make_copy() for _ in range(rotation_copies(bytes_per_copy, l2_cache_bytes(device), budget))]
+
+
+@functools.cache
+def _spin_cycles_per_ms(device_index: int) -> float:
+    """GPU clock cycles per millisecond of ``torch.cuda._sleep``, measured with events once."""
+    cycles = 10_000_000
+    with torch.cuda.device(device_index):
+        torch.cuda._sleep(1000)  # the first launch pays one-time costs
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+    return cycles / start.elapsed_time(end)
+
+
+def time_gpu(
+    fn: Callable[[T], object],
+    inputs: Sequence[T],
+    warmup: int = 10,
+    repeats: int = 100,
+    batch: int = 20,
+) -> Timing:
+    """GPU time of ``fn(inputs[i])`` on the current CUDA device and stream, i cycling over inputs.
+
+    ``warmup`` untimed calls, then ``repeats`` calls, each between its own pair of CUDA events,
+    in batches of ``batch`` calls with a spin kernel queued ahead of each batch.
+    """
+    calls = 0
+
+    def call() -> None:
+        nonlocal calls
+        fn(inputs[calls % len(inputs)])
+        calls += 1
+
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    # Host time to enqueue one call, only to size the spin; no GPU time is read off a wall clock.
+    host_start = time.perf_counter()
+    for _ in range(batch):
+        call()
+    host_ms_per_call = (time.perf_counter() - host_start) * 1e3 / batch
+    torch.cuda.synchronize()
+
+    cycles_per_ms = _spin_cycles_per_ms(torch.cuda.current_device())
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    for first in range(0, repeats, batch):
+        batch_calls = range(first, min(first + batch, repeats))
+        spin_ms = min(MAX_SPIN_MS, 2 * host_ms_per_call * len(batch_calls) + 0.1)
+        torch.cuda._sleep(int(spin_ms * cycles_per_ms))
+        for i in batch_calls:
+            starts[i].record()
+            call()
+            ends[i].record()
+    torch.cuda.synchronize()
+    return summarize([start.elapsed_time(end) for start, end in zip(starts, ends, strict=True)])
+
+
+def copy_bandwidth_gbps(device: torch.device, size_bytes: int = 2**31) -> float:
+    """Device-to-device ``copy_`` bandwidth in GB/s, counting read + write (2 × size bytes)."""
+    src = torch.empty(size_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    with torch.cuda.device(device):
+        measured = time_gpu(lambda pair: pair[1].copy_(pair[0]), [(src, dst)], warmup=5, repeats=30)
+    return 2 * size_bytes / (measured.median_ms * 1e-3) / 1e9
+
+
+def matmul_tflops(device: torch.device, size: int = 8192, dtype: torch.dtype = torch.float16) -> float:
+    """Throughput of a ``size``³ ``torch.matmul`` in TFLOP/s, counting 2·M·N·K FLOPs."""
+    # Random operands: all-zero ones draw less power and clock higher than real data does.
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    with torch.cuda.device(device):
+        measured = time_gpu(lambda pair: torch.matmul(*pair), [(a, b)], warmup=5, repeats=30)
+    return 2 * size**3 / (measured.median_ms * 1e-3) / 1e12
+
+
+def git_commit() -> str | None:
+    """``git rev-parse HEAD`` of this checkout, or None outside a git repository with commits."""
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip()
+
+
+def _nvidia_driver_version() -> str | None:
+    # The kernel-module driver version (e.g. 550.54.15); torch only knows the CUDA driver API level.
+    try:
+        result = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.splitlines()[0].strip() if result.stdout.strip() else None
+
+
+def machine_info(device: torch.device | None = None) -> dict:
+    """What a result was measured on: GPU, driver, CUDA, torch, triton, git commit and time."""
+    # Imported here: a benchmark may have to set TRITON_INTERPRET before triton's first import.
+    import triton
+
+    driver_api = getattr(torch._C, "_cuda_getDriverVersion", None)
+    info = {
+        "gpu": torch.cuda.get_device_name(device) if device is not None else None,
+        "nvidia_driver": _nvidia_driver_version() if device is not None else None,
+        "cuda_driver_api": driver_api() if device is not None and driver_api is not None else None,
+        "cuda_runtime": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "git_commit": git_commit(),
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    if device is not None:
+        info["l2_cache_bytes"] = l2_cache_bytes(device)
+        info["sm_count"] = torch.cuda.get_device_properties(device).multi_processor_count
+    return info

@@ -1,0 +1,11 @@
+"""Little Horse kernels: hand-written Triton kernels behind a functional, autograd-aware API.
+
+Every function runs the Triton kernels on CUDA tensors, and on CPU tensors either in Triton's
+interpreter (``TRITON_INTERPRET=1`` set before triton is imported) or as the float32 reference
+(see ``kernels.runtime``). Each is a registered PyTorch custom op, so ``torch.compile`` traces
+through it without graph breaks.
+"""
+
+from kernels.layernorm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+
+__all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]

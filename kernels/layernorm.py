@@ -1,0 +1,694 @@
+"""LayerNorm and RMSNorm over the last dimension, with an optional fused residual add.
+
+    h = x + residual                       (optional; h is also returned, for the next residual branch)
+    LayerNorm:  y = (h - mean(h)) * rstd * weight + bias,   rstd = 1 / sqrt(var(h) + eps)
+    RMSNorm:    y = h * rstd * weight,                      rstd = 1 / sqrt(mean(h^2) + eps)
+
+Inputs are (M, N) row-major views (leading dims flattened, unit column stride, any row stride) in
+float16, bfloat16 or float32; weight and bias are (N,) in any of those dtypes. Statistics and
+accumulation are float32; y and h come out in x's dtype, and y is computed from h rounded to that
+dtype, exactly as an unfused model computes ``norm(x + residual)``. N ranges over 1..65,536.
+
+Forward: rows of up to 16,384 elements stay in registers (one read, one write); longer rows are
+read twice in chunks, their mean and variance merged chunk by chunk (Chan's parallel update).
+
+Backward: dx in one pass over dy and h; dweight and dbias as per-program float32 partial sums
+over a contiguous slab of rows, then one final sum over programs. The programs and their slabs
+depend only on the shape and the device, never on timing, so gradients are bit-identical run to
+run (no atomics). Rows longer than 8,192 elements first compute the two per-row coefficients of dx
+in a separate pass, then split the row into column chunks.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import reference, runtime
+
+MAX_HIDDEN = 65536
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_normalized_input(
+    X,
+    RESIDUAL,
+    RESIDUAL_OUT,
+    rows,
+    cols,
+    mask,
+    stride_x_row,
+    stride_res_row,
+    N,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_RESIDUAL: tl.constexpr,
+):
+    """The (BLOCK_M, BLOCK_N) tile of h = x [+ residual] in float32, h rounded to x's dtype."""
+    x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(RESIDUAL + rows[:, None] * stride_res_row + cols[None, :], mask=mask, other=0.0)
+        h = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+        if STORE_RESIDUAL:
+            tl.store(RESIDUAL_OUT + rows[:, None] * N + cols[None, :], h, mask=mask)
+        x = h
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _affine(y, W, B, cols, col_mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    if HAS_WEIGHT:
+        y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return y
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    X,  # (M, N), row stride stride_x_row
+    RESIDUAL,  # (M, N), row stride stride_res_row; read when HAS_RESIDUAL
+    W,  # (N,)
+    B,  # (N,)
+    Y,  # (M, N) contiguous
+    RESIDUAL_OUT,  # (M, N) contiguous; h = x + residual, written when HAS_RESIDUAL
+    MEAN,  # (M,) float32; written unless IS_RMS
+    RSTD,  # (M,) float32
+    M,
+    N,
+    stride_x_row,
+    stride_res_row,
+    eps,
+    IS_RMS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROW_IN_REGISTERS: tl.constexpr,
+):
+    # grid = (cdiv(M, BLOCK_M),)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows = rows.to(tl.int64)  # row * stride passes 2**31 on large tensors
+    if ROW_IN_REGISTERS:
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = _load_normalized_input(
+            X,
+            RESIDUAL,
+            RESIDUAL_OUT,
+            rows,
+            cols,
+            mask,
+            stride_x_row,
+            stride_res_row,
+            N,
+            HAS_RESIDUAL,
+            True,
+        )
+        if IS_RMS:
+            xc = x
+        else:
+            mean = tl.sum(x, axis=1) / N
+            tl.store(MEAN + rows, mean, mask=row_mask)
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+        y = _affine(xc * rstd[:, None], W, B, cols, col_mask, HAS_WEIGHT, HAS_BIAS)
+        tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        # Pass 1: statistics, merging each chunk's (count, mean, M2) into the running ones.
+        count = tl.zeros([BLOCK_M], dtype=tl.float32)
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_mask = cols < N
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = _load_normalized_input(
+                X,
+                RESIDUAL,
+                RESIDUAL_OUT,
+                rows,
+                cols,
+                mask,
+                stride_x_row,
+                stride_res_row,
+                N,
+                HAS_RESIDUAL,
+                True,
+            )
+            if IS_RMS:
+                m2 += tl.sum(x * x, axis=1)
+            else:
+                chunk_count = tl.sum(col_mask.to(tl.float32), axis=0)
+                chunk_mean = tl.sum(x, axis=1) / chunk_count
+                d = tl.where(mask, x - chunk_mean[:, None], 0.0)
+                delta = chunk_mean - mean
+                total = count + chunk_count
+                mean += delta * (chunk_count / total)
+                m2 += tl.sum(d * d, axis=1) + delta * delta * (count * chunk_count / total)
+                count = total
+        rstd = tl.rsqrt(m2 / N + eps)
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+        if not IS_RMS:
+            tl.store(MEAN + rows, mean, mask=row_mask)
+        # Pass 2: normalise. h is recomputed from x and residual rather than read back from
+        # RESIDUAL_OUT: another thread of this program may have written it, with no barrier.
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_mask = cols < N
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = _load_normalized_input(
+                X,
+                RESIDUAL,
+                RESIDUAL_OUT,
+                rows,
+                cols,
+                mask,
+                stride_x_row,
+                stride_res_row,
+                N,
+                HAS_RESIDUAL,
+                False,
+            )
+            if IS_RMS:
+                xc = x
+            else:
+                xc = x - mean[:, None]
+            y = _affine(xc * rstd[:, None], W, B, cols, col_mask, HAS_WEIGHT, HAS_BIAS)
+            tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_bwd_tile(
+    DY,
+    X,
+    W,
+    MEAN,
+    RSTD,
+    rows,
+    cols,
+    row_mask,
+    col_mask,
+    stride_dy_row,
+    stride_x_row,
+    IS_RMS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+):
+    """dy, x_hat = (h - mean) * rstd, w * dy and rstd for a (BLOCK_M, BLOCK_N) tile, float32."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    dy = tl.load(DY + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    if IS_RMS:
+        x_hat = x * rstd[:, None]
+    else:
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+        x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    if HAS_WEIGHT:
+        wdy = dy * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    else:
+        wdy = dy
+    return dy, x_hat, wdy, rstd
+
+
+@triton.jit
+def _norm_bwd_row_coeffs_kernel(
+    DY,  # (M, N), row stride stride_dy_row
+    X,  # (M, N), row stride stride_x_row: the normalised input h
+    W,  # (N,)
+    MEAN,  # (M,) float32
+    RSTD,  # (M,) float32
+    C1,  # (M,) float32: mean(x_hat * w * dy) per row
+    C2,  # (M,) float32: mean(w * dy) per row
+    M,
+    N,
+    stride_dy_row,
+    stride_x_row,
+    IS_RMS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # grid = (M,): one row per program, for rows too long for _norm_bwd_kernel to hold.
+    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    row_mask = rows < M
+    sum_xhat_wdy = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+    sum_wdy = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        _, x_hat, wdy, _ = _load_bwd_tile(
+            DY,
+            X,
+            W,
+            MEAN,
+            RSTD,
+            rows,
+            cols,
+            row_mask,
+            cols < N,
+            stride_dy_row,
+            stride_x_row,
+            IS_RMS,
+            HAS_WEIGHT,
+        )
+        sum_xhat_wdy += x_hat * wdy
+        sum_wdy += wdy
+    tl.store(C1 + rows, tl.sum(sum_xhat_wdy, axis=1) / N, mask=row_mask)
+    tl.store(C2 + rows, tl.sum(sum_wdy, axis=1) / N, mask=row_mask)
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    DY,  # (M, N), row stride stride_dy_row
+    DRESIDUAL_OUT,  # (M, N), row stride stride_dres_row: gradient of h; read when HAS_DRESIDUAL
+    X,  # (M, N), row stride stride_x_row: the normalised input h
+    W,  # (N,)
+    MEAN,  # (M,) float32
+    RSTD,  # (M,) float32
+    C1,  # (M,) float32, read unless COEFFS_IN_TILE
+    C2,  # (M,) float32, read unless COEFFS_IN_TILE
+    DX,  # (M, N) contiguous
+    DW_PARTIAL,  # (cdiv(M, rows_per_program), N) float32: this program's sum over its rows
+    DB_PARTIAL,  # (cdiv(M, rows_per_program), N) float32
+    M,
+    N,
+    rows_per_program,
+    stride_dy_row,
+    stride_dres_row,
+    stride_x_row,
+    IS_RMS: tl.constexpr,
+    HAS_DRESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    COEFFS_IN_TILE: tl.constexpr,
+):
+    # grid = (cdiv(M, rows_per_program), cdiv(N, BLOCK_N)); with COEFFS_IN_TILE, BLOCK_N >= N.
+    pid_m = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    row_start = pid_m * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for block_start in range(row_start, row_end, BLOCK_M):
+        rows = block_start + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        rows = rows.to(tl.int64)
+        mask = row_mask[:, None] & col_mask[None, :]
+        dy, x_hat, wdy, rstd = _load_bwd_tile(
+            DY,
+            X,
+            W,
+            MEAN,
+            RSTD,
+            rows,
+            cols,
+            row_mask,
+            col_mask,
+            stride_dy_row,
+            stride_x_row,
+            IS_RMS,
+            HAS_WEIGHT,
+        )
+        if COEFFS_IN_TILE:
+            c1 = tl.sum(x_hat * wdy, axis=1) / N
+            c2 = tl.sum(wdy, axis=1) / N
+        else:
+            c1 = tl.load(C1 + rows, mask=row_mask, other=0.0)
+            c2 = tl.load(C2 + rows, mask=row_mask, other=0.0)
+        if IS_RMS:
+            dx = (wdy - x_hat * c1[:, None]) * rstd[:, None]
+        else:
+            dx = (wdy - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        if HAS_DRESIDUAL:
+            dres_ptrs = DRESIDUAL_OUT + rows[:, None] * stride_dres_row + cols[None, :]
+            dx += tl.load(dres_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            dw_acc += tl.sum(dy * x_hat, axis=0)
+        if HAS_BIAS:
+            db_acc += tl.sum(dy, axis=0)
+    partial = pid_m.to(tl.int64) * N + cols
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + partial, dw_acc, mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + partial, db_acc, mask=col_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """Launch shape of a row-wise kernel: a (block_m, block_n) tile and its warps."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    row_in_registers: bool
+
+
+# Longest rows held whole in registers; the backward holds five float32 values per element.
+# Both limits are the largest sizes that compile for sm_90 with no spills (bench.compile_report).
+FWD_MAX_ROW_IN_REGISTERS = 16384
+BWD_MAX_ROW_IN_REGISTERS = 8192
+# Short rows are packed several to a program, up to a tile of this many elements. At 4096 the
+# backward's 16-warp tiles spilled on sm_90 (rms 4x1024 fp16, layer 1x8192 fp32: 8 bytes each).
+FWD_TILE_ELEMENTS = 4096
+BWD_TILE_ELEMENTS = 2048
+CHUNKED_FWD = RowConfig(block_m=1, block_n=4096, num_warps=8, row_in_registers=False)
+CHUNKED_BWD = RowConfig(block_m=4, block_n=1024, num_warps=8, row_in_registers=False)
+CHUNKED_BWD_ROW_COEFFS = RowConfig(block_m=1, block_n=4096, num_warps=8, row_in_registers=False)
+
+
+def row_config(n: int, backward: bool) -> RowConfig:
+    """The one block-size rule of the row-wise kernels: about 8 float32 values per thread."""
+    block_n = triton.next_power_of_2(n)
+    if block_n > (BWD_MAX_ROW_IN_REGISTERS if backward else FWD_MAX_ROW_IN_REGISTERS):
+        return CHUNKED_BWD if backward else CHUNKED_FWD
+    block_m = max(1, min(64, (BWD_TILE_ELEMENTS if backward else FWD_TILE_ELEMENTS) // block_n))
+    num_warps = min(32, max(1, block_m * block_n // 256))
+    return RowConfig(block_m, block_n, num_warps, row_in_registers=True)
+
+
+def _dummy_if_none(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    # A pointer argument that its HAS_* flag keeps the kernel from reading.
+    return like if t is None else t
+
+
+def _unit_column_stride(t: torch.Tensor) -> torch.Tensor:
+    # Gradients can arrive expanded (stride 0) or transposed; the kernels take any row stride.
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def norm_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward of LayerNorm (``rms=False``) or RMSNorm on validated (M, N) inputs.
+
+    Returns ``(y, residual_out, mean, rstd)``: y (M, N) in x's dtype; residual_out = x + residual
+    (M, N), or an empty tensor without a residual; mean (M,) float32, empty for RMSNorm; rstd (M,).
+    """
+    M, N = x.shape
+    fp32 = torch.float32
+    y = runtime.empty((M, N), x.dtype, x.device)
+    residual_out = runtime.empty((M, N) if residual is not None else (0,), x.dtype, x.device)
+    mean = runtime.empty((0,) if rms else (M,), fp32, x.device)
+    rstd = runtime.empty((M,), fp32, x.device)
+    if M == 0:
+        return y, residual_out, mean, rstd
+    cfg = row_config(N, backward=False)
+    residual_in = _dummy_if_none(residual, x)
+    with runtime.device_guard(x):
+        _norm_fwd_kernel[(triton.cdiv(M, cfg.block_m),)](
+            x, residual_in, _dummy_if_none(weight, x), _dummy_if_none(bias, x), y,
+            residual_out, mean, rstd,
+            M, N, x.stride(0), residual_in.stride(0), eps,
+            IS_RMS=rms, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            ROW_IN_REGISTERS=cfg.row_in_registers, num_warps=cfg.num_warps,
+        )  # fmt: skip
+    return y, residual_out, mean, rstd
+
+
+def backward_rows_per_program(M: int, cfg: RowConfig, device: torch.device) -> int:
+    """Rows in each program's slab: enough programs to fill the GPU, a whole number of tiles."""
+    programs = runtime.num_sms(device) * max(1, 32 // cfg.num_warps)
+    return triton.cdiv(triton.cdiv(M, programs), cfg.block_m) * cfg.block_m
+
+
+def norm_bwd(
+    dy: torch.Tensor,
+    dresidual_out: torch.Tensor | None,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    has_bias: bool,
+    rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`norm_fwd`; ``x`` is the normalised input (``residual_out`` if any).
+
+    Returns ``(dx, dweight, dbias)``: dx (M, N) in x's dtype, also the gradient of the residual;
+    dweight and dbias (N,) in weight's dtype, or empty tensors where there is no such parameter.
+    """
+    M, N = x.shape
+    fp32 = torch.float32
+    dy = _unit_column_stride(dy)
+    if dresidual_out is not None:
+        dresidual_out = _unit_column_stride(dresidual_out)
+    dx = runtime.empty((M, N), x.dtype, x.device)
+    cfg = row_config(N, backward=True)
+    rows_per_program = backward_rows_per_program(M, cfg, x.device) if M else 1
+    grid = (triton.cdiv(M, rows_per_program), triton.cdiv(N, cfg.block_n))
+    dw_partial = runtime.empty((grid[0], N) if weight is not None else (0,), fp32, x.device)
+    db_partial = runtime.empty((grid[0], N) if has_bias else (0,), fp32, x.device)
+    if M > 0:
+        coeffs = runtime.empty((0,) if cfg.row_in_registers else (2, M), fp32, x.device)
+        w = _dummy_if_none(weight, x)
+        dres = _dummy_if_none(dresidual_out, dy)
+        with runtime.device_guard(x):
+            if not cfg.row_in_registers:
+                _norm_bwd_row_coeffs_kernel[(M,)](
+                    dy, x, w, mean, rstd, coeffs[0], coeffs[1],
+                    M, N, dy.stride(0), x.stride(0),
+                    IS_RMS=rms, HAS_WEIGHT=weight is not None,
+                    BLOCK_N=CHUNKED_BWD_ROW_COEFFS.block_n,
+                    num_warps=CHUNKED_BWD_ROW_COEFFS.num_warps,
+                )  # fmt: skip
+            c1, c2 = (coeffs, coeffs) if cfg.row_in_registers else (coeffs[0], coeffs[1])
+            _norm_bwd_kernel[grid](
+                dy, dres, x, w, mean, rstd, c1, c2, dx, dw_partial, db_partial,
+                M, N, rows_per_program, dy.stride(0), dres.stride(0), x.stride(0),
+                IS_RMS=rms, HAS_DRESIDUAL=dresidual_out is not None,
+                HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                COEFFS_IN_TILE=cfg.row_in_registers, num_warps=cfg.num_warps,
+            )  # fmt: skip
+    param_dtype = weight.dtype if weight is not None else x.dtype
+    # Stage two of the reduction: a fixed-order sum over the programs' partial rows.
+    dweight = dw_partial.sum(0).to(param_dtype) if weight is not None else dw_partial
+    dbias = db_partial.sum(0).to(param_dtype) if has_bias else db_partial
+    return dx, dweight, dbias
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops and autograd
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("horse::norm_fwd", mutates_args=())
+def _norm_fwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return norm_fwd(x, weight, bias, residual, eps, rms)
+
+
+@_norm_fwd_op.register_fake
+def _(x, weight, bias, residual, eps, rms):
+    M, N = x.shape
+    return (
+        x.new_empty((M, N)),
+        x.new_empty((M, N) if residual is not None else (0,)),
+        x.new_empty((0,) if rms else (M,), dtype=torch.float32),
+        x.new_empty((M,), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("horse::norm_bwd", mutates_args=())
+def _norm_bwd_op(
+    dy: torch.Tensor,
+    dresidual_out: torch.Tensor | None,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    has_bias: bool,
+    rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return norm_bwd(dy, dresidual_out, x, weight, mean, rstd, has_bias, rms)
+
+
+@_norm_bwd_op.register_fake
+def _(dy, dresidual_out, x, weight, mean, rstd, has_bias, rms):
+    N = x.shape[1]
+    param_dtype = weight.dtype if weight is not None else x.dtype
+    return (
+        x.new_empty(x.shape),
+        x.new_empty((N,) if weight is not None else (0,), dtype=param_dtype),
+        x.new_empty((N,) if has_bias else (0,), dtype=param_dtype),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, residual, _eps, rms = inputs
+    _y, residual_out, mean, rstd = output
+    ctx.save_for_backward(residual_out if residual is not None else x, weight, mean, rstd)
+    ctx.has_bias = bias is not None
+    ctx.has_residual = residual is not None
+    ctx.rms = rms
+
+
+def _backward(ctx, dy, dresidual_out, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dres = dresidual_out if ctx.has_residual else None
+    dx, dweight, dbias = _norm_bwd_op(dy, dres, x, weight, mean, rstd, ctx.has_bias, ctx.rms)
+    return (
+        dx,
+        dweight if weight is not None else None,
+        dbias if ctx.has_bias else None,
+        dx if ctx.has_residual else None,
+        None,
+        None,
+    )
+
+
+_norm_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_tensor(fn: str, name: str, t: torch.Tensor, ref: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{fn}: {name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{fn}: {name} is on {t.device} but input is on {ref.device}")
+
+
+def _normalized_size(fn: str, x: torch.Tensor, normalized_shape) -> tuple[tuple[int, ...], int]:
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if len(shape) == 0 or len(shape) > x.dim() or tuple(x.shape[-len(shape) :]) != shape:
+        raise ValueError(
+            f"{fn}: normalized_shape {list(shape)} must match the trailing dimensions of input, "
+            f"whose shape is {list(x.shape)}"
+        )
+    n = math.prod(shape)
+    if not 1 <= n <= MAX_HIDDEN:
+        raise ValueError(f"{fn}: the normalized size must be in [1, {MAX_HIDDEN}], got {n}")
+    return shape, n
+
+
+def _check_last_dim(fn: str, name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(
+            f"{fn}: {name} must have a contiguous last dimension (stride 1), got stride "
+            f"{t.stride(-1)}; call .contiguous() on it first"
+        )
+
+
+def _norm(fn, x, residual, normalized_shape, weight, bias, eps, rms):
+    """Validate, flatten to (M, N), dispatch; returns (y, residual_out or None)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: input must be a torch.Tensor, got {type(x).__name__}")
+    _check_tensor(fn, "input", x, x)
+    shape, n = _normalized_size(fn, x, normalized_shape)
+    _check_last_dim(fn, "input", x)
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None:
+            _check_tensor(fn, name, p, x)
+            if tuple(p.shape) != shape:
+                raise ValueError(f"{fn}: {name} must have shape {list(shape)}, got {list(p.shape)}")
+    if residual is not None:
+        _check_tensor(fn, "residual", residual, x)
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(
+                f"{fn}: residual must match input's shape {list(x.shape)} and dtype {x.dtype}, "
+                f"got {list(residual.shape)} and {residual.dtype}"
+            )
+        _check_last_dim(fn, "residual", residual)
+    if rms and eps is None:
+        eps = torch.finfo(torch.float32).eps  # as torch.nn.functional.rms_norm
+    if not runtime.runs_triton(x):
+        h = x if residual is None else reference.residual_add(x, residual)
+        if rms:
+            y = reference.rms_norm(h, shape, weight, eps)
+        else:
+            y = reference.layer_norm(h, shape, weight, bias, eps)
+        return y.to(x.dtype), None if residual is None else h
+    w = weight.reshape(n) if weight is not None else None
+    b = bias.reshape(n) if bias is not None else None
+    r = residual.reshape(-1, n) if residual is not None else None
+    y, residual_out, _, _ = _norm_fwd_op(x.reshape(-1, n), w, b, r, float(eps), rms)
+    return y.view(x.shape), residual_out.view(x.shape) if residual is not None else None
+
+
+def layer_norm(
+    input: torch.Tensor,
+    normalized_shape: int | list[int] | torch.Size,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """``torch.nn.functional.layer_norm`` with Triton kernels.
+
+    input (..., *normalized_shape) in float16/bfloat16/float32 with a contiguous last dimension;
+    weight and bias of shape normalized_shape (product at most 65,536) or None. Returns a tensor
+    of input's shape and dtype.
+    """
+    return _norm("layer_norm", input, None, normalized_shape, weight, bias, eps, rms=False)[0]
+
+
+def rms_norm(
+    input: torch.Tensor,
+    normalized_shape: int | list[int] | torch.Size,
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> torch.Tensor:
+    """``torch.nn.functional.rms_norm`` with Triton kernels; ``eps=None`` means float32's eps."""
+    return _norm("rms_norm", input, None, normalized_shape, weight, None, eps, rms=True)[0]
+
+
+def add_layer_norm(
+    input: torch.Tensor,
+    residual: torch.Tensor,
+    normalized_shape: int | list[int] | torch.Size,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``h = input + residual; y = layer_norm(h)``, returning ``(y, h)``.
+
+    residual has input's shape and dtype; h is rounded to that dtype before it is normalised, as
+    in the unfused computation. Feed h to the next residual branch.
+    """
+    return _norm("add_layer_norm", input, residual, normalized_shape, weight, bias, eps, rms=False)
+
+
+def add_rms_norm(
+    input: torch.Tensor,
+    residual: torch.Tensor,
+    normalized_shape: int | list[int] | torch.Size,
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``h = input + residual; y = rms_norm(h)``, returning ``(y, h)``."""
+    return _norm("add_rms_norm", input, residual, normalized_shape, weight, None, eps, rms=True)

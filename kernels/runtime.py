@@ -1,0 +1,53 @@
+"""Where the kernels run, and the small pieces every launcher shares.
+
+The one switch: tensors on a CUDA device always run the Triton kernels. Tensors on the CPU run the
+Triton kernels in Triton's interpreter when ``TRITON_INTERPRET=1`` was set before ``triton`` was
+first imported (the tests do this), and the float32 references of ``kernels.reference`` otherwise.
+"""
+
+import contextlib
+import os
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Tests turn this on so that an output element a kernel forgot to write reads as NaN, never as
+# whatever the allocator left there.
+_poison_outputs = False
+
+
+def runs_triton(x: torch.Tensor) -> bool:
+    """True when ``x`` is handled by the Triton kernels (CUDA, or the CPU interpreter)."""
+    return x.is_cuda or (INTERPRET and x.device.type == "cpu")
+
+
+def device_guard(x: torch.Tensor):
+    """Launch on x's GPU, not on the current one (the classic multi-GPU bug)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new output buffer; NaN-filled while :func:`poison_outputs` is active."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if _poison_outputs:
+        out.fill_(float("nan"))
+    return out
+
+
+@contextlib.contextmanager
+def poison_outputs():
+    """Fill every output buffer the launchers allocate with NaN while the context is open."""
+    global _poison_outputs
+    previous, _poison_outputs = _poison_outputs, True
+    try:
+        yield
+    finally:
+        _poison_outputs = previous
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a small fixed count in the interpreter."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4

@@ -1,0 +1,14 @@
+from setuptools import setup
+
+setup(
+    name="little-horse",
+    version="0.1.0",
+    description="Hand-written Triton kernels (fused attention, MLP, norms) behind drop-in PyTorch layers",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=["kernels", "horse", "bench"],
+    python_requires=">=3.10",
+    # Loose ranges: a user's CUDA build of PyTorch brings its own Triton, and we keep both.
+    install_requires=["torch>=2.6", "triton>=3.2", "numpy"],
+    extras_require={"test": ["pytest>=8", "pytest-benchmark>=4", "ruff>=0.6"]},
+)

@@ -1,0 +1,38 @@
+"""The suite's one accuracy rule, after flash-attention's: a kernel's error against the truth (float64)
+may be at most twice the error of plain PyTorch at the same precision, plus a floor that scales
+with the tensor's magnitude (summation order alone moves float32 results by ~1e-6 relative)."""
+
+import torch
+
+from kernels import runtime
+
+FLOOR = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+
+
+def assert_close(name: str, actual: torch.Tensor, truth: torch.Tensor, baseline: torch.Tensor) -> None:
+    """Fail, naming the worst element, unless |actual - truth| <= 2 |baseline - truth| + floor.
+
+    actual: the kernel's result; truth: float64 reference; baseline: the PyTorch reference run on
+    the same low-precision inputs and rounded to actual's dtype. NaN anywhere fails.
+    """
+    assert actual.shape == truth.shape, f"{name}: shape {list(actual.shape)} != {list(truth.shape)}"
+    assert actual.dtype == baseline.dtype, f"{name}: dtype {actual.dtype}, expected {baseline.dtype}"
+    truth = truth.detach().double()
+    error = (actual.detach().double() - truth).abs().nan_to_num(nan=float("inf"))
+    baseline_error = (baseline.detach().double() - truth).abs().max().item() if truth.numel() else 0.0
+    scale = max(1.0, truth.abs().max().item()) if truth.numel() else 1.0
+    allowed = torch.full_like(truth, 2 * baseline_error + FLOOR[actual.dtype] * scale)
+    if runtime.INTERPRET and actual.dtype == torch.bfloat16:
+        # Triton's interpreter converts float32 to bfloat16 by truncation where a GPU rounds to
+        # nearest: one more unit in the last place, at most 2**-7 of the value.
+        allowed += 2**-7 * truth.abs()
+    excess = error / allowed
+    if excess.numel() and not excess.max().item() <= 1.0:
+        worst = int(excess.flatten().argmax())
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), actual.shape))
+        bad = int((excess > 1.0).sum())
+        raise AssertionError(
+            f"{name}: {bad} of {error.numel()} elements outside 2 x PyTorch's error "
+            f"({baseline_error:.3g}) + floor; worst at {index}: got {actual.flatten()[worst].item()!r}, "
+            f"truth {truth.flatten()[worst].item()!r}, allowed error {allowed.flatten()[worst].item():.3g}"
+        )
