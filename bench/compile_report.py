@@ -8,13 +8,15 @@ stages, registers, spill bytes (stack + local), shared memory, tensor-core instr
 HMMA) and 128-bit global loads. Exits 1 if any config spills or needs more shared memory than an
 sm_90 block may have. Each kernel family adds its configs to ``CONFIG_FAMILIES``.
 
-Pointers, row strides and N are compiled as multiples of 16, the specialisation Triton picks on a
-GPU for aligned tensors with hidden sizes that are multiples of 16 (the usual case). The report
+Pointers, strides, N and K are compiled as multiples of 16, the specialisation Triton picks on a
+GPU for aligned tensors with hidden sizes that are multiples of 16 (the usual case); a stride of 1
+is a constexpr there, so configs name their unit strides in their constexprs. The report
 must run without ``TRITON_INTERPRET=1``, which replaces the kernels by interpreted functions.
 """
 
 import argparse
 import importlib
+import itertools
 import os
 import re
 import subprocess
@@ -33,6 +35,7 @@ from kernels import layernorm
 SM90 = GPUTarget("cuda", 90, 32)
 SM90_MAX_SHARED_BYTES = 232448  # 227 KiB of opt-in shared memory per block
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+FLOAT_SCALARS = {"eps", "softmax_scale"}  # every other scalar argument is an i32
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
@@ -81,11 +84,11 @@ def _signature(cfg: KernelConfig) -> tuple[dict, dict]:
         elif name in cfg.pointer_types:
             signature[name] = "*" + cfg.pointer_types[name]
             attrs[(index,)] = [["tt.divisibility", 16]]
-        elif name == "eps":
+        elif name in FLOAT_SCALARS:
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-            if name == "N" or name.startswith("stride"):
+            if name in ("N", "K") or name.startswith("stride"):
                 attrs[(index,)] = [["tt.divisibility", 16]]
     return signature, attrs
 
@@ -169,7 +172,41 @@ def _norm_kernel_configs(norm, shape_class, dtype, ty, flags, cfg, backward) -> 
     return configs
 
 
-CONFIG_FAMILIES = {"norms": norm_configs}
+def attention_configs() -> list[KernelConfig]:
+    """Every table entry of kernels.attention, for a power-of-two head dim and a padded one (3/4 of
+    the block), both dtypes and both causal modes, and the backward's preprocess per head dim."""
+    from kernels import attention
+
+    passes = (
+        ("attn_fwd", "_attn_fwd_kernel", attention.FWD_CONFIGS),
+        ("attn_bwd_dkdv", "_attn_bwd_dkdv_kernel", attention.BWD_DKDV_CONFIGS),
+        ("attn_bwd_dq", "_attn_bwd_dq_kernel", attention.BWD_DQ_CONFIGS),
+    )
+    configs = []
+    for dtype in (torch.float16, torch.bfloat16):
+        ty = TRITON_TYPES[dtype]
+        pointers = dict.fromkeys(("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"), ty)
+        pointers.update(dict.fromkeys(("LSE", "DLSE", "DELTA"), "fp32"))
+        for block_d, head_dim in [(b, d) for b in sorted(attention.FWD_CONFIGS) for d in {b, b * 3 // 4}]:
+            dims = {"HEAD_DIM": head_dim, "BLOCK_D": block_d}
+            constexprs = {**dims, "BLOCK_M": attention.PREPROCESS_BLOCK_M, "HAS_DLSE": True}
+            fn = "kernels.attention._attn_bwd_preprocess_kernel"
+            configs.append(
+                KernelConfig("attn_bwd_preprocess", f"d={head_dim}", dtype, fn, pointers, constexprs)
+            )
+            for (name, kernel, table), causal in itertools.product(passes, (False, True)):
+                cfg = table[block_d]
+                constexprs = {**dims, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "CAUSAL": causal}
+                if name == "attn_bwd_dkdv":
+                    constexprs["BLOCK_D_OUT"] = block_d // cfg.column_splits
+                shape_class = f"d={head_dim}{' causal' if causal else ''}"
+                fn = f"kernels.attention.{kernel}"
+                options = (cfg.num_warps, cfg.num_stages)
+                configs.append(KernelConfig(name, shape_class, dtype, fn, pointers, constexprs, *options))
+    return configs
+
+
+CONFIG_FAMILIES = {"norms": norm_configs, "attention": attention_configs}
 
 
 def all_configs() -> list[KernelConfig]:

@@ -1,4 +1,4 @@
-"""Drop-in fused layers: same constructors, parameter names and state dicts as their torch modules.
+"""Drop-in fused layers: same constructors, parameter names and state dicts as the modules they replace.
 
 The norms subclass ``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``, so a state dict loads either way,
 ``isinstance`` checks still hold, and :func:`replace_norms` swaps a whole model in one line. Where
@@ -77,3 +77,93 @@ def replace_norms(model: nn.Module) -> nn.Module:
 
 def _replaceable(module: nn.Module) -> bool:
     return type(module) in (nn.LayerNorm, nn.RMSNorm)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half form, as GPT-NeoX and LLaMA) on (batch, seqlen, heads,
+    head_dim) tensors, for positions below max_seqlen; the tables are float32 buffers, not saved."""
+
+    def __init__(self, head_dim: int, max_seqlen: int, base: float = 10000.0, device=None):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"RotaryEmbedding: head_dim must be even, got {head_dim}")
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(max_seqlen, device=device, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # (max_seqlen, head_dim)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """x (batch, seqlen, heads, head_dim) at positions offset .. offset + seqlen - 1."""
+        end = offset + x.shape[1]
+        if end > self.cos.shape[0]:
+            raise ValueError(f"RotaryEmbedding: position {end - 1} is past max_seqlen {self.cos.shape[0]}")
+        cos = self.cos[offset:end, None, :].to(x.dtype)
+        sin = self.sin[offset:end, None, :].to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class FusedSelfAttention(nn.Module):
+    """The attention block of a GPT-style model on the flash-attention kernel.
+
+    ``c_attn`` projects (batch, seqlen, d_model) to q, k and v at once (n_heads + 2 n_kv_heads heads
+    of d_model / n_heads), optional rotary embeddings (positions below max_seqlen) turn q and k,
+    ``kernels.flash_attention`` attends (causal by default; k and v shared by groups of
+    n_heads / n_kv_heads query heads), and ``c_proj`` projects back. Parameter names follow GPT-2 (nanoGPT's nn.Linear layout), and a state
+    dict with separate ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` (LLaMA) loads too, fused on
+    the way in.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        bias: bool = True,
+        causal: bool = True,
+        rotary: bool = False,
+        max_seqlen: int = 4096,
+        rope_base: float = 10000.0,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if d_model % n_heads:
+            raise ValueError(
+                f"FusedSelfAttention: d_model ({d_model}) must be a multiple of n_heads ({n_heads})"
+            )
+        if n_heads % n_kv_heads:
+            raise ValueError(
+                f"FusedSelfAttention: n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})"
+            )
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
+        self.causal = causal
+        factory = {"device": device, "dtype": dtype}
+        self.c_attn = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias, **factory)
+        self.c_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias, **factory)
+        self.rotary = RotaryEmbedding(self.head_dim, max_seqlen, rope_base, device) if rotary else None
+        self.register_load_state_dict_pre_hook(_fuse_separate_projections)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seqlen, _ = x.shape
+        qkv = self.c_attn(x).view(batch, seqlen, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)  # strided views
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        y = kernels.flash_attention(q, k, v, causal=self.causal)  # (batch, seqlen, n_heads, head_dim)
+        return self.c_proj(y.reshape(batch, seqlen, self.n_heads * self.head_dim))
+
+
+def _fuse_separate_projections(module, state_dict, prefix, *args):
+    """load_state_dict pre-hook: q_proj/k_proj/v_proj/o_proj (LLaMA layout) -> c_attn/c_proj."""
+    names = [f"{prefix}{p}_proj" for p in "qkv"]
+    if f"{names[0]}.weight" not in state_dict:
+        return
+    for kind in ("weight", "bias"):
+        if f"{names[0]}.{kind}" in state_dict:
+            state_dict[f"{prefix}c_attn.{kind}"] = torch.cat([state_dict.pop(f"{n}.{kind}") for n in names])
+        if f"{prefix}o_proj.{kind}" in state_dict:
+            state_dict[f"{prefix}c_proj.{kind}"] = state_dict.pop(f"{prefix}o_proj.{kind}")

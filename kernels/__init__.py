@@ -6,6 +6,7 @@ interpreter (``TRITON_INTERPRET=1`` set before triton is imported) or as the flo
 through it without graph breaks.
 """
 
+from kernels.attention import flash_attention
 from kernels.layernorm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 
-__all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
+__all__ = ["add_layer_norm", "add_rms_norm", "flash_attention", "layer_norm", "rms_norm"]

@@ -57,3 +57,73 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps: float | None =
     """(rms_norm(h), h) with h = x + residual in x's dtype."""
     h = residual_add(x, residual)
     return rms_norm(h, normalized_shape, weight, eps), h
+
+
+def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, upcast: bool = True):
+    """Explicit-softmax attention in float32 (float64 for float64 inputs): (out, lse).
+
+    Layout (batch, seqlen, heads, head_dim); k and v may have fewer heads (grouped-query). causal
+    is aligned to the bottom-right corner; a query that sees no key gets zeros and lse = -inf.
+    With upcast=False it computes in the inputs' dtype instead, rounding the scores and the
+    probabilities as a fused kernel does: PyTorch's own error at that precision, for the tests.
+    """
+    if upcast:
+        q, k, v = _upcast(q), _upcast(k), _upcast(v)
+    heads, kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    k = k.repeat_interleave(heads // kv_heads, dim=2)
+    v = v.repeat_interleave(heads // kv_heads, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        rows = torch.arange(seqlen_q, device=q.device)[:, None]
+        cols = torch.arange(seqlen_k, device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows + seqlen_k - seqlen_q, float("-inf"))
+    # A row with no visible key would give -inf - -inf = NaN, in the values and in the gradients:
+    # give it finite dummy scores, then zero its probabilities and set its lse to -inf.
+    has_key = (scores > float("-inf")).any(dim=-1, keepdim=True)
+    scores = torch.where(has_key, scores, 0.0)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    probs = torch.exp(scores - lse) * has_key
+    lse = torch.where(has_key, lse, float("-inf")).squeeze(-1)  # (batch, heads, seqlen_q)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v), lse
+
+
+def apply_activation(z: torch.Tensor, activation: str) -> torch.Tensor:
+    """The MLP activations by name: none, relu, relu2 (relu squared), gelu (erf), gelu_tanh, silu."""
+    if activation == "none":
+        return z
+    if activation == "relu":
+        return torch.relu(z)
+    if activation == "relu2":
+        return torch.relu(z).square()
+    if activation == "gelu":
+        return torch.nn.functional.gelu(z)
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(z, approximate="tanh")
+    if activation == "silu":
+        return torch.nn.functional.silu(z)
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def linear_act(x, weight, bias=None, activation: str = "gelu_tanh") -> torch.Tensor:
+    """act(x Wᵀ + b), W as nn.Linear's (out_features, in_features)."""
+    bias = None if bias is None else _upcast(bias)
+    return apply_activation(torch.nn.functional.linear(_upcast(x), _upcast(weight), bias), activation)
+
+
+def gated_linear(x, w_gate, w_up, activation: str = "silu") -> torch.Tensor:
+    """act(x W_gateᵀ) ⊙ (x W_upᵀ): SwiGLU with silu, GeGLU with gelu."""
+    x = _upcast(x)
+    gate = torch.nn.functional.linear(x, _upcast(w_gate))
+    return apply_activation(gate, activation) * torch.nn.functional.linear(x, _upcast(w_up))
+
+
+def fused_mlp(x, w_in, b_in, w_out, b_out, activation: str = "gelu_tanh") -> torch.Tensor:
+    """The GPT-2 MLP: act(x W_inᵀ + b_in) W_outᵀ + b_out."""
+    return linear_act(linear_act(x, w_in, b_in, activation), w_out, b_out, "none")
+
+
+def fused_gated_mlp(x, w_gate, w_up, w_down, activation: str = "silu") -> torch.Tensor:
+    """The LLaMA MLP: (act(x W_gateᵀ) ⊙ (x W_upᵀ)) W_downᵀ."""
+    return linear_act(gated_linear(x, w_gate, w_up, activation), w_down, None, "none")

@@ -99,3 +99,99 @@ def test_replace_norms_swaps_every_norm_and_keeps_parameters(device):
     assert model.state_dict().keys() == state_before.keys()
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
     assert isinstance(replace_norms(nn.LayerNorm(4)), FusedLayerNorm)
+
+
+class GPT2Attention(nn.Module):
+    """nanoGPT's causal self-attention, the layout FusedSelfAttention loads directly."""
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.c_attn = nn.Linear(d_model, 3 * d_model)
+        self.c_proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        batch, seqlen, d_model = x.shape
+        q, k, v = self.c_attn(x).split(d_model, dim=2)
+        q, k, v = (t.view(batch, seqlen, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(batch, seqlen, d_model))
+
+
+def rope_reference(x: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as a complex rotation of the pairs (i, i + head_dim / 2) by position * freq."""
+    seqlen, head_dim = x.shape[1], x.shape[-1]
+    freqs = 10000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    rotation = torch.polar(
+        torch.ones(seqlen, head_dim // 2, dtype=torch.float64), torch.outer(torch.arange(seqlen), freqs)
+    )
+    pairs = torch.complex(x[..., : head_dim // 2].double(), x[..., head_dim // 2 :].double())
+    rotated = pairs * rotation[None, :, None, :]
+    return torch.cat([rotated.real, rotated.imag], dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    """Separate q/k/v/o projections, grouped-query heads and rotary embeddings, in float64."""
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
+        self.q_proj = nn.Linear(d_model, d_model, bias=False)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x):
+        batch, seqlen, d_model = x.shape
+        q = rope_reference(self.q_proj(x).view(batch, seqlen, self.n_heads, self.head_dim))
+        k = rope_reference(self.k_proj(x).view(batch, seqlen, self.n_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(batch, seqlen, self.n_kv_heads, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(batch, seqlen, d_model))
+
+
+def _compare_attention(ref: nn.Module, fused: nn.Module, device, d_model: int):
+    x = torch.randn(2, 37, d_model, device=device)
+    x_ref = x.double().requires_grad_()
+    x_fused = x.half().requires_grad_()
+    y_ref, y = ref.double()(x_ref), fused(x_fused)
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-2, atol=1e-2)
+    dy = torch.randn_like(y_ref)
+    y_ref.backward(dy)
+    y.backward(dy.half())
+    torch.testing.assert_close(x_fused.grad.double(), x_ref.grad, rtol=1e-2, atol=1e-2)
+
+
+def test_fused_self_attention_loads_gpt2_layout(device):
+    from horse.layers import FusedSelfAttention
+
+    torch.manual_seed(0)
+    ref = GPT2Attention(64, 4).to(device)
+    fused = FusedSelfAttention(64, 4, device=device, dtype=torch.float16)
+    fused.load_state_dict(ref.state_dict())
+    _compare_attention(ref, fused, device, 64)
+
+
+def test_fused_self_attention_loads_separate_projections_with_gqa_and_rotary(device):
+    from horse.layers import FusedSelfAttention
+
+    torch.manual_seed(0)
+    ref = LlamaAttention(64, 4, 2).to(device)
+    fused = FusedSelfAttention(
+        64, 4, n_kv_heads=2, bias=False, rotary=True, device=device, dtype=torch.float16
+    )
+    fused.load_state_dict(ref.state_dict())
+    assert set(fused.state_dict()) == {"c_attn.weight", "c_proj.weight"}
+    _compare_attention(ref, fused, device, 64)
+
+
+def test_rotary_offset_continues_the_positions():
+    from horse.layers import RotaryEmbedding
+
+    rotary = RotaryEmbedding(16, max_seqlen=32)
+    x = torch.randn(2, 12, 3, 16)
+    torch.testing.assert_close(rotary(x)[:, 5:], rotary(x[:, 5:], offset=5))
+    torch.testing.assert_close(rotary(x).double(), rope_reference(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="past max_seqlen 32"):
+        rotary(x, offset=25)

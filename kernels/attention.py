@@ -1,0 +1,727 @@
+"""Exact attention with an online softmax (FlashAttention-style), forward and backward.
+
+    out = softmax(q kᵀ · softmax_scale + mask) v,    lse = log Σ_j exp(q kᵀ · softmax_scale + mask)
+
+q (batch, seqlen_q, heads, head_dim); k, v (batch, seqlen_k, kv_heads, head_dim) with heads a
+multiple of kv_heads (grouped-query and multi-query attention); out like q; lse (batch, heads,
+seqlen_q) float32. float16 or bfloat16, float32 accumulation, any strides with a unit stride in the
+last dimension (nothing is copied). Head dims 1..256; those that are not powers of two are padded
+to the next one inside the kernels and masked. The S×S score matrix never reaches memory.
+
+Causal masking is aligned to the bottom-right corner: query i sees key j iff j <= i + seqlen_k -
+seqlen_q, so a few new queries decode against a longer cache, and a query that sees no key (more
+queries than keys) gets zeros and lse = -inf.
+
+Backward: a preprocess (delta = rowsum(dO·O) - dlse), a pass per key block that accumulates dk and
+dv over every query block and every query head of its group, and a pass per query block for dq.
+Every gradient element is written by exactly one program in a fixed order: no atomics, so the
+gradients are bit-identical run to run.
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import reference, runtime
+
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _key_range(
+    start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr
+):
+    """Keys a query block [start_m, start_m + BLOCK_M) attends to: [0, unmasked_end) needs no mask,
+    [unmasked_end, end) does (the causal diagonal and the ragged last key block)."""
+    if CAUSAL:
+        causal_offset = seqlen_k - seqlen_q
+        end = tl.minimum(seqlen_k, start_m + BLOCK_M + causal_offset)
+        # Keys up to start_m + causal_offset are visible to every query of the block.
+        unmasked_end = tl.maximum(tl.minimum(start_m + causal_offset + 1, end), 0) // BLOCK_N * BLOCK_N
+    else:
+        end = seqlen_k
+        unmasked_end = seqlen_k // BLOCK_N * BLOCK_N
+    return unmasked_end, end
+
+
+@triton.jit
+def _visible(offs_m, offs_n, seqlen_k, causal_offset, CAUSAL: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) mask of the scores query offs_m may give key offs_n."""
+    visible = offs_n[None, :] < seqlen_k
+    if CAUSAL:
+        visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+    return visible
+
+
+@triton.jit
+def _attn_fwd_block(
+    acc,
+    l_i,
+    m_i,
+    q,
+    K,
+    V,
+    offs_m,
+    start_n,
+    offs_d,
+    stride_ks,
+    stride_vs,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    kv_mask = offs_d[None, :] < HEAD_DIM
+    if MASK:
+        kv_mask = kv_mask & (offs_n[:, None] < seqlen_k)
+    k = tl.load(K + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+    if MASK:
+        qk = tl.where(_visible(offs_m, offs_n, seqlen_k, seqlen_k - seqlen_q, CAUSAL), qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    # A row that has seen no visible key yet keeps m = -inf; subtract 0 there, not -inf (NaN).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(V + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q,  # (batch, seqlen_q, heads, head_dim)
+    K,  # (batch, seqlen_k, kv_heads, head_dim)
+    V,  # (batch, seqlen_k, kv_heads, head_dim)
+    OUT,  # (batch, seqlen_q, heads, head_dim)
+    LSE,  # (batch, heads, seqlen_q) float32, natural log
+    softmax_scale,
+    seqlen_q,
+    seqlen_k,
+    heads,
+    group_size,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    # grid = (cdiv(seqlen_q, BLOCK_M), batch * heads)
+    start_m = tl.program_id(0) * BLOCK_M
+    batch_head = tl.program_id(1)
+    b = (batch_head // heads).to(tl.int64)  # batch * stride passes 2**31 on large inputs
+    h = (batch_head % heads).to(tl.int64)
+    kv_h = h // group_size
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + kv_h * stride_kh
+    V += b * stride_vb + kv_h * stride_vh
+    OUT += b * stride_ob + h * stride_oh
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+    qk_scale = softmax_scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    unmasked_end, end = _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    for start_n in range(0, unmasked_end, BLOCK_N):
+        acc, l_i, m_i = _attn_fwd_block(
+            acc, l_i, m_i, q, K, V, offs_m, start_n, offs_d, stride_ks, stride_vs, seqlen_q, seqlen_k,
+            qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL,
+        )  # fmt: skip
+    for start_n in range(unmasked_end, end, BLOCK_N):
+        acc, l_i, m_i = _attn_fwd_block(
+            acc, l_i, m_i, q, K, V, offs_m, start_n, offs_d, stride_ks, stride_vs, seqlen_q, seqlen_k,
+            qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL,
+        )  # fmt: skip
+    # A query that sees no key: l = 0, so the output is 0 and lse = log 0 = -inf.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+    tl.store(OUT + offs_m[:, None] * stride_os + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=q_mask)
+    tl.store(LSE + batch_head.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(
+    OUT,  # (batch, seqlen_q, heads, head_dim)
+    DO,  # (batch, seqlen_q, heads, head_dim)
+    DLSE,  # (batch, heads, seqlen_q) float32; read when HAS_DLSE
+    DELTA,  # (batch, heads, seqlen_q) float32: rowsum(dO * O) - dlse
+    seqlen_q,
+    heads,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+):
+    # grid = (cdiv(seqlen_q, BLOCK_M), batch * heads)
+    batch_head = tl.program_id(1)
+    b = (batch_head // heads).to(tl.int64)
+    h = (batch_head % heads).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(
+        OUT + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    )
+    do_ptrs = DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :]
+    do = tl.load(do_ptrs, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    row = batch_head.to(tl.int64) * seqlen_q + offs_m
+    if HAS_DLSE:
+        # d lse_i / d s_ij = p_ij, which folds into ds = p * (dp - delta) as a shift of delta.
+        delta -= tl.load(DLSE + row, mask=offs_m < seqlen_q, other=0.0)
+    tl.store(DELTA + row, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _load_row_stats(LSE, DELTA, offs_m, seqlen_q):
+    """lse in log2 units, +inf where a row sees no key or lies past seqlen_q, so that p = 0 there."""
+    lse = tl.load(LSE + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = tl.load(DELTA + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    return lse, delta
+
+
+@triton.jit
+def _attn_bwd_dkdv_block(
+    dk,
+    dv,
+    k,
+    v,
+    Q,
+    DO,
+    LSE,
+    DELTA,
+    offs_n,
+    start_m,
+    offs_d,
+    offs_out,
+    stride_qs,
+    stride_dos,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    MASK: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    # Works on the transposed scores (keys x queries) so dk and dv accumulate in (BLOCK_N, columns
+    # offs_out of the head dim): all of it, or with SPLIT a slice, q and dO then read twice.
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + offs_m[:, None] * stride_qs + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask, other=0.0)
+    if SPLIT:
+        mask_out = (offs_m[:, None] < seqlen_q) & (offs_out[None, :] < HEAD_DIM)
+        q_out = tl.load(Q + offs_m[:, None] * stride_qs + offs_out[None, :], mask=mask_out, other=0.0)
+        do_out = tl.load(DO + offs_m[:, None] * stride_dos + offs_out[None, :], mask=mask_out, other=0.0)
+    else:
+        q_out = q
+        do_out = do
+    lse, delta = _load_row_stats(LSE, DELTA, offs_m, seqlen_q)
+    p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
+    if MASK:  # the causal diagonal: key j is visible to query i iff j <= i + seqlen_k - seqlen_q
+        p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + (seqlen_k - seqlen_q), p_t, 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do_out, dv)
+    dp_t = tl.dot(v, tl.trans(do))
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q_out, dk)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,  # as in the forward; DO like Q
+    LSE,
+    DELTA,  # (batch, heads, seqlen_q) float32
+    DK,
+    DV,  # like K, V
+    softmax_scale,
+    seqlen_q,
+    seqlen_k,
+    heads,
+    kv_heads,
+    group_size,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dkb,
+    stride_dks,
+    stride_dkh,
+    stride_dvb,
+    stride_dvs,
+    stride_dvh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    # grid = (cdiv(seqlen_k, BLOCK_N), batch * kv_heads, BLOCK_D // BLOCK_D_OUT): one key block, all
+    # query heads of its group, dk and dv columns [program_id(2) * BLOCK_D_OUT, + BLOCK_D_OUT).
+    start_n = tl.program_id(0) * BLOCK_N
+    batch_kv_head = tl.program_id(1)
+    b = (batch_kv_head // kv_heads).to(tl.int64)
+    kv_h = (batch_kv_head % kv_heads).to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(
+        K + b * stride_kb + kv_h * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        V + b * stride_vb + kv_h * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    offs_out = tl.program_id(2) * BLOCK_D_OUT + tl.arange(0, BLOCK_D_OUT)
+    dk = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
+    qk_scale = softmax_scale * 1.4426950408889634
+    # Queries before the first that sees key start_n (causal) contribute nothing. One loop with
+    # the causal mask on every block: separate masked and unmasked loops, as in the forward,
+    # spilled registers on sm_90 here (264 bytes at head dim 64).
+    lo = 0
+    if CAUSAL:
+        lo = tl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M * BLOCK_M
+    for g in range(group_size):
+        h = kv_h * group_size + g
+        row0 = (b * heads + h) * seqlen_q
+        for start_m in range(lo, seqlen_q, BLOCK_M):
+            dk, dv = _attn_bwd_dkdv_block(
+                dk, dv, k, v, Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh,
+                LSE + row0, DELTA + row0, offs_n, start_m, offs_d, offs_out, stride_qs, stride_dos,
+                seqlen_q, seqlen_k, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL, BLOCK_D_OUT < BLOCK_D,
+            )  # fmt: skip
+    dk *= softmax_scale
+    out_mask = (offs_n[:, None] < seqlen_k) & (offs_out[None, :] < HEAD_DIM)
+    dk_ptrs = DK + b * stride_dkb + kv_h * stride_dkh + offs_n[:, None] * stride_dks + offs_out[None, :]
+    dv_ptrs = DV + b * stride_dvb + kv_h * stride_dvh + offs_n[:, None] * stride_dvs + offs_out[None, :]
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=out_mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _attn_bwd_dq_block(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    K,
+    V,
+    offs_m,
+    start_n,
+    offs_d,
+    stride_ks,
+    stride_vs,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    kv_mask = offs_d[None, :] < HEAD_DIM
+    if MASK:
+        kv_mask = kv_mask & (offs_n[:, None] < seqlen_k)
+    k = tl.load(K + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+    p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+    if MASK:
+        p = tl.where(_visible(offs_m, offs_n, seqlen_k, seqlen_k - seqlen_q, CAUSAL), p, 0.0)
+    ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq)
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,  # as in _attn_bwd_dkdv_kernel
+    DQ,  # like Q
+    softmax_scale,
+    seqlen_q,
+    seqlen_k,
+    heads,
+    group_size,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    # grid = (cdiv(seqlen_q, BLOCK_M), batch * heads)
+    start_m = tl.program_id(0) * BLOCK_M
+    batch_head = tl.program_id(1)
+    b = (batch_head // heads).to(tl.int64)
+    h = (batch_head % heads).to(tl.int64)
+    kv_h = h // group_size
+    K += b * stride_kb + kv_h * stride_kh
+    V += b * stride_vb + kv_h * stride_vh
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    )
+    row0 = batch_head.to(tl.int64) * seqlen_q
+    lse, delta = _load_row_stats(LSE + row0, DELTA + row0, offs_m, seqlen_q)
+    qk_scale = softmax_scale * 1.4426950408889634
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    unmasked_end, end = _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    for start_n in range(0, unmasked_end, BLOCK_N):
+        dq = _attn_bwd_dq_block(
+            dq, q, do, lse, delta, K, V, offs_m, start_n, offs_d, stride_ks, stride_vs, seqlen_q, seqlen_k,
+            qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL,
+        )  # fmt: skip
+    for start_n in range(unmasked_end, end, BLOCK_N):
+        dq = _attn_bwd_dq_block(
+            dq, q, do, lse, delta, K, V, offs_m, start_n, offs_d, stride_ks, stride_vs, seqlen_q, seqlen_k,
+            qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL,
+        )  # fmt: skip
+    dq *= softmax_scale
+    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :]
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Tile of one attention pass: BLOCK_M queries by BLOCK_N keys, its warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    column_splits: int = 1  # dk/dv pass: its head-dim columns shared among this many programs
+
+
+# Per pass and padded head dim. Every entry compiles for sm_90 with HGMMA and no spills in both
+# dtypes and both causal modes (python -m bench.compile_report --filter attn).
+FWD_CONFIGS = {
+    16: AttnConfig(128, 64, 4, 3),
+    32: AttnConfig(128, 64, 4, 3),
+    64: AttnConfig(128, 64, 4, 3),
+    128: AttnConfig(128, 128, 8, 3),
+    256: AttnConfig(128, 64, 8, 2),
+}
+# block_n is the key block each program owns (dk, dv accumulate there); block_m the query step.
+# At head dim 256 no tile held dk and dv whole without spilling (808 bytes at 64x64, 8 warps), so
+# two programs share each key block's columns, recomputing the scores: 1.5x this pass's FLOPs.
+BWD_DKDV_CONFIGS = {
+    16: AttnConfig(64, 128, 8, 2),
+    32: AttnConfig(64, 128, 8, 2),
+    64: AttnConfig(32, 128, 8, 2),
+    128: AttnConfig(32, 128, 8, 2),
+    256: AttnConfig(16, 64, 8, 2, column_splits=2),
+}
+BWD_DQ_CONFIGS = {
+    16: AttnConfig(128, 64, 8, 3),
+    32: AttnConfig(128, 64, 8, 3),
+    64: AttnConfig(128, 64, 8, 3),
+    128: AttnConfig(128, 64, 8, 2),
+    256: AttnConfig(64, 32, 8, 2),
+}
+# Small, unequal tiles in the interpreter: quick there, and several blocks cross every boundary.
+INTERPRETER_BLOCKS = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1}
+PREPROCESS_BLOCK_M = 64
+
+
+def head_dim_block(head_dim: int) -> int:
+    """Head dims are padded to a power of two of at least 16, the smallest tl.dot reduction."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def attn_config(table: dict, head_dim: int) -> AttnConfig:
+    cfg = table[head_dim_block(head_dim)]
+    return dataclasses.replace(cfg, **INTERPRETER_BLOCKS) if runtime.INTERPRET else cfg
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    # (batch, seqlen, heads); the head_dim stride is 1, checked by the public function.
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward on validated inputs; returns out (batch, seqlen_q, heads, head_dim) and lse
+    (batch, heads, seqlen_q) float32."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    out = runtime.empty(q.shape, q.dtype, q.device)
+    lse = runtime.empty((batch, heads, seqlen_q), torch.float32, q.device)
+    cfg = attn_config(FWD_CONFIGS, head_dim)
+    grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * heads)
+    with runtime.device_guard(q):
+        _attn_fwd_kernel[grid](
+            q, k, v, out, lse, softmax_scale, seqlen_q, seqlen_k, heads, heads // kv_heads,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+            HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return out, lse
+
+
+def attention_bwd(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`attention_fwd`; dlse is the gradient of lse, or None. Returns dq, dk, dv."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    if dout.stride(-1) != 1:  # gradients can arrive expanded (stride 0) or transposed
+        dout = dout.contiguous()
+    if dlse is not None:
+        dlse = dlse.contiguous()
+    block_d = head_dim_block(head_dim)
+    delta = runtime.empty((batch, heads, seqlen_q), torch.float32, q.device)
+    dq = runtime.empty(q.shape, q.dtype, q.device)
+    dk = runtime.empty(k.shape, k.dtype, k.device)
+    dv = runtime.empty(v.shape, v.dtype, v.device)
+    group_size = heads // kv_heads
+    dims = {"HEAD_DIM": head_dim, "BLOCK_D": block_d}
+    with runtime.device_guard(q):
+        _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * heads)](
+            out, dout, dlse if dlse is not None else delta, delta, seqlen_q, heads,
+            *_strides(out), *_strides(dout),
+            **dims, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=dlse is not None,
+        )  # fmt: skip
+        cfg = attn_config(BWD_DKDV_CONFIGS, head_dim)
+        grid = (triton.cdiv(seqlen_k, cfg.block_n), batch * kv_heads, cfg.column_splits)
+        _attn_bwd_dkdv_kernel[grid](
+            q, k, v, dout, lse, delta, dk, dv, softmax_scale, seqlen_q, seqlen_k, heads, kv_heads, group_size,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
+            **dims, BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=causal,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        cfg = attn_config(BWD_DQ_CONFIGS, head_dim)
+        _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * heads)](
+            q, k, v, dout, lse, delta, dq, softmax_scale, seqlen_q, seqlen_k, heads, group_size,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+            **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops and autograd
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("horse::flash_attn_fwd", mutates_args=())
+def _attn_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return attention_fwd(q, k, v, causal, softmax_scale)
+
+
+@_attn_fwd_op.register_fake
+def _(q, k, v, causal, softmax_scale):
+    batch, seqlen_q, heads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("horse::flash_attn_bwd", mutates_args=())
+def _attn_bwd_op(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_bwd(dout, dlse, q, k, v, out, lse, causal, softmax_scale)
+
+
+@_attn_bwd_op.register_fake
+def _(dout, dlse, q, k, v, out, lse, causal, softmax_scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale = inputs
+    out, lse = output
+    # O(seqlen) tensors only: the scores are recomputed in the backward, never saved.
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal = causal
+    ctx.softmax_scale = softmax_scale
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _attn_bwd_op(dout, dlse, q, k, v, out, lse, ctx.causal, ctx.softmax_scale)
+    return dq, dk, dv, None, None
+
+
+_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public function
+# ----------------------------------------------------------------------------------------------
+
+
+def _validate(q, k, v) -> None:
+    fn = "flash_attention"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{fn}: {name} must be (batch, seqlen, heads, head_dim), got shape {list(t.shape)}"
+            )
+        if t.device != q.device:
+            raise ValueError(f"{fn}: {name} is on {t.device} but q is on {q.device}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{fn}: {name} is {t.dtype} but q is {q.dtype}; q, k and v must share a dtype")
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(
+                f"{fn}: {name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}"
+            )
+    batch, seqlen_q, heads, head_dim = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"{fn}: k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(
+            f"{fn}: k and v must match q's batch {batch} and head_dim {head_dim}, got shape {list(k.shape)}"
+        )
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"{fn}: head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    kv_heads = k.shape[2]
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"{fn}: q's heads ({heads}) must be a multiple of k and v's heads ({kv_heads})")
+    if seqlen_q == 0 or k.shape[1] == 0 or batch == 0:
+        raise ValueError(
+            f"{fn}: batch and sequence lengths must be at least 1, got q {list(q.shape)}, k {list(k.shape)}"
+        )
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention, FlashAttention-style, differentiable in q, k, v (and through lse).
+
+    q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, kv_heads, head_dim), heads a
+    multiple of kv_heads; float16 or bfloat16 (float32 only on the CPU reference path); head_dim at
+    most 256; any strides with a unit stride in the last dimension. causal masks to the
+    bottom-right corner (query i sees keys j <= i + seqlen_k - seqlen_q; a query that sees none
+    gets zeros). softmax_scale defaults to 1 / sqrt(head_dim).
+
+    Returns out (batch, seqlen_q, heads, head_dim) in q's dtype, or (out, lse) with return_lse,
+    lse (batch, heads, seqlen_q) float32 the natural log-sum-exp of each row's scaled scores.
+    """
+    _validate(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if runtime.runs_triton(q):
+        if q.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"flash_attention: q, k and v must be float16 or bfloat16 on the Triton path, got {q.dtype}"
+            )
+        out, lse = _attn_fwd_op(q, k, v, causal, scale)
+    else:
+        out, lse = reference.attention(q, k, v, causal, scale)
+        out = out.to(q.dtype)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,268 @@
+"""Flash attention (kernels.attention) against the float64 truth, forward and backward."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from helpers import assert_close
+
+import kernels
+from kernels import reference, runtime
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def __str__(self):
+        gqa = "" if self.heads == self.kv_heads else f"/{self.kv_heads}kv"
+        return f"b{self.batch}-q{self.seqlen_q}-k{self.seqlen_k}-h{self.heads}{gqa}-d{self.head_dim}"
+
+
+# Seqlens 1, 17, 128, 129, 300, unequal lengths both ways (decoding against a longer cache; more
+# queries than keys, where causal rows see nothing), GQA and MQA, head dims 64, 128, 256 and
+# padded ones (80, 96, 24).
+SHAPES = [
+    Shape(1, 1, 1, 2, 2, 64),
+    Shape(2, 17, 17, 2, 2, 64),
+    Shape(1, 128, 128, 2, 2, 128),
+    Shape(1, 129, 129, 4, 2, 64),
+    Shape(1, 300, 300, 2, 1, 80),
+    Shape(1, 17, 129, 2, 2, 96),
+    Shape(1, 129, 17, 4, 1, 64),
+    Shape(1, 1, 300, 4, 2, 64),
+    Shape(1, 33, 40, 2, 2, 256),
+    Shape(3, 20, 20, 3, 3, 24),
+]
+
+
+def make_qkv(shape: Shape, dtype, device, scale: float = 1.0, seed: int = 0, requires_grad: bool = True):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(seqlen, heads):
+        t = torch.randn(shape.batch, seqlen, heads, shape.head_dim, generator=gen) * scale
+        return t.to(device=device, dtype=dtype).requires_grad_(requires_grad)
+
+    q = randn(shape.seqlen_q, shape.heads)
+    return q, randn(shape.seqlen_k, shape.kv_heads), randn(shape.seqlen_k, shape.kv_heads)
+
+
+def run_reference(q, k, v, dout, causal, upcast, dlse=None):
+    """The float64 truth (upcast) or PyTorch's attention computed in the inputs' dtype."""
+    leaves = [(t.detach().double() if upcast else t.detach().clone()).requires_grad_() for t in (q, k, v)]
+    out, lse = reference.attention(*leaves, causal=causal, upcast=upcast)
+    outputs, grad_outputs = [out], [dout.to(out.dtype)]
+    if dlse is not None:
+        outputs.append(lse)
+        grad_outputs.append(dlse.to(lse.dtype))
+    grads = torch.autograd.grad(outputs, leaves, grad_outputs)
+    return {"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
+
+
+def assert_lse_close(lse, truth, baseline):
+    # Rows that see no key have lse = -inf in all three; compare the finite rest.
+    assert torch.equal(torch.isinf(lse), torch.isinf(truth)), "lse: -inf rows differ from the reference"
+    finite = torch.isfinite(truth)
+    assert_close(
+        "lse",
+        torch.where(finite, lse, 0.0),
+        torch.where(finite, truth, 0.0),
+        torch.where(finite, baseline, 0.0),
+    )
+
+
+def check(shape: Shape, causal: bool, dtype, device, scale: float = 1.0):
+    q, k, v = make_qkv(shape, dtype, device, scale)
+    out, lse = kernels.flash_attention(q, k, v, causal=causal, return_lse=True)
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    ours = {"out": out, "dq": dq, "dk": dk, "dv": dv}
+    truth = run_reference(q, k, v, dout, causal, upcast=True)
+    baseline = run_reference(q, k, v, dout, causal, upcast=False)
+    for name, value in ours.items():
+        assert torch.isfinite(value).all(), f"{name} has non-finite values"
+        assert_close(name, value, truth[name], baseline[name])
+    assert_lse_close(lse, truth["lse"], baseline["lse"].float())
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_reference(shape, causal, device):
+    check(shape, causal, torch.float16, device)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [Shape(2, 17, 33, 4, 2, 40), Shape(1, 300, 300, 2, 1, 80)], ids=str)
+def test_reference_matches_sdpa(shape, causal):
+    # The explicit reference against PyTorch's own attention, float32, bottom-right causal mask.
+    q, k, v = make_qkv(shape, torch.float32, "cpu", requires_grad=False)
+    mask = None
+    if causal:
+        rows = torch.arange(shape.seqlen_q)[:, None]
+        mask = torch.arange(shape.seqlen_k)[None, :] <= rows + shape.seqlen_k - shape.seqlen_q
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+    ).transpose(1, 2)
+    torch.testing.assert_close(reference.attention(q, k, v, causal)[0], sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_large_logits_stay_finite(device):
+    # Scores of several hundred: exp overflows float16 and float32 unless the max is subtracted.
+    check(Shape(1, 129, 129, 2, 2, 64), True, torch.float16, device, scale=6.0)
+
+
+def test_query_that_sees_no_key_is_zero(device):
+    shape = Shape(1, 20, 5, 2, 2, 64)
+    q, k, v = make_qkv(shape, torch.float16, device)
+    out, lse = kernels.flash_attention(q, k, v, causal=True, return_lse=True)
+    out.sum().backward()
+    blind = shape.seqlen_q - shape.seqlen_k  # queries 0..14 see no key under bottom-right causal
+    assert torch.equal(out[:, :blind], torch.zeros_like(out[:, :blind]))
+    assert torch.isneginf(lse[:, :, :blind]).all() and torch.isfinite(lse[:, :, blind:]).all()
+    assert torch.equal(q.grad[:, :blind], torch.zeros_like(q.grad[:, :blind]))
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_gradient_through_lse(device):
+    shape = Shape(1, 40, 40, 2, 1, 64)
+    q, k, v = make_qkv(shape, torch.float16, device)
+    out, lse = kernels.flash_attention(q, k, v, causal=True, return_lse=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    ours = torch.autograd.grad([out, lse], (q, k, v), [dout, dlse])
+    truth = run_reference(q, k, v, dout, True, upcast=True, dlse=dlse)
+    baseline = run_reference(q, k, v, dout, True, upcast=False, dlse=dlse)
+    for name, got in zip(("dq", "dk", "dv"), ours, strict=True):
+        assert_close(name, got, truth[name], baseline[name])
+
+
+def test_backward_is_deterministic(device):
+    shape = Shape(2, 129, 129, 4, 1, 64)
+    results = []
+    for _ in range(2):
+        q, k, v = make_qkv(shape, torch.float16, device)
+        out = kernels.flash_attention(q, k, v, causal=True)
+        out.backward(torch.ones_like(out))
+        results.append([out.detach(), q.grad, k.grad, v.grad])
+    for name, first, again in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+        assert torch.equal(first, again), f"{name} changed between identical runs"
+
+
+def test_strided_inputs_are_read_in_place(device):
+    shape = Shape(2, 33, 33, 4, 4, 64)
+    qkv = torch.randn(2, 33, 3, 4, 64, dtype=torch.float16, device=device, requires_grad=True)
+    q, k, v = qkv.unbind(dim=2)  # views into one packed projection, rows 3 * 4 * 64 apart
+    assert not q.is_contiguous()
+    out = kernels.flash_attention(q, k, v, causal=True)
+    out.sum().backward()  # dout arrives expanded, with stride 0
+    packed_grad = qkv.grad.clone()
+    qkv.grad = None
+    q2, k2, v2 = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
+    out2 = kernels.flash_attention(q2, k2, v2, causal=True)
+    out2.sum().backward()
+    assert torch.equal(out, out2)
+    assert torch.equal(packed_grad, torch.stack([q2.grad, k2.grad, v2.grad], dim=2))
+    assert shape.seqlen_q == out.shape[1]
+
+
+def test_nothing_quadratic_is_allocated_or_saved(device, monkeypatch):
+    seqlen = 300
+    q, k, v = make_qkv(Shape(1, seqlen, seqlen, 1, 1, 16), torch.float16, device)
+    allocated = []
+    real_empty = runtime.empty
+
+    def recording_empty(shape, dtype, device):
+        out = real_empty(shape, dtype, device)
+        allocated.append(out.numel())
+        return out
+
+    monkeypatch.setattr(runtime, "empty", recording_empty)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = kernels.flash_attention(q, k, v, causal=True)
+    out.sum().backward()
+    assert saved and allocated
+    assert max(saved) < seqlen * seqlen and max(allocated) < seqlen * seqlen, (saved, allocated)
+
+
+BAD_INPUTS = [
+    (
+        lambda q, k, v: kernels.flash_attention(q, k.half(), v),
+        TypeError,
+        "k is torch.float16 but q is torch.bfloat16",
+    ),
+    (
+        lambda q, k, v: kernels.flash_attention(q.float(), k.float(), v.float()),
+        TypeError,
+        "float16 or bfloat16",
+    ),
+    (
+        lambda q, k, v: kernels.flash_attention(q, *[torch.cat([k, k[:, :, :1]], dim=2)] * 2),
+        ValueError,
+        "multiple of",
+    ),
+    (lambda q, k, v: kernels.flash_attention(q, k, v[:, :5]), ValueError, "same shape"),
+    (lambda q, k, v: kernels.flash_attention(q, k[:1], v[:1]), ValueError, "batch 2"),
+    (lambda q, k, v: kernels.flash_attention(q, k.to("meta"), v), ValueError, "k is on meta"),
+    (
+        lambda q, k, v: kernels.flash_attention(q[0], k, v),
+        ValueError,
+        r"q must be \(batch, seqlen, heads, head_dim\)",
+    ),
+    (
+        lambda q, k, v: kernels.flash_attention(q.transpose(1, 3), k, v),
+        ValueError,
+        "q must have a contiguous last",
+    ),
+    (
+        lambda q, k, v: kernels.flash_attention(*(torch.zeros(1, 2, 1, 300, dtype=torch.bfloat16),) * 3),
+        ValueError,
+        r"head_dim must be in \[1, 256\]",
+    ),
+]
+
+
+@pytest.mark.parametrize("call,error,message", BAD_INPUTS)
+def test_bad_input_is_named(call, error, message):
+    q = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16)
+    k = torch.randn(2, 6, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(error, match=message):
+        call(q, k, k.clone())
+
+
+def test_cpu_without_interpreter_uses_the_reference(monkeypatch):
+    monkeypatch.setattr(runtime, "INTERPRET", False)
+    q, k, v = make_qkv(Shape(1, 9, 9, 2, 1, 32), torch.float32, "cpu", requires_grad=False)
+    out = kernels.flash_attention(q, k, v, causal=True)
+    torch.testing.assert_close(out, reference.attention(q, k, v, causal=True)[0], rtol=0, atol=0)
+
+
+def test_custom_op_passes_opcheck_and_compiles_fullgraph():
+    q, k, v = make_qkv(Shape(1, 24, 24, 2, 1, 32), torch.float16, "cpu")
+    torch.library.opcheck(torch.ops.horse.flash_attn_fwd.default, (q, k, v, True, 0.125))
+    eager = kernels.flash_attention(q, k, v, causal=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: kernels.flash_attention(q, k, v, causal=True), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), eager, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape",
+    [Shape(2, 1024, 1024, 16, 16, 128), Shape(1, 4096, 4096, 8, 2, 64), Shape(2, 333, 1000, 8, 1, 96),
+     Shape(1, 1000, 333, 4, 4, 256), Shape(4, 1, 2048, 8, 8, 128), Shape(2, 777, 777, 6, 3, 16)],
+    ids=str,
+)  # fmt: skip
+def test_gpu_matches_reference(shape, causal, dtype):
+    check(shape, causal, dtype, "cuda")
