@@ -111,9 +111,9 @@ class FusedSelfAttention(nn.Module):
     ``c_attn`` projects (batch, seqlen, d_model) to q, k and v at once (n_heads + 2 n_kv_heads heads
     of d_model / n_heads), optional rotary embeddings (positions below max_seqlen) turn q and k,
     ``kernels.flash_attention`` attends (causal by default; k and v shared by groups of
-    n_heads / n_kv_heads query heads), and ``c_proj`` projects back. Parameter names follow GPT-2 (nanoGPT's nn.Linear layout), and a state
-    dict with separate ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` (LLaMA) loads too, fused on
-    the way in.
+    n_heads / n_kv_heads query heads), and ``c_proj`` projects back. Parameter names follow GPT-2
+    (nanoGPT's nn.Linear layout), and a state dict with separate ``q_proj``, ``k_proj``, ``v_proj``
+    and ``o_proj`` (LLaMA) loads too, fused on the way in.
     """
 
     def __init__(
