@@ -1,0 +1,113 @@
+"""``python -m bench``: every kernel against its baselines on this machine's GPU, gated.
+
+    python -m bench [--quick] [--gate] [--only norms attention ...] [--out DIR] [pytest-benchmark options]
+
+Measures the device's ceilings (copy bandwidth, a large float16 matmul), then times every case of
+the kernel families below under pytest-benchmark with CUDA events, ours checked against the float32
+reference first. Prints a table, writes results.json (with the machine) and a PNG per kernel to
+--out (default bench/results/<date>-<gpu>/), and with --gate exits 1 naming each kernel and shape
+below its threshold in bench/gates.toml. Options it does not know (``--benchmark-save NAME``,
+``--benchmark-compare``, ``-k``) go to pytest.
+
+Without a GPU it runs each family's correctness check on small shapes in Triton's interpreter and
+the sm_90 compile report, says that timing needs a GPU, and exits 0 if both pass.
+"""
+
+import argparse
+import datetime
+import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+# bench/<name>.py, each with cases(quick) -> list[suite.Case] and interpreter_checks() -> list of
+# (label, errors, passed).
+FAMILIES = ("norms",)
+BENCH_DIR = Path(__file__).resolve().parent
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a shape or two per kernel, where the gates apply")
+    parser.add_argument(
+        "--gate", action="store_true", help="exit 1 if a kernel misses its gates.toml threshold"
+    )
+    parser.add_argument("--only", nargs="+", choices=FAMILIES, help="these kernel families only")
+    parser.add_argument("--out", type=Path, help="directory for results.json and the plots")
+    return parser.parse_known_args(argv)
+
+
+def _families(names):
+    return [importlib.import_module(f"bench.{name}") for name in names]
+
+
+def cpu_main(args) -> int:
+    print("No CUDA device: timing needs a GPU. Checking correctness in Triton's interpreter instead,")
+    print("then compiling every kernel config for sm_90.\n")
+    os.environ["TRITON_INTERPRET"] = "1"  # before kernels (and so triton) are first imported
+    passed = True
+    for family in _families(args.only or FAMILIES):
+        for label, errors, ok in family.interpreter_checks():
+            detail = "  ".join(f"{name} {error:.1e}" for name, error in errors.items())
+            print(f"  {'ok  ' if ok else 'FAIL'} {label}  {detail}")
+            passed &= ok
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    report = subprocess.run([sys.executable, "-m", "bench.compile_report"], env=env, cwd=BENCH_DIR.parent)
+    passed &= report.returncode == 0
+    print("\ncorrectness and sm_90 compile report: " + ("ok" if passed else "FAIL"))
+    return 0 if passed else 1
+
+
+def gpu_main(args, pytest_args) -> int:
+    import pytest
+
+    from bench import suite, timing
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    machine = timing.machine_info(device)
+    versions = f"CUDA {machine['cuda_runtime']}  torch {machine['torch']}  triton {machine['triton']}"
+    print(f"{machine['gpu']}  {versions}")
+    ceilings = {
+        "copy_gbps": timing.copy_bandwidth_gbps(device),
+        "matmul_tflops": timing.matmul_tflops(device),
+    }
+    copy, matmul = ceilings["copy_gbps"], ceilings["matmul_tflops"]
+    print(f"ceilings: copy {copy:.0f} GB/s, float16 matmul {matmul:.0f} TFLOP/s")
+    cases = [case for family in _families(args.only or FAMILIES) for case in family.cases(args.quick)]
+    plugin = suite.SuitePlugin(cases)
+    pytest_code = pytest.main(
+        [str(BENCH_DIR / "bench_kernels.py"), "-o", "python_files=bench_*.py",
+         "-o", "python_functions=bench_*", "-p", "no:cacheprovider", "-q",
+         "--benchmark-columns=median,iqr,rounds", *pytest_args],
+        plugins=[plugin],
+    )  # fmt: skip
+    results = plugin.results
+    suite.add_metrics(results, ceilings)
+    print("\n" + suite.format_table(results))
+    verdicts = suite.evaluate_gates(results, suite.load_gates())
+    gpu = re.sub(r"[^A-Za-z0-9]+", "-", machine["gpu"]).strip("-").lower()
+    out = args.out or BENCH_DIR / "results" / f"{datetime.date.today()}-{gpu}"
+    out.mkdir(parents=True, exist_ok=True)
+    suite.write_json(out / "results.json", machine, ceilings, results, verdicts)
+    plots = suite.plot(results, out)
+    print(f"\nwrote {out / 'results.json'}" + "".join(f", {p.name}" for p in plots))
+    failed = [v for v in verdicts if not v.passed]
+    print(f"\ngates: {len(verdicts) - len(failed)} of {len(verdicts)} passed")
+    for verdict in verdicts:
+        print("  " + verdict.describe())
+    if pytest_code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        return int(pytest_code)
+    return 1 if args.gate and failed else 0
+
+
+def main(argv=None) -> int:
+    args, pytest_args = _parse(argv)
+    return gpu_main(args, pytest_args) if torch.cuda.is_available() else cpu_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""The bench suite's core: cases, the pytest-benchmark plugin that times them, metrics, gates, report.
+
+A kernel family's benchmark module (bench/norms.py, bench/attention.py, ...) describes its work as
+:class:`Case` objects: one implementation, one direction, one shape, the FLOPs or bytes a call must
+do, and a ``setup`` that builds rotated inputs on the GPU and returns the call to time. The
+:class:`SuitePlugin` hands the cases to pytest-benchmark (``bench/bench_kernels.py``), which times
+each with CUDA events (``timing.cuda_event_timer``), so ``--benchmark-save`` and
+``--benchmark-compare`` work as usual. Before the first timing of ours on a shape, the case's
+``check`` compares it with the float32 reference. Metrics (TFLOP/s or GB/s, fraction of the
+device's measured ceiling, speedup over every baseline) and the gates of ``bench/gates.toml``
+are computed from the results afterwards.
+"""
+
+import fnmatch
+import itertools
+import json
+import operator
+import re
+import tomllib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+GATES_FILE = Path(__file__).with_name("gates.toml")
+DIRECTIONS = ("forward", "backward", "forward+backward")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One timed call: an implementation of a kernel in one direction on one shape."""
+
+    kernel: str  # e.g. "layer_norm", "attention", "linear_act"
+    params: dict  # the shape, e.g. {"rows": 16384, "hidden": 4096}; numbers for tables and plots
+    direction: str  # one of DIRECTIONS
+    implementation: str  # "ours", or the baseline's name: "eager", "compile", "sdpa-flash", ...
+    work: float  # FLOPs (unit "flop") or bytes that must move (unit "byte") per call
+    unit: str
+    setup: Callable[[], Callable[[], object]] = field(repr=False, compare=False)
+    # Correctness of ours on this shape against the float32 reference: {output name: error} and
+    # whether it passed. Run once per (kernel, params), before ours is timed.
+    check: Callable[[], tuple[dict, bool]] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def shape(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.params.items())
+
+    @property
+    def id(self) -> str:
+        return f"{self.kernel}[{self.shape}]-{self.direction}-{self.implementation}"
+
+
+@dataclass
+class Result:
+    kernel: str
+    params: dict
+    direction: str
+    implementation: str
+    unit: str
+    work: float
+    median_ms: float
+    q1_ms: float
+    q3_ms: float
+    rounds: int
+    correct: bool | None = None  # ours only
+    errors: dict | None = None
+    throughput: float = 0.0  # TFLOP/s or GB/s
+    ceiling_fraction: float = 0.0  # of the measured matmul TFLOP/s or copy GB/s
+    speedups: dict = field(default_factory=dict)  # ours only: baseline -> baseline time / ours
+
+    @property
+    def shape(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.params.items())
+
+
+def rotate(copies: list, fn: Callable, no_grad: bool = False) -> Callable[[], object]:
+    """A zero-argument call of fn on the next of copies, cycling, so no call finds its inputs in
+    L2 from the call before (copies from timing.rotating_inputs)."""
+    counter = itertools.count()
+
+    def call():
+        item = copies[next(counter) % len(copies)]
+        if no_grad:
+            with torch.no_grad():
+                return fn(item)
+        return fn(item)
+
+    return call
+
+
+class SuitePlugin:
+    """A pytest plugin that parametrizes ``bench/bench_kernels.py`` over cases and collects results."""
+
+    def __init__(self, cases: list[Case], rounds: int = 30, iterations: int = 5, warmup_rounds: int = 3):
+        self.cases = cases
+        self.rounds, self.iterations, self.warmup_rounds = rounds, iterations, warmup_rounds
+        self.results: list[Result] = []
+        self.checks: dict[tuple, tuple[dict, bool]] = {}
+
+    def pytest_generate_tests(self, metafunc):
+        if "case" in metafunc.fixturenames:
+            metafunc.parametrize("case", self.cases, ids=[c.id for c in self.cases])
+
+    @pytest.fixture
+    def suite(self):
+        return self
+
+    def run(self, benchmark, case: Case) -> None:
+        errors, correct = None, None
+        if case.check is not None:
+            key = (case.kernel, tuple(case.params.items()))
+            if key not in self.checks:
+                self.checks[key] = case.check()
+            errors, correct = self.checks[key]
+        call = case.setup()
+        benchmark.group = f"{case.kernel} {case.direction} {case.shape}"
+        benchmark.extra_info.update(
+            kernel=case.kernel, params=case.params, direction=case.direction,
+            implementation=case.implementation, work=case.work, unit=case.unit,
+        )  # fmt: skip
+        benchmark.pedantic(
+            call, rounds=self.rounds, iterations=self.iterations, warmup_rounds=self.warmup_rounds
+        )
+        stats = benchmark.stats.stats
+        self.results.append(
+            Result(
+                case.kernel, case.params, case.direction, case.implementation, case.unit, case.work,
+                stats.median * 1e3, stats.q1 * 1e3, stats.q3 * 1e3, stats.rounds, correct, errors,
+            )
+        )  # fmt: skip
+        if correct is False:
+            pytest.fail(f"{case.kernel} [{case.shape}] differs from the reference: {errors}")
+
+
+def add_metrics(results: list[Result], ceilings: dict) -> None:
+    """Throughput, fraction of the device ceiling, and (for ours) speedup over each baseline."""
+    for r in results:
+        if r.unit == "flop":
+            r.throughput = r.work / (r.median_ms * 1e-3) / 1e12
+            r.ceiling_fraction = r.throughput / ceilings["matmul_tflops"]
+        else:
+            r.throughput = r.work / (r.median_ms * 1e-3) / 1e9
+            r.ceiling_fraction = r.throughput / ceilings["copy_gbps"]
+    groups: dict[tuple, list[Result]] = {}
+    for r in results:
+        groups.setdefault((r.kernel, tuple(r.params.items()), r.direction), []).append(r)
+    for group in groups.values():
+        for ours in (r for r in group if r.implementation == "ours"):
+            ours.speedups = {r.implementation: r.median_ms / ours.median_ms for r in group if r is not ours}
+
+
+@dataclass(frozen=True)
+class Gate:
+    """A threshold from gates.toml: a metric of ours, on the cases it matches, at least ``min``."""
+
+    kernel: str  # fnmatch pattern
+    metric: str  # "ceiling_fraction", or "speedup" over ``baseline``
+    min: float
+    direction: str = "*"
+    baseline: str = ""  # an implementation, or "best:PATTERN" for the fastest of those matching
+    where: dict = field(default_factory=dict)  # param -> condition, e.g. {"hidden": ">= 4096"}
+    note: str = ""
+
+    def matches(self, r: Result) -> bool:
+        return (
+            r.implementation == "ours"
+            and fnmatch.fnmatch(r.kernel, self.kernel)
+            and fnmatch.fnmatch(r.direction, self.direction)
+            and all(_holds(r.params.get(name), condition) for name, condition in self.where.items())
+        )
+
+    def value(self, r: Result) -> float | None:
+        """The gated metric of r; None where the baseline was not measured on r's shape."""
+        if self.metric == "ceiling_fraction":
+            return r.ceiling_fraction
+        if self.baseline.startswith("best:"):
+            pattern = self.baseline.removeprefix("best:")
+            speedups = [s for name, s in r.speedups.items() if fnmatch.fnmatch(name, pattern)]
+            return min(speedups) if speedups else None  # against the fastest = the smallest speedup
+        return r.speedups.get(self.baseline)
+
+    def describe(self) -> str:
+        what = (
+            "fraction of the device ceiling"
+            if self.metric == "ceiling_fraction"
+            else f"speedup over {self.baseline}"
+        )
+        where = ", ".join(f"{k} {v}" for k, v in self.where.items())
+        return f"{self.kernel} {self.direction}: {what} >= {self.min:g}" + (
+            f" where {where}" if where else ""
+        )
+
+
+_COMPARISONS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, ">": operator.gt, "<": operator.lt}
+
+
+def _holds(value, condition: str) -> bool:
+    match = re.fullmatch(r"\s*(>=|<=|==|>|<)\s*(\S+)\s*", str(condition))
+    if match is None:
+        raise ValueError(f"gate condition {condition!r}: expected an operator (>=, <=, ==, >, <) and a value")
+    op, operand = match.groups()
+    if value is None:
+        return False
+    if isinstance(value, bool) or operand in ("true", "false"):
+        return _COMPARISONS[op](str(value).lower(), operand)
+    return _COMPARISONS[op](float(value), float(operand))
+
+
+def load_gates(path: Path = GATES_FILE) -> list[Gate]:
+    with open(path, "rb") as f:
+        return [Gate(**entry) for entry in tomllib.load(f)["gate"]]
+
+
+@dataclass
+class GateVerdict:
+    gate: Gate
+    result: Result
+    value: float | None
+
+    @property
+    def passed(self) -> bool:
+        return self.result.correct is not False and self.value is not None and self.value >= self.gate.min
+
+    def describe(self) -> str:
+        r = self.result
+        shown = "not measured" if self.value is None else f"{self.value:.3f}"
+        verdict = "PASS" if self.passed else "FAIL"
+        wrong = " (and wrong against the reference)" if r.correct is False else ""
+        return (
+            f"{verdict} {r.kernel} {r.direction} [{r.shape}]: {shown} (gate: {self.gate.describe()}){wrong}"
+        )
+
+
+def evaluate_gates(results: list[Result], gates: list[Gate]) -> list[GateVerdict]:
+    """One verdict per (gate, matching result of ours); a wrong result fails every gate it meets."""
+    return [GateVerdict(g, r, g.value(r)) for g in gates for r in results if g.matches(r)]
+
+
+TABLE_COLUMNS = (
+    "kernel",
+    "direction",
+    "shape",
+    "impl",
+    "ms",
+    "q1-q3 ms",
+    "rate",
+    "ceiling",
+    "vs best other",
+    "check",
+)
+
+
+def format_table(results: list[Result]) -> str:
+    rows = [TABLE_COLUMNS]
+    for r in results:
+        rate_unit = "TFLOP/s" if r.unit == "flop" else "GB/s"
+        best_other = min(r.speedups.values()) if r.speedups else None
+        rows.append((
+            r.kernel, r.direction, r.shape, r.implementation, f"{r.median_ms:.4f}",
+            f"{r.q1_ms:.4f}-{r.q3_ms:.4f}", f"{r.throughput:.1f} {rate_unit}", f"{r.ceiling_fraction:.0%}",
+            "" if best_other is None else f"{best_other:.2f}x",
+            "" if r.correct is None else ("ok" if r.correct else "WRONG"),
+        ))  # fmt: skip
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(TABLE_COLUMNS))]
+    return "\n".join(
+        "  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
+
+
+def write_json(
+    path: Path, machine: dict, ceilings: dict, results: list[Result], verdicts: list[GateVerdict]
+) -> None:
+    report = {
+        "schema": "little-horse-bench/1",
+        "machine": machine,
+        "ceilings": ceilings,
+        "results": [asdict(r) for r in results],
+        "gates": [
+            {"gate": v.gate.describe(), "kernel": v.result.kernel, "direction": v.result.direction,
+             "shape": v.result.params, "value": v.value, "passed": v.passed}
+            for v in verdicts
+        ],
+    }  # fmt: skip
+    path.write_text(json.dumps(report, indent=2))
+
+
+def plot(results: list[Result], out_dir: Path) -> list[Path]:
+    """One PNG per kernel: throughput against its x param, a panel per direction and other params,
+    a line per implementation. Returns the files written (none without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots")
+        return []
+    written = []
+    for kernel in sorted({r.kernel for r in results}):
+        mine = [r for r in results if r.kernel == kernel]
+        x_param = _x_param(mine)
+        panels: dict[tuple, list[Result]] = {}
+        for r in mine:
+            rest = tuple((k, v) for k, v in r.params.items() if k != x_param)
+            panels.setdefault((r.direction, rest), []).append(r)
+        cols = min(3, len(panels))
+        rows = -(-len(panels) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+        for ax, ((direction, rest), group) in zip(axes.flat, sorted(panels.items()), strict=False):
+            for impl in sorted({r.implementation for r in group}, key=lambda name: name != "ours"):
+                points = sorted((r.params[x_param], r.throughput) for r in group if r.implementation == impl)
+                ax.plot(
+                    *zip(*points, strict=True), marker="o", label=impl, linewidth=2.5 if impl == "ours" else 1
+                )
+            ax.set_title(f"{direction} " + " ".join(f"{k}={v}" for k, v in rest), fontsize=9)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(x_param)
+            ax.set_ylabel("TFLOP/s" if group[0].unit == "flop" else "GB/s")
+            ax.legend(fontsize=7)
+        for ax in list(axes.flat)[len(panels) :]:
+            ax.set_visible(False)
+        fig.suptitle(kernel)
+        fig.tight_layout()
+        path = out_dir / f"{kernel}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _x_param(results: list[Result]) -> str:
+    # The param with the most distinct values.
+    names = list(results[0].params)
+    return max(names, key=lambda name: len({r.params[name] for r in results}))

@@ -1,0 +1,162 @@
+"""The bench suite's own logic on the CPU: metrics, gates, the report, the timer, the no-GPU path."""
+
+import json
+import subprocess
+
+import pytest
+
+from bench import __main__ as bench_main
+from bench import suite, timing
+
+CEILINGS = {"copy_gbps": 4000.0, "matmul_tflops": 800.0}
+
+
+def result(kernel="layer_norm", impl="ours", ms=1.0, direction="forward", unit="byte", work=3.6e9, **params):
+    params = params or {"rows": 16384, "hidden": 4096}
+    return suite.Result(kernel, params, direction, impl, unit, work, ms, ms * 0.9, ms * 1.1, 30)
+
+
+def test_metrics_rate_ceiling_fraction_and_speedups():
+    results = [result(ms=1.0), result(impl="eager", ms=2.0), result(impl="compile", ms=1.5),
+               result(kernel="attention", unit="flop", work=4e11, ms=1.0, seqlen=4096)]  # fmt: skip
+    suite.add_metrics(results, CEILINGS)
+    ours = results[0]
+    assert ours.throughput == pytest.approx(3600.0)  # 3.6e9 bytes in 1 ms
+    assert ours.ceiling_fraction == pytest.approx(0.9)
+    assert ours.speedups == pytest.approx({"eager": 2.0, "compile": 1.5})
+    assert results[1].speedups == {}
+    assert results[3].throughput == pytest.approx(400.0) and results[3].ceiling_fraction == pytest.approx(0.5)
+
+
+def gates_of(toml: str, tmp_path):
+    path = tmp_path / "gates.toml"
+    path.write_text(toml)
+    return suite.load_gates(path)
+
+
+def test_a_result_below_its_gate_fails_and_above_passes(tmp_path):
+    [gate] = gates_of(
+        '[[gate]]\nkernel = "*_norm"\ndirection = "forward"\nmetric = "ceiling_fraction"\nmin = 0.9\n'
+        'where = { hidden = ">= 4096" }\n',
+        tmp_path,
+    )
+    fast, slow, narrow = result(ms=0.99), result(ms=1.1), result(ms=5.0, rows=16384, hidden=1024)
+    slow_backward = result(ms=5.0, direction="backward")
+    suite.add_metrics([fast, slow, narrow, slow_backward], CEILINGS)
+    verdicts = suite.evaluate_gates([fast, slow, narrow, slow_backward], [gate])
+    assert [(v.result, v.passed) for v in verdicts] == [(fast, True), (slow, False)]  # others do not match
+    assert "FAIL layer_norm forward [rows=16384 hidden=4096]" in verdicts[1].describe()
+
+
+def test_speedup_gates_against_one_baseline_and_the_best_of_several(tmp_path):
+    gates = gates_of(
+        '[[gate]]\nkernel = "attention"\nmetric = "speedup"\nbaseline = "best:sdpa-*"\nmin = 1.0\n'
+        '[[gate]]\nkernel = "attention"\nmetric = "speedup"\nbaseline = "compile"\nmin = 1.0\n',
+        tmp_path,
+    )
+    ours = result("attention", ms=1.0, unit="flop", seqlen=4096)
+    flash = result("attention", "sdpa-flash", ms=1.2, unit="flop", seqlen=4096)
+    cudnn = result("attention", "sdpa-cudnn", ms=0.95, unit="flop", seqlen=4096)
+    suite.add_metrics([ours, flash, cudnn], CEILINGS)
+    best, compile_gate = suite.evaluate_gates([ours, flash, cudnn], gates)
+    assert best.value == pytest.approx(0.95) and not best.passed  # cuDNN, the fastest, beats ours
+    assert compile_gate.value is None and not compile_gate.passed  # no compile baseline measured
+    assert "not measured" in compile_gate.describe()
+
+
+def test_a_wrong_result_fails_every_gate(tmp_path):
+    [gate] = gates_of('[[gate]]\nkernel = "*"\nmetric = "ceiling_fraction"\nmin = 0.1\n', tmp_path)
+    wrong = result(ms=1.0)
+    wrong.correct = False
+    suite.add_metrics([wrong], CEILINGS)
+    [verdict] = suite.evaluate_gates([wrong], [gate])
+    assert not verdict.passed and "wrong against the reference" in verdict.describe()
+
+
+def test_gate_conditions_are_checked():
+    assert suite._holds(4096, ">= 4096") and not suite._holds(4095, ">=4096") and suite._holds(128, "== 128")
+    with pytest.raises(ValueError, match="expected an operator"):
+        suite._holds(1, "4096")
+
+
+def test_the_shipped_gates_load_and_name_real_metrics():
+    gates = suite.load_gates()
+    assert gates and all(g.metric in ("ceiling_fraction", "speedup") for g in gates)
+    assert all(g.baseline for g in gates if g.metric == "speedup")
+
+
+def test_json_report_schema(tmp_path):
+    results = [result(), result(impl="eager", ms=2.0)]
+    suite.add_metrics(results, CEILINGS)
+    [gate] = gates_of('[[gate]]\nkernel = "*"\nmetric = "speedup"\nbaseline = "eager"\nmin = 1.5\n', tmp_path)
+    verdicts = suite.evaluate_gates(results, [gate])
+    suite.write_json(tmp_path / "r.json", {"gpu": "NVIDIA H200"}, CEILINGS, results, verdicts)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["schema"] == "little-horse-bench/1" and report["ceilings"] == CEILINGS
+    assert report["machine"]["gpu"] == "NVIDIA H200"
+    assert set(report["results"][0]) >= {"kernel", "params", "direction", "implementation", "median_ms",
+                                         "throughput", "ceiling_fraction", "speedups", "correct"}  # fmt: skip
+    [verdict] = report["gates"]
+    assert verdict == {"gate": gate.describe(), "kernel": "layer_norm", "direction": "forward",
+                       "shape": {"rows": 16384, "hidden": 4096}, "value": 2.0, "passed": True}  # fmt: skip
+
+
+def test_table_has_a_row_per_result():
+    results = [result(), result(impl="eager", ms=2.0)]
+    suite.add_metrics(results, CEILINGS)
+    lines = suite.format_table(results).splitlines()
+    assert (
+        len(lines) == 3
+        and lines[0].startswith("kernel")
+        and "2.00x" in lines[1]
+        and "3600.0 GB/s" in lines[1]
+    )
+
+
+def test_plots_one_png_per_kernel(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = [result(ms=ms, impl=impl, rows=16384, hidden=h) for impl, ms in (("ours", 1.0), ("eager", 2.0))
+               for h in (1024, 4096)]  # fmt: skip
+    suite.add_metrics(results, CEILINGS)
+    [path] = suite.plot(results, tmp_path)
+    assert path.name == "layer_norm.png" and path.read_bytes().startswith(b"\x89PNG")
+
+
+class FakeEvent:
+    def __init__(self, ms):
+        self.ms, self.synchronized = ms, False
+
+    def synchronize(self):
+        self.synchronized = True
+
+    def elapsed_time(self, later):
+        return later.ms - self.ms
+
+
+def test_event_stamps_subtract_to_gpu_seconds():
+    start, end = timing.EventStamp(FakeEvent(2.0)), timing.EventStamp(FakeEvent(5.5))
+    assert end - start == pytest.approx(3.5e-3)
+    assert end.event.synchronized  # waits for the later event only
+
+
+def test_rotate_cycles_through_the_copies():
+    seen = []
+    call = suite.rotate([1, 2, 3], seen.append)
+    for _ in range(5):
+        call()
+    assert seen == [1, 2, 3, 1, 2]
+
+
+def test_without_gpu_bench_checks_in_the_interpreter_and_runs_the_compile_report(monkeypatch, capsys):
+    calls = []
+
+    def fake_run(cmd, env, cwd):
+        calls.append((cmd, env))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(bench_main.subprocess, "run", fake_run)
+    assert bench_main.main(["--only", "norms"]) == 0
+    out = capsys.readouterr().out
+    assert "timing needs a GPU" in out and "ok" in out and "FAIL" not in out
+    [(cmd, env)] = calls
+    assert cmd[-2:] == ["-m", "bench.compile_report"] and "TRITON_INTERPRET" not in env
