@@ -32,7 +32,9 @@ BENCH_DIR = Path(__file__).resolve().parent
 
 def _parse(argv):
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a shape or two per kernel, where the gates apply")
+    parser.add_argument(
+        "--quick", action="store_true", help="a shape or two per kernel, where the gates apply"
+    )
     parser.add_argument(
         "--gate", action="store_true", help="exit 1 if a kernel misses its gates.toml threshold"
     )
