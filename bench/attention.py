@@ -1,0 +1,233 @@
+"""Attention in the bench suite: ours against every SDPA backend, torch.compile and flash-attn.
+
+    python -m bench --only attention        (or python -m bench.attention, the same)
+
+The shape of the published numbers (ANCHORS.md): 16K tokens per batch (batch·seqlen = 16384),
+heads·head_dim = 2048, seqlen 512…16K, equal query and key lengths, causal and not, float16.
+Implementations: ours (``kernels.flash_attention``); ``scaled_dot_product_attention`` under each
+of ``sdpa_kernel(FLASH_ATTENTION)``, ``CUDNN_ATTENTION``, ``EFFICIENT_ATTENTION`` and ``MATH`` (MATH
+only to seqlen 4K: it materialises the S×S scores), on transposed views; ``torch.compile`` of the
+explicit-softmax reference in float16, where its S×S matrices fit; ``flash_attn_func`` where the
+flash-attn package imports. A baseline that cannot run a shape (no kernel for it, out of memory) is
+skipped there with the reason. Directions: forward under no_grad; backward, ``autograd.grad`` of
+out w.r.t. q, k, v on a graph built once; forward+backward in one call. Rates are TFLOP/s of the
+ANCHORS counts (:func:`forward_flops` and the 2.5x and 3.5x multiples).
+"""
+
+import itertools
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from bench import suite, timing
+
+TOKENS = 16384  # batch · seqlen
+MODEL_DIM = 2048  # heads · head_dim
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+HEAD_DIMS = (64, 128)
+QUICK_SHAPES = ((4096, 128), (16384, 128))  # (seqlen, head_dim), where the gates apply
+DTYPE = torch.float16
+TOLERANCE = 1e-2  # on normalized_error; ours measured <= 7e-4 in the interpreter
+MATH_MAX_SEQLEN = 4096
+REFERENCE_SCORE_ELEMENTS = 2**30  # the float32 check's S×S matrices, about 4 GiB each
+EXPLICIT_MATRICES = 4  # S×S matrices the compiled explicit attention holds at once, at least
+SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Queries and keys of the same length; k and v with as many heads as q."""
+
+    batch: int
+    seqlen: int
+    heads: int
+    head_dim: int
+
+
+def benchmark_shape(seqlen: int, head_dim: int) -> Shape:
+    """The shape with TOKENS tokens per batch and MODEL_DIM = heads · head_dim."""
+    if TOKENS % seqlen or MODEL_DIM % head_dim:
+        raise ValueError(f"seqlen must divide {TOKENS} and head_dim {MODEL_DIM}, got {seqlen}, {head_dim}")
+    return Shape(TOKENS // seqlen, seqlen, MODEL_DIM // head_dim, head_dim)
+
+
+# Tiny, for the interpreter; 100 is not a multiple of any block size.
+INTERPRETER_SHAPES = (Shape(2, 64, 2, 64), Shape(1, 100, 2, 128))
+
+
+def forward_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> int:
+    """4·batch·heads·seqlen_q·seqlen_k·head_dim, halved when causal: q kᵀ and p v, 2·S·S·d each
+    per (batch, head); the softmax is not counted, and causal counts half whatever a kernel skips."""
+    flops = 4 * batch * heads * seqlen_q * seqlen_k * head_dim
+    return flops // 2 if causal else flops
+
+
+# Backward: five matmuls against the forward's two (q kᵀ again, dv, dp, dq, dk); both: seven.
+DIRECTION_MULTIPLE = {"forward": (1, 1), "backward": (5, 2), "forward+backward": (7, 2)}
+
+
+def direction_flops(direction: str, shape: Shape, causal: bool) -> int:
+    numerator, denominator = DIRECTION_MULTIPLE[direction]
+    flops = forward_flops(shape.batch, shape.heads, shape.seqlen, shape.seqlen, shape.head_dim, causal)
+    return numerator * flops // denominator
+
+
+def normalized_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest ``|actual - expected|`` over the largest ``|expected|``: relative to the tensor's
+    scale, since attention outputs and gradients shrink as sequences grow. NaN gives NaN (fails)."""
+    difference = (actual.float() - expected.float()).abs().max().item()
+    scale = expected.float().abs().max().item()
+    return difference / scale if scale > 0 else difference
+
+
+def checked_batch_heads(shape: Shape, max_score_elements: int) -> tuple[int, int]:
+    """(batch, heads) of the leading block the float32 reference checks: as many (batch, head)
+    pairs as keep seqlen² · pairs within max_score_elements, at least one, heads first."""
+    pairs = max(1, max_score_elements // (shape.seqlen * shape.seqlen))
+    heads = min(shape.heads, pairs)
+    return min(shape.batch, max(1, pairs // heads)), heads
+
+
+def make_qkv(shape: Shape, device, requires_grad: bool = False) -> list[torch.Tensor]:
+    size = (shape.batch, shape.seqlen, shape.heads, shape.head_dim)
+    return [torch.randn(size, dtype=DTYPE, device=device).requires_grad_(requires_grad) for _ in range(3)]
+
+
+def check(shape: Shape, causal: bool, device, attention=None) -> tuple[dict, bool]:
+    """out, dq, dk, dv of ours (or ``attention``) for a random dout against the float32 reference,
+    outputs NaN-poisoned. Ours runs on the whole shape and must be finite everywhere; the
+    reference on the leading block of :func:`checked_batch_heads` (every pair is independent)."""
+    import kernels
+    from kernels import reference, runtime
+
+    attention = attention or (lambda q, k, v: kernels.flash_attention(q, k, v, causal=causal))
+    torch.manual_seed(0)
+    qkv = make_qkv(shape, device, requires_grad=True)
+    dout = torch.randn_like(qkv[0])
+    with runtime.poison_outputs():
+        out = attention(*qkv)
+        ours = (out, *torch.autograd.grad(out, qkv, dout))
+    batch, heads = checked_batch_heads(shape, REFERENCE_SCORE_ELEMENTS)
+
+    def block(t):
+        return t.detach()[:batch, :, :heads]
+
+    exact = [block(t).float().requires_grad_() for t in qkv]
+    out_exact, _ = reference.attention(*exact, causal=causal)
+    truths = (out_exact, *torch.autograd.grad(out_exact, exact, block(dout).float()))
+    errors = {
+        name: normalized_error(block(actual), truth)
+        for name, actual, truth in zip(("out", "dq", "dk", "dv"), ours, truths, strict=True)
+    }
+    finite = all(bool(torch.isfinite(t).all()) for t in ours)
+    return errors, finite and all(e <= TOLERANCE for e in errors.values())
+
+
+def _sdpa(backend_name: str, causal: bool):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def attention(q, k, v):
+        # SDPA's is_causal is aligned top-left, ours bottom-right: the same at equal lengths.
+        with sdpa_kernel(backend):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+            )
+        return out.transpose(1, 2)
+
+    return attention
+
+
+def _compiled_explicit(shape: Shape, causal: bool):
+    from kernels import reference
+
+    needed = EXPLICIT_MATRICES * shape.batch * shape.heads * shape.seqlen**2 * DTYPE.itemsize
+    free = torch.cuda.mem_get_info()[0]
+    if needed > free:
+        raise suite.UnavailableError(
+            f"its S×S matrices need ~{needed / 2**30:.0f} GiB, {free / 2**30:.0f} GiB are free"
+        )
+    torch._dynamo.reset()  # a fresh static compile: no dynamic shapes, no recompile limit
+    return torch.compile(lambda q, k, v: reference.attention(q, k, v, causal, upcast=False)[0], dynamic=False)
+
+
+def _flash_attn(causal: bool):
+    try:
+        from flash_attn import flash_attn_func
+    except (ImportError, OSError) as error:
+        raise suite.UnavailableError(f"flash_attn does not import: {error}") from error
+    return lambda q, k, v: flash_attn_func(q, k, v, causal=causal)
+
+
+def implementations(shape: Shape, causal: bool) -> dict:
+    """name -> a function building fn(q, k, v) -> out; built at setup, on the GPU."""
+    import kernels
+
+    impls = {"ours": lambda: lambda q, k, v: kernels.flash_attention(q, k, v, causal=causal)}
+    for backend in SDPA_BACKENDS:
+        if backend != "MATH" or shape.seqlen <= MATH_MAX_SEQLEN:
+            name = "sdpa-" + backend.split("_")[0].lower()
+            impls[name] = lambda b=backend: _sdpa(b, causal)
+    impls["compile"] = lambda: _compiled_explicit(shape, causal)
+    impls["flash-attn"] = lambda: _flash_attn(causal)
+    return impls
+
+
+def _setup(direction: str, make_fn, shape: Shape):
+    def setup():
+        fn = make_fn()
+        device = torch.device("cuda")
+        tensor_bytes = shape.batch * shape.seqlen * shape.heads * shape.head_dim * DTYPE.itemsize
+        if direction == "forward":
+            copies = timing.rotating_inputs(lambda: make_qkv(shape, device), 3 * tensor_bytes, device)
+            return suite.rotate(copies, lambda qkv: fn(*qkv), no_grad=True)
+
+        def inputs():
+            qkv = make_qkv(shape, device, requires_grad=True)
+            out = fn(*qkv) if direction == "backward" else None
+            return qkv, out, torch.randn(qkv[0].shape, dtype=DTYPE, device=device)
+
+        copies = timing.rotating_inputs(inputs, 5 * tensor_bytes, device)  # q, k, v, out, dout
+        if direction == "backward":
+            return suite.rotate(copies, lambda c: torch.autograd.grad(c[1], c[0], c[2], retain_graph=True))
+        return suite.rotate(copies, lambda c: torch.autograd.grad(fn(*c[0]), c[0], c[2]))
+
+    return setup
+
+
+def cases(quick: bool) -> list[suite.Case]:
+    shapes = [benchmark_shape(*s) for s in QUICK_SHAPES] if quick else [
+        benchmark_shape(seqlen, head_dim) for head_dim in HEAD_DIMS for seqlen in SEQLENS
+    ]  # fmt: skip
+    out = []
+    for shape, causal in itertools.product(shapes, (False, True)):
+        params = {"seqlen": shape.seqlen, "head_dim": shape.head_dim, "causal": causal,
+                  "batch": shape.batch, "heads": shape.heads}  # fmt: skip
+        checker = lambda s=shape, c=causal: check(s, c, "cuda")  # noqa: E731
+        for (name, make_fn), direction in itertools.product(
+            implementations(shape, causal).items(), DIRECTION_MULTIPLE
+        ):
+            out.append(suite.Case(
+                "attention", params, direction, name, direction_flops(direction, shape, causal), "flop",
+                _setup(direction, make_fn, shape), checker if name == "ours" else None,
+            ))  # fmt: skip
+    return out
+
+
+def interpreter_checks() -> list[tuple[str, dict, bool]]:
+    """The correctness check on tiny shapes, on the CPU (in Triton's interpreter when it is on)."""
+    return [
+        (
+            f"attention seqlen={s.seqlen} head_dim={s.head_dim} {'causal' if causal else 'full'}",
+            *check(s, causal, "cpu"),
+        )
+        for s, causal in itertools.product(INTERPRETER_SHAPES, (False, True))
+    ]
+
+
+if __name__ == "__main__":
+    from bench.__main__ import main
+
+    sys.exit(main(["--only", "attention", *sys.argv[1:]]))

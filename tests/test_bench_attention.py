@@ -1,0 +1,135 @@
+"""CPU tests of the attention benchmark: FLOP counts, shapes, its correctness check and its cases."""
+
+import pytest
+import torch
+
+from bench import attention
+from kernels import reference
+
+
+def test_forward_flops_non_causal():
+    # batch 4, heads 16, seqlen 4096, head_dim 128: two matmuls of 2·S·S·D per (batch, head).
+    assert attention.forward_flops(4, 16, 4096, 4096, 128, causal=False) == 4 * 4 * 16 * 4096 * 4096 * 128
+    assert attention.forward_flops(4, 16, 4096, 4096, 128, causal=False) == 549_755_813_888
+
+
+def test_forward_flops_causal_is_half():
+    assert attention.forward_flops(4, 16, 4096, 4096, 128, causal=True) == 2 * 4 * 16 * 4096 * 4096 * 128
+
+
+def test_forward_flops_unequal_lengths():
+    assert attention.forward_flops(2, 3, 5, 7, 64, causal=False) == 4 * 2 * 3 * 5 * 7 * 64
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_is_2_5x_and_forward_backward_3_5x_the_forward(causal):
+    forward = attention.forward_flops(4, 16, 4096, 4096, 128, causal)
+    shape = attention.benchmark_shape(4096, 128)
+    assert attention.direction_flops("backward", shape, causal) == 2.5 * forward
+    assert attention.direction_flops("forward+backward", shape, causal) == 3.5 * forward
+
+
+def test_benchmark_shapes_hold_16k_tokens_and_2048_channels():
+    assert attention.benchmark_shape(4096, 128) == attention.Shape(
+        batch=4, seqlen=4096, heads=16, head_dim=128
+    )
+    assert attention.benchmark_shape(512, 64) == attention.Shape(batch=32, seqlen=512, heads=32, head_dim=64)
+    with pytest.raises(ValueError, match="seqlen must divide"):
+        attention.benchmark_shape(3000, 128)
+
+
+def test_direction_flops_use_the_shape():
+    shape = attention.benchmark_shape(4096, 128)
+    assert attention.direction_flops("forward+backward", shape, causal=True) == 7 * 4 * 16 * 4096 * 4096 * 128
+
+
+@pytest.mark.parametrize(
+    ("seqlen", "head_dim", "expected"),
+    [
+        (16384, 128, (1, 4)),  # 4 of 16 heads: 2**30 score elements
+        (8192, 128, (1, 16)),
+        (4096, 128, (4, 16)),  # every (batch, head) pair
+        (2048, 64, (8, 32)),
+        (512, 128, (32, 16)),
+    ],
+)
+def test_reference_checks_a_leading_block_within_its_budget(seqlen, head_dim, expected):
+    shape = attention.benchmark_shape(seqlen, head_dim)
+    assert attention.checked_batch_heads(shape, 2**30) == expected
+
+
+def test_reference_checks_at_least_one_pair():
+    assert attention.checked_batch_heads(attention.benchmark_shape(16384, 128), 1) == (1, 1)
+
+
+def test_normalized_error_is_relative_to_the_largest_value():
+    expected = torch.tensor([0.01, -0.02])
+    assert attention.normalized_error(torch.tensor([0.01, -0.0198]), expected) == pytest.approx(
+        0.01, rel=1e-3
+    )
+    assert attention.normalized_error(torch.tensor([0.01, float("nan")]), expected) != 0.0  # NaN
+    assert not attention.normalized_error(torch.tensor([float("nan"), 0.0]), expected) <= 1.0
+
+
+def _half_precision_reference(causal):
+    return lambda q, k, v: reference.attention(q, k, v, causal, upcast=False)[0]
+
+
+def _off_by_5_percent(causal):
+    return lambda q, k, v: 1.05 * reference.attention(q, k, v, causal, upcast=False)[0]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    ("make", "expected_ok"), [(_half_precision_reference, True), (_off_by_5_percent, False)]
+)
+def test_check_tells_right_from_wrong(make, expected_ok, causal):
+    errors, ok = attention.check(attention.Shape(2, 48, 2, 32), causal, "cpu", make(causal))
+    assert list(errors) == ["out", "dq", "dk", "dv"]
+    assert ok is expected_ok
+
+
+def test_check_fails_on_non_finite_values_outside_the_checked_block(monkeypatch):
+    monkeypatch.setattr(attention, "REFERENCE_SCORE_ELEMENTS", 16 * 16)  # the reference sees batch 0 only
+
+    def nan_in_batch_1(q, k, v):
+        out = reference.attention(q, k, v, upcast=False)[0]
+        return out.index_put((torch.tensor([1]),), torch.tensor(float("nan"), dtype=out.dtype))
+
+    errors, ok = attention.check(attention.Shape(2, 16, 1, 16), False, "cpu", nan_in_batch_1)
+    assert all(e < attention.TOLERANCE for e in errors.values()) and not ok
+
+
+def test_check_on_a_block_of_a_large_shape(monkeypatch):
+    monkeypatch.setattr(attention, "REFERENCE_SCORE_ELEMENTS", 3 * 64 * 64)
+    errors, ok = attention.check(attention.Shape(2, 64, 4, 16), True, "cpu", _half_precision_reference(True))
+    assert ok and attention.checked_batch_heads(attention.Shape(2, 64, 4, 16), 3 * 64 * 64) == (1, 3)
+
+
+def test_cases_cover_shapes_directions_and_baselines():
+    cases = attention.cases(quick=False)
+    shapes = len(attention.SEQLENS) * len(attention.HEAD_DIMS)
+    ours = [c for c in cases if c.implementation == "ours"]
+    assert len(ours) == shapes * 2 * 3  # x causal x directions
+    assert all(c.check is not None for c in ours) and all(c.unit == "flop" for c in cases)
+    names = {c.implementation for c in cases}
+    assert names == {
+        "ours",
+        "sdpa-flash",
+        "sdpa-cudnn",
+        "sdpa-efficient",
+        "sdpa-math",
+        "compile",
+        "flash-attn",
+    }
+    assert (
+        max(c.params["seqlen"] for c in cases if c.implementation == "sdpa-math") == attention.MATH_MAX_SEQLEN
+    )
+    quick = attention.cases(quick=True)
+    assert {(c.params["seqlen"], c.params["head_dim"]) for c in quick} == set(attention.QUICK_SHAPES)
+
+
+def test_interpreter_checks_pass():
+    results = attention.interpreter_checks()
+    assert len(results) == 2 * len(attention.INTERPRETER_SHAPES)
+    assert all(ok for _, _, ok in results), results
