@@ -26,7 +26,7 @@ import torch
 
 # bench/<name>.py, each with cases(quick) -> list[suite.Case] and interpreter_checks() -> list of
 # (label, errors, passed).
-FAMILIES = ("norms", "attention")
+FAMILIES = ("norms", "attention", "mlp")
 BENCH_DIR = Path(__file__).resolve().parent
 
 

@@ -206,7 +206,46 @@ def attention_configs() -> list[KernelConfig]:
     return configs
 
 
-CONFIG_FAMILIES = {"norms": norm_configs, "attention": attention_configs}
+def mlp_configs() -> list[KernelConfig]:
+    """Every GEMM table entry of kernels.mlp in both dtypes, with the flags that keep the most values
+    live (bias, stored pre-activation, recomputed h), for the two activations with the heaviest
+    epilogues (gelu's erf and gelu_tanh), and the elementwise backward, plain and gated. Unit
+    strides are constexprs, as Triton specialises them on a GPU: x, dy and the weights are
+    row-major, and the backward reads W_out transposed (unit stride along N)."""
+    from kernels import mlp
+
+    fwd_strides = {"stride_xk": 1, "stride_wk": 1}
+    bwd_common = {"STORE_H": True, "stride_dyk": 1, "stride_wn": 1}
+    kernels = {
+        "fwd": ("_linear_act_fwd_kernel", {"HAS_BIAS": True, "STORE_PRE": True, **fwd_strides}),
+        "gated_fwd": ("_gated_fwd_kernel", {"STORE_PRE": True, **fwd_strides}),
+        "dh_bwd": ("_dh_act_bwd_kernel", {"GATED": False, "HAS_BIAS": True, **bwd_common}),
+        "gated_dh_bwd": ("_dh_act_bwd_kernel", {"GATED": True, "HAS_BIAS": False, **bwd_common}),
+    }
+    names = ("X", "W", "B", "Y", "PRE", "WG", "WU", "GATE", "UP", "DY", "DH", "DPRE", "DUP", "H")
+    configs = []
+    for dtype in mlp.SUPPORTED_DTYPES:
+        pointers = dict.fromkeys(names, TRITON_TYPES[dtype]) | {"DB_PARTIAL": "fp32"}
+        for (table, (kernel, flags)), activation in itertools.product(kernels.items(), ("gelu", "gelu_tanh")):
+            for shape_class, cfg in mlp.GEMM_CONFIGS[table].items():
+                blocks = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
+                constexprs = {"ACTIVATION": activation, **flags, **blocks, "GROUP_M": cfg.group_m,
+                              "EPILOGUE_SPLIT": cfg.epilogue_split}  # fmt: skip
+                shape = f"{shape_class}/{activation}"
+                fn = f"kernels.mlp.{kernel}"
+                options = (cfg.num_warps, cfg.num_stages)
+                configs.append(KernelConfig(f"mlp_{table}", shape, dtype, fn, pointers, constexprs, *options))
+        row = mlp.ACT_BWD_CONFIG
+        for gated in (False, True):
+            constexprs = {"ACTIVATION": "gelu", "GATED": gated, "HAS_BIAS": not gated, "stride_dhn": 1,
+                          "BLOCK_M": row.block_m, "BLOCK_N": row.block_n}  # fmt: skip
+            name = "mlp_gated_act_bwd" if gated else "mlp_act_bwd"
+            fn = "kernels.mlp._act_bwd_kernel"
+            configs.append(KernelConfig(name, "any/gelu", dtype, fn, pointers, constexprs, row.num_warps))
+    return configs
+
+
+CONFIG_FAMILIES = {"norms": norm_configs, "attention": attention_configs, "mlp": mlp_configs}
 
 
 def all_configs() -> list[KernelConfig]:

@@ -1,7 +1,8 @@
 """Drop-in fused layers: same constructors, parameter names and state dicts as the modules they replace.
 
 The norms subclass ``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``, so a state dict loads either way,
-``isinstance`` checks still hold, and :func:`replace_norms` swaps a whole model in one line. Where
+``isinstance`` checks still hold, and :func:`replace_norms` swaps a whole model in one line.
+:class:`FusedMLP` keeps the GPT-2 or the LLaMA MLP's submodule names, so their state dicts load. Where
 they run follows ``kernels.runtime``: Triton kernels on CUDA tensors, the float32 reference on CPU
 tensors unless ``TRITON_INTERPRET=1`` was set before triton was imported.
 """
@@ -167,3 +168,55 @@ def _fuse_separate_projections(module, state_dict, prefix, *args):
             state_dict[f"{prefix}c_attn.{kind}"] = torch.cat([state_dict.pop(f"{n}.{kind}") for n in names])
         if f"{prefix}o_proj.{kind}" in state_dict:
             state_dict[f"{prefix}c_proj.{kind}"] = state_dict.pop(f"{prefix}o_proj.{kind}")
+
+
+class FusedMLP(nn.Module):
+    """The transformer MLP on the fused GEMM kernels, with the parameter names of the MLP it replaces.
+
+    ``gated=False``, GPT-2 (nanoGPT's nn.Linear layout): ``c_proj(act(c_fc(x)))`` with ``c_fc``
+    d_model → hidden and ``c_proj`` hidden → d_model, biases unless ``bias=False``; activation
+    defaults to gelu_tanh, GPT-2's (nanoGPT's nn.GELU() is ``activation="gelu"``).
+    ``gated=True``, LLaMA: ``down_proj(act(gate_proj(x)) * up_proj(x))``, no biases; activation
+    defaults to silu (SwiGLU). Any of ``kernels.mlp.ACTIVATIONS`` goes.
+
+    The submodules are plain ``nn.Linear``, so either layout's state dict loads as it is, and this
+    module's loads back into the original. Runs ``kernels.fused_mlp`` / ``kernels.fused_gated_mlp``:
+    float16 or bfloat16 (float32 only on the CPU reference path); no dropout.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        hidden: int,
+        gated: bool = False,
+        activation: str | None = None,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        activation = activation or ("silu" if gated else "gelu_tanh")
+        if activation not in kernels.mlp.ACTIVATIONS:
+            expected = ", ".join(kernels.mlp.ACTIVATIONS)
+            raise ValueError(f"FusedMLP: unknown activation {activation!r}; expected one of {expected}")
+        self.gated, self.activation = gated, activation
+        factory = {"device": device, "dtype": dtype}
+        if gated:
+            if bias:
+                raise ValueError("FusedMLP: the gated (LLaMA) MLP has no biases; pass bias=False")
+            self.gate_proj = nn.Linear(d_model, hidden, bias=False, **factory)
+            self.up_proj = nn.Linear(d_model, hidden, bias=False, **factory)
+            self.down_proj = nn.Linear(hidden, d_model, bias=False, **factory)
+        else:
+            self.c_fc = nn.Linear(d_model, hidden, bias=bias, **factory)
+            self.c_proj = nn.Linear(hidden, d_model, bias=bias, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+            return kernels.fused_gated_mlp(x, *weights, activation=self.activation)
+        fc, proj = self.c_fc, self.c_proj
+        return kernels.fused_mlp(x, fc.weight, fc.bias, proj.weight, proj.bias, activation=self.activation)
+
+    def extra_repr(self) -> str:
+        return f"gated={self.gated}, activation={self.activation!r}"

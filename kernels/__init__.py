@@ -8,5 +8,16 @@ through it without graph breaks.
 
 from kernels.attention import flash_attention
 from kernels.layernorm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from kernels.mlp import fused_gated_mlp, fused_mlp, gated_linear, linear_act
 
-__all__ = ["add_layer_norm", "add_rms_norm", "flash_attention", "layer_norm", "rms_norm"]
+__all__ = [
+    "add_layer_norm",
+    "add_rms_norm",
+    "flash_attention",
+    "fused_gated_mlp",
+    "fused_mlp",
+    "gated_linear",
+    "layer_norm",
+    "linear_act",
+    "rms_norm",
+]

@@ -1,0 +1,367 @@
+"""The fused MLP in the bench suite: ours against cuBLAS, torch eager and torch.compile.
+
+    python -m bench --only mlp        (python -m bench.mlp: the same, then the saved-activation table)
+
+Shapes: the MLPs of GPT-2 124M (d_model 768, hidden 3072), 350M (1024, 4096), 1.3B (2048, 8192),
+all gelu_tanh with biases, and LLaMA 7B (4096, 11008, SwiGLU, no biases), at 8K, 16K and 32K tokens,
+float16. Cases:
+
+* ``linear_act`` (``gated_linear`` for 7B), forward: the up projection with its activation in the
+  epilogue. ours: without grad (nothing saved); ours+save: with grad, so it also writes the
+  pre-activation the backward reads (the time cost of saving it); matmul: ``torch.matmul`` of the
+  same GEMM alone (for 7B one GEMM against the concatenated gate and up weights); eager:
+  ``F.linear`` then the activation, a separate kernel; compile: ``torch.compile`` of eager.
+* ``mlp`` (``mlp_gated`` for 7B), forward, backward and forward+backward of the whole MLP:
+  ``kernels.fused_mlp`` / ``kernels.fused_gated_mlp`` against eager and compile. Backward is
+  ``torch.autograd.grad`` of y w.r.t. x and every parameter on a graph built once.
+
+FLOPs count the GEMMs only, 2·M·N·K each (:func:`gemm_flops`): the up projection 2·T·D·H (twice
+that gated), an MLP forward 4·T·D·H (6·T·D·H gated), a backward twice its forward and
+forward+backward three times. The memory cost of saving the pre-activation is measured by
+:func:`saved_activation_bytes` (every tensor autograd keeps for the backward, beyond the inputs
+and parameters), which ``python -m bench.mlp`` prints for ours and eager.
+"""
+
+import functools
+import itertools
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from bench import suite, timing
+
+DTYPE = torch.float16
+TOKENS = (8192, 16384, 32768)
+# Largest normalized error (see normalized_error) allowed against the float32 reference.
+TOLERANCE = 2e-2
+
+
+@dataclass(frozen=True)
+class Model:
+    """The MLP of one model: d_model → hidden → d_model."""
+
+    name: str
+    d_model: int
+    hidden: int
+    gated: bool  # LLaMA's SwiGLU (no biases) instead of GPT-2's gelu_tanh MLP (biases)
+
+    @property
+    def activation(self) -> str:
+        return "silu" if self.gated else "gelu_tanh"
+
+    @property
+    def gemm_kernel(self) -> str:
+        return "gated_linear" if self.gated else "linear_act"
+
+    @property
+    def mlp_kernel(self) -> str:
+        return "mlp_gated" if self.gated else "mlp"
+
+
+MODELS = (
+    Model("124M", 768, 3072, gated=False),
+    Model("350M", 1024, 4096, gated=False),
+    Model("1.3B", 2048, 8192, gated=False),
+    Model("7B", 4096, 11008, gated=True),
+)
+QUICK_CASES = ((MODELS[0], 16384), (MODELS[3], 16384))
+# Small and ragged shapes for the interpreter: (model, tokens).
+INTERPRETER_CASES = ((Model("tiny", 48, 80, False), 64), (Model("tiny", 40, 100, True), 33))
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOPs, errors, saved memory
+# ----------------------------------------------------------------------------------------------
+
+
+def gemm_flops(m: int, n: int, k: int) -> int:
+    """FLOPs of an (m, k) x (k, n) GEMM: 2·m·n·k (a multiply and an add per term)."""
+    return 2 * m * n * k
+
+
+def up_projection_flops(model: Model, tokens: int) -> int:
+    """The fused up projection: one GEMM tokens x d_model x hidden, two when gated."""
+    return (2 if model.gated else 1) * gemm_flops(tokens, model.hidden, model.d_model)
+
+
+def mlp_flops(model: Model, tokens: int, direction: str) -> int:
+    """The MLP's GEMMs: up (one or two) and down in the forward; the backward has two GEMMs (dx, dW)
+    per forward GEMM, twice the forward; forward+backward three times the forward."""
+    forward = up_projection_flops(model, tokens) + gemm_flops(tokens, model.d_model, model.hidden)
+    return forward * {"forward": 1, "backward": 2, "forward+backward": 3}[direction]
+
+
+def normalized_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest ``|actual - expected|`` over ``max(1, largest |expected|)``; NaN in actual gives NaN."""
+    difference = (actual.float() - expected.float()).abs().max().item()
+    return difference / max(1.0, expected.float().abs().max().item())
+
+
+def saved_activation_bytes(fn: Callable[[dict], torch.Tensor], tensors: dict) -> int:
+    """Bytes of the tensors autograd keeps for the backward of ``fn(tensors)``, beyond the tensors
+    themselves (inputs and parameters, alive anyway): each storage counted once."""
+    inputs = {t.untyped_storage().data_ptr() for t in tensors.values()}
+    saved = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in inputs:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(tensors)
+    return sum(saved.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs and implementations, each called as fn(tensors)
+# ----------------------------------------------------------------------------------------------
+
+
+def make_inputs(model: Model, tokens: int, device, requires_grad: bool = False) -> dict:
+    """x ~ N(0, 1) (tokens, d_model); weights ~ N(0, 1/fan_in) as nn.Linear's; biases ~ 0.1 N(0, 1)."""
+
+    def randn(*shape, scale=1.0):
+        t = torch.randn(*shape, device=device) * scale
+        return t.to(DTYPE).requires_grad_(requires_grad)
+
+    d, h = model.d_model, model.hidden
+    tensors = {"x": randn(tokens, d)}
+    if model.gated:
+        tensors |= {"w_gate": randn(h, d, scale=d**-0.5), "w_up": randn(h, d, scale=d**-0.5)}
+        tensors["w_down"] = randn(d, h, scale=h**-0.5)
+    else:
+        tensors |= {"w_in": randn(h, d, scale=d**-0.5), "b_in": randn(h, scale=0.1)}
+        tensors |= {"w_out": randn(d, h, scale=h**-0.5), "b_out": randn(d, scale=0.1)}
+    return tensors
+
+
+def _act(model: Model, z: torch.Tensor) -> torch.Tensor:
+    functional = torch.nn.functional
+    return functional.silu(z) if model.gated else functional.gelu(z, approximate="tanh")
+
+
+def eager_up(model: Model, t: dict) -> torch.Tensor:
+    linear = torch.nn.functional.linear
+    if model.gated:
+        return _act(model, linear(t["x"], t["w_gate"])) * linear(t["x"], t["w_up"])
+    return _act(model, linear(t["x"], t["w_in"], t["b_in"]))
+
+
+def eager_mlp(model: Model, t: dict) -> torch.Tensor:
+    if model.gated:
+        return torch.nn.functional.linear(eager_up(model, t), t["w_down"])
+    return torch.nn.functional.linear(eager_up(model, t), t["w_out"], t["b_out"])
+
+
+def ours_up(model: Model, t: dict) -> torch.Tensor:
+    import kernels  # here, not at import: the CPU path sets TRITON_INTERPRET first
+
+    if model.gated:
+        return kernels.gated_linear(t["x"], t["w_gate"], t["w_up"], model.activation)
+    return kernels.linear_act(t["x"], t["w_in"], t["b_in"], model.activation)
+
+
+def ours_mlp(model: Model, t: dict) -> torch.Tensor:
+    import kernels
+
+    if model.gated:
+        return kernels.fused_gated_mlp(t["x"], t["w_gate"], t["w_up"], t["w_down"], model.activation)
+    return kernels.fused_mlp(t["x"], t["w_in"], t["b_in"], t["w_out"], t["b_out"], model.activation)
+
+
+def reference_up(model: Model, t: dict) -> torch.Tensor:
+    from kernels import reference
+
+    if model.gated:
+        return reference.gated_linear(t["x"], t["w_gate"], t["w_up"], model.activation)
+    return reference.linear_act(t["x"], t["w_in"], t["b_in"], model.activation)
+
+
+def reference_mlp(model: Model, t: dict) -> torch.Tensor:
+    from kernels import reference
+
+    if model.gated:
+        return reference.fused_gated_mlp(t["x"], t["w_gate"], t["w_up"], t["w_down"], model.activation)
+    return reference.fused_mlp(t["x"], t["w_in"], t["b_in"], t["w_out"], t["b_out"], model.activation)
+
+
+def _up_inputs(model: Model) -> list[str]:
+    return ["x", "w_gate", "w_up"] if model.gated else ["x", "w_in", "b_in"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Correctness
+# ----------------------------------------------------------------------------------------------
+
+
+def check(model: Model, tokens: int, device, whole_mlp: bool) -> tuple[dict, bool]:
+    """Output and every gradient of ours (the MLP, or the up projection alone) for a random dy,
+    against the float32 reference (TF32 off), with NaN-poisoned output buffers."""
+    from kernels import runtime
+
+    torch.manual_seed(0)
+    tensors = make_inputs(model, tokens, device, requires_grad=True)
+    if not whole_mlp:
+        tensors = {name: tensors[name] for name in _up_inputs(model)}
+    ours, reference = (ours_mlp, reference_mlp) if whole_mlp else (ours_up, reference_up)
+    with runtime.poison_outputs():
+        y = ours(model, tensors)
+        dy = torch.randn_like(y)
+        grads = torch.autograd.grad(y, list(tensors.values()), dy)
+    exact = {name: t.detach().float().requires_grad_() for name, t in tensors.items()}
+    tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
+    try:
+        y_exact = reference(model, exact)
+        grads_exact = torch.autograd.grad(y_exact, list(exact.values()), dy.float())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    errors = {"y": normalized_error(y, y_exact)}
+    for name, actual, expected in zip(tensors, grads, grads_exact, strict=True):
+        errors[f"d{name}"] = normalized_error(actual, expected)
+    return errors, all(error <= TOLERANCE for error in errors.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases
+# ----------------------------------------------------------------------------------------------
+
+
+def _input_bytes(model: Model, tokens: int) -> int:
+    """What one call reads: x, the weights (and dy, about as large as x)."""
+    weights = (3 if model.gated else 2) * model.d_model * model.hidden
+    return (2 * tokens * model.d_model + weights) * DTYPE.itemsize
+
+
+def _setup(
+    make_fn,
+    model: Model,
+    tokens: int,
+    direction: str,
+    grad: bool = False,
+    concat: bool = False,
+    device="cuda",
+):
+    """A setup building rotated inputs on the device and returning the call to time.
+
+    forward: fn(tensors), under no_grad unless grad; backward: autograd.grad on a graph built once
+    per copy; forward+backward: both in each call.
+    """
+
+    def setup():
+        fn = make_fn()
+        requires_grad = grad or direction != "forward"
+
+        def make_copy():
+            tensors = make_inputs(model, tokens, device, requires_grad)
+            if concat:  # the bare-GEMM baseline of the gated up projection: one GEMM, N = 2·hidden
+                tensors = {"x": tensors["x"], "w": torch.cat([tensors["w_gate"], tensors["w_up"]])}
+            if direction != "backward":
+                return tensors
+            y = fn(tensors)
+            return y, list(tensors.values()), torch.randn_like(y)
+
+        copies = timing.rotating_inputs(make_copy, _input_bytes(model, tokens), torch.device(device))
+        if direction == "forward":
+            return suite.rotate(copies, fn, no_grad=not grad)
+        if direction == "backward":
+            return suite.rotate(copies, lambda g: torch.autograd.grad(g[0], g[1], g[2], retain_graph=True))
+
+        def forward_backward(tensors):
+            y = fn(tensors)
+            return torch.autograd.grad(y, list(tensors.values()), torch.ones_like(y))
+
+        return suite.rotate(copies, forward_backward)
+
+    return setup
+
+
+def _compiled(fn):
+    # A fresh static compile per case: never a dynamic-shape kernel, never dynamo's recompile limit.
+    def make():
+        torch._dynamo.reset()
+        return torch.compile(fn, dynamic=False)
+
+    return make
+
+
+def _bind(fn, model: Model):
+    """A make_fn for the suite: builds the call fn(model, tensors) when the case is set up."""
+    return lambda: functools.partial(fn, model)
+
+
+def _matmul(tensors: dict) -> torch.Tensor:
+    w = tensors["w"] if "w" in tensors else tensors["w_in"]
+    return torch.matmul(tensors["x"], w.t())
+
+
+def model_cases(model: Model, tokens: int, with_compile: bool = True, device="cuda") -> list[suite.Case]:
+    """The cases of one model's MLP at one token count: the up projection forward, and the whole
+    MLP in every direction, ours first."""
+    params = {"tokens": tokens, "d_model": model.d_model, "hidden": model.hidden}
+    up = {
+        "ours": (_bind(ours_up, model), {}),
+        "ours+save": (_bind(ours_up, model), {"grad": True}),
+        "matmul": (lambda: _matmul, {"concat": model.gated}),
+        "eager": (_bind(eager_up, model), {}),
+    }
+    whole = {"ours": _bind(ours_mlp, model), "eager": _bind(eager_mlp, model)}
+    if with_compile:
+        up["compile"] = (_compiled(functools.partial(eager_up, model)), {})
+        whole["compile"] = _compiled(functools.partial(eager_mlp, model))
+    out = []
+    up_check = functools.partial(check, model, tokens, device, False)
+    for name, (make_fn, options) in up.items():
+        out.append(suite.Case(
+            model.gemm_kernel, params, "forward", name, up_projection_flops(model, tokens), "flop",
+            _setup(make_fn, model, tokens, "forward", device=device, **options),
+            up_check if name == "ours" else None,
+        ))  # fmt: skip
+    mlp_check = functools.partial(check, model, tokens, device, True)
+    for (name, make_fn), direction in itertools.product(whole.items(), suite.DIRECTIONS):
+        out.append(suite.Case(
+            model.mlp_kernel, params, direction, name, mlp_flops(model, tokens, direction), "flop",
+            _setup(make_fn, model, tokens, direction, device=device), mlp_check if name == "ours" else None,
+        ))  # fmt: skip
+    return out
+
+
+def cases(quick: bool) -> list[suite.Case]:
+    shapes = QUICK_CASES if quick else tuple(itertools.product(MODELS, TOKENS))
+    return [case for model, tokens in shapes for case in model_cases(model, tokens, with_compile=not quick)]
+
+
+def interpreter_checks() -> list[tuple[str, dict, bool]]:
+    """The correctness check on small, ragged shapes, on the CPU (in Triton's interpreter when it is on)."""
+    results = []
+    for (model, tokens), whole_mlp in itertools.product(INTERPRETER_CASES, (False, True)):
+        kernel = model.mlp_kernel if whole_mlp else model.gemm_kernel
+        label = f"{kernel} tokens={tokens} d_model={model.d_model} hidden={model.hidden}"
+        results.append((label, *check(model, tokens, "cpu", whole_mlp)))
+    return results
+
+
+def saved_activation_table(device, shapes) -> str:
+    """Bytes each MLP keeps for its backward beyond inputs and parameters: ours and eager."""
+    lines = ["saved for the backward (beyond inputs and parameters), MiB:"]
+    for model, tokens in shapes:
+        tensors = make_inputs(model, tokens, device, requires_grad=True)
+        ours = saved_activation_bytes(lambda t, m=model: ours_mlp(m, t), tensors) / 2**20
+        eager = saved_activation_bytes(lambda t, m=model: eager_mlp(m, t), tensors) / 2**20
+        name = f"{model.mlp_kernel} {model.name} tokens={tokens}"
+        lines.append(f"  {name:<28} ours {ours:10.3f}  eager {eager:10.3f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from bench.__main__ import main
+
+    code = main(["--only", "mlp", *sys.argv[1:]])
+    if torch.cuda.is_available():
+        print("\n" + saved_activation_table(torch.device("cuda"), itertools.product(MODELS, TOKENS)))
+    else:
+        print("\n" + saved_activation_table(torch.device("cpu"), INTERPRETER_CASES))
+    sys.exit(code)

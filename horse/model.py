@@ -1,0 +1,379 @@
+"""The GPT model, nanoGPT-shaped, on the drop-in layers of ``horse.layers``.
+
+    logits = norm_f(blocks(embed(idx))) @ wteᵀ       the LM head is the token embedding, tied
+
+Every block is pre-norm: ``h = h + attn(norm_1(h)); h = h + mlp(norm_2(h))``. With backend
+``"triton"`` each residual add is fused into the norm that follows it (``forward_residual`` of the
+fused norms: one kernel reads the branch output and the stream, writes the new stream and its
+norm), so the blocks pass on ``(x, h)``: the last branch output, not yet added, and the stream.
+Backend ``"reference"`` runs the same weights on plain torch modules (``nn.LayerNorm``,
+``nn.RMSNorm``, unfused adds). Parameter names are the same on both, so a state dict loads either way.
+
+    python -m horse.model        # the presets: parameters and training FLOPs per token
+"""
+
+import math
+import typing
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F  # noqa: N812 (the name every PyTorch reader knows)
+from torch import nn
+
+from horse.layers import FusedLayerNorm, FusedRMSNorm
+
+BACKENDS = ("triton", "reference")
+
+
+@dataclass
+class GPTConfig:
+    """The architecture. Where it runs (backend, device, precision) is the caller's choice.
+
+    vocab_size: rows of the token embedding (and outputs of the tied LM head)
+    block_size: longest sequence the model takes (the learned position table, the rotary table)
+    n_layer: transformer blocks
+    n_head: query heads
+    n_kv_heads: key/value heads for grouped-query attention (a divisor of n_head); None: n_head
+    d_model: width of the residual stream
+    mlp_hidden: hidden width of the MLP; None: 4·d_model for gelu, 8/3·d_model rounded up to 64 for swiglu
+    positions: learned (GPT-2's position table) or rotary (RoPE on queries and keys)
+    norm: layernorm or rmsnorm
+    mlp: gelu (tanh approximation, as GPT-2) or swiglu
+    bias: biases in the linear layers and the LayerNorms (the swiglu MLP has none, as LLaMA)
+    rope_base: rotary base frequency
+    norm_eps: epsilon of every norm
+    """
+
+    vocab_size: int = 50304  # GPT-2's 50,257 rounded up to a multiple of 64 for the tensor cores
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_heads: int | None = None
+    d_model: int = 768
+    mlp_hidden: int | None = None
+    positions: Literal["learned", "rotary"] = "learned"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    bias: bool = True
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"GPTConfig.d_model ({self.d_model}) must be a multiple of n_head ({self.n_head})"
+            )
+        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_head % self.n_kv_heads):
+            raise ValueError(f"GPTConfig.n_kv_heads ({self.n_kv_heads}) must divide n_head ({self.n_head})")
+        if self.mlp_hidden is not None and self.mlp_hidden < 1:
+            raise ValueError(f"GPTConfig.mlp_hidden must be at least 1, got {self.mlp_hidden}")
+        hints = typing.get_type_hints(GPTConfig)
+        for name in ("positions", "norm", "mlp"):
+            choices = typing.get_args(hints[name])
+            if getattr(self, name) not in choices:
+                raise ValueError(f"GPTConfig.{name} must be one of {choices}, got {getattr(self, name)!r}")
+        if self.positions == "rotary" and self.head_dim % 2:
+            raise ValueError(f"GPTConfig: rotary positions need an even head_dim, got {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_head if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def hidden(self) -> int:
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        if self.mlp == "swiglu":  # two input matrices instead of one: 2/3 of the width keeps the FLOPs
+            return -(-8 * self.d_model // 3 // 64) * 64
+        return 4 * self.d_model
+
+
+# ----------------------------------------------------------------------------------------------
+# Presets
+# ----------------------------------------------------------------------------------------------
+
+
+def tiny() -> GPTConfig:
+    """3.2M parameters on bytes: learns visible Shakespeare on two CPU cores in a few minutes.
+
+    A short block: at a fixed token budget, 32 windows of 64 bytes per step fell to a validation
+    loss of 2.06 in 250 steps where 8 windows of 256 were still at 2.45 (bigram level) after 300.
+    """
+    return GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=256)
+
+
+def gpt2_124m() -> GPTConfig:
+    return GPTConfig(n_layer=12, n_head=12, d_model=768)
+
+
+def gpt2_350m() -> GPTConfig:
+    return GPTConfig(n_layer=24, n_head=16, d_model=1024)
+
+
+def gpt2_774m() -> GPTConfig:
+    return GPTConfig(n_layer=36, n_head=20, d_model=1280)
+
+
+def gpt2_1_5b() -> GPTConfig:
+    return GPTConfig(n_layer=48, n_head=25, d_model=1600)
+
+
+PRESETS = {
+    "tiny": tiny,
+    "gpt2-124m": gpt2_124m,
+    "gpt2-350m": gpt2_350m,
+    "gpt2-774m": gpt2_774m,
+    "gpt2-1.5b": gpt2_1_5b,
+}
+
+
+def preset(name: str) -> GPTConfig:
+    """The configuration of a named preset (``tiny``, ``gpt2-124m``, ...)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    return PRESETS[name]()
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+# ----------------------------------------------------------------------------------------------
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention. q (B, Tq, n_head, hd); k, v (B, Tk, n_kv_heads, hd) with Tk >= Tq, the
+    queries being the last Tq positions (the mask is aligned to the bottom-right corner, so new
+    tokens decode against a longer cache). Returns (B, Tq, n_head, hd)."""
+    # The attention kernel's one call site: kernels.flash_attention(q, k, v, causal=True) takes this
+    # layout and mask alignment as they are, and replaces the SDPA call below on the triton backend
+    # (in float16/bfloat16: fp32 runs keep SDPA).
+    tq, tk = q.shape[1], k.shape[1]
+    mask = None if tq in (1, tk) else torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
+    y = F.scaled_dot_product_attention(
+        q.transpose(1, 2),  # (B, n_head, Tq, hd)
+        k.transpose(1, 2),  # (B, n_kv_heads, Tk, hd)
+        v.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=tq == tk,
+        enable_gqa=k.shape[2] != q.shape[2],
+    )
+    return y.transpose(1, 2)  # (B, Tq, n_head, hd)
+
+
+def rotary_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (block_size, head_dim / 2) of RoPE's angles position · base^(-2i / head_dim)."""
+    inv_freq = config.rope_base ** (
+        -torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
+    )
+    angles = torch.outer(torch.arange(config.block_size, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x_i, x_{i + hd/2}) of x (B, T, heads, hd) by the angles of cos, sin (T, hd/2)."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # (B, T, heads, hd/2) each
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hd/2): the same angle for every head
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, so that generation feeds each new token alone."""
+
+    def __init__(self, config: GPTConfig):
+        self.max_len = config.block_size
+        self.k: list[torch.Tensor | None] = [None] * config.n_layer
+        self.v: list[torch.Tensor | None] = [None] * config.n_layer
+        self.length = 0  # tokens cached; GPT.forward advances it
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v (B, T, n_kv_heads, hd) of ``layer``; returns (B, length + T, n_kv_heads, hd) each."""
+        if self.k[layer] is None:  # allocated on first use: in the dtype autocast gives k and v
+            shape = (k.shape[0], self.max_len, *k.shape[2:])
+            self.k[layer], self.v[layer] = k.new_empty(shape), v.new_empty(shape)
+        end = self.length + k.shape[1]
+        self.k[layer][:, self.length : end] = k
+        self.v[layer][:, self.length : end] = v
+        return self.k[layer][:, :end], self.v[layer][:, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_kv_heads, self.head_dim = config.n_head, config.kv_heads, config.head_dim
+        # Names and the [q heads | k heads | v heads] layout of horse.layers.FusedSelfAttention.
+        qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_dim
+        self.c_attn = nn.Linear(config.d_model, qkv_width, bias=config.bias)
+        self.c_proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+
+    def forward(self, x, rope, cache: KVCache | None, layer: int) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(
+            [self.n_head * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim],
+            dim=-1,
+        )
+        q = q.view(B, T, self.n_head, self.head_dim)  # (B, T, n_head, hd)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, n_kv_heads, hd)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, cached + T, n_kv_heads, hd)
+        y = causal_attention(q, k, v)  # (B, T, n_head, hd)
+        return self.c_proj(y.reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        # The parameter names of horse.layers.FusedMLP: GPT-2's, or LLaMA's (no biases) for swiglu.
+        self.swiglu = config.mlp == "swiglu"
+        d, hidden = config.d_model, config.hidden
+        if self.swiglu:
+            self.gate_proj = nn.Linear(d, hidden, bias=False)
+            self.up_proj = nn.Linear(d, hidden, bias=False)
+            self.down_proj = nn.Linear(hidden, d, bias=False)
+        else:
+            self.c_fc = nn.Linear(d, hidden, bias=config.bias)
+            self.c_proj = nn.Linear(hidden, d, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, hidden) inside
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # (B, T, hidden) inside
+
+
+def make_norm(config: GPTConfig, backend: str) -> nn.Module:
+    """The block's norm: the fused Triton module or its torch twin (same parameters either way)."""
+    if config.norm == "layernorm":
+        cls = FusedLayerNorm if backend == "triton" else nn.LayerNorm
+        return cls(config.d_model, eps=config.norm_eps, bias=config.bias)
+    cls = FusedRMSNorm if backend == "triton" else nn.RMSNorm
+    return cls(config.d_model, eps=config.norm_eps)
+
+
+def add_norm(norm: nn.Module, x: torch.Tensor, h: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then norm: ``(norm(h + x), h + x)``; h None starts the stream at x."""
+    if h is None:
+        return norm(x), x
+    if isinstance(norm, (FusedLayerNorm, FusedRMSNorm)):
+        # Under autocast the branch output x is float16 and the stream float32, as after h + x.
+        return norm.forward_residual(x.to(h.dtype), h)
+    h = h + x
+    return norm(h), h
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, backend: str):
+        super().__init__()
+        self.norm_1 = make_norm(config, backend)
+        self.attn = CausalSelfAttention(config)
+        self.norm_2 = make_norm(config, backend)
+        self.mlp = MLP(config)
+
+    def forward(self, x, h, rope, cache: KVCache | None, layer: int):
+        """x (B, T, C): the previous branch output, not yet added to the stream h (B, T, C)."""
+        y, h = add_norm(self.norm_1, x, h)
+        y, h = add_norm(self.norm_2, self.attn(y, rope, cache, layer), h)
+        return self.mlp(y), h
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig, backend: str = "reference"):
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"GPT: backend must be one of {BACKENDS}, got {backend!r}")
+        self.config, self.backend = config, backend
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.wpe = nn.Embedding(config.block_size, config.d_model) if config.positions == "learned" else None
+        if config.positions == "rotary":  # not persistent: derived from the config, not learned
+            cos, sin = rotary_tables(config)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.blocks = nn.ModuleList(Block(config, backend) for _ in range(config.n_layer))
+        self.norm_f = make_norm(config, backend)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            # GPT-2: the projections that write into the residual stream are scaled by
+            # 1/sqrt(number of residual adds), so the stream's variance does not grow with depth.
+            if name.endswith(("c_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """idx (B, T) token ids -> logits (B, T, vocab_size). With a cache, idx continues the
+        cached tokens, and its keys and values are appended to the cache."""
+        B, T = idx.shape
+        start = cache.length if cache is not None else 0
+        if start + T > self.config.block_size:
+            raise ValueError(
+                f"GPT: {start + T} positions (cached {start} + input {T}) exceed "
+                f"block_size {self.config.block_size}"
+            )
+        x = self.wte(idx)  # (B, T, C)
+        rope = None
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))  # (T, C) broadcast over B
+        else:
+            rope = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # (T, hd/2) each
+        h = None
+        for layer, block in enumerate(self.blocks):
+            x, h = block(x, h, rope, cache, layer)
+        y, _ = add_norm(self.norm_f, x, h)
+        if cache is not None:
+            cache.length += T
+        return F.linear(y, self.wte.weight)  # (B, T, vocab_size)
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of next-token prediction; idx, targets (B, T)."""
+        logits = self(idx)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def num_params(self) -> int:
+        """Parameters, the tied embedding / LM head counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token at sequence length seq_len: 6·N (forward and backward of every
+        matmul; N leaves out the position table, a lookup, but keeps the token embedding, which is
+        also the LM head) plus 12·n_layer·d_model·seq_len for attention's scores and weighted sum."""
+        n = self.num_params() - (self.wpe.weight.numel() if self.wpe is not None else 0)
+        return 6 * n + 12 * self.config.n_layer * self.config.d_model * seq_len
+
+
+def num_params(config: GPTConfig) -> int:
+    """Parameters of a model of this config, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        return GPT(config).num_params()
+
+
+def main() -> None:
+    print(f"{'preset':<10} {'params':>8} {'layers':>6} {'d_model':>7} {'heads':>5}  GFLOP/token (training)")
+    for name, make in PRESETS.items():
+        config = make()
+        with torch.device("meta"):
+            model = GPT(config)
+        params, gflops = model.num_params() / 1e6, model.flops_per_token(config.block_size) / 1e9
+        shape = f"{config.n_layer:>6} {config.d_model:>7} {config.n_head:>5}"
+        print(f"{name:<10} {params:7.1f}M {shape}  {gflops:.2f} at seq_len {config.block_size}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1161 @@
+"""The transformer MLP: GEMMs with the bias and activation fused into their epilogues, forward and backward.
+
+    linear_act:      y = act(x Wᵀ + b)
+    gated_linear:    y = act(x W_gateᵀ) ⊙ (x W_upᵀ)                  (SwiGLU with silu, GeGLU with gelu)
+    fused_mlp:       y = act(x W_inᵀ + b_in) W_outᵀ + b_out           (GPT-2: c_fc → GELU → c_proj)
+    fused_gated_mlp: y = (act(x W_gateᵀ) ⊙ (x W_upᵀ)) W_downᵀ        (LLaMA: gate_proj, up_proj, down_proj)
+
+act is one of ``none``, ``relu``, ``relu2`` (relu squared), ``gelu`` (erf), ``gelu_tanh`` and ``silu``.
+x is (..., K) with its leading dims flattened to M rows; weights are nn.Linear's (out_features,
+in_features). Any M, N, K (ragged edges are masked; zero sizes allowed) and any strides: the kernels
+take every stride, so transposed or expanded operands are read in place (only gate and up weights
+with different strides from each other are copied). float16 or bfloat16
+(every tensor of a call in one dtype), float32 accumulation, outputs in the input dtype.
+float32 inputs raise on the Triton path: tl.dot would run them as TF32 behind the caller's back.
+On CPU tensors without the interpreter, every function runs the float32 reference of
+``kernels.reference`` instead (float32 allowed there), cast to the input's dtype.
+
+Forward: one tiled GEMM per projection with act in the epilogue. Tiles go in grouped order
+(GROUP_M row tiles share each weight column tile while it is in L2). The gated kernel makes one
+pass over x with two accumulators, so x W_gateᵀ and x W_upᵀ reach memory only when the backward
+needs them. The
+down projection is a bare ``torch.matmul`` (cuBLAS, bias in its epilogue): it has nothing to fuse.
+
+Backward: dpre = dh ⊙ act'(pre); dx = dpre W; dW = dpreᵀ x; db = Σ_rows dpre. In the MLPs the
+GEMM that produces dh = dy W_out (K = out_features) is ours, with dpre computed in its epilogue
+(for the gated form the product rule: dgate = dh ⊙ up ⊙ act'(gate), dup = dh ⊙ act(gate)) and db
+summed there as per-row-tile float32 partials (no atomics: bit-identical run to run). In
+linear_act / gated_linear, dh arrives from outside, so an elementwise kernel computes dpre and the
+db partials. dx and dW are ``torch.matmul``: a plain GEMM with nothing to fuse, where cuBLAS is
+the fastest there is.
+
+Saved, not recomputed: the forward's epilogue writes the pre-activation (gate and up for the gated
+form) in the input dtype, and the backward reads it. Cost: M·N elements kept per layer (2·M·N
+gated) and one extra M·N write in the forward; no extra FLOPs. Recomputing it instead would save
+that memory but cost the forward GEMM again, 2·M·N·K FLOPs (+1/6 of a GPT-2 MLP's forward+backward
+GEMM FLOPs, +2/9 gated).
+The MLPs keep only the pre-activation, not the hidden activation h = act(pre) that dW_out needs:
+the backward's epilogue recomputes h from pre (about ten FLOPs per element, on CUDA cores) and
+writes it, one M·N write. So an MLP keeps M·H elements for its backward (2·M·H gated), where eager
+PyTorch keeps pre and h (2·M·H; gated 4·M·H: gate, act(gate), up and h). ``bench.mlp`` measures
+both costs: the forward with and without saving, and the bytes each implementation keeps.
+No grad needed (``torch.no_grad()`` or no input requiring one): nothing is saved or written.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import reference, runtime
+
+ACTIVATIONS = ("none", "relu", "relu2", "gelu", "gelu_tanh", "silu")
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _act_fwd(z, ACTIVATION: tl.constexpr):
+    """act(z) for a float32 tile."""
+    if ACTIVATION == "relu":
+        z = tl.maximum(z, 0.0)
+    elif ACTIVATION == "relu2":
+        z = tl.maximum(z, 0.0)
+        z = z * z
+    elif ACTIVATION == "gelu":
+        z = 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
+    elif ACTIVATION == "gelu_tanh":
+        # 0.5 z (1 + tanh(u)) = z sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3)
+        z = z * tl.sigmoid(1.5957691216057308 * (z + 0.044715 * z * z * z))
+    elif ACTIVATION == "silu":
+        z = z * tl.sigmoid(z)
+    return z
+
+
+@triton.jit
+def _act_fwd_and_grad(z, ACTIVATION: tl.constexpr):
+    """(act(z), act'(z)) for a float32 tile."""
+    if ACTIVATION == "relu":
+        y = tl.maximum(z, 0.0)
+        dy = tl.where(z > 0.0, 1.0, 0.0)
+    elif ACTIVATION == "relu2":
+        r = tl.maximum(z, 0.0)
+        y = r * r
+        dy = 2.0 * r
+    elif ACTIVATION == "gelu":
+        cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
+        y = z * cdf
+        dy = cdf + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
+    elif ACTIVATION == "gelu_tanh":
+        s = tl.sigmoid(1.5957691216057308 * (z + 0.044715 * z * z * z))
+        y = z * s
+        dy = s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * z * z)
+    elif ACTIVATION == "silu":
+        s = tl.sigmoid(z)
+        y = z * s
+        dy = s * (1.0 + z * (1.0 - s))
+    else:
+        y = z
+        dy = tl.full(z.shape, 1.0, tl.float32)
+    return y, dy
+
+
+@triton.jit
+def _grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of this program: column-major within groups of GROUP_M row tiles, so the
+    programs running together share a few weight tiles (L2 reuse) instead of sweeping all of W."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // tiles_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % tiles_per_group) % group_rows
+    pid_n = (pid % tiles_per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _operand_offsets(offs_m, offs_n, offs_k, M, N, stride_xm, stride_xk, stride_wn, stride_wk):
+    """Offsets of the first (BLOCK_M, BLOCK_K) tile of x and (BLOCK_K, BLOCK_N) tile of Wᵀ.
+
+    Rows and columns past the edges wrap around (offs % M), so loads need no row or column mask;
+    the stores drop those rows and columns. Offsets are int64: row * stride passes 2**31.
+    """
+    rows = (offs_m % M).to(tl.int64)
+    cols = (offs_n % N).to(tl.int64)
+    x_offs = rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_offs = offs_k[:, None] * stride_wk + cols[None, :] * stride_wn
+    return x_offs, w_offs
+
+
+@triton.jit
+def _matmul_tile(
+    X,
+    W,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The (BLOCK_M, BLOCK_N) float32 tile of x Wᵀ at rows offs_m, columns offs_n."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_offs, w_offs = _operand_offsets(
+        offs_m, offs_n, offs_k, M, N, stride_xm, stride_xk, stride_wn, stride_wk
+    )
+    x_ptrs = X + x_offs
+    w_ptrs = W + w_offs
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k < K - k * BLOCK_K
+        x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        acc = tl.dot(x, w, acc)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit
+def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The left and right (BLOCK_M, BLOCK_N // 2) column halves of a tile."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _subtile(acc, INDEX: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Column subtile INDEX of SPLIT (1, 2 or 4) equal ones of a (BLOCK_M, BLOCK_N) tile.
+
+    The reshape, permute and split move no data in the MMA accumulator's register layout.
+    """
+    if SPLIT == 1:
+        sub = acc
+    else:
+        left, right = _halves(acc, BLOCK_M, BLOCK_N)
+        half = left if INDEX < SPLIT // 2 else right
+        if SPLIT == 2:
+            sub = half
+        else:
+            left, right = _halves(half, BLOCK_M, BLOCK_N // 2)
+            sub = left if INDEX % 2 == 0 else right
+    return sub
+
+
+@triton.jit
+def _fwd_epilogue(
+    acc,
+    B,
+    Y,
+    PRE,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+):
+    """Store y = act(acc + b) (and pre = acc + b) for the tile at rows offs_m, columns offs_n."""
+    col_mask = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    mask = (offs_m < M)[:, None] & col_mask[None, :]
+    out = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    if STORE_PRE:
+        tl.store(PRE + out, acc.to(PRE.dtype.element_ty), mask=mask)
+    tl.store(Y + out, _act_fwd(acc, ACTIVATION).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _linear_act_fwd_kernel(
+    X,  # (M, K), strides (stride_xm, stride_xk)
+    W,  # (N, K), strides (stride_wn, stride_wk)
+    B,  # (N,); read when HAS_BIAS
+    Y,  # (M, N) contiguous: act(x Wᵀ + b)
+    PRE,  # (M, N) contiguous: x Wᵀ + b; written when STORE_PRE
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
+):
+    # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)
+    pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _matmul_tile(
+        X, W, offs_m, offs_n, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K
+    )
+    SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+    for i in tl.static_range(EPILOGUE_SPLIT):
+        sub = _subtile(acc, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+        offs_sub = pid_n * BLOCK_N + i * SUB_N + tl.arange(0, SUB_N)
+        _fwd_epilogue(sub, B, Y, PRE, offs_m, offs_sub, M, N, ACTIVATION, HAS_BIAS, STORE_PRE)
+
+
+@triton.jit
+def _gated_fwd_epilogue(
+    acc_gate, acc_up, Y, GATE, UP, offs_m, offs_n, M, N, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr
+):
+    """Store y = act(gate) * up (and gate, up) for the tile at rows offs_m, columns offs_n."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    out = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    if STORE_PRE:
+        tl.store(GATE + out, acc_gate.to(GATE.dtype.element_ty), mask=mask)
+        tl.store(UP + out, acc_up.to(UP.dtype.element_ty), mask=mask)
+    y = _act_fwd(acc_gate, ACTIVATION) * acc_up
+    tl.store(Y + out, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_fwd_kernel(
+    X,  # (M, K), strides (stride_xm, stride_xk)
+    WG,  # (N, K) gate weight, strides (stride_wn, stride_wk)
+    WU,  # (N, K) up weight, the same strides as WG
+    Y,  # (M, N) contiguous: act(x W_gateᵀ) * (x W_upᵀ)
+    GATE,  # (M, N) contiguous: x W_gateᵀ; written when STORE_PRE
+    UP,  # (M, N) contiguous: x W_upᵀ; written when STORE_PRE
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    ACTIVATION: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
+):
+    # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),): one pass over x, two accumulators.
+    pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_offs, w_offs = _operand_offsets(
+        offs_m, offs_n, offs_k, M, N, stride_xm, stride_xk, stride_wn, stride_wk
+    )
+    x_ptrs = X + x_offs
+    wg_ptrs = WG + w_offs
+    wu_ptrs = WU + w_offs
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k < K - k * BLOCK_K
+        x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+        wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
+        wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
+        acc_gate = tl.dot(x, wg, acc_gate)
+        acc_up = tl.dot(x, wu, acc_up)
+        x_ptrs += BLOCK_K * stride_xk
+        wg_ptrs += BLOCK_K * stride_wk
+        wu_ptrs += BLOCK_K * stride_wk
+    SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+    for i in tl.static_range(EPILOGUE_SPLIT):
+        gate = _subtile(acc_gate, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+        up = _subtile(acc_up, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+        offs_sub = pid_n * BLOCK_N + i * SUB_N + tl.arange(0, SUB_N)
+        _gated_fwd_epilogue(gate, up, Y, GATE, UP, offs_m, offs_sub, M, N, ACTIVATION, STORE_PRE)
+
+
+@triton.jit
+def _act_bwd_tile(
+    dh,
+    PRE,
+    UP,
+    DPRE,
+    DUP,
+    H,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
+    STORE_H: tl.constexpr,
+):
+    """Given dh, the float32 gradient of the hidden activation h on one tile, store dpre (and, gated,
+    dup) and, when STORE_H, h itself; return dpre in float32 with rows past M zeroed (for db).
+
+    Plain: h = act(pre), dpre = dh act'(pre). Gated, with PRE the gate and UP the up projection:
+    h = act(gate) up, dgate = dh up act'(gate), dup = dh act(gate).
+    """
+    row_mask = offs_m < M
+    mask = row_mask[:, None] & (offs_n < N)[None, :]
+    tile = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    pre = tl.load(PRE + tile, mask=mask, other=0.0).to(tl.float32)
+    act, act_grad = _act_fwd_and_grad(pre, ACTIVATION)
+    if GATED:
+        up = tl.load(UP + tile, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DUP + tile, (dh * act).to(DUP.dtype.element_ty), mask=mask)
+        dpre = dh * up * act_grad
+        h = act * up
+    else:
+        dpre = dh * act_grad
+        h = act
+    tl.store(DPRE + tile, dpre.to(DPRE.dtype.element_ty), mask=mask)
+    if STORE_H:
+        tl.store(H + tile, h.to(H.dtype.element_ty), mask=mask)
+    return tl.where(row_mask[:, None], dpre, 0.0)
+
+
+@triton.jit
+def _dh_act_bwd_kernel(
+    DY,  # (M, K): the gradient of the MLP's output, strides (stride_dym, stride_dyk)
+    W,  # (N, K): W_outᵀ read through its strides (stride_wn, stride_wk), so dh = dy W_out
+    PRE,  # (M, N) contiguous: the saved pre-activation (the gate when GATED)
+    UP,  # (M, N) contiguous: the saved up projection; read when GATED
+    DPRE,  # (M, N) contiguous: gradient of PRE
+    DUP,  # (M, N) contiguous: gradient of UP; written when GATED
+    H,  # (M, N) contiguous: the hidden activation, recomputed from PRE; written when STORE_H
+    DB_PARTIAL,  # (cdiv(M, BLOCK_M), N) float32: column sums of dpre per row tile; when HAS_BIAS
+    M,
+    N,
+    K,
+    stride_dym,
+    stride_dyk,
+    stride_wn,
+    stride_wk,
+    ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
+    STORE_H: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
+):
+    # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),): dh = dy W_out never reaches memory.
+    pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dh = _matmul_tile(
+        DY,
+        W,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        K,
+        stride_dym,
+        stride_dyk,
+        stride_wn,
+        stride_wk,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+    )
+    SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+    for i in tl.static_range(EPILOGUE_SPLIT):
+        sub = _subtile(dh, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+        offs_sub = pid_n * BLOCK_N + i * SUB_N + tl.arange(0, SUB_N)
+        dpre = _act_bwd_tile(sub, PRE, UP, DPRE, DUP, H, offs_m, offs_sub, M, N, ACTIVATION, GATED, STORE_H)
+        if HAS_BIAS:
+            db_ptrs = DB_PARTIAL + pid_m.to(tl.int64) * N + offs_sub
+            tl.store(db_ptrs, tl.sum(dpre, axis=0), mask=offs_sub < N)
+
+
+@triton.jit
+def _act_bwd_kernel(
+    DH,  # (M, N): gradient of the hidden activation, strides (stride_dhm, stride_dhn)
+    PRE,  # (M, N) contiguous: the saved pre-activation (the gate when GATED)
+    UP,  # (M, N) contiguous: the saved up projection; read when GATED
+    DPRE,  # (M, N) contiguous
+    DUP,  # (M, N) contiguous; written when GATED
+    DB_PARTIAL,  # (cdiv(M, rows_per_program), N) float32: column sums of dpre per slab; when HAS_BIAS
+    M,
+    N,
+    rows_per_program,
+    stride_dhm,
+    stride_dhn,
+    ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # grid = (cdiv(M, rows_per_program), cdiv(N, BLOCK_N)): each program a slab of rows, one column block.
+    pid_m = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row_start = pid_m * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for block_start in range(row_start, row_end, BLOCK_M):
+        offs_m = block_start + tl.arange(0, BLOCK_M)
+        mask = (offs_m < row_end)[:, None] & (offs_n < N)[None, :]
+        dh_ptrs = DH + offs_m.to(tl.int64)[:, None] * stride_dhm + offs_n[None, :] * stride_dhn
+        dh = tl.load(dh_ptrs, mask=mask, other=0.0).to(tl.float32)
+        dpre = _act_bwd_tile(
+            dh, PRE, UP, DPRE, DUP, DPRE, offs_m, offs_n, row_end, N, ACTIVATION, GATED, False
+        )
+        if HAS_BIAS:
+            db_acc += tl.sum(dpre, axis=0)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + pid_m.to(tl.int64) * N + offs_n, db_acc, mask=offs_n < N)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch shape of a GEMM kernel: a (block_m, block_n) output tile, its K step, group and pipeline."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    epilogue_split: int = 1  # the epilogue runs on 1, 2 or 4 column subtiles, one after another
+
+
+# Per kernel and shape class (see shape_class). float16 and bfloat16 share every entry: the same
+# element size, wgmma instruction shapes and shared-memory footprint; the compile report builds
+# each entry in both dtypes, and every one lowers to HGMMA on sm_90 with no spills, for every
+# activation (python -m bench.compile_report --filter mlp). 8 warps are two warpgroups, each
+# owning a 64-row half of the tile. The gated forward holds two accumulators, so its tiles are
+# half as wide. The epilogue split keeps the activation's temporaries within the registers the
+# accumulator leaves: unsplit, a 128 x 256 forward with gelu spilled 224 bytes and the backward
+# 2136, a 128 x 128 gated backward 1000.
+GEMM_CONFIGS = {
+    "fwd": {
+        "large": GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4),
+        "medium": GemmConfig(128, 128, 64, 8, 8, 4),
+        "small": GemmConfig(64, 64, 64, 8, 4, 4),
+    },
+    "gated_fwd": {
+        "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=4),
+        "medium": GemmConfig(64, 128, 64, 8, 4, 4, epilogue_split=2),
+        "small": GemmConfig(64, 64, 64, 8, 4, 4),
+    },
+    "dh_bwd": {
+        "large": GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4),
+        "medium": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2),
+        "small": GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=2),
+    },
+    "gated_dh_bwd": {
+        "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=4),
+        "medium": GemmConfig(64, 128, 64, 8, 4, 4, epilogue_split=4),
+        "small": GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=2),
+    },
+}
+# Small, unequal tiles in the interpreter: quick there, several tiles cross every edge, and the
+# epilogue runs split, so the CPU tests run the subtile code too.
+INTERPRETER_GEMM_CONFIG = GemmConfig(32, 64, 32, 2, 4, 1, epilogue_split=4)
+# From this many outputs on, the large class's 128 x 256 tiles fill about two waves of an H200's
+# 132 SMs (256 tiles); below, smaller tiles keep more SMs busy.
+LARGE_OUTPUTS = 2**23
+SMALL_ROWS = 64
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """Launch shape of the elementwise backward: (block_m, block_n) tiles, and its warps."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+
+
+ACT_BWD_CONFIG = RowConfig(16, 256, 4)
+
+
+def shape_class(M: int, N: int) -> str:
+    """The GEMM table's key for an (M, N) output: ``small`` (M <= 64: decoding, tiny batches),
+    ``large`` (at least LARGE_OUTPUTS elements) or ``medium``."""
+    if M <= SMALL_ROWS:
+        return "small"
+    return "large" if M * N >= LARGE_OUTPUTS else "medium"
+
+
+def gemm_config(kernel: str, M: int, N: int) -> GemmConfig:
+    return INTERPRETER_GEMM_CONFIG if runtime.INTERPRET else GEMM_CONFIGS[kernel][shape_class(M, N)]
+
+
+def _grid(cfg: GemmConfig, M: int, N: int) -> tuple[int]:
+    return (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+
+
+def _launch_options(cfg: GemmConfig) -> dict:
+    return {
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "GROUP_M": cfg.group_m,
+        "EPILOGUE_SPLIT": cfg.epilogue_split,
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+    }
+
+
+def _stores_pre(activation: str, save_pre: bool) -> bool:
+    # act' of "none" is 1: its backward needs no pre-activation.
+    return save_pre and activation != "none"
+
+
+def _linear_act_fwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, store_pre: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(x Wᵀ + b), x Wᵀ + b or an empty tensor): both (M, N) in x's dtype."""
+    M, K = x.shape
+    N = weight.shape[0]
+    y = runtime.empty((M, N), x.dtype, x.device)
+    pre = runtime.empty((M, N) if store_pre else (0,), x.dtype, x.device)
+    if M == 0 or N == 0:
+        return y, pre
+    cfg = gemm_config("fwd", M, N)
+    with runtime.device_guard(x):
+        _linear_act_fwd_kernel[_grid(cfg, M, N)](
+            x, weight, bias if bias is not None else weight, y, pre, M, N, K,
+            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+            ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre, **_launch_options(cfg),
+        )  # fmt: skip
+    return y, pre
+
+
+def _gated_fwd(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str, store_pre: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(act(x W_gateᵀ) ⊙ x W_upᵀ, gate, up); gate and up are empty unless store_pre."""
+    M, K = x.shape
+    N = w_gate.shape[0]
+    if w_up.stride() != w_gate.stride():  # the kernel walks both weights with one set of strides
+        w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
+    y = runtime.empty((M, N), x.dtype, x.device)
+    gate = runtime.empty((M, N) if store_pre else (0,), x.dtype, x.device)
+    up = runtime.empty((M, N) if store_pre else (0,), x.dtype, x.device)
+    if M == 0 or N == 0:
+        return y, gate, up
+    cfg = gemm_config("gated_fwd", M, N)
+    with runtime.device_guard(x):
+        _gated_fwd_kernel[_grid(cfg, M, N)](
+            x, w_gate, w_up, y, gate, up, M, N, K,
+            x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
+            ACTIVATION=activation, STORE_PRE=store_pre, **_launch_options(cfg),
+        )  # fmt: skip
+    return y, gate, up
+
+
+def _db(partial: torch.Tensor, has_bias: bool, dtype: torch.dtype) -> torch.Tensor:
+    # Stage two of the bias gradient: a fixed-order sum over the row tiles' float32 partials.
+    return partial.sum(0).to(dtype) if has_bias else partial
+
+
+def _dh_act_bwd(
+    dy: torch.Tensor,
+    w_out: torch.Tensor,
+    pre: torch.Tensor,
+    up: torch.Tensor | None,
+    activation: str,
+    has_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dh = dy W_out in a GEMM whose epilogue applies act' (and the gate's product rule).
+
+    Returns (dpre, dup, h, db): dpre (M, N); dup (M, N) when gated (up given), else empty; h, the
+    hidden activation recomputed from pre (M, N), or pre itself for ``none``; db (N,) or empty.
+    """
+    M, N = pre.shape
+    K = dy.shape[1]
+    gated = up is not None
+    store_h = gated or activation != "none"
+    dpre = runtime.empty((M, N), pre.dtype, pre.device)
+    dup = runtime.empty((M, N) if gated else (0,), pre.dtype, pre.device)
+    h = runtime.empty((M, N), pre.dtype, pre.device) if store_h else pre
+    cfg = gemm_config("gated_dh_bwd" if gated else "dh_bwd", M, N)
+    db_partial = runtime.empty(
+        (triton.cdiv(M, cfg.block_m), N) if has_bias else (0,), torch.float32, pre.device
+    )
+    if M > 0 and N > 0:
+        w = w_out.t()  # (N, K) view of the (K, N) weight: dh = dy (w_outᵀ)ᵀ, read in place
+        with runtime.device_guard(pre):
+            _dh_act_bwd_kernel[_grid(cfg, M, N)](
+                dy, w, pre, up if gated else pre, dpre, dup, h, db_partial, M, N, K,
+                dy.stride(0), dy.stride(1), w.stride(0), w.stride(1),
+                ACTIVATION=activation, GATED=gated, STORE_H=store_h, HAS_BIAS=has_bias,
+                **_launch_options(cfg),
+            )  # fmt: skip
+    return dpre, dup, h, _db(db_partial, has_bias, pre.dtype)
+
+
+def _act_bwd(
+    dh: torch.Tensor, pre: torch.Tensor, up: torch.Tensor | None, activation: str, has_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The elementwise backward of act (or of act(gate) ⊙ up): (dpre, dup or empty, db or empty)."""
+    M, N = pre.shape
+    gated = up is not None
+    cfg = ACT_BWD_CONFIG
+    # Enough slabs of rows to fill the GPU; each sums its own rows of db (float32, fixed order).
+    column_blocks = triton.cdiv(N, cfg.block_n)
+    slabs = max(1, 4 * runtime.num_sms(pre.device) // max(1, column_blocks))
+    rows_per_program = triton.cdiv(triton.cdiv(max(M, 1), slabs), cfg.block_m) * cfg.block_m
+    grid = (triton.cdiv(M, rows_per_program), column_blocks)
+    dpre = runtime.empty((M, N), pre.dtype, pre.device)
+    dup = runtime.empty((M, N) if gated else (0,), pre.dtype, pre.device)
+    db_partial = runtime.empty((grid[0], N) if has_bias else (0,), torch.float32, pre.device)
+    if M > 0 and N > 0:
+        with runtime.device_guard(pre):
+            _act_bwd_kernel[grid](
+                dh, pre, up if gated else pre, dpre, dup, db_partial, M, N, rows_per_program,
+                dh.stride(0), dh.stride(1),
+                ACTIVATION=activation, GATED=gated, HAS_BIAS=has_bias,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            )  # fmt: skip
+    return dpre, dup, _db(db_partial, has_bias, pre.dtype)
+
+
+def _weight_grads(dpre: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dx: torch.Tensor | None):
+    """(dx + dpre W, dpreᵀ x): plain GEMMs, cuBLAS's (nothing to fuse; torch.matmul reads any strides)."""
+    dx = torch.matmul(dpre, weight) if dx is None else torch.addmm(dx, dpre, weight)
+    return dx, torch.matmul(dpre.t(), x)
+
+
+def linear_act_fwd(x, weight, bias, activation: str, save_pre: bool):
+    """Forward of :func:`linear_act` on validated (M, K) input: (y, pre or an empty tensor)."""
+    return _linear_act_fwd(x, weight, bias, activation, _stores_pre(activation, save_pre))
+
+
+def linear_act_bwd(dy, x, weight, pre, has_bias: bool, activation: str):
+    """Backward of :func:`linear_act_fwd`: (dx, dweight, dbias or an empty tensor)."""
+    if activation == "none":
+        dpre = dy
+        db = dy.sum(0, dtype=torch.float32).to(dy.dtype) if has_bias else dy.new_empty((0,))
+    else:
+        dpre, _, db = _act_bwd(dy, pre, None, activation, has_bias)
+    dx, dw = _weight_grads(dpre, x, weight, None)
+    return dx, dw, db
+
+
+def gated_linear_fwd(x, w_gate, w_up, activation: str, save_pre: bool):
+    """Forward of :func:`gated_linear` on validated (M, K) input: (y, gate, up), the last two empty
+    unless save_pre."""
+    return _gated_fwd(x, w_gate, w_up, activation, save_pre)
+
+
+def gated_linear_bwd(dy, x, w_gate, w_up, gate, up, activation: str):
+    """Backward of :func:`gated_linear_fwd`: (dx, dw_gate, dw_up)."""
+    dgate, dup, _ = _act_bwd(dy, gate, up, activation, has_bias=False)
+    dx, dw_gate = _weight_grads(dgate, x, w_gate, None)
+    dx, dw_up = _weight_grads(dup, x, w_up, dx)
+    return dx, dw_gate, dw_up
+
+
+def _down_proj(h: torch.Tensor, w_out: torch.Tensor, b_out: torch.Tensor | None) -> torch.Tensor:
+    # cuBLAS, with the bias in its epilogue: a plain GEMM has nothing for us to fuse.
+    return torch.matmul(h, w_out.t()) if b_out is None else torch.addmm(b_out, h, w_out.t())
+
+
+def _out_grads(dy: torch.Tensor, h: torch.Tensor, has_b_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dW_out = dyᵀ h, db_out = Σ_rows dy): cuBLAS, and one float32 reduction over dy."""
+    db_out = dy.sum(0, dtype=torch.float32).to(dy.dtype) if has_b_out else dy.new_empty((0,))
+    return torch.matmul(dy.t(), h), db_out
+
+
+def fused_mlp_fwd(x, w_in, b_in, w_out, b_out, activation: str, save_pre: bool):
+    """Forward of :func:`fused_mlp` on validated (M, K) input: (y, pre).
+
+    pre is what the backward needs: the pre-activation (for ``none``, h itself), or an empty tensor
+    unless save_pre.
+    """
+    store_pre = _stores_pre(activation, save_pre)
+    h, pre = _linear_act_fwd(x, w_in, b_in, activation, store_pre)
+    if save_pre and not store_pre:
+        pre = h  # "none": h is the pre-activation
+    return _down_proj(h, w_out, b_out), pre
+
+
+def fused_mlp_bwd(dy, x, w_in, w_out, pre, has_b_in: bool, has_b_out: bool, activation: str):
+    """Backward of :func:`fused_mlp_fwd`: (dx, dw_in, db_in, dw_out, db_out); absent biases get empty
+    tensors."""
+    dpre, _, h, db_in = _dh_act_bwd(dy, w_out, pre, None, activation, has_b_in)
+    dw_out, db_out = _out_grads(dy, h, has_b_out)
+    dx, dw_in = _weight_grads(dpre, x, w_in, None)
+    return dx, dw_in, db_in, dw_out, db_out
+
+
+def gated_mlp_fwd(x, w_gate, w_up, w_down, activation: str, save_pre: bool):
+    """Forward of :func:`fused_gated_mlp` on validated (M, K) input: (y, gate, up)."""
+    h, gate, up = _gated_fwd(x, w_gate, w_up, activation, save_pre)
+    return _down_proj(h, w_down, None), gate, up
+
+
+def gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation: str):
+    """Backward of :func:`gated_mlp_fwd`: (dx, dw_gate, dw_up, dw_down)."""
+    dgate, dup, h, _ = _dh_act_bwd(dy, w_down, gate, up, activation, has_bias=False)
+    dw_down, _ = _out_grads(dy, h, has_b_out=False)
+    dx, dw_gate = _weight_grads(dgate, x, w_gate, None)
+    dx, dw_up = _weight_grads(dup, x, w_up, dx)
+    return dx, dw_gate, dw_up, dw_down
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops and autograd
+# ----------------------------------------------------------------------------------------------
+
+
+def _fake_pre(x: torch.Tensor, n: int, saved: bool) -> torch.Tensor:
+    return x.new_empty((x.shape[0], n) if saved else (0,))
+
+
+def _fake_weight_grads(*weights: torch.Tensor) -> list[torch.Tensor]:
+    return [w.new_empty(w.shape) for w in weights]
+
+
+@torch.library.custom_op("horse::linear_act_fwd", mutates_args=())
+def _linear_act_fwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    save_pre: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return linear_act_fwd(x, weight, bias, activation, save_pre)
+
+
+@_linear_act_fwd_op.register_fake
+def _(x, weight, bias, activation, save_pre):
+    N = weight.shape[0]
+    return x.new_empty((x.shape[0], N)), _fake_pre(x, N, _stores_pre(activation, save_pre))
+
+
+@torch.library.custom_op("horse::linear_act_bwd", mutates_args=())
+def _linear_act_bwd_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    pre: torch.Tensor,
+    has_bias: bool,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return linear_act_bwd(dy, x, weight, pre, has_bias, activation)
+
+
+@_linear_act_bwd_op.register_fake
+def _(dy, x, weight, pre, has_bias, activation):
+    return (
+        x.new_empty(x.shape),
+        weight.new_empty(weight.shape),
+        x.new_empty((weight.shape[0],) if has_bias else (0,)),
+    )
+
+
+def _linear_act_setup_context(ctx, inputs, output):
+    x, weight, bias, activation, save_pre = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.has_bias = bias is not None
+    ctx.activation = activation
+    ctx.save_pre = save_pre or activation == "none"
+
+
+def _require_saved(ctx, op: str) -> None:
+    if not ctx.save_pre:
+        raise RuntimeError(
+            f"horse::{op}: backward through a forward run with save_pre=False, which saves nothing; "
+            "the public functions set save_pre whenever an input requires grad"
+        )
+
+
+def _linear_act_backward(ctx, dy, _dpre):
+    _require_saved(ctx, "linear_act_fwd")
+    x, weight, pre = ctx.saved_tensors
+    dx, dweight, dbias = _linear_act_bwd_op(dy, x, weight, pre, ctx.has_bias, ctx.activation)
+    return dx, dweight, dbias if ctx.has_bias else None, None, None
+
+
+_linear_act_fwd_op.register_autograd(_linear_act_backward, setup_context=_linear_act_setup_context)
+
+
+@torch.library.custom_op("horse::gated_linear_fwd", mutates_args=())
+def _gated_linear_fwd_op(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str, save_pre: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return gated_linear_fwd(x, w_gate, w_up, activation, save_pre)
+
+
+@_gated_linear_fwd_op.register_fake
+def _(x, w_gate, w_up, activation, save_pre):
+    N = w_gate.shape[0]
+    return x.new_empty((x.shape[0], N)), _fake_pre(x, N, save_pre), _fake_pre(x, N, save_pre)
+
+
+@torch.library.custom_op("horse::gated_linear_bwd", mutates_args=())
+def _gated_linear_bwd_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return gated_linear_bwd(dy, x, w_gate, w_up, gate, up, activation)
+
+
+@_gated_linear_bwd_op.register_fake
+def _(dy, x, w_gate, w_up, gate, up, activation):
+    return tuple(_fake_weight_grads(x, w_gate, w_up))
+
+
+def _gated_linear_setup_context(ctx, inputs, output):
+    x, w_gate, w_up, activation, save_pre = inputs
+    _y, gate, up = output
+    ctx.save_for_backward(x, w_gate, w_up, gate, up)
+    ctx.activation, ctx.save_pre = activation, save_pre
+
+
+def _gated_linear_backward(ctx, dy, _dgate, _dup):
+    _require_saved(ctx, "gated_linear_fwd")
+    x, w_gate, w_up, gate, up = ctx.saved_tensors
+    dx, dw_gate, dw_up = _gated_linear_bwd_op(dy, x, w_gate, w_up, gate, up, ctx.activation)
+    return dx, dw_gate, dw_up, None, None
+
+
+_gated_linear_fwd_op.register_autograd(_gated_linear_backward, setup_context=_gated_linear_setup_context)
+
+
+@torch.library.custom_op("horse::fused_mlp_fwd", mutates_args=())
+def _fused_mlp_fwd_op(
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    b_in: torch.Tensor | None,
+    w_out: torch.Tensor,
+    b_out: torch.Tensor | None,
+    activation: str,
+    save_pre: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return fused_mlp_fwd(x, w_in, b_in, w_out, b_out, activation, save_pre)
+
+
+@_fused_mlp_fwd_op.register_fake
+def _(x, w_in, b_in, w_out, b_out, activation, save_pre):
+    return x.new_empty((x.shape[0], w_out.shape[0])), _fake_pre(x, w_in.shape[0], save_pre)
+
+
+@torch.library.custom_op("horse::fused_mlp_bwd", mutates_args=())
+def _fused_mlp_bwd_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    pre: torch.Tensor,
+    has_b_in: bool,
+    has_b_out: bool,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return fused_mlp_bwd(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation)
+
+
+@_fused_mlp_bwd_op.register_fake
+def _(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation):
+    dx, dw_in, dw_out = _fake_weight_grads(x, w_in, w_out)
+    db_in = x.new_empty((w_in.shape[0],) if has_b_in else (0,))
+    db_out = x.new_empty((w_out.shape[0],) if has_b_out else (0,))
+    return dx, dw_in, db_in, dw_out, db_out
+
+
+def _fused_mlp_setup_context(ctx, inputs, output):
+    x, w_in, b_in, w_out, b_out, activation, save_pre = inputs
+    ctx.save_for_backward(x, w_in, w_out, output[1])
+    ctx.has_b_in, ctx.has_b_out = b_in is not None, b_out is not None
+    ctx.activation, ctx.save_pre = activation, save_pre
+
+
+def _fused_mlp_backward(ctx, dy, _dpre):
+    _require_saved(ctx, "fused_mlp_fwd")
+    x, w_in, w_out, pre = ctx.saved_tensors
+    dx, dw_in, db_in, dw_out, db_out = _fused_mlp_bwd_op(
+        dy, x, w_in, w_out, pre, ctx.has_b_in, ctx.has_b_out, ctx.activation
+    )
+    return (
+        dx,
+        dw_in,
+        db_in if ctx.has_b_in else None,
+        dw_out,
+        db_out if ctx.has_b_out else None,
+        None,
+        None,
+    )
+
+
+_fused_mlp_fwd_op.register_autograd(_fused_mlp_backward, setup_context=_fused_mlp_setup_context)
+
+
+@torch.library.custom_op("horse::gated_mlp_fwd", mutates_args=())
+def _gated_mlp_fwd_op(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str,
+    save_pre: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return gated_mlp_fwd(x, w_gate, w_up, w_down, activation, save_pre)
+
+
+@_gated_mlp_fwd_op.register_fake
+def _(x, w_gate, w_up, w_down, activation, save_pre):
+    N = w_gate.shape[0]
+    return x.new_empty((x.shape[0], w_down.shape[0])), _fake_pre(x, N, save_pre), _fake_pre(x, N, save_pre)
+
+
+@torch.library.custom_op("horse::gated_mlp_bwd", mutates_args=())
+def _gated_mlp_bwd_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation)
+
+
+@_gated_mlp_bwd_op.register_fake
+def _(dy, x, w_gate, w_up, w_down, gate, up, activation):
+    return tuple(_fake_weight_grads(x, w_gate, w_up, w_down))
+
+
+def _gated_mlp_setup_context(ctx, inputs, output):
+    x, w_gate, w_up, w_down, activation, save_pre = inputs
+    _y, gate, up = output
+    ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up)
+    ctx.activation, ctx.save_pre = activation, save_pre
+
+
+def _gated_mlp_backward(ctx, dy, _dgate, _dup):
+    _require_saved(ctx, "gated_mlp_fwd")
+    x, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
+    grads = _gated_mlp_bwd_op(dy, x, w_gate, w_up, w_down, gate, up, ctx.activation)
+    return (*grads, None, None)
+
+
+_gated_mlp_fwd_op.register_autograd(_gated_mlp_backward, setup_context=_gated_mlp_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_tensor(fn: str, name: str, t, x: torch.Tensor, dim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in REFERENCE_DTYPES:
+        raise TypeError(f"{fn}: {name} must be float16 or bfloat16 (float32 off the GPU), got {t.dtype}")
+    if t.dtype != x.dtype:
+        raise TypeError(f"{fn}: {name} is {t.dtype} but input is {x.dtype}; all tensors must share a dtype")
+    if t.device != x.device:
+        raise ValueError(f"{fn}: {name} is on {t.device} but input is on {x.device}")
+    if t.dim() != dim:
+        raise ValueError(f"{fn}: {name} must have {dim} dimension(s), got shape {list(t.shape)}")
+
+
+def _check_shape(fn: str, name: str, t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{fn}: {name} must have shape {list(shape)} ({what}), got {list(t.shape)}")
+
+
+def _validate(fn: str, x, activation, weights: dict, biases: dict, chain: list[tuple[str, str]]) -> bool:
+    """Check every argument, naming the bad one; returns whether the Triton kernels run.
+
+    weights: name -> (out_features, in_features) tensor; biases: name -> (bias or None, the name of
+    its weight); chain: (a, b) pairs where b consumes a's output, so b's in_features must equal a's
+    out_features. The first weight consumes x.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: input must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0:
+        raise ValueError(f"{fn}: input must have at least one dimension (..., in_features), got a scalar")
+    _check_tensor(fn, "input", x, x, x.dim())
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{fn}: unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}")
+    for name, w in weights.items():
+        _check_tensor(fn, name, w, x, 2)
+    first, w = next(iter(weights.items()))
+    if w.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"{fn}: {first} has in_features {w.shape[1]} but input's last dimension is {x.shape[-1]} "
+            f"(input {list(x.shape)}, {first} {list(w.shape)}; weights are (out_features, in_features) "
+            "as in nn.Linear)"
+        )
+    for a, b in chain:
+        wa, wb = weights[a], weights[b]
+        if b == "w_up":
+            _check_shape(fn, b, wb, tuple(wa.shape), f"{a}'s shape")
+        else:
+            _check_shape(fn, b, wb, (wb.shape[0], wa.shape[0]), f"in_features = {a}'s out_features")
+    for name, (bias, weight_name) in biases.items():
+        if bias is not None:
+            _check_tensor(fn, name, bias, x, 1)
+            _check_shape(fn, name, bias, (weights[weight_name].shape[0],), f"{weight_name}'s out_features")
+    triton_path = runtime.runs_triton(x)
+    if triton_path and x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{fn}: input must be float16 or bfloat16 on the Triton path, got {x.dtype} (tl.dot would "
+            "compute float32 as TF32); cast the input and weights first"
+        )
+    return triton_path
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # -1 cannot be inferred when K = 0
+
+
+def linear_act(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "gelu_tanh",
+) -> torch.Tensor:
+    """``act(x @ weight.T + bias)`` in one GEMM, differentiable in x, weight and bias.
+
+    x (..., K); weight (N, K) as nn.Linear's; bias (N,) or None; float16 or bfloat16, all one dtype
+    and device. activation: none, relu, relu2, gelu (erf), gelu_tanh or silu. Returns (..., N) in
+    x's dtype. With grad enabled the pre-activation (M, N) is saved for the backward.
+    """
+    triton_path = _validate("linear_act", x, activation, {"weight": weight}, {"bias": (bias, "weight")}, [])
+    if not triton_path:
+        return reference.linear_act(x, weight, bias, activation).to(x.dtype)
+    save = _needs_grad(x, weight, bias)
+    y, _ = _linear_act_fwd_op(_flat(x), weight, bias, activation, save)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def gated_linear(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str = "silu"
+) -> torch.Tensor:
+    """``act(x @ w_gate.T) * (x @ w_up.T)`` in one kernel (SwiGLU with silu, GeGLU with gelu).
+
+    x (..., K); w_gate and w_up (N, K); no biases. Returns (..., N) in x's dtype. One pass over x
+    with two accumulators; with grad enabled both projections (M, N) are saved for the backward.
+    """
+    weights = {"w_gate": w_gate, "w_up": w_up}
+    triton_path = _validate("gated_linear", x, activation, weights, {}, [("w_gate", "w_up")])
+    if not triton_path:
+        return reference.gated_linear(x, w_gate, w_up, activation).to(x.dtype)
+    save = _needs_grad(x, w_gate, w_up)
+    y, _, _ = _gated_linear_fwd_op(_flat(x), w_gate, w_up, activation, save)
+    return y.view(*x.shape[:-1], w_gate.shape[0])
+
+
+def fused_mlp(
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    b_in: torch.Tensor | None,
+    w_out: torch.Tensor,
+    b_out: torch.Tensor | None,
+    activation: str = "gelu_tanh",
+) -> torch.Tensor:
+    """The GPT-2 MLP ``act(x @ w_in.T + b_in) @ w_out.T + b_out``, differentiable in every tensor.
+
+    x (..., K); w_in (H, K); b_in (H,) or None; w_out (D, H); b_out (D,) or None; float16 or
+    bfloat16. Returns (..., D) in x's dtype. The up projection and act are one Triton GEMM; the
+    down projection is cuBLAS. With grad enabled only the pre-activation (M, H) is saved.
+    """
+    weights = {"w_in": w_in, "w_out": w_out}
+    biases = {"b_in": (b_in, "w_in"), "b_out": (b_out, "w_out")}
+    triton_path = _validate("fused_mlp", x, activation, weights, biases, [("w_in", "w_out")])
+    if not triton_path:
+        return reference.fused_mlp(x, w_in, b_in, w_out, b_out, activation).to(x.dtype)
+    save = _needs_grad(x, w_in, b_in, w_out, b_out)
+    y, _ = _fused_mlp_fwd_op(_flat(x), w_in, b_in, w_out, b_out, activation, save)
+    return y.view(*x.shape[:-1], w_out.shape[0])
+
+
+def fused_gated_mlp(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """The LLaMA MLP ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``, differentiable in every tensor.
+
+    x (..., K); w_gate and w_up (H, K); w_down (D, H); no biases; float16 or bfloat16. Returns
+    (..., D) in x's dtype. With grad enabled gate and up (M, H each) are saved, h is not.
+    """
+    weights = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    chain = [("w_gate", "w_up"), ("w_gate", "w_down")]
+    triton_path = _validate("fused_gated_mlp", x, activation, weights, {}, chain)
+    if not triton_path:
+        return reference.fused_gated_mlp(x, w_gate, w_up, w_down, activation).to(x.dtype)
+    save = _needs_grad(x, w_gate, w_up, w_down)
+    y, _, _ = _gated_mlp_fwd_op(_flat(x), w_gate, w_up, w_down, activation, save)
+    return y.view(*x.shape[:-1], w_down.shape[0])

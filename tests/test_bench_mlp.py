@@ -1,0 +1,94 @@
+"""CPU tests of the MLP benchmark: FLOP counts, the saved-activation measurement, its correctness
+check and its cases. Timing needs a GPU and is never asserted on."""
+
+import pytest
+import torch
+
+from bench import mlp, suite
+
+GPT2 = mlp.Model("tiny", 48, 80, gated=False)
+LLAMA = mlp.Model("tiny", 40, 100, gated=True)
+
+
+def test_flops_count_the_gemms():
+    assert mlp.gemm_flops(3, 5, 7) == 2 * 3 * 5 * 7
+    assert mlp.up_projection_flops(GPT2, 64) == 2 * 64 * 80 * 48
+    assert mlp.up_projection_flops(LLAMA, 64) == 2 * 2 * 64 * 100 * 40  # gate and up
+    forward = 2 * 2 * 64 * 80 * 48
+    assert mlp.mlp_flops(GPT2, 64, "forward") == forward
+    assert mlp.mlp_flops(GPT2, 64, "backward") == 2 * forward
+    assert mlp.mlp_flops(GPT2, 64, "forward+backward") == 3 * forward
+    assert mlp.mlp_flops(LLAMA, 64, "forward") == 3 * 2 * 64 * 100 * 40
+
+
+@pytest.mark.parametrize("model", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_ours_saves_half_of_what_eager_saves(model):
+    # Ours keeps the pre-activation (gate and up when gated); eager keeps it and h (gated: gate,
+    # silu(gate), up and h). Measured with autograd's saved-tensor hooks.
+    tokens = 33
+    tensors = mlp.make_inputs(model, tokens, "cpu", requires_grad=True)
+    hidden_bytes = tokens * model.hidden * mlp.DTYPE.itemsize
+    ours = mlp.saved_activation_bytes(lambda t: mlp.ours_mlp(model, t), tensors)
+    eager = mlp.saved_activation_bytes(lambda t: mlp.eager_mlp(model, t), tensors)
+    assert ours == (2 if model.gated else 1) * hidden_bytes
+    assert eager == (4 if model.gated else 2) * hidden_bytes
+    with torch.no_grad():
+        assert mlp.saved_activation_bytes(lambda t: mlp.ours_mlp(model, t), tensors) == 0
+
+
+def test_interpreter_checks_pass():
+    results = mlp.interpreter_checks()
+    assert len(results) == 2 * len(mlp.INTERPRETER_CASES)
+    assert all(ok for _, _, ok in results), results
+    assert set(results[-1][1]) == {"y", "dx", "dw_gate", "dw_up", "dw_down"}
+
+
+def test_a_wrong_kernel_fails_the_check(monkeypatch):
+    monkeypatch.setattr(mlp, "ours_mlp", lambda model, t: 1.05 * mlp.eager_mlp(model, t))
+    errors, ok = mlp.check(GPT2, 64, "cpu", whole_mlp=True)
+    assert not ok and errors["y"] > mlp.TOLERANCE
+
+
+def test_cases_cover_every_model_direction_and_baseline():
+    cases = mlp.cases(quick=False)
+    kernels = {c.kernel for c in cases}
+    assert kernels == {"linear_act", "gated_linear", "mlp", "mlp_gated"}
+    shapes = len(mlp.MODELS) * len(mlp.TOKENS)
+    up = [c for c in cases if c.kernel.endswith("linear") or c.kernel == "linear_act"]
+    assert {c.implementation for c in up} == {"ours", "ours+save", "matmul", "eager", "compile"}
+    assert len(up) == 5 * shapes and {c.direction for c in up} == {"forward"}
+    whole = [c for c in cases if c.kernel.startswith("mlp")]
+    assert len(whole) == 3 * len(suite.DIRECTIONS) * shapes
+    assert all((c.check is not None) == (c.implementation == "ours") for c in cases)
+    [gpt2_124m] = [c for c in whole if c.params == {"tokens": 8192, "d_model": 768, "hidden": 3072}
+                   and c.direction == "forward+backward" and c.implementation == "ours"]  # fmt: skip
+    assert gpt2_124m.work == 3 * 2 * 2 * 8192 * 768 * 3072 and gpt2_124m.unit == "flop"
+    quick = mlp.cases(quick=True)
+    assert "compile" not in {c.implementation for c in quick} and len(quick) < len(cases)
+
+
+@pytest.mark.parametrize("model", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_every_timed_call_runs_and_checks(model, monkeypatch):
+    # The cases' setups on the CPU with one copy of the inputs and no Inductor (~30 s here): every
+    # call the GPU would time runs, ours's check passes, and the gradients are those of eager.
+    monkeypatch.setattr(
+        mlp.timing, "rotating_inputs", lambda make_copy, bytes_per_copy, device: [make_copy()]
+    )
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    cases = mlp.model_cases(model, 33, with_compile=True, device="cpu")
+    assert len(cases) == 5 + 3 * len(suite.DIRECTIONS)
+    for case in cases:
+        result = case.setup()()
+        if case.direction == "forward":
+            width = model.hidden * (2 if case.implementation == "matmul" and model.gated else 1)
+            expected = (
+                (33, width)
+                if case.kernel.endswith("linear") or case.kernel == "linear_act"
+                else (33, model.d_model)
+            )
+            assert result.shape == expected, case.id
+        else:
+            assert len(result) == len(mlp.make_inputs(model, 1, "cpu")), case.id  # a gradient per input
+        if case.check is not None:
+            errors, ok = case.check()
+            assert ok, (case.id, errors)

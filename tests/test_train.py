@@ -1,0 +1,232 @@
+"""horse.train: the loss falls, a resumed run repeats the uninterrupted one exactly, fp16 loss scaling
+skips bad steps, checkpoints are atomic and checked, and bad flags are named."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from horse import checkpoint, generate, train
+from horse.model import GPT, GPTConfig
+from horse.train import TrainConfig, lr_at, optimizer_step, parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+# A smaller model than the tiny preset, so that a run takes a second or two.
+SMALL = {"n_layer": 2, "d_model": 64, "n_head": 4, "block_size": 32}
+
+
+def _cfg(tmp_path, **kwargs) -> TrainConfig:
+    quick = dict(batch_size=8, max_steps=8, warmup_steps=2, eval_interval=4, eval_steps=2, sample_tokens=0)
+    return TrainConfig(**({"out_dir": str(tmp_path / "run")} | quick | kwargs))
+
+
+def test_loss_falls_on_the_builtin_corpus(tmp_path, capsys):
+    records = train.train(_cfg(tmp_path, max_steps=40, eval_interval=40, sample_tokens=20), SMALL)
+    losses = [r["loss"] for r in records]
+    assert losses[0] == pytest.approx(math.log(256), abs=0.3)  # uniform over bytes at initialisation
+    assert sum(losses[-5:]) / 5 < losses[0] - 2.0
+    assert records[-1]["val_loss"] < losses[0] - 2.0
+    out = capsys.readouterr().out
+    assert "backend reference (no GPU" in out and "precision fp32" in out
+    assert "----- sample: 20 tokens" in out
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 41))
+    assert {"loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "mfu"} <= json.loads(lines[0]).keys()
+
+
+def test_resumed_run_repeats_the_uninterrupted_losses_exactly(tmp_path):
+    full = train.train(_cfg(tmp_path, ckpt_interval=3, keep_last=0), SMALL)
+    # The run "dies" after step 3: a fresh directory holding only that checkpoint.
+    shutil.copytree(tmp_path / "run" / "ckpt_0000003", tmp_path / "resumed" / "ckpt_0000003")
+    resumed = train.train(_cfg(tmp_path, out_dir=str(tmp_path / "resumed"), resume=True), SMALL)
+    assert [r["step"] for r in resumed] == list(range(4, 9))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[3:]]  # bit for bit
+    assert [r["val_loss"] for r in resumed if "val_loss" in r] == [
+        r["val_loss"] for r in full[3:] if "val_loss" in r
+    ]
+    state = torch.load(tmp_path / "resumed" / "ckpt_0000008" / "state.pt", weights_only=True)
+    assert state["step"] == 8 and state["loader"]["position"] == 8
+    full_weights, resumed_weights = (_weights(tmp_path / d / "ckpt_0000008") for d in ("run", "resumed"))
+    assert all(torch.equal(a, b) for a, b in zip(full_weights, resumed_weights, strict=True))
+
+
+def _weights(ckpt: Path) -> list[torch.Tensor]:
+    config, _ = checkpoint.read_metadata(ckpt)
+    model = GPT(config)
+    checkpoint.load_weights(ckpt, model)
+    return list(model.state_dict().values())
+
+
+def test_inf_gradient_skips_the_step_halves_the_scale_and_keeps_the_weights():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, d_model=16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    idx = torch.randint(0, 64, (2, 8))
+
+    def backward(poison: bool) -> None:
+        with torch.autocast("cpu", torch.float16):
+            loss = model.loss(idx, idx)
+        scaler.scale(loss).backward()
+        if poison:
+            model.blocks[0].mlp.c_fc.weight.grad[0, 0] = float("inf")
+
+    before = [p.detach().clone() for p in model.parameters()]
+    backward(poison=True)
+    grad_norm, skipped = optimizer_step(model, optimizer, scaler, grad_clip=1.0)
+    assert skipped and not math.isfinite(grad_norm)
+    assert scaler.get_scale() == 512.0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert not optimizer.state  # AdamW's moments untouched too
+    for scale_after in (512.0, 1024.0):  # two clean steps, then the scale grows back
+        backward(poison=False)
+        _, skipped = optimizer_step(model, optimizer, scaler, grad_clip=1.0)
+        assert not skipped and scaler.get_scale() == scale_after
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def test_fp16_run_on_the_cpu_logs_the_loss_scale(tmp_path):
+    records = train.train(_cfg(tmp_path, max_steps=3, precision="fp16", loss_scale=256.0), SMALL)
+    assert [r["loss_scale"] for r in records] == [256.0] * 3
+    state = checkpoint.load_state(tmp_path / "run" / "ckpt_0000003")
+    assert state["scaler"]["scale"] == 256.0
+
+
+def test_checkpoints_rotate_and_a_torn_one_is_ignored(tmp_path):
+    train.train(_cfg(tmp_path, max_steps=4, ckpt_interval=1, keep_last=2), SMALL)
+    run = tmp_path / "run"
+    assert [p.name for p in checkpoint.complete(run)] == ["ckpt_0000003", "ckpt_0000004"]
+    (run / ".ckpt_0000005.tmp").mkdir()  # killed mid-write
+    (run / "ckpt_0000006").mkdir()  # incomplete: no files
+    assert checkpoint.latest(run).name == "ckpt_0000004"
+    with pytest.raises(ValueError, match="holds checkpoints of an earlier run .* --resume"):
+        train.train(_cfg(tmp_path, max_steps=4), SMALL)
+    # --out-dir and --resume alone bring back the run's own flags; flags given win.
+    cfg, overrides = parse_args(["--out-dir", str(run), "--resume", "--max-steps", "6"])
+    assert (cfg.batch_size, cfg.max_steps, cfg.resume, cfg.keep_last) == (8, 6, True, 2)
+    assert overrides | SMALL == overrides and overrides["vocab_size"] == 256
+
+
+def test_a_checkpoint_of_another_model_shape_is_a_clear_error(tmp_path):
+    train.train(_cfg(tmp_path, max_steps=1), SMALL)
+    with pytest.raises(ValueError, match=r"different model: n_layer 2 \(this run: 3\)"):
+        train.train(_cfg(tmp_path, max_steps=2, resume=True), SMALL | {"n_layer": 3})
+    model = GPT(GPTConfig(**(SMALL | {"d_model": 32, "vocab_size": 256})))
+    with pytest.raises(
+        ValueError, match=r"does not fit this model: .*wte.weight is \[256, 64\], the model's is \[256, 32\]"
+    ):
+        checkpoint.load_weights(tmp_path / "run" / "ckpt_0000001", model)
+
+
+def test_flags_config_file_and_errors_that_name_the_argument(tmp_path, capsys):
+    (tmp_path / "run.json").write_text(json.dumps({"lr": 3e-4, "n_layer": 6, "batch_size": 4}))
+    cfg, overrides = parse_args(
+        [
+            "--config",
+            str(tmp_path / "run.json"),
+            "--batch-size",
+            "2",
+            "--max-tokens",
+            "1e6",
+            "--norm",
+            "rmsnorm",
+            "--no-bias",
+        ]
+    )
+    assert (cfg.lr, cfg.batch_size, cfg.max_tokens) == (3e-4, 2, 1_000_000)
+    assert overrides == {"n_layer": 6, "norm": "rmsnorm", "bias": False}
+    for argv, message in [
+        (["--preset", "gpt5"], "--preset 'gpt5' is unknown"),
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--precision", "fp8"], "--precision: invalid choice"),
+        (["--resume"], "--resume needs --out-dir"),
+        (
+            ["--config", str(tmp_path / "run.json"), "--config", str(tmp_path / "nope.json")],
+            "--config .*nope.json",
+        ),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message.split(".*")[0] in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text(json.dumps({"learning_rate": 1}))
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(tmp_path / "bad.json")])
+    assert "unknown field 'learning_rate'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--seq-len 64 exceeds the model's block_size 32"):
+        train.train(_cfg(tmp_path, seq_len=64), SMALL)
+    with pytest.raises(ValueError, match="--vocab-size 100 is smaller than the data's vocabulary"):
+        train.train(_cfg(tmp_path), SMALL | {"vocab_size": 100})
+
+
+def test_learning_rate_schedule():
+    cfg = TrainConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, 100, cfg) == pytest.approx(0.1) and lr_at(9, 100, cfg) == pytest.approx(1.0)
+    assert lr_at(99, 100, cfg) == pytest.approx(0.1)
+    assert lr_at(99, 100, TrainConfig(lr=1.0, warmup_steps=10, decay="linear", min_lr_ratio=0.0)) == 0.0
+    halfway = lr_at(54, 100, TrainConfig(lr=1.0, warmup_steps=10, decay="cosine", min_lr_ratio=0.0))
+    assert halfway == pytest.approx(0.5, abs=0.02)
+
+
+def test_weight_decay_only_on_the_matrices():
+    model = GPT(GPTConfig(**(SMALL | {"vocab_size": 256})))
+    decay, no_decay = train.make_optimizer(model, TrainConfig(weight_decay=0.1), "cpu").param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    linears = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    assert decayed == {f"blocks.{i}.{linear}.weight" for i in range(2) for linear in linears}
+    assert {names[id(p)] for p in no_decay["params"]} == set(
+        names.values()
+    ) - decayed  # embeddings, norms, biases
+
+
+def test_peak_flops_by_device_name(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H100 PCIe")
+    assert train.peak_flops("cuda", None) == 756e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H200")
+    assert train.peak_flops("cuda", None) == 989e12
+    assert train.peak_flops("cpu", None) is None and train.peak_flops("cpu", 1.5) == 1.5e12
+
+
+def _command(*args: str) -> subprocess.CompletedProcess:
+    small = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, *args, *small], cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+def test_script_profile_trace_and_generate_command(tmp_path, capsys):
+    out = tmp_path / "run"
+    steps = [
+        "--max-steps=4",
+        "--batch-size=4",
+        "--profile-steps=1",
+        "--sample-tokens=8",
+        "--sample-prompt=ROMEO:",
+    ]
+    result = _command("horse/train.py", f"--out-dir={out}", *steps)  # the script path, not -m
+    assert result.returncode == 0, result.stderr
+    assert "step 4/4" in result.stdout and "ROMEO:" in result.stdout
+    assert json.loads((out / "trace.json").read_text())["traceEvents"]
+    # 70 new tokens: past the 32-token block, so the cache is refilled on the way.
+    generate.main(["--ckpt", str(out), "--prompt", "JULIET:", "--max-new-tokens", "70", "--num-samples", "2"])
+    printed = capsys.readouterr().out
+    assert printed.count("JULIET:") == 2 and "--- sample 2 ---" in printed
+    bad = _command("-m", "horse.train", f"--out-dir={out}", "--seq-len=64")
+    assert bad.returncode == 1 and "horse.train: error: --seq-len 64 exceeds" in bad.stderr
+
+
+@pytest.mark.gpu
+def test_fp16_training_on_the_gpu_with_the_kernels(tmp_path, capsys):
+    records = train.train(_cfg(tmp_path, max_steps=30, ckpt_interval=15), SMALL)
+    out = capsys.readouterr().out
+    assert "backend triton" in out and "precision fp16" in out
+    assert all(r["loss_scale"] is not None for r in records)
+    assert sum(r["loss"] for r in records[-5:]) / 5 < records[0]["loss"] - 1.5
+    state = checkpoint.load_state(tmp_path / "run" / "ckpt_0000015")
+    assert state["scaler"]["scale"] > 0 and state["rng"]["cuda"]
