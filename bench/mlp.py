@@ -279,15 +279,6 @@ def _setup(
     return setup
 
 
-def _compiled(fn):
-    # A fresh static compile per case: never a dynamic-shape kernel, never dynamo's recompile limit.
-    def make():
-        torch._dynamo.reset()
-        return torch.compile(fn, dynamic=False)
-
-    return make
-
-
 def _bind(fn, model: Model):
     """A make_fn for the suite: builds the call fn(model, tensors) when the case is set up."""
     return lambda: functools.partial(fn, model)
@@ -310,8 +301,8 @@ def model_cases(model: Model, tokens: int, with_compile: bool = True, device="cu
     }
     whole = {"ours": _bind(ours_mlp, model), "eager": _bind(eager_mlp, model)}
     if with_compile:
-        up["compile"] = (_compiled(functools.partial(eager_up, model)), {})
-        whole["compile"] = _compiled(functools.partial(eager_mlp, model))
+        up["compile"] = (suite.compiled(functools.partial(eager_up, model)), {})
+        whole["compile"] = suite.compiled(functools.partial(eager_mlp, model))
     out = []
     up_check = functools.partial(check, model, tokens, device, False)
     for name, (make_fn, options) in up.items():

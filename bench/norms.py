@@ -154,16 +154,6 @@ def _backward_setup(make_fn, norm: Norm, rows: int, hidden: int):
     return setup
 
 
-def _compiled(fn):
-    # A fresh static compile per case: never a dynamic-shape kernel, never dynamo's recompile
-    # limit (past it, a compiled function silently runs eager).
-    def make():
-        torch._dynamo.reset()
-        return torch.compile(fn, dynamic=False)
-
-    return make
-
-
 def cases(quick: bool) -> list[suite.Case]:
     shapes = QUICK_SHAPES if quick else [(rows, hidden) for rows in ROWS for hidden in HIDDEN]
     out = []
@@ -171,7 +161,7 @@ def cases(quick: bool) -> list[suite.Case]:
         implementations = {
             "ours": lambda n=norm: n.ours,
             "eager": lambda n=norm: n.eager,
-            "compile": _compiled(norm.eager),
+            "compile": suite.compiled(norm.eager),
         }
         for (rows, hidden), (name, make_fn) in itertools.product(shapes, implementations.items()):
             params = {"rows": rows, "hidden": hidden}

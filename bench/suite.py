@@ -94,6 +94,17 @@ def rotate(copies: list, fn: Callable, no_grad: bool = False) -> Callable[[], ob
     return call
 
 
+def compiled(fn) -> Callable[[], Callable]:
+    """A maker of a fresh static ``torch.compile`` of fn, for a case's setup: never a dynamic-shape
+    kernel, never dynamo's recompile limit (past it, a compiled function silently runs eager)."""
+
+    def make():
+        torch._dynamo.reset()
+        return torch.compile(fn, dynamic=False)
+
+    return make
+
+
 class SuitePlugin:
     """A pytest plugin that parametrizes ``bench/bench_kernels.py`` over cases and collects results."""
 
