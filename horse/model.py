@@ -6,8 +6,13 @@ Every block is pre-norm: ``h = h + attn(norm_1(h)); h = h + mlp(norm_2(h))``. Wi
 ``"triton"`` each residual add is fused into the norm that follows it (``forward_residual`` of the
 fused norms: one kernel reads the branch output and the stream, writes the new stream and its
 norm), so the blocks pass on ``(x, h)``: the last branch output, not yet added, and the stream.
+Attention runs ``kernels.flash_attention`` and the MLP ``kernels.fused_mlp`` /
+``kernels.fused_gated_mlp`` whenever the compute dtype (autocast's, or the input's) is float16 or
+bfloat16; in float32 those two stay on SDPA and nn.Linear, because the matmul kernels take half
+precision only (tl.dot would compute float32 as TF32), while the norms stay fused in every dtype.
 Backend ``"reference"`` runs the same weights on plain torch modules (``nn.LayerNorm``,
-``nn.RMSNorm``, unfused adds). Parameter names are the same on both, so a state dict loads either way.
+``nn.RMSNorm``, SDPA, nn.Linear, unfused adds). Parameter names are the same on both, so a state
+dict loads either way.
 
     python -m horse.model        # the presets: parameters and training FLOPs per token
 """
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the name every PyTorch reader knows)
 from torch import nn
 
+import kernels
 from horse.layers import FusedLayerNorm, FusedRMSNorm
 
 BACKENDS = ("triton", "reference")
@@ -147,13 +153,21 @@ def preset(name: str) -> GPTConfig:
 # ----------------------------------------------------------------------------------------------
 
 
+def runs_half_kernels(backend: str, x: torch.Tensor) -> bool:
+    """Whether the half-precision kernels (attention, MLP) take x: backend triton, and x computed
+    in float16 or bfloat16, by autocast or by its own dtype."""
+    if backend != "triton":
+        return False
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    return dtype in (torch.float16, torch.bfloat16)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention. q (B, Tq, n_head, hd); k, v (B, Tk, n_kv_heads, hd) with Tk >= Tq, the
-    queries being the last Tq positions (the mask is aligned to the bottom-right corner, so new
-    tokens decode against a longer cache). Returns (B, Tq, n_head, hd)."""
-    # The attention kernel's one call site: kernels.flash_attention(q, k, v, causal=True) takes this
-    # layout and mask alignment as they are, and replaces the SDPA call below on the triton backend
-    # (in float16/bfloat16: fp32 runs keep SDPA).
+    """Causal attention on SDPA. q (B, Tq, n_head, hd); k, v (B, Tk, n_kv_heads, hd) with Tk >= Tq,
+    the queries being the last Tq positions (the mask is aligned to the bottom-right corner, so new
+    tokens decode against a longer cache). Returns (B, Tq, n_head, hd). kernels.flash_attention(q,
+    k, v, causal=True) takes the same layout and mask alignment."""
     tq, tk = q.shape[1], k.shape[1]
     mask = None if tq in (1, tk) else torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
     y = F.scaled_dot_product_attention(
@@ -204,8 +218,9 @@ class KVCache:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, backend: str):
         super().__init__()
+        self.backend = backend
         self.n_head, self.n_kv_heads, self.head_dim = config.n_head, config.kv_heads, config.head_dim
         # Names and the [q heads | k heads | v heads] layout of horse.layers.FusedSelfAttention.
         qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_dim
@@ -225,13 +240,17 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, cached + T, n_kv_heads, hd)
-        y = causal_attention(q, k, v)  # (B, T, n_head, hd)
+        if runs_half_kernels(self.backend, q):
+            y = kernels.flash_attention(q, k, v, causal=True)  # (B, T, n_head, hd)
+        else:
+            y = causal_attention(q, k, v)
         return self.c_proj(y.reshape(B, T, C))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, backend: str):
         super().__init__()
+        self.backend = backend
         # The parameter names of horse.layers.FusedMLP: GPT-2's, or LLaMA's (no biases) for swiglu.
         self.swiglu = config.mlp == "swiglu"
         d, hidden = config.d_model, config.hidden
@@ -244,6 +263,12 @@ class MLP(nn.Module):
             self.c_proj = nn.Linear(hidden, d, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if runs_half_kernels(self.backend, x):
+            if self.swiglu:
+                weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+                return kernels.fused_gated_mlp(x, *weights, activation="silu")
+            fc, proj = self.c_fc, self.c_proj
+            return kernels.fused_mlp(x, fc.weight, fc.bias, proj.weight, proj.bias, activation="gelu_tanh")
         if self.swiglu:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, hidden) inside
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # (B, T, hidden) inside
@@ -273,9 +298,9 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, backend: str):
         super().__init__()
         self.norm_1 = make_norm(config, backend)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, backend)
         self.norm_2 = make_norm(config, backend)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, backend)
 
     def forward(self, x, h, rope, cache: KVCache | None, layer: int):
         """x (B, T, C): the previous branch output, not yet added to the stream h (B, T, C)."""

@@ -710,9 +710,12 @@ def flash_attention(
     bottom-right corner (query i sees keys j <= i + seqlen_k - seqlen_q; a query that sees none
     gets zeros). softmax_scale defaults to 1 / sqrt(head_dim).
 
+    Under torch.autocast the inputs are cast to its dtype first, as a matmul's would be.
+
     Returns out (batch, seqlen_q, heads, head_dim) in q's dtype, or (out, lse) with return_lse,
     lse (batch, heads, seqlen_q) float32 the natural log-sum-exp of each row's scaled scores.
     """
+    q, k, v = runtime.autocast(q, k, v)
     _validate(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if runtime.runs_triton(q):

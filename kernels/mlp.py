@@ -1090,6 +1090,7 @@ def linear_act(
     and device. activation: none, relu, relu2, gelu (erf), gelu_tanh or silu. Returns (..., N) in
     x's dtype. With grad enabled the pre-activation (M, N) is saved for the backward.
     """
+    x, weight, bias = runtime.autocast(x, weight, bias)
     triton_path = _validate("linear_act", x, activation, {"weight": weight}, {"bias": (bias, "weight")}, [])
     if not triton_path:
         return reference.linear_act(x, weight, bias, activation).to(x.dtype)
@@ -1106,6 +1107,7 @@ def gated_linear(
     x (..., K); w_gate and w_up (N, K); no biases. Returns (..., N) in x's dtype. One pass over x
     with two accumulators; with grad enabled both projections (M, N) are saved for the backward.
     """
+    x, w_gate, w_up = runtime.autocast(x, w_gate, w_up)
     weights = {"w_gate": w_gate, "w_up": w_up}
     triton_path = _validate("gated_linear", x, activation, weights, {}, [("w_gate", "w_up")])
     if not triton_path:
@@ -1129,6 +1131,7 @@ def fused_mlp(
     bfloat16. Returns (..., D) in x's dtype. The up projection and act are one Triton GEMM; the
     down projection is cuBLAS. With grad enabled only the pre-activation (M, H) is saved.
     """
+    x, w_in, b_in, w_out, b_out = runtime.autocast(x, w_in, b_in, w_out, b_out)
     weights = {"w_in": w_in, "w_out": w_out}
     biases = {"b_in": (b_in, "w_in"), "b_out": (b_out, "w_out")}
     triton_path = _validate("fused_mlp", x, activation, weights, biases, [("w_in", "w_out")])
@@ -1151,6 +1154,7 @@ def fused_gated_mlp(
     x (..., K); w_gate and w_up (H, K); w_down (D, H); no biases; float16 or bfloat16. Returns
     (..., D) in x's dtype. With grad enabled gate and up (M, H each) are saved, h is not.
     """
+    x, w_gate, w_up, w_down = runtime.autocast(x, w_gate, w_up, w_down)
     weights = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
     chain = [("w_gate", "w_up"), ("w_gate", "w_down")]
     triton_path = _validate("fused_gated_mlp", x, activation, weights, {}, chain)

@@ -46,6 +46,21 @@ def poison_outputs():
         _poison_outputs = previous
 
 
+def autocast(*tensors):
+    """The tensors as torch.autocast would hand them to a matmul: floating tensors cast to the
+    autocast dtype when autocast is on for their device, unchanged otherwise (None stays None).
+
+    Custom ops are invisible to autocast, so the kernels' public functions call this first: a
+    float32 weight under ``torch.autocast("cuda", torch.float16)`` then runs in float16, as it would
+    in nn.Linear, and the cast is differentiable, so the float32 master weight gets its gradient.
+    """
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    if first is None or not torch.is_autocast_enabled(first.device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(first.device.type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; a small fixed count in the interpreter."""
     if device.type == "cuda":

@@ -266,3 +266,17 @@ def test_custom_op_passes_opcheck_and_compiles_fullgraph():
 )  # fmt: skip
 def test_gpu_matches_reference(shape, causal, dtype):
     check(shape, causal, dtype, "cuda")
+
+
+def test_autocast_runs_float32_inputs_in_half_precision(device):
+    """Under torch.autocast(float16) float32 q, k, v go through the float16 kernel, as they would
+    through a matmul, and their gradients come back in float32."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 19, 2, 32, device=device, requires_grad=True) for _ in range(3))
+    with torch.autocast(device, torch.float16):
+        out = kernels.flash_attention(q, k, v, causal=True)
+    assert out.dtype == torch.float16
+    out.float().sum().backward()
+    expected, _ = reference.attention(q.half(), k.half(), v.half(), True, 32**-0.5)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-3, atol=2e-3)
+    assert all(t.grad.dtype == torch.float32 and torch.isfinite(t.grad).all() for t in (q, k, v))

@@ -478,3 +478,30 @@ def test_gpu_every_shape_class_and_dtype(shape, kind, dtype):
 def test_gpu_small_rows_and_every_activation():
     for activation in ACTIVATIONS:
         check("linear_act", make_tensors("linear_act", (17, 512, 1024), torch.bfloat16, "cuda"), activation)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["gpt2", "llama"])
+def test_fused_mlp_under_autocast_matches_nn_linear_and_trains_fp32_weights(gated, device):
+    """Float32 master weights under torch.autocast(float16): the kernels see float16, as nn.Linear
+    does, and the float32 weights get float32 gradients equal to the eager module's."""
+    torch.manual_seed(0)
+    d_model, hidden = 48, 100
+    ref = (LlamaMLP if gated else _gpt2_reference)(d_model, hidden).to(device)
+    fused = FusedMLP(d_model, hidden, gated=gated, bias=not gated).to(device)
+    if gated:
+        fused.load_state_dict(ref.state_dict())
+    else:
+        _load_sequential(fused, ref)
+    x = torch.randn(2, 33, d_model, device=device)
+    results = []
+    for module in (ref, fused):
+        with torch.autocast(device, torch.float16):
+            y = module(x)
+        y.float().square().sum().backward()
+        results.append((y, [p.grad for p in module.parameters()]))
+    (y_ref, grads_ref), (y, grads) = results
+    assert y.dtype == y_ref.dtype == torch.float16
+    torch.testing.assert_close(y, y_ref, rtol=1e-2, atol=1e-2)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, g_ref, rtol=2e-2, atol=2e-2 * g_ref.abs().max().item())

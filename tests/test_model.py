@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import kernels
 from horse.layers import FusedLayerNorm, FusedRMSNorm
 from horse.model import GPT, GPTConfig, KVCache, causal_attention, num_params, preset
 
@@ -31,11 +32,27 @@ def _pair(config: GPTConfig, device: str) -> tuple[GPT, GPT]:
     return reference, triton
 
 
+def _count_calls(monkeypatch, names: list[str]) -> dict[str, int]:
+    """Count the calls of these kernels functions (the model looks them up at call time)."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        fn = getattr(kernels, name)
+
+        def counted(*args, _fn=fn, _name=name, **kwargs):
+            calls[_name] += 1
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, counted)
+    return calls
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_backends_agree_forward_and_gradients(variant, precision, device):
+def test_backends_agree_forward_and_gradients(variant, precision, device, monkeypatch):
     config = VARIANTS[variant]
     reference, triton = _pair(config, device)
+    mlp_kernel = "fused_gated_mlp" if config.mlp == "swiglu" else "fused_mlp"
+    calls = _count_calls(monkeypatch, ["flash_attention", mlp_kernel])
     assert any(isinstance(m, (FusedLayerNorm, FusedRMSNorm)) for m in triton.modules())
     assert not any(isinstance(m, (FusedLayerNorm, FusedRMSNorm)) for m in reference.modules())
     idx = torch.randint(0, config.vocab_size, (2, 11), device=device)
@@ -49,6 +66,9 @@ def test_backends_agree_forward_and_gradients(variant, precision, device):
         loss.backward()
         results.append((logits.float(), {n: p.grad for n, p in model.named_parameters()}))
     (logits_ref, grads_ref), (logits, grads) = results
+    # fp16 runs every block's attention and MLP on the kernels; fp32 keeps them on torch.
+    expected = config.n_layer if precision == "fp16" else 0
+    assert calls == {"flash_attention": expected, mlp_kernel: expected}
     torch.testing.assert_close(logits, logits_ref, rtol=tol, atol=tol)
     assert grads.keys() == grads_ref.keys()
     for name in grads:
