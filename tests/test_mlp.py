@@ -355,16 +355,22 @@ def _load_sequential(fused: FusedMLP, sequential: nn.Sequential) -> None:
     fused.load_state_dict({f"{names[k[0]]}{k[1:]}": v for k, v in sequential.state_dict().items()})
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["gpt2", "llama"])
-def test_fused_mlp_module_matches_the_torch_layers(gated, device):
+def _module_pair(gated: bool, d_model: int, device) -> tuple[nn.Module, FusedMLP]:
+    """The torch MLP (nanoGPT's or LLaMA's) and a FusedMLP holding the same random weights."""
     torch.manual_seed(0)
-    d_model, hidden = 48, 100
-    ref = (LlamaMLP if gated else _gpt2_reference)(d_model, hidden).to(device)
-    fused = FusedMLP(d_model, hidden, gated=gated, bias=not gated).to(device)
+    ref = (LlamaMLP if gated else _gpt2_reference)(d_model, 100).to(device)
+    fused = FusedMLP(d_model, 100, gated=gated, bias=not gated).to(device)
     if gated:
         fused.load_state_dict(ref.state_dict())
     else:
         _load_sequential(fused, ref)
+    return ref, fused
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["gpt2", "llama"])
+def test_fused_mlp_module_matches_the_torch_layers(gated, device):
+    d_model = 48
+    ref, fused = _module_pair(gated, d_model, device)
     fused.half()
     x = torch.randn(2, 33, d_model, device=device)
     dy = torch.randn(2, 33, d_model, device=device)
@@ -484,14 +490,8 @@ def test_gpu_small_rows_and_every_activation():
 def test_fused_mlp_under_autocast_matches_nn_linear_and_trains_fp32_weights(gated, device):
     """Float32 master weights under torch.autocast(float16): the kernels see float16, as nn.Linear
     does, and the float32 weights get float32 gradients equal to the eager module's."""
-    torch.manual_seed(0)
-    d_model, hidden = 48, 100
-    ref = (LlamaMLP if gated else _gpt2_reference)(d_model, hidden).to(device)
-    fused = FusedMLP(d_model, hidden, gated=gated, bias=not gated).to(device)
-    if gated:
-        fused.load_state_dict(ref.state_dict())
-    else:
-        _load_sequential(fused, ref)
+    d_model = 48
+    ref, fused = _module_pair(gated, d_model, device)
     x = torch.randn(2, 33, d_model, device=device)
     results = []
     for module in (ref, fused):
