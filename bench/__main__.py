@@ -1,12 +1,14 @@
-"""``python -m bench``: every kernel against its baselines on this machine's GPU, gated.
+"""``python -m bench``: every kernel, and the whole training step, against its baselines on this
+machine's GPU, gated.
 
     python -m bench [--quick] [--gate] [--only norms attention ...] [--out DIR] [pytest-benchmark options]
 
 Measures the device's ceilings (copy bandwidth, a large float16 matmul), then times every case of
-the kernel families below under pytest-benchmark with CUDA events, ours checked against the float32
-reference first. Prints a table, writes results.json (with the machine) and a PNG per kernel to
---out (default bench/results/<date>-<gpu>/), and with --gate exits 1 naming each kernel and shape
-below its threshold in bench/gates.toml. Options it does not know (``--benchmark-save NAME``,
+the families below under pytest-benchmark with CUDA events (norms, attention, MLP, and the
+end-to-end training step of bench/train.py), ours checked against the float32 reference first
+where a family has a check. Prints a table, writes results.json (with the machine) and a PNG per
+kernel to --out (default bench/results/<date>-<gpu>/), and with --gate exits 1 naming each kernel
+and shape below its threshold in bench/gates.toml. Options it does not know (``--benchmark-save NAME``,
 ``--benchmark-compare``, ``-k``) go to pytest.
 
 Without a GPU it runs each family's correctness check on small shapes in Triton's interpreter and
@@ -14,10 +16,8 @@ the sm_90 compile report, says that timing needs a GPU, and exits 0 if both pass
 """
 
 import argparse
-import datetime
 import importlib
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +26,7 @@ import torch
 
 # bench/<name>.py, each with cases(quick) -> list[suite.Case] and interpreter_checks() -> list of
 # (label, errors, passed).
-FAMILIES = ("norms", "attention", "mlp")
+FAMILIES = ("norms", "attention", "mlp", "train")
 BENCH_DIR = Path(__file__).resolve().parent
 
 
@@ -38,7 +38,7 @@ def _parse(argv):
     parser.add_argument(
         "--gate", action="store_true", help="exit 1 if a kernel misses its gates.toml threshold"
     )
-    parser.add_argument("--only", nargs="+", choices=FAMILIES, help="these kernel families only")
+    parser.add_argument("--only", nargs="+", choices=FAMILIES, help="these families only")
     parser.add_argument("--out", type=Path, help="directory for results.json and the plots")
     return parser.parse_known_args(argv)
 
@@ -91,8 +91,7 @@ def gpu_main(args, pytest_args) -> int:
     suite.add_metrics(results, ceilings)
     print("\n" + suite.format_table(results))
     verdicts = suite.evaluate_gates(results, suite.load_gates())
-    gpu = re.sub(r"[^A-Za-z0-9]+", "-", machine["gpu"]).strip("-").lower()
-    out = args.out or BENCH_DIR / "results" / f"{datetime.date.today()}-{gpu}"
+    out = args.out or suite.results_dir(machine["gpu"])
     out.mkdir(parents=True, exist_ok=True)
     suite.write_json(out / "results.json", machine, ceilings, results, verdicts)
     plots = suite.plot(results, out)

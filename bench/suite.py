@@ -11,6 +11,7 @@ device's measured ceiling, speedup over every baseline) and the gates of ``bench
 are computed from the results afterwards.
 """
 
+import datetime
 import fnmatch
 import itertools
 import json
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 GATES_FILE = Path(__file__).with_name("gates.toml")
+RESULTS_DIR = Path(__file__).with_name("results")
 DIRECTIONS = ("forward", "backward", "forward+backward")
 
 
@@ -69,6 +71,8 @@ class Result:
     throughput: float = 0.0  # TFLOP/s or GB/s
     ceiling_fraction: float = 0.0  # of the measured matmul TFLOP/s or copy GB/s
     speedups: dict = field(default_factory=dict)  # ours only: baseline -> baseline time / ours
+    # A benchmark's own metrics beyond these (bench.train: tokens/s, MFU, peak memory).
+    extra: dict = field(default_factory=dict)
 
     @property
     def shape(self) -> str:
@@ -94,13 +98,14 @@ def rotate(copies: list, fn: Callable, no_grad: bool = False) -> Callable[[], ob
     return call
 
 
-def compiled(fn) -> Callable[[], Callable]:
-    """A maker of a fresh static ``torch.compile`` of fn, for a case's setup: never a dynamic-shape
-    kernel, never dynamo's recompile limit (past it, a compiled function silently runs eager)."""
+def compiled(fn, **options) -> Callable[[], Callable]:
+    """A maker of a fresh static ``torch.compile`` of fn (options go to torch.compile), for a case's
+    setup: never a dynamic-shape kernel, never dynamo's recompile limit (past it, a compiled function
+    silently runs eager)."""
 
     def make():
         torch._dynamo.reset()
-        return torch.compile(fn, dynamic=False)
+        return torch.compile(fn, dynamic=False, **options)
 
     return make
 
@@ -297,6 +302,12 @@ def format_table(results: list[Result]) -> str:
     return "\n".join(
         "  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows
     )
+
+
+def results_dir(gpu: str) -> Path:
+    """Where a run's results go by default: bench/results/<date>-<gpu>/."""
+    name = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-").lower()
+    return RESULTS_DIR / f"{datetime.date.today()}-{name}"
 
 
 def write_json(

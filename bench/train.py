@@ -1,0 +1,419 @@
+"""Training throughput: tokens/s, MFU and peak memory of whole training steps, the fused kernels
+against the reference model under torch.compile.
+
+    python -m bench.train                        # gpt2-124m, fp16, 16 x 1024 tokens: triton vs compile
+    python -m bench.train --backends triton reference-compile reference --steps 500 --seconds 60 --gate
+    python -m bench.train --preset gpt2-350m --batch-size 8 --grad-accum 4 --precision bf16
+    python -m bench --only train                 # the same steps in the bench suite, under pytest-benchmark
+
+A step is one optimizer step as ``horse.train`` takes it: ``--grad-accum`` micro-batches of forward
+and backward under ``torch.autocast`` (in fp16 the loss scaled by a GradScaler), then
+``horse.train.optimizer_step`` (unscale, clip the gradient norm to 1.0, PyTorch's fused AdamW from
+``horse.train.make_optimizer`` on the float32 master weights, zero the gradients). Every step reads
+one fixed random batch made on the GPU beforehand: data loading is not measured. The backends run
+the same weights, from one seed:
+
+* ``triton``: ``GPT(config, "triton")``, the fused norms with their residual adds, flash attention
+  and the fused MLP;
+* ``reference-compile``: ``GPT(config, "reference")`` with its loss (forward and cross-entropy)
+  under ``torch.compile`` (default mode, static shapes); the optimizer step stays as on the others;
+* ``reference``: the same model, eager.
+
+Each backend first takes ``--warmup`` untimed steps (Triton and torch.compile compile there, the
+loss scale settles), then up to ``--steps`` steps, each between its own pair of CUDA events; with
+``--seconds`` a backend stops early once its share (seconds / backends) has passed. The step
+synchronizes once, as the trainer's does (it reads the gradient norm), so the events also hold the
+time the GPU waits for the host to launch kernels, as in training. Reported per backend: the median
+step time and its quartiles; tokens/s = tokens per step / median step time; TFLOP/s and MFU from the
+training FLOPs per token ``6·N + 12·L·d_model·T`` (``GPT.flops_per_token``) over the GPU's dense
+fp16/bf16 peak (``horse.train.peak_flops``, ``--peak-tflops`` for other GPUs), and as a fraction of
+the float16 matmul throughput measured here; peak memory (``torch.cuda.max_memory_allocated`` over
+the timed steps: weights, gradients, AdamW state, activations); steps the loss scaler skipped; and
+the speedup of triton over each other backend. Writes ``train.json`` (machine, results, gate
+verdicts) to ``--out`` (default ``bench/results/<date>-<gpu>/``). ``--gate`` exits 1 if the triton
+step misses a ``train_step`` gate of ``bench/gates.toml``.
+
+Without a GPU it says that timing needs one, runs two steps of the tiny preset on the CPU on each
+backend to check the harness end to end (no timings), and exits 0 if every loss is finite.
+"""
+
+import argparse
+import contextlib
+import functools
+import gc
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench import suite, timing
+from horse.model import GPT, PRESETS, GPTConfig, preset
+from horse.train import TrainConfig, make_optimizer, optimizer_step, peak_flops
+from kernels import runtime
+
+BACKENDS = ("triton", "reference-compile", "reference")
+# The bench suite's implementation names, which bench/gates.toml's baselines use.
+IMPLEMENTATIONS = {"triton": "ours", "reference-compile": "compile", "reference": "eager"}
+KERNEL = "train_step"
+# (preset, batch size) of the bench suite's cases, at the preset's block size (1024).
+SUITE_CASES = (("gpt2-124m", 16), ("gpt2-350m", 8))
+CPU_BATCH, CPU_STEPS = 4, 2
+# Largest difference of a backend's fp32 losses from the reference's over CPU_STEPS steps on the
+# CPU; measured: at most 5e-7 (the fused norms in float32, tiny, two steps).
+LOSS_TOLERANCE = 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# One training step
+# ----------------------------------------------------------------------------------------------
+
+
+def make_step(
+    cfg: TrainConfig, config: GPTConfig, backend: str, device: str
+) -> Callable[[], tuple[torch.Tensor, bool]]:
+    """A call that takes one optimizer step of horse.train's loop on ``backend`` and returns (the
+    step's loss, whether the loss scaler skipped it). Model, optimizer, scaler and a fixed random
+    batch of cfg.batch_size x seq_len tokens are made here, on device, from cfg.seed."""
+    torch.manual_seed(cfg.seed)
+    model = GPT(config, "triton" if backend == "triton" else "reference").to(device)  # float32 weights
+    optimizer = make_optimizer(model, cfg, device)
+    scaler = torch.amp.GradScaler(
+        device,
+        init_scale=cfg.loss_scale,
+        growth_interval=cfg.loss_scale_window,
+        enabled=cfg.precision == "fp16",
+    )
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
+    loss_fn = model.loss
+    if backend == "reference-compile":
+        # On a CPU, aot_eager: dynamo and AOTAutograd capture the model as on a GPU, without
+        # Inductor's C++ code generation (25 s for the tiny preset on two cores), which is not
+        # what a GPU runs anyway.
+        loss_fn = suite.compiled(model.loss, backend="inductor" if device == "cuda" else "aot_eager")()
+    seq_len = cfg.seq_len or config.block_size
+    x = torch.randint(config.vocab_size, (cfg.batch_size, seq_len), device=device)  # (B, T)
+    y = torch.randint(config.vocab_size, (cfg.batch_size, seq_len), device=device)  # (B, T)
+
+    def step() -> tuple[torch.Tensor, bool]:
+        loss_sum = torch.zeros((), device=device)
+        for _ in range(cfg.grad_accum):
+            with torch.autocast(device, dtype) if dtype else contextlib.nullcontext():
+                loss = loss_fn(x, y) / cfg.grad_accum
+            scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        _, skipped = optimizer_step(model, optimizer, scaler, cfg.grad_clip)
+        return loss_sum, skipped
+
+    return step
+
+
+def flops_per_token(config: GPTConfig, seq_len: int) -> int:
+    """Training FLOPs per token of the model at seq_len (GPT.flops_per_token, on the meta device)."""
+    with torch.device("meta"):
+        return GPT(config).flops_per_token(seq_len)
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics
+# ----------------------------------------------------------------------------------------------
+
+
+def tokens_per_second(step_ms: float, tokens_per_step: int) -> float:
+    return tokens_per_step / (step_ms * 1e-3)
+
+
+def model_flops_utilization(tokens_per_s: float, flops_per_token: int, peak: float | None) -> float | None:
+    """MFU: achieved training FLOP/s over the device's dense peak FLOP/s (None when it is unknown)."""
+    return tokens_per_s * flops_per_token / peak if peak else None
+
+
+def case_params(cfg: TrainConfig, config: GPTConfig) -> dict:
+    """The shape of a training step, in numbers (the suite's tables, plots and gates take numbers)."""
+    return {
+        "layers": config.n_layer,
+        "d_model": config.d_model,
+        "batch": cfg.batch_size,
+        "seq_len": cfg.seq_len or config.block_size,
+        "grad_accum": cfg.grad_accum,
+    }
+
+
+def step_result(
+    cfg: TrainConfig,
+    config: GPTConfig,
+    backend: str,
+    times_ms: list[float],
+    peak_memory_bytes: int,
+    skipped_steps: int,
+    loss: float,
+    peak: float | None,
+) -> suite.Result:
+    """A backend's timed steps as a bench-suite result, the training metrics in ``extra``."""
+    seq_len = cfg.seq_len or config.block_size
+    tokens_per_step = cfg.batch_size * seq_len * cfg.grad_accum
+    per_token = flops_per_token(config, seq_len)
+    q1_ms, median_ms, q3_ms = statistics.quantiles(times_ms, n=4, method="inclusive")
+    tokens_per_s = tokens_per_second(median_ms, tokens_per_step)
+    implementation = IMPLEMENTATIONS[backend]
+    result = suite.Result(
+        KERNEL, case_params(cfg, config), "forward+backward", implementation, "flop",
+        per_token * tokens_per_step, median_ms, q1_ms, q3_ms, len(times_ms),
+        # A step of ours whose loss is inf or NaN fails every gate.
+        correct=math.isfinite(loss) if implementation == "ours" else None,
+    )  # fmt: skip
+    result.extra = {
+        "backend": backend,
+        "preset": cfg.preset,
+        "precision": cfg.precision,
+        "tokens_per_step": tokens_per_step,
+        "flops_per_token": per_token,
+        "tokens_per_s": tokens_per_s,
+        "mfu": model_flops_utilization(tokens_per_s, per_token, peak),
+        "peak_flops": peak,
+        "peak_memory_bytes": peak_memory_bytes,
+        "skipped_steps": skipped_steps,
+        "loss": loss,
+    }
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# On the GPU
+# ----------------------------------------------------------------------------------------------
+
+
+def time_steps(
+    step: Callable[[], tuple[torch.Tensor, bool]], warmup: int, steps: int, seconds: float | None
+) -> tuple[list[float], int, int, float]:
+    """GPU times (ms) of up to ``steps`` steps after ``warmup`` untimed ones, stopping after
+    ``seconds`` (at least 2 steps); returns (times, peak memory in bytes, skipped steps, last loss)."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    starts, ends, skipped = [], [], 0
+    begin = time.perf_counter()  # only to stop on the budget; every time reported is from events
+    while len(starts) < steps:
+        starts.append(torch.cuda.Event(enable_timing=True))
+        ends.append(torch.cuda.Event(enable_timing=True))
+        starts[-1].record()
+        loss, was_skipped = step()
+        ends[-1].record()
+        skipped += was_skipped
+        if seconds is not None and len(starts) >= 2 and time.perf_counter() - begin > seconds:
+            break
+    torch.cuda.synchronize()
+    times = [start.elapsed_time(end) for start, end in zip(starts, ends, strict=True)]
+    return times, torch.cuda.max_memory_allocated(), skipped, loss.item()
+
+
+def measure(
+    cfg: TrainConfig, config: GPTConfig, backend: str, warmup: int, steps: int, seconds: float | None
+) -> suite.Result:
+    """One backend's result on the current GPU; frees its model, optimizer and compiled graphs after."""
+    step = None
+    try:
+        host_start = time.perf_counter()
+        step = make_step(cfg, config, backend, "cuda")
+        times, memory, skipped, loss = time_steps(step, warmup, steps, seconds)
+        result = step_result(
+            cfg, config, backend, times, memory, skipped, loss, peak_flops("cuda", cfg.peak_tflops)
+        )
+        # Printed now, so that a run stopped by a time limit still shows the backends it finished.
+        print(
+            f"  {backend}: {len(times)} steps timed after {warmup} warm-up steps "
+            f"({time.perf_counter() - host_start:.0f} s in all): median {result.median_ms:.2f} ms, "
+            f"{result.extra['tokens_per_s']:,.0f} tokens/s"
+        )
+        return result
+    finally:
+        del step  # the model and optimizer, before the cache is emptied for the next backend
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def format_table(results: list[suite.Result]) -> str:
+    """A row per backend: step time, tokens/s, TFLOP/s, MFU, fraction of matmul, memory, speedups."""
+    others = [r.extra["backend"] for r in results if r.implementation != "ours"]
+    columns = ("backend", "step ms", "q1-q3 ms", "tokens/s", "TFLOP/s", "MFU", "of matmul", "peak GiB",
+               "skipped", *(f"vs {name}" for name in others))  # fmt: skip
+    rows = [columns]
+    for r in results:
+        x = r.extra
+        speedups = [r.speedups.get(IMPLEMENTATIONS[name]) for name in others]
+        rows.append((
+            x["backend"], f"{r.median_ms:.2f}", f"{r.q1_ms:.2f}-{r.q3_ms:.2f}", f"{x['tokens_per_s']:,.0f}",
+            f"{r.throughput:.1f}", "" if x["mfu"] is None else f"{x['mfu']:.1%}", f"{r.ceiling_fraction:.1%}",
+            f"{x['peak_memory_bytes'] / 2**30:.2f}", str(x["skipped_steps"]),
+            *("" if s is None else f"{s:.2f}x" for s in speedups),
+        ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
+    device = torch.device("cuda", torch.cuda.current_device())
+    machine = timing.machine_info(device)
+    versions = f"CUDA {machine['cuda_runtime']}  torch {machine['torch']}  triton {machine['triton']}"
+    print(f"{machine['gpu']}  {versions}")
+    ceilings = {"matmul_tflops": timing.matmul_tflops(device)}
+    peak = peak_flops("cuda", cfg.peak_tflops)
+    peak_text = "unknown (--peak-tflops)" if peak is None else f"{peak / 1e12:.0f} TFLOP/s"
+    print(
+        f"ceilings: float16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s measured, dense peak {peak_text}"
+    )
+    seq_len = cfg.seq_len or config.block_size
+    print(
+        f"{cfg.preset} in {cfg.precision}: {cfg.batch_size} x {seq_len} tokens x {cfg.grad_accum} per step, "
+        f"{flops_per_token(config, seq_len) / 1e9:.3f} GFLOP per token; one fixed batch on the GPU "
+        "(data loading not measured)"
+    )
+    budget = args.seconds / len(args.backends) if args.seconds else None
+    results = []
+    for backend in args.backends:
+        try:
+            results.append(measure(cfg, config, backend, args.warmup, args.steps, budget))
+        except torch.cuda.OutOfMemoryError:
+            print(f"  {backend}: out of memory at this batch size; no result")
+    suite.add_metrics(results, ceilings)
+    print("\n" + format_table(results) + "\n")
+    for r in results:
+        x = r.extra
+        mfu = "" if x["mfu"] is None else f", MFU {x['mfu']:.1%}"
+        print(
+            f"{KERNEL} {cfg.preset} {cfg.precision} {x['backend']}: {x['tokens_per_s']:,.0f} tokens/s{mfu}, "
+            f"peak memory {x['peak_memory_bytes'] / 2**30:.2f} GiB"
+        )
+    verdicts = suite.evaluate_gates(results, suite.load_gates())
+    out = args.out or suite.results_dir(machine["gpu"])
+    out.mkdir(parents=True, exist_ok=True)
+    suite.write_json(out / "train.json", machine, ceilings, results, verdicts)
+    print(f"\nwrote {out / 'train.json'}")
+    failed = [v for v in verdicts if not v.passed]
+    if verdicts:
+        print(f"gates: {len(verdicts) - len(failed)} of {len(verdicts)} passed")
+        for verdict in verdicts:
+            print("  " + verdict.describe())
+    return 1 if args.gate and failed else 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Without a GPU
+# ----------------------------------------------------------------------------------------------
+
+
+def cpu_losses(backends, precision: str) -> dict[str, list[float]]:
+    """The losses of CPU_STEPS training steps of the tiny preset on the CPU, per backend, one seed."""
+    cfg = TrainConfig(preset="tiny", batch_size=CPU_BATCH, precision=precision)
+    config = preset("tiny")
+    losses = {}
+    for backend in backends:
+        step = make_step(cfg, config, backend, "cpu")
+        losses[backend] = [step()[0].item() for _ in range(CPU_STEPS)]
+    return losses
+
+
+def cpu_main(args) -> int:
+    print(
+        f"No CUDA device: timing needs a GPU. Checking the harness instead: {CPU_STEPS} training steps of\n"
+        f"the tiny preset ({CPU_BATCH} x 64 tokens) in {args.precision} on the CPU on each backend, from one "
+        "seed.\nNo timings; --preset, --batch-size, --seq-len, --grad-accum, --steps and --seconds do not "
+        "apply."
+    )
+    if "triton" in args.backends and not runtime.INTERPRET:
+        print("(TRITON_INTERPRET unset: the triton backend's fused layers run their float32 reference)")
+    losses = cpu_losses(args.backends, args.precision)
+    width = max(map(len, losses))
+    for backend, values in losses.items():
+        print(f"  {backend:<{width}}  losses " + " -> ".join(f"{v:.4f}" for v in values))
+    finite = all(math.isfinite(v) for values in losses.values() for v in values)
+    print("harness ok: every loss is finite" if finite else "FAIL: a loss is inf or NaN")
+    return 0 if finite else 1
+
+
+# ----------------------------------------------------------------------------------------------
+# The bench suite's family interface (bench/__main__.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def cases(quick: bool) -> list[suite.Case]:
+    """The training step of each SUITE_CASES preset in fp16 on every backend (quick: the first)."""
+    result = []
+    for name, batch in SUITE_CASES[:1] if quick else SUITE_CASES:
+        cfg, config = TrainConfig(preset=name, batch_size=batch, precision="fp16"), preset(name)
+        work = flops_per_token(config, config.block_size) * batch * config.block_size
+        for backend in BACKENDS:
+            result.append(
+                suite.Case(
+                    KERNEL, case_params(cfg, config), "forward+backward", IMPLEMENTATIONS[backend], work,
+                    "flop", setup=functools.partial(make_step, cfg, config, backend, "cuda"),
+                )
+            )  # fmt: skip
+    return result
+
+
+def interpreter_checks() -> list[tuple[str, dict, bool]]:
+    """Each backend's fp32 losses over CPU_STEPS steps of the tiny preset against the reference's."""
+    losses = cpu_losses(BACKENDS, "fp32")
+    checks = []
+    for backend in (b for b in BACKENDS if b != "reference"):
+        error = max(abs(a - b) for a, b in zip(losses[backend], losses["reference"], strict=True))
+        label = f"{KERNEL} tiny fp32, {CPU_STEPS} steps: {backend} against reference"
+        checks.append((label, {"loss": error}, error <= LOSS_TOLERANCE))
+    return checks
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, TrainConfig, GPTConfig]:
+    parser = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="gpt2-124m", choices=PRESETS)
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence; default: the preset's block size")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--precision", default="fp16", choices=("fp16", "bf16", "fp32"))
+    parser.add_argument("--backends", nargs="+", default=BACKENDS[:2], choices=BACKENDS)
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps per backend")
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per backend, at most")
+    parser.add_argument(
+        "--seconds", type=float, help="stop timing after this, shared equally by the backends"
+    )
+    parser.add_argument(
+        "--peak-tflops", type=float, help="dense fp16/bf16 peak for MFU; default: by GPU name"
+    )
+    parser.add_argument(
+        "--out", type=Path, help="directory for train.json; default bench/results/<date>-<gpu>"
+    )
+    parser.add_argument("--gate", action="store_true", help="exit 1 if triton misses a train_step gate")
+    args = parser.parse_args(argv)
+    if args.warmup < 0 or args.steps < 2 or (args.seconds is not None and args.seconds <= 0):
+        parser.error("--warmup must be at least 0, --steps at least 2 and --seconds positive")
+    args.backends = list(dict.fromkeys(args.backends))
+    try:
+        cfg = TrainConfig(
+            preset=args.preset, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
+            precision=args.precision, peak_tflops=args.peak_tflops,
+        )  # fmt: skip
+    except ValueError as e:
+        parser.error(str(e))
+    config = preset(cfg.preset)
+    if (cfg.seq_len or config.block_size) > config.block_size:
+        parser.error(f"--seq-len {cfg.seq_len} exceeds {cfg.preset}'s block size {config.block_size}")
+    return args, cfg, config
+
+
+def main(argv=None) -> int:
+    args, cfg, config = parse_args(argv)
+    return gpu_main(args, cfg, config) if torch.cuda.is_available() else cpu_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
