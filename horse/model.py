@@ -14,6 +14,12 @@ Backend ``"reference"`` runs the same weights on plain torch modules (``nn.Layer
 ``nn.RMSNorm``, SDPA, nn.Linear, unfused adds). Parameter names are the same on both, so a state
 dict loads either way.
 
+Tensor parallelism (``GPT(config, backend, parallel)`` with ``parallel.tp_size > 1``, the machinery
+in ``horse.parallel``): each rank holds its slice of the embedding (vocabulary rows), of attention
+(heads) and of the MLP (hidden units) under the parameter names of tp=1, and returns its slice of
+the logits; ``GPT.loss`` is the whole model's loss on every rank. With sequence parallelism the
+residual stream and the norms run on (B, T / tp, C) chunks between the attention and MLP branches.
+
     python -m horse.model        # the presets: parameters and training FLOPs per token
 """
 
@@ -28,6 +34,15 @@ from torch import nn
 
 import kernels
 from horse.layers import FusedLayerNorm, FusedRMSNorm
+from horse.parallel import (
+    Parallel,
+    column_parallel_input,
+    row_parallel_linear,
+    shard_parameters,
+    split_sequence,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
+)
 
 BACKENDS = ("triton", "reference")
 
@@ -218,17 +233,21 @@ class KVCache:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig, backend: str):
+    def __init__(self, config: GPTConfig, backend: str, parallel: Parallel | None = None):
         super().__init__()
-        self.backend = backend
-        self.n_head, self.n_kv_heads, self.head_dim = config.n_head, config.kv_heads, config.head_dim
+        self.backend, self.parallel = backend, parallel or Parallel()
+        # This rank's heads. Built whole, c_attn and c_proj are sliced to them by GPT (shard_parameters).
+        self.n_head = config.n_head // self.parallel.tp_size
+        self.n_kv_heads = config.kv_heads // self.parallel.tp_size
+        self.head_dim = config.head_dim
         # Names and the [q heads | k heads | v heads] layout of horse.layers.FusedSelfAttention.
         qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_dim
         self.c_attn = nn.Linear(config.d_model, qkv_width, bias=config.bias)
         self.c_proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
 
     def forward(self, x, rope, cache: KVCache | None, layer: int) -> torch.Tensor:
-        B, T, C = x.shape
+        x = column_parallel_input(x, self.parallel)  # (B, T, C): the whole sequence on every tp rank
+        B, T, _ = x.shape
         q, k, v = self.c_attn(x).split(
             [self.n_head * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim],
             dim=-1,
@@ -244,13 +263,13 @@ class CausalSelfAttention(nn.Module):
             y = kernels.flash_attention(q, k, v, causal=True)  # (B, T, n_head, hd)
         else:
             y = causal_attention(q, k, v)
-        return self.c_proj(y.reshape(B, T, C))
+        return row_parallel_linear(self.c_proj, y.reshape(B, T, self.n_head * self.head_dim), self.parallel)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig, backend: str):
+    def __init__(self, config: GPTConfig, backend: str, parallel: Parallel | None = None):
         super().__init__()
-        self.backend = backend
+        self.backend, self.parallel = backend, parallel or Parallel()
         # The parameter names of horse.layers.FusedMLP: GPT-2's, or LLaMA's (no biases) for swiglu.
         self.swiglu = config.mlp == "swiglu"
         d, hidden = config.d_model, config.hidden
@@ -263,15 +282,27 @@ class MLP(nn.Module):
             self.c_proj = nn.Linear(hidden, d, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if runs_half_kernels(self.backend, x):
+        half = runs_half_kernels(self.backend, x)
+        if half and self.parallel.tp_size == 1:
             if self.swiglu:
                 weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
                 return kernels.fused_gated_mlp(x, *weights, activation="silu")
             fc, proj = self.c_fc, self.c_proj
             return kernels.fused_mlp(x, fc.weight, fc.bias, proj.weight, proj.bias, activation="gelu_tanh")
-        if self.swiglu:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, hidden) inside
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # (B, T, hidden) inside
+        # At tp > 1 the ranks' partial sums of the down projection are added before its bias, so
+        # the up projection (activation fused) and the down projection run as two calls.
+        x = column_parallel_input(x, self.parallel)  # (B, T, C): the whole sequence on every tp rank
+        if self.swiglu:  # (B, T, hidden / tp) inside
+            if half:
+                h = kernels.gated_linear(x, self.gate_proj.weight, self.up_proj.weight, activation="silu")
+            else:
+                h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+            return row_parallel_linear(self.down_proj, h, self.parallel)
+        if half:
+            h = kernels.linear_act(x, self.c_fc.weight, self.c_fc.bias, activation="gelu_tanh")
+        else:
+            h = F.gelu(self.c_fc(x), approximate="tanh")
+        return row_parallel_linear(self.c_proj, h, self.parallel)
 
 
 def make_norm(config: GPTConfig, backend: str) -> nn.Module:
@@ -295,15 +326,16 @@ def add_norm(norm: nn.Module, x: torch.Tensor, h: torch.Tensor | None) -> tuple[
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig, backend: str):
+    def __init__(self, config: GPTConfig, backend: str, parallel: Parallel):
         super().__init__()
         self.norm_1 = make_norm(config, backend)
-        self.attn = CausalSelfAttention(config, backend)
+        self.attn = CausalSelfAttention(config, backend, parallel)
         self.norm_2 = make_norm(config, backend)
-        self.mlp = MLP(config, backend)
+        self.mlp = MLP(config, backend, parallel)
 
     def forward(self, x, h, rope, cache: KVCache | None, layer: int):
-        """x (B, T, C): the previous branch output, not yet added to the stream h (B, T, C)."""
+        """x (B, T, C): the previous branch output, not yet added to the stream h (B, T, C); both
+        (B, T / tp, C) under sequence parallelism."""
         y, h = add_norm(self.norm_1, x, h)
         y, h = add_norm(self.norm_2, self.attn(y, rope, cache, layer), h)
         return self.mlp(y), h
@@ -315,18 +347,25 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig, backend: str = "reference"):
+    """The GPT; with ``parallel`` (tp_size > 1) this rank's tensor-parallel shard of it.
+
+    The shard is made from the whole model: built and initialised as at tp=1 (on the default
+    device, from the global RNG), then sliced (``horse.parallel.shard_parameters``), so that tp=1
+    and tp=N start identical from the same seed, at the cost of holding the whole model briefly.
+    """
+
+    def __init__(self, config: GPTConfig, backend: str = "reference", parallel: Parallel | None = None):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"GPT: backend must be one of {BACKENDS}, got {backend!r}")
-        self.config, self.backend = config, backend
+        self.config, self.backend, self.parallel = config, backend, parallel or Parallel()
         self.wte = nn.Embedding(config.vocab_size, config.d_model)
         self.wpe = nn.Embedding(config.block_size, config.d_model) if config.positions == "learned" else None
         if config.positions == "rotary":  # not persistent: derived from the config, not learned
             cos, sin = rotary_tables(config)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
-        self.blocks = nn.ModuleList(Block(config, backend) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, backend, self.parallel) for _ in range(config.n_layer))
         self.norm_f = make_norm(config, backend)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
@@ -334,6 +373,8 @@ class GPT(nn.Module):
             # 1/sqrt(number of residual adds), so the stream's variance does not grow with depth.
             if name.endswith(("c_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        if self.parallel.tp_size > 1:
+            shard_parameters(self, self.parallel)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -343,44 +384,56 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """idx (B, T) token ids -> logits (B, T, vocab_size). With a cache, idx continues the
-        cached tokens, and its keys and values are appended to the cache."""
+        """idx (B, T) token ids -> logits (B, T, vocab_size), at tp > 1 this rank's vocabulary
+        columns (B, T, vocab_size / tp). With a cache (tp=1 only), idx continues the cached
+        tokens, and its keys and values are appended to the cache."""
         B, T = idx.shape
+        if cache is not None and self.parallel.tp_size > 1:
+            raise ValueError(
+                "GPT: the KV cache (generation) runs at tp=1 only; gather the shards into a whole "
+                "model first (horse.parallel.gather_state_dicts)"
+            )
         start = cache.length if cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(
                 f"GPT: {start + T} positions (cached {start} + input {T}) exceed "
                 f"block_size {self.config.block_size}"
             )
-        x = self.wte(idx)  # (B, T, C)
+        x = vocab_parallel_embedding(idx, self.wte.weight, self.parallel)  # (B, T, C): self.wte(idx) at tp=1
         rope = None
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(start, start + T, device=idx.device))  # (T, C) broadcast over B
         else:
             rope = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # (T, hd/2) each
+        x = split_sequence(x, self.parallel)  # (B, T / tp, C) under sequence parallelism
         h = None
         for layer, block in enumerate(self.blocks):
             x, h = block(x, h, rope, cache, layer)
         y, _ = add_norm(self.norm_f, x, h)
         if cache is not None:
             cache.length += T
-        return F.linear(y, self.wte.weight)  # (B, T, vocab_size)
+        return F.linear(column_parallel_input(y, self.parallel), self.wte.weight)  # (B, T, vocab_size / tp)
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of next-token prediction; idx, targets (B, T)."""
+        """Mean cross-entropy of next-token prediction; idx, targets (B, T). At tp > 1 computed on
+        the vocabulary shards of the logits (never gathered), the same value on every tp rank."""
         logits = self(idx)
+        if self.parallel.tp_size > 1:
+            return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.parallel)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def num_params(self) -> int:
-        """Parameters, the tied embedding / LM head counted once."""
+        """Parameters (this rank's, at tp > 1), the tied embedding / LM head counted once."""
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at sequence length seq_len: 6·N (forward and backward of every
         matmul; N leaves out the position table, a lookup, but keeps the token embedding, which is
-        also the LM head) plus 12·n_layer·d_model·seq_len for attention's scores and weighted sum."""
+        also the LM head) plus 12·n_layer·d_model·seq_len for attention's scores and weighted sum.
+        At tp > 1 this rank's share: its parameters, its 1/tp of the heads."""
         n = self.num_params() - (self.wpe.weight.numel() if self.wpe is not None else 0)
-        return 6 * n + 12 * self.config.n_layer * self.config.d_model * seq_len
+        attention = 12 * self.config.n_layer * self.config.d_model * seq_len // self.parallel.tp_size
+        return 6 * n + attention
 
 
 def num_params(config: GPTConfig) -> int:

@@ -8,16 +8,41 @@ How the GPT's parameters are split over tp ranks (``shard_spec``): the token emb
 head) by vocabulary rows; attention by heads (c_attn's rows, in q, k and v parts; c_proj's
 columns); the MLP's first projection by output rows, its second by input columns; norms, the
 position table and the biases added after a row-parallel projection are replicated.
+
+How a block runs on them: the whole input goes to every rank (``column_parallel_input``), each
+rank computes its heads and its slice of the MLP's hidden units, and the row-parallel projection
+that closes the branch sums the ranks' partial outputs (``row_parallel_linear``): one all-reduce
+per branch forward, one per branch backward. The conjugate pairs that do it, after Megatron:
+
+    copy_to_tp                   identity            | all-reduce         (column-parallel input)
+    reduce_from_tp               all-reduce          | identity           (row-parallel output)
+    gather_from_sequence         all-gather, dim 1   | reduce-scatter     (sequence parallelism)
+    reduce_scatter_to_sequence   reduce-scatter      | all-gather
+    scatter_to_sequence          this rank's chunk   | all-gather
+
+Sequence parallelism swaps the all-reduces for a reduce-scatter and an all-gather (the same
+bytes) and keeps the residual stream, the norms and the adds on (B, T / tp, C) between the
+branches, so they cost 1/tp of the time and activation memory. The logits stay split by
+vocabulary: ``vocab_parallel_cross_entropy`` computes the loss from the shards without gathering
+them. Every function takes its process group from the ``Parallel`` it is given; nothing is global.
 """
+
+from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812 (the name every PyTorch reader knows)
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from horse.model import GPTConfig
+if TYPE_CHECKING:  # horse.model imports this module
+    from collections.abc import Iterable
+
+    from horse.model import GPT, GPTConfig
 
 
 @dataclass(frozen=True)
@@ -81,6 +106,24 @@ def init_from_env(tp: int = 1, sequence_parallel: bool = False, device_type: str
 # How parameters are sharded, and resharding whole state dicts
 # ----------------------------------------------------------------------------------------------
 
+# The parameters split over tp ranks, by the end of their names (so any wrapper's prefix, DDP's
+# "module." or torch.compile's "_orig_mod.", is ignored): by rows (dim 0) or by input columns (dim 1).
+SPLIT_ROWS = (
+    "wte.weight",
+    "attn.c_attn.weight",
+    "attn.c_attn.bias",
+    "mlp.c_fc.weight",
+    "mlp.c_fc.bias",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+)
+SPLIT_COLUMNS = ("attn.c_proj.weight", "mlp.c_proj.weight", "mlp.down_proj.weight")
+
+
+def is_sharded(name: str) -> bool:
+    """Whether parameter ``name`` is split over tp ranks (each rank holds a different slice)."""
+    return name.endswith(SPLIT_ROWS + SPLIT_COLUMNS)
+
 
 def check_divisible(config: GPTConfig, tp: int) -> None:
     """Raise, naming the field, unless every tensor-parallel dimension of config splits over tp."""
@@ -99,19 +142,16 @@ def shard_spec(name: str, config: GPTConfig) -> tuple[int, list[int]] | None:
     """How the parameter (or its optimizer state) ``name`` splits over tp ranks: (dim, parts), or
     None for replicated. parts are consecutive sections along dim that are split separately (each
     rank takes 1/tp of every part, in order): c_attn's q, k and v rows; one part otherwise."""
-    leaf = name.removeprefix("module.")  # a DDP-wrapped model's names
-    if leaf == "wte.weight":
-        return 0, [config.vocab_size]
-    if ".attn.c_attn." in leaf:
+    if not is_sharded(name):
+        return None
+    if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
         q, kv = config.n_head * config.head_dim, config.kv_heads * config.head_dim
         return 0, [q, kv, kv]
-    if leaf.endswith(("mlp.c_fc.weight", "mlp.c_fc.bias", "gate_proj.weight", "up_proj.weight")):
-        return 0, [config.hidden]
-    if leaf.endswith(("attn.c_proj.weight",)):
+    if name.endswith("wte.weight"):
+        return 0, [config.vocab_size]
+    if name.endswith("attn.c_proj.weight"):
         return 1, [config.d_model]
-    if leaf.endswith(("mlp.c_proj.weight", "down_proj.weight")):
-        return 1, [config.hidden]
-    return None
+    return (0 if name.endswith(SPLIT_ROWS) else 1), [config.hidden]  # the MLP's hidden units
 
 
 def shard(full: torch.Tensor, spec: tuple[int, list[int]] | None, rank: int, size: int) -> torch.Tensor:
@@ -143,3 +183,319 @@ def shard_state_dict(full: dict, config: GPTConfig, rank: int, size: int) -> dic
 def gather_state_dicts(shards: list[dict], config: GPTConfig) -> dict:
     """The whole model's state dict from every tp rank's shard, in rank order."""
     return {name: unshard([s[name] for s in shards], shard_spec(name, config)) for name in shards[0]}
+
+
+def shard_parameters(model: nn.Module, parallel: Parallel) -> None:
+    """Replace every tensor-parallel parameter of a GPT, initialised whole, by this rank's slice.
+
+    Initialising whole then slicing (Megatron's way) makes tp=1 and tp=N start from the same
+    weights for the same seed. The cost: each rank holds the whole model once, briefly, in float32
+    on the device it was built on (4 bytes a parameter: 6 GB for GPT-2 1.5B, per rank).
+    """
+    check_divisible(model.config, parallel.tp_size)
+    for name, p in list(model.named_parameters()):
+        spec = shard_spec(name, model.config)
+        if spec is None:
+            continue
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        setattr(module, leaf, nn.Parameter(shard(p.detach(), spec, parallel.tp_rank, parallel.tp_size)))
+        if isinstance(module, nn.Linear):  # keep the modules' printed sizes true
+            module.out_features, module.in_features = module.weight.shape
+        elif isinstance(module, nn.Embedding):
+            module.num_embeddings = module.weight.shape[0]
+
+
+def build_model(
+    config: GPTConfig, backend: str, parallel: Parallel, device: str | torch.device, seed: int
+) -> GPT:
+    """This rank's shard of a GPT freshly initialised from ``seed``, on ``device``: for every tp
+    size, the slices of the one model that tp=1 builds from that seed.
+
+    The whole model is initialised in float32 on the CPU after ``torch.manual_seed(seed)`` (so the
+    weights depend on neither the device nor its RNG), sliced (``shard_parameters``) and then
+    moved. The cost: every rank holds the whole model once, briefly, in host memory (4 bytes a
+    parameter: 6 GB for GPT-2 1.5B, per rank, so 8 tp ranks of a node need 48 GB together).
+    """
+    from horse.model import GPT  # here, not at the top: horse.model imports this module
+
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = GPT(config, backend, parallel)
+    return model.to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Collectives, and the conjugate autograd functions on them
+# ----------------------------------------------------------------------------------------------
+
+# Renamed in torch 2.13 (the old names warn there); torch 2.6 has only the old ones. Gloo (the CPU
+# tests) has reduce-scattered since torch 2.3, as an all-reduce inside: one code path serves both.
+_all_gather_tensor = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    # A copy: autograd may hand the same gradient tensor to several consumers.
+    x = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(B, T/tp, ...) from each rank -> (B, T, ...), the ranks' chunks in order along dim 1."""
+    x = x.movedim(1, 0).contiguous()  # (T/tp, B, ...): the collectives concatenate along dim 0
+    out = x.new_empty((_size(group) * x.shape[0], *x.shape[1:]))
+    _all_gather_tensor(out, x, group=group)
+    return out.movedim(0, 1).contiguous()
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(B, T, ...) partial sums on each rank -> this rank's (B, T/tp, ...) of their sum."""
+    x = x.movedim(1, 0).contiguous()  # (T, B, ...)
+    out = x.new_empty((x.shape[0] // _size(group), *x.shape[1:]))
+    _reduce_scatter_tensor(out, x, group=group)
+    return out.movedim(0, 1).contiguous()
+
+
+def _chunk_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's chunk (B, T/tp, ...) of x (B, T, ...)."""
+    return x.chunk(_size(group), dim=1)[dist.get_rank(group)].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _all_reduce(dy, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _reduce_scatter_sequence(dy, ctx.group), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _all_gather_sequence(dy, ctx.group), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _chunk_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _all_gather_sequence(dy, ctx.group), None
+
+
+def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """x, whose gradient is summed over the group: x feeds every rank's shard of the next layer."""
+    return x if _size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The sum of every rank's x (partial products); the gradient passes through unchanged."""
+    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """(B, T/tp, ...) sequence chunks -> the whole (B, T, ...) on every rank; backward reduce-scatters."""
+    return x if _size(group) == 1 else _GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """(B, T, ...) partial sums -> this rank's chunk (B, T/tp, ...) of their sum; backward all-gathers."""
+    return x if _size(group) == 1 else _ReduceScatterToSequence.apply(x, group)
+
+
+def scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """(B, T, ...), the same on every rank -> this rank's chunk (B, T/tp, ...); backward all-gathers."""
+    return x if _size(group) == 1 else _ScatterToSequence.apply(x, group)
+
+
+# ----------------------------------------------------------------------------------------------
+# The tensor-parallel layers the GPT calls (identities, or the plain layer, at tp=1)
+# ----------------------------------------------------------------------------------------------
+
+
+def split_sequence(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
+    """Under sequence parallelism this rank's chunk (B, T/tp, C) of x (B, T, C); x otherwise."""
+    if not parallel.sequence_parallel:
+        return x
+    if x.shape[1] % parallel.tp_size:
+        raise ValueError(
+            f"sequence parallelism: tensor parallel size {parallel.tp_size} must divide the "
+            f"sequence length {x.shape[1]}"
+        )
+    return scatter_to_sequence(x, parallel.tp_group)
+
+
+def column_parallel_input(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
+    """The input (B, T, C) of a projection split by output rows, whole on every tp rank: gathered
+    from the sequence chunks (B, T/tp, C) under sequence parallelism; else x, its gradient summed."""
+    if parallel.sequence_parallel:
+        return gather_from_sequence(x, parallel.tp_group)
+    return copy_to_tp(x, parallel.tp_group)
+
+
+def row_parallel_linear(linear: nn.Linear, x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
+    """``linear(x)`` for a projection split by input columns: x (B, T, in/tp) -> (B, T, out), or
+    this rank's chunk (B, T/tp, out) under sequence parallelism. The ranks' partial products are
+    summed, then the replicated bias is added once."""
+    if parallel.tp_size == 1:
+        return linear(x)
+    y = F.linear(x, linear.weight)
+    if parallel.sequence_parallel:
+        y = reduce_scatter_to_sequence(y, parallel.tp_group)
+    else:
+        y = reduce_from_tp(y, parallel.tp_group)
+    return y if linear.bias is None else y + linear.bias.to(y.dtype)  # in the compute dtype, as nn.Linear
+
+
+def vocab_parallel_embedding(idx: torch.Tensor, weight: torch.Tensor, parallel: Parallel) -> torch.Tensor:
+    """``F.embedding(idx, whole_weight)`` from this rank's rows: weight (V/tp, C) holds ids
+    [rank·V/tp, (rank+1)·V/tp). idx (B, T) -> (B, T, C): each rank looks up its own ids (zeros
+    elsewhere) and the ranks' lookups are summed."""
+    if parallel.tp_size == 1:
+        return F.embedding(idx, weight)
+    rows = weight.shape[0]
+    local = idx - parallel.tp_rank * rows
+    elsewhere = (local < 0) | (local >= rows)  # (B, T): ids another rank holds
+    x = F.embedding(local.masked_fill(elsewhere, 0), weight).masked_fill(elsewhere[..., None], 0.0)
+    return reduce_from_tp(x, parallel.tp_group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross entropy from logits split by vocabulary columns, in float32.
+
+    loss = log Σ_v exp(z_v - m) - (z_target - m), m the row max: the max, the sum of exponentials
+    and the target's logit are each reduced over tp ranks, so no rank sees the whole (N, V) logits.
+    Backward: softmax - onehot(target), on this rank's columns.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, rank, group):
+        # logits (N, V/tp): this rank's vocabulary columns; targets (N,): ids in [0, V)
+        columns = logits.shape[-1]
+        row_max = logits.amax(dim=-1).float()  # (N,); the max is exact in any dtype
+        if _size(group) > 1:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits.float() - row_max[:, None]  # (N, V/tp), a new float32 tensor
+        local = targets - rank * columns
+        elsewhere = (local < 0) | (local >= columns)  # targets in another rank's columns
+        local = local.masked_fill(elsewhere, 0)
+        target_logit = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(elsewhere, 0.0)
+        probs = shifted.exp_()
+        stats = torch.stack([probs.sum(dim=-1), target_logit])  # (2, N): one all-reduce for both
+        if _size(group) > 1:
+            dist.all_reduce(stats, group=group)
+        sum_exp, target_logit = stats
+        probs.div_(sum_exp[:, None])  # the softmax over the whole vocabulary, on this rank's columns
+        ctx.save_for_backward(probs, local, elsewhere)
+        ctx.logits_dtype = logits.dtype
+        return sum_exp.log() - target_logit  # (N,)
+
+    @staticmethod
+    def backward(ctx, dloss):
+        probs, local, elsewhere = ctx.saved_tensors
+        onehot = (~elsewhere).to(probs.dtype)[:, None]  # (N, 1): 1 where the target is ours
+        dlogits = probs.scatter_add(1, local[:, None], -onehot) * dloss[:, None]
+        return dlogits.to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, parallel: Parallel
+) -> torch.Tensor:
+    """Mean cross entropy (float32 scalar, the same on every tp rank) of logits (N, V/tp), this
+    rank's vocabulary columns, against targets (N,) in [0, V); equals ``F.cross_entropy`` of the
+    gathered logits, without gathering them."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, parallel.tp_rank, parallel.tp_group).mean()
+
+
+# ----------------------------------------------------------------------------------------------
+# For the trainer: gradients after the backward
+# ----------------------------------------------------------------------------------------------
+
+
+def allreduce_sequence_parallel_grads(model: nn.Module, parallel: Parallel) -> None:
+    """Sum over tp ranks the gradients of the replicated parameters that run on sequence chunks.
+
+    Under sequence parallelism each rank's norms and row-parallel biases see only its chunk of the
+    sequence, so their gradients are partial sums; call this after the backward, before the grad
+    norm and the step. The position table is added before the sequence is split, so its gradient
+    is whole on every rank already. No-op without sequence parallelism.
+    """
+    if not parallel.sequence_parallel:
+        return
+    grads = [
+        p.grad
+        for name, p in model.named_parameters()
+        if p.grad is not None and not is_sharded(name) and not name.endswith("wpe.weight")
+    ]
+    if not grads:
+        return
+    flat = torch.cat([g.flatten() for g in grads])  # one all-reduce, not one per parameter
+    dist.all_reduce(flat, group=parallel.tp_group)
+    for g, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(summed.view_as(g))
+
+
+def global_grad_norm(named_params: Iterable[tuple[str, nn.Parameter]], parallel: Parallel) -> torch.Tensor:
+    """The L2 norm (float32 scalar, the same on every tp rank) of the whole model's gradients,
+    each parameter counted once: the squares of the sharded ones summed over tp ranks, the
+    replicated ones (identical on every tp rank) taken from this rank. Not reduced over dp: DDP has
+    averaged the gradients there already. named_params: ``model.named_parameters()``, of the model
+    or its DDP wrapper; parameters without a gradient are skipped."""
+    sharded, replicated = [], []
+    for name, p in named_params:
+        if p.grad is not None:
+            norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+            (sharded if is_sharded(name) else replicated).append(norm)
+    squares = torch.stack(sharded + replicated).square()
+    sharded_sum = squares[: len(sharded)].sum()
+    if parallel.tp_size > 1:
+        dist.all_reduce(sharded_sum, group=parallel.tp_group)
+    return (sharded_sum + squares[len(sharded) :].sum()).sqrt()
+
+
+def found_nonfinite(flag: torch.Tensor, parallel: Parallel) -> torch.Tensor:
+    """Whether any rank of the world found an inf or NaN: flag (any dtype, nonzero where this rank
+    did, e.g. a GradScaler's found_inf) reduced by max over every rank, so that all of them skip the
+    step or all take it. Returns a bool scalar tensor."""
+    flag = flag.detach().float().amax()  # a new tensor: the caller's flag is left alone
+    if parallel.distributed:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+    return flag > 0
