@@ -352,6 +352,7 @@ class GPT(nn.Module):
     The shard is made from the whole model: built and initialised as at tp=1 (on the default
     device, from the global RNG), then sliced (``horse.parallel.shard_parameters``), so that tp=1
     and tp=N start identical from the same seed, at the cost of holding the whole model briefly.
+    ``horse.parallel.build_model`` does it from a given seed, on the CPU, then moves the shard.
     """
 
     def __init__(self, config: GPTConfig, backend: str = "reference", parallel: Parallel | None = None):

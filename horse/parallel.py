@@ -7,7 +7,9 @@ batches. Launched with torchrun; NCCL on GPUs, gloo on the CPU (the tests).
 How the GPT's parameters are split over tp ranks (``shard_spec``): the token embedding (also the LM
 head) by vocabulary rows; attention by heads (c_attn's rows, in q, k and v parts; c_proj's
 columns); the MLP's first projection by output rows, its second by input columns; norms, the
-position table and the biases added after a row-parallel projection are replicated.
+position table and the biases added after a row-parallel projection are replicated. A rank's
+shard is cut from the whole model initialised from one seed (``build_model``), so every tp size
+starts from the same weights.
 
 How a block runs on them: the whole input goes to every rank (``column_parallel_input``), each
 rank computes its heads and its slice of the MLP's hidden units, and the row-parallel projection
