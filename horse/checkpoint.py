@@ -1,32 +1,56 @@
-"""Checkpoints: one directory per step, written whole or not at all.
+"""Checkpoints: one directory per step, written whole or not at all, one shard per tensor-parallel rank.
 
     OUT/ckpt_0001000/model.safetensors   the float32 master weights; the model config and the
                                          tokenizer's name in the metadata, so the file stands alone
-    OUT/ckpt_0001000/state.pt            optimizer, loss scaler, RNG states, data positions, step and
-                                         train config: plain tensors and containers, so that
-                                         torch.load(weights_only=True) reads it
+    OUT/ckpt_0001000/state.pt            optimizer (keyed by parameter name), loss scaler, RNG
+                                         states, data positions, step and train config: plain
+                                         tensors and containers, so torch.load(weights_only=True)
+                                         reads it
     OUT/ckpt_0001000/tokenizer.json      the BPE tokenizer, when the data had one
+    OUT/ckpt_0001000/manifest.json       the tensor-parallel size and every file above
 
-Each is written under a temporary name and renamed into place once every file is on disk, so a
-run killed mid-write leaves no directory that :func:`latest` would pick up.
+With tensor parallelism each tp rank writes its own shard, ``model-tp01-of-04.safetensors`` and
+``state-tp01-of-04.pt`` (under the unsharded parameter names), and the data-parallel replicas
+of it (dp rank > 0) write nothing. Every file goes into a temporary directory; after a barrier
+rank 0 writes the manifest and renames the directory into place, so a run killed mid-write leaves
+no directory that :func:`latest` would pick up. Across nodes OUT must be a shared file system.
+
+Loading reshards: a checkpoint saved at tp=2 resumes at tp=1 or tp=4 (the weights and AdamW's
+moments, which have the parameters' shapes, are gathered whole and split again). Export writes one
+consolidated file that ``horse.generate`` and ``GPT(config).load_state_dict`` take:
+
+    python -m horse.checkpoint export CKPT_OR_RUN_DIR --out model.safetensors
 """
 
+import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from horse.model import GPTConfig
+from horse.parallel import Parallel, gather_state_dicts, shard, shard_spec, shard_state_dict, unshard
 
-WEIGHTS, STATE = "model.safetensors", "state.pt"
+WEIGHTS, STATE, MANIFEST = "model.safetensors", "state.pt", "manifest.json"
 _NAME = re.compile(r"ckpt_(\d{7,})")
+
+
+def shard_files(tp_rank: int, tp_size: int) -> tuple[str, str]:
+    """(weights, state) file names of tp rank tp_rank's shard; model.safetensors and state.pt at tp=1."""
+    if tp_size == 1:
+        return WEIGHTS, STATE
+    tag = f"tp{tp_rank:02d}-of-{tp_size:02d}"
+    return f"model-{tag}.safetensors", f"state-{tag}.pt"
 
 
 def _fsync(path: Path) -> None:
@@ -37,37 +61,123 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _barrier(parallel: Parallel) -> None:
+    if parallel.distributed:
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizer state by parameter name
+# ----------------------------------------------------------------------------------------------
+# torch's optimizer.state_dict() numbers the parameters by position. Keyed by name instead, the
+# state can be resharded like the weights. (torch.distributed.checkpoint's get_optimizer_state_dict
+# does the same, but first takes a zero-lr step when the state is empty, which would turn a skipped
+# first fp16 step into a counted one.)
+
+
+def _positions(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
+    """optimizer.state_dict() with parameter names in place of positions."""
+    names = _positions(optimizer, model)
+    state = optimizer.state_dict()
+    return {
+        "state": {names[i]: s for i, s in state["state"].items()},
+        "param_groups": [g | {"params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, state: dict) -> None:
+    """Load a state of :func:`optimizer_state` into optimizer (whose parameters are model's)."""
+    index = {name: i for i, name in enumerate(_positions(optimizer, model))}
+    optimizer.load_state_dict(
+        {
+            "state": {index[name]: s for name, s in state["state"].items()},
+            "param_groups": [g | {"params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+        }
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+# ----------------------------------------------------------------------------------------------
+
+
 def save(
     out_dir: str | Path,
     step: int,
     model: nn.Module,
+    optimizer: torch.optim.Optimizer,
     state: dict,
     tokenizer: str,
     tokenizer_file: Path | None = None,
     keep_last: int = 3,
+    parallel: Parallel | None = None,
 ) -> Path:
-    """Write checkpoint ``step`` of model (a horse GPT) and state into out_dir; keep the newest keep_last."""
+    """Write checkpoint ``step`` of model (a horse GPT, or this rank's shard of one), its optimizer
+    and state into out_dir; keep the newest keep_last. Every rank calls it (it holds barriers)."""
+    parallel = parallel or Parallel()
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / f"ckpt_{step:07d}"
     tmp = out_dir / f".{final.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a run killed mid-write
-    tmp.mkdir()
-    weights = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
-    metadata = {"config": json.dumps(dataclasses.asdict(model.config)), "tokenizer": tokenizer}
-    save_file(weights, tmp / WEIGHTS, metadata=metadata)
-    torch.save(state, tmp / STATE)
-    if tokenizer_file is not None:
-        shutil.copyfile(tokenizer_file, tmp / tokenizer_file.name)
-    for f in tmp.iterdir():
-        _fsync(f)
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync(out_dir)
-    for old in complete(out_dir)[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old)
+    if parallel.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a run killed mid-write
+        tmp.mkdir(parents=True)
+    _barrier(parallel)
+    if parallel.dp_rank == 0:  # the other dp ranks hold copies of the same shard
+        weights_file, state_file = shard_files(parallel.tp_rank, parallel.tp_size)
+        weights = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+        metadata = {
+            "config": json.dumps(dataclasses.asdict(model.config)),
+            "tokenizer": tokenizer,
+            "tp_rank": str(parallel.tp_rank),
+            "tp_size": str(parallel.tp_size),
+        }
+        save_file(weights, tmp / weights_file, metadata=metadata)
+        torch.save(state | {"optimizer": optimizer_state(optimizer, model)}, tmp / state_file)
+        for f in (weights_file, state_file):
+            _fsync(tmp / f)
+    _barrier(parallel)
+    if parallel.rank == 0:
+        files = [name for r in range(parallel.tp_size) for name in shard_files(r, parallel.tp_size)]
+        if tokenizer_file is not None:
+            shutil.copyfile(tokenizer_file, tmp / tokenizer_file.name)
+            files.append(tokenizer_file.name)
+        (tmp / MANIFEST).write_text(json.dumps({"step": step, "tp_size": parallel.tp_size, "files": files}))
+        for f in tmp.iterdir():
+            _fsync(f)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync(out_dir)
+        for old in complete(out_dir)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old)
+    _barrier(parallel)  # so that no rank reads the run directory before the rename
     return final
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding and reading
+# ----------------------------------------------------------------------------------------------
+
+
+def _manifest(ckpt: Path) -> dict:
+    """The manifest of checkpoint directory ckpt; for one written before tensor parallelism (no
+    manifest), the two files it always had."""
+    if (ckpt / MANIFEST).is_file():
+        return json.loads((ckpt / MANIFEST).read_text())
+    return {"tp_size": 1, "files": [WEIGHTS, STATE], "legacy": True}
+
+
+def _is_complete(ckpt: Path) -> bool:
+    try:
+        files = _manifest(ckpt)["files"]
+    except (OSError, json.JSONDecodeError, KeyError):
+        return False
+    return all((ckpt / f).is_file() for f in files)
 
 
 def complete(out_dir: str | Path) -> list[Path]:
@@ -75,11 +185,7 @@ def complete(out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return []
-    found = [
-        p
-        for p in out_dir.iterdir()
-        if _NAME.fullmatch(p.name) and (p / WEIGHTS).is_file() and (p / STATE).is_file()
-    ]
+    found = [p for p in out_dir.iterdir() if _NAME.fullmatch(p.name) and _is_complete(p)]
     return sorted(found, key=lambda p: int(_NAME.fullmatch(p.name).group(1)))
 
 
@@ -90,24 +196,40 @@ def latest(out_dir: str | Path) -> Path | None:
 
 
 def resolve(path: str | Path) -> Path:
-    """A checkpoint directory, or the newest complete one in a run's output directory."""
+    """A checkpoint: a checkpoint directory, the newest complete one in a run's output directory,
+    or an exported .safetensors file."""
     path = Path(path)
-    if (path / WEIGHTS).is_file():
+    if (
+        (path.is_file() and path.suffix == ".safetensors")
+        or _NAME.fullmatch(path.name)
+        and _is_complete(path)
+    ):
         return path
     newest = latest(path)
     if newest is None:
         raise FileNotFoundError(
-            f"{path}: neither a checkpoint ({WEIGHTS} inside) nor a directory holding one"
+            f"{path}: neither a checkpoint, a .safetensors file, nor a directory holding a checkpoint"
         )
     return newest
 
 
+def tp_size(ckpt: str | Path) -> int:
+    """The tensor-parallel size checkpoint ckpt was saved at (1 for an exported file)."""
+    ckpt = Path(ckpt)
+    return 1 if ckpt.is_file() else _manifest(ckpt)["tp_size"]
+
+
+def _weights_file(ckpt: Path, tp_rank: int = 0) -> Path:
+    return ckpt if ckpt.is_file() else ckpt / shard_files(tp_rank, tp_size(ckpt))[0]
+
+
 def read_metadata(ckpt: str | Path) -> tuple[GPTConfig, str]:
     """(model config, tokenizer name) that checkpoint ckpt was saved with."""
-    with safe_open(Path(ckpt) / WEIGHTS, framework="pt") as f:
+    path = _weights_file(Path(ckpt))
+    with safe_open(path, framework="pt") as f:
         metadata = f.metadata() or {}
     if "config" not in metadata:
-        raise ValueError(f"{ckpt}/{WEIGHTS}: no model config in its metadata: not a horse checkpoint")
+        raise ValueError(f"{path}: no model config in its metadata: not a horse checkpoint")
     return GPTConfig(**json.loads(metadata["config"])), metadata.get("tokenizer", "bytes")
 
 
@@ -123,10 +245,29 @@ def check_config(ckpt: str | Path, config: GPTConfig) -> None:
         raise ValueError(f"checkpoint {ckpt} holds a different model: {diff}")
 
 
-def load_weights(ckpt: str | Path, model: nn.Module) -> None:
-    """Load ckpt's weights into model, or raise naming every tensor that does not fit."""
-    device = next(model.parameters()).device
-    weights = load_file(Path(ckpt) / WEIGHTS, device=str(device))
+def _for_this_rank(read: Callable[[int], dict], saved_tp: int, config: GPTConfig, parallel: Parallel) -> dict:
+    """This rank's shard of a state dict saved in saved_tp shards (read(r): shard r's dict): its own
+    file when the tp size is unchanged, else every shard gathered whole and split again."""
+    if saved_tp == parallel.tp_size:
+        return read(parallel.tp_rank)
+    full = gather_state_dicts([read(r) for r in range(saved_tp)], config)
+    return shard_state_dict(full, config, parallel.tp_rank, parallel.tp_size)
+
+
+def full_weights(ckpt: str | Path) -> dict[str, torch.Tensor]:
+    """The whole model's weights (on the CPU) of a checkpoint saved at any tp size."""
+    ckpt = Path(ckpt)
+    shards = [load_file(_weights_file(ckpt, r)) for r in range(tp_size(ckpt))]
+    return gather_state_dicts(shards, read_metadata(ckpt)[0])
+
+
+def load_weights(ckpt: str | Path, model: nn.Module, parallel: Parallel | None = None) -> None:
+    """Load ckpt's weights into model (this rank's shard of one under tensor parallelism), or raise
+    naming every tensor that does not fit."""
+    parallel = parallel or Parallel()
+    ckpt = Path(ckpt)
+    config, _ = read_metadata(ckpt)
+    weights = _for_this_rank(lambda r: load_file(_weights_file(ckpt, r)), tp_size(ckpt), config, parallel)
     expected = model.state_dict()
     problems = [f"missing {k}" for k in expected.keys() - weights.keys()]
     problems += [f"unexpected {k}" for k in weights.keys() - expected.keys()]
@@ -140,5 +281,92 @@ def load_weights(ckpt: str | Path, model: nn.Module) -> None:
     model.load_state_dict(weights)
 
 
-def load_state(ckpt: str | Path) -> dict:
-    return torch.load(Path(ckpt) / STATE, map_location="cpu", weights_only=True)
+def load_state(ckpt: str | Path, tp_rank: int = 0) -> dict:
+    """The state file of tp rank tp_rank's shard, as saved (the optimizer keyed by parameter name)."""
+    ckpt = Path(ckpt)
+    path = ckpt / shard_files(tp_rank, tp_size(ckpt))[1]
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _reshard_optimizer(shards: list[dict], config: GPTConfig, parallel: Parallel) -> dict:
+    """This rank's optimizer state from every saved tp rank's: the per-parameter tensors (AdamW's
+    exp_avg and exp_avg_sq, the parameter's shape) gathered and split like the parameter; scalars
+    (the step count), the same on every rank, from the first."""
+    state = {}
+    for name, entry in shards[0]["state"].items():
+        spec = shard_spec(name, config)
+        state[name] = {
+            key: shard(
+                unshard([s["state"][name][key] for s in shards], spec),
+                spec,
+                parallel.tp_rank,
+                parallel.tp_size,
+            )
+            if value.dim() > 0
+            else value
+            for key, value in entry.items()
+        }
+    return {"state": state, "param_groups": shards[0]["param_groups"]}
+
+
+def load(
+    ckpt: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, parallel: Parallel | None = None
+) -> dict:
+    """Load ckpt's weights and optimizer state into model and optimizer, resharded to parallel's tp
+    size; returns the rest of the saved state (step, scaler, RNG, loader, train config)."""
+    parallel = parallel or Parallel()
+    ckpt = Path(ckpt)
+    load_weights(ckpt, model, parallel)
+    manifest = _manifest(ckpt)
+    saved_tp = manifest["tp_size"]
+    if saved_tp == parallel.tp_size:
+        state = load_state(ckpt, parallel.tp_rank)
+        if manifest.get("legacy"):  # written before tensor parallelism: the optimizer by position
+            optimizer.load_state_dict(state.pop("optimizer"))
+        else:
+            load_optimizer_state(optimizer, model, state.pop("optimizer"))
+        return state
+    states = [load_state(ckpt, r) for r in range(saved_tp)]
+    config, _ = read_metadata(ckpt)
+    load_optimizer_state(
+        optimizer, model, _reshard_optimizer([s.pop("optimizer") for s in states], config, parallel)
+    )
+    return states[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Export
+# ----------------------------------------------------------------------------------------------
+
+
+def export(ckpt: str | Path, out: str | Path) -> Path:
+    """Write the whole model of checkpoint ckpt (a checkpoint or run directory, any tp size) into
+    one safetensors file, config and tokenizer name in its metadata; a BPE tokenizer.json is
+    copied beside it. Returns the checkpoint exported."""
+    ckpt, out = resolve(ckpt), Path(out)
+    config, tokenizer = read_metadata(ckpt)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"config": json.dumps(dataclasses.asdict(config)), "tokenizer": tokenizer}
+    save_file(full_weights(ckpt), out, metadata=metadata)
+    if tokenizer == "tokenizer.json":
+        with contextlib.suppress(shutil.SameFileError):  # exported beside the tokenizer already
+            shutil.copyfile((ckpt.parent if ckpt.is_file() else ckpt) / tokenizer, out.parent / tokenizer)
+    return ckpt
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m horse.checkpoint", description="Checkpoint tools.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("export", help="the whole model in one safetensors file (from any tp size)")
+    p.add_argument("ckpt", metavar="CKPT_OR_RUN_DIR", help="a checkpoint, or a run's newest complete one")
+    p.add_argument("--out", required=True, metavar="FILE", help="the .safetensors file to write")
+    args = parser.parse_args(argv)
+    try:
+        ckpt = export(args.ckpt, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))
+    print(f"wrote {args.out}: the whole model of {ckpt} (saved at tp={tp_size(ckpt)})")
+
+
+if __name__ == "__main__":
+    main()

@@ -78,7 +78,11 @@ class BPETokenizer:
 
 
 def load_tokenizer(directory: str | Path, name: str) -> ByteTokenizer | BPETokenizer:
-    """The tokenizer ``name`` ("bytes" or "tokenizer.json") recorded for data or a checkpoint in directory."""
+    """The tokenizer ``name`` ("bytes" or "tokenizer.json") recorded for data or a checkpoint in
+    directory (or for a file in it: an exported model.safetensors)."""
+    directory = Path(directory)
+    if directory.is_file():
+        directory = directory.parent
     if name == ByteTokenizer.name:
         return ByteTokenizer()
     if name == BPETokenizer.name:
@@ -249,12 +253,26 @@ class Loader:
     random offsets drawn from a generator seeded with both, never crossing a shard's end. So a
     seed fixes the whole order, and a loader set back to a saved position continues exactly. On a
     GPU the batch goes through pinned memory with a non-blocking copy.
+
+    Data parallel: the global batch is dp_size · batch_size windows, and data-parallel rank
+    dp_rank reads its own consecutive batch_size of them. So dp ranks see different data, every
+    rank keeps the same position, and one process with batch_size · dp_size reads the same windows.
     """
 
     def __init__(
-        self, split: Split, batch_size: int, seq_len: int, seed: int, device: str | torch.device = "cpu"
+        self,
+        split: Split,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        device: str | torch.device = "cpu",
+        dp_rank: int = 0,
+        dp_size: int = 1,
     ):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"Loader: dp_rank {dp_rank} must be in [0, dp_size {dp_size})")
         self.split, self.batch_size, self.seq_len, self.seed = split, batch_size, seq_len, seed
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.device = torch.device(device)
         self.position = 0
         # A window needs seq_len + 1 tokens; shard i offers len - seq_len starts.
@@ -268,7 +286,8 @@ class Loader:
 
     def batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng([self.seed, position])
-        flat = rng.integers(0, self._ends[-1], size=self.batch_size)
+        flat = rng.integers(0, self._ends[-1], size=self.dp_size * self.batch_size)  # the global batch
+        flat = flat[self.dp_rank * self.batch_size : (self.dp_rank + 1) * self.batch_size]
         shard = np.searchsorted(self._ends, flat, side="right")
         offset = flat - (self._ends[shard] - self._starts[shard])
         rows = [self.split.shards[s][o : o + self.seq_len + 1] for s, o in zip(shard, offset, strict=True)]

@@ -1,4 +1,5 @@
-"""Train a GPT on one device: FP16 with float32 master weights and dynamic loss scaling (or bf16, fp32).
+"""Train a GPT: FP16 with float32 master weights and dynamic loss scaling (or bf16, fp32), on one
+device or, under torchrun, tensor parallel inside a node and data parallel across.
 
     python horse/train.py                      # tiny on the built-in corpus, a few minutes on a CPU,
                                                #   then a sample of generated text
@@ -7,6 +8,21 @@
     python -m horse.train --config run.json --lr 3e-4      # flags from a JSON file; the command line wins
     python -m horse.train --out-dir runs/x --resume        # continue from the newest complete checkpoint,
                                                            #   with the flags in runs/x/config.json
+    torchrun --standalone --nproc-per-node 8 horse/train.py --tp 8 --sequence-parallel ...
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29500 --rdzv-id JOB --max-restarts 3 horse/train.py --tp 8 \\
+        --out-dir /shared/runs/x ...
+
+Parallel runs: --tp ranks (consecutive, so one node's) split each layer (``horse.parallel``); the
+world size over tp is the data-parallel size, whose replicas read different slices of every
+batch (--batch-size is per replica) and average their gradients with DDP. Only rank 0 prints and
+writes metrics; checkpoints are sharded by tp rank and reshard on resume (``horse.checkpoint``).
+A job that torchrun restarts (--max-restarts) resumes from its newest complete checkpoint by
+itself; without --out-dir the run directory is named after the launch's id, which a restart keeps.
+Restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment: otherwise the
+restarted workers share the rendezvous store with the failed ones and can read their stale
+addresses (pytorch/pytorch#135712; on torch 2.13 with gloo, 2 of 3 restarted runs failed to
+connect without it, none of 4 with it).
 
 Every field of TrainConfig below is a flag (``max_steps`` is ``--max-steps``), and so is every
 field of ``horse.model.GPTConfig``, overriding the preset's value (``--n-layer 6``,
@@ -15,8 +31,9 @@ float32 and the plain-torch reference (the kernels would run in Triton's interpr
 slowly to train).
 
 Each step writes a line to OUT/metrics.jsonl; the console gets a progress bar and a log line
-every --log-interval steps. Data, forward, backward and the optimizer step are NVTX ranges (see
-them with ``nsys profile``); --profile-steps N records a torch.profiler trace to OUT/trace.json.
+every --log-interval steps (tokens/s of the whole job, MFU per GPU). Data, forward, backward and
+the optimizer step are NVTX ranges (see them with ``nsys profile``); --profile-steps N records a
+torch.profiler trace to OUT/trace.json.
 """
 
 import argparse
@@ -24,23 +41,36 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import re
 import sys
 import time
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from horse import checkpoint
 from horse.data import BPETokenizer, Loader, load_dataset
 from horse.generate import generate
 from horse.model import GPT, PRESETS, GPTConfig, preset
+from horse.parallel import (
+    Parallel,
+    allreduce_sequence_parallel_grads,
+    build_model,
+    check_divisible,
+    found_nonfinite,
+    global_grad_norm,
+    init_from_env,
+)
 from kernels import runtime
 
 try:  # the nvtx package's ranges are the cheapest; torch.cuda.nvtx needs a CUDA build
@@ -56,8 +86,10 @@ class TrainConfig:
     preset: model preset: tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b (model flags override its fields)
     data: a directory made by `python -m horse.data prepare`; empty: the built-in corpus as bytes
     out_dir: checkpoints, metrics.jsonl, config.json and traces; empty: runs/<preset>-<date>-<time>
-    resume: continue from the newest complete checkpoint in --out-dir
-    batch_size: sequences per micro-batch
+    resume: continue from the newest complete checkpoint in --out-dir (automatic after a torchrun restart)
+    tp: tensor-parallel size: ranks that split each layer (under torchrun; divides the world size)
+    sequence_parallel: with --tp, norms and residual adds run on sequence shards (T must divide by tp)
+    batch_size: sequences per micro-batch, per data-parallel replica
     seq_len: tokens per sequence; default: the model's block_size
     grad_accum: micro-batches per optimizer step
     max_steps: optimizer steps
@@ -84,12 +116,15 @@ class TrainConfig:
     profile_steps: record a torch.profiler trace of this many steps (after two warm-up steps): OUT/trace.json
     sample_tokens: tokens of generated text printed at the end (0: none)
     sample_prompt: the sample's prompt
+    fail_at_step: fault injection: rank 1 (rank 0 alone) raises at this step, before a torchrun restart only
     """
 
     preset: str = "tiny"
     data: str = ""
     out_dir: str = ""
     resume: bool = False
+    tp: int = 1
+    sequence_parallel: bool = False
     batch_size: int = 32
     seq_len: int | None = None
     grad_accum: int = 1
@@ -117,16 +152,18 @@ class TrainConfig:
     profile_steps: int = 0
     sample_tokens: int = 300
     sample_prompt: str = "\n"
+    fail_at_step: int = 0
 
     def __post_init__(self):
-        at_least_1 = "batch_size grad_accum max_steps eval_interval eval_steps log_interval loss_scale_window"
+        at_least_1 = (
+            "tp batch_size grad_accum max_steps eval_interval eval_steps log_interval loss_scale_window"
+        )
         for name in at_least_1.split() + ["seq_len", "max_tokens"]:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{_flag(name)} must be at least 1, got {value}")
-        for name in (
-            "warmup_steps weight_decay grad_clip ckpt_interval keep_last profile_steps sample_tokens".split()
-        ):
+        at_least_0 = "warmup_steps weight_decay grad_clip ckpt_interval keep_last profile_steps sample_tokens"
+        for name in at_least_0.split() + ["fail_at_step"]:
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must be at least 0, got {getattr(self, name)}")
         for name in ("lr", "loss_scale", "peak_tflops"):
@@ -316,34 +353,170 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, device: str) -> torch.opt
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device == "cuda")
 
 
+class LossScaler:
+    """Dynamic fp16 loss scaling that every rank agrees on (Megatron's; torch.amp.GradScaler agrees
+    on its inf check across ranks only for DTensor gradients), with GradScaler's interface:
+    scale(loss), unscale_(optimizer), step(optimizer), update().
+
+    The loss is multiplied by the scale before the backward, so that small gradients do not vanish
+    in float16; unscale_ divides them back. A step whose gradients hold an inf or NaN on any rank
+    of the world is skipped by every rank and halves the scale; growth_interval clean steps in a
+    row double it. Disabled (bf16, fp32), it scales by 1 and checks nothing.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_interval: int = 1000,
+        enabled: bool = True,
+        parallel: Parallel | None = None,
+    ):
+        self.scale_factor, self.growth_interval, self.enabled = init_scale, growth_interval, enabled
+        self.parallel = parallel or Parallel()
+        self.clean_steps = 0
+        self.found_inf: torch.Tensor | None = None  # this step's, agreed by every rank; set by unscale_
+
+    def is_enabled(self) -> bool:
+        return self.enabled
+
+    def get_scale(self) -> float:
+        return self.scale_factor if self.enabled else 1.0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale_factor if self.enabled else loss
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients (float32 master weights, one device) by the scale in
+        place, and find whether any rank's hold an inf or NaN: one all-reduce (MAX) over the world."""
+        if not self.enabled:
+            return
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        found_inf = torch.zeros(1, device=grads[0].device)
+        inv_scale = torch.full((1,), 1.0 / self.scale_factor, device=grads[0].device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        self.found_inf = found_nonfinite(found_inf, self.parallel)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """optimizer.step(), unless a rank found an inf or NaN (unscales first if not yet done)."""
+        if self.enabled and self.found_inf is None:
+            self.unscale_(optimizer)
+        if not (self.enabled and self.found_inf.item()):
+            optimizer.step()
+
+    def update(self) -> None:
+        """Halve the scale after a skipped step, double it after growth_interval clean ones."""
+        if not self.enabled:
+            return
+        skipped, self.found_inf = bool(self.found_inf.item()), None
+        self.clean_steps = 0 if skipped else self.clean_steps + 1
+        if skipped:
+            self.scale_factor /= 2
+        elif self.clean_steps == self.growth_interval:
+            self.scale_factor *= 2
+            self.clean_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale_factor, "clean_steps": self.clean_steps} if self.enabled else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale_factor = state["scale"]
+        # "_growth_tracker": torch.amp.GradScaler's name for it, in checkpoints written before this class.
+        self.clean_steps = state.get("clean_steps", state.get("_growth_tracker", 0))
+
+
 def optimizer_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, grad_clip: float
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: LossScaler | torch.amp.GradScaler,
+    grad_clip: float,
+    parallel: Parallel | None = None,
 ) -> tuple[float, bool]:
-    """Unscale, clip and step; returns (gradient norm, skipped). With fp16 the scaler skips a step
-    whose gradients hold an inf or NaN and halves the scale, and doubles it after enough clean steps."""
-    scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    """Unscale, clip and step; returns (gradient norm, skipped). The norm is the whole model's, each
+    parameter counted once over the tp ranks. With fp16 a step whose gradients hold an inf or NaN
+    (on any rank, with a LossScaler) is skipped (weights and AdamW's moments untouched)."""
+    parallel = parallel or Parallel()
     scale = scaler.get_scale()
+    scaler.unscale_(optimizer)
+    params = [(name, p) for name, p in model.named_parameters() if p.grad is not None]
+    grad_norm = global_grad_norm(params, parallel)
+    if grad_clip > 0:  # an inf norm zeroes (NaNs) the gradients of a step that is skipped anyway
+        torch.nn.utils.clip_grads_with_norm_([p for _, p in params], grad_clip, grad_norm)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm.item(), scaler.is_enabled() and scaler.get_scale() < scale
+    # Both scalers halve the scale exactly when they skip a step (Hugging Face accelerate's test).
+    return grad_norm.item(), scaler.get_scale() < scale
+
+
+def train_step(
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: LossScaler | torch.amp.GradScaler,
+    cfg: TrainConfig,
+    parallel: Parallel | None = None,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> tuple[torch.Tensor, float, bool]:
+    """One optimizer step of cfg.grad_accum micro-batches (next_batch() gives each (x, y)): forward
+    under autocast, scaled backward, then :func:`optimizer_step`. loss_fn is model.loss or its DDP
+    wrapper (:class:`LossOf`), whose gradients are all-reduced in the last micro-batch's backward
+    only. Returns (this replica's mean loss, a detached tensor; gradient norm; skipped)."""
+    parallel = parallel or Parallel()
+    loss_sum = torch.zeros((), device=next(model.parameters()).device)
+    for micro in range(cfg.grad_accum):
+        last = micro == cfg.grad_accum - 1
+        ddp = isinstance(loss_fn, DistributedDataParallel)
+        sync = loss_fn.no_sync() if ddp and not last else contextlib.nullcontext()
+        with nvtx_range("data"):
+            x, y = next_batch()
+        with sync:
+            with nvtx_range("forward"), autocast():
+                loss = loss_fn(x, y) / cfg.grad_accum
+            with nvtx_range("backward"):
+                scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+    with nvtx_range("optimizer"):
+        allreduce_sequence_parallel_grads(model, parallel)
+        grad_norm, skipped = optimizer_step(model, optimizer, scaler, cfg.grad_clip, parallel)
+    return loss_sum, grad_norm, skipped
+
+
+class LossOf(nn.Module):
+    """model.loss as a module's forward: DDP hooks the forward of the module it wraps."""
+
+    def __init__(self, model: GPT):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model.loss(idx, targets)
+
+
+def dp_mean(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
+    """The mean of x over the data-parallel replicas (each saw a different slice of the batch)."""
+    if parallel.dp_size > 1:
+        x = x.clone()
+        dist.all_reduce(x, group=parallel.dp_group)
+        x /= parallel.dp_size
+    return x
 
 
 @torch.no_grad()
-def evaluate(model: GPT, loader: Loader, steps: int, autocast) -> float:
+def evaluate(model: GPT, loader: Loader, steps: int, autocast, parallel: Parallel) -> float:
     """Mean loss over the loader's first ``steps`` batches: the same batches at every evaluation."""
     model.eval()
     with autocast():
-        losses = [model.loss(*loader.batch(i)).item() for i in range(steps)]
+        losses = torch.stack([model.loss(*loader.batch(i)).float() for i in range(steps)])
     model.train()
-    return sum(losses) / len(losses)
+    return dp_mean(losses.mean(), parallel).item()
 
 
-def save_checkpoint(out_dir, step, model, optimizer, scaler, loader, cfg, tokenizer, keep_last) -> Path:
+def save_checkpoint(
+    out_dir, step, model, optimizer, scaler, loader, cfg, tokenizer, keep_last, parallel
+) -> Path:
     state = {
         "step": step,
-        "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(),
         "rng": {
             "torch": torch.get_rng_state(),
@@ -353,14 +526,15 @@ def save_checkpoint(out_dir, step, model, optimizer, scaler, loader, cfg, tokeni
         "train_config": dataclasses.asdict(cfg),
     }
     tokenizer_file = tokenizer.path if isinstance(tokenizer, BPETokenizer) else None
-    return checkpoint.save(out_dir, step, model, state, tokenizer.name, tokenizer_file, keep_last)
+    return checkpoint.save(
+        out_dir, step, model, optimizer, state, tokenizer.name, tokenizer_file, keep_last, parallel
+    )
 
 
-def restore_checkpoint(ckpt: Path, model, optimizer, scaler, loader) -> int:
-    """Load everything a checkpoint holds back into place; returns its step."""
-    checkpoint.load_weights(ckpt, model)
-    state = checkpoint.load_state(ckpt)
-    optimizer.load_state_dict(state["optimizer"])
+def restore_checkpoint(ckpt: Path, model, optimizer, scaler, loader, parallel: Parallel) -> int:
+    """Load everything a checkpoint holds back into place, resharded to this run's tp size; returns
+    its step."""
+    state = checkpoint.load(ckpt, model, optimizer, parallel)
     if scaler.is_enabled() and state["scaler"]:
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["torch"])
@@ -395,14 +569,28 @@ def _si(x: float) -> str:
 
 
 def train(cfg: TrainConfig, overrides: dict | None = None) -> list[dict]:
-    """Run cfg (model flags in overrides); returns this session's per-step metrics records."""
+    """Run cfg (model flags in overrides) on this process, or on every rank of a torchrun launch;
+    returns this session's per-step metrics records."""
+    parallel = init_from_env(cfg.tp, cfg.sequence_parallel)
+    try:
+        return _train(cfg, overrides or {}, parallel)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel) -> list[dict]:
     start_time = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     precision = cfg.precision or ("fp16" if device == "cuda" else "fp32")
     backend = cfg.backend or ("triton" if device == "cuda" else "reference")
+    main_rank = parallel.rank == 0  # the only one that prints and writes metrics
+    log = print if main_rank else lambda *args: None
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     train_split, val_split, tokenizer = load_dataset(cfg.data)
-    config = model_config(cfg, overrides or {}, tokenizer.vocab_size)
+    config = model_config(cfg, overrides, tokenizer.vocab_size)
+    check_divisible(config, parallel.tp_size)
     seq_len = cfg.seq_len or config.block_size
     if seq_len > config.block_size:
         raise ValueError(
@@ -410,9 +598,12 @@ def train(cfg: TrainConfig, overrides: dict | None = None) -> list[dict]:
         )
     if cfg.sample_tokens and not tokenizer.encode(cfg.sample_prompt):
         raise ValueError("--sample-prompt must not be empty when --sample-tokens is above 0")
-    out_dir = Path(cfg.out_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    # Under torchrun, named after the launch's id: the same on every rank and node, and after a restart.
+    run_name = os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(cfg.out_dir or f"runs/{cfg.preset}-{run_name}")
+    resume = cfg.resume or restarts > 0
     ckpt = checkpoint.latest(out_dir)
-    if ckpt is not None and not cfg.resume:
+    if ckpt is not None and not resume:
         raise ValueError(
             f"--out-dir {out_dir} holds checkpoints of an earlier run ({ckpt.name}): pass --resume to "
             "continue it, or choose another --out-dir"
@@ -420,21 +611,29 @@ def train(cfg: TrainConfig, overrides: dict | None = None) -> list[dict]:
     if ckpt is not None:
         checkpoint.check_config(ckpt, config)
 
-    torch.manual_seed(cfg.seed)
-    model = GPT(config, backend).to(device)  # float32 master weights; autocast computes in fp16/bf16
+    # float32 master weights, autocast computes in fp16/bf16; at tp > 1 this rank's shard, cut from
+    # the whole model initialised from the seed, so every tp size starts from the same weights.
+    model = build_model(config, backend, parallel, device, cfg.seed)
+    loss_fn = model.loss
+    if parallel.dp_size > 1:  # gradients averaged over the replicas in buckets, during the backward
+        device_ids = [torch.cuda.current_device()] if device == "cuda" else None
+        loss_fn = DistributedDataParallel(LossOf(model), device_ids, process_group=parallel.dp_group)
     optimizer = make_optimizer(model, cfg, device)
-    scaler = torch.amp.GradScaler(
-        device, init_scale=cfg.loss_scale, growth_interval=cfg.loss_scale_window, enabled=precision == "fp16"
-    )
+    scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window, precision == "fp16", parallel)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
     autocast = (lambda: torch.autocast(device, dtype)) if dtype else contextlib.nullcontext
-    train_loader = Loader(train_split, cfg.batch_size, seq_len, cfg.seed, device)
-    val_loader = Loader(val_split, cfg.batch_size, seq_len, cfg.seed, device)
-    tokens_per_step = cfg.batch_size * seq_len * cfg.grad_accum
+    dp = {"dp_rank": parallel.dp_rank, "dp_size": parallel.dp_size}
+    train_loader = Loader(train_split, cfg.batch_size, seq_len, cfg.seed, device, **dp)
+    val_loader = Loader(val_split, cfg.batch_size, seq_len, cfg.seed, device, **dp)
+    tokens_per_step = cfg.batch_size * seq_len * cfg.grad_accum * parallel.dp_size  # the whole job's
     max_steps = math.ceil(cfg.max_tokens / tokens_per_step) if cfg.max_tokens else cfg.max_steps
-    step = restore_checkpoint(ckpt, model, optimizer, scaler, train_loader) if ckpt is not None else 0
+    step = 0
+    if ckpt is not None:
+        step = restore_checkpoint(ckpt, model, optimizer, scaler, train_loader, parallel)
 
-    flops_per_step = model.flops_per_token(seq_len) * tokens_per_step
+    with torch.device("meta"):  # the whole model's size, whatever this rank holds
+        whole = GPT(config)
+    flops_per_step = whole.flops_per_token(seq_len) * tokens_per_step
     peak = peak_flops(device, cfg.peak_tflops)
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     note = ""
@@ -442,56 +641,69 @@ def train(cfg: TrainConfig, overrides: dict | None = None) -> list[dict]:
         note = " (no GPU: the Triton kernels would run only in Triton's interpreter, far too slowly to train)"
     elif device == "cpu" and backend == "triton" and not runtime.INTERPRET:
         note = " (no GPU and TRITON_INTERPRET unset: the fused layers run their float32 reference)"
-    print(f"horse.train on {where} | backend {backend}{note} | precision {precision}")
-    print(
-        f"model {cfg.preset}: {model.num_params() / 1e6:.2f}M parameters, {config.n_layer} layers, d_model "
+    log(f"horse.train on {where} | backend {backend}{note} | precision {precision}")
+    if parallel.distributed:
+        log(
+            f"parallel: {parallel.world_size} processes ({dist.get_backend()}) = tp {parallel.tp_size}"
+            f"{' (sequence parallel)' if parallel.sequence_parallel else ''} x dp {parallel.dp_size}"
+            + (f" | restart {restarts}" if restarts else "")
+        )
+    log(
+        f"model {cfg.preset}: {whole.num_params() / 1e6:.2f}M parameters, {config.n_layer} layers, d_model "
         f"{config.d_model}, {config.n_head} heads ({config.kv_heads} kv), vocabulary {config.vocab_size}, "
         f"{config.positions} positions, {config.norm}, {config.mlp} | "
         f"{flops_per_step / tokens_per_step / 1e9:.3f} GFLOP per token"
     )
-    print(
+    log(
         f"data {train_split.name}: {sum(map(len, train_split.shards)):,} train / "
         f"{sum(map(len, val_split.shards)):,} val tokens ({tokenizer.name}) | {cfg.batch_size} x {seq_len} "
-        f"tokens x {cfg.grad_accum} = {tokens_per_step:,} tokens per step, {max_steps} steps"
+        f"tokens x {cfg.grad_accum} x dp {parallel.dp_size} = {tokens_per_step:,} tokens per step, "
+        f"{max_steps} steps"
     )
-    print(f"out {out_dir}" + (f" | resumed from {ckpt.name}" if ckpt is not None else ""))
+    log(f"out {out_dir}" + (f" | resumed from {ckpt.name}" if ckpt is not None else ""))
+    shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shared_store and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        log(
+            "warning: restarts may fail to reconnect while torchrun shares its rendezvous store with the "
+            "workers: launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch/pytorch#135712)"
+        )
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(
-        json.dumps({"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(config)}, indent=1) + "\n"
-    )
     metrics_path = out_dir / "metrics.jsonl"
-    kept = []
-    if (
-        ckpt is not None and metrics_path.exists()
-    ):  # drop what the interrupted run logged after the checkpoint
-        for line in metrics_path.read_text().splitlines():
-            with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError):
-                if json.loads(line)["step"] <= step:
-                    kept.append(line + "\n")
-    metrics_path.write_text("".join(kept))
+    if main_rank:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(
+            json.dumps({"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(config)}, indent=1)
+            + "\n"
+        )
+        kept = []
+        if ckpt is not None and metrics_path.exists():  # drop what the interrupted run logged after it
+            for line in metrics_path.read_text().splitlines():
+                with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError):
+                    if json.loads(line)["step"] <= step:
+                        kept.append(line + "\n")
+        metrics_path.write_text("".join(kept))
 
     records = []
     last_ckpt = ckpt
-    bar = tqdm(total=max_steps, initial=step, unit="step", disable=None, dynamic_ncols=True)
-    with open(metrics_path, "a") as metrics, _profiler(cfg, out_dir, device) as profiler:
+    failing_rank = min(1, parallel.world_size - 1)
+    bar = tqdm(
+        total=max_steps, initial=step, unit="step", disable=None if main_rank else True, dynamic_ncols=True
+    )
+    metrics_file = open(metrics_path, "a") if main_rank else contextlib.nullcontext()  # noqa: SIM115
+    with metrics_file as metrics, _profiler(cfg, out_dir, device) as profiler:
         while step < max_steps:
+            if step + 1 == cfg.fail_at_step and parallel.rank == failing_rank and restarts == 0:
+                raise RuntimeError(
+                    f"--fail-at-step {cfg.fail_at_step}: injected failure on rank {failing_rank}"
+                )
             t0 = time.perf_counter()
             lr = lr_at(step, max_steps, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_sum = torch.zeros((), device=device)
-            for _ in range(cfg.grad_accum):
-                with nvtx_range("data"):
-                    x, y = train_loader.next()
-                with nvtx_range("forward"), autocast():
-                    loss = model.loss(x, y) / cfg.grad_accum
-                with nvtx_range("backward"):
-                    scaler.scale(loss).backward()
-                loss_sum += loss.detach()
-            with nvtx_range("optimizer"):
-                grad_norm, skipped = optimizer_step(model, optimizer, scaler, cfg.grad_clip)
-            loss = loss_sum.item()
+            loss_sum, grad_norm, skipped = train_step(
+                loss_fn, train_loader.next, model, optimizer, scaler, cfg, parallel, autocast
+            )
+            loss = dp_mean(loss_sum, parallel).item()
             dt = time.perf_counter() - t0
             step += 1
             if not math.isfinite(loss) and not scaler.is_enabled():
@@ -508,12 +720,14 @@ def train(cfg: TrainConfig, overrides: dict | None = None) -> list[dict]:
                 "skipped": skipped,
                 "tokens": step * tokens_per_step,
                 "tokens_per_s": tokens_per_step / dt,
-                "mfu": flops_per_step / dt / peak if peak else None,
+                "mfu": flops_per_step / dt / (peak * parallel.world_size) if peak else None,
                 "time_s": time.perf_counter() - start_time,
             }
             if step % cfg.eval_interval == 0 or step == max_steps:
-                record["val_loss"] = evaluate(model, val_loader, cfg.eval_steps, autocast)
-            if step % cfg.log_interval == 0 or step == max_steps or "val_loss" in record or skipped:
+                record["val_loss"] = evaluate(model, val_loader, cfg.eval_steps, autocast, parallel)
+            if main_rank and (
+                step % cfg.log_interval == 0 or step == max_steps or "val_loss" in record or skipped
+            ):
                 line = (
                     f"step {step:>{len(str(max_steps))}}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
                     f"grad norm {grad_norm:.3f} | {_si(record['tokens_per_s'])} tok/s"
@@ -527,21 +741,34 @@ def train(cfg: TrainConfig, overrides: dict | None = None) -> list[dict]:
                 if "val_loss" in record:
                     line += f" | val loss {record['val_loss']:.4f}"
                 tqdm.write(line)
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+            if main_rank:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
             records.append(record)
             bar.set_postfix_str(f"loss {loss:.4f}")
             bar.update()
             if (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == max_steps:
                 last_ckpt = save_checkpoint(
-                    out_dir, step, model, optimizer, scaler, train_loader, cfg, tokenizer, cfg.keep_last
+                    out_dir,
+                    step,
+                    model,
+                    optimizer,
+                    scaler,
+                    train_loader,
+                    cfg,
+                    tokenizer,
+                    cfg.keep_last,
+                    parallel,
                 )
             if profiler is not None:
                 profiler.step()
     bar.close()
 
-    print(f"done: {step} steps in {time.perf_counter() - start_time:.0f} s; checkpoint {last_ckpt}")
-    if cfg.sample_tokens:
+    log(f"done: {step} steps in {time.perf_counter() - start_time:.0f} s; checkpoint {last_ckpt}")
+    if cfg.sample_tokens and main_rank:
+        if parallel.tp_size > 1:  # generation runs on a whole model: the shards just saved, gathered
+            model = GPT(config, backend).to(device)
+            checkpoint.load_weights(last_ckpt, model)
         model.eval()
         prompt = torch.tensor([tokenizer.encode(cfg.sample_prompt)], device=device)
         generator = torch.Generator(device).manual_seed(cfg.seed)

@@ -1,4 +1,5 @@
-"""horse.data: shards round-trip, bad shards fail loudly, and the loader is deterministic and resumable."""
+"""horse.data: shards round-trip, bad shards fail loudly, and the loader is deterministic, resumable and
+splits the global batch over data-parallel replicas."""
 
 import json
 
@@ -83,6 +84,22 @@ def test_loader_is_deterministic_resumable_and_shifted_by_one():
     resumed.load_state_dict(Loader(train, 4, 32, seed=7).state_dict() | {"position": 3})
     assert torch.equal(resumed.next()[0], batches[3][0])
     assert not torch.equal(Loader(train, 4, 32, seed=8).next()[0], batches[0][0])
+
+
+def test_data_parallel_replicas_read_disjoint_slices_of_the_global_batch():
+    train, _, _ = load_dataset()
+    whole = Loader(train, 6, 32, seed=7)
+    replicas = [Loader(train, 2, 32, seed=7, dp_rank=r, dp_size=3) for r in range(3)]
+    replicas[1].load_state_dict(replicas[0].state_dict() | {"position": 2})  # resumable like one loader
+    whole.position, replicas[0].position, replicas[2].position = 2, 2, 2
+    x, y = whole.next()
+    parts = [r.next() for r in replicas]
+    assert torch.equal(torch.cat([p[0] for p in parts]), x) and torch.equal(
+        torch.cat([p[1] for p in parts]), y
+    )
+    assert not torch.equal(parts[0][0], parts[1][0])
+    with pytest.raises(ValueError, match="dp_rank 3 must be in \\[0, dp_size 3\\)"):
+        Loader(train, 2, 32, seed=7, dp_rank=3, dp_size=3)
 
 
 def test_windows_never_cross_a_shard_boundary():
