@@ -2,72 +2,124 @@
 
     python -m bench.scaling [--presets gpt2-124m gpt2-350m] [--sequence-parallel] [--json FILE]
 
-One training step of one model replica spread over tp GPUs (Megatron's plan, see horse/parallel.py)
+One training step of one model replica spread over tp GPUs (Megatron's plan, horse/parallel.py)
 costs, on each rank, its share of the compute plus the tensor-parallel collectives, with no overlap
-between them (the critical path of a step that overlaps nothing):
+between them (they sit on the critical path: each one's output is the next layer's input):
 
     step = compute(tp) + Σ collectives (ring bytes per GPU / NVLink bandwidth + latency)
+           + the part of the node's data-parallel gradient all-reduce the backward does not hide
 
-Compute per rank. On a GPU it is measured: forward+backward of one block at its sharded widths
-(:func:`measure_compute_ms`) × n_layer, plus the vocab-parallel LM head and cross entropy, plus a
-fused AdamW step over the rank's parameters. Without a GPU it is a roofline estimate,
-FLOPs / (peak × efficiency) plus the optimizer's bytes over the HBM bandwidth, and the table says
-so in its header: ESTIMATED, not measured. The roofline keeps one efficiency at every tp, so it is
-optimistic for large tp, where the sharded GEMMs shrink and run further from peak.
+Compute per rank. On a GPU it is measured (:func:`rank_step`): one whole training step of
+``GPT(config, "triton", Parallel(tp_size=tp))``, the very module a tp rank runs (n_head / tp heads,
+hidden / tp MLP units, vocab / tp embedding rows and logits, the vocab-parallel cross entropy, the
+row-parallel bias adds), whose collectives are identities here because it has no process group;
+float16 autocast, loss scaling and ``horse.train.optimizer_step`` (unscale, clip, fused AdamW) as
+the trainer takes them, timed with CUDA events (``bench.timing.time_gpu``). Its norms run on the
+whole sequence, so under ``--sequence-parallel`` the measured compute misses what sequence
+parallelism saves there. Without a GPU it is a roofline estimate, and the table says so in its
+header (ESTIMATED, not measured): the GEMM and attention FLOPs at ``--efficiency`` × ``--peak-tflops``
+(:func:`flops_per_rank`) plus the memory-bound work at the HBM bandwidth (:func:`memory_bytes_per_rank`):
+the add+norms, which do not shrink with tp unless the sequence is split, the loss over the rank's
+logits, the row-parallel bias adds and the optimizer. One efficiency at every tp makes the estimate
+optimistic at large tp, where the sharded GEMMs shrink and run further from peak.
 
-Communication per step (:func:`collectives`), activations in float16, B·T tokens per replica:
+Communication per step (:func:`collectives`, as horse/parallel.py calls them), activations in
+float16, B·T tokens per replica:
 
 * each block: attention by heads (c_attn column-, c_proj row-parallel) and the MLP (first
-  projection column-, second row-parallel): 2 all-reduces of (B·T, d_model) forward, 2 backward;
-* the vocab-parallel embedding: 1 all-reduce of (B·T, d_model) forward, none backward;
-* the (tied, vocab-parallel) LM head: its replicated input needs 1 all-reduce of its gradient,
-  (B·T, d_model), backward (Megatron's copy-to-tensor-parallel-region before the output layer);
-* vocab-parallel cross entropy (horse.parallel): the row max, (B·T,) float32, then the sums of
-  exponentials and the target logits in one all-reduce of (2, B·T) float32: the bytes of 3
-  all-reduces of (B·T,) in 2 calls;
+  projection column-, second row-parallel): 2 all-reduces of (B·T, d_model) forward (closing each
+  row-parallel branch), 2 backward (the conjugate of the identity before each column-parallel one);
+* the vocab-parallel embedding: 1 all-reduce of (B·T, d_model) forward;
+* the (tied, vocab-parallel) LM head: its replicated input's gradient, 1 all-reduce of
+  (B·T, d_model) backward;
+* the vocab-parallel cross entropy: the row max, (B·T,) float32, then the sums of exponentials and
+  the target logits in one all-reduce of (2, B·T) float32: the bytes of 3 all-reduces of (B·T,)
+  in 2 calls;
 * the optimizer step: 2 scalar all-reduces (the global gradient norm, the non-finite flag).
 
-With sequence parallelism every activation all-reduce becomes an all-gather plus a reduce-scatter
-(one of them in the forward, its conjugate in the backward): the same bytes, twice the latencies;
-and the gradients of the replicated norms and biases, which then see one sequence chunk each, are
-summed in one more all-reduce (float32).
-A ring all-reduce sends 2·(tp − 1)/tp · size bytes per GPU, an all-gather or reduce-scatter
-(tp − 1)/tp · size (:func:`ring_factor`). The data-parallel gradient all-reduce between the 8/tp
-replicas of a node is left out: DDP overlaps it with the backward.
+With sequence parallelism each block's and the LM head's all-reduces become an all-gather and a
+reduce-scatter (one forward, its conjugate backward): the same bytes in twice the calls. The
+embedding still all-reduces forward, then keeps its own sequence chunk, whose backward all-gathers
+the gradient; and the replicated norms and biases, which then see one chunk each, have their
+float32 gradients summed in one more all-reduce. A ring all-reduce sends 2·(tp − 1)/tp · size
+bytes per GPU, an all-gather or reduce-scatter (tp − 1)/tp · size (:func:`ring_factor`). Not
+modelled: the copy horse makes of each tensor it all-reduces (~6 µs for gpt2-124m's (8192, 768)
+at 4.3 TB/s), contention between the tp and dp traffic on the same links.
 
-Tokens/s per GPU is B·T / step / tp; per 8-GPU node B·T / step · 8/tp. Efficiency is tokens/s per
-GPU at tp over that at tp = 1 (strong scaling of one replica: the model does not grow with tp, so
-it is not Megatron's weak-scaling 92/85/75 % at tp 2/4/8, which grows the model with tp).
+Bandwidth. NVLink 4 (H100/H200) runs 18 links of 25 GB/s each way: 450 GB/s per direction per GPU,
+the default. ANCHORS.md gives no NVLink figure; NCCL's maintainers put the effective ring
+bandwidth after protocol overhead at ~370 GB/s (NVIDIA/nccl-tests#212), so ``--nvlink-gbps 370``
+is the realistic setting and 450 the line rate. ``--latency-us`` (default 10 µs) is charged per call.
+
+Data parallelism inside the node: the 8 / tp replicas average their float32 gradients with DDP, an
+all-reduce over NVLink in 25 MiB buckets that overlaps the backward; only what exceeds the
+backward (taken as 2/3 of the compute) is added to the step. Across nodes: not modelled.
+
+Tokens/s per GPU is B·T / step / tp; per tp group (one replica) B·T / step; per 8-GPU node
+B·T / step · 8 / tp. Efficiency is tokens/s per GPU at tp over that at tp = 1 (strong scaling of
+one replica: the model does not grow with tp, unlike Megatron's weak-scaling 92/85/75 % at
+tp 2/4/8, which grows the model with tp).
 """
 
 import argparse
 import dataclasses
+import gc
 import json
+import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from horse.model import GPTConfig, preset
-from horse.parallel import check_divisible
+from horse.model import GPT, GPTConfig, preset
+from horse.parallel import Parallel, check_divisible
 
 DEFAULT_PRESETS = ("gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b")
 TP_SIZES = (1, 2, 4, 8)
 GPUS_PER_NODE = 8
-NVLINK_GBPS = 450.0  # NVLink 4 (H100/H200): 18 links, 900 GB/s both ways, 450 GB/s each way per GPU
-LATENCY_US = 10.0  # per collective, small-message NCCL latency inside a node
-PEAK_TFLOPS = 989.0  # H200 (= H100) dense fp16 on paper
+NVLINK_GBPS = 450.0  # NVLink 4 (H100/H200): 18 links × 25 GB/s, per direction per GPU (line rate)
+LATENCY_US = 10.0  # per collective: small-message NCCL latency inside a node
+PEAK_TFLOPS = 989.0  # H200 (= H100) dense fp16 on paper (ANCHORS.md)
 EFFICIENCY = 0.5  # of the peak, for the roofline estimate
 HBM_GBPS = 4300.0  # a device-to-device copy measured on this workplace's H200 (ANCHORS.md)
-ADAMW_BYTES_PER_PARAM = 28  # fp32 param, grad, exp_avg, exp_avg_sq read (16); param, both avgs written (12)
 ACTIVATION_BYTES = 2  # float16
-LOSS_BYTES = 4  # the cross entropy's per-token statistics in float32
+LOSS_BYTES = 4  # the cross entropy's per-token statistics, in float32
+GRAD_BYTES = 4  # float32 gradients of the float32 master weights
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket: one all-reduce each
+BACKWARD_SHARE = 2 / 3  # of a step's compute, the backward (twice the forward's FLOPs)
 REFERENCE_NODE_TOKENS_PER_S = 2.15e6  # Little Horse's reference: 8 NVLink GB300s, FP16 (ANCHORS.md)
+REFERENCE_PER_H200 = 106e3  # the same at equal MFU on an H200 (ANCHORS.md)
+
+# HBM bytes per element of the memory-bound work, counted from horse's code path (float16
+# autocast, a float32 residual stream); the roofline charges them at HBM_GBPS.
+# One add+norm per element of the (B·T, d_model) stream: forward casts the float16 branch output to
+# float32 (6), the fused kernel reads it and the stream and writes the stream and the normalised
+# output (16), the next GEMM casts that to float16 (6); the backward mirrors it (28).
+NORM_BYTES = 56
+# tp > 1 only (at tp = 1 the bias is fused into the GEMM): y + bias after a row-parallel
+# projection reads and writes y (4), the bias gradient reads dy (2).
+ROW_BIAS_BYTES = 6
+# The loss per logit at tp = 1 (F.cross_entropy under autocast): cast to float32 (6), log-softmax
+# (8), its gradient written (4), log-softmax backward (12), cast back to float16 (6).
+LOSS_BYTES_PER_LOGIT = 36
+# At tp > 1 (horse.parallel's vocab-parallel cross entropy): amax (2), cast (6), shift (8),
+# exp (8), sum (4), divide (8); backward: scatter_add (8), times dloss (8), cast back (6).
+VOCAB_PARALLEL_LOSS_BYTES_PER_LOGIT = 58
+# Per parameter, horse.train.optimizer_step: unscale reads and writes the gradient (8), the norm
+# reads it (4), clipping reads and writes it (8), AdamW reads param, grad and both moments (16)
+# and writes param and both moments (12).
+OPTIMIZER_BYTES_PER_PARAM = 48
+
+
+# ----------------------------------------------------------------------------------------------
+# Communication
+# ----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Collective:
-    """``count`` collectives of one kind, each over a tensor of ``size_bytes`` (the full tensor)."""
+    """``count`` collectives of one kind, each over a tensor of ``size_bytes`` (the whole tensor)."""
 
     name: str
     kind: str  # all_reduce, all_gather or reduce_scatter
@@ -75,12 +127,12 @@ class Collective:
     count: int
 
 
-def ring_factor(kind: str, tp: int) -> float:
-    """Bytes each GPU sends in a ring collective over tp GPUs, as a multiple of the tensor's size."""
+def ring_factor(kind: str, size: int) -> float:
+    """Bytes each GPU sends in a ring collective over ``size`` GPUs, as a multiple of the tensor's size."""
     if kind == "all_reduce":
-        return 2 * (tp - 1) / tp
+        return 2 * (size - 1) / size
     if kind in ("all_gather", "reduce_scatter"):
-        return (tp - 1) / tp
+        return (size - 1) / size
     raise ValueError(f"unknown collective {kind!r}")
 
 
@@ -92,23 +144,26 @@ def collectives(
         return []
     tokens = batch * seq
     activation = tokens * config.d_model * ACTIVATION_BYTES  # (B·T, d_model) float16
-    activation_all_reduces = {
+    out = [Collective("embedding", "all_reduce", activation, 1)]  # forward, with or without sp
+    tp_regions = {
         "blocks": 4 * config.n_layer,  # attention and MLP, each 1 forward + 1 backward
-        "embedding": 1,  # forward
         "lm_head_input": 1,  # backward
     }
-    out = []
-    for name, count in activation_all_reduces.items():
+    for name, count in tp_regions.items():
         if sequence_parallel:
             out.append(Collective(name, "all_gather", activation, count))
             out.append(Collective(name, "reduce_scatter", activation, count))
         else:
             out.append(Collective(name, "all_reduce", activation, count))
+    if sequence_parallel:  # the embedding's scatter to sequence chunks all-gathers its gradient
+        out.append(Collective("embedding_grad", "all_gather", activation, 1))
     out.append(Collective("cross_entropy_max", "all_reduce", tokens * LOSS_BYTES, 1))
     out.append(Collective("cross_entropy_sums", "all_reduce", 2 * tokens * LOSS_BYTES, 1))
     out.append(Collective("grad_norm_and_nonfinite", "all_reduce", LOSS_BYTES, 2))
     if sequence_parallel:
-        out.append(Collective("replicated_grads", "all_reduce", 4 * replicated_grad_params(config), 1))
+        out.append(
+            Collective("replicated_grads", "all_reduce", GRAD_BYTES * replicated_grad_params(config), 1)
+        )
     return out
 
 
@@ -137,11 +192,31 @@ def comm_ms(
     nvlink_gbps: float,
     latency_us: float,
 ) -> float:
-    """Time of one step's collectives: bytes over the per-direction bandwidth plus a latency each."""
-    calls = collectives(config, tp, batch, seq, sequence_parallel)
-    n_calls = sum(c.count for c in calls)
+    """Time of one step's tp collectives: bytes over the per-direction bandwidth plus a latency each."""
+    calls = sum(c.count for c in collectives(config, tp, batch, seq, sequence_parallel))
     seconds = comm_bytes_per_gpu(config, tp, batch, seq, sequence_parallel) / (nvlink_gbps * 1e9)
-    return seconds * 1e3 + n_calls * latency_us * 1e-3
+    return seconds * 1e3 + calls * latency_us * 1e-3
+
+
+def dp_allreduce_ms(config: GPTConfig, tp: int, nvlink_gbps: float, latency_us: float) -> float:
+    """Time of the gradient all-reduce among a node's GPUS_PER_NODE / tp replicas (DDP: float32
+    gradients of the rank's parameters, one ring all-reduce per 25 MiB bucket); 0 for one replica."""
+    replicas = GPUS_PER_NODE // tp
+    if replicas == 1:
+        return 0.0
+    size = GRAD_BYTES * local_params(config, tp)
+    seconds = ring_factor("all_reduce", replicas) * size / (nvlink_gbps * 1e9)
+    return seconds * 1e3 + math.ceil(size / DDP_BUCKET_BYTES) * latency_us * 1e-3
+
+
+def exposed_dp_ms(dp_ms: float, compute_ms: float) -> float:
+    """What of the dp all-reduce the backward (BACKWARD_SHARE of the compute) does not hide."""
+    return max(0.0, dp_ms - BACKWARD_SHARE * compute_ms)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compute: the roofline estimate
+# ----------------------------------------------------------------------------------------------
 
 
 def local_params(config: GPTConfig, tp: int) -> int:
@@ -173,96 +248,113 @@ def flops_per_rank(config: GPTConfig, tp: int, batch: int, seq: int) -> float:
     return config.n_layer * (3 * block_gemms + 3.5 * attention) + 3 * lm_head
 
 
+def memory_bytes_per_rank(config: GPTConfig, tp: int, batch: int, seq: int, sequence_parallel: bool) -> float:
+    """HBM bytes of one rank's memory-bound work in one step: 2·n_layer + 1 add+norms over the
+    stream (its sequence chunk under sequence parallelism, else the whole of it at every tp), the
+    row-parallel bias adds (tp > 1), the loss over (B·T, vocab / tp) logits and the optimizer."""
+    tokens = batch * seq
+    stream = tokens * config.d_model / (tp if sequence_parallel else 1)  # elements of (B·T, d_model)
+    norms = (2 * config.n_layer + 1) * NORM_BYTES * stream
+    row_biases = 0.0
+    if tp > 1:
+        biases = int(config.bias) + int(config.bias and config.mlp != "swiglu")  # per block
+        row_biases = config.n_layer * biases * ROW_BIAS_BYTES * stream
+    per_logit = LOSS_BYTES_PER_LOGIT if tp == 1 else VOCAB_PARALLEL_LOSS_BYTES_PER_LOGIT
+    loss = tokens * config.vocab_size / tp * per_logit
+    return norms + row_biases + loss + OPTIMIZER_BYTES_PER_PARAM * local_params(config, tp)
+
+
 def estimate_compute_ms(
-    config: GPTConfig, tp: int, batch: int, seq: int, peak_tflops: float, efficiency: float
+    config: GPTConfig,
+    tp: int,
+    batch: int,
+    seq: int,
+    sequence_parallel: bool,
+    peak_tflops: float,
+    efficiency: float,
+    hbm_gbps: float,
 ) -> float:
-    """Roofline compute time of one rank: FLOPs at efficiency × peak, plus AdamW's bytes over HBM."""
+    """Roofline compute time of one rank: FLOPs at efficiency × peak plus memory-bound bytes over HBM."""
     flops_s = flops_per_rank(config, tp, batch, seq) / (peak_tflops * 1e12 * efficiency)
-    optimizer_s = ADAMW_BYTES_PER_PARAM * local_params(config, tp) / (HBM_GBPS * 1e9)
-    return (flops_s + optimizer_s) * 1e3
+    memory_s = memory_bytes_per_rank(config, tp, batch, seq, sequence_parallel) / (hbm_gbps * 1e9)
+    return (flops_s + memory_s) * 1e3
+
+
+# ----------------------------------------------------------------------------------------------
+# Compute: measured on a GPU
+# ----------------------------------------------------------------------------------------------
+
+
+def rank_step(
+    config: GPTConfig, tp: int, batch: int, seq: int, device: str
+) -> tuple[Callable[[], None], GPT]:
+    """A call that takes one training step of tp rank 0's shard, as horse.train takes it, on device,
+    and the model it trains.
+
+    The model is ``GPT(config, "triton", Parallel(tp_size=tp))``: the shapes, kernels and
+    vocab-parallel loss of a rank, its collectives identities (no process group), so the call is the
+    rank's compute alone. float16 autocast, a GradScaler, ``horse.train.optimizer_step``; one fixed
+    random batch of (batch, seq) tokens.
+    """
+    from horse.train import TrainConfig, make_optimizer, optimizer_step
+
+    torch.manual_seed(0)
+    with torch.device(device):  # built whole on the device, then sliced to rank 0's shard
+        model = GPT(config, "triton", Parallel(tp_size=tp))
+    cfg = TrainConfig(precision="fp16")
+    optimizer = make_optimizer(model, cfg, device)
+    scaler = torch.amp.GradScaler(device, init_scale=cfg.loss_scale, growth_interval=cfg.loss_scale_window)
+    idx = torch.randint(config.vocab_size, (batch, seq), device=device)  # (B, T)
+    targets = torch.randint(config.vocab_size, (batch, seq), device=device)  # (B, T)
+
+    def step() -> None:
+        with torch.autocast(device, torch.float16):
+            loss = model.loss(idx, targets)
+        scaler.scale(loss).backward()
+        optimizer_step(model, optimizer, scaler, cfg.grad_clip)
+
+    return step, model
 
 
 def measure_compute_ms(config: GPTConfig, tp: int, batch: int, seq: int) -> float:
-    """Measured GPU time of one rank's step: one block × n_layer + LM head and loss + AdamW.
-
-    A rank's block is not a smaller GPT (a GPTConfig with n_head / tp heads would also shrink
-    d_model, and c_attn's input is the full d_model), so the block is built from its pieces at the
-    shapes a rank holds: the two norms at full width (replicated), c_attn (B·T, C) → (B·T, qkv / tp),
-    flash attention over n_head / tp heads, c_proj (C / tp → C), the fused MLP C → hidden / tp → C.
-    Backend triton, float16 autocast, forward+backward with fixed output gradients. The head: the
-    final norm, the logits (B·T, V / tp) against the rank's vocabulary rows and the cross entropy
-    over them (the local work of the vocab-parallel loss). One input, not rotated: a block's
-    weights and activations far exceed the L2 cache at these sizes.
-    """
-    import torch.nn.functional as F  # noqa: N812
-
-    import kernels
+    """Median GPU time of :func:`rank_step` (CUDA events; a few untimed steps first, where Triton
+    compiles). One batch, not rotated: a step's weights and activations far exceed the L2 cache."""
     from bench.timing import time_gpu
-    from horse.model import MLP, add_norm, make_norm
 
-    device = torch.device("cuda")
-    d, hd = config.d_model, config.head_dim
-    heads, kv_heads = config.n_head // tp, config.kv_heads // tp
-    with device:
-        norm_1, norm_2, norm_f = (make_norm(config, "triton") for _ in range(3))
-        c_attn = torch.nn.Linear(d, (heads + 2 * kv_heads) * hd, bias=config.bias)
-        c_proj = torch.nn.Linear(heads * hd, d, bias=config.bias)
-        mlp = MLP(dataclasses.replace(config, mlp_hidden=config.hidden // tp), "triton")
-        wte = torch.nn.Parameter(torch.randn(config.vocab_size // tp, d) * 0.02)
-        x = torch.randn(batch, seq, d, dtype=torch.float16, requires_grad=True)
-        h = torch.randn(batch, seq, d, requires_grad=True)
-        grad_x, grad_h = torch.randn_like(x), torch.randn_like(h)
-        targets = torch.randint(0, config.vocab_size // tp, (batch * seq,))
+    step, _ = rank_step(config, tp, batch, seq, "cuda")
+    return time_gpu(lambda _: step(), [None], warmup=3, repeats=10, batch=5).median_ms
 
-    def block(inputs):
-        x, h = inputs
-        with torch.autocast("cuda", dtype=torch.float16):
-            y, h = add_norm(norm_1, x, h)
-            q, k, v = c_attn(y).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
-            shape = (batch, seq, -1, hd)
-            a = kernels.flash_attention(q.view(shape), k.view(shape), v.view(shape), causal=True)
-            y, h = add_norm(norm_2, c_proj(a.reshape(batch, seq, heads * hd)), h)
-            out = mlp(y)
-        torch.autograd.backward([out, h], [grad_x.to(out.dtype), grad_h])
 
-    def head(inputs):
-        x, h = inputs
-        with torch.autocast("cuda", dtype=torch.float16):
-            y, _ = add_norm(norm_f, x, h)
-            logits = F.linear(y, wte).flatten(0, 1)  # (B·T, V / tp)
-            loss = F.cross_entropy(logits.float(), targets)
-        loss.backward()
-
-    with device:
-        flat = torch.zeros(local_params(config, tp), requires_grad=True)
-        flat.grad = torch.randn_like(flat)
-        optimizer = torch.optim.AdamW([flat], lr=1e-4, fused=True)
-    block_ms = time_gpu(block, [(x, h)], warmup=5, repeats=30, batch=10).median_ms
-    head_ms = time_gpu(head, [(x, h)], warmup=5, repeats=30, batch=10).median_ms
-    optimizer_ms = time_gpu(lambda _: optimizer.step(), [None], warmup=3, repeats=20, batch=10).median_ms
-    return config.n_layer * block_ms + head_ms + optimizer_ms
+# ----------------------------------------------------------------------------------------------
+# The table
+# ----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Row:
-    """One (preset, tp) prediction; the times are None with a reason where tp cannot split it."""
+    """One (preset, tp) prediction; the times are None with a reason where it cannot be made."""
 
     preset: str
     tp: int
     compute_ms: float | None = None
-    comm_ms: float | None = None
+    comm_ms: float | None = None  # tensor-parallel collectives, on the critical path
+    dp_ms: float | None = None  # the node's dp gradient all-reduce, overlapped with the backward
     comm_bytes_per_gpu: float | None = None
     reason: str | None = None
 
     @property
+    def dp_exposed_ms(self) -> float | None:
+        return None if self.reason else exposed_dp_ms(self.dp_ms, self.compute_ms)
+
+    @property
     def step_ms(self) -> float | None:
-        return None if self.reason else self.compute_ms + self.comm_ms
+        return None if self.reason else self.compute_ms + self.comm_ms + self.dp_exposed_ms
 
 
-def tokens_per_s(tokens_per_step: int, step_ms: float, tp: int) -> tuple[float, float]:
-    """(tokens/s per GPU, tokens/s per 8-GPU node of 8 / tp replicas) of one replica's step."""
-    per_replica = tokens_per_step / (step_ms * 1e-3)
-    return per_replica / tp, per_replica * (GPUS_PER_NODE // tp)
+def tokens_per_s(tokens_per_step: int, step_ms: float, tp: int) -> tuple[float, float, float]:
+    """(per GPU, per tp group, per 8-GPU node of 8 / tp replicas) tokens/s of one replica's step."""
+    per_group = tokens_per_step / (step_ms * 1e-3)
+    return per_group / tp, per_group, per_group * (GPUS_PER_NODE // tp)
 
 
 def predict(args: argparse.Namespace, measured: bool) -> list[Row]:
@@ -276,14 +368,29 @@ def predict(args: argparse.Namespace, measured: bool) -> list[Row]:
                 rows.append(Row(name, tp, reason=str(error)))
                 continue
             if measured:
-                compute = measure_compute_ms(config, tp, args.batch_size, args.seq_len)
+                try:
+                    compute = measure_compute_ms(config, tp, args.batch_size, args.seq_len)
+                except torch.OutOfMemoryError:
+                    rows.append(Row(name, tp, reason=f"out of memory on one {torch.cuda.get_device_name()}"))
+                    continue
+                finally:  # the step's model, optimizer and activations, before the next one is built
+                    gc.collect()
+                    torch.cuda.empty_cache()
             else:
                 compute = estimate_compute_ms(
-                    config, tp, args.batch_size, args.seq_len, args.peak_tflops, args.efficiency
+                    config,
+                    tp,
+                    args.batch_size,
+                    args.seq_len,
+                    args.sequence_parallel,
+                    args.peak_tflops,
+                    args.efficiency,
+                    args.hbm_gbps,
                 )
             shape = (config, tp, args.batch_size, args.seq_len, args.sequence_parallel)
             comm = comm_ms(*shape, args.nvlink_gbps, args.latency_us)
-            rows.append(Row(name, tp, compute, comm, comm_bytes_per_gpu(*shape)))
+            dp = dp_allreduce_ms(config, tp, args.nvlink_gbps, args.latency_us)
+            rows.append(Row(name, tp, compute, comm, dp, comm_bytes_per_gpu(*shape)))
     return rows
 
 
@@ -292,14 +399,15 @@ def row_dicts(rows: list[Row], tokens_per_step: int) -> list[dict]:
     base = {r.preset: r.step_ms for r in rows if r.tp == 1 and r.step_ms is not None}
     out = []
     for r in rows:
-        entry = dataclasses.asdict(r) | {"step_ms": r.step_ms}
+        entry = dataclasses.asdict(r) | {"dp_exposed_ms": r.dp_exposed_ms, "step_ms": r.step_ms}
         if r.step_ms is not None:
-            per_gpu, per_node = tokens_per_s(tokens_per_step, r.step_ms, r.tp)
+            per_gpu, per_group, per_node = tokens_per_s(tokens_per_step, r.step_ms, r.tp)
             entry |= {
                 "tokens_per_s_per_gpu": per_gpu,
+                "tokens_per_s_per_tp_group": per_group,
                 "tokens_per_s_per_node": per_node,
                 "efficiency": base[r.preset] / (r.tp * r.step_ms) if r.preset in base else None,
-                "comm_fraction": r.comm_ms / r.step_ms,
+                "comm_fraction": (r.comm_ms + r.dp_exposed_ms) / r.step_ms,
             }
         out.append(entry)
     return out
@@ -307,8 +415,8 @@ def row_dicts(rows: list[Row], tokens_per_step: int) -> list[dict]:
 
 def format_table(entries: list[dict], title: str) -> str:
     header = (
-        f"{'preset':<10} {'tp':>2} {'compute ms':>10} {'comm ms':>8} {'step ms':>8} "
-        f"{'tok/s/GPU':>10} {'tok/s/node':>11} {'eff':>6} {'comm %':>6}"
+        f"{'preset':<10} {'tp':>2} {'compute ms':>10} {'tp comm ms':>10} {'dp ms':>6} {'step ms':>8} "
+        f"{'tok/s/GPU':>10} {'tok/s/group':>11} {'tok/s/node':>11} {'eff':>6} {'comm %':>6}"
     )
     lines = [title, header, "-" * len(header)]
     for e in entries:
@@ -317,8 +425,9 @@ def format_table(entries: list[dict], title: str) -> str:
             continue
         efficiency = f"{100 * e['efficiency']:5.1f}%" if e["efficiency"] is not None else "   n/a"
         lines.append(
-            f"{e['preset']:<10} {e['tp']:>2} {e['compute_ms']:>10.2f} {e['comm_ms']:>8.2f} "
-            f"{e['step_ms']:>8.2f} {e['tokens_per_s_per_gpu']:>10,.0f} {e['tokens_per_s_per_node']:>11,.0f} "
+            f"{e['preset']:<10} {e['tp']:>2} {e['compute_ms']:>10.2f} {e['comm_ms']:>10.2f} "
+            f"{e['dp_ms']:>6.2f} {e['step_ms']:>8.2f} {e['tokens_per_s_per_gpu']:>10,.0f} "
+            f"{e['tokens_per_s_per_tp_group']:>11,.0f} {e['tokens_per_s_per_node']:>11,.0f} "
             f"{efficiency} {100 * e['comm_fraction']:5.1f}%"
         )
     return "\n".join(lines)
@@ -330,11 +439,13 @@ def best_node_line(entries: list[dict]) -> str:
     if not valid:
         return "no preset fits any tp: nothing to compare with the reference"
     best = max(valid, key=lambda e: e["tokens_per_s_per_node"])
-    ratio = best["tokens_per_s_per_node"] / REFERENCE_NODE_TOKENS_PER_S
+    per_node = best["tokens_per_s_per_node"]
+    h200_node = GPUS_PER_NODE * REFERENCE_PER_H200
     return (
-        f"best 8-GPU node: {best['preset']} at tp {best['tp']}, {best['tokens_per_s_per_node'] / 1e6:.2f}M "
-        f"tokens/s = {100 * ratio:.0f}% of the reference 2.15M tokens/s (8 NVLink GB300s, FP16; "
-        f"a GB300 has ~2.5x an H200's dense fp16 peak)"
+        f"best 8-GPU node: {best['preset']} at tp {best['tp']}, {per_node / 1e6:.2f}M tokens/s = "
+        f"{100 * per_node / REFERENCE_NODE_TOKENS_PER_S:.0f}% of the reference 2.15M tokens/s (8 NVLink "
+        f"GB300s, FP16), {100 * per_node / h200_node:.0f}% of its H200 equivalent at equal MFU "
+        f"({h200_node / 1e6:.2f}M)"
     )
 
 
@@ -342,18 +453,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.scaling", description=__doc__.split("\n")[0])
     parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
     parser.add_argument("--tp", nargs="+", type=int, default=list(TP_SIZES))
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step per tp group")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument(
         "--nvlink-gbps",
         type=float,
         default=NVLINK_GBPS,
-        help="NVLink bandwidth per GPU per direction, GB/s (default: NVLink 4, H100/H200, 450)",
+        help="NVLink bandwidth per GPU per direction, GB/s (default: NVLink 4 line rate, 450; NCCL's "
+        "effective ring bandwidth is ~370)",
     )
     parser.add_argument("--latency-us", type=float, default=LATENCY_US, help="per collective")
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="roofline peak (no GPU)")
     parser.add_argument("--efficiency", type=float, default=EFFICIENCY, help="roofline fraction of peak")
+    parser.add_argument("--hbm-gbps", type=float, default=HBM_GBPS, help="roofline memory bandwidth")
     parser.add_argument("--estimate", action="store_true", help="the roofline even where a GPU is present")
     parser.add_argument("--json", metavar="FILE", help="also write the rows and settings here")
     args = parser.parse_args(argv)
@@ -361,6 +474,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         preset(name)  # an unknown name fails here, before any timing
     if any(tp < 1 or GPUS_PER_NODE % tp for tp in args.tp):
         parser.error(f"--tp sizes must divide {GPUS_PER_NODE}, got {args.tp}")
+    if args.sequence_parallel and any(args.seq_len % tp for tp in args.tp):
+        parser.error(f"--sequence-parallel needs every --tp to divide --seq-len {args.seq_len}")
     return args
 
 
@@ -368,24 +483,33 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     measured = torch.cuda.is_available() and not args.estimate
     if measured:
-        source = f"MEASURED compute on {torch.cuda.get_device_name()}"
+        source = f"MEASURED compute (one rank's training step) on {torch.cuda.get_device_name()}"
     else:
+        why = "--estimate" if torch.cuda.is_available() else "no GPU"
         source = (
-            f"ESTIMATED (no GPU: roofline at {100 * args.efficiency:.0f}% of {args.peak_tflops:.0f} "
-            "TFLOP/s peak), not measured"
+            f"ESTIMATED ({why}: roofline at {100 * args.efficiency:.0f}% of {args.peak_tflops:.0f} "
+            f"TFLOP/s peak, {args.hbm_gbps:.0f} GB/s HBM), not measured"
         )
     title = (
-        f"Tensor-parallel step model, {source}; batch {args.batch_size} x seq {args.seq_len} per replica; "
-        f"comm: NVLink {args.nvlink_gbps:.0f} GB/s per direction + {args.latency_us:.0f} us per collective, "
-        f"not overlapped; sequence parallel {'on' if args.sequence_parallel else 'off'}"
+        f"Tensor-parallel step model, {source}\n"
+        f"batch {args.batch_size} x seq {args.seq_len} per tp group; sequence parallel "
+        f"{'on' if args.sequence_parallel else 'off'}; tp collectives: NVLink {args.nvlink_gbps:.0f} GB/s "
+        f"per direction + {args.latency_us:.0f} us each, not overlapped\n"
+        f"dp ms: the node's gradient all-reduce over {GPUS_PER_NODE}/tp replicas, hidden behind the "
+        f"backward (taken as {100 * BACKWARD_SHARE:.0f}% of compute); only what sticks out counts in step ms"
     )
     entries = row_dicts(predict(args, measured), args.batch_size * args.seq_len)
     print(format_table(entries, title))
     print(best_node_line(entries))
     if args.json:
+        from bench.timing import machine_info
+
         settings = {k: v for k, v in vars(args).items() if k != "json"} | {"measured": measured}
+        machine = machine_info(torch.device("cuda") if measured else None)
         with open(args.json, "w") as f:
-            json.dump({"settings": settings, "title": title, "rows": entries}, f, indent=2)
+            json.dump(
+                {"settings": settings, "machine": machine, "title": title, "rows": entries}, f, indent=2
+            )
 
 
 if __name__ == "__main__":

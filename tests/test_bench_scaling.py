@@ -1,17 +1,23 @@
 """The tensor-parallel step model of bench/scaling.py: byte counts, ring factors, step arithmetic, the
-table's n/a rows and its ESTIMATED label. No timing is asserted; everything runs on the CPU."""
+table's n/a rows and its ESTIMATED label, and the rank's step that a GPU would time (run once here,
+in Triton's interpreter). No timing is asserted; everything runs on the CPU."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from bench import scaling
-from horse.model import GPTConfig, num_params, preset
+from horse.model import GPT, GPTConfig, num_params, preset
+from horse.parallel import Parallel
 
 # B·T = 16 tokens of width 32: one (B·T, d_model) float16 activation is 16·32·2 = 1024 bytes, the
 # cross entropy's (B·T,) float32 row max 64 bytes and its (2, B·T) sums 128.
 SMALL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, d_model=32)
+LLAMA_LIKE = dataclasses.replace(
+    SMALL, norm="rmsnorm", mlp="swiglu", positions="rotary", n_kv_heads=2, bias=False
+)
 BATCH, SEQ = 2, 8
 
 
@@ -42,16 +48,19 @@ def test_comm_bytes_by_hand(tp, expected):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_sequence_parallel_moves_the_same_activation_bytes_in_twice_the_calls(tp):
+def test_sequence_parallel_calls_and_bytes_by_hand(tp):
     plain = scaling.collectives(SMALL, tp, BATCH, SEQ, sequence_parallel=False)
     sequence = scaling.collectives(SMALL, tp, BATCH, SEQ, sequence_parallel=True)
     assert sum(c.count for c in plain) == 14  # 10 activation all-reduces, 2 for the loss, 2 scalars
-    # 10 all-gathers, 10 reduce-scatters, the same 4 all-reduces, 1 of the replicated gradients
-    assert sum(c.count for c in sequence) == 25
+    # the embedding's all-reduce; 9 all-gathers and 9 reduce-scatters (blocks, LM head); the
+    # embedding gradient's all-gather; the loss's 2 and the 2 scalars; the replicated gradients
+    assert sum(c.count for c in sequence) == 1 + 18 + 1 + 4 + 1
     # the replicated gradients: 2 layers × (2 LayerNorms of 64 + 2 biases of 32) + the final 64 =
     # 448 float32 parameters, 1792 bytes
     assert scaling.replicated_grad_params(SMALL) == 448
-    extra = scaling.ring_factor("all_reduce", tp) * 1792
+    # all-gather + reduce-scatter moves what an all-reduce does; on top: the embedding gradient's
+    # all-gather and the replicated gradients' all-reduce
+    extra = scaling.ring_factor("all_gather", tp) * 1024 + scaling.ring_factor("all_reduce", tp) * 1792
     assert scaling.comm_bytes_per_gpu(SMALL, tp, BATCH, SEQ, True) == pytest.approx(
         scaling.comm_bytes_per_gpu(SMALL, tp, BATCH, SEQ, False) + extra
     )
@@ -63,31 +72,44 @@ def test_comm_ms_is_bytes_over_bandwidth_plus_latency():
     assert got == pytest.approx((10440 / 1e9 + 14 * 2e-6) * 1e3)
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt2-124m"])
-def test_local_params_at_tp_1_count_the_whole_model(name):
-    config = preset(name)
-    assert scaling.local_params(config, 1) == num_params(config)
+def test_dp_allreduce_by_hand():
+    config = preset("gpt2-124m")
+    assert scaling.dp_allreduce_ms(config, 8, 450.0, 10.0) == 0  # one replica per node
+    # tp 2: 4 replicas; float32 gradients of the rank's parameters in 25 MiB buckets
+    size = 4 * scaling.local_params(config, 2)
+    buckets = -(-size // (25 * 2**20))
+    expected = (1.5 * size / 1e9 + buckets * 2e-6) * 1e3
+    assert scaling.dp_allreduce_ms(config, 2, nvlink_gbps=1.0, latency_us=2.0) == pytest.approx(expected)
+    assert scaling.exposed_dp_ms(dp_ms=10.0, compute_ms=12.0) == pytest.approx(2.0)  # 10 - 2/3 · 12
+    assert scaling.exposed_dp_ms(dp_ms=1.0, compute_ms=12.0) == 0
 
 
-def test_local_params_shard_everything_but_the_replicated_parts():
-    d, v, hidden, layers = SMALL.d_model, SMALL.vocab_size, SMALL.hidden, SMALL.n_layer
-    # replicated: norms (weight + bias) twice per block and once at the end, c_proj's and the MLP
-    # output's biases, the position table
-    replicated = layers * (2 * 2 * d + 2 * d) + 2 * d + SMALL.block_size * d
-    sharded = num_params(SMALL) - replicated
-    assert scaling.local_params(SMALL, 2) == replicated + sharded // 2
-    assert sharded == layers * (3 * d * d + 3 * d + d * d + 2 * d * hidden + hidden) + v * d
+@pytest.mark.parametrize(
+    "config, tp",
+    [(SMALL, 1), (SMALL, 2), (SMALL, 4), (LLAMA_LIKE, 1), (LLAMA_LIKE, 2), (preset("gpt2-350m"), 4)],
+)
+def test_local_params_count_what_a_rank_holds(config, tp):
+    with torch.device("meta"):
+        rank = GPT(config, "reference", Parallel(tp_size=tp))
+    assert scaling.local_params(config, tp) == rank.num_params()
+    if tp == 1:
+        assert scaling.local_params(config, 1) == num_params(config)
 
 
-def test_step_and_throughput_arithmetic():
-    row = scaling.Row("x", 2, compute_ms=6.0, comm_ms=2.0, comm_bytes_per_gpu=0.0)
-    assert row.step_ms == 8.0
-    per_gpu, per_node = scaling.tokens_per_s(8192, row.step_ms, tp=2)
-    assert per_gpu == pytest.approx(8192 / 8e-3 / 2)
-    assert per_node == pytest.approx(8192 / 8e-3 * 4)
-    entries = scaling.row_dicts([scaling.Row("x", 1, 10.0, 0.0, 0.0), row], 8192)
-    assert entries[1]["efficiency"] == pytest.approx(10.0 / (2 * 8.0))
-    assert entries[1]["comm_fraction"] == pytest.approx(0.25)
+def test_memory_bound_work_of_the_stream_shrinks_with_tp_only_under_sequence_parallelism():
+    config = preset("gpt2-350m")
+
+    def norms(tp, sequence_parallel):  # what is left with the loss and the optimizer taken out
+        total = scaling.memory_bytes_per_rank(config, tp, 8, 1024, sequence_parallel)
+        per_logit = scaling.LOSS_BYTES_PER_LOGIT if tp == 1 else scaling.VOCAB_PARALLEL_LOSS_BYTES_PER_LOGIT
+        loss = 8 * 1024 * config.vocab_size / tp * per_logit
+        return total - loss - scaling.OPTIMIZER_BYTES_PER_PARAM * scaling.local_params(config, tp)
+
+    stream = 8 * 1024 * config.d_model
+    assert norms(1, False) == pytest.approx(49 * scaling.NORM_BYTES * stream)  # 2 · 24 layers + 1
+    row_biases = 24 * 2 * scaling.ROW_BIAS_BYTES * stream
+    assert norms(4, False) == pytest.approx(norms(1, False) + row_biases)
+    assert norms(4, True) == pytest.approx((norms(1, False) + row_biases) / 4)
 
 
 def test_flops_halve_with_tp():
@@ -97,12 +119,26 @@ def test_flops_halve_with_tp():
     )
 
 
+def test_step_and_throughput_arithmetic():
+    row = scaling.Row("x", 2, compute_ms=6.0, comm_ms=2.0, dp_ms=5.0, comm_bytes_per_gpu=0.0)
+    assert row.dp_exposed_ms == pytest.approx(1.0)  # 5 - 2/3 · 6
+    assert row.step_ms == pytest.approx(9.0)
+    per_gpu, per_group, per_node = scaling.tokens_per_s(8192, 8.0, tp=2)
+    assert per_group == pytest.approx(8192 / 8e-3)
+    assert per_gpu == pytest.approx(per_group / 2)
+    assert per_node == pytest.approx(per_group * 4)
+    entries = scaling.row_dicts([scaling.Row("x", 1, 10.0, 0.0, 0.0, 0.0), row], 8192)
+    assert entries[1]["efficiency"] == pytest.approx(10.0 / (2 * 9.0))
+    assert entries[1]["comm_fraction"] == pytest.approx(3.0 / 9.0)
+    assert entries[0]["comm_fraction"] == 0
+
+
 def test_no_gpu_table_is_labelled_estimated_with_n_a_rows(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out_json = tmp_path / "scaling.json"
     scaling.main(["--presets", "gpt2-124m", "gpt2-1.5b", "--json", str(out_json)])
     out = capsys.readouterr().out
-    assert "ESTIMATED (no GPU: roofline at 50% of 989 TFLOP/s peak), not measured" in out
+    assert "ESTIMATED (no GPU: roofline at 50% of 989 TFLOP/s peak, 4300 GB/s HBM), not measured" in out
     assert "gpt2-124m   8 n/a: tensor parallel size 8 must divide n_head 12" in out
     assert "gpt2-1.5b   2 n/a: tensor parallel size 2 must divide n_head 25" in out
     assert "of the reference 2.15M tokens/s" in out
@@ -112,6 +148,19 @@ def test_no_gpu_table_is_labelled_estimated_with_n_a_rows(monkeypatch, capsys, t
     assert rows[("gpt2-124m", 8)]["step_ms"] is None and rows[("gpt2-124m", 8)]["reason"]
     assert rows[("gpt2-124m", 1)]["comm_ms"] == 0 and rows[("gpt2-124m", 1)]["efficiency"] == 1
     assert rows[("gpt2-124m", 4)]["comm_bytes_per_gpu"] > rows[("gpt2-124m", 2)]["comm_bytes_per_gpu"]
+    assert rows[("gpt2-124m", 4)]["efficiency"] < 1
+
+
+@pytest.mark.parametrize("config", [SMALL, LLAMA_LIKE], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_rank_step_a_gpu_would_time_runs_and_trains(config, tp):
+    step, model = scaling.rank_step(config, tp, BATCH, SEQ, "cpu")
+    assert model.num_params() == scaling.local_params(config, tp)
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(2):  # the loss scaler may skip the first fp16 step while its scale settles
+        step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
 
 
 def test_bad_flags_fail_before_any_work():
@@ -119,3 +168,5 @@ def test_bad_flags_fail_before_any_work():
         scaling.parse_args(["--presets", "gpt9"])
     with pytest.raises(SystemExit):
         scaling.parse_args(["--tp", "3"])
+    with pytest.raises(SystemExit):
+        scaling.parse_args(["--sequence-parallel", "--seq-len", "1022"])
