@@ -13,7 +13,7 @@ Compute per rank. On a GPU it is measured (:func:`rank_step`): one whole trainin
 ``GPT(config, "triton", Parallel(tp_size=tp))``, the very module a tp rank runs (n_head / tp heads,
 hidden / tp MLP units, vocab / tp embedding rows and logits, the vocab-parallel cross entropy, the
 row-parallel bias adds), whose collectives are identities here because it has no process group;
-float16 autocast, loss scaling and ``horse.train.optimizer_step`` (unscale, clip, fused AdamW) as
+float16 autocast, loss scaling and ``horse.train.train_step`` (unscale, clip, fused AdamW) as
 the trainer takes them, timed with CUDA events (``bench.timing.time_gpu``). Its norms run on the
 whole sequence, so under ``--sequence-parallel`` the measured compute misses what sequence
 parallelism saves there. Without a GPU it is a roofline estimate, and the table says so in its
@@ -63,6 +63,7 @@ tp 2/4/8, which grows the model with tp).
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -293,25 +294,23 @@ def rank_step(
 
     The model is ``GPT(config, "triton", Parallel(tp_size=tp))``: the shapes, kernels and
     vocab-parallel loss of a rank, its collectives identities (no process group), so the call is the
-    rank's compute alone. float16 autocast, a GradScaler, ``horse.train.optimizer_step``; one fixed
+    rank's compute alone. ``horse.train.train_step`` in float16 with its loss scaler; one fixed
     random batch of (batch, seq) tokens.
     """
-    from horse.train import TrainConfig, make_optimizer, optimizer_step
+    from horse.train import LossScaler, TrainConfig, make_optimizer, train_step
 
     torch.manual_seed(0)
     with torch.device(device):  # built whole on the device, then sliced to rank 0's shard
         model = GPT(config, "triton", Parallel(tp_size=tp))
     cfg = TrainConfig(precision="fp16")
     optimizer = make_optimizer(model, cfg, device)
-    scaler = torch.amp.GradScaler(device, init_scale=cfg.loss_scale, growth_interval=cfg.loss_scale_window)
+    scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window)
     idx = torch.randint(config.vocab_size, (batch, seq), device=device)  # (B, T)
     targets = torch.randint(config.vocab_size, (batch, seq), device=device)  # (B, T)
 
     def step() -> None:
-        with torch.autocast(device, torch.float16):
-            loss = model.loss(idx, targets)
-        scaler.scale(loss).backward()
-        optimizer_step(model, optimizer, scaler, cfg.grad_clip)
+        autocast = functools.partial(torch.autocast, device, torch.float16)
+        train_step(model.loss, lambda: (idx, targets), model, optimizer, scaler, cfg, autocast=autocast)
 
     return step, model
 

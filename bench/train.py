@@ -6,10 +6,10 @@ against the reference model under torch.compile.
     python -m bench.train --preset gpt2-350m --batch-size 8 --grad-accum 4 --precision bf16
     python -m bench --only train                 # the same steps in the bench suite, under pytest-benchmark
 
-A step is one optimizer step as ``horse.train`` takes it: ``--grad-accum`` micro-batches of forward
-and backward under ``torch.autocast`` (in fp16 the loss scaled by a GradScaler), then
-``horse.train.optimizer_step`` (unscale, clip the gradient norm to 1.0, PyTorch's fused AdamW from
-``horse.train.make_optimizer`` on the float32 master weights, zero the gradients). Every step reads
+A step is one optimizer step as ``horse.train`` takes it, by its own ``train_step``:
+``--grad-accum`` micro-batches of forward and backward under ``torch.autocast`` (in fp16 the loss
+scaled by its LossScaler), then unscale, clip the gradient norm to 1.0, PyTorch's fused AdamW from
+``horse.train.make_optimizer`` on the float32 master weights, zero the gradients. Every step reads
 one fixed random batch made on the GPU beforehand: data loading is not measured. The backends run
 the same weights, from one seed:
 
@@ -52,7 +52,7 @@ import torch
 
 from bench import suite, timing
 from horse.model import GPT, PRESETS, GPTConfig, preset
-from horse.train import TrainConfig, make_optimizer, optimizer_step, peak_flops
+from horse.train import LossScaler, TrainConfig, make_optimizer, peak_flops, train_step
 from kernels import runtime
 
 BACKENDS = ("triton", "reference-compile", "reference")
@@ -81,13 +81,9 @@ def make_step(
     torch.manual_seed(cfg.seed)
     model = GPT(config, "triton" if backend == "triton" else "reference").to(device)  # float32 weights
     optimizer = make_optimizer(model, cfg, device)
-    scaler = torch.amp.GradScaler(
-        device,
-        init_scale=cfg.loss_scale,
-        growth_interval=cfg.loss_scale_window,
-        enabled=cfg.precision == "fp16",
-    )
+    scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window, enabled=cfg.precision == "fp16")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
+    autocast = (lambda: torch.autocast(device, dtype)) if dtype else contextlib.nullcontext
     loss_fn = model.loss
     if backend == "reference-compile":
         # On a CPU, aot_eager: dynamo and AOTAutograd capture the model as on a GPU, without
@@ -98,15 +94,12 @@ def make_step(
     x = torch.randint(config.vocab_size, (cfg.batch_size, seq_len), device=device)  # (B, T)
     y = torch.randint(config.vocab_size, (cfg.batch_size, seq_len), device=device)  # (B, T)
 
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        return x, y  # the same batch every step: data loading is not measured
+
     def step() -> tuple[torch.Tensor, bool]:
-        loss_sum = torch.zeros((), device=device)
-        for _ in range(cfg.grad_accum):
-            with torch.autocast(device, dtype) if dtype else contextlib.nullcontext():
-                loss = loss_fn(x, y) / cfg.grad_accum
-            scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-        _, skipped = optimizer_step(model, optimizer, scaler, cfg.grad_clip)
-        return loss_sum, skipped
+        loss, _, skipped = train_step(loss_fn, batch, model, optimizer, scaler, cfg, autocast=autocast)
+        return loss, skipped
 
     return step
 

@@ -427,13 +427,13 @@ class LossScaler:
 def optimizer_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    scaler: LossScaler | torch.amp.GradScaler,
+    scaler: LossScaler,
     grad_clip: float,
     parallel: Parallel | None = None,
 ) -> tuple[float, bool]:
     """Unscale, clip and step; returns (gradient norm, skipped). The norm is the whole model's, each
     parameter counted once over the tp ranks. With fp16 a step whose gradients hold an inf or NaN
-    (on any rank, with a LossScaler) is skipped (weights and AdamW's moments untouched)."""
+    (on any rank) is skipped (weights and AdamW's moments untouched)."""
     parallel = parallel or Parallel()
     scale = scaler.get_scale()
     scaler.unscale_(optimizer)
@@ -444,7 +444,7 @@ def optimizer_step(
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    # Both scalers halve the scale exactly when they skip a step (Hugging Face accelerate's test).
+    # The scaler halves its scale exactly when it skips a step.
     return grad_norm.item(), scaler.get_scale() < scale
 
 
@@ -453,7 +453,7 @@ def train_step(
     next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    scaler: LossScaler | torch.amp.GradScaler,
+    scaler: LossScaler,
     cfg: TrainConfig,
     parallel: Parallel | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
