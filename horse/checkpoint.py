@@ -80,14 +80,17 @@ def _positions(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
-    """optimizer.state_dict() with parameter names in place of positions."""
-    names = _positions(optimizer, model)
-    state = optimizer.state_dict()
+def _by_name(state: dict, names: list[str]) -> dict:
+    """An optimizer's state_dict with names[i] in place of position i."""
     return {
         "state": {names[i]: s for i, s in state["state"].items()},
         "param_groups": [g | {"params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
     }
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
+    """optimizer.state_dict() with parameter names in place of positions."""
+    return _by_name(optimizer.state_dict(), _positions(optimizer, model))
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, state: dict) -> None:
@@ -196,14 +199,12 @@ def latest(out_dir: str | Path) -> Path | None:
 
 
 def resolve(path: str | Path) -> Path:
-    """A checkpoint: a checkpoint directory, the newest complete one in a run's output directory,
-    or an exported .safetensors file."""
+    """A checkpoint: a directory holding one (a manifest, or model.safetensors, as an export writes
+    it), the newest complete one in a run's output directory, or an exported .safetensors file."""
     path = Path(path)
-    if (
-        (path.is_file() and path.suffix == ".safetensors")
-        or _NAME.fullmatch(path.name)
-        and _is_complete(path)
-    ):
+    if path.is_file() and path.suffix == ".safetensors":
+        return path
+    if (path / MANIFEST).is_file() or (path / WEIGHTS).is_file():
         return path
     newest = latest(path)
     if newest is None:
@@ -318,19 +319,14 @@ def load(
     ckpt = Path(ckpt)
     load_weights(ckpt, model, parallel)
     manifest = _manifest(ckpt)
-    saved_tp = manifest["tp_size"]
-    if saved_tp == parallel.tp_size:
-        state = load_state(ckpt, parallel.tp_rank)
-        if manifest.get("legacy"):  # written before tensor parallelism: the optimizer by position
-            optimizer.load_state_dict(state.pop("optimizer"))
-        else:
-            load_optimizer_state(optimizer, model, state.pop("optimizer"))
-        return state
-    states = [load_state(ckpt, r) for r in range(saved_tp)]
-    config, _ = read_metadata(ckpt)
-    load_optimizer_state(
-        optimizer, model, _reshard_optimizer([s.pop("optimizer") for s in states], config, parallel)
-    )
+    same_tp = manifest["tp_size"] == parallel.tp_size  # then this rank's own shard is enough
+    states = [load_state(ckpt, r) for r in ([parallel.tp_rank] if same_tp else range(manifest["tp_size"]))]
+    saved = [s.pop("optimizer") for s in states]
+    if manifest.get("legacy"):  # written before tensor parallelism: by position, in today's order
+        saved = [_by_name(o, _positions(optimizer, model)) for o in saved]
+    if not same_tp:
+        saved = [_reshard_optimizer(saved, read_metadata(ckpt)[0], parallel)]
+    load_optimizer_state(optimizer, model, saved[0])
     return states[0]
 
 

@@ -18,9 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from horse import checkpoint, train
+from horse import checkpoint, generate, train
 from horse.model import GPT
-from horse.parallel import init_from_env
+from horse.parallel import Parallel, init_from_env
 
 ROOT = Path(__file__).resolve().parents[1]
 # A small model and 3 steps: a 4-process launch takes ~13 s on two cores, mostly importing torch.
@@ -130,6 +130,40 @@ def test_checkpoints_reshard_from_tp2_to_tp1_and_back(runs, tmp_path):
     out = _torchrun(2, tmp_path / "tp2", tp=2, sequence_parallel=True, resume=True, batch_size=GLOBAL_BATCH)
     assert "resumed from ckpt_0000002" in out and "tp 2 (sequence parallel) x dp 1" in out
     _assert_same_steps(_records(tmp_path / "tp2"), {3: expected})
+
+
+def test_a_checkpoint_from_before_tensor_parallelism_loads_at_any_tp_size(tmp_path, capsys):
+    cfg = train.TrainConfig(
+        out_dir=str(tmp_path / "run"), batch_size=GLOBAL_BATCH, **(QUICK | {"max_steps": 2})
+    )
+    train.train(cfg, SMALL)
+    ckpt = tmp_path / "run" / "ckpt_0000002"
+    config, _ = checkpoint.read_metadata(ckpt)
+
+    def restored(parallel: Parallel) -> tuple[list[str], dict]:
+        """(parameter names by optimizer position, the optimizer's state_dict) after loading ckpt."""
+        model = GPT(config, "reference", parallel)
+        optimizer = train.make_optimizer(model, cfg, "cpu")
+        checkpoint.load(ckpt, model, optimizer, parallel)
+        names = {id(p): name for name, p in model.named_parameters()}
+        return [names[id(p)] for g in optimizer.param_groups for p in g["params"]], optimizer.state_dict()
+
+    # What the trainer wrote before tensor parallelism: no manifest, the optimizer by position.
+    order, whole = restored(Parallel())
+    torch.save(checkpoint.load_state(ckpt) | {"optimizer": whole}, ckpt / checkpoint.STATE)
+    (ckpt / checkpoint.MANIFEST).unlink()
+    assert checkpoint.latest(tmp_path / "run") == ckpt
+    assert torch.equal(restored(Parallel())[1]["state"][0]["exp_avg"], whole["state"][0]["exp_avg"])
+    # At tp=2 each rank takes its slice of AdamW's moments (loading needs no process group).
+    i = order.index("blocks.0.mlp.c_fc.weight")  # (hidden, d_model), split by rows
+    for rank in (0, 1):
+        moments = restored(Parallel(tp_rank=rank, tp_size=2))[1]["state"][i]
+        assert torch.equal(moments["exp_avg_sq"], whole["state"][i]["exp_avg_sq"].chunk(2)[rank])
+    # The export of it, in a directory of its own, is what horse.generate --ckpt DIR takes.
+    checkpoint.export(tmp_path / "run", tmp_path / "exported" / "model.safetensors")
+    assert checkpoint.resolve(tmp_path / "exported") == tmp_path / "exported"
+    generate.main(["--ckpt", str(tmp_path / "exported"), "--prompt", "ROMEO:", "--max-new-tokens", "4"])
+    assert "ROMEO:" in capsys.readouterr().out
 
 
 def test_torchrun_restart_resumes_from_the_newest_checkpoint(runs, tmp_path):
