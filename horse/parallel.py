@@ -269,58 +269,32 @@ def _chunk_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x.chunk(_size(group), dim=1)[dist.get_rank(group)].contiguous()
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
+def _identity(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return x
+
+
+def _conjugate(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """An autograd function that runs forward(x, group), its gradient backward(dy, group): each
+    collective's gradient is its conjugate (identity <-> all-reduce, all-gather <-> reduce-scatter)."""
+
+    def fwd(ctx, x, group):
         ctx.group = group
-        return x
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, dy):
-        return _all_reduce(dy, ctx.group), None
+    def bwd(ctx, dy):
+        return backward(dy, ctx.group), None
 
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return dy, None
+    methods = {"forward": staticmethod(fwd), "backward": staticmethod(bwd)}
+    return type(name, (torch.autograd.Function,), methods)
 
 
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _reduce_scatter_sequence(dy, ctx.group), None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _all_gather_sequence(dy, ctx.group), None
-
-
-class _ScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _chunk_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _all_gather_sequence(dy, ctx.group), None
+_CopyToTP = _conjugate("_CopyToTP", _identity, _all_reduce)
+_ReduceFromTP = _conjugate("_ReduceFromTP", _all_reduce, _identity)
+_GatherFromSequence = _conjugate("_GatherFromSequence", _all_gather_sequence, _reduce_scatter_sequence)
+_ReduceScatterToSequence = _conjugate(
+    "_ReduceScatterToSequence", _reduce_scatter_sequence, _all_gather_sequence
+)
+_ScatterToSequence = _conjugate("_ScatterToSequence", _chunk_sequence, _all_gather_sequence)
 
 
 def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
