@@ -23,6 +23,7 @@ and parameters), which ``python -m bench.mlp`` prints for ours and eager.
 """
 
 import functools
+import importlib
 import itertools
 import sys
 from collections.abc import Callable
@@ -157,36 +158,35 @@ def eager_mlp(model: Model, t: dict) -> torch.Tensor:
     return torch.nn.functional.linear(eager_up(model, t), t["w_out"], t["b_out"])
 
 
-def ours_up(model: Model, t: dict) -> torch.Tensor:
-    import kernels  # here, not at import: the CPU path sets TRITON_INTERPRET first
-
+def _up(ops, model: Model, t: dict) -> torch.Tensor:
+    """The up projection with its activation by ops: the kernels package or kernels.reference."""
     if model.gated:
-        return kernels.gated_linear(t["x"], t["w_gate"], t["w_up"], model.activation)
-    return kernels.linear_act(t["x"], t["w_in"], t["b_in"], model.activation)
+        return ops.gated_linear(t["x"], t["w_gate"], t["w_up"], model.activation)
+    return ops.linear_act(t["x"], t["w_in"], t["b_in"], model.activation)
+
+
+def _mlp(ops, model: Model, t: dict) -> torch.Tensor:
+    """The whole MLP by ops: the kernels package or kernels.reference (the same signatures)."""
+    if model.gated:
+        return ops.fused_gated_mlp(t["x"], t["w_gate"], t["w_up"], t["w_down"], model.activation)
+    return ops.fused_mlp(t["x"], t["w_in"], t["b_in"], t["w_out"], t["b_out"], model.activation)
+
+
+# kernels is imported at call time, not at import: the CPU path sets TRITON_INTERPRET first.
+def ours_up(model: Model, t: dict) -> torch.Tensor:
+    return _up(importlib.import_module("kernels"), model, t)
 
 
 def ours_mlp(model: Model, t: dict) -> torch.Tensor:
-    import kernels
-
-    if model.gated:
-        return kernels.fused_gated_mlp(t["x"], t["w_gate"], t["w_up"], t["w_down"], model.activation)
-    return kernels.fused_mlp(t["x"], t["w_in"], t["b_in"], t["w_out"], t["b_out"], model.activation)
+    return _mlp(importlib.import_module("kernels"), model, t)
 
 
 def reference_up(model: Model, t: dict) -> torch.Tensor:
-    from kernels import reference
-
-    if model.gated:
-        return reference.gated_linear(t["x"], t["w_gate"], t["w_up"], model.activation)
-    return reference.linear_act(t["x"], t["w_in"], t["b_in"], model.activation)
+    return _up(importlib.import_module("kernels.reference"), model, t)
 
 
 def reference_mlp(model: Model, t: dict) -> torch.Tensor:
-    from kernels import reference
-
-    if model.gated:
-        return reference.fused_gated_mlp(t["x"], t["w_gate"], t["w_up"], t["w_down"], model.activation)
-    return reference.fused_mlp(t["x"], t["w_in"], t["b_in"], t["w_out"], t["b_out"], model.activation)
+    return _mlp(importlib.import_module("kernels.reference"), model, t)
 
 
 def _up_inputs(model: Model) -> list[str]:
