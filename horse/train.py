@@ -376,6 +376,7 @@ class LossScaler:
         self.parallel = parallel or Parallel()
         self.clean_steps = 0
         self.found_inf: torch.Tensor | None = None  # this step's, agreed by every rank; set by unscale_
+        self.skipped = False  # whether step() skipped; read on the host once, before the optimizer runs
 
     def is_enabled(self) -> bool:
         return self.enabled
@@ -401,16 +402,17 @@ class LossScaler:
         """optimizer.step(), unless a rank found an inf or NaN (unscales first if not yet done)."""
         if self.enabled and self.found_inf is None:
             self.unscale_(optimizer)
-        if not (self.enabled and self.found_inf.item()):
+        self.skipped = self.enabled and bool(self.found_inf.item())
+        if not self.skipped:
             optimizer.step()
 
     def update(self) -> None:
         """Halve the scale after a skipped step, double it after growth_interval clean ones."""
         if not self.enabled:
             return
-        skipped, self.found_inf = bool(self.found_inf.item()), None
-        self.clean_steps = 0 if skipped else self.clean_steps + 1
-        if skipped:
+        self.found_inf = None
+        self.clean_steps = 0 if self.skipped else self.clean_steps + 1
+        if self.skipped:
             self.scale_factor /= 2
         elif self.clean_steps == self.growth_interval:
             self.scale_factor *= 2
@@ -436,17 +438,18 @@ def optimizer_step(
     parameter counted once over the tp ranks. With fp16 a step whose gradients hold an inf or NaN
     (on any rank) is skipped (weights and AdamW's moments untouched)."""
     parallel = parallel or Parallel()
-    scale = scaler.get_scale()
     scaler.unscale_(optimizer)
     params = [(name, p) for name, p in model.named_parameters() if p.grad is not None]
     grad_norm = global_grad_norm(params, parallel)
     if grad_clip > 0:  # an inf norm zeroes (NaNs) the gradients of a step that is skipped anyway
         torch.nn.utils.clip_grads_with_norm_([p for _, p in params], grad_clip, grad_norm)
+    # Read on the host before the optimizer is launched, next to the scaler's inf check, so that
+    # nothing waits for AdamW to finish before the next forward is queued.
+    grad_norm = grad_norm.item()
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    # The scaler halves its scale exactly when it skips a step.
-    return grad_norm.item(), scaler.get_scale() < scale
+    return grad_norm, scaler.skipped
 
 
 def train_step(
