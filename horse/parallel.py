@@ -458,13 +458,19 @@ def global_grad_norm(named_params: Iterable[tuple[str, nn.Parameter]], parallel:
     sharded, replicated = [], []
     for name, p in named_params:
         if p.grad is not None:
-            norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
-            (sharded if is_sharded(name) else replicated).append(norm)
-    squares = torch.stack(sharded + replicated).square()
-    sharded_sum = squares[: len(sharded)].sum()
+            (sharded if is_sharded(name) else replicated).append(p.grad)
+    device = (sharded + replicated)[0].device
+
+    def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+        # get_total_norm: one fused (foreach) norm over the list, as clip_grad_norm_ takes it
+        if not grads:
+            return torch.zeros((), device=device)
+        return torch.nn.utils.get_total_norm(grads).float().square()
+
+    sharded_sum = sum_of_squares(sharded)
     if parallel.tp_size > 1:
         dist.all_reduce(sharded_sum, group=parallel.tp_group)
-    return (sharded_sum + squares[len(sharded) :].sum()).sqrt()
+    return (sharded_sum + sum_of_squares(replicated)).sqrt()
 
 
 def found_nonfinite(flag: torch.Tensor, parallel: Parallel) -> torch.Tensor:
