@@ -4,7 +4,9 @@
 
 The shape of the published numbers (ANCHORS.md): 16K tokens per batch (batch·seqlen = 16384),
 heads·head_dim = 2048, seqlen 512…16K, equal query and key lengths, causal and not, float16.
-Implementations: ours (``kernels.flash_attention``); ``scaled_dot_product_attention`` under each
+Implementations: ours (``kernels.flash_attention``); ours-pointer, the same kernels with TMA off
+(``kernels.attention.USE_TMA = False``, masked pointer loads) to measure what TMA brings;
+``scaled_dot_product_attention`` under each
 of ``sdpa_kernel(FLASH_ATTENTION)``, ``CUDNN_ATTENTION``, ``EFFICIENT_ATTENTION`` and ``MATH`` (MATH
 only to seqlen 4K: it materialises the S×S scores), on transposed views; ``torch.compile`` of the
 explicit-softmax reference in float16, where its S×S matrices fit; ``flash_attn_func`` where the
@@ -165,7 +167,8 @@ def implementations(shape: Shape, causal: bool) -> dict:
     """name -> a function building fn(q, k, v) -> out; built at setup, on the GPU."""
     import kernels
 
-    impls = {"ours": lambda: lambda q, k, v: kernels.flash_attention(q, k, v, causal=causal)}
+    ours = lambda: lambda q, k, v: kernels.flash_attention(q, k, v, causal=causal)  # noqa: E731
+    impls = {"ours": ours, "ours-pointer": ours}
     for backend in SDPA_BACKENDS:
         if backend != "MATH" or shape.seqlen <= MATH_MAX_SEQLEN:
             name = "sdpa-" + backend.split("_")[0].lower()
@@ -175,26 +178,45 @@ def implementations(shape: Shape, causal: bool) -> dict:
     return impls
 
 
-def _setup(direction: str, make_fn, shape: Shape):
+def _without_tma(call):
+    """call with every attention pass on pointer loads, the backward included: the switch is read
+    at each launch, so it wraps the timed call, not fn."""
+    import kernels.attention
+
+    def timed():
+        kernels.attention.USE_TMA = False
+        try:
+            return call()
+        finally:
+            kernels.attention.USE_TMA = True
+
+    return timed
+
+
+def _setup(direction: str, make_fn, shape: Shape, pointer_loads: bool = False):
     def setup():
-        fn = make_fn()
-        device = torch.device("cuda")
-        tensor_bytes = shape.batch * shape.seqlen * shape.heads * shape.head_dim * DTYPE.itemsize
-        if direction == "forward":
-            copies = timing.rotating_inputs(lambda: make_qkv(shape, device), 3 * tensor_bytes, device)
-            return suite.rotate(copies, lambda qkv: fn(*qkv), no_grad=True)
-
-        def inputs():
-            qkv = make_qkv(shape, device, requires_grad=True)
-            out = fn(*qkv) if direction == "backward" else None
-            return qkv, out, torch.randn(qkv[0].shape, dtype=DTYPE, device=device)
-
-        copies = timing.rotating_inputs(inputs, 5 * tensor_bytes, device)  # q, k, v, out, dout
-        if direction == "backward":
-            return suite.rotate(copies, lambda c: torch.autograd.grad(c[1], c[0], c[2], retain_graph=True))
-        return suite.rotate(copies, lambda c: torch.autograd.grad(fn(*c[0]), c[0], c[2]))
+        call = _timed_call(direction, make_fn(), shape)
+        return _without_tma(call) if pointer_loads else call
 
     return setup
+
+
+def _timed_call(direction: str, fn, shape: Shape):
+    device = torch.device("cuda")
+    tensor_bytes = shape.batch * shape.seqlen * shape.heads * shape.head_dim * DTYPE.itemsize
+    if direction == "forward":
+        copies = timing.rotating_inputs(lambda: make_qkv(shape, device), 3 * tensor_bytes, device)
+        return suite.rotate(copies, lambda qkv: fn(*qkv), no_grad=True)
+
+    def inputs():
+        qkv = make_qkv(shape, device, requires_grad=True)
+        out = fn(*qkv) if direction == "backward" else None
+        return qkv, out, torch.randn(qkv[0].shape, dtype=DTYPE, device=device)
+
+    copies = timing.rotating_inputs(inputs, 5 * tensor_bytes, device)  # q, k, v, out, dout
+    if direction == "backward":
+        return suite.rotate(copies, lambda c: torch.autograd.grad(c[1], c[0], c[2], retain_graph=True))
+    return suite.rotate(copies, lambda c: torch.autograd.grad(fn(*c[0]), c[0], c[2]))
 
 
 def cases(quick: bool) -> list[suite.Case]:
@@ -211,7 +233,8 @@ def cases(quick: bool) -> list[suite.Case]:
         ):
             out.append(suite.Case(
                 "attention", params, direction, name, direction_flops(direction, shape, causal), "flop",
-                _setup(direction, make_fn, shape), checker if name == "ours" else None,
+                _setup(direction, make_fn, shape, pointer_loads=name == "ours-pointer"),
+                checker if name == "ours" else None,
             ))  # fmt: skip
     return out
 

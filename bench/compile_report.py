@@ -5,8 +5,8 @@
 Needs no GPU: Triton compiles for ``GPUTarget("cuda", 90, 32)`` on the CPU, and the ``cuobjdump`` in
 Triton's wheel reads the cubin. One row per config: kernel, shape class, dtype, block sizes, warps,
 stages, registers, spill bytes (stack + local), shared memory, tensor-core instructions (HGMMA and
-HMMA) and 128-bit global loads. Exits 1 if any config spills or needs more shared memory than an
-sm_90 block may have. Each kernel family adds its configs to ``CONFIG_FAMILIES``.
+HMMA), 128-bit global loads and TMA loads (UTMALDG). Exits 1 if any config spills or needs more
+shared memory than an sm_90 block may have. Each kernel family adds its configs to ``CONFIG_FAMILIES``.
 
 Pointers, strides, N and K are compiled as multiples of 16, the specialisation Triton picks on a
 GPU for aligned tensors with hidden sizes that are multiples of 16 (the usual case); a stride of 1
@@ -51,6 +51,8 @@ class KernelConfig:
     constexprs: dict = field(repr=False)
     num_warps: int = 4
     num_stages: int = 1
+    # argument name -> block shape of a TMA descriptor argument (its dtype from pointer_types)
+    descriptors: dict = field(default_factory=dict, repr=False)
 
     @property
     def fn(self):
@@ -74,6 +76,7 @@ class CompileResult:
     shared_bytes: int
     tensor_core_instructions: int
     global_loads_128: int
+    tma_loads: int
 
 
 def _signature(cfg: KernelConfig) -> tuple[dict, dict]:
@@ -81,6 +84,9 @@ def _signature(cfg: KernelConfig) -> tuple[dict, dict]:
     for index, name in enumerate(cfg.fn.arg_names):
         if name in cfg.constexprs:
             signature[name] = "constexpr"
+        elif name in cfg.descriptors:
+            block_shape = ",".join(str(d) for d in cfg.descriptors[name])
+            signature[name] = f"tensordesc<{cfg.pointer_types[name]}[{block_shape}]>"
         elif name in cfg.pointer_types:
             signature[name] = "*" + cfg.pointer_types[name]
             attrs[(index,)] = [["tt.divisibility", 16]]
@@ -102,11 +108,12 @@ def parse_resource_usage(text: str) -> tuple[int, int]:
     return registers, stack + local
 
 
-def count_sass(text: str) -> tuple[int, int]:
-    """(tensor-core instructions, 128-bit global loads) in ``cuobjdump --dump-sass`` output."""
+def count_sass(text: str) -> tuple[int, int, int]:
+    """(tensor-core instructions, 128-bit global loads, TMA loads) in ``cuobjdump --dump-sass`` output."""
     tensor_core = len(re.findall(r"\bH[G]?MMA\b", text))
     loads_128 = len(re.findall(r"\bLDG\.E[.\w]*\.128\b", text))
-    return tensor_core, loads_128
+    tma_loads = len(re.findall(r"\bUTMALDG\b", text))
+    return tensor_core, loads_128, tma_loads
 
 
 def compile_config(cfg: KernelConfig) -> CompileResult:
@@ -124,8 +131,7 @@ def compile_config(cfg: KernelConfig) -> CompileResult:
             [CUOBJDUMP, "--dump-sass", cubin.name], capture_output=True, text=True, check=True
         ).stdout
     registers, spill_bytes = parse_resource_usage(usage)
-    tensor_core, loads_128 = count_sass(sass)
-    return CompileResult(cfg, registers, spill_bytes, compiled.metadata.shared, tensor_core, loads_128)
+    return CompileResult(cfg, registers, spill_bytes, compiled.metadata.shared, *count_sass(sass))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,13 +180,20 @@ def _norm_kernel_configs(norm, shape_class, dtype, ty, flags, cfg, backward) -> 
 
 def attention_configs() -> list[KernelConfig]:
     """Every table entry of kernels.attention, for a power-of-two head dim and a padded one (3/4 of
-    the block), both dtypes and both causal modes, and the backward's preprocess per head dim."""
+    the block), both dtypes and both causal modes, with pointer loads (always selectable: USE_TMA
+    off, unaligned inputs) and, where the entry allows, TMA loads; and the backward's preprocess."""
     from kernels import attention
 
-    passes = (
-        ("attn_fwd", "_attn_fwd_kernel", attention.FWD_CONFIGS),
-        ("attn_bwd_dkdv", "_attn_bwd_dkdv_kernel", attention.BWD_DKDV_CONFIGS),
-        ("attn_bwd_dq", "_attn_bwd_dq_kernel", attention.BWD_DQ_CONFIGS),
+    passes = (  # name, kernel, table, arguments tiled along the queries, along the keys
+        ("attn_fwd", "_attn_fwd_kernel", attention.FWD_CONFIGS, ("Q", "OUT"), ("K", "V")),
+        (
+            "attn_bwd_dkdv",
+            "_attn_bwd_dkdv_kernel",
+            attention.BWD_DKDV_CONFIGS,
+            ("Q", "DO"),
+            ("K", "V", "DK", "DV"),
+        ),
+        ("attn_bwd_dq", "_attn_bwd_dq_kernel", attention.BWD_DQ_CONFIGS, ("Q", "DO", "DQ"), ("K", "V")),
     )
     configs = []
     for dtype in (torch.float16, torch.bfloat16):
@@ -194,15 +207,23 @@ def attention_configs() -> list[KernelConfig]:
             configs.append(
                 KernelConfig("attn_bwd_preprocess", f"d={head_dim}", dtype, fn, pointers, constexprs)
             )
-            for (name, kernel, table), causal in itertools.product(passes, (False, True)):
+            for (name, kernel, table, by_query, by_key), causal in itertools.product(passes, (False, True)):
                 cfg = table[block_d]
-                constexprs = {**dims, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "CAUSAL": causal}
-                if name == "attn_bwd_dkdv":
-                    constexprs["BLOCK_D_OUT"] = block_d // cfg.column_splits
-                shape_class = f"d={head_dim}{' causal' if causal else ''}"
-                fn = f"kernels.attention.{kernel}"
-                options = (cfg.num_warps, cfg.num_stages)
-                configs.append(KernelConfig(name, shape_class, dtype, fn, pointers, constexprs, *options))
+                for tma in (False, True) if cfg.tma else (False,):
+                    constexprs = {**dims, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "CAUSAL": causal,
+                                  "TMA": tma}  # fmt: skip
+                    if name == "attn_bwd_dkdv":
+                        constexprs["BLOCK_D_OUT"] = block_d // cfg.column_splits
+                    descriptors = {}
+                    if tma:
+                        descriptors = {a: (1, cfg.block_m, 1, block_d) for a in by_query}
+                        descriptors |= {a: (1, cfg.block_n, 1, block_d) for a in by_key}
+                    shape_class = f"d={head_dim}{' causal' if causal else ''}{' tma' if tma else ''}"
+                    options = (cfg.num_warps, cfg.num_stages)
+                    fn = f"kernels.attention.{kernel}"
+                    configs.append(KernelConfig(
+                        name, shape_class, dtype, fn, pointers, constexprs, *options, descriptors=descriptors
+                    ))  # fmt: skip
     return configs
 
 
@@ -265,14 +286,27 @@ def failures(results: list[CompileResult]) -> list[str]:
     return bad
 
 
-COLUMNS = ("kernel", "shape", "dtype", "blocks", "warps", "stages", "regs", "spill", "smem", "tc", "ldg128")
+COLUMNS = (
+    "kernel",
+    "shape",
+    "dtype",
+    "blocks",
+    "warps",
+    "stages",
+    "regs",
+    "spill",
+    "smem",
+    "tc",
+    "ldg128",
+    "tma",
+)
 
 
 def format_table(results: list[CompileResult]) -> str:
     rows = [COLUMNS] + [
         (r.config.kernel, r.config.shape_class, r.config.dtype_name, r.config.blocks,
          r.config.num_warps, r.config.num_stages, r.registers, r.spill_bytes, r.shared_bytes,
-         r.tensor_core_instructions, r.global_loads_128)
+         r.tensor_core_instructions, r.global_loads_128, r.tma_loads)
         for r in results
     ]  # fmt: skip
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(COLUMNS))]

@@ -16,6 +16,11 @@ Backward: a preprocess (delta = rowsum(dO·O) - dlse), a pass per key block that
 dv over every query block and every query head of its group, and a pass per query block for dq.
 Every gradient element is written by exactly one program in a fixed order: no atomics, so the
 gradients are bit-identical run to run.
+
+Tiles move by TMA on Hopper and newer (sm_90+): tensor descriptors over the whole 4-D tensors, whose
+loads read out-of-bounds rows and head-dim columns as zeros and whose stores drop them. Inputs whose
+start or (batch, seqlen, heads) strides are not multiples of 16 bytes, other GPUs, and ``USE_TMA =
+False`` take masked pointer loads instead; one kernel per pass serves both (the ``TMA`` constexpr).
 """
 
 import dataclasses
@@ -25,11 +30,15 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import reference, runtime
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# Tiles by TMA where tma_usable allows; False sends every pass down the pointer path (the bench's
+# "ours-pointer" row measures the difference).
+USE_TMA = True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -64,33 +73,58 @@ def _visible(offs_m, offs_n, seqlen_k, causal_offset, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(
+    X, b, h, start, col, strides, seqlen, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """(BLOCK_S, BLOCK_C) tile of one (batch b, head h): rows [start, + BLOCK_S) and head-dim
+    columns [col, + BLOCK_C), zero past seqlen and HEAD_DIM. With TMA, X is a descriptor of the
+    whole (batch, seqlen, heads, head_dim) tensor, whose loads fill out-of-bounds elements with
+    zeros; otherwise X is the tensor's pointer and strides its (batch, seqlen, heads) strides, and
+    rows are masked only with MASK (a block that may cross seqlen)."""
+    if TMA:
+        tile = X.load([b, start, h, col]).reshape(BLOCK_S, BLOCK_C)
+    else:
+        offs_s = start + tl.arange(0, BLOCK_S)
+        offs_c = col + tl.arange(0, BLOCK_C)
+        mask = offs_c[None, :] < HEAD_DIM
+        if MASK:
+            mask = mask & (offs_s[:, None] < seqlen)
+        # 64-bit: batch * stride passes 2**31 on large inputs.
+        base = X + b.to(tl.int64) * strides[0] + h.to(tl.int64) * strides[2]
+        tile = tl.load(base + offs_s[:, None] * strides[1] + offs_c[None, :], mask=mask, other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_tile(
+    X, tile, b, h, start, col, strides, seqlen, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """Stores a (BLOCK_S, BLOCK_C) float32 tile where :func:`_load_tile` reads it, in X's dtype,
+    dropping what lies past seqlen and HEAD_DIM."""
+    if TMA:
+        X.store([b, start, h, col], tile.to(X.dtype).reshape(1, BLOCK_S, 1, BLOCK_C))
+    else:
+        offs_s = start + tl.arange(0, BLOCK_S)
+        offs_c = col + tl.arange(0, BLOCK_C)
+        mask = (offs_s[:, None] < seqlen) & (offs_c[None, :] < HEAD_DIM)
+        base = X + b.to(tl.int64) * strides[0] + h.to(tl.int64) * strides[2]
+        tl.store(
+            base + offs_s[:, None] * strides[1] + offs_c[None, :], tile.to(X.dtype.element_ty), mask=mask
+        )
+
+
+@triton.jit
 def _attn_fwd_block(
-    acc,
-    l_i,
-    m_i,
-    q,
-    K,
-    V,
-    offs_m,
-    start_n,
-    offs_d,
-    stride_ks,
-    stride_vs,
-    seqlen_q,
-    seqlen_k,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASK: tl.constexpr,
-    CAUSAL: tl.constexpr,
-):
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    kv_mask = offs_d[None, :] < HEAD_DIM
-    if MASK:
-        kv_mask = kv_mask & (offs_n[:, None] < seqlen_k)
-    k = tl.load(K + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+    acc, l_i, m_i, q, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
+    CAUSAL: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    k = _load_tile(K, b, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
     qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
     if MASK:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
         qk = tl.where(_visible(offs_m, offs_n, seqlen_k, seqlen_k - seqlen_q, CAUSAL), qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
     # A row that has seen no visible key yet keeps m = -inf; subtract 0 there, not -inf (NaN).
@@ -98,7 +132,7 @@ def _attn_fwd_block(
     p = tl.math.exp2(qk - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(V + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = _load_tile(V, b, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new
 
@@ -108,7 +142,7 @@ def _attn_fwd_kernel(
     Q,  # (batch, seqlen_q, heads, head_dim)
     K,  # (batch, seqlen_k, kv_heads, head_dim)
     V,  # (batch, seqlen_k, kv_heads, head_dim)
-    OUT,  # (batch, seqlen_q, heads, head_dim)
+    OUT,  # (batch, seqlen_q, heads, head_dim); Q, K, V, OUT are TMA descriptors with TMA
     LSE,  # (batch, heads, seqlen_q) float32, natural log
     softmax_scale,
     seqlen_q,
@@ -132,21 +166,20 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # grid = (cdiv(seqlen_q, BLOCK_M), batch * heads)
     start_m = tl.program_id(0) * BLOCK_M
     batch_head = tl.program_id(1)
-    b = (batch_head // heads).to(tl.int64)  # batch * stride passes 2**31 on large inputs
-    h = (batch_head % heads).to(tl.int64)
+    b = batch_head // heads
+    h = batch_head % heads
     kv_h = h // group_size
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + kv_h * stride_kh
-    V += b * stride_vb + kv_h * stride_vh
-    OUT += b * stride_ob + h * stride_oh
+    k_strides = (stride_kb, stride_ks, stride_kh)
+    v_strides = (stride_vb, stride_vs, stride_vh)
+    o_strides = (stride_ob, stride_os, stride_oh)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+    q_strides = (stride_qb, stride_qs, stride_qh)
+    q = _load_tile(Q, b, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
     qk_scale = softmax_scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -154,18 +187,18 @@ def _attn_fwd_kernel(
     unmasked_end, end = _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(0, unmasked_end, BLOCK_N):
         acc, l_i, m_i = _attn_fwd_block(
-            acc, l_i, m_i, q, K, V, offs_m, start_n, offs_d, stride_ks, stride_vs, seqlen_q, seqlen_k,
-            qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL,
+            acc, l_i, m_i, q, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
+            qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, TMA,
         )  # fmt: skip
     for start_n in range(unmasked_end, end, BLOCK_N):
         acc, l_i, m_i = _attn_fwd_block(
-            acc, l_i, m_i, q, K, V, offs_m, start_n, offs_d, stride_ks, stride_vs, seqlen_q, seqlen_k,
-            qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL,
+            acc, l_i, m_i, q, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
+            qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, TMA,
         )  # fmt: skip
     # A query that sees no key: l = 0, so the output is 0 and lse = log 0 = -inf.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-    tl.store(OUT + offs_m[:, None] * stride_os + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=q_mask)
+    _store_tile(OUT, out, b, h, start_m, 0, o_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
     tl.store(LSE + batch_head.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
 
 
@@ -190,18 +223,14 @@ def _attn_bwd_preprocess_kernel(
 ):
     # grid = (cdiv(seqlen_q, BLOCK_M), batch * heads)
     batch_head = tl.program_id(1)
-    b = (batch_head // heads).to(tl.int64)
-    h = (batch_head % heads).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(
-        OUT + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
-        mask=mask,
-        other=0.0,
-    )
-    do_ptrs = DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :]
-    do = tl.load(do_ptrs, mask=mask, other=0.0)
+    b = batch_head // heads
+    h = batch_head % heads
+    start_m = tl.program_id(0) * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    o_strides = (stride_ob, stride_os, stride_oh)
+    do_strides = (stride_dob, stride_dos, stride_doh)
+    o = _load_tile(OUT, b, h, start_m, 0, o_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, False)
+    do = _load_tile(DO, b, h, start_m, 0, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     row = batch_head.to(tl.int64) * seqlen_q + offs_m
     if HAS_DLSE:
@@ -221,41 +250,26 @@ def _load_row_stats(LSE, DELTA, offs_m, seqlen_q):
 
 @triton.jit
 def _attn_bwd_dkdv_block(
-    dk,
-    dv,
-    k,
-    v,
-    Q,
-    DO,
-    LSE,
-    DELTA,
-    offs_n,
-    start_m,
-    offs_d,
-    offs_out,
-    stride_qs,
-    stride_dos,
-    seqlen_q,
-    seqlen_k,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    MASK: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
-    # Works on the transposed scores (keys x queries) so dk and dv accumulate in (BLOCK_N, columns
-    # offs_out of the head dim): all of it, or with SPLIT a slice, q and dO then read twice.
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + offs_m[:, None] * stride_qs + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask, other=0.0)
-    if SPLIT:
-        mask_out = (offs_m[:, None] < seqlen_q) & (offs_out[None, :] < HEAD_DIM)
-        q_out = tl.load(Q + offs_m[:, None] * stride_qs + offs_out[None, :], mask=mask_out, other=0.0)
-        do_out = tl.load(DO + offs_m[:, None] * stride_dos + offs_out[None, :], mask=mask_out, other=0.0)
+    dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, start_m, col, q_strides, do_strides, seqlen_q, seqlen_k,
+    qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D_OUT: tl.constexpr,
+    MASK: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    # Works on the transposed scores (keys x queries) so dk and dv accumulate in (BLOCK_N, head-dim
+    # columns [col, + BLOCK_D_OUT)): all of them, or a slice, q and dO then read twice.
+    q = _load_tile(Q, b, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
+    do = _load_tile(DO, b, h, start_m, 0, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
+    if BLOCK_D_OUT < BLOCK_D:
+        tl.static_assert(not TMA, "a descriptor loads whole rows of the head dim")
+        q_out = _load_tile(
+            Q, b, h, start_m, col, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D_OUT, True, TMA
+        )
+        do_out = _load_tile(
+            DO, b, h, start_m, col, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D_OUT, True, TMA
+        )
     else:
         q_out = q
         do_out = do
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     lse, delta = _load_row_stats(LSE, DELTA, offs_m, seqlen_q)
     p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
     if MASK:  # the causal diagonal: key j is visible to query i iff j <= i + seqlen_k - seqlen_q
@@ -276,7 +290,7 @@ def _attn_bwd_dkdv_kernel(
     LSE,
     DELTA,  # (batch, heads, seqlen_q) float32
     DK,
-    DV,  # like K, V
+    DV,  # like K, V; Q, K, V, DO, DK, DV are TMA descriptors with TMA
     softmax_scale,
     seqlen_q,
     seqlen_k,
@@ -307,27 +321,20 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # grid = (cdiv(seqlen_k, BLOCK_N), batch * kv_heads, BLOCK_D // BLOCK_D_OUT): one key block, all
     # query heads of its group, dk and dv columns [program_id(2) * BLOCK_D_OUT, + BLOCK_D_OUT).
     start_n = tl.program_id(0) * BLOCK_N
     batch_kv_head = tl.program_id(1)
-    b = (batch_kv_head // kv_heads).to(tl.int64)
-    kv_h = (batch_kv_head % kv_heads).to(tl.int64)
+    b = batch_kv_head // kv_heads
+    kv_h = batch_kv_head % kv_heads
+    col = tl.program_id(2) * BLOCK_D_OUT
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(
-        K + b * stride_kb + kv_h * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
-    v = tl.load(
-        V + b * stride_vb + kv_h * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
-    offs_out = tl.program_id(2) * BLOCK_D_OUT + tl.arange(0, BLOCK_D_OUT)
+    k_strides = (stride_kb, stride_ks, stride_kh)
+    v_strides = (stride_vb, stride_vs, stride_vh)
+    k = _load_tile(K, b, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, TMA)
+    v = _load_tile(V, b, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     qk_scale = softmax_scale * 1.4426950408889634
@@ -339,51 +346,31 @@ def _attn_bwd_dkdv_kernel(
         lo = tl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M * BLOCK_M
     for g in range(group_size):
         h = kv_h * group_size + g
-        row0 = (b * heads + h) * seqlen_q
+        row0 = (b.to(tl.int64) * heads + h) * seqlen_q
         for start_m in range(lo, seqlen_q, BLOCK_M):
             dk, dv = _attn_bwd_dkdv_block(
-                dk, dv, k, v, Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh,
-                LSE + row0, DELTA + row0, offs_n, start_m, offs_d, offs_out, stride_qs, stride_dos,
-                seqlen_q, seqlen_k, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL, BLOCK_D_OUT < BLOCK_D,
+                dk, dv, k, v, Q, DO, LSE + row0, DELTA + row0, b, h, offs_n, start_m, col,
+                (stride_qb, stride_qs, stride_qh), (stride_dob, stride_dos, stride_doh), seqlen_q, seqlen_k,
+                qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D_OUT, CAUSAL, TMA,
             )  # fmt: skip
     dk *= softmax_scale
-    out_mask = (offs_n[:, None] < seqlen_k) & (offs_out[None, :] < HEAD_DIM)
-    dk_ptrs = DK + b * stride_dkb + kv_h * stride_dkh + offs_n[:, None] * stride_dks + offs_out[None, :]
-    dv_ptrs = DV + b * stride_dvb + kv_h * stride_dvh + offs_n[:, None] * stride_dvs + offs_out[None, :]
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=out_mask)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_mask)
+    dk_strides = (stride_dkb, stride_dks, stride_dkh)
+    dv_strides = (stride_dvb, stride_dvs, stride_dvh)
+    _store_tile(DK, dk, b, kv_h, start_n, col, dk_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA)
+    _store_tile(DV, dv, b, kv_h, start_n, col, dv_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA)
 
 
 @triton.jit
 def _attn_bwd_dq_block(
-    dq,
-    q,
-    do,
-    lse,
-    delta,
-    K,
-    V,
-    offs_m,
-    start_n,
-    offs_d,
-    stride_ks,
-    stride_vs,
-    seqlen_q,
-    seqlen_k,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASK: tl.constexpr,
-    CAUSAL: tl.constexpr,
-):
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    kv_mask = offs_d[None, :] < HEAD_DIM
-    if MASK:
-        kv_mask = kv_mask & (offs_n[:, None] < seqlen_k)
-    k = tl.load(K + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+    dq, q, do, lse, delta, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
+    CAUSAL: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    k = _load_tile(K, b, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
+    v = _load_tile(V, b, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
     p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
     if MASK:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
         p = tl.where(_visible(offs_m, offs_n, seqlen_k, seqlen_k - seqlen_q, CAUSAL), p, 0.0)
     ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq)
@@ -397,7 +384,7 @@ def _attn_bwd_dq_kernel(
     DO,
     LSE,
     DELTA,  # as in _attn_bwd_dkdv_kernel
-    DQ,  # like Q
+    DQ,  # like Q; Q, K, V, DO, DQ are TMA descriptors with TMA
     softmax_scale,
     seqlen_q,
     seqlen_k,
@@ -423,28 +410,21 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # grid = (cdiv(seqlen_q, BLOCK_M), batch * heads)
     start_m = tl.program_id(0) * BLOCK_M
     batch_head = tl.program_id(1)
-    b = (batch_head // heads).to(tl.int64)
-    h = (batch_head % heads).to(tl.int64)
+    b = batch_head // heads
+    h = batch_head % heads
     kv_h = h // group_size
-    K += b * stride_kb + kv_h * stride_kh
-    V += b * stride_vb + kv_h * stride_vh
+    k_strides = (stride_kb, stride_ks, stride_kh)
+    v_strides = (stride_vb, stride_vs, stride_vh)
+    q_strides = (stride_qb, stride_qs, stride_qh)
+    do_strides = (stride_dob, stride_dos, stride_doh)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(
-        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-        mask=mask,
-        other=0.0,
-    )
-    do = tl.load(
-        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
-        mask=mask,
-        other=0.0,
-    )
+    q = _load_tile(Q, b, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
+    do = _load_tile(DO, b, h, start_m, 0, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
     row0 = batch_head.to(tl.int64) * seqlen_q
     lse, delta = _load_row_stats(LSE + row0, DELTA + row0, offs_m, seqlen_q)
     qk_scale = softmax_scale * 1.4426950408889634
@@ -452,17 +432,17 @@ def _attn_bwd_dq_kernel(
     unmasked_end, end = _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(0, unmasked_end, BLOCK_N):
         dq = _attn_bwd_dq_block(
-            dq, q, do, lse, delta, K, V, offs_m, start_n, offs_d, stride_ks, stride_vs, seqlen_q, seqlen_k,
-            qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL,
+            dq, q, do, lse, delta, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
+            qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, TMA,
         )  # fmt: skip
     for start_n in range(unmasked_end, end, BLOCK_N):
         dq = _attn_bwd_dq_block(
-            dq, q, do, lse, delta, K, V, offs_m, start_n, offs_d, stride_ks, stride_vs, seqlen_q, seqlen_k,
-            qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL,
+            dq, q, do, lse, delta, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
+            qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, TMA,
         )  # fmt: skip
     dq *= softmax_scale
-    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :]
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=mask)
+    dq_strides = (stride_dqb, stride_dqs, stride_dqh)
+    _store_tile(DQ, dq, b, h, start_m, 0, dq_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -479,10 +459,14 @@ class AttnConfig:
     num_warps: int
     num_stages: int
     column_splits: int = 1  # dk/dv pass: its head-dim columns shared among this many programs
+    tma: bool = True  # q/k/v/o tiles by TMA (tensor descriptors) where the GPU and strides allow
 
 
 # Per pass and padded head dim. Every entry compiles for sm_90 with HGMMA and no spills in both
-# dtypes and both causal modes (python -m bench.compile_report --filter attn).
+# dtypes and both causal modes, with pointer loads and, where tma is set, with TMA loads (python -m
+# bench.compile_report --filter attn). TMA took fewer registers in most entries (222 against 249
+# in the head-dim-128 forward) and less shared memory (197 against 229 KB there); which is faster
+# is for the bench to measure ("ours" against "ours-pointer").
 FWD_CONFIGS = {
     16: AttnConfig(128, 64, 4, 3),
     32: AttnConfig(128, 64, 4, 3),
@@ -493,19 +477,21 @@ FWD_CONFIGS = {
 # block_n is the key block each program owns (dk, dv accumulate there); block_m the query step.
 # At head dim 256 no tile held dk and dv whole without spilling (808 bytes at 64x64, 8 warps), so
 # two programs share each key block's columns, recomputing the scores: 1.5x this pass's FLOPs.
+# At 128 the TMA variant of this tile spills 16-32 bytes (only block_m 16 did not): pointers there.
 BWD_DKDV_CONFIGS = {
     16: AttnConfig(64, 128, 8, 2),
     32: AttnConfig(64, 128, 8, 2),
     64: AttnConfig(32, 128, 8, 2),
-    128: AttnConfig(32, 128, 8, 2),
-    256: AttnConfig(16, 64, 8, 2, column_splits=2),
+    128: AttnConfig(32, 128, 8, 2, tma=False),
+    256: AttnConfig(16, 64, 8, 2, column_splits=2, tma=False),
 }
+# At 256 the TMA variant compiles clean on triton 3.6 (250 registers) but spilled 544 bytes on 3.9.
 BWD_DQ_CONFIGS = {
     16: AttnConfig(128, 64, 8, 3),
     32: AttnConfig(128, 64, 8, 3),
     64: AttnConfig(128, 64, 8, 3),
     128: AttnConfig(128, 64, 8, 2),
-    256: AttnConfig(64, 32, 8, 2),
+    256: AttnConfig(64, 32, 8, 2, tma=False),
 }
 # Small, unequal tiles in the interpreter: quick there, and several blocks cross every boundary.
 INTERPRETER_BLOCKS = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1}
@@ -527,6 +513,30 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def tma_usable(cfg: AttnConfig, *tensors: torch.Tensor) -> bool:
+    """Whether a pass with cfg loads its tiles by TMA: the table and ``USE_TMA`` allow it, the GPU has
+    a tensor memory accelerator (NVIDIA, sm_90 or newer; the interpreter emulates one), and every
+    tensor meets its rules: a 16-byte aligned start and positive strides that are multiples of 16
+    bytes. Other inputs (odd head dims, unaligned views) take the pointer path."""
+    if not (USE_TMA and cfg.tma):
+        return False
+    first = tensors[0]
+    if first.is_cuda and (
+        torch.version.hip is not None or torch.cuda.get_device_capability(first.device)[0] < 9
+    ):
+        return False
+    return all(
+        t.data_ptr() % 16 == 0 and all(s > 0 and s * t.element_size() % 16 == 0 for s in _strides(t))
+        for t in tensors
+    )
+
+
+def _operand(t: torch.Tensor, block_s: int, block_d: int, tma: bool):
+    """t itself for the pointer path, or a descriptor of it whose loads are (block_s rows, block_d
+    head-dim columns) tiles of one (batch, head)."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_s, 1, block_d]) if tma else t
+
+
 def attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -537,13 +547,17 @@ def attention_fwd(
     out = runtime.empty(q.shape, q.dtype, q.device)
     lse = runtime.empty((batch, heads, seqlen_q), torch.float32, q.device)
     cfg = attn_config(FWD_CONFIGS, head_dim)
+    block_d = head_dim_block(head_dim)
+    tma = tma_usable(cfg, q, k, v, out)
+    q_tiles, out_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, out))
+    k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (k, v))
     grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * heads)
     with runtime.device_guard(q):
         _attn_fwd_kernel[grid](
-            q, k, v, out, lse, softmax_scale, seqlen_q, seqlen_k, heads, heads // kv_heads,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-            HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            q_tiles, k_tiles, v_tiles, out_tiles, lse, softmax_scale, seqlen_q, seqlen_k, heads,
+            heads // kv_heads, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=causal, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out, lse
 
@@ -580,19 +594,27 @@ def attention_bwd(
             **dims, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=dlse is not None,
         )  # fmt: skip
         cfg = attn_config(BWD_DKDV_CONFIGS, head_dim)
+        tma = tma_usable(cfg, q, k, v, dout, dk, dv)
+        q_tiles, do_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout))
+        k_tiles, v_tiles, dk_tiles, dv_tiles = (
+            _operand(t, cfg.block_n, block_d, tma) for t in (k, v, dk, dv)
+        )
         grid = (triton.cdiv(seqlen_k, cfg.block_n), batch * kv_heads, cfg.column_splits)
         _attn_bwd_dkdv_kernel[grid](
-            q, k, v, dout, lse, delta, dk, dv, softmax_scale, seqlen_q, seqlen_k, heads, kv_heads, group_size,
+            q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dk_tiles, dv_tiles, softmax_scale, seqlen_q,
+            seqlen_k, heads, kv_heads, group_size,
             *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
             **dims, BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=causal,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            CAUSAL=causal, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         cfg = attn_config(BWD_DQ_CONFIGS, head_dim)
+        tma = tma_usable(cfg, q, k, v, dout, dq)
+        q_tiles, do_tiles, dq_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout, dq))
+        k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (k, v))
         _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * heads)](
-            q, k, v, dout, lse, delta, dq, softmax_scale, seqlen_q, seqlen_k, heads, group_size,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-            **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+            q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dq_tiles, softmax_scale, seqlen_q, seqlen_k,
+            heads, group_size, *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+            **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, TMA=tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return dq, dk, dv

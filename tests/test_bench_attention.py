@@ -115,6 +115,7 @@ def test_cases_cover_shapes_directions_and_baselines():
     names = {c.implementation for c in cases}
     assert names == {
         "ours",
+        "ours-pointer",
         "sdpa-flash",
         "sdpa-cudnn",
         "sdpa-efficient",
@@ -133,3 +134,17 @@ def test_interpreter_checks_pass():
     results = attention.interpreter_checks()
     assert len(results) == 2 * len(attention.INTERPRETER_SHAPES)
     assert all(ok for _, _, ok in results), results
+
+
+def test_ours_pointer_times_every_pass_without_tma(monkeypatch):
+    import kernels.attention
+
+    seen = []
+    call = attention._without_tma(lambda: seen.append(kernels.attention.USE_TMA))
+    call()
+    assert seen == [False] and kernels.attention.USE_TMA is True
+    [case] = [c for c in attention.cases(quick=True) if c.implementation == "ours-pointer"][:1]
+    monkeypatch.setattr(attention, "_timed_call", lambda direction, fn, shape: lambda: seen.append(
+        kernels.attention.USE_TMA))  # fmt: skip
+    case.setup()()
+    assert seen == [False, False] and kernels.attention.USE_TMA is True

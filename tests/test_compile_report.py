@@ -26,6 +26,7 @@ SASS = """
         /*00b0*/                   HGMMA.64x128x16.F32 R24, gdesc[UR8], RZ, !UPT ;
         /*00c0*/                   HMMA.16816.F32 R0, R4, R8, R0 ;
         /*00d0*/                   FMUL R1, R2, R3 ;
+        /*00e0*/                   UTMALDG.4D [UR8], [UR4] ;
 """
 
 
@@ -33,13 +34,13 @@ def test_parse_resource_usage_counts_stack_and_local_as_spills():
     assert compile_report.parse_resource_usage(RESOURCE_USAGE) == (70, 24)
 
 
-def test_count_sass_finds_tensor_core_ops_and_wide_loads():
-    assert compile_report.count_sass(SASS) == (2, 2)
+def test_count_sass_finds_tensor_core_ops_wide_loads_and_tma_loads():
+    assert compile_report.count_sass(SASS) == (2, 2, 1)
 
 
 def _result(spill_bytes=0, shared_bytes=0) -> CompileResult:
     cfg = KernelConfig("k", "N<=64", torch.float16, "kernels.layernorm._norm_fwd_kernel", {}, {"BLOCK_N": 64})
-    return CompileResult(cfg, 40, spill_bytes, shared_bytes, 0, 4)
+    return CompileResult(cfg, 40, spill_bytes, shared_bytes, 0, 4, 0)
 
 
 def test_gate_fails_spills_and_shared_memory_over_the_limit():
