@@ -178,52 +178,62 @@ def _norm_kernel_configs(norm, shape_class, dtype, ty, flags, cfg, backward) -> 
     return configs
 
 
+# Attention passes: kernel, the table that configures it, the arguments tiled along the queries and
+# along the keys (their TMA descriptors' block rows are BLOCK_M and BLOCK_N).
+ATTENTION_PASSES = {
+    "attn_fwd": ("_attn_fwd_kernel", "FWD_CONFIGS", ("Q", "OUT"), ("K", "V")),
+    "attn_bwd_dkdv": ("_attn_bwd_dkdv_kernel", "BWD_DKDV_CONFIGS", ("Q", "DO"), ("K", "V", "DK", "DV")),
+    "attn_bwd_dq": ("_attn_bwd_dq_kernel", "BWD_DQ_CONFIGS", ("Q", "DO", "DQ"), ("K", "V")),
+}
+
+
+def attention_pass_config(name: str, cfg, head_dim: int, dtype: torch.dtype, causal: bool, tma: bool):
+    """The KernelConfig of attention pass ``name`` (a key of ATTENTION_PASSES) run with the
+    kernels.attention.AttnConfig ``cfg`` at ``head_dim``, pointer or TMA loads."""
+    from kernels import attention
+
+    kernel, _, by_query, by_key = ATTENTION_PASSES[name]
+    block_d = attention.head_dim_block(head_dim)
+    ty = TRITON_TYPES[dtype]
+    pointers = dict.fromkeys(("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"), ty)
+    pointers.update(dict.fromkeys(("LSE", "DLSE", "DELTA"), "fp32"))
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                  "CAUSAL": causal, "TMA": tma}  # fmt: skip
+    if name == "attn_bwd_dkdv":
+        constexprs["BLOCK_D_OUT"] = block_d // cfg.column_splits
+    descriptors = {}
+    if tma:
+        descriptors = {a: (1, cfg.block_m, 1, block_d) for a in by_query}
+        descriptors |= {a: (1, cfg.block_n, 1, block_d) for a in by_key}
+    shape_class = f"d={head_dim}{' causal' if causal else ''}{' tma' if tma else ''}"
+    fn = f"kernels.attention.{kernel}"
+    options = (cfg.num_warps, cfg.num_stages)
+    return KernelConfig(name, shape_class, dtype, fn, pointers, constexprs, *options, descriptors=descriptors)
+
+
 def attention_configs() -> list[KernelConfig]:
     """Every table entry of kernels.attention, for a power-of-two head dim and a padded one (3/4 of
     the block), both dtypes and both causal modes, with pointer loads (always selectable: USE_TMA
     off, unaligned inputs) and, where the entry allows, TMA loads; and the backward's preprocess."""
     from kernels import attention
 
-    passes = (  # name, kernel, table, arguments tiled along the queries, along the keys
-        ("attn_fwd", "_attn_fwd_kernel", attention.FWD_CONFIGS, ("Q", "OUT"), ("K", "V")),
-        (
-            "attn_bwd_dkdv",
-            "_attn_bwd_dkdv_kernel",
-            attention.BWD_DKDV_CONFIGS,
-            ("Q", "DO"),
-            ("K", "V", "DK", "DV"),
-        ),
-        ("attn_bwd_dq", "_attn_bwd_dq_kernel", attention.BWD_DQ_CONFIGS, ("Q", "DO", "DQ"), ("K", "V")),
-    )
     configs = []
     for dtype in (torch.float16, torch.bfloat16):
         ty = TRITON_TYPES[dtype]
-        pointers = dict.fromkeys(("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"), ty)
-        pointers.update(dict.fromkeys(("LSE", "DLSE", "DELTA"), "fp32"))
+        pointers = {"OUT": ty, "DO": ty, "DLSE": "fp32", "DELTA": "fp32"}
         for block_d, head_dim in [(b, d) for b in sorted(attention.FWD_CONFIGS) for d in {b, b * 3 // 4}]:
-            dims = {"HEAD_DIM": head_dim, "BLOCK_D": block_d}
-            constexprs = {**dims, "BLOCK_M": attention.PREPROCESS_BLOCK_M, "HAS_DLSE": True}
+            constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": attention.PREPROCESS_BLOCK_M,
+                          "HAS_DLSE": True}  # fmt: skip
             fn = "kernels.attention._attn_bwd_preprocess_kernel"
             configs.append(
                 KernelConfig("attn_bwd_preprocess", f"d={head_dim}", dtype, fn, pointers, constexprs)
             )
-            for (name, kernel, table, by_query, by_key), causal in itertools.product(passes, (False, True)):
-                cfg = table[block_d]
+            for (name, (_, table, _, _)), causal in itertools.product(
+                ATTENTION_PASSES.items(), (False, True)
+            ):
+                cfg = getattr(attention, table)[block_d]
                 for tma in (False, True) if cfg.tma else (False,):
-                    constexprs = {**dims, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "CAUSAL": causal,
-                                  "TMA": tma}  # fmt: skip
-                    if name == "attn_bwd_dkdv":
-                        constexprs["BLOCK_D_OUT"] = block_d // cfg.column_splits
-                    descriptors = {}
-                    if tma:
-                        descriptors = {a: (1, cfg.block_m, 1, block_d) for a in by_query}
-                        descriptors |= {a: (1, cfg.block_n, 1, block_d) for a in by_key}
-                    shape_class = f"d={head_dim}{' causal' if causal else ''}{' tma' if tma else ''}"
-                    options = (cfg.num_warps, cfg.num_stages)
-                    fn = f"kernels.attention.{kernel}"
-                    configs.append(KernelConfig(
-                        name, shape_class, dtype, fn, pointers, constexprs, *options, descriptors=descriptors
-                    ))  # fmt: skip
+                    configs.append(attention_pass_config(name, cfg, head_dim, dtype, causal, tma))
     return configs
 
 
