@@ -199,13 +199,18 @@ def attention_pass_config(name: str, cfg, head_dim: int, dtype: torch.dtype, cau
     pointers.update(dict.fromkeys(("LSE", "DLSE", "DELTA"), "fp32"))
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   "CAUSAL": causal, "TMA": tma}  # fmt: skip
+    if name == "attn_fwd":
+        constexprs["PERSISTENT"] = cfg.programs_per_sm > 0
     if name == "attn_bwd_dkdv":
         constexprs["BLOCK_D_OUT"] = block_d // cfg.column_splits
     descriptors = {}
     if tma:
         descriptors = {a: (1, cfg.block_m, 1, block_d) for a in by_query}
         descriptors |= {a: (1, cfg.block_n, 1, block_d) for a in by_key}
-    shape_class = f"d={head_dim}{' causal' if causal else ''}{' tma' if tma else ''}"
+    modes = [
+        mode for mode, on in (("causal", causal), ("tma", tma), ("persistent", cfg.programs_per_sm)) if on
+    ]
+    shape_class = " ".join([f"d={head_dim}", *modes])
     fn = f"kernels.attention.{kernel}"
     options = (cfg.num_warps, cfg.num_stages)
     return KernelConfig(name, shape_class, dtype, fn, pointers, constexprs, *options, descriptors=descriptors)

@@ -4,16 +4,17 @@
                          [--seconds 240] [--json PATH]
 
 For each pass and head dim, starts from the entry of kernels.attention's table (the prediction)
-and descends: every neighbour of the current best (one of block_m, block_n halved or doubled,
-num_warps 4 <-> 8, num_stages one up or down, TMA on or off) is compiled for sm_90 on the CPU first
-(``bench.compile_report``: skipped if it spills or exceeds shared memory), checked against the
-float32 reference on a ragged shape, then timed with CUDA events on the bench's shape (16K
-tokens, heads · head_dim = 2048, float16; the same inputs every call, each tensor 64 MiB at head
-dim 128, past the L2), causal and not; the fastest (summed over both
-modes) becomes the best if it gains more than MIN_GAIN, and its neighbours are next. The forward
-pass times ``attention_fwd``; a backward pass times the whole backward with only that pass's
-entry changed. Stops at --seconds and prints every measurement, the current entry and the best
-found; --json keeps them. Tables are changed by hand from what this measured, never at run time.
+and descends. Every neighbour of the current best (block_m or block_n halved or doubled, num_warps
+4 <-> 8, num_stages one up or down, TMA on or off, and for the forward the programs per SM of a
+persistent launch one up or down) is compiled for sm_90 first (``bench.compile_report``: skipped
+if it spills or exceeds shared memory), checked against the float32 reference on a ragged shape,
+then timed with CUDA events on the bench's shape (16K tokens, heads · head_dim = 2048, float16,
+causal and not; the same inputs every call, each tensor 64 MiB at head dim 128, past the L2). The
+fastest neighbour, by the time summed over both modes, becomes the best if it gains more than
+MIN_GAIN, and its neighbours are next. The forward pass times ``attention_fwd``; a backward pass
+times the whole backward with only that pass's entry changed. Stops at --seconds and prints every
+measurement, the table's entry and the best found; --json keeps them. Tables are changed by hand
+from what this measured, never at run time.
 """
 
 import argparse
@@ -36,6 +37,7 @@ MIN_GAIN = 0.02  # a neighbour must be this much faster to move: below it, timin
 TILE_RANGE = (16, 256)
 WARPS = (4, 8)
 STAGES = (1, 5)
+PROGRAMS_PER_SM = 2  # persistent forward: 0 (a program per tile) to this many programs per SM
 CHECK_SEQLEN = 333  # the correctness check's ragged length
 
 
@@ -53,9 +55,10 @@ class Measurement:
         return sum(self.ms.values()) if self.correct and self.ms else math.inf
 
 
-def neighbours(cfg) -> list:
+def neighbours(cfg, persistent: bool = False) -> list:
     """Configs one change away from cfg (an AttnConfig): a tile dimension halved or doubled within
-    TILE_RANGE, the other warp count, one pipeline stage more or less, TMA toggled."""
+    TILE_RANGE, the other warp count, one pipeline stage more or less, TMA toggled, and with
+    persistent (the forward) one program per SM more or fewer, up to PROGRAMS_PER_SM."""
     out = []
     for field in ("block_m", "block_n"):
         for value in (getattr(cfg, field) // 2, getattr(cfg, field) * 2):
@@ -67,6 +70,10 @@ def neighbours(cfg) -> list:
             out.append(dataclasses.replace(cfg, num_stages=stages))
     if cfg.column_splits == 1:  # a split dk/dv pass has no TMA variant
         out.append(dataclasses.replace(cfg, tma=not cfg.tma))
+    if persistent:
+        for programs in (cfg.programs_per_sm - 1, cfg.programs_per_sm + 1):
+            if 0 <= programs <= PROGRAMS_PER_SM:
+                out.append(dataclasses.replace(cfg, programs_per_sm=programs))
     return out
 
 
@@ -75,6 +82,7 @@ def descend(
     measure: Callable[[object], Measurement],
     deadline: float,
     clock: Callable[[], float] = time.monotonic,
+    persistent: bool = False,
 ) -> tuple[object, list[Measurement]]:
     """Best-improvement descent from start over :func:`neighbours`, each config measured once,
     until no neighbour gains MIN_GAIN or the clock passes deadline. Returns (best, measurements)."""
@@ -82,7 +90,7 @@ def descend(
     best = start
     while clock() < deadline:
         candidates = []
-        for cfg in neighbours(best):
+        for cfg in neighbours(best, persistent):
             if clock() >= deadline:
                 break
             if cfg not in measured:
@@ -174,7 +182,7 @@ def tune(passes, head_dims, seqlen: int, seconds: float) -> dict:
         block_d = attention.head_dim_block(head_dim)
         start = table[block_d]
         measure = gpu_measure(pass_name, table, block_d, head_dim, seqlen)
-        best, measurements = descend(start, measure, pass_deadline)
+        best, measurements = descend(start, measure, pass_deadline, persistent=name == "fwd")
         report["passes"][f"{name} d={head_dim}"] = {
             "table": dataclasses.asdict(start),
             "best": dataclasses.asdict(best),
@@ -208,7 +216,8 @@ def format_pass(title: str, table_cfg, best, measurements: list[Measurement]) ->
 def _short(c: dict) -> str:
     split = f" split{c['column_splits']}" if c["column_splits"] > 1 else ""
     tma = " tma" if c["tma"] else ""
-    return f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']}{split}{tma}"
+    persistent = f" persistent{c['programs_per_sm']}" if c["programs_per_sm"] else ""
+    return f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']}{split}{tma}{persistent}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -138,6 +138,46 @@ def _attn_fwd_block(
 
 
 @triton.jit
+def _attn_fwd_tile(
+    Q, K, V, OUT, LSE, tile, m_blocks, seqlen_q, seqlen_k, heads, group_size, q_strides, k_strides, v_strides,
+    o_strides, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """Output and lse of tile ``tile``: BLOCK_M queries of one (batch, head). Tiles go head-major,
+    so the programs running together share their head's k and v in L2; causal ones go longest
+    query block first, so the last tiles to run are the short ones."""
+    batch_head = tile // m_blocks
+    m_block = tile % m_blocks
+    if CAUSAL:
+        m_block = m_blocks - 1 - m_block
+    start_m = m_block * BLOCK_M
+    b = batch_head // heads
+    h = batch_head % heads
+    kv_h = h // group_size
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = _load_tile(Q, b, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    unmasked_end, end = _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    for start_n in range(0, unmasked_end, BLOCK_N):
+        acc, l_i, m_i = _attn_fwd_block(
+            acc, l_i, m_i, q, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
+            qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, TMA,
+        )  # fmt: skip
+    for start_n in range(unmasked_end, end, BLOCK_N):
+        acc, l_i, m_i = _attn_fwd_block(
+            acc, l_i, m_i, q, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
+            qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, TMA,
+        )  # fmt: skip
+    # A query that sees no key: l = 0, so the output is 0 and lse = log 0 = -inf.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+    _store_tile(OUT, out, b, h, start_m, 0, o_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+    tl.store(LSE + batch_head.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+@triton.jit
 def _attn_fwd_kernel(
     Q,  # (batch, seqlen_q, heads, head_dim)
     K,  # (batch, seqlen_k, kv_heads, head_dim)
@@ -147,6 +187,7 @@ def _attn_fwd_kernel(
     softmax_scale,
     seqlen_q,
     seqlen_k,
+    batch,
     heads,
     group_size,
     stride_qb,
@@ -167,39 +208,30 @@ def _attn_fwd_kernel(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     TMA: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
-    # grid = (cdiv(seqlen_q, BLOCK_M), batch * heads)
-    start_m = tl.program_id(0) * BLOCK_M
-    batch_head = tl.program_id(1)
-    b = batch_head // heads
-    h = batch_head % heads
-    kv_h = h // group_size
+    # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): a program per tile; or with PERSISTENT
+    # (programs,), program p taking tiles p, p + programs, ... The loop is a constexpr choice: it
+    # raises registers, and with the table's tiles only TMA at head dims 64 and 128 compiled without
+    # spills (pointers spilled 80 and 312 bytes there), so no table entry is persistent until
+    # `python -m bench.tune` measures it faster.
+    m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    q_strides = (stride_qb, stride_qs, stride_qh)
     k_strides = (stride_kb, stride_ks, stride_kh)
     v_strides = (stride_vb, stride_vs, stride_vh)
     o_strides = (stride_ob, stride_os, stride_oh)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    q_strides = (stride_qb, stride_qs, stride_qh)
-    q = _load_tile(Q, b, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
     qk_scale = softmax_scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    unmasked_end, end = _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
-    for start_n in range(0, unmasked_end, BLOCK_N):
-        acc, l_i, m_i = _attn_fwd_block(
-            acc, l_i, m_i, q, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
-            qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, TMA,
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), m_blocks * batch * heads, tl.num_programs(0)):
+            _attn_fwd_tile(
+                Q, K, V, OUT, LSE, tile, m_blocks, seqlen_q, seqlen_k, heads, group_size, q_strides,
+                k_strides, v_strides, o_strides, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, TMA,
+            )  # fmt: skip
+    else:
+        _attn_fwd_tile(
+            Q, K, V, OUT, LSE, tl.program_id(0), m_blocks, seqlen_q, seqlen_k, heads, group_size, q_strides,
+            k_strides, v_strides, o_strides, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, TMA,
         )  # fmt: skip
-    for start_n in range(unmasked_end, end, BLOCK_N):
-        acc, l_i, m_i = _attn_fwd_block(
-            acc, l_i, m_i, q, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
-            qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, TMA,
-        )  # fmt: skip
-    # A query that sees no key: l = 0, so the output is 0 and lse = log 0 = -inf.
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-    _store_tile(OUT, out, b, h, start_m, 0, o_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
-    tl.store(LSE + batch_head.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
 
 
 @triton.jit
@@ -413,7 +445,10 @@ def _attn_bwd_dq_kernel(
     TMA: tl.constexpr,
 ):
     # grid = (cdiv(seqlen_q, BLOCK_M), batch * heads)
-    start_m = tl.program_id(0) * BLOCK_M
+    m_block = tl.program_id(0)
+    if CAUSAL:  # the longest query blocks first, as in the forward
+        m_block = tl.num_programs(0) - 1 - m_block
+    start_m = m_block * BLOCK_M
     batch_head = tl.program_id(1)
     b = batch_head // heads
     h = batch_head % heads
@@ -460,6 +495,8 @@ class AttnConfig:
     num_stages: int
     column_splits: int = 1  # dk/dv pass: its head-dim columns shared among this many programs
     tma: bool = True  # q/k/v/o tiles by TMA (tensor descriptors) where the GPU and strides allow
+    # Forward: 0 launches a program per tile; n > 0 launches n per SM, each looping over tiles.
+    programs_per_sm: int = 0
 
 
 # Per pass and padded head dim. Every entry compiles for sm_90 with HGMMA and no spills in both
@@ -551,13 +588,15 @@ def attention_fwd(
     tma = tma_usable(cfg, q, k, v, out)
     q_tiles, out_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, out))
     k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (k, v))
-    grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * heads)
+    tiles = triton.cdiv(seqlen_q, cfg.block_m) * batch * heads
+    persistent = cfg.programs_per_sm > 0
+    programs = min(tiles, cfg.programs_per_sm * runtime.num_sms(q.device)) if persistent else tiles
     with runtime.device_guard(q):
-        _attn_fwd_kernel[grid](
-            q_tiles, k_tiles, v_tiles, out_tiles, lse, softmax_scale, seqlen_q, seqlen_k, heads,
+        _attn_fwd_kernel[(programs,)](
+            q_tiles, k_tiles, v_tiles, out_tiles, lse, softmax_scale, seqlen_q, seqlen_k, batch, heads,
             heads // kv_heads, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=causal, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            CAUSAL=causal, TMA=tma, PERSISTENT=persistent, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out, lse
 

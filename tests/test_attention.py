@@ -1,5 +1,6 @@
 """Flash attention (kernels.attention) against the float64 truth, forward and backward."""
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -323,3 +324,15 @@ def test_unaligned_strides_take_the_pointer_path(device, monkeypatch):
     q, k, v = qkv[..., 1:57].unbind(dim=2)  # starts 2 bytes into the buffer
     kernels.flash_attention(q, k, v)
     assert choices == [False]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_persistent_forward_matches_reference(causal, device, monkeypatch):
+    # 2 programs per SM loop over all the tiles (5 query blocks x 8 heads in the interpreter).
+    persistent = {d: dataclasses.replace(c, programs_per_sm=2) for d, c in attention.FWD_CONFIGS.items()}
+    monkeypatch.setattr(attention, "FWD_CONFIGS", persistent)
+    launches = []
+    num_sms = runtime.num_sms
+    monkeypatch.setattr(runtime, "num_sms", lambda d: launches.append(num_sms(d)) or launches[-1])
+    check(Shape(2, 129, 129, 4, 2, 64), causal, torch.float16, device)
+    assert launches, "the forward did not take the persistent path"

@@ -25,6 +25,10 @@ def test_neighbours_change_one_thing_within_range():
         AttnConfig(128, 256, 8, 3), AttnConfig(128, 128, 4, 3), AttnConfig(128, 128, 8, 2),
         AttnConfig(128, 128, 8, 4), AttnConfig(128, 128, 8, 3, tma=False),
     }  # fmt: skip
+    assert set(tune.neighbours(cfg, persistent=True)) == got | {AttnConfig(128, 128, 8, 3, programs_per_sm=1)}
+    assert AttnConfig(128, 128, 8, 3, programs_per_sm=1) in tune.neighbours(
+        AttnConfig(128, 128, 8, 3, programs_per_sm=2), persistent=True
+    )
     edge = set(tune.neighbours(AttnConfig(16, 256, 4, 1, column_splits=2, tma=False)))
     assert AttnConfig(8, 256, 4, 1, 2, False) not in edge and AttnConfig(16, 512, 4, 1, 2, False) not in edge
     assert AttnConfig(16, 256, 4, 0, 2, False) not in edge
