@@ -8,12 +8,14 @@ float16. Cases:
 
 * ``linear_act`` (``gated_linear`` for 7B), forward: the up projection with its activation in the
   epilogue. ours: without grad (nothing saved); ours+save: with grad, so it also writes the
-  pre-activation the backward reads (the time cost of saving it); matmul: ``torch.matmul`` of the
-  same GEMM alone (for 7B one GEMM against the concatenated gate and up weights); eager:
+  pre-activation the backward reads (the time cost of saving it); ours-pointer: ours with TMA off
+  (``kernels.mlp.USE_TMA = False``, pointer loads), what TMA brings; matmul: ``torch.matmul`` of
+  the same GEMM alone (for 7B one GEMM against the concatenated gate and up weights); eager:
   ``F.linear`` then the activation, a separate kernel; compile: ``torch.compile`` of eager.
 * ``mlp`` (``mlp_gated`` for 7B), forward, backward and forward+backward of the whole MLP:
-  ``kernels.fused_mlp`` / ``kernels.fused_gated_mlp`` against eager and compile. Backward is
-  ``torch.autograd.grad`` of y w.r.t. x and every parameter on a graph built once.
+  ``kernels.fused_mlp`` / ``kernels.fused_gated_mlp`` against ours-pointer (its GEMMs, the
+  backward's included, with TMA off), eager and compile. Backward is ``torch.autograd.grad`` of y
+  w.r.t. x and every parameter on a graph built once.
 
 FLOPs count the GEMMs only, 2·M·N·K each (:func:`gemm_flops`): the up projection 2·T·D·H (twice
 that gated), an MLP forward 4·T·D·H (6·T·D·H gated), a backward twice its forward and
@@ -244,39 +246,58 @@ def _setup(
     grad: bool = False,
     concat: bool = False,
     device="cuda",
+    pointer_loads: bool = False,
 ):
-    """A setup building rotated inputs on the device and returning the call to time.
-
-    forward: fn(tensors), under no_grad unless grad; backward: autograd.grad on a graph built once
-    per copy; forward+backward: both in each call.
-    """
+    """A setup building rotated inputs on the device and returning the call to time; with
+    pointer_loads, ours's GEMMs run with TMA off for the whole call (ours-pointer)."""
 
     def setup():
-        fn = make_fn()
-        requires_grad = grad or direction != "forward"
-
-        def make_copy():
-            tensors = make_inputs(model, tokens, device, requires_grad)
-            if concat:  # the bare-GEMM baseline of the gated up projection: one GEMM, N = 2·hidden
-                tensors = {"x": tensors["x"], "w": torch.cat([tensors["w_gate"], tensors["w_up"]])}
-            if direction != "backward":
-                return tensors
-            y = fn(tensors)
-            return y, list(tensors.values()), torch.randn_like(y)
-
-        copies = timing.rotating_inputs(make_copy, _input_bytes(model, tokens), torch.device(device))
-        if direction == "forward":
-            return suite.rotate(copies, fn, no_grad=not grad)
-        if direction == "backward":
-            return suite.rotate(copies, lambda g: torch.autograd.grad(g[0], g[1], g[2], retain_graph=True))
-
-        def forward_backward(tensors):
-            y = fn(tensors)
-            return torch.autograd.grad(y, list(tensors.values()), torch.ones_like(y))
-
-        return suite.rotate(copies, forward_backward)
+        call = _timed_call(make_fn(), model, tokens, direction, grad, concat, device)
+        return _without_tma(call) if pointer_loads else call
 
     return setup
+
+
+def _timed_call(fn, model: Model, tokens: int, direction: str, grad: bool, concat: bool, device):
+    """forward: fn(tensors), under no_grad unless grad; backward: autograd.grad on a graph built once
+    per copy; forward+backward: both in each call."""
+    requires_grad = grad or direction != "forward"
+
+    def make_copy():
+        tensors = make_inputs(model, tokens, device, requires_grad)
+        if concat:  # the bare-GEMM baseline of the gated up projection: one GEMM, N = 2·hidden
+            tensors = {"x": tensors["x"], "w": torch.cat([tensors["w_gate"], tensors["w_up"]])}
+        if direction != "backward":
+            return tensors
+        y = fn(tensors)
+        return y, list(tensors.values()), torch.randn_like(y)
+
+    copies = timing.rotating_inputs(make_copy, _input_bytes(model, tokens), torch.device(device))
+    if direction == "forward":
+        return suite.rotate(copies, fn, no_grad=not grad)
+    if direction == "backward":
+        return suite.rotate(copies, lambda g: torch.autograd.grad(g[0], g[1], g[2], retain_graph=True))
+
+    def forward_backward(tensors):
+        y = fn(tensors)
+        return torch.autograd.grad(y, list(tensors.values()), torch.ones_like(y))
+
+    return suite.rotate(copies, forward_backward)
+
+
+def _without_tma(call):
+    """call with every GEMM of ours on pointer loads, the backward's included: the switch is read at
+    each launch, so it wraps the timed call, not fn."""
+    kernels_mlp = importlib.import_module("kernels.mlp")
+
+    def timed():
+        previous, kernels_mlp.USE_TMA = kernels_mlp.USE_TMA, False
+        try:
+            return call()
+        finally:
+            kernels_mlp.USE_TMA = previous
+
+    return timed
 
 
 def _bind(fn, model: Model):
@@ -296,10 +317,15 @@ def model_cases(model: Model, tokens: int, with_compile: bool = True, device="cu
     up = {
         "ours": (_bind(ours_up, model), {}),
         "ours+save": (_bind(ours_up, model), {"grad": True}),
+        "ours-pointer": (_bind(ours_up, model), {"pointer_loads": True}),
         "matmul": (lambda: _matmul, {"concat": model.gated}),
         "eager": (_bind(eager_up, model), {}),
     }
-    whole = {"ours": _bind(ours_mlp, model), "eager": _bind(eager_mlp, model)}
+    whole = {
+        "ours": _bind(ours_mlp, model),
+        "ours-pointer": _bind(ours_mlp, model),
+        "eager": _bind(eager_mlp, model),
+    }
     if with_compile:
         up["compile"] = (suite.compiled(functools.partial(eager_up, model)), {})
         whole["compile"] = suite.compiled(functools.partial(eager_mlp, model))
@@ -315,7 +341,8 @@ def model_cases(model: Model, tokens: int, with_compile: bool = True, device="cu
     for (name, make_fn), direction in itertools.product(whole.items(), suite.DIRECTIONS):
         out.append(suite.Case(
             model.mlp_kernel, params, direction, name, mlp_flops(model, tokens, direction), "flop",
-            _setup(make_fn, model, tokens, direction, device=device), mlp_check if name == "ours" else None,
+            _setup(make_fn, model, tokens, direction, device=device, pointer_loads=name == "ours-pointer"),
+            mlp_check if name == "ours" else None,
         ))  # fmt: skip
     return out
 

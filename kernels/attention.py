@@ -21,6 +21,8 @@ Tiles move by TMA on Hopper and newer (sm_90+): tensor descriptors over the whol
 loads read out-of-bounds rows and head-dim columns as zeros and whose stores drop them. Inputs whose
 start or (batch, seqlen, heads) strides are not multiples of 16 bytes, other GPUs, and ``USE_TMA =
 False`` take masked pointer loads instead; one kernel per pass serves both (the ``TMA`` constexpr).
+Causal forward and dq passes run their longest query blocks first, so the tail is short ones; the
+forward can also run persistent (``programs_per_sm`` in its table), off until measured faster.
 """
 
 import dataclasses
@@ -30,7 +32,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import reference, runtime
 
@@ -551,27 +552,14 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def tma_usable(cfg: AttnConfig, *tensors: torch.Tensor) -> bool:
-    """Whether a pass with cfg loads its tiles by TMA: the table and ``USE_TMA`` allow it, the GPU has
-    a tensor memory accelerator (NVIDIA, sm_90 or newer; the interpreter emulates one), and every
-    tensor meets its rules: a 16-byte aligned start and positive strides that are multiples of 16
-    bytes. Other inputs (odd head dims, unaligned views) take the pointer path."""
-    if not (USE_TMA and cfg.tma):
-        return False
-    first = tensors[0]
-    if first.is_cuda and (
-        torch.version.hip is not None or torch.cuda.get_device_capability(first.device)[0] < 9
-    ):
-        return False
-    return all(
-        t.data_ptr() % 16 == 0 and all(s > 0 and s * t.element_size() % 16 == 0 for s in _strides(t))
-        for t in tensors
-    )
+    """Whether a pass with cfg moves its tiles by TMA: ``USE_TMA`` and the table entry allow it and
+    :func:`runtime.tma_compatible` holds (odd head dims and unaligned views take the pointer path)."""
+    return USE_TMA and cfg.tma and runtime.tma_compatible(*tensors)
 
 
 def _operand(t: torch.Tensor, block_s: int, block_d: int, tma: bool):
-    """t itself for the pointer path, or a descriptor of it whose loads are (block_s rows, block_d
-    head-dim columns) tiles of one (batch, head)."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_s, 1, block_d]) if tma else t
+    """t, or a descriptor of it loading (block_s rows, block_d head-dim columns) of one (batch, head)."""
+    return runtime.tma_operand(t, (1, block_s, 1, block_d), tma)
 
 
 def attention_fwd(

@@ -40,6 +40,13 @@ writes it, one M·N write. So an MLP keeps M·H elements for its backward (2·M�
 PyTorch keeps pre and h (2·M·H; gated 4·M·H: gate, act(gate), up and h). ``bench.mlp`` measures
 both costs: the forward with and without saving, and the bytes each implementation keeps.
 No grad needed (``torch.no_grad()`` or no input requiring one): nothing is saved or written.
+
+Operand tiles move by TMA on Hopper and newer (sm_90+): the GEMMs' x and weight tiles (dy and W_out
+in the backward's) come through tensor descriptors, whose loads read out-of-bounds rows and columns
+as zeros, so the K loop needs no masks. W_out is read as stored, in (K, N) tiles, since a descriptor
+needs its unit stride last. Operands whose start or row stride is not a multiple of 16 bytes (K not
+a multiple of 8, unaligned views), transposed weights, other GPUs and ``USE_TMA = False`` take
+pointer loads instead; one kernel serves both (the ``TMA`` constexpr). Epilogues store by pointers.
 """
 
 import math
@@ -54,6 +61,9 @@ from kernels import reference, runtime
 ACTIVATIONS = ("none", "relu", "relu2", "gelu", "gelu_tanh", "silu")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Operand tiles by TMA where tma_usable allows; False sends every GEMM down the pointer path (the
+# bench's "ours-pointer" row measures the difference).
+USE_TMA = True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,8 +150,8 @@ def _operand_offsets(offs_m, offs_n, offs_k, M, N, stride_xm, stride_xk, stride_
 def _matmul_tile(
     X,
     W,
-    offs_m,
-    offs_n,
+    pid_m,
+    pid_n,
     M,
     N,
     K,
@@ -152,22 +162,42 @@ def _matmul_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TMA: tl.constexpr,
+    W_KN: tl.constexpr,
 ):
-    """The (BLOCK_M, BLOCK_N) float32 tile of x Wᵀ at rows offs_m, columns offs_n."""
-    offs_k = tl.arange(0, BLOCK_K)
-    x_offs, w_offs = _operand_offsets(
-        offs_m, offs_n, offs_k, M, N, stride_xm, stride_xk, stride_wn, stride_wk
-    )
-    x_ptrs = X + x_offs
-    w_ptrs = W + w_offs
+    """The (BLOCK_M, BLOCK_N) float32 tile (pid_m, pid_n) of x Wᵀ.
+
+    With TMA, X is a descriptor of x (M, K) and W one of W (N, K), or with W_KN of Wᵀ (K, N) as
+    stored (a descriptor needs a unit stride in its last dimension); their loads read elements past
+    the edges as zeros. Otherwise X and W are pointers, walked through their strides.
+    """
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_mask = offs_k < K - k * BLOCK_K
-        x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-        acc = tl.dot(x, w, acc)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+    if TMA:
+        start_m = pid_m * BLOCK_M
+        start_n = pid_n * BLOCK_N
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            x = X.load([start_m, k * BLOCK_K])
+            if W_KN:
+                w = W.load([k * BLOCK_K, start_n])
+            else:
+                w = tl.trans(W.load([start_n, k * BLOCK_K]))
+            acc = tl.dot(x, w, acc)
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        x_offs, w_offs = _operand_offsets(
+            offs_m, offs_n, offs_k, M, N, stride_xm, stride_xk, stride_wn, stride_wk
+        )
+        x_ptrs = X + x_offs
+        w_ptrs = W + w_offs
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_mask = offs_k < K - k * BLOCK_K
+            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+            acc = tl.dot(x, w, acc)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
     return acc
 
 
@@ -223,8 +253,8 @@ def _fwd_epilogue(
 
 @triton.jit
 def _linear_act_fwd_kernel(
-    X,  # (M, K), strides (stride_xm, stride_xk)
-    W,  # (N, K), strides (stride_wn, stride_wk)
+    X,  # (M, K), strides (stride_xm, stride_xk); with TMA a descriptor, (BLOCK_M, BLOCK_K) blocks
+    W,  # (N, K), strides (stride_wn, stride_wk); with TMA a descriptor, (BLOCK_N, BLOCK_K) blocks
     B,  # (N,); read when HAS_BIAS
     Y,  # (M, N) contiguous: act(x Wᵀ + b)
     PRE,  # (M, N) contiguous: x Wᵀ + b; written when STORE_PRE
@@ -243,14 +273,15 @@ def _linear_act_fwd_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)
     pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _matmul_tile(
-        X, W, offs_m, offs_n, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K
-    )
+        X, W, pid_m, pid_n, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K,
+        TMA, False,
+    )  # fmt: skip
     SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
     for i in tl.static_range(EPILOGUE_SPLIT):
         sub = _subtile(acc, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
@@ -274,9 +305,9 @@ def _gated_fwd_epilogue(
 
 @triton.jit
 def _gated_fwd_kernel(
-    X,  # (M, K), strides (stride_xm, stride_xk)
-    WG,  # (N, K) gate weight, strides (stride_wn, stride_wk)
-    WU,  # (N, K) up weight, the same strides as WG
+    X,  # (M, K), strides (stride_xm, stride_xk); with TMA a descriptor, (BLOCK_M, BLOCK_K) blocks
+    WG,  # (N, K) W_gate, strides (stride_wn, stride_wk); with TMA a descriptor, (BLOCK_N, BLOCK_K) blocks
+    WU,  # (N, K) W_up, the same strides as WG; with TMA a descriptor like WG's
     Y,  # (M, N) contiguous: act(x W_gateᵀ) * (x W_upᵀ)
     GATE,  # (M, N) contiguous: x W_gateᵀ; written when STORE_PRE
     UP,  # (M, N) contiguous: x W_upᵀ; written when STORE_PRE
@@ -294,30 +325,39 @@ def _gated_fwd_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),): one pass over x, two accumulators.
     pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_offs, w_offs = _operand_offsets(
-        offs_m, offs_n, offs_k, M, N, stride_xm, stride_xk, stride_wn, stride_wk
-    )
-    x_ptrs = X + x_offs
-    wg_ptrs = WG + w_offs
-    wu_ptrs = WU + w_offs
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_mask = offs_k < K - k * BLOCK_K
-        x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-        wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
-        wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
-        acc_gate = tl.dot(x, wg, acc_gate)
-        acc_up = tl.dot(x, wu, acc_up)
-        x_ptrs += BLOCK_K * stride_xk
-        wg_ptrs += BLOCK_K * stride_wk
-        wu_ptrs += BLOCK_K * stride_wk
+    if TMA:  # as in _matmul_tile: out-of-bounds elements load as zeros
+        start_m = pid_m * BLOCK_M
+        start_n = pid_n * BLOCK_N
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            x = X.load([start_m, k * BLOCK_K])
+            acc_gate = tl.dot(x, tl.trans(WG.load([start_n, k * BLOCK_K])), acc_gate)
+            acc_up = tl.dot(x, tl.trans(WU.load([start_n, k * BLOCK_K])), acc_up)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        x_offs, w_offs = _operand_offsets(
+            offs_m, offs_n, offs_k, M, N, stride_xm, stride_xk, stride_wn, stride_wk
+        )
+        x_ptrs = X + x_offs
+        wg_ptrs = WG + w_offs
+        wu_ptrs = WU + w_offs
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_mask = offs_k < K - k * BLOCK_K
+            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
+            wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
+            acc_gate = tl.dot(x, wg, acc_gate)
+            acc_up = tl.dot(x, wu, acc_up)
+            x_ptrs += BLOCK_K * stride_xk
+            wg_ptrs += BLOCK_K * stride_wk
+            wu_ptrs += BLOCK_K * stride_wk
     SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
     for i in tl.static_range(EPILOGUE_SPLIT):
         gate = _subtile(acc_gate, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
@@ -369,8 +409,10 @@ def _act_bwd_tile(
 
 @triton.jit
 def _dh_act_bwd_kernel(
-    DY,  # (M, K): the gradient of the MLP's output, strides (stride_dym, stride_dyk)
-    W,  # (N, K): W_outᵀ read through its strides (stride_wn, stride_wk), so dh = dy W_out
+    DY,  # (M, K): the gradient of the MLP's output, strides (stride_dym, stride_dyk); with TMA a
+    # descriptor, blocks (BLOCK_M, BLOCK_K)
+    W,  # (N, K): W_outᵀ read through its strides (stride_wn, stride_wk), so dh = dy W_out; with TMA
+    # a descriptor of W_out (K, N) as stored, blocks (BLOCK_K, BLOCK_N)
     PRE,  # (M, N) contiguous: the saved pre-activation (the gate when GATED)
     UP,  # (M, N) contiguous: the saved up projection; read when GATED
     DPRE,  # (M, N) contiguous: gradient of PRE
@@ -393,27 +435,15 @@ def _dh_act_bwd_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),): dh = dy W_out never reaches memory.
     pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     dh = _matmul_tile(
-        DY,
-        W,
-        offs_m,
-        offs_n,
-        M,
-        N,
-        K,
-        stride_dym,
-        stride_dyk,
-        stride_wn,
-        stride_wk,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-    )
+        DY, W, pid_m, pid_n, M, N, K, stride_dym, stride_dyk, stride_wn, stride_wk, BLOCK_M, BLOCK_N,
+        BLOCK_K, TMA, True,
+    )  # fmt: skip
     SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
     for i in tl.static_range(EPILOGUE_SPLIT):
         sub = _subtile(dh, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
@@ -479,16 +509,20 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     epilogue_split: int = 1  # the epilogue runs on 1, 2 or 4 column subtiles, one after another
+    tma: bool = True  # x, weight and dy tiles by TMA (tensor descriptors) where the GPU and strides allow
 
 
 # Per kernel and shape class (see shape_class). float16 and bfloat16 share every entry: the same
 # element size, wgmma instruction shapes and shared-memory footprint; the compile report builds
-# each entry in both dtypes, and every one lowers to HGMMA on sm_90 with no spills, for every
-# activation (python -m bench.compile_report --filter mlp). 8 warps are two warpgroups, each
-# owning a 64-row half of the tile. The gated forward holds two accumulators, so its tiles are
-# half as wide. The epilogue split keeps the activation's temporaries within the registers the
-# accumulator leaves: unsplit, a 128 x 256 forward with gelu spilled 224 bytes and the backward
-# 2136, a 128 x 128 gated backward 1000.
+# each entry in both dtypes, with pointer and TMA loads, and every one lowers to HGMMA on sm_90
+# with no spills, for every activation (python -m bench.compile_report --filter mlp). TMA took
+# fewer registers in the forwards (170 against 223 in the large gelu_tanh one, 174 against 242 in
+# the medium gated one), about as many in the backwards, and 24-64 bytes more shared memory (its
+# barriers); which is faster is for the bench to measure ("ours" against "ours-pointer").
+# 8 warps are two warpgroups, each owning a 64-row half of the tile. The gated forward holds two
+# accumulators, so its tiles are half as wide. The epilogue split keeps the activation's
+# temporaries within the registers the accumulator leaves: unsplit, a 128 x 256 forward with gelu
+# spilled 224 bytes and the backward 2136, a 128 x 128 gated backward 1000.
 GEMM_CONFIGS = {
     "fwd": {
         "large": GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4),
@@ -548,16 +582,24 @@ def _grid(cfg: GemmConfig, M: int, N: int) -> tuple[int]:
     return (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
 
 
-def _launch_options(cfg: GemmConfig) -> dict:
+def _launch_options(cfg: GemmConfig, tma: bool) -> dict:
     return {
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
         "BLOCK_K": cfg.block_k,
         "GROUP_M": cfg.group_m,
         "EPILOGUE_SPLIT": cfg.epilogue_split,
+        "TMA": tma,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
     }
+
+
+def tma_usable(cfg: GemmConfig, *operands: torch.Tensor) -> bool:
+    """Whether a GEMM with cfg loads its operand tiles by TMA: ``USE_TMA`` and the table entry allow
+    it and :func:`runtime.tma_compatible` holds for every operand as stored (K not a multiple of 8 in
+    half precision, unaligned views and transposed weights take the pointer path)."""
+    return USE_TMA and cfg.tma and runtime.tma_compatible(*operands)
 
 
 def _stores_pre(activation: str, save_pre: bool) -> bool:
@@ -576,11 +618,15 @@ def _linear_act_fwd(
     if M == 0 or N == 0:
         return y, pre
     cfg = gemm_config("fwd", M, N)
+    tma = tma_usable(cfg, x, weight)
+    x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
+    w_tiles = runtime.tma_operand(weight, (cfg.block_n, cfg.block_k), tma)
     with runtime.device_guard(x):
         _linear_act_fwd_kernel[_grid(cfg, M, N)](
-            x, weight, bias if bias is not None else weight, y, pre, M, N, K,
+            x_tiles, w_tiles, bias if bias is not None else weight, y, pre, M, N, K,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-            ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre, **_launch_options(cfg),
+            ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre,
+            **_launch_options(cfg, tma),
         )  # fmt: skip
     return y, pre
 
@@ -591,7 +637,7 @@ def _gated_fwd(
     """(act(x W_gateᵀ) ⊙ x W_upᵀ, gate, up); gate and up are empty unless store_pre."""
     M, K = x.shape
     N = w_gate.shape[0]
-    if w_up.stride() != w_gate.stride():  # the kernel walks both weights with one set of strides
+    if w_up.stride() != w_gate.stride():  # the pointer path walks both weights with one set of strides
         w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
     y = runtime.empty((M, N), x.dtype, x.device)
     gate = runtime.empty((M, N) if store_pre else (0,), x.dtype, x.device)
@@ -599,11 +645,14 @@ def _gated_fwd(
     if M == 0 or N == 0:
         return y, gate, up
     cfg = gemm_config("gated_fwd", M, N)
+    tma = tma_usable(cfg, x, w_gate, w_up)
+    x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
+    wg_tiles, wu_tiles = (runtime.tma_operand(w, (cfg.block_n, cfg.block_k), tma) for w in (w_gate, w_up))
     with runtime.device_guard(x):
         _gated_fwd_kernel[_grid(cfg, M, N)](
-            x, w_gate, w_up, y, gate, up, M, N, K,
+            x_tiles, wg_tiles, wu_tiles, y, gate, up, M, N, K,
             x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
-            ACTIVATION=activation, STORE_PRE=store_pre, **_launch_options(cfg),
+            ACTIVATION=activation, STORE_PRE=store_pre, **_launch_options(cfg, tma),
         )  # fmt: skip
     return y, gate, up
 
@@ -639,12 +688,16 @@ def _dh_act_bwd(
     )
     if M > 0 and N > 0:
         w = w_out.t()  # (N, K) view of the (K, N) weight: dh = dy (w_outᵀ)ᵀ, read in place
+        # TMA reads w_out as stored, (block_k, block_n) tiles: a descriptor needs its unit stride last.
+        tma = tma_usable(cfg, dy, w_out)
+        dy_tiles = runtime.tma_operand(dy, (cfg.block_m, cfg.block_k), tma)
+        w_tiles = runtime.tma_operand(w_out, (cfg.block_k, cfg.block_n), tma) if tma else w
         with runtime.device_guard(pre):
             _dh_act_bwd_kernel[_grid(cfg, M, N)](
-                dy, w, pre, up if gated else pre, dpre, dup, h, db_partial, M, N, K,
+                dy_tiles, w_tiles, pre, up if gated else pre, dpre, dup, h, db_partial, M, N, K,
                 dy.stride(0), dy.stride(1), w.stride(0), w.stride(1),
                 ACTIVATION=activation, GATED=gated, STORE_H=store_h, HAS_BIAS=has_bias,
-                **_launch_options(cfg),
+                **_launch_options(cfg, tma),
             )  # fmt: skip
     return dpre, dup, h, _db(db_partial, has_bias, pre.dtype)
 

@@ -9,6 +9,7 @@ import contextlib
 import os
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -66,3 +67,27 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """Whether TMA (tensor descriptors) can address every tensor: an NVIDIA GPU of sm_90 or newer
+    (the interpreter emulates one) and, per tensor, no zero size, a unit last stride, a 16-byte
+    aligned start and other strides that are positive multiples of 16 bytes."""
+    first = tensors[0]
+    if first.is_cuda and (
+        torch.version.hip is not None or torch.cuda.get_device_capability(first.device)[0] < 9
+    ):
+        return False
+    return all(
+        t.numel() > 0
+        and t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+        for t in tensors
+    )
+
+
+def tma_operand(t: torch.Tensor, block_shape: tuple[int, ...], tma: bool):
+    """A kernel's operand: with tma, a descriptor of the whole of t whose loads are block_shape tiles
+    (out-of-bounds elements read as zeros, stores drop them); otherwise t itself."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape)) if tma else t

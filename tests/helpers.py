@@ -36,3 +36,22 @@ def assert_close(name: str, actual: torch.Tensor, truth: torch.Tensor, baseline:
             f"({baseline_error:.3g}) + floor; worst at {index}: got {actual.flatten()[worst].item()!r}, "
             f"truth {truth.flatten()[worst].item()!r}, allowed error {allowed.flatten()[worst].item():.3g}"
         )
+
+
+def record_tma_choices(monkeypatch, module) -> list:
+    """The verdicts of ``module.tma_usable`` (kernels.attention's or kernels.mlp's) for every launch
+    from now on, in order."""
+    choices = []
+    decide = module.tma_usable
+
+    def recording(cfg, *tensors):
+        choices.append(decide(cfg, *tensors))
+        return choices[-1]
+
+    monkeypatch.setattr(module, "tma_usable", recording)
+    return choices
+
+
+def device_has_tma(device: str) -> bool:
+    """The interpreter emulates TMA; a GPU has it from sm_90 on."""
+    return device == "cpu" or torch.cuda.get_device_capability()[0] >= 9

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, device_has_tma, record_tma_choices
 
 import kernels
 from kernels import attention, reference, runtime
@@ -283,40 +283,23 @@ def test_autocast_runs_float32_inputs_in_half_precision(device):
     assert all(t.grad.dtype == torch.float32 and torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
-def _record_tma_choices(monkeypatch) -> list:
-    """The tma_usable verdict of every pass launched from now on (forward, dk/dv, dq)."""
-    choices = []
-    decide = attention.tma_usable
-
-    def recording(cfg, *tensors):
-        choices.append(decide(cfg, *tensors))
-        return choices[-1]
-
-    monkeypatch.setattr(attention, "tma_usable", recording)
-    return choices
-
-
-def _device_has_tma(device) -> bool:
-    return device == "cpu" or torch.cuda.get_device_capability()[0] >= 9
-
-
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointer"])
 @pytest.mark.parametrize(
     "shape", [Shape(2, 129, 129, 4, 2, 64), Shape(1, 17, 129, 2, 2, 80), Shape(1, 129, 17, 4, 1, 32)], ids=str
 )
 def test_tma_and_pointer_loads_both_match_reference(shape, use_tma, device, monkeypatch):
     monkeypatch.setattr(attention, "USE_TMA", use_tma)
-    choices = _record_tma_choices(monkeypatch)
+    choices = record_tma_choices(monkeypatch, attention)
     check(shape, True, torch.float16, device)
     # Every pass's table entry allows TMA at these head dims (the dk/dv pass at 80 pads to 128).
     allowed = [attention.attn_config(table, shape.head_dim).tma for table in
                (attention.FWD_CONFIGS, attention.BWD_DKDV_CONFIGS, attention.BWD_DQ_CONFIGS)]  # fmt: skip
-    assert choices == [use_tma and a and _device_has_tma(device) for a in allowed]
+    assert choices == [use_tma and a and device_has_tma(device) for a in allowed]
 
 
 def test_unaligned_strides_take_the_pointer_path(device, monkeypatch):
     # head_dim 20: a row of one head is 40 bytes, not a multiple of TMA's 16.
-    choices = _record_tma_choices(monkeypatch)
+    choices = record_tma_choices(monkeypatch, attention)
     check(Shape(2, 33, 40, 3, 1, 20), True, torch.float16, device)
     assert choices == [False, False, False]
     choices.clear()

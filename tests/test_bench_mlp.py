@@ -55,10 +55,18 @@ def test_cases_cover_every_model_direction_and_baseline():
     assert kernels == {"linear_act", "gated_linear", "mlp", "mlp_gated"}
     shapes = len(mlp.MODELS) * len(mlp.TOKENS)
     up = [c for c in cases if c.kernel.endswith("linear") or c.kernel == "linear_act"]
-    assert {c.implementation for c in up} == {"ours", "ours+save", "matmul", "eager", "compile"}
-    assert len(up) == 5 * shapes and {c.direction for c in up} == {"forward"}
+    assert {c.implementation for c in up} == {
+        "ours",
+        "ours+save",
+        "ours-pointer",
+        "matmul",
+        "eager",
+        "compile",
+    }
+    assert len(up) == 6 * shapes and {c.direction for c in up} == {"forward"}
     whole = [c for c in cases if c.kernel.startswith("mlp")]
-    assert len(whole) == 3 * len(suite.DIRECTIONS) * shapes
+    assert {c.implementation for c in whole} == {"ours", "ours-pointer", "eager", "compile"}
+    assert len(whole) == 4 * len(suite.DIRECTIONS) * shapes
     assert all((c.check is not None) == (c.implementation == "ours") for c in cases)
     [gpt2_124m] = [c for c in whole if c.params == {"tokens": 8192, "d_model": 768, "hidden": 3072}
                    and c.direction == "forward+backward" and c.implementation == "ours"]  # fmt: skip
@@ -76,7 +84,7 @@ def test_every_timed_call_runs_and_checks(model, monkeypatch):
     )
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
     cases = mlp.model_cases(model, 33, with_compile=True, device="cpu")
-    assert len(cases) == 5 + 3 * len(suite.DIRECTIONS)
+    assert len(cases) == 6 + 4 * len(suite.DIRECTIONS)
     for case in cases:
         result = case.setup()()
         if case.direction == "forward":
@@ -92,3 +100,18 @@ def test_every_timed_call_runs_and_checks(model, monkeypatch):
         if case.check is not None:
             errors, ok = case.check()
             assert ok, (case.id, errors)
+
+
+def test_ours_pointer_times_every_gemm_without_tma(monkeypatch):
+    import kernels.mlp
+
+    seen = []
+    call = mlp._without_tma(lambda: seen.append(kernels.mlp.USE_TMA))
+    call()
+    assert seen == [False] and kernels.mlp.USE_TMA is True
+    pointer = [c for c in mlp.cases(quick=True) if c.implementation == "ours-pointer"]
+    assert {c.direction for c in pointer} == {"forward", *suite.DIRECTIONS}
+    monkeypatch.setattr(mlp, "_timed_call", lambda *args: lambda: seen.append(kernels.mlp.USE_TMA))
+    for case in pointer:
+        case.setup()()
+    assert seen == [False] * (1 + len(pointer)) and kernels.mlp.USE_TMA is True

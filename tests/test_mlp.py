@@ -15,7 +15,7 @@ import zlib
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, device_has_tma, record_tma_choices
 from torch import nn
 
 import kernels
@@ -179,6 +179,62 @@ def test_fused_gated_mlp(activation, shape, device):
     seed = _seed(activation, shape)
     tensors = make_tensors("fused_gated_mlp", shape, torch.float16, device, seed=seed)
     check("fused_gated_mlp", tensors, activation)
+
+
+# K, H and D multiples of 8 (rows of 16-byte multiples in float16, as TMA needs), none a tile
+# multiple; M is 1, 33, 100 and 257.
+TMA_SHAPES = {
+    "linear_act": (257, 40, 72),
+    "gated_linear": (33, 264, 24),
+    "fused_mlp": (1, 24, 136, 40),
+    "fused_gated_mlp": (100, 40, 72, 24),
+}
+# The GEMM launches of each: the up projection, and in the MLPs the backward's dh = dy W_out.
+GEMM_TABLES = {
+    "linear_act": ["fwd"],
+    "gated_linear": ["gated_fwd"],
+    "fused_mlp": ["fwd", "dh_bwd"],
+    "fused_gated_mlp": ["gated_fwd", "gated_dh_bwd"],
+}
+
+
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointer"])
+@pytest.mark.parametrize("kind", list(TMA_SHAPES))
+def test_tma_and_pointer_loads_both_match_reference(kind, use_tma, device, monkeypatch):
+    monkeypatch.setattr(mlp, "USE_TMA", use_tma)
+    choices = record_tma_choices(monkeypatch, mlp)
+    sizes = TMA_SHAPES[kind]
+    check(kind, make_tensors(kind, sizes, torch.float16, device, seed=_seed(kind, "tma")), "gelu")
+    M, N = sizes[0], sizes[-2 if kind.startswith("fused") else -1]
+    allowed = [mlp.gemm_config(table, M, N).tma for table in GEMM_TABLES[kind]]
+    assert choices == [use_tma and a and device_has_tma(device) for a in allowed]
+
+
+def test_unaligned_operands_take_the_pointer_path(device, monkeypatch):
+    choices = record_tma_choices(monkeypatch, mlp)
+    # K = 33 and H = 100: rows of x, w_in (66 bytes) and w_out (200) are not multiples of 16.
+    check("fused_mlp", make_tensors("fused_mlp", (100, 33, 100, 40), torch.float16, device, seed=9), "gelu")
+    assert choices == [False, False]
+    # x a view starting 2 bytes into its buffer: its forward reads x by pointers, the backward's dy
+    # and w_down are aligned and go by TMA; the results are those of an aligned copy of x.
+    t = make_tensors("fused_gated_mlp", (33, 40, 72, 24), torch.float16, device, seed=9)
+    buffer = torch.zeros(33, 48, dtype=torch.float16, device=device)
+    buffer[:, 1:41] = t["x"]
+
+    def outputs_and_grads(x):
+        leaves = [v.detach().requires_grad_() for v in (x, t["w_gate"], t["w_up"], t["w_down"])]
+        y = kernels.fused_gated_mlp(*leaves, "silu")
+        return [y, *torch.autograd.grad(y, leaves, t["dy"])]
+
+    has_tma = device_has_tma(device)
+    choices.clear()
+    unaligned = outputs_and_grads(buffer[:, 1:41])
+    assert choices == [False, has_tma]
+    choices.clear()
+    aligned = outputs_and_grads(t["x"])
+    assert choices == [has_tma, has_tma]
+    for a, b in zip(unaligned, aligned, strict=True):
+        torch.testing.assert_close(a, b)
 
 
 class _GivenLinear(torch.autograd.Function):
