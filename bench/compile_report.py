@@ -242,48 +242,54 @@ def attention_configs() -> list[KernelConfig]:
     return configs
 
 
+# MLP GEMM tables: kernel, the flags that keep the most values live (bias, stored pre-activation,
+# recomputed h) with unit strides as constexprs (x, dy and the weights row-major; the backward reads
+# W_out transposed, unit stride along N), and each TMA descriptor's block as (rows, columns) dims.
+MLP_GEMMS = {
+    "fwd": ("_linear_act_fwd_kernel", {"HAS_BIAS": True, "STORE_PRE": True, "stride_xk": 1, "stride_wk": 1},
+            {"X": "mk", "W": "nk"}),
+    "gated_fwd": ("_gated_fwd_kernel", {"STORE_PRE": True, "stride_xk": 1, "stride_wk": 1},
+                  {"X": "mk", "WG": "nk", "WU": "nk"}),
+    "dh_bwd": ("_dh_act_bwd_kernel", {"GATED": False, "HAS_BIAS": True, "STORE_H": True, "stride_dyk": 1,
+                                      "stride_wn": 1}, {"DY": "mk", "W": "kn"}),
+    "gated_dh_bwd": ("_dh_act_bwd_kernel", {"GATED": True, "HAS_BIAS": False, "STORE_H": True,
+                                            "stride_dyk": 1, "stride_wn": 1}, {"DY": "mk", "W": "kn"}),
+}  # fmt: skip
+MLP_POINTERS = ("X", "W", "B", "Y", "PRE", "WG", "WU", "GATE", "UP", "DY", "DH", "DPRE", "DUP", "H")
+
+
+def mlp_gemm_config(table: str, shape_class: str, cfg, dtype: torch.dtype, activation: str, tma: bool):
+    """The KernelConfig of MLP GEMM ``table`` (a key of MLP_GEMMS) run with the kernels.mlp.GemmConfig
+    ``cfg`` and activation, pointer or TMA loads."""
+    kernel, flags, tiles = MLP_GEMMS[table]
+    pointers = dict.fromkeys(MLP_POINTERS, TRITON_TYPES[dtype]) | {"DB_PARTIAL": "fp32"}
+    dims = {"m": cfg.block_m, "n": cfg.block_n, "k": cfg.block_k}
+    constexprs = {"ACTIVATION": activation, **flags, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                  "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "EPILOGUE_SPLIT": cfg.epilogue_split,
+                  "TMA": tma}  # fmt: skip
+    descriptors = {a: tuple(dims[d] for d in block) for a, block in tiles.items()} if tma else {}
+    shape = f"{shape_class}/{activation}{' tma' if tma else ''}"
+    fn = f"kernels.mlp.{kernel}"
+    options = (cfg.num_warps, cfg.num_stages)
+    return KernelConfig(
+        f"mlp_{table}", shape, dtype, fn, pointers, constexprs, *options, descriptors=descriptors
+    )
+
+
 def mlp_configs() -> list[KernelConfig]:
-    """Every GEMM table entry of kernels.mlp in both dtypes, with the flags that keep the most values
-    live (bias, stored pre-activation, recomputed h), for the two activations with the heaviest
-    epilogues (gelu's erf and gelu_tanh), with pointer loads (always selectable: USE_TMA off,
-    unaligned inputs) and, where the entry allows, TMA loads; and the elementwise backward, plain and
-    gated. Unit strides are constexprs, as Triton specialises them on a GPU: x, dy and the weights
-    are row-major, and the backward reads W_out transposed (unit stride along N), or with TMA as
-    stored, in (BLOCK_K, BLOCK_N) tiles."""
+    """Every GEMM table entry of kernels.mlp in both dtypes, for the two activations with the
+    heaviest epilogues (gelu's erf and gelu_tanh), with pointer loads (always selectable: USE_TMA
+    off, unaligned inputs) and, where the entry allows, TMA loads; and the elementwise backward,
+    plain and gated."""
     from kernels import mlp
 
-    fwd_strides = {"stride_xk": 1, "stride_wk": 1}
-    bwd_common = {"STORE_H": True, "stride_dyk": 1, "stride_wn": 1}
-    fwd_tiles = {"X": "mk", "W": "nk"}  # descriptor argument -> its block, as (rows, columns) dims
-    gated_tiles = {"X": "mk", "WG": "nk", "WU": "nk"}
-    bwd_tiles = {"DY": "mk", "W": "kn"}
-    kernels = {
-        "fwd": ("_linear_act_fwd_kernel", {"HAS_BIAS": True, "STORE_PRE": True, **fwd_strides}, fwd_tiles),
-        "gated_fwd": ("_gated_fwd_kernel", {"STORE_PRE": True, **fwd_strides}, gated_tiles),
-        "dh_bwd": ("_dh_act_bwd_kernel", {"GATED": False, "HAS_BIAS": True, **bwd_common}, bwd_tiles),
-        "gated_dh_bwd": ("_dh_act_bwd_kernel", {"GATED": True, "HAS_BIAS": False, **bwd_common}, bwd_tiles),
-    }
-    names = ("X", "W", "B", "Y", "PRE", "WG", "WU", "GATE", "UP", "DY", "DH", "DPRE", "DUP", "H")
     configs = []
     for dtype in mlp.SUPPORTED_DTYPES:
-        pointers = dict.fromkeys(names, TRITON_TYPES[dtype]) | {"DB_PARTIAL": "fp32"}
-        for (table, (kernel, flags, tiles)), activation in itertools.product(
-            kernels.items(), ("gelu", "gelu_tanh")
-        ):
+        for table, activation in itertools.product(MLP_GEMMS, ("gelu", "gelu_tanh")):
             for shape_class, cfg in mlp.GEMM_CONFIGS[table].items():
-                dims = {"m": cfg.block_m, "n": cfg.block_n, "k": cfg.block_k}
-                blocks = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
-                tma_blocks = {a: tuple(dims[d] for d in block) for a, block in tiles.items()}
-                fn = f"kernels.mlp.{kernel}"
-                options = (cfg.num_warps, cfg.num_stages)
                 for tma in (False, True) if cfg.tma else (False,):
-                    constexprs = {"ACTIVATION": activation, **flags, **blocks, "GROUP_M": cfg.group_m,
-                                  "EPILOGUE_SPLIT": cfg.epilogue_split, "TMA": tma}  # fmt: skip
-                    shape = f"{shape_class}/{activation}{' tma' if tma else ''}"
-                    configs.append(KernelConfig(
-                        f"mlp_{table}", shape, dtype, fn, pointers, constexprs, *options,
-                        descriptors=tma_blocks if tma else {},
-                    ))  # fmt: skip
+                    configs.append(mlp_gemm_config(table, shape_class, cfg, dtype, activation, tma))
+        pointers = dict.fromkeys(MLP_POINTERS, TRITON_TYPES[dtype]) | {"DB_PARTIAL": "fp32"}
         row = mlp.ACT_BWD_CONFIG
         for gated in (False, True):
             constexprs = {"ACTIVATION": "gelu", "GATED": gated, "HAS_BIAS": not gated, "stride_dhn": 1,

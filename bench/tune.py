@@ -1,53 +1,85 @@
-"""Tune the attention tables on a GPU: measure neighbours of each table entry, keep what is faster.
+"""Tune the kernel tables on a GPU: measure neighbours of each table entry, keep what is faster.
 
-    python -m bench.tune [--passes fwd bwd_dkdv bwd_dq] [--head-dims 128] [--seqlen 4096]
-                         [--seconds 240] [--json PATH]
+    python -m bench.tune attention [--passes fwd bwd_dkdv bwd_dq] [--head-dims 128] [--seqlen 4096]
+    python -m bench.tune mlp [--gemms fwd gated_fwd dh_bwd gated_dh_bwd] [--shape-classes large medium]
+    (either with --seconds 240 --json PATH)
 
-For each pass and head dim, starts from the entry of kernels.attention's table (the prediction)
-and descends. Every neighbour of the current best (block_m or block_n halved or doubled, num_warps
-4 <-> 8, num_stages one up or down, TMA on or off, and for the forward the programs per SM of a
-persistent launch one up or down) is compiled for sm_90 first (``bench.compile_report``: skipped
-if it spills or exceeds shared memory), checked against the float32 reference on a ragged shape,
-then timed with CUDA events on the bench's shape (16K tokens, heads · head_dim = 2048, float16,
-causal and not; the same inputs every call, each tensor 64 MiB at head dim 128, past the L2). The
-fastest neighbour, by the time summed over both modes, becomes the best if it gains more than
-MIN_GAIN, and its neighbours are next. The forward pass times ``attention_fwd``; a backward pass
-times the whole backward with only that pass's entry changed. Stops at --seconds and prints every
-measurement, the table's entry and the best found; --json keeps them. Tables are changed by hand
-from what this measured, never at run time.
+A target is one table entry: an attention pass at a head dim (kernels.attention), or an MLP GEMM
+at a shape class (kernels.mlp). Starting from the entry (the prediction), the tuner descends. Every
+neighbour of the current best (block_m, block_n or block_k halved or doubled, num_warps 4 <-> 8,
+num_stages one up or down, TMA on or off, the epilogue split halved or doubled, and for the
+attention forward the programs per SM of a persistent launch one up or down) is compiled for
+sm_90 first (``bench.compile_report``: skipped if it spills or exceeds shared memory), checked
+against the float32 reference, then timed with CUDA events (the same inputs every call; each
+is tens of MiB, past the L2). The fastest neighbour, by the time summed over the target's modes,
+becomes the best if it gains more than MIN_GAIN, and its neighbours are next.
+
+What is timed: an attention forward times ``attention_fwd`` on the bench shape (16K tokens,
+heads · head_dim = 2048, float16), causal and not; a backward pass the whole backward with only
+that pass's entry changed. An MLP GEMM times its launcher alone on the bench shape that falls in
+its class (GPT-2 1.3B or LLaMA 7B at 16K tokens for large; 124M at 1K tokens or 7B at 512 for
+medium). Stops at --seconds (shared by the targets in order) and prints every measurement with
+TFLOP/s, the table's entry and the best found; --json keeps them. Tables are changed by hand from
+what this measured, never at run time.
 """
 
 import argparse
 import dataclasses
-import itertools
+import functools
 import json
 import math
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-PASSES = {  # --passes name: (compile report pass, table in kernels.attention)
+ATTENTION_PASSES = {  # --passes name: (compile report pass, table in kernels.attention)
     "fwd": ("attn_fwd", "FWD_CONFIGS"),
     "bwd_dkdv": ("attn_bwd_dkdv", "BWD_DKDV_CONFIGS"),
     "bwd_dq": ("attn_bwd_dq", "BWD_DQ_CONFIGS"),
+}
+# MLP GEMM shapes per (gemm, shape class): (model name in bench.mlp.MODELS, tokens).
+MLP_SHAPES = {
+    ("fwd", "large"): ("1.3B", 16384),
+    ("fwd", "medium"): ("124M", 1024),
+    ("gated_fwd", "large"): ("7B", 16384),
+    ("gated_fwd", "medium"): ("7B", 512),
+    ("dh_bwd", "large"): ("1.3B", 16384),
+    ("dh_bwd", "medium"): ("124M", 1024),
+    ("gated_dh_bwd", "large"): ("7B", 16384),
+    ("gated_dh_bwd", "medium"): ("7B", 512),
 }
 MIN_GAIN = 0.02  # a neighbour must be this much faster to move: below it, timing noise decides
 TILE_RANGE = (16, 256)
 WARPS = (4, 8)
 STAGES = (1, 5)
 PROGRAMS_PER_SM = 2  # persistent forward: 0 (a program per tile) to this many programs per SM
-CHECK_SEQLEN = 333  # the correctness check's ragged length
+EPILOGUE_SPLITS = (1, 2, 4)
+CHECK_SEQLEN = 333  # the attention check's ragged length
 
 
-@dataclasses.dataclass
+@dataclass
+class Target:
+    """One table entry to tune, and how to compile, check and time a candidate for it."""
+
+    title: str
+    table: dict
+    key: object
+    compile_configs: Callable[[object], list]  # candidate -> compile_report.KernelConfig list
+    check: Callable[[], bool]  # ours correct with the table as it is now (on the GPU)
+    calls: Callable[[], dict]  # mode -> (zero-argument call, FLOPs a call does)
+    persistent: bool = False  # candidates include programs_per_sm (the attention forward)
+
+
+@dataclass
 class Measurement:
     config: dict
     compiled: bool  # no spills, shared memory in budget on sm_90
     correct: bool | None = None
-    ms: dict = dataclasses.field(default_factory=dict)  # "full" / "causal" -> median ms
-    tflops: dict = dataclasses.field(default_factory=dict)  # the same keys, ANCHORS FLOP counts
+    ms: dict = field(default_factory=dict)  # mode -> median ms
+    tflops: dict = field(default_factory=dict)  # the same modes
     note: str = ""
 
     @property
@@ -56,20 +88,26 @@ class Measurement:
 
 
 def neighbours(cfg, persistent: bool = False) -> list:
-    """Configs one change away from cfg (an AttnConfig): a tile dimension halved or doubled within
-    TILE_RANGE, the other warp count, one pipeline stage more or less, TMA toggled, and with
-    persistent (the forward) one program per SM more or fewer, up to PROGRAMS_PER_SM."""
+    """Configs one change away from cfg (an AttnConfig or a GemmConfig): a tile dimension halved or
+    doubled within TILE_RANGE, the other warp count, a pipeline stage more or fewer, TMA toggled
+    (not for a split dk/dv pass), the epilogue split halved or doubled (GEMMs), and with persistent
+    one program per SM more or fewer, up to PROGRAMS_PER_SM."""
     out = []
-    for field in ("block_m", "block_n"):
-        for value in (getattr(cfg, field) // 2, getattr(cfg, field) * 2):
-            if TILE_RANGE[0] <= value <= TILE_RANGE[1]:
-                out.append(dataclasses.replace(cfg, **{field: value}))
+    for name in ("block_m", "block_n", "block_k"):
+        value = getattr(cfg, name, None)
+        for new in (value // 2, value * 2) if value else ():
+            if TILE_RANGE[0] <= new <= TILE_RANGE[1]:
+                out.append(dataclasses.replace(cfg, **{name: new}))
     out += [dataclasses.replace(cfg, num_warps=w) for w in WARPS if w != cfg.num_warps]
     for stages in (cfg.num_stages - 1, cfg.num_stages + 1):
         if STAGES[0] <= stages <= STAGES[1]:
             out.append(dataclasses.replace(cfg, num_stages=stages))
-    if cfg.column_splits == 1:  # a split dk/dv pass has no TMA variant
+    if getattr(cfg, "column_splits", 1) == 1:
         out.append(dataclasses.replace(cfg, tma=not cfg.tma))
+    split = getattr(cfg, "epilogue_split", None)
+    for new in (split // 2, split * 2) if split else ():
+        if new in EPILOGUE_SPLITS and cfg.block_n % new == 0:
+            out.append(dataclasses.replace(cfg, epilogue_split=new))
     if persistent:
         for programs in (cfg.programs_per_sm - 1, cfg.programs_per_sm + 1):
             if 0 <= programs <= PROGRAMS_PER_SM:
@@ -103,87 +141,171 @@ def descend(
     return best, list(measured.values())
 
 
-def compiles_clean(pass_name: str, cfg, head_dim: int) -> tuple[bool, str]:
-    """Whether cfg compiles for sm_90 without spills and within shared memory, in both causal modes."""
+def compiles_clean(configs: list) -> tuple[bool, str]:
+    """Whether every compile_report.KernelConfig compiles for sm_90 without spills and within
+    shared memory; the reason, or the registers, as a note."""
     from bench import compile_report
 
-    configs = [
-        compile_report.attention_pass_config(pass_name, cfg, head_dim, torch.float16, causal, cfg.tma)
-        for causal in (False, True)
-    ]
     try:  # in this process: a forked worker of a process that holds a CUDA context is unsafe
         results = [compile_report.compile_config(c) for c in configs]
     except Exception as error:  # a config Triton cannot compile at all
         return False, f"does not compile: {' '.join(str(error).split())[:200]}"
     bad = compile_report.failures(results)
-    regs = "/".join(str(r.registers) for r in results)
-    return not bad, "; ".join(bad) if bad else f"registers {regs}"
+    return not bad, "; ".join(bad) if bad else "registers " + "/".join(str(r.registers) for r in results)
 
 
-def gpu_measure(pass_name: str, table: dict, block_d: int, head_dim: int, seqlen: int) -> Callable:
+def gpu_measure(target: Target) -> Callable[[object], Measurement]:
     """A measure(cfg) for :func:`descend`: compile check, correctness check, then CUDA-event timing
-    of the pass on the bench shape, with table[block_d] = cfg for the duration."""
-    from bench import attention as bench_attention
-
-    shape = bench_attention.benchmark_shape(seqlen, head_dim)
-    device = torch.device("cuda")
+    of the target's calls, with target.table[target.key] = cfg for the duration."""
+    from bench import timing
 
     def measure(cfg) -> Measurement:
-        compiled, note = compiles_clean(pass_name, cfg, head_dim)
+        compiled, note = compiles_clean(target.compile_configs(cfg))
         result = Measurement(dataclasses.asdict(cfg), compiled, note=note)
         if not compiled:
             return result
-        previous, table[block_d] = table[block_d], cfg
+        previous, target.table[target.key] = target.table[target.key], cfg
         try:
-            check_shape = bench_attention.Shape(1, CHECK_SEQLEN, 2, head_dim)
-            result.correct = all(bench_attention.check(check_shape, c, "cuda")[1] for c in (False, True))
-            direction = "forward" if pass_name == "attn_fwd" else "backward"
-            for causal in (False, True) if result.correct else ():
-                mode = "causal" if causal else "full"
-                result.ms[mode] = _time_pass(pass_name, shape, causal, device)
-                flops = bench_attention.direction_flops(direction, shape, causal)
+            result.correct = target.check()
+            for mode, (call, flops) in target.calls().items() if result.correct else ():
+                result.ms[mode] = timing.time_gpu(lambda c: c(), [call], warmup=5, repeats=30).median_ms
                 result.tflops[mode] = flops / (result.ms[mode] * 1e-3) / 1e12
         except Exception as error:  # e.g. out of resources at launch: this config is out
             result.correct, result.note = False, " ".join(str(error).split())[:200]
         finally:
-            table[block_d] = previous
+            target.table[target.key] = previous
             torch.cuda.empty_cache()
         return result
 
     return measure
 
 
-def _time_pass(pass_name: str, shape, causal: bool, device) -> float:
+# ----------------------------------------------------------------------------------------------
+# Targets
+# ----------------------------------------------------------------------------------------------
+
+
+def attention_targets(passes, head_dims, seqlen: int) -> list[Target]:
     from bench import attention as bench_attention
-    from bench import timing
+    from bench import compile_report
+    from kernels import attention
+
+    targets = []
+    for name in passes:
+        for head_dim in head_dims:
+            pass_name, table_name = ATTENTION_PASSES[name]
+            shape = bench_attention.benchmark_shape(seqlen, head_dim)
+            check_shape = bench_attention.Shape(1, CHECK_SEQLEN, 2, head_dim)
+            targets.append(Target(
+                f"attention {name} d={head_dim}", getattr(attention, table_name),
+                attention.head_dim_block(head_dim),
+                lambda cfg, p=pass_name, d=head_dim: [
+                    compile_report.attention_pass_config(p, cfg, d, torch.float16, causal, cfg.tma)
+                    for causal in (False, True)
+                ],
+                lambda s=check_shape: all(bench_attention.check(s, c, "cuda")[1] for c in (False, True)),
+                lambda p=pass_name, s=shape: _attention_calls(p, s),
+                persistent=name == "fwd",
+            ))  # fmt: skip
+    return targets
+
+
+def _attention_calls(pass_name: str, shape) -> dict:
+    from bench import attention as bench_attention
     from kernels import attention
 
     scale = 1 / math.sqrt(shape.head_dim)
-    q, k, v = bench_attention.make_qkv(shape, device)
-    if pass_name == "attn_fwd":
-        call = lambda _: attention.attention_fwd(q, k, v, causal, scale)  # noqa: E731
+    q, k, v = bench_attention.make_qkv(shape, torch.device("cuda"))
+    calls = {}
+    for causal in (False, True):
+        if pass_name == "attn_fwd":
+            call = functools.partial(attention.attention_fwd, q, k, v, causal, scale)
+        else:
+            out, lse = attention.attention_fwd(q, k, v, causal, scale)
+            call = functools.partial(
+                attention.attention_bwd, torch.randn_like(out), None, q, k, v, out, lse, causal, scale
+            )
+        direction = "forward" if pass_name == "attn_fwd" else "backward"
+        calls["causal" if causal else "full"] = (
+            call,
+            bench_attention.direction_flops(direction, shape, causal),
+        )
+    return calls
+
+
+def mlp_targets(gemms, shape_classes) -> list[Target]:
+    from bench import compile_report
+    from bench import mlp as bench_mlp
+    from kernels import mlp
+
+    models = {m.name: m for m in bench_mlp.MODELS}
+    targets = []
+    for gemm in gemms:
+        for shape_class in shape_classes:
+            model, tokens = models[MLP_SHAPES[gemm, shape_class][0]], MLP_SHAPES[gemm, shape_class][1]
+            if mlp.shape_class(tokens, model.hidden) != shape_class:
+                raise ValueError(f"MLP_SHAPES: {model.name} at {tokens} tokens is not {shape_class}")
+            title = f"mlp {gemm} {shape_class} ({model.name}, {tokens} tokens)"
+            targets.append(Target(
+                title, mlp.GEMM_CONFIGS[gemm], shape_class,
+                lambda cfg, g=gemm, c=shape_class, a=model.activation: [
+                    compile_report.mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma)
+                ],
+                lambda m=model, t=tokens: bench_mlp.check(m, t, "cuda", whole_mlp=True)[1],
+                lambda g=gemm, m=model, t=tokens: _mlp_calls(g, m, t),
+            ))  # fmt: skip
+    return targets
+
+
+def _mlp_calls(gemm: str, model, tokens: int) -> dict:
+    """The GEMM's launcher alone on the model's tensors: {"gemm": (call, 2·M·N·K per GEMM)}."""
+    from bench import mlp as bench_mlp
+    from kernels import mlp
+
+    t = bench_mlp.make_inputs(model, tokens, torch.device("cuda"))
+    # (tokens, d_model) x (d_model, hidden), twice in the gated forward; dh = dy W_out is the same.
+    flops = (2 if gemm == "gated_fwd" else 1) * bench_mlp.gemm_flops(tokens, model.hidden, model.d_model)
+    if gemm == "fwd":
+        call = functools.partial(mlp.linear_act_fwd, t["x"], t["w_in"], t["b_in"], model.activation, False)
+    elif gemm == "gated_fwd":
+        call = functools.partial(
+            mlp.gated_linear_fwd, t["x"], t["w_gate"], t["w_up"], model.activation, False
+        )
     else:
-        out, lse = attention.attention_fwd(q, k, v, causal, scale)
-        dout = torch.randn_like(out)
-        call = lambda _: attention.attention_bwd(dout, None, q, k, v, out, lse, causal, scale)  # noqa: E731
-    return timing.time_gpu(call, [None], warmup=5, repeats=30).median_ms
+        gated = gemm == "gated_dh_bwd"
+        pre, up = (
+            torch.randn(tokens, model.hidden, dtype=t["x"].dtype, device=t["x"].device) for _ in range(2)
+        )
+        w_out = t["w_down"] if gated else t["w_out"]
+        call = functools.partial(
+            mlp._dh_act_bwd,
+            torch.randn_like(t["x"]),
+            w_out,
+            pre,
+            up if gated else None,
+            model.activation,
+            not gated,
+        )
+    return {"gemm": (call, flops)}
 
 
-def tune(passes, head_dims, seqlen: int, seconds: float) -> dict:
-    from kernels import attention
+# ----------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------
 
+
+def tune(targets: list[Target], seconds: float, make_measure=gpu_measure) -> dict:
+    """Descend from each target's table entry within its share of the time; the report as a dict."""
     deadline = time.monotonic() + seconds
-    report = {"seqlen": seqlen, "passes": {}}
-    for (name, head_dim), pass_deadline in zip(
-        itertools.product(passes, head_dims), _split(deadline, len(passes) * len(head_dims)), strict=True
-    ):
-        pass_name, table_name = PASSES[name]
-        table = getattr(attention, table_name)
-        block_d = attention.head_dim_block(head_dim)
-        start = table[block_d]
-        measure = gpu_measure(pass_name, table, block_d, head_dim, seqlen)
-        best, measurements = descend(start, measure, pass_deadline, persistent=name == "fwd")
-        report["passes"][f"{name} d={head_dim}"] = {
+    report = {}
+    for index, target in enumerate(targets):
+        now = time.monotonic()
+        target_deadline = now + (deadline - now) / (len(targets) - index)
+        start = target.table[target.key]
+        best, measurements = descend(
+            start, make_measure(target), target_deadline, persistent=target.persistent
+        )
+        report[target.title] = {
             "table": dataclasses.asdict(start),
             "best": dataclasses.asdict(best),
             "measurements": [
@@ -191,17 +313,11 @@ def tune(passes, head_dims, seqlen: int, seconds: float) -> dict:
                 for m in measurements
             ],
         }
-        print(format_pass(f"{name} d={head_dim}", start, best, measurements), flush=True)
+        print(format_target(target.title, start, best, measurements), flush=True)
     return report
 
 
-def _split(deadline: float, parts: int) -> list[float]:
-    """Deadlines that share the time until deadline equally among parts, in order."""
-    now = time.monotonic()
-    return [now + (deadline - now) * (i + 1) / parts for i in range(parts)]
-
-
-def format_pass(title: str, table_cfg, best, measurements: list[Measurement]) -> str:
+def format_target(title: str, table_cfg, best, measurements: list[Measurement]) -> str:
     """The table's entry, the best found, and every measurement, fastest first."""
     lines = [
         f"== {title}: table {_short(dataclasses.asdict(table_cfg))}, best {_short(dataclasses.asdict(best))}"
@@ -209,30 +325,52 @@ def format_pass(title: str, table_cfg, best, measurements: list[Measurement]) ->
     for m in sorted(measurements, key=lambda m: m.total_ms):
         times = " ".join(f"{mode} {ms:.3f} ms {m.tflops[mode]:.0f} TFLOP/s" for mode, ms in m.ms.items())
         status = "ok" if m.correct else ("WRONG" if m.correct is False else "not compiled")
-        lines.append(f"  {_short(m.config):28s} {status:12s} {times}  {m.note}".rstrip())
+        lines.append(f"  {_short(m.config):34s} {status:12s} {times}  {m.note}".rstrip())
     return "\n".join(lines)
 
 
 def _short(c: dict) -> str:
-    split = f" split{c['column_splits']}" if c["column_splits"] > 1 else ""
-    tma = " tma" if c["tma"] else ""
-    persistent = f" persistent{c['programs_per_sm']}" if c["programs_per_sm"] else ""
-    return f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']}{split}{tma}{persistent}"
+    """A config in a few words: tiles, warps, stages, and whatever is not the default."""
+    words = ["x".join(str(c[k]) for k in ("block_m", "block_n", "block_k") if k in c)]
+    words += [f"w{c['num_warps']}", f"s{c['num_stages']}"]
+    if c.get("column_splits", 1) > 1:
+        words.append(f"split{c['column_splits']}")
+    if c.get("epilogue_split", 1) > 1:
+        words.append(f"epilogue{c['epilogue_split']}")
+    if c["tma"]:
+        words.append("tma")
+    if c.get("programs_per_sm"):
+        words.append(f"persistent{c['programs_per_sm']}")
+    return " ".join(words)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--passes", nargs="+", choices=sorted(PASSES), default=list(PASSES))
-    parser.add_argument("--head-dims", nargs="+", type=int, default=[128])
-    parser.add_argument(
-        "--seqlen", type=int, default=4096, help="the bench shape's seqlen (16K tokens a batch)"
+    families = parser.add_subparsers(dest="family", required=True)
+    attention = families.add_parser("attention", help="the tables of kernels.attention")
+    attention.add_argument(
+        "--passes", nargs="+", choices=list(ATTENTION_PASSES), default=list(ATTENTION_PASSES)
     )
-    parser.add_argument("--seconds", type=float, default=240, help="time budget, shared by the passes")
-    parser.add_argument("--json", help="write every measurement here")
+    attention.add_argument("--head-dims", nargs="+", type=int, default=[128])
+    attention.add_argument("--seqlen", type=int, default=4096, help="the bench shape's (16K tokens a batch)")
+    mlp = families.add_parser("mlp", help="the GEMM table of kernels.mlp")
+    gemms = list(dict.fromkeys(g for g, _ in MLP_SHAPES))
+    mlp.add_argument("--gemms", nargs="+", choices=gemms, default=gemms)
+    mlp.add_argument("--shape-classes", nargs="+", choices=["large", "medium"], default=["large", "medium"])
+    for family in (attention, mlp):
+        family.add_argument("--seconds", type=float, default=240, help="time budget, shared by the targets")
+        family.add_argument("--json", help="write every measurement here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("tuning times kernels on a GPU; this machine has none")
-    report = tune(args.passes, args.head_dims, args.seqlen, args.seconds)
+    try:
+        if args.family == "attention":
+            targets = attention_targets(args.passes, args.head_dims, args.seqlen)
+        else:
+            targets = mlp_targets(args.gemms, args.shape_classes)
+    except ValueError as error:  # a head dim or seqlen the bench shape cannot take
+        parser.error(str(error))
+    report = tune(targets, args.seconds)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -1,4 +1,5 @@
-"""CPU tests of the attention tuner: its neighbourhood, its descent, its compile filter, its CLI."""
+"""CPU tests of the table tuner: its neighbourhood, its descent, its targets, its compile filter, its
+measurement plumbing (timing faked) and its CLI."""
 
 import dataclasses
 import itertools
@@ -11,13 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import tune
+from bench import timing, tune
 from kernels.attention import AttnConfig
+from kernels.mlp import GemmConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_neighbours_change_one_thing_within_range():
+def test_attention_neighbours_change_one_thing_within_range():
     cfg = AttnConfig(128, 128, 8, 3)
     got = set(tune.neighbours(cfg))
     assert got == {
@@ -35,7 +37,18 @@ def test_neighbours_change_one_thing_within_range():
     assert all(c.tma is False for c in edge)  # no TMA variant of a split pass
 
 
-def _synthetic(best: AttnConfig, broken=()):
+def test_gemm_neighbours_vary_block_k_and_the_epilogue_split():
+    cfg = GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4)
+    got = set(tune.neighbours(cfg))
+    assert GemmConfig(128, 256, 32, 8, 8, 3, epilogue_split=4) in got
+    assert GemmConfig(128, 256, 128, 8, 8, 3, epilogue_split=4) in got
+    assert GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=2) in got
+    assert GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4, tma=False) in got
+    assert not any(c.epilogue_split == 8 or c.group_m != 8 for c in got)
+    assert len(got) == 10  # m, n (256 doubles past the range), k twice, warps, stages twice, tma, split
+
+
+def _synthetic(best, broken=()):
     """A measure whose time grows with the distance from best; configs in broken do not compile."""
     calls = []
 
@@ -43,12 +56,10 @@ def _synthetic(best: AttnConfig, broken=()):
         calls.append(cfg)
         if cfg in broken:
             return tune.Measurement(dataclasses.asdict(cfg), compiled=False)
-        distance = sum(
-            getattr(cfg, f) != getattr(best, f) for f in ("block_m", "block_n", "num_warps", "tma")
-        )
-        distance += abs(cfg.num_stages - best.num_stages)
-        ms = 1.0 + distance
-        return tune.Measurement(dataclasses.asdict(cfg), True, True, {"full": ms}, {"full": 100 / ms})
+        here, there = dataclasses.asdict(cfg), dataclasses.asdict(best)
+        distance = sum(here[f] != there[f] for f in here if f != "num_stages")
+        ms = 1.0 + distance + abs(cfg.num_stages - best.num_stages)
+        return tune.Measurement(here, True, True, {"full": ms}, {"full": 100 / ms})
 
     return measure, calls
 
@@ -89,38 +100,76 @@ def test_wrong_results_never_win():
     assert tune.descend(start, measure, deadline=float("inf"))[0] == start
 
 
-def test_compile_filter_passes_the_table_and_rejects_shared_memory_over_budget():
+def test_targets_point_at_the_tables_and_shapes_of_their_class():
+    from kernels import attention, mlp
+
+    fwd, dq = tune.attention_targets(["fwd", "bwd_dq"], [64], seqlen=4096)
+    assert fwd.table is attention.FWD_CONFIGS and fwd.key == 64 and fwd.persistent
+    assert dq.table is attention.BWD_DQ_CONFIGS and not dq.persistent
+    targets = tune.mlp_targets(["fwd", "gated_fwd", "dh_bwd", "gated_dh_bwd"], ["large", "medium"])
+    assert len(targets) == 8  # each (gemm, class) shape checked to fall in its class
+    assert targets[0].table is mlp.GEMM_CONFIGS["fwd"] and targets[0].key == "large"
+
+
+def _fake_target(table, key, check):
+    return tune.Target("fake", table, key, lambda cfg: [], check, lambda: {"full": (lambda: None, 2e12)})
+
+
+def test_measure_runs_the_candidate_in_the_table_and_puts_the_entry_back(monkeypatch):
+    monkeypatch.setattr(
+        timing, "time_gpu", lambda fn, inputs, **kw: (fn(inputs[0]), timing.Timing(4.0, 3, 5, 30))[1]
+    )
+    entry, candidate = AttnConfig(128, 64, 4, 3), AttnConfig(64, 64, 4, 3)
+    table = {"k": entry}
+    seen = []
+    measure = tune.gpu_measure(_fake_target(table, "k", lambda: seen.append(table["k"]) or True))
+    result = measure(candidate)
+    assert seen == [candidate] and table == {"k": entry}
+    assert result.correct and result.ms == {"full": 4.0} and result.tflops == {"full": 500.0}
+
+    def launch_fails():
+        raise RuntimeError("out of resource: shared memory")
+
+    result = tune.gpu_measure(_fake_target(table, "k", launch_fails))(candidate)
+    assert result.correct is False and "shared memory" in result.note and table == {"k": entry}
+
+
+def test_compile_filter_passes_the_tables_and_rejects_shared_memory_over_budget():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     script = (
-        "from bench import tune; from kernels import attention; "
-        "print(tune.compiles_clean('attn_fwd', attention.FWD_CONFIGS[64], 64)); "
-        "print(tune.compiles_clean('attn_fwd', attention.AttnConfig(128, 256, 8, 4, tma=False), 128))"
+        "from bench import tune; from kernels import attention, mlp; "
+        "[fwd] = tune.attention_targets(['fwd'], [128], 4096); "
+        "[gemm] = tune.mlp_targets(['fwd'], ['medium']); "
+        "print(tune.compiles_clean(fwd.compile_configs(attention.FWD_CONFIGS[128]))); "
+        "print(tune.compiles_clean(fwd.compile_configs(attention.AttnConfig(128, 256, 8, 4, tma=False)))); "
+        "print(tune.compiles_clean(gemm.compile_configs(mlp.GEMM_CONFIGS['fwd']['medium'])))"
     )
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    table_entry, too_big = run.stdout.splitlines()
-    assert table_entry.startswith("(True, 'registers ")
+    attention_entry, too_big, gemm_entry = run.stdout.splitlines()
+    assert attention_entry.startswith("(True, 'registers ") and gemm_entry.startswith("(True, 'registers ")
     assert too_big.startswith("(False, ") and "shared memory" in too_big
 
 
-def test_tune_reports_each_pass_as_strict_json(monkeypatch, capsys):
-    from kernels import attention
-
-    target = AttnConfig(64, 32, 4, 2, tma=False)
-    monkeypatch.setattr(tune, "gpu_measure", lambda *args: _synthetic(target, broken={target})[0])
-    before = dict(attention.BWD_DQ_CONFIGS)
-    report = tune.tune(["fwd", "bwd_dq"], [64, 80], seqlen=4096, seconds=60)
-    assert list(report["passes"]) == ["fwd d=64", "fwd d=80", "bwd_dq d=64", "bwd_dq d=80"]
-    entry = report["passes"]["bwd_dq d=64"]
-    assert entry["table"] == dataclasses.asdict(attention.BWD_DQ_CONFIGS[64])
-    assert entry["best"] != dataclasses.asdict(target)  # it did not compile
+def test_tune_reports_each_target_as_strict_json(capsys):
+    best = GemmConfig(64, 64, 32, 8, 4, 2)
+    table = {"large": GemmConfig(128, 128, 64, 8, 8, 4), "medium": GemmConfig(64, 128, 64, 8, 4, 4)}
+    targets = [_fake_target(table, key, lambda: True) for key in table]
+    for target, key in zip(targets, table, strict=True):
+        target.title = f"fake {key}"
+    before = dict(table)
+    report = tune.tune(targets, seconds=60, make_measure=lambda t: _synthetic(best, broken={best})[0])
+    assert list(report) == ["fake large", "fake medium"]
+    assert report["fake medium"]["table"] == dataclasses.asdict(before["medium"])
+    assert report["fake medium"]["best"] != dataclasses.asdict(best)  # it did not compile
     json.dumps(report, allow_nan=False)
-    assert attention.BWD_DQ_CONFIGS == before  # the tables are never changed for good
-    assert "== fwd d=64: table 128x64 w4 s3 tma, best " in capsys.readouterr().out
+    assert table == before  # the tables are never changed for good
+    assert "== fake large: table 128x128x64 w8 s4 tma, best " in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the CLI would tune")
-def test_cli_needs_a_gpu():
+@pytest.mark.parametrize("family", ["attention", "mlp"])
+def test_cli_needs_a_gpu(family):
     with pytest.raises(SystemExit) as exit_info:
-        tune.main(["--seconds", "1"])
+        tune.main([family, "--seconds", "1"])
     assert exit_info.value.code == 2
