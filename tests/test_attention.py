@@ -319,3 +319,21 @@ def test_persistent_forward_matches_reference(causal, device, monkeypatch):
     monkeypatch.setattr(runtime, "num_sms", lambda d: launches.append(num_sms(d)) or launches[-1])
     check(Shape(2, 129, 129, 4, 2, 64), causal, torch.float16, device)
     assert launches, "the forward did not take the persistent path"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode", ["pointer", "persistent"])
+@pytest.mark.parametrize(
+    ("shape", "causal"),
+    [(Shape(2, 333, 1000, 8, 2, 128), True), (Shape(1, 1024, 1024, 4, 4, 64), False)],
+    ids=str,
+)
+def test_gpu_pointer_loads_and_persistent_forward(shape, causal, mode, dtype, monkeypatch):
+    # The default GPU tests take TMA (aligned inputs) and a program per tile; these take the others.
+    if mode == "pointer":
+        monkeypatch.setattr(attention, "USE_TMA", False)
+    else:
+        persistent = {d: dataclasses.replace(c, programs_per_sm=1) for d, c in attention.FWD_CONFIGS.items()}
+        monkeypatch.setattr(attention, "FWD_CONFIGS", persistent)
+    check(shape, causal, dtype, "cuda")

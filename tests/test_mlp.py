@@ -537,6 +537,16 @@ def test_gpu_every_shape_class_and_dtype(shape, kind, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["linear_act", "gated_linear", "fused_mlp", "fused_gated_mlp"])
+def test_gpu_pointer_loads(kind, dtype, monkeypatch):
+    # Aligned shapes take TMA in the other GPU tests; here every GEMM takes the pointer path.
+    monkeypatch.setattr(mlp, "USE_TMA", False)
+    sizes = (1000, 768, 3072, 768)[: 3 if kind in ("linear_act", "gated_linear") else 4]
+    check(kind, make_tensors(kind, sizes, dtype, "cuda"), "silu" if "gated" in kind else "gelu_tanh")
+
+
+@pytest.mark.gpu
 def test_gpu_small_rows_and_every_activation():
     for activation in ACTIVATIONS:
         check("linear_act", make_tensors("linear_act", (17, 512, 1024), torch.bfloat16, "cuda"), activation)
