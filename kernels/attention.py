@@ -502,7 +502,7 @@ class AttnConfig:
 
 # Per pass and padded head dim. Every entry compiles for sm_90 with HGMMA and no spills in both
 # dtypes and both causal modes, with pointer loads and, where tma is set, with TMA loads (python -m
-# bench.compile_report --filter attn). TMA took fewer registers in most entries (222 against 249
+# bench.compile_report --filter attn). TMA took fewer registers in most entries (221 against 255
 # in the head-dim-128 forward) and less shared memory (197 against 229 KB there); which is faster
 # is for the bench to measure ("ours" against "ours-pointer").
 FWD_CONFIGS = {
