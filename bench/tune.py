@@ -58,6 +58,7 @@ STAGES = (1, 5)
 PROGRAMS_PER_SM = 2  # persistent forward: 0 (a program per tile) to this many programs per SM
 EPILOGUE_SPLITS = (1, 2, 4)
 CHECK_SEQLEN = 333  # the attention check's ragged length
+DEVICE = "cuda"  # where targets check and time; the CPU tests run them in the interpreter
 
 
 @dataclass
@@ -203,7 +204,7 @@ def attention_targets(passes, head_dims, seqlen: int) -> list[Target]:
                     compile_report.attention_pass_config(p, cfg, d, torch.float16, causal, cfg.tma)
                     for causal in (False, True)
                 ],
-                lambda s=check_shape: all(bench_attention.check(s, c, "cuda")[1] for c in (False, True)),
+                lambda s=check_shape: all(bench_attention.check(s, c, DEVICE)[1] for c in (False, True)),
                 lambda p=pass_name, s=shape: _attention_calls(p, s),
                 persistent=name == "fwd",
             ))  # fmt: skip
@@ -215,7 +216,7 @@ def _attention_calls(pass_name: str, shape) -> dict:
     from kernels import attention
 
     scale = 1 / math.sqrt(shape.head_dim)
-    q, k, v = bench_attention.make_qkv(shape, torch.device("cuda"))
+    q, k, v = bench_attention.make_qkv(shape, torch.device(DEVICE))
     calls = {}
     for causal in (False, True):
         if pass_name == "attn_fwd":
@@ -251,7 +252,7 @@ def mlp_targets(gemms, shape_classes) -> list[Target]:
                 lambda cfg, g=gemm, c=shape_class, a=model.activation: [
                     compile_report.mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma)
                 ],
-                lambda m=model, t=tokens: bench_mlp.check(m, t, "cuda", whole_mlp=True)[1],
+                lambda m=model, t=tokens: bench_mlp.check(m, t, DEVICE, whole_mlp=True)[1],
                 lambda g=gemm, m=model, t=tokens: _mlp_calls(g, m, t),
             ))  # fmt: skip
     return targets
@@ -262,7 +263,7 @@ def _mlp_calls(gemm: str, model, tokens: int) -> dict:
     from bench import mlp as bench_mlp
     from kernels import mlp
 
-    t = bench_mlp.make_inputs(model, tokens, torch.device("cuda"))
+    t = bench_mlp.make_inputs(model, tokens, torch.device(DEVICE))
     # (tokens, d_model) x (d_model, hidden), twice in the gated forward; dh = dy W_out is the same.
     flops = (2 if gemm == "gated_fwd" else 1) * bench_mlp.gemm_flops(tokens, model.hidden, model.d_model)
     if gemm == "fwd":

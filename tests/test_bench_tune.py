@@ -134,6 +134,40 @@ def test_measure_runs_the_candidate_in_the_table_and_puts_the_entry_back(monkeyp
     assert result.correct is False and "shared memory" in result.note and table == {"k": entry}
 
 
+@pytest.fixture
+def tiny_targets_on_the_cpu(monkeypatch):
+    """The real targets on shapes small enough for the interpreter, timing faked (one real call)."""
+    from bench import attention as bench_attention
+    from bench import mlp as bench_mlp
+
+    monkeypatch.setattr(tune, "DEVICE", "cpu")
+    monkeypatch.setattr(tune, "CHECK_SEQLEN", 21)
+    monkeypatch.setattr(
+        bench_attention, "benchmark_shape", lambda seqlen, d: bench_attention.Shape(1, 40, 2, d)
+    )
+    tiny = (bench_mlp.Model("tiny", 48, 80, gated=False), bench_mlp.Model("tiny-gated", 40, 96, gated=True))
+    monkeypatch.setattr(bench_mlp, "MODELS", tiny)
+    shapes = {(g, "medium"): ("tiny-gated" if "gated" in g else "tiny", 100) for g, _ in tune.MLP_SHAPES}
+    monkeypatch.setattr(tune, "MLP_SHAPES", shapes)
+    monkeypatch.setattr(
+        timing, "time_gpu", lambda fn, inputs, **kw: (fn(inputs[0]), timing.Timing(1.0, 1, 1, 2))[1]
+    )
+
+
+def test_every_target_checks_and_times_a_candidate(tiny_targets_on_the_cpu):
+    # In the interpreter the tiles are its own, but TMA and the persistent loop follow the candidate.
+    targets = tune.attention_targets(list(tune.ATTENTION_PASSES), [64], seqlen=4096)
+    targets += tune.mlp_targets(["fwd", "gated_fwd", "dh_bwd", "gated_dh_bwd"], ["medium"])
+    for target in targets:
+        target.compile_configs = lambda cfg: []  # the sm_90 compile needs TRITON_INTERPRET unset
+        entry = target.table[target.key]
+        for candidate in (entry, *tune.neighbours(entry, target.persistent)[-2:]):
+            result = tune.gpu_measure(target)(candidate)
+            assert result.correct, (target.title, candidate, result.note)
+            assert set(result.ms) == ({"gemm"} if target.title.startswith("mlp") else {"full", "causal"})
+            assert target.table[target.key] == entry
+
+
 def test_compile_filter_passes_the_tables_and_rejects_shared_memory_over_budget():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     script = (
