@@ -465,12 +465,13 @@ def train_step(
     """One optimizer step of cfg.grad_accum micro-batches (next_batch() gives each (x, y)): forward
     under autocast, scaled backward, then :func:`optimizer_step`. loss_fn is model.loss or its DDP
     wrapper (:class:`LossOf`), whose gradients are all-reduced in the last micro-batch's backward
-    only. Returns (this replica's mean loss, a detached tensor; gradient norm; skipped)."""
+    only. Returns (the mean loss over the data-parallel replicas, a CPU tensor; gradient norm;
+    skipped)."""
     parallel = parallel or Parallel()
+    ddp = isinstance(loss_fn, DistributedDataParallel)
     loss_sum = torch.zeros((), device=next(model.parameters()).device)
     for micro in range(cfg.grad_accum):
         last = micro == cfg.grad_accum - 1
-        ddp = isinstance(loss_fn, DistributedDataParallel)
         sync = loss_fn.no_sync() if ddp and not last else contextlib.nullcontext()
         with nvtx_range("data"):
             x, y = next_batch()
@@ -482,8 +483,11 @@ def train_step(
         loss_sum += loss.detach()
     with nvtx_range("optimizer"):
         allreduce_sequence_parallel_grads(model, parallel)
+        # Copied to the host ahead of optimizer_step's host read of the gradient norm, which waits
+        # for it: reading the loss after the step would wait for AdamW before the next step is queued.
+        loss = dp_mean(loss_sum, parallel).to("cpu", non_blocking=True)
         grad_norm, skipped = optimizer_step(model, optimizer, scaler, cfg.grad_clip, parallel)
-    return loss_sum, grad_norm, skipped
+    return loss, grad_norm, skipped
 
 
 class LossOf(nn.Module):
@@ -704,10 +708,10 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel) -> list[dict]:
             lr = lr_at(step, max_steps, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_sum, grad_norm, skipped = train_step(
+            loss, grad_norm, skipped = train_step(
                 loss_fn, train_loader.next, model, optimizer, scaler, cfg, parallel, autocast
             )
-            loss = dp_mean(loss_sum, parallel).item()
+            loss = loss.item()
             dt = time.perf_counter() - t0
             step += 1
             if not math.isfinite(loss) and not scaler.is_enabled():
