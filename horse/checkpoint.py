@@ -80,12 +80,17 @@ def _positions(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
+def _rekey(state: dict, key: Callable) -> dict:
+    """An optimizer's state_dict with key(k) in place of each parameter key k."""
+    return {
+        "state": {key(k): s for k, s in state["state"].items()},
+        "param_groups": [g | {"params": [key(k) for k in g["params"]]} for g in state["param_groups"]],
+    }
+
+
 def _by_name(state: dict, names: list[str]) -> dict:
     """An optimizer's state_dict with names[i] in place of position i."""
-    return {
-        "state": {names[i]: s for i, s in state["state"].items()},
-        "param_groups": [g | {"params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
-    }
+    return _rekey(state, names.__getitem__)
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
@@ -96,12 +101,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
 def load_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, state: dict) -> None:
     """Load a state of :func:`optimizer_state` into optimizer (whose parameters are model's)."""
     index = {name: i for i, name in enumerate(_positions(optimizer, model))}
-    optimizer.load_state_dict(
-        {
-            "state": {index[name]: s for name, s in state["state"].items()},
-            "param_groups": [g | {"params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
-        }
-    )
+    optimizer.load_state_dict(_rekey(state, index.__getitem__))
 
 
 # ----------------------------------------------------------------------------------------------
