@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from bench import suite, timing
-from horse.model import GPT, PRESETS, GPTConfig, preset
+from horse.model import GPT, PRESETS, GPTConfig, flops_per_token, preset
 from horse.train import LossScaler, TrainConfig, make_optimizer, peak_flops, train_step
 from kernels import runtime
 
@@ -102,12 +102,6 @@ def make_step(
         return loss, skipped
 
     return step
-
-
-def flops_per_token(config: GPTConfig, seq_len: int) -> int:
-    """Training FLOPs per token of the model at seq_len (GPT.flops_per_token, on the meta device)."""
-    with torch.device("meta"):
-        return GPT(config).flops_per_token(seq_len)
 
 
 # ----------------------------------------------------------------------------------------------

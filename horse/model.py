@@ -443,13 +443,17 @@ def num_params(config: GPTConfig) -> int:
         return GPT(config).num_params()
 
 
+def flops_per_token(config: GPTConfig, seq_len: int) -> int:
+    """Training FLOPs per token of the whole model at seq_len (GPT.flops_per_token, on the meta device)."""
+    with torch.device("meta"):
+        return GPT(config).flops_per_token(seq_len)
+
+
 def main() -> None:
     print(f"{'preset':<10} {'params':>8} {'layers':>6} {'d_model':>7} {'heads':>5}  GFLOP/token (training)")
     for name, make in PRESETS.items():
         config = make()
-        with torch.device("meta"):
-            model = GPT(config)
-        params, gflops = model.num_params() / 1e6, model.flops_per_token(config.block_size) / 1e9
+        params, gflops = num_params(config) / 1e6, flops_per_token(config, config.block_size) / 1e9
         shape = f"{config.n_layer:>6} {config.d_model:>7} {config.n_head:>5}"
         print(f"{name:<10} {params:7.1f}M {shape}  {gflops:.2f} at seq_len {config.block_size}")
 

@@ -61,7 +61,7 @@ from tqdm import tqdm
 from horse import checkpoint
 from horse.data import BPETokenizer, Loader, load_dataset
 from horse.generate import generate
-from horse.model import GPT, PRESETS, GPTConfig, preset
+from horse.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params, preset
 from horse.parallel import (
     Parallel,
     allreduce_sequence_parallel_grads,
@@ -639,9 +639,7 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel) -> list[dict]:
     if ckpt is not None:
         step = restore_checkpoint(ckpt, model, optimizer, scaler, train_loader, parallel)
 
-    with torch.device("meta"):  # the whole model's size, whatever this rank holds
-        whole = GPT(config)
-    flops_per_step = whole.flops_per_token(seq_len) * tokens_per_step
+    flops_per_step = flops_per_token(config, seq_len) * tokens_per_step  # the whole model's
     peak = peak_flops(device, cfg.peak_tflops)
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     note = ""
@@ -657,7 +655,7 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel) -> list[dict]:
             + (f" | restart {restarts}" if restarts else "")
         )
     log(
-        f"model {cfg.preset}: {whole.num_params() / 1e6:.2f}M parameters, {config.n_layer} layers, d_model "
+        f"model {cfg.preset}: {num_params(config) / 1e6:.2f}M parameters, {config.n_layer} layers, d_model "
         f"{config.d_model}, {config.n_head} heads ({config.kv_heads} kv), vocabulary {config.vocab_size}, "
         f"{config.positions} positions, {config.norm}, {config.mlp} | "
         f"{flops_per_step / tokens_per_step / 1e9:.3f} GFLOP per token"
