@@ -150,7 +150,7 @@ def norm_configs() -> list[KernelConfig]:
                 limit = layernorm.BWD_MAX_ROW_IN_REGISTERS if backward else layernorm.FWD_MAX_ROW_IN_REGISTERS
                 sizes = [2**p for p in range(limit.bit_length())] + [2 * limit]
                 for n in sizes:
-                    cfg = layernorm.row_config(n, backward)
+                    cfg = layernorm.row_config(n, backward, dtype)
                     shape_class = f"N<={n}" if cfg.row_in_registers else f"N>{limit}"
                     configs += _norm_kernel_configs(norm, shape_class, dtype, ty, flags, cfg, backward)
     return configs

@@ -19,8 +19,9 @@ gradients are bit-identical run to run.
 
 Tiles move by TMA on Hopper and newer (sm_90+): tensor descriptors over the whole 4-D tensors, whose
 loads read out-of-bounds rows and head-dim columns as zeros and whose stores drop them. Inputs whose
-start or (batch, seqlen, heads) strides are not multiples of 16 bytes, other GPUs, and ``USE_TMA =
-False`` take masked pointer loads instead; one kernel per pass serves both (the ``TMA`` constexpr).
+start or (batch, seqlen, heads) strides are not multiples of 16 bytes, other GPUs, the table entries
+whose TMA variant spilled registers, and ``USE_TMA = False`` take masked pointer loads instead; one
+kernel per pass serves both (the ``TMA`` constexpr).
 Causal forward and dq passes run their longest query blocks first, so the tail is short ones; the
 forward can also run persistent (``programs_per_sm`` in its table), off until measured faster.
 """
@@ -510,7 +511,9 @@ FWD_CONFIGS = {
     32: AttnConfig(128, 64, 4, 3),
     64: AttnConfig(128, 64, 4, 3),
     128: AttnConfig(128, 128, 8, 3),
-    256: AttnConfig(128, 64, 8, 2),
+    # 128x64 spilled 8-48 bytes on triton 3.9 (TMA, and pointers at head dim 192 causal), 64x64 with
+    # pointers; 128x32 with pointers is the one tile tried that compiles clean on 3.6 and 3.9.
+    256: AttnConfig(128, 32, 8, 2, tma=False),
 }
 # block_n is the key block each program owns (dk, dv accumulate there); block_m the query step.
 # At head dim 256 no tile held dk and dv whole without spilling (808 bytes at 64x64, 8 warps), so

@@ -1,5 +1,6 @@
 """The sm_90 compile report's parsing and gate, and one real compile of a kernel family."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -55,12 +56,13 @@ def test_gate_fails_spills_and_shared_memory_over_the_limit():
 def test_every_selectable_norm_config_is_in_the_report():
     from kernels import layernorm
 
-    reported = {(c.constexprs["BLOCK_M"], c.constexprs["BLOCK_N"], c.num_warps)
+    reported = {(c.dtype, c.constexprs["BLOCK_M"], c.constexprs["BLOCK_N"], c.num_warps)
                 for c in compile_report.norm_configs() if "BLOCK_M" in c.constexprs}  # fmt: skip
-    for n in range(1, layernorm.MAX_HIDDEN + 1, 97):
-        for backward in (False, True):
-            cfg = layernorm.row_config(n, backward)
-            assert (cfg.block_m, cfg.block_n, cfg.num_warps) in reported, (n, backward)
+    for n, backward, dtype in itertools.product(
+        range(1, layernorm.MAX_HIDDEN + 1, 97), (False, True), compile_report.TRITON_TYPES
+    ):
+        cfg = layernorm.row_config(n, backward, dtype)
+        assert (dtype, cfg.block_m, cfg.block_n, cfg.num_warps) in reported, (n, backward, dtype)
 
 
 def test_real_compile_of_one_family_for_sm90():
