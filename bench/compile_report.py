@@ -187,9 +187,18 @@ ATTENTION_PASSES = {
 }
 
 
-def attention_pass_config(name: str, cfg, head_dim: int, dtype: torch.dtype, causal: bool, tma: bool):
+# The mask variants each pass compiles to: none, the causal diagonal, a sliding window.
+ATTENTION_MASKS = {
+    "full": {"CAUSAL": False, "LOCAL": False},
+    "causal": {"CAUSAL": True, "LOCAL": False},
+    "local": {"CAUSAL": False, "LOCAL": True},
+}
+
+
+def attention_pass_config(name: str, cfg, head_dim: int, dtype: torch.dtype, mask: str, tma: bool):
     """The KernelConfig of attention pass ``name`` (a key of ATTENTION_PASSES) run with the
-    kernels.attention.AttnConfig ``cfg`` at ``head_dim``, pointer or TMA loads."""
+    kernels.attention.AttnConfig ``cfg`` at ``head_dim``, mask a key of ATTENTION_MASKS, pointer or
+    TMA loads."""
     from kernels import attention
 
     kernel, _, by_query, by_key = ATTENTION_PASSES[name]
@@ -198,7 +207,7 @@ def attention_pass_config(name: str, cfg, head_dim: int, dtype: torch.dtype, cau
     pointers = dict.fromkeys(("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"), ty)
     pointers.update(dict.fromkeys(("LSE", "DLSE", "DELTA"), "fp32"))
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                  "CAUSAL": causal, "TMA": tma}  # fmt: skip
+                  **ATTENTION_MASKS[mask], "TMA": tma}  # fmt: skip
     if name == "attn_fwd":
         constexprs["PERSISTENT"] = cfg.programs_per_sm > 0
     if name == "attn_bwd_dkdv":
@@ -208,7 +217,7 @@ def attention_pass_config(name: str, cfg, head_dim: int, dtype: torch.dtype, cau
         descriptors = {a: (1, cfg.block_m, 1, block_d) for a in by_query}
         descriptors |= {a: (1, cfg.block_n, 1, block_d) for a in by_key}
     modes = [
-        mode for mode, on in (("causal", causal), ("tma", tma), ("persistent", cfg.programs_per_sm)) if on
+        mode for mode, on in ((mask, mask != "full"), ("tma", tma), ("persistent", cfg.programs_per_sm)) if on
     ]
     shape_class = " ".join([f"d={head_dim}", *modes])
     fn = f"kernels.attention.{kernel}"
@@ -218,7 +227,7 @@ def attention_pass_config(name: str, cfg, head_dim: int, dtype: torch.dtype, cau
 
 def attention_configs() -> list[KernelConfig]:
     """Every table entry of kernels.attention, for a power-of-two head dim and a padded one (3/4 of
-    the block), both dtypes and both causal modes, with pointer loads (always selectable: USE_TMA
+    the block), both dtypes and every mask, with pointer loads (always selectable: USE_TMA
     off, unaligned inputs) and, where the entry allows, TMA loads; and the backward's preprocess."""
     from kernels import attention
 
@@ -233,12 +242,12 @@ def attention_configs() -> list[KernelConfig]:
             configs.append(
                 KernelConfig("attn_bwd_preprocess", f"d={head_dim}", dtype, fn, pointers, constexprs)
             )
-            for (name, (_, table, _, _)), causal in itertools.product(
-                ATTENTION_PASSES.items(), (False, True)
+            for (name, (_, table, _, _)), mask in itertools.product(
+                ATTENTION_PASSES.items(), ATTENTION_MASKS
             ):
                 cfg = getattr(attention, table)[block_d]
                 for tma in (False, True) if cfg.tma else (False,):
-                    configs.append(attention_pass_config(name, cfg, head_dim, dtype, causal, tma))
+                    configs.append(attention_pass_config(name, cfg, head_dim, dtype, mask, tma))
     return configs
 
 

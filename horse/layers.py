@@ -111,8 +111,9 @@ class FusedSelfAttention(nn.Module):
 
     ``c_attn`` projects (batch, seqlen, d_model) to q, k and v at once (n_heads + 2 n_kv_heads heads
     of d_model / n_heads), optional rotary embeddings (positions below max_seqlen) turn q and k,
-    ``kernels.flash_attention`` attends (causal by default; k and v shared by groups of
-    n_heads / n_kv_heads query heads), and ``c_proj`` projects back. Parameter names follow GPT-2
+    ``kernels.flash_attention`` attends (causal by default, window_size (left, right) a sliding window
+    as in flash-attn, -1 unbounded; k and v shared by groups of n_heads / n_kv_heads query heads),
+    and ``c_proj`` projects back. Parameter names follow GPT-2
     (nanoGPT's nn.Linear layout), and a state dict with separate ``q_proj``, ``k_proj``, ``v_proj``
     and ``o_proj`` (LLaMA) loads too, fused on the way in.
     """
@@ -124,6 +125,7 @@ class FusedSelfAttention(nn.Module):
         n_kv_heads: int | None = None,
         bias: bool = True,
         causal: bool = True,
+        window_size: tuple[int, int] = (-1, -1),
         rotary: bool = False,
         max_seqlen: int = 4096,
         rope_base: float = 10000.0,
@@ -141,7 +143,10 @@ class FusedSelfAttention(nn.Module):
                 f"FusedSelfAttention: n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})"
             )
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
-        self.causal = causal
+        kernels.attention.normalize_mask(
+            causal, window_size
+        )  # a bad window fails here, not at the first call
+        self.causal, self.window_size = causal, tuple(window_size)
         factory = {"device": device, "dtype": dtype}
         self.c_attn = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias, **factory)
         self.c_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias, **factory)
@@ -154,7 +159,8 @@ class FusedSelfAttention(nn.Module):
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)  # strided views
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
-        y = kernels.flash_attention(q, k, v, causal=self.causal)  # (batch, seqlen, n_heads, head_dim)
+        # (batch, seqlen, n_heads, head_dim)
+        y = kernels.flash_attention(q, k, v, causal=self.causal, window_size=self.window_size)
         return self.c_proj(y.reshape(batch, seqlen, self.n_heads * self.head_dim))
 
 

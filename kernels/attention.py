@@ -10,7 +10,10 @@ to the next one inside the kernels and masked. The S×S score matrix never reach
 
 Causal masking is aligned to the bottom-right corner: query i sees key j iff j <= i + seqlen_k -
 seqlen_q, so a few new queries decode against a longer cache, and a query that sees no key (more
-queries than keys) gets zeros and lse = -inf.
+queries than keys) gets zeros and lse = -inf. A sliding window (local attention) ``(left, right)``
+limits query i to keys i + seqlen_k - seqlen_q - left .. i + seqlen_k - seqlen_q + right, -1 leaving
+a side unbounded; causal is the window's right side at 0. Windowed passes visit only the key (or
+query) blocks inside the window.
 
 Backward: a preprocess (delta = rowsum(dO·O) - dlse), a pass per key block that accumulates dk and
 dv over every query block and every query head of its group, and a pass per query block for dq.
@@ -50,27 +53,73 @@ USE_TMA = True
 
 @triton.jit
 def _key_range(
-    start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr
-):
-    """Keys a query block [start_m, start_m + BLOCK_M) attends to: [0, unmasked_end) needs no mask,
-    [unmasked_end, end) does (the causal diagonal and the ragged last key block)."""
-    if CAUSAL:
-        causal_offset = seqlen_k - seqlen_q
+    start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, LOCAL: tl.constexpr,
+):  # fmt: skip
+    """Keys a query block [start_m, start_m + BLOCK_M) attends to, in key blocks from start:
+    [unmasked_start, unmasked_end) are visible to every query of the block; [start, unmasked_start)
+    (only with LOCAL: the window's left edge, see :func:`_local_masked_blocks`) and
+    [unmasked_end, end) (the causal diagonal or the window's right edge, and the ragged last key
+    block) need the mask."""
+    causal_offset = seqlen_k - seqlen_q
+    start = 0
+    unmasked_start = 0
+    if LOCAL:
+        start = tl.maximum(start_m + causal_offset - window_left, 0) // BLOCK_N * BLOCK_N
+        end = tl.minimum(seqlen_k, start_m + BLOCK_M + causal_offset + window_right)
+        # Keys from the last query's left edge to the first query's right edge are seen by all.
+        first_seen_by_all = tl.maximum(start_m + BLOCK_M - 1 + causal_offset - window_left, 0)
+        unmasked_start = tl.maximum(tl.cdiv(first_seen_by_all, BLOCK_N) * BLOCK_N, start)
+        last_seen_by_all = tl.minimum(start_m + causal_offset + window_right + 1, seqlen_k)
+        unmasked_end = tl.maximum(tl.maximum(last_seen_by_all, 0) // BLOCK_N * BLOCK_N, unmasked_start)
+    elif CAUSAL:
         end = tl.minimum(seqlen_k, start_m + BLOCK_M + causal_offset)
         # Keys up to start_m + causal_offset are visible to every query of the block.
         unmasked_end = tl.maximum(tl.minimum(start_m + causal_offset + 1, end), 0) // BLOCK_N * BLOCK_N
     else:
         end = seqlen_k
         unmasked_end = seqlen_k // BLOCK_N * BLOCK_N
-    return unmasked_end, end
+    return start, unmasked_start, unmasked_end, end
 
 
 @triton.jit
-def _visible(offs_m, offs_n, seqlen_k, causal_offset, CAUSAL: tl.constexpr):
+def _local_masked_blocks(start, unmasked_start, unmasked_end, end, BLOCK_N: tl.constexpr):
+    """With LOCAL, the key blocks that need the mask lie on both sides of the unmasked ones: how
+    many there are, and how many of them come before (from start). One loop takes both sides, as
+    :func:`_masked_key_block` numbers them: a third loop spilled registers on sm_90."""
+    before = tl.cdiv(tl.maximum(tl.minimum(unmasked_start, end) - start, 0), BLOCK_N)
+    return before + tl.cdiv(tl.maximum(end - unmasked_end, 0), BLOCK_N), before
+
+
+@triton.jit
+def _masked_key_block(i, start, before, unmasked_end, BLOCK_N: tl.constexpr):
+    """Start of the i-th masked key block of :func:`_local_masked_blocks`."""
+    return tl.where(i < before, start + i * BLOCK_N, unmasked_end + (i - before) * BLOCK_N)
+
+
+@triton.jit
+def _in_window(q_pos, k_pos, causal_offset, window_left, window_right, LOCAL: tl.constexpr):
+    """Whether query q_pos sees key k_pos (broadcast shapes) under the causal mask, or with LOCAL
+    the sliding window; keys past seqlen_k are the caller's to mask."""
+    diagonal = q_pos + causal_offset
+    if LOCAL:
+        visible = (k_pos >= diagonal - window_left) & (k_pos <= diagonal + window_right)
+    else:
+        visible = k_pos <= diagonal
+    return visible
+
+
+@triton.jit
+def _visible(
+    offs_m, offs_n, seqlen_k, causal_offset, window_left, window_right, CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
+):  # fmt: skip
     """(BLOCK_M, BLOCK_N) mask of the scores query offs_m may give key offs_n."""
     visible = offs_n[None, :] < seqlen_k
-    if CAUSAL:
-        visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+    if CAUSAL or LOCAL:
+        visible = visible & _in_window(
+            offs_m[:, None], offs_n[None, :], causal_offset, window_left, window_right, LOCAL
+        )
     return visible
 
 
@@ -119,15 +168,18 @@ def _store_tile(
 
 @triton.jit
 def _attn_fwd_block(
-    acc, l_i, m_i, q, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
-    CAUSAL: tl.constexpr, TMA: tl.constexpr,
+    acc, l_i, m_i, q, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k, window_left,
+    window_right, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     k = _load_tile(K, b, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
     qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
     if MASK:
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        qk = tl.where(_visible(offs_m, offs_n, seqlen_k, seqlen_k - seqlen_q, CAUSAL), qk, float("-inf"))
+        visible = _visible(
+            offs_m, offs_n, seqlen_k, seqlen_k - seqlen_q, window_left, window_right, CAUSAL, LOCAL
+        )
+        qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
     # A row that has seen no visible key yet keeps m = -inf; subtract 0 there, not -inf (NaN).
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -141,9 +193,10 @@ def _attn_fwd_block(
 
 @triton.jit
 def _attn_fwd_tile(
-    Q, K, V, OUT, LSE, tile, m_blocks, seqlen_q, seqlen_k, heads, group_size, q_strides, k_strides, v_strides,
-    o_strides, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
+    Q, K, V, OUT, LSE, tile, m_blocks, seqlen_q, seqlen_k, window_left, window_right, heads, group_size,
+    q_strides, k_strides, v_strides, o_strides, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     """Output and lse of tile ``tile``: BLOCK_M queries of one (batch, head). Tiles go head-major,
     so the programs running together share their head's k and v in L2; causal ones go longest
@@ -161,17 +214,28 @@ def _attn_fwd_tile(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    unmasked_end, end = _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
-    for start_n in range(0, unmasked_end, BLOCK_N):
+    start, unmasked_start, unmasked_end, end = _key_range(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, CAUSAL, LOCAL
+    )
+    for start_n in range(unmasked_start, unmasked_end, BLOCK_N):
         acc, l_i, m_i = _attn_fwd_block(
             acc, l_i, m_i, q, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
-            qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, TMA,
+            window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, LOCAL, TMA,
         )  # fmt: skip
-    for start_n in range(unmasked_end, end, BLOCK_N):
-        acc, l_i, m_i = _attn_fwd_block(
-            acc, l_i, m_i, q, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
-            qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, TMA,
-        )  # fmt: skip
+    if LOCAL:
+        masked_blocks, before = _local_masked_blocks(start, unmasked_start, unmasked_end, end, BLOCK_N)
+        for i in range(0, masked_blocks):
+            start_n = _masked_key_block(i, start, before, unmasked_end, BLOCK_N)
+            acc, l_i, m_i = _attn_fwd_block(
+                acc, l_i, m_i, q, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
+                window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, LOCAL, TMA,
+            )  # fmt: skip
+    else:
+        for start_n in range(unmasked_end, end, BLOCK_N):
+            acc, l_i, m_i = _attn_fwd_block(
+                acc, l_i, m_i, q, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
+                window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, LOCAL, TMA,
+            )  # fmt: skip
     # A query that sees no key: l = 0, so the output is 0 and lse = log 0 = -inf.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
@@ -189,6 +253,8 @@ def _attn_fwd_kernel(
     softmax_scale,
     seqlen_q,
     seqlen_k,
+    window_left,  # with LOCAL: query i sees keys i + seqlen_k - seqlen_q - window_left ...
+    window_right,  # ... to i + seqlen_k - seqlen_q + window_right
     batch,
     heads,
     group_size,
@@ -209,6 +275,7 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
     TMA: tl.constexpr,
     PERSISTENT: tl.constexpr,
 ):
@@ -226,13 +293,15 @@ def _attn_fwd_kernel(
     if PERSISTENT:
         for tile in range(tl.program_id(0), m_blocks * batch * heads, tl.num_programs(0)):
             _attn_fwd_tile(
-                Q, K, V, OUT, LSE, tile, m_blocks, seqlen_q, seqlen_k, heads, group_size, q_strides,
-                k_strides, v_strides, o_strides, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, TMA,
+                Q, K, V, OUT, LSE, tile, m_blocks, seqlen_q, seqlen_k, window_left, window_right, heads,
+                group_size, q_strides, k_strides, v_strides, o_strides, qk_scale, HEAD_DIM, BLOCK_D,
+                BLOCK_M, BLOCK_N, CAUSAL, LOCAL, TMA,
             )  # fmt: skip
     else:
         _attn_fwd_tile(
-            Q, K, V, OUT, LSE, tl.program_id(0), m_blocks, seqlen_q, seqlen_k, heads, group_size, q_strides,
-            k_strides, v_strides, o_strides, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, TMA,
+            Q, K, V, OUT, LSE, tl.program_id(0), m_blocks, seqlen_q, seqlen_k, window_left, window_right,
+            heads, group_size, q_strides, k_strides, v_strides, o_strides, qk_scale, HEAD_DIM, BLOCK_D,
+            BLOCK_M, BLOCK_N, CAUSAL, LOCAL, TMA,
         )  # fmt: skip
 
 
@@ -285,8 +354,8 @@ def _load_row_stats(LSE, DELTA, offs_m, seqlen_q):
 @triton.jit
 def _attn_bwd_dkdv_block(
     dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, start_m, col, q_strides, do_strides, seqlen_q, seqlen_k,
-    qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D_OUT: tl.constexpr,
-    MASK: tl.constexpr, TMA: tl.constexpr,
+    window_left, window_right, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr, MASK: tl.constexpr, LOCAL: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     # Works on the transposed scores (keys x queries) so dk and dv accumulate in (BLOCK_N, head-dim
     # columns [col, + BLOCK_D_OUT)): all of them, or a slice, q and dO then read twice.
@@ -306,8 +375,11 @@ def _attn_bwd_dkdv_block(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     lse, delta = _load_row_stats(LSE, DELTA, offs_m, seqlen_q)
     p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
-    if MASK:  # the causal diagonal: key j is visible to query i iff j <= i + seqlen_k - seqlen_q
-        p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + (seqlen_k - seqlen_q), p_t, 0.0)
+    if MASK:  # causal or local; keys past seqlen_k are dropped by the store
+        visible = _in_window(
+            offs_m[None, :], offs_n[:, None], seqlen_k - seqlen_q, window_left, window_right, LOCAL
+        )
+        p_t = tl.where(visible, p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do_out, dv)
     dp_t = tl.dot(v, tl.trans(do))
     ds_t = p_t * (dp_t - delta[None, :])
@@ -328,6 +400,8 @@ def _attn_bwd_dkdv_kernel(
     softmax_scale,
     seqlen_q,
     seqlen_k,
+    window_left,
+    window_right,  # as in _attn_fwd_kernel
     heads,
     kv_heads,
     group_size,
@@ -355,6 +429,7 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
     TMA: tl.constexpr,
 ):
     # grid = (cdiv(seqlen_k, BLOCK_N), batch * kv_heads, BLOCK_D // BLOCK_D_OUT): one key block, all
@@ -372,20 +447,26 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     qk_scale = softmax_scale * 1.4426950408889634
-    # Queries before the first that sees key start_n (causal) contribute nothing. One loop with
-    # the causal mask on every block: separate masked and unmasked loops, as in the forward,
-    # spilled registers on sm_90 here (264 bytes at head dim 64).
+    # Queries before the first that sees key start_n (causal or local), and after the last (local),
+    # contribute nothing. One loop with the mask on every block: separate masked and unmasked
+    # loops, as in the forward, spilled registers on sm_90 here (264 bytes at head dim 64).
+    causal_offset = seqlen_k - seqlen_q
     lo = 0
-    if CAUSAL:
-        lo = tl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M * BLOCK_M
+    hi = seqlen_q
+    if LOCAL:
+        lo = tl.maximum(start_n - causal_offset - window_right, 0) // BLOCK_M * BLOCK_M
+        hi = tl.minimum(start_n + BLOCK_N - causal_offset + window_left, seqlen_q)
+    elif CAUSAL:
+        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
     for g in range(group_size):
         h = kv_h * group_size + g
         row0 = (b.to(tl.int64) * heads + h) * seqlen_q
-        for start_m in range(lo, seqlen_q, BLOCK_M):
+        for start_m in range(lo, hi, BLOCK_M):
             dk, dv = _attn_bwd_dkdv_block(
                 dk, dv, k, v, Q, DO, LSE + row0, DELTA + row0, b, h, offs_n, start_m, col,
                 (stride_qb, stride_qs, stride_qh), (stride_dob, stride_dos, stride_doh), seqlen_q, seqlen_k,
-                qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D_OUT, CAUSAL, TMA,
+                window_left, window_right, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D_OUT, CAUSAL or LOCAL,
+                LOCAL, TMA,
             )  # fmt: skip
     dk *= softmax_scale
     dk_strides = (stride_dkb, stride_dks, stride_dkh)
@@ -396,16 +477,19 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _attn_bwd_dq_block(
-    dq, q, do, lse, delta, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
-    CAUSAL: tl.constexpr, TMA: tl.constexpr,
+    dq, q, do, lse, delta, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
+    window_left, window_right, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     k = _load_tile(K, b, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
     v = _load_tile(V, b, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
     p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
     if MASK:
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        p = tl.where(_visible(offs_m, offs_n, seqlen_k, seqlen_k - seqlen_q, CAUSAL), p, 0.0)
+        visible = _visible(
+            offs_m, offs_n, seqlen_k, seqlen_k - seqlen_q, window_left, window_right, CAUSAL, LOCAL
+        )
+        p = tl.where(visible, p, 0.0)
     ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq)
 
@@ -422,6 +506,8 @@ def _attn_bwd_dq_kernel(
     softmax_scale,
     seqlen_q,
     seqlen_k,
+    window_left,
+    window_right,  # as in _attn_fwd_kernel
     heads,
     group_size,
     stride_qb,
@@ -444,6 +530,7 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
     TMA: tl.constexpr,
 ):
     # grid = (cdiv(seqlen_q, BLOCK_M), batch * heads)
@@ -466,17 +553,30 @@ def _attn_bwd_dq_kernel(
     lse, delta = _load_row_stats(LSE + row0, DELTA + row0, offs_m, seqlen_q)
     qk_scale = softmax_scale * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    unmasked_end, end = _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
-    for start_n in range(0, unmasked_end, BLOCK_N):
+    start, unmasked_start, unmasked_end, end = _key_range(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, CAUSAL, LOCAL
+    )
+    for start_n in range(unmasked_start, unmasked_end, BLOCK_N):
         dq = _attn_bwd_dq_block(
             dq, q, do, lse, delta, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
-            qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, TMA,
+            window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, LOCAL, TMA,
         )  # fmt: skip
-    for start_n in range(unmasked_end, end, BLOCK_N):
-        dq = _attn_bwd_dq_block(
-            dq, q, do, lse, delta, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
-            qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, TMA,
-        )  # fmt: skip
+    if LOCAL:
+        masked_blocks, before = _local_masked_blocks(start, unmasked_start, unmasked_end, end, BLOCK_N)
+        for i in range(0, masked_blocks):
+            start_n = _masked_key_block(i, start, before, unmasked_end, BLOCK_N)
+            dq = _attn_bwd_dq_block(
+                dq, q, do, lse, delta, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
+                seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
+                LOCAL, TMA,
+            )  # fmt: skip
+    else:
+        for start_n in range(unmasked_end, end, BLOCK_N):
+            dq = _attn_bwd_dq_block(
+                dq, q, do, lse, delta, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
+                seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
+                LOCAL, TMA,
+            )  # fmt: skip
     dq *= softmax_scale
     dq_strides = (stride_dqb, stride_dqs, stride_dqh)
     _store_tile(DQ, dq, b, h, start_m, 0, dq_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
@@ -565,13 +665,28 @@ def _operand(t: torch.Tensor, block_s: int, block_d: int, tma: bool):
     return runtime.tma_operand(t, (1, block_s, 1, block_d), tma)
 
 
+def _mask(causal: bool, window: tuple[int, int], seqlen_q: int, seqlen_k: int) -> tuple[int, int, dict]:
+    """The kernels' window arguments and mask constexprs for a normalized (causal, window): a window
+    side of -1 reaches past every key."""
+    local = window != (-1, -1)
+    unbounded = seqlen_q + seqlen_k
+    left, right = (unbounded if side < 0 else side for side in window)
+    return left, right, {"CAUSAL": causal and not local, "LOCAL": local}
+
+
 def attention_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    window: tuple[int, int] = (-1, -1),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward on validated inputs; returns out (batch, seqlen_q, heads, head_dim) and lse
-    (batch, heads, seqlen_q) float32."""
+    """Forward on validated inputs and a window normalized by :func:`normalize_mask`; returns out
+    (batch, seqlen_q, heads, head_dim) and lse (batch, heads, seqlen_q) float32."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    window_left, window_right, mask = _mask(causal, window, seqlen_q, seqlen_k)
     out = runtime.empty(q.shape, q.dtype, q.device)
     lse = runtime.empty((batch, heads, seqlen_q), torch.float32, q.device)
     cfg = attn_config(FWD_CONFIGS, head_dim)
@@ -584,10 +699,10 @@ def attention_fwd(
     programs = min(tiles, cfg.programs_per_sm * runtime.num_sms(q.device)) if persistent else tiles
     with runtime.device_guard(q):
         _attn_fwd_kernel[(programs,)](
-            q_tiles, k_tiles, v_tiles, out_tiles, lse, softmax_scale, seqlen_q, seqlen_k, batch, heads,
-            heads // kv_heads, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=causal, TMA=tma, PERSISTENT=persistent, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            q_tiles, k_tiles, v_tiles, out_tiles, lse, softmax_scale, seqlen_q, seqlen_k, window_left,
+            window_right, batch, heads, heads // kv_heads, *_strides(q), *_strides(k), *_strides(v),
+            *_strides(out), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            **mask, TMA=tma, PERSISTENT=persistent, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out, lse
 
@@ -602,10 +717,12 @@ def attention_bwd(
     lse: torch.Tensor,
     causal: bool,
     softmax_scale: float,
+    window: tuple[int, int] = (-1, -1),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`attention_fwd`; dlse is the gradient of lse, or None. Returns dq, dk, dv."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    window_left, window_right, mask = _mask(causal, window, seqlen_q, seqlen_k)
     if dout.stride(-1) != 1:  # gradients can arrive expanded (stride 0) or transposed
         dout = dout.contiguous()
     if dlse is not None:
@@ -632,10 +749,10 @@ def attention_bwd(
         grid = (triton.cdiv(seqlen_k, cfg.block_n), batch * kv_heads, cfg.column_splits)
         _attn_bwd_dkdv_kernel[grid](
             q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dk_tiles, dv_tiles, softmax_scale, seqlen_q,
-            seqlen_k, heads, kv_heads, group_size,
+            seqlen_k, window_left, window_right, heads, kv_heads, group_size,
             *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
             **dims, BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=causal, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **mask, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         cfg = attn_config(BWD_DQ_CONFIGS, head_dim)
         tma = tma_usable(cfg, q, k, v, dout, dq)
@@ -643,8 +760,9 @@ def attention_bwd(
         k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (k, v))
         _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * heads)](
             q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dq_tiles, softmax_scale, seqlen_q, seqlen_k,
-            heads, group_size, *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-            **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, TMA=tma,
+            window_left, window_right, heads, group_size,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+            **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return dq, dk, dv
@@ -657,13 +775,19 @@ def attention_bwd(
 
 @torch.library.custom_op("horse::flash_attn_fwd", mutates_args=())
 def _attn_fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return attention_fwd(q, k, v, causal, softmax_scale)
+    return attention_fwd(q, k, v, causal, softmax_scale, (window_left, window_right))
 
 
 @_attn_fwd_op.register_fake
-def _(q, k, v, causal, softmax_scale):
+def _(q, k, v, causal, softmax_scale, window_left, window_right):
     batch, seqlen_q, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
@@ -679,28 +803,29 @@ def _attn_bwd_op(
     lse: torch.Tensor,
     causal: bool,
     softmax_scale: float,
+    window_left: int,
+    window_right: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_bwd(dout, dlse, q, k, v, out, lse, causal, softmax_scale)
+    window = (window_left, window_right)
+    return attention_bwd(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window)
 
 
 @_attn_bwd_op.register_fake
-def _(dout, dlse, q, k, v, out, lse, causal, softmax_scale):
+def _(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window_left, window_right):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale = inputs
+    q, k, v, *ctx.mask_args = inputs  # causal, softmax_scale, window_left, window_right
     out, lse = output
     # O(seqlen) tensors only: the scores are recomputed in the backward, never saved.
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal = causal
-    ctx.softmax_scale = softmax_scale
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _attn_bwd_op(dout, dlse, q, k, v, out, lse, ctx.causal, ctx.softmax_scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = _attn_bwd_op(dout, dlse, q, k, v, out, lse, *ctx.mask_args)
+    return dq, dk, dv, None, None, None, None
 
 
 _attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -746,6 +871,29 @@ def _validate(q, k, v) -> None:
         )
 
 
+def normalize_mask(causal: bool, window_size) -> tuple[bool, tuple[int, int]]:
+    """(causal, window) with the window validated and causal folded into it: causal is the right
+    side at 0, a window of (-1, 0) is plain causal, and a returned window other than (-1, -1) is
+    never causal (its right side says it)."""
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(
+            isinstance(side, int) and not isinstance(side, bool) and side >= -1 for side in window_size
+        )
+    ):
+        raise ValueError(
+            f"flash_attention: window_size must be two ints (left, right), each >= 0 or -1 for "
+            f"unbounded, got {window_size!r}"
+        )
+    left, right = window_size
+    if causal:
+        right = 0
+    if left == -1 and right == 0:
+        return True, (-1, -1)
+    return (False, (left, right)) if (left, right) != (-1, -1) else (causal, (-1, -1))
+
+
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -753,6 +901,7 @@ def flash_attention(
     causal: bool = False,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention, FlashAttention-style, differentiable in q, k, v (and through lse).
 
@@ -760,7 +909,9 @@ def flash_attention(
     multiple of kv_heads; float16 or bfloat16 (float32 only on the CPU reference path); head_dim at
     most 256; any strides with a unit stride in the last dimension. causal masks to the
     bottom-right corner (query i sees keys j <= i + seqlen_k - seqlen_q; a query that sees none
-    gets zeros). softmax_scale defaults to 1 / sqrt(head_dim).
+    gets zeros). window_size (left, right) is a sliding window, as flash-attn's: query i sees keys
+    i + seqlen_k - seqlen_q - left to i + seqlen_k - seqlen_q + right, -1 for an unbounded side;
+    with causal the right side is 0. softmax_scale defaults to 1 / sqrt(head_dim).
 
     Under torch.autocast the inputs are cast to its dtype first, as a matmul's would be.
 
@@ -769,14 +920,15 @@ def flash_attention(
     """
     q, k, v = runtime.autocast(q, k, v)
     _validate(q, k, v)
+    causal, window = normalize_mask(causal, window_size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if runtime.runs_triton(q):
         if q.dtype not in SUPPORTED_DTYPES:
             raise TypeError(
                 f"flash_attention: q, k and v must be float16 or bfloat16 on the Triton path, got {q.dtype}"
             )
-        out, lse = _attn_fwd_op(q, k, v, causal, scale)
+        out, lse = _attn_fwd_op(q, k, v, causal, scale, *window)
     else:
-        out, lse = reference.attention(q, k, v, causal, scale)
+        out, lse = reference.attention(q, k, v, causal, scale, window_size=window)
         out = out.to(q.dtype)
     return (out, lse) if return_lse else out

@@ -59,11 +59,21 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps: float | None =
     return rms_norm(h, normalized_shape, weight, eps), h
 
 
-def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, upcast: bool = True):
+def attention(
+    q,
+    k,
+    v,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    upcast: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+):
     """Explicit-softmax attention in float32 (float64 for float64 inputs): (out, lse).
 
     Layout (batch, seqlen, heads, head_dim); k and v may have fewer heads (grouped-query). causal
-    is aligned to the bottom-right corner; a query that sees no key gets zeros and lse = -inf.
+    is aligned to the bottom-right corner; window_size (left, right) limits query i to keys
+    i + seqlen_k - seqlen_q - left .. i + seqlen_k - seqlen_q + right (-1: unbounded); a query that
+    sees no key gets zeros and lse = -inf.
     With upcast=False it computes in the inputs' dtype instead, rounding the scores and the
     probabilities as a fused kernel does: PyTorch's own error at that precision, for the tests.
     """
@@ -74,11 +84,19 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     k = k.repeat_interleave(heads // kv_heads, dim=2)
     v = v.repeat_interleave(heads // kv_heads, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    left, right = window_size
     if causal:
+        right = 0
+    if left >= 0 or right >= 0:
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-        rows = torch.arange(seqlen_q, device=q.device)[:, None]
+        diagonal = torch.arange(seqlen_q, device=q.device)[:, None] + seqlen_k - seqlen_q
         cols = torch.arange(seqlen_k, device=q.device)[None, :]
-        scores = scores.masked_fill(cols > rows + seqlen_k - seqlen_q, float("-inf"))
+        hidden = torch.zeros_like(cols > diagonal)
+        if right >= 0:
+            hidden |= cols > diagonal + right
+        if left >= 0:
+            hidden |= cols < diagonal - left
+        scores = scores.masked_fill(hidden, float("-inf"))
     # A row with no visible key would give -inf - -inf = NaN, in the values and in the gradients:
     # give it finite dummy scores, then zero its probabilities and set its lse to -inf.
     has_key = (scores > float("-inf")).any(dim=-1, keepdim=True)

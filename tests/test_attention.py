@@ -53,10 +53,10 @@ def make_qkv(shape: Shape, dtype, device, scale: float = 1.0, seed: int = 0, req
     return q, randn(shape.seqlen_k, shape.kv_heads), randn(shape.seqlen_k, shape.kv_heads)
 
 
-def run_reference(q, k, v, dout, causal, upcast, dlse=None):
+def run_reference(q, k, v, dout, causal, upcast, dlse=None, window_size=(-1, -1)):
     """The float64 truth (upcast) or PyTorch's attention computed in the inputs' dtype."""
     leaves = [(t.detach().double() if upcast else t.detach().clone()).requires_grad_() for t in (q, k, v)]
-    out, lse = reference.attention(*leaves, causal=causal, upcast=upcast)
+    out, lse = reference.attention(*leaves, causal=causal, upcast=upcast, window_size=window_size)
     outputs, grad_outputs = [out], [dout.to(out.dtype)]
     if dlse is not None:
         outputs.append(lse)
@@ -77,14 +77,14 @@ def assert_lse_close(lse, truth, baseline):
     )
 
 
-def check(shape: Shape, causal: bool, dtype, device, scale: float = 1.0):
+def check(shape: Shape, causal: bool, dtype, device, scale: float = 1.0, window_size=(-1, -1)):
     q, k, v = make_qkv(shape, dtype, device, scale)
-    out, lse = kernels.flash_attention(q, k, v, causal=causal, return_lse=True)
+    out, lse = kernels.flash_attention(q, k, v, causal=causal, return_lse=True, window_size=window_size)
     dout = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     ours = {"out": out, "dq": dq, "dk": dk, "dv": dv}
-    truth = run_reference(q, k, v, dout, causal, upcast=True)
-    baseline = run_reference(q, k, v, dout, causal, upcast=False)
+    truth = run_reference(q, k, v, dout, causal, upcast=True, window_size=window_size)
+    baseline = run_reference(q, k, v, dout, causal, upcast=False, window_size=window_size)
     for name, value in ours.items():
         assert torch.isfinite(value).all(), f"{name} has non-finite values"
         assert_close(name, value, truth[name], baseline[name])
@@ -110,6 +110,76 @@ def test_reference_matches_sdpa(shape, causal):
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
     ).transpose(1, 2)
     torch.testing.assert_close(reference.attention(q, k, v, causal)[0], sdpa, rtol=1e-5, atol=1e-5)
+
+
+# Sliding windows (left, right) in the interpreter's 32x16 tiles: narrower than a block and wider
+# than the sequence, one side or both, with causal, unequal lengths both ways (rows that see no
+# key), GQA and a padded head dim.
+WINDOW_CASES = [
+    (Shape(1, 129, 129, 4, 2, 64), True, (40, -1)),
+    (Shape(1, 129, 129, 2, 2, 64), False, (7, 20)),
+    (Shape(1, 17, 129, 2, 2, 96), False, (-1, 3)),
+    (Shape(1, 129, 17, 4, 1, 64), True, (3, -1)),
+    (Shape(2, 100, 100, 2, 1, 80), False, (0, 0)),
+    (Shape(1, 64, 64, 2, 2, 64), False, (100, 100)),
+    (Shape(1, 1, 300, 2, 2, 64), True, (33, -1)),
+]
+
+
+@pytest.mark.parametrize(("shape", "causal", "window"), WINDOW_CASES, ids=str)
+def test_sliding_window_matches_reference(shape, causal, window, device):
+    check(shape, causal, torch.float16, device, window_size=window)
+
+
+def test_window_folds_into_causal(device):
+    # (-1, 0) is the causal mask itself, and causal caps any window's right side at 0.
+    q, k, v = make_qkv(Shape(1, 70, 90, 2, 1, 32), torch.float16, device, requires_grad=False)
+    causal = kernels.flash_attention(q, k, v, causal=True)
+    assert torch.equal(kernels.flash_attention(q, k, v, window_size=(-1, 0)), causal)
+    assert torch.equal(kernels.flash_attention(q, k, v, causal=True, window_size=(-1, 9)), causal)
+    assert torch.equal(
+        kernels.flash_attention(q, k, v, causal=True, window_size=(12, 30)),
+        kernels.flash_attention(q, k, v, window_size=(12, 0)),
+    )
+
+
+def test_window_reads_only_the_key_blocks_inside_it(device):
+    # One query against 300 keys sees keys 266..299 through a (33, -1) causal window. NaN keys and
+    # values in the key blocks before that would reach the output and every gradient if read.
+    shape = Shape(1, 1, 300, 2, 2, 64)
+    q, k, v = make_qkv(shape, torch.float16, device)
+    block_n = max(
+        attention.attn_config(t, 64).block_n for t in (attention.FWD_CONFIGS, attention.BWD_DQ_CONFIGS)
+    )
+    unread = (shape.seqlen_k - 1 - 33) // block_n * block_n
+    poisoned_k, poisoned_v = (t.detach().clone() for t in (k, v))
+    poisoned_k[:, :unread] = poisoned_v[:, :unread] = float("nan")
+    poisoned_k.requires_grad_(), poisoned_v.requires_grad_()
+    out = kernels.flash_attention(q, poisoned_k, poisoned_v, causal=True, window_size=(33, -1))
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, poisoned_k, poisoned_v), dout)
+    expected = kernels.flash_attention(q, k, v, causal=True, window_size=(33, -1))
+    assert torch.equal(out, expected)
+    assert torch.equal(grads[0], torch.autograd.grad(expected, q, dout)[0])
+    assert all(torch.equal(g[:, :unread], torch.zeros_like(g[:, :unread])) for g in grads[1:])
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("window", [(4, 0), (0, 6), (5, 5)], ids=str)
+def test_reference_window_matches_sdpa(window):
+    # The reference's window against PyTorch's attention with the mask written out position by position.
+    shape = Shape(2, 17, 33, 4, 2, 40)
+    q, k, v = make_qkv(shape, torch.float32, "cpu", requires_grad=False)
+    offset = shape.seqlen_k - shape.seqlen_q
+    mask = torch.tensor(
+        [[i + offset - window[0] <= j <= i + offset + window[1] for j in range(shape.seqlen_k)]
+         for i in range(shape.seqlen_q)]
+    )  # fmt: skip
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+    ).transpose(1, 2)
+    out = reference.attention(q, k, v, window_size=window)[0]
+    torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-5)
 
 
 def test_large_logits_stay_finite(device):
@@ -229,6 +299,10 @@ BAD_INPUTS = [
         ValueError,
         r"head_dim must be in \[1, 256\]",
     ),
+    *[
+        (lambda q, k, v, w=window: kernels.flash_attention(q, k, v, window_size=w), ValueError, "window_size")
+        for window in [(-2, 0), (3,), 4, (1.5, 2), (True, 0)]
+    ],
 ]
 
 
@@ -249,7 +323,8 @@ def test_cpu_without_interpreter_uses_the_reference(monkeypatch):
 
 def test_custom_op_passes_opcheck_and_compiles_fullgraph():
     q, k, v = make_qkv(Shape(1, 24, 24, 2, 1, 32), torch.float16, "cpu")
-    torch.library.opcheck(torch.ops.horse.flash_attn_fwd.default, (q, k, v, True, 0.125))
+    for mask in ((True, 0.125, -1, -1), (False, 0.125, 5, 3)):
+        torch.library.opcheck(torch.ops.horse.flash_attn_fwd.default, (q, k, v, *mask))
     eager = kernels.flash_attention(q, k, v, causal=True)
     torch._dynamo.reset()
     compiled = torch.compile(lambda q, k, v: kernels.flash_attention(q, k, v, causal=True), fullgraph=True)
@@ -269,6 +344,18 @@ def test_gpu_matches_reference(shape, causal, dtype):
     check(shape, causal, dtype, "cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    ("shape", "causal", "window"),
+    [(Shape(2, 1024, 1024, 8, 2, 128), True, (256, -1)), (Shape(1, 333, 1000, 4, 4, 64), False, (100, 50)),
+     (Shape(1, 1000, 333, 4, 1, 256), True, (64, -1)), (Shape(2, 777, 777, 6, 3, 96), False, (0, 0))],
+    ids=str,
+)  # fmt: skip
+def test_gpu_sliding_window(shape, causal, window, dtype):
+    check(shape, causal, dtype, "cuda", window_size=window)
+
+
 def test_autocast_runs_float32_inputs_in_half_precision(device):
     """Under torch.autocast(float16) float32 q, k, v go through the float16 kernel, as they would
     through a matmul, and their gradients come back in float32."""
@@ -284,13 +371,14 @@ def test_autocast_runs_float32_inputs_in_half_precision(device):
 
 
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointer"])
+@pytest.mark.parametrize("window", [(-1, -1), (50, -1)], ids=["causal", "window"])
 @pytest.mark.parametrize(
     "shape", [Shape(2, 129, 129, 4, 2, 64), Shape(1, 17, 129, 2, 2, 80), Shape(1, 129, 17, 4, 1, 32)], ids=str
 )
-def test_tma_and_pointer_loads_both_match_reference(shape, use_tma, device, monkeypatch):
+def test_tma_and_pointer_loads_both_match_reference(shape, window, use_tma, device, monkeypatch):
     monkeypatch.setattr(attention, "USE_TMA", use_tma)
     choices = record_tma_choices(monkeypatch, attention)
-    check(shape, True, torch.float16, device)
+    check(shape, True, torch.float16, device, window_size=window)
     # Every pass's table entry allows TMA at these head dims (the dk/dv pass at 80 pads to 128).
     allowed = [attention.attn_config(table, shape.head_dim).tma for table in
                (attention.FWD_CONFIGS, attention.BWD_DKDV_CONFIGS, attention.BWD_DQ_CONFIGS)]  # fmt: skip

@@ -131,11 +131,13 @@ def rope_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    """Separate q/k/v/o projections, grouped-query heads and rotary embeddings, in float64."""
+    """Separate q/k/v/o projections, grouped-query heads and rotary embeddings, in float64; with a
+    window, each position attends to itself and the ``window`` before it (Mistral's sliding window)."""
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, window: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
+        self.window = window
         self.q_proj = nn.Linear(d_model, d_model, bias=False)
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
@@ -147,7 +149,10 @@ class LlamaAttention(nn.Module):
         k = rope_reference(self.k_proj(x).view(batch, seqlen, self.n_kv_heads, self.head_dim))
         v = self.v_proj(x).view(batch, seqlen, self.n_kv_heads, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        mask = torch.ones(seqlen, seqlen, dtype=torch.bool, device=x.device).tril()
+        if self.window is not None:
+            mask = mask.triu(-self.window)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(batch, seqlen, d_model))
 
 
@@ -184,6 +189,20 @@ def test_fused_self_attention_loads_separate_projections_with_gqa_and_rotary(dev
     fused.load_state_dict(ref.state_dict())
     assert set(fused.state_dict()) == {"c_attn.weight", "c_proj.weight"}
     _compare_attention(ref, fused, device, 64)
+
+
+def test_fused_self_attention_sliding_window(device):
+    from horse.layers import FusedSelfAttention
+
+    torch.manual_seed(0)
+    ref = LlamaAttention(64, 4, 2, window=8).to(device)
+    fused = FusedSelfAttention(
+        64, 4, n_kv_heads=2, bias=False, rotary=True, window_size=(8, -1), device=device, dtype=torch.float16
+    )
+    fused.load_state_dict(ref.state_dict())
+    _compare_attention(ref, fused, device, 64)
+    with pytest.raises(ValueError, match="window_size"):
+        FusedSelfAttention(64, 4, window_size=(-3, 0))
 
 
 def test_rotary_offset_continues_the_positions():
