@@ -56,6 +56,7 @@ class GPTConfig:
     n_layer: transformer blocks
     n_head: query heads
     n_kv_heads: key/value heads for grouped-query attention (a divisor of n_head); None: n_head
+    attn_window: sliding window (Mistral's): a position sees itself and the attn_window before it; None: all
     d_model: width of the residual stream
     mlp_hidden: hidden width of the MLP; None: 4·d_model for gelu, 8/3·d_model rounded up to 64 for swiglu
     positions: learned (GPT-2's position table) or rotary (RoPE on queries and keys)
@@ -71,6 +72,7 @@ class GPTConfig:
     n_layer: int = 12
     n_head: int = 12
     n_kv_heads: int | None = None
+    attn_window: int | None = None
     d_model: int = 768
     mlp_hidden: int | None = None
     positions: Literal["learned", "rotary"] = "learned"
@@ -90,6 +92,8 @@ class GPTConfig:
             )
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_head % self.n_kv_heads):
             raise ValueError(f"GPTConfig.n_kv_heads ({self.n_kv_heads}) must divide n_head ({self.n_head})")
+        if self.attn_window is not None and self.attn_window < 0:
+            raise ValueError(f"GPTConfig.attn_window must be at least 0 (or None), got {self.attn_window}")
         if self.mlp_hidden is not None and self.mlp_hidden < 1:
             raise ValueError(f"GPTConfig.mlp_hidden must be at least 1, got {self.mlp_hidden}")
         hints = typing.get_type_hints(GPTConfig)
@@ -178,19 +182,26 @@ def runs_half_kernels(backend: str, x: torch.Tensor) -> bool:
     return dtype in (torch.float16, torch.bfloat16)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None
+) -> torch.Tensor:
     """Causal attention on SDPA. q (B, Tq, n_head, hd); k, v (B, Tk, n_kv_heads, hd) with Tk >= Tq,
     the queries being the last Tq positions (the mask is aligned to the bottom-right corner, so new
-    tokens decode against a longer cache). Returns (B, Tq, n_head, hd). kernels.flash_attention(q,
-    k, v, causal=True) takes the same layout and mask alignment."""
+    tokens decode against a longer cache); with a window, each query also sees only the window keys
+    before its own. Returns (B, Tq, n_head, hd). kernels.flash_attention(q, k, v, causal=True,
+    window_size=(window, -1)) takes the same layout and mask."""
     tq, tk = q.shape[1], k.shape[1]
-    mask = None if tq in (1, tk) else torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
+    mask = None
+    if window is not None and window < tk - 1:
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq).triu(tk - tq - window)
+    elif tq not in (1, tk):
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
     y = F.scaled_dot_product_attention(
         q.transpose(1, 2),  # (B, n_head, Tq, hd)
         k.transpose(1, 2),  # (B, n_kv_heads, Tk, hd)
         v.transpose(1, 2),
         attn_mask=mask,
-        is_causal=tq == tk,
+        is_causal=mask is None and tq == tk,
         enable_gqa=k.shape[2] != q.shape[2],
     )
     return y.transpose(1, 2)  # (B, Tq, n_head, hd)
@@ -240,6 +251,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head // self.parallel.tp_size
         self.n_kv_heads = config.kv_heads // self.parallel.tp_size
         self.head_dim = config.head_dim
+        self.window = config.attn_window
         # Names and the [q heads | k heads | v heads] layout of horse.layers.FusedSelfAttention.
         qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_dim
         self.c_attn = nn.Linear(config.d_model, qkv_width, bias=config.bias)
@@ -260,9 +272,10 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, cached + T, n_kv_heads, hd)
         if runs_half_kernels(self.backend, q):
-            y = kernels.flash_attention(q, k, v, causal=True)  # (B, T, n_head, hd)
+            window = (-1 if self.window is None else self.window, -1)
+            y = kernels.flash_attention(q, k, v, causal=True, window_size=window)  # (B, T, n_head, hd)
         else:
-            y = causal_attention(q, k, v)
+            y = causal_attention(q, k, v, self.window)
         return row_parallel_linear(self.c_proj, y.reshape(B, T, self.n_head * self.head_dim), self.parallel)
 
 
@@ -430,10 +443,13 @@ class GPT(nn.Module):
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at sequence length seq_len: 6·N (forward and backward of every
         matmul; N leaves out the position table, a lookup, but keeps the token embedding, which is
-        also the LM head) plus 12·n_layer·d_model·seq_len for attention's scores and weighted sum.
+        also the LM head) plus 12·n_layer·d_model·seq_len for attention's scores and weighted sum,
+        seq_len capped at attn_window + 1 with a sliding window (the most keys a query sees).
         At tp > 1 this rank's share: its parameters, its 1/tp of the heads."""
         n = self.num_params() - (self.wpe.weight.numel() if self.wpe is not None else 0)
-        attention = 12 * self.config.n_layer * self.config.d_model * seq_len // self.parallel.tp_size
+        window = self.config.attn_window
+        keys = seq_len if window is None else min(seq_len, window + 1)
+        attention = 12 * self.config.n_layer * self.config.d_model * keys // self.parallel.tp_size
         return 6 * n + attention
 
 

@@ -17,6 +17,7 @@ VARIANTS = {
     "llama-like": dataclasses.replace(
         SMALL, norm="rmsnorm", mlp="swiglu", positions="rotary", n_kv_heads=2, bias=False
     ),
+    "sliding-window": dataclasses.replace(SMALL, positions="rotary", n_kv_heads=2, attn_window=4),
 }
 
 
@@ -112,6 +113,20 @@ def test_causal_attention_matches_an_explicit_mask_with_gqa():
     torch.testing.assert_close(causal_attention(q, k, v), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_sliding_window_limits_what_each_position_sees(device):
+    # n_layer windows of 4 reach 8 positions back: changing token 0 changes positions 0..8, no more.
+    config = VARIANTS["sliding-window"]
+    reference, triton = _pair(config, device)
+    idx = torch.randint(0, config.vocab_size, (1, 16), device=device)
+    changed = idx.clone()
+    changed[0, 0] = (idx[0, 0] + 1) % config.vocab_size
+    reach = config.n_layer * config.attn_window
+    for model in (reference, triton):
+        with torch.no_grad(), torch.autocast(device, torch.float16):
+            differs = (model(idx) - model(changed)).abs().amax(dim=-1)[0]
+        assert (differs[: reach + 1] > 0).all() and (differs[reach + 1 :] == 0).all(), differs
+
+
 def test_weights_tied_and_gpt2_initialisation():
     config = dataclasses.replace(SMALL, d_model=256, n_head=4, vocab_size=512)
     torch.manual_seed(0)
@@ -134,6 +149,8 @@ def test_parameter_count_and_flops():
     assert model.flops_per_token(64) == 6 * n + 12 * config.n_layer * config.d_model * 64
     rotary = GPT(dataclasses.replace(config, positions="rotary"))
     assert rotary.flops_per_token(64) == 6 * rotary.num_params() + 12 * config.n_layer * config.d_model * 64
+    windowed = GPT(dataclasses.replace(config, positions="rotary", attn_window=15))
+    assert windowed.flops_per_token(64) == 6 * rotary.num_params() + 12 * config.n_layer * config.d_model * 16
 
 
 def test_bad_configs_and_inputs_name_the_problem():
@@ -141,6 +158,8 @@ def test_bad_configs_and_inputs_name_the_problem():
         GPTConfig(d_model=100, n_head=12)
     with pytest.raises(ValueError, match="n_kv_heads"):
         GPTConfig(n_head=12, n_kv_heads=5)
+    with pytest.raises(ValueError, match="attn_window must be at least 0"):
+        GPTConfig(attn_window=-1)
     with pytest.raises(ValueError, match="norm must be one of"):
         GPTConfig(norm="batchnorm")
     with pytest.raises(ValueError, match="unknown preset 'gpt5'"):
