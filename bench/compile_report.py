@@ -195,10 +195,12 @@ ATTENTION_MASKS = {
 }
 
 
-def attention_pass_config(name: str, cfg, head_dim: int, dtype: torch.dtype, mask: str, tma: bool):
+def attention_pass_config(
+    name: str, cfg, head_dim: int, dtype: torch.dtype, mask: str, tma: bool, packed: bool = False
+):
     """The KernelConfig of attention pass ``name`` (a key of ATTENTION_PASSES) run with the
     kernels.attention.AttnConfig ``cfg`` at ``head_dim``, mask a key of ATTENTION_MASKS, pointer or
-    TMA loads."""
+    TMA loads, on a padded batch or a packed one (flash_attention_varlen: pointers, a program per tile)."""
     from kernels import attention
 
     kernel, _, by_query, by_key = ATTENTION_PASSES[name]
@@ -206,19 +208,22 @@ def attention_pass_config(name: str, cfg, head_dim: int, dtype: torch.dtype, mas
     ty = TRITON_TYPES[dtype]
     pointers = dict.fromkeys(("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"), ty)
     pointers.update(dict.fromkeys(("LSE", "DLSE", "DELTA"), "fp32"))
+    pointers.update(dict.fromkeys(("CU_SEQLENS_Q", "CU_SEQLENS_K"), "i32" if packed else "fp32"))
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                  **ATTENTION_MASKS[mask], "TMA": tma}  # fmt: skip
+                  **ATTENTION_MASKS[mask], "TMA": tma, "VARLEN": packed}  # fmt: skip
+    if packed:
+        constexprs["stride_lse_b"] = 1  # a packed lse (heads, total_q) is addressed by first row
+    persistent = cfg.programs_per_sm > 0 and not packed
     if name == "attn_fwd":
-        constexprs["PERSISTENT"] = cfg.programs_per_sm > 0
+        constexprs["PERSISTENT"] = persistent
     if name == "attn_bwd_dkdv":
         constexprs["BLOCK_D_OUT"] = block_d // cfg.column_splits
     descriptors = {}
     if tma:
         descriptors = {a: (1, cfg.block_m, 1, block_d) for a in by_query}
         descriptors |= {a: (1, cfg.block_n, 1, block_d) for a in by_key}
-    modes = [
-        mode for mode, on in ((mask, mask != "full"), ("tma", tma), ("persistent", cfg.programs_per_sm)) if on
-    ]
+    flags = ((mask, mask != "full"), ("tma", tma), ("persistent", persistent), ("varlen", packed))
+    modes = [mode for mode, on in flags if on]
     shape_class = " ".join([f"d={head_dim}", *modes])
     fn = f"kernels.attention.{kernel}"
     options = (cfg.num_warps, cfg.num_stages)
@@ -228,26 +233,33 @@ def attention_pass_config(name: str, cfg, head_dim: int, dtype: torch.dtype, mas
 def attention_configs() -> list[KernelConfig]:
     """Every table entry of kernels.attention, for a power-of-two head dim and a padded one (3/4 of
     the block), both dtypes and every mask, with pointer loads (always selectable: USE_TMA
-    off, unaligned inputs) and, where the entry allows, TMA loads; and the backward's preprocess."""
+    off, unaligned inputs), where the entry allows TMA loads, and on a packed batch; and the
+    backward's preprocess, padded and packed."""
     from kernels import attention
 
     configs = []
     for dtype in (torch.float16, torch.bfloat16):
         ty = TRITON_TYPES[dtype]
-        pointers = {"OUT": ty, "DO": ty, "DLSE": "fp32", "DELTA": "fp32"}
         for block_d, head_dim in [(b, d) for b in sorted(attention.FWD_CONFIGS) for d in {b, b * 3 // 4}]:
-            constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": attention.PREPROCESS_BLOCK_M,
-                          "HAS_DLSE": True}  # fmt: skip
-            fn = "kernels.attention._attn_bwd_preprocess_kernel"
-            configs.append(
-                KernelConfig("attn_bwd_preprocess", f"d={head_dim}", dtype, fn, pointers, constexprs)
-            )
+            for packed in (False, True):
+                pointers = {"OUT": ty, "DO": ty, "DLSE": "fp32", "DELTA": "fp32"}
+                pointers["CU_SEQLENS_Q"] = "i32" if packed else "fp32"
+                constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "HAS_DLSE": True, "VARLEN": packed,
+                              "BLOCK_M": attention.PREPROCESS_BLOCK_M}  # fmt: skip
+                if packed:
+                    constexprs["stride_lse_b"] = 1
+                fn = "kernels.attention._attn_bwd_preprocess_kernel"
+                shape_class = f"d={head_dim}" + (" varlen" if packed else "")
+                configs.append(
+                    KernelConfig("attn_bwd_preprocess", shape_class, dtype, fn, pointers, constexprs)
+                )
             for (name, (_, table, _, _)), mask in itertools.product(
                 ATTENTION_PASSES.items(), ATTENTION_MASKS
             ):
                 cfg = getattr(attention, table)[block_d]
                 for tma in (False, True) if cfg.tma else (False,):
                     configs.append(attention_pass_config(name, cfg, head_dim, dtype, mask, tma))
+                configs.append(attention_pass_config(name, cfg, head_dim, dtype, mask, False, packed=True))
     return configs
 
 

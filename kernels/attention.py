@@ -15,6 +15,11 @@ limits query i to keys i + seqlen_k - seqlen_q - left .. i + seqlen_k - seqlen_q
 a side unbounded; causal is the window's right side at 0. Windowed passes visit only the key (or
 query) blocks inside the window.
 
+Packed batches (:func:`flash_attention_varlen`, flash-attn's varlen layout): q (total_q, heads,
+head_dim) and k, v (total_k, kv_heads, head_dim) hold the sequences one after another, sequence b in
+rows cu_seqlens[b]:cu_seqlens[b + 1]; the same kernels address a sequence by its first row instead
+of its batch index, the grid covers the longest sequence and tiles past a shorter one return at once.
+
 Backward: a preprocess (delta = rowsum(dO·O) - dlse), a pass per key block that accumulates dk and
 dv over every query block and every query head of its group, and a pass per query block for dq.
 Every gradient element is written by exactly one program in a fixed order: no atomics, so the
@@ -124,11 +129,23 @@ def _visible(
 
 
 @triton.jit
+def _sequence(CU_SEQLENS, b, seqlen, VARLEN: tl.constexpr):
+    """(seq, seqlen) of batch entry b. seq addresses its tiles: the batch index, or with VARLEN its
+    first row in the packed tensor (cu_seqlens[b]; the launcher passes the row stride as the batch
+    stride), seqlen then cu_seqlens[b + 1] - cu_seqlens[b]."""
+    seq = b
+    if VARLEN:
+        seq = tl.load(CU_SEQLENS + b)
+        seqlen = tl.load(CU_SEQLENS + b + 1) - seq
+    return seq, seqlen
+
+
+@triton.jit
 def _load_tile(
     X, b, h, start, col, strides, seqlen, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_C: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """(BLOCK_S, BLOCK_C) tile of one (batch b, head h): rows [start, + BLOCK_S) and head-dim
+    """(BLOCK_S, BLOCK_C) tile of one (sequence b, head h): rows [start, + BLOCK_S) and head-dim
     columns [col, + BLOCK_C), zero past seqlen and HEAD_DIM. With TMA, X is a descriptor of the
     whole (batch, seqlen, heads, head_dim) tensor, whose loads fill out-of-bounds elements with
     zeros; otherwise X is the tensor's pointer and strides its (batch, seqlen, heads) strides, and
@@ -168,11 +185,11 @@ def _store_tile(
 
 @triton.jit
 def _attn_fwd_block(
-    acc, l_i, m_i, q, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k, window_left,
-    window_right, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    acc, l_i, m_i, q, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
+    window_left, window_right, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    k = _load_tile(K, b, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
+    k = _load_tile(K, k_seq, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
     qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
     if MASK:
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -186,17 +203,17 @@ def _attn_fwd_block(
     p = tl.math.exp2(qk - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = _load_tile(V, b, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
+    v = _load_tile(V, k_seq, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new
 
 
 @triton.jit
 def _attn_fwd_tile(
-    Q, K, V, OUT, LSE, tile, m_blocks, seqlen_q, seqlen_k, window_left, window_right, heads, group_size,
-    q_strides, k_strides, v_strides, o_strides, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr,
-    TMA: tl.constexpr,
+    Q, K, V, OUT, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, tile, m_blocks, seqlen_q, seqlen_k, window_left,
+    window_right, heads, group_size, q_strides, k_strides, v_strides, o_strides, lse_strides, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, LOCAL: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
     """Output and lse of tile ``tile``: BLOCK_M queries of one (batch, head). Tiles go head-major,
     so the programs running together share their head's k and v in L2; causal ones go longest
@@ -209,8 +226,13 @@ def _attn_fwd_tile(
     b = batch_head // heads
     h = batch_head % heads
     kv_h = h // group_size
+    q_seq, seqlen_q = _sequence(CU_SEQLENS_Q, b, seqlen_q, VARLEN)
+    k_seq, seqlen_k = _sequence(CU_SEQLENS_K, b, seqlen_k, VARLEN)
+    if VARLEN:
+        if start_m >= seqlen_q:  # the grid covers the longest sequence
+            return
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = _load_tile(Q, b, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
+    q = _load_tile(Q, q_seq, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -219,7 +241,7 @@ def _attn_fwd_tile(
     )
     for start_n in range(unmasked_start, unmasked_end, BLOCK_N):
         acc, l_i, m_i = _attn_fwd_block(
-            acc, l_i, m_i, q, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
+            acc, l_i, m_i, q, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
             window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, LOCAL, TMA,
         )  # fmt: skip
     if LOCAL:
@@ -227,20 +249,26 @@ def _attn_fwd_tile(
         for i in range(0, masked_blocks):
             start_n = _masked_key_block(i, start, before, unmasked_end, BLOCK_N)
             acc, l_i, m_i = _attn_fwd_block(
-                acc, l_i, m_i, q, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
-                window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, LOCAL, TMA,
+                acc, l_i, m_i, q, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
+                seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
+                LOCAL, TMA,
             )  # fmt: skip
     else:
         for start_n in range(unmasked_end, end, BLOCK_N):
             acc, l_i, m_i = _attn_fwd_block(
-                acc, l_i, m_i, q, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
-                window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, LOCAL, TMA,
+                acc, l_i, m_i, q, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
+                seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
+                LOCAL, TMA,
             )  # fmt: skip
     # A query that sees no key: l = 0, so the output is 0 and lse = log 0 = -inf.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-    _store_tile(OUT, out, b, h, start_m, 0, o_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
-    tl.store(LSE + batch_head.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    _store_tile(OUT, out, q_seq, h, start_m, 0, o_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+    if VARLEN:
+        lse_row = q_seq.to(tl.int64) * lse_strides[0] + h.to(tl.int64) * lse_strides[1]
+    else:  # the same offset, in fewer registers: the strided sum spilled at head dim 128 on triton 3.9
+        lse_row = batch_head.to(tl.int64) * seqlen_q
+    tl.store(LSE + lse_row + offs_m, lse, mask=offs_m < seqlen_q)
 
 
 @triton.jit
@@ -250,6 +278,8 @@ def _attn_fwd_kernel(
     V,  # (batch, seqlen_k, kv_heads, head_dim)
     OUT,  # (batch, seqlen_q, heads, head_dim); Q, K, V, OUT are TMA descriptors with TMA
     LSE,  # (batch, heads, seqlen_q) float32, natural log
+    CU_SEQLENS_Q,  # with VARLEN: (batch + 1,) int32, the sequences' first rows in packed Q, OUT, LSE
+    CU_SEQLENS_K,  # with VARLEN: the same in packed K, V
     softmax_scale,
     seqlen_q,
     seqlen_k,
@@ -270,6 +300,8 @@ def _attn_fwd_kernel(
     stride_ob,
     stride_os,
     stride_oh,
+    stride_lse_b,
+    stride_lse_h,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -278,6 +310,7 @@ def _attn_fwd_kernel(
     LOCAL: tl.constexpr,
     TMA: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): a program per tile; or with PERSISTENT
     # (programs,), program p taking tiles p, p + programs, ... The loop is a constexpr choice: it
@@ -289,19 +322,21 @@ def _attn_fwd_kernel(
     k_strides = (stride_kb, stride_ks, stride_kh)
     v_strides = (stride_vb, stride_vs, stride_vh)
     o_strides = (stride_ob, stride_os, stride_oh)
+    lse_strides = (stride_lse_b, stride_lse_h)
     qk_scale = softmax_scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
     if PERSISTENT:
+        tl.static_assert(not VARLEN, "a packed batch's tiles return early")
         for tile in range(tl.program_id(0), m_blocks * batch * heads, tl.num_programs(0)):
             _attn_fwd_tile(
-                Q, K, V, OUT, LSE, tile, m_blocks, seqlen_q, seqlen_k, window_left, window_right, heads,
-                group_size, q_strides, k_strides, v_strides, o_strides, qk_scale, HEAD_DIM, BLOCK_D,
-                BLOCK_M, BLOCK_N, CAUSAL, LOCAL, TMA,
+                Q, K, V, OUT, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, tile, m_blocks, seqlen_q, seqlen_k,
+                window_left, window_right, heads, group_size, q_strides, k_strides, v_strides, o_strides,
+                lse_strides, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, LOCAL, TMA, VARLEN,
             )  # fmt: skip
     else:
         _attn_fwd_tile(
-            Q, K, V, OUT, LSE, tl.program_id(0), m_blocks, seqlen_q, seqlen_k, window_left, window_right,
-            heads, group_size, q_strides, k_strides, v_strides, o_strides, qk_scale, HEAD_DIM, BLOCK_D,
-            BLOCK_M, BLOCK_N, CAUSAL, LOCAL, TMA,
+            Q, K, V, OUT, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, tl.program_id(0), m_blocks, seqlen_q, seqlen_k,
+            window_left, window_right, heads, group_size, q_strides, k_strides, v_strides, o_strides,
+            lse_strides, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, LOCAL, TMA, VARLEN,
         )  # fmt: skip
 
 
@@ -310,7 +345,8 @@ def _attn_bwd_preprocess_kernel(
     OUT,  # (batch, seqlen_q, heads, head_dim)
     DO,  # (batch, seqlen_q, heads, head_dim)
     DLSE,  # (batch, heads, seqlen_q) float32; read when HAS_DLSE
-    DELTA,  # (batch, heads, seqlen_q) float32: rowsum(dO * O) - dlse
+    DELTA,  # (batch, heads, seqlen_q) float32: rowsum(dO * O) - dlse; DLSE and DELTA laid out as LSE
+    CU_SEQLENS_Q,  # as in _attn_fwd_kernel
     seqlen_q,
     heads,
     stride_ob,
@@ -319,23 +355,27 @@ def _attn_bwd_preprocess_kernel(
     stride_dob,
     stride_dos,
     stride_doh,
+    stride_lse_b,
+    stride_lse_h,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     HAS_DLSE: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     # grid = (cdiv(seqlen_q, BLOCK_M), batch * heads)
     batch_head = tl.program_id(1)
     b = batch_head // heads
     h = batch_head % heads
+    q_seq, seqlen_q = _sequence(CU_SEQLENS_Q, b, seqlen_q, VARLEN)
     start_m = tl.program_id(0) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     o_strides = (stride_ob, stride_os, stride_oh)
     do_strides = (stride_dob, stride_dos, stride_doh)
-    o = _load_tile(OUT, b, h, start_m, 0, o_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, False)
-    do = _load_tile(DO, b, h, start_m, 0, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, False)
+    o = _load_tile(OUT, q_seq, h, start_m, 0, o_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, False)
+    do = _load_tile(DO, q_seq, h, start_m, 0, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    row = batch_head.to(tl.int64) * seqlen_q + offs_m
+    row = q_seq.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + offs_m
     if HAS_DLSE:
         # d lse_i / d s_ij = p_ij, which folds into ds = p * (dp - delta) as a shift of delta.
         delta -= tl.load(DLSE + row, mask=offs_m < seqlen_q, other=0.0)
@@ -353,21 +393,22 @@ def _load_row_stats(LSE, DELTA, offs_m, seqlen_q):
 
 @triton.jit
 def _attn_bwd_dkdv_block(
-    dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, start_m, col, q_strides, do_strides, seqlen_q, seqlen_k,
-    window_left, window_right, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_D_OUT: tl.constexpr, MASK: tl.constexpr, LOCAL: tl.constexpr, TMA: tl.constexpr,
+    dk, dv, k, v, Q, DO, LSE, DELTA, q_seq, h, offs_n, start_m, col, q_strides, do_strides, seqlen_q,
+    seqlen_k, window_left, window_right, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_D_OUT: tl.constexpr, MASK: tl.constexpr, LOCAL: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     # Works on the transposed scores (keys x queries) so dk and dv accumulate in (BLOCK_N, head-dim
     # columns [col, + BLOCK_D_OUT)): all of them, or a slice, q and dO then read twice.
-    q = _load_tile(Q, b, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
-    do = _load_tile(DO, b, h, start_m, 0, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
+    q = _load_tile(Q, q_seq, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
+    do = _load_tile(DO, q_seq, h, start_m, 0, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
     if BLOCK_D_OUT < BLOCK_D:
         tl.static_assert(not TMA, "a descriptor loads whole rows of the head dim")
         q_out = _load_tile(
-            Q, b, h, start_m, col, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D_OUT, True, TMA
+            Q, q_seq, h, start_m, col, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D_OUT, True, TMA
         )
         do_out = _load_tile(
-            DO, b, h, start_m, col, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D_OUT, True, TMA
+            DO, q_seq, h, start_m, col, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D_OUT, True, TMA
         )
     else:
         q_out = q
@@ -397,6 +438,8 @@ def _attn_bwd_dkdv_kernel(
     DELTA,  # (batch, heads, seqlen_q) float32
     DK,
     DV,  # like K, V; Q, K, V, DO, DK, DV are TMA descriptors with TMA
+    CU_SEQLENS_Q,
+    CU_SEQLENS_K,  # as in _attn_fwd_kernel
     softmax_scale,
     seqlen_q,
     seqlen_k,
@@ -423,6 +466,8 @@ def _attn_bwd_dkdv_kernel(
     stride_dvb,
     stride_dvs,
     stride_dvh,
+    stride_lse_b,
+    stride_lse_h,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_D_OUT: tl.constexpr,
@@ -431,6 +476,7 @@ def _attn_bwd_dkdv_kernel(
     CAUSAL: tl.constexpr,
     LOCAL: tl.constexpr,
     TMA: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     # grid = (cdiv(seqlen_k, BLOCK_N), batch * kv_heads, BLOCK_D // BLOCK_D_OUT): one key block, all
     # query heads of its group, dk and dv columns [program_id(2) * BLOCK_D_OUT, + BLOCK_D_OUT).
@@ -438,12 +484,16 @@ def _attn_bwd_dkdv_kernel(
     batch_kv_head = tl.program_id(1)
     b = batch_kv_head // kv_heads
     kv_h = batch_kv_head % kv_heads
+    q_seq, seqlen_q = _sequence(CU_SEQLENS_Q, b, seqlen_q, VARLEN)
+    k_seq, seqlen_k = _sequence(CU_SEQLENS_K, b, seqlen_k, VARLEN)
+    if VARLEN and start_n >= seqlen_k:  # the grid covers the longest sequence
+        return
     col = tl.program_id(2) * BLOCK_D_OUT
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k_strides = (stride_kb, stride_ks, stride_kh)
     v_strides = (stride_vb, stride_vs, stride_vh)
-    k = _load_tile(K, b, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, TMA)
-    v = _load_tile(V, b, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, TMA)
+    k = _load_tile(K, k_seq, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, TMA)
+    v = _load_tile(V, k_seq, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     qk_scale = softmax_scale * 1.4426950408889634
@@ -460,10 +510,10 @@ def _attn_bwd_dkdv_kernel(
         lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
     for g in range(group_size):
         h = kv_h * group_size + g
-        row0 = (b.to(tl.int64) * heads + h) * seqlen_q
+        row0 = q_seq.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h
         for start_m in range(lo, hi, BLOCK_M):
             dk, dv = _attn_bwd_dkdv_block(
-                dk, dv, k, v, Q, DO, LSE + row0, DELTA + row0, b, h, offs_n, start_m, col,
+                dk, dv, k, v, Q, DO, LSE + row0, DELTA + row0, q_seq, h, offs_n, start_m, col,
                 (stride_qb, stride_qs, stride_qh), (stride_dob, stride_dos, stride_doh), seqlen_q, seqlen_k,
                 window_left, window_right, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D_OUT, CAUSAL or LOCAL,
                 LOCAL, TMA,
@@ -471,18 +521,18 @@ def _attn_bwd_dkdv_kernel(
     dk *= softmax_scale
     dk_strides = (stride_dkb, stride_dks, stride_dkh)
     dv_strides = (stride_dvb, stride_dvs, stride_dvh)
-    _store_tile(DK, dk, b, kv_h, start_n, col, dk_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA)
-    _store_tile(DV, dv, b, kv_h, start_n, col, dv_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA)
+    _store_tile(DK, dk, k_seq, kv_h, start_n, col, dk_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA)
+    _store_tile(DV, dv, k_seq, kv_h, start_n, col, dv_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA)
 
 
 @triton.jit
 def _attn_bwd_dq_block(
-    dq, q, do, lse, delta, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
+    dq, q, do, lse, delta, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
     window_left, window_right, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    k = _load_tile(K, b, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
-    v = _load_tile(V, b, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
+    k = _load_tile(K, k_seq, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
+    v = _load_tile(V, k_seq, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
     p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
     if MASK:
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -503,6 +553,8 @@ def _attn_bwd_dq_kernel(
     LSE,
     DELTA,  # as in _attn_bwd_dkdv_kernel
     DQ,  # like Q; Q, K, V, DO, DQ are TMA descriptors with TMA
+    CU_SEQLENS_Q,
+    CU_SEQLENS_K,  # as in _attn_fwd_kernel
     softmax_scale,
     seqlen_q,
     seqlen_k,
@@ -525,6 +577,8 @@ def _attn_bwd_dq_kernel(
     stride_dqb,
     stride_dqs,
     stride_dqh,
+    stride_lse_b,
+    stride_lse_h,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -532,6 +586,7 @@ def _attn_bwd_dq_kernel(
     CAUSAL: tl.constexpr,
     LOCAL: tl.constexpr,
     TMA: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     # grid = (cdiv(seqlen_q, BLOCK_M), batch * heads)
     m_block = tl.program_id(0)
@@ -542,14 +597,18 @@ def _attn_bwd_dq_kernel(
     b = batch_head // heads
     h = batch_head % heads
     kv_h = h // group_size
+    q_seq, seqlen_q = _sequence(CU_SEQLENS_Q, b, seqlen_q, VARLEN)
+    k_seq, seqlen_k = _sequence(CU_SEQLENS_K, b, seqlen_k, VARLEN)
+    if VARLEN and start_m >= seqlen_q:  # the grid covers the longest sequence
+        return
     k_strides = (stride_kb, stride_ks, stride_kh)
     v_strides = (stride_vb, stride_vs, stride_vh)
     q_strides = (stride_qb, stride_qs, stride_qh)
     do_strides = (stride_dob, stride_dos, stride_doh)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = _load_tile(Q, b, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
-    do = _load_tile(DO, b, h, start_m, 0, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
-    row0 = batch_head.to(tl.int64) * seqlen_q
+    q = _load_tile(Q, q_seq, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
+    do = _load_tile(DO, q_seq, h, start_m, 0, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
+    row0 = q_seq.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h
     lse, delta = _load_row_stats(LSE + row0, DELTA + row0, offs_m, seqlen_q)
     qk_scale = softmax_scale * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -558,28 +617,29 @@ def _attn_bwd_dq_kernel(
     )
     for start_n in range(unmasked_start, unmasked_end, BLOCK_N):
         dq = _attn_bwd_dq_block(
-            dq, q, do, lse, delta, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
-            window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, LOCAL, TMA,
+            dq, q, do, lse, delta, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
+            seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, LOCAL,
+            TMA,
         )  # fmt: skip
     if LOCAL:
         masked_blocks, before = _local_masked_blocks(start, unmasked_start, unmasked_end, end, BLOCK_N)
         for i in range(0, masked_blocks):
             start_n = _masked_key_block(i, start, before, unmasked_end, BLOCK_N)
             dq = _attn_bwd_dq_block(
-                dq, q, do, lse, delta, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
+                dq, q, do, lse, delta, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
                 seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
                 LOCAL, TMA,
             )  # fmt: skip
     else:
         for start_n in range(unmasked_end, end, BLOCK_N):
             dq = _attn_bwd_dq_block(
-                dq, q, do, lse, delta, K, V, b, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
+                dq, q, do, lse, delta, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
                 seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
                 LOCAL, TMA,
             )  # fmt: skip
     dq *= softmax_scale
     dq_strides = (stride_dqb, stride_dqs, stride_dqh)
-    _store_tile(DQ, dq, b, h, start_m, 0, dq_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+    _store_tile(DQ, dq, q_seq, h, start_m, 0, dq_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -602,10 +662,12 @@ class AttnConfig:
 
 
 # Per pass and padded head dim. Every entry compiles for sm_90 with HGMMA and no spills in both
-# dtypes and both causal modes, with pointer loads and, where tma is set, with TMA loads (python -m
-# bench.compile_report --filter attn). TMA took fewer registers in most entries (221 against 255
-# in the head-dim-128 forward) and less shared memory (197 against 229 KB there); which is faster
-# is for the bench to measure ("ours" against "ours-pointer").
+# dtypes and every mask (full, causal, local), with pointer loads, where tma is set with TMA loads,
+# and on packed batches (python -m bench.compile_report --filter attn), on triton 3.6 and 3.9 but
+# for one: the packed head-dim-128 forward spills 16 bytes on 3.9 (none on 3.6). TMA took fewer
+# registers in most entries (221 against 255 in the head-dim-128 forward) and less shared memory
+# (197 against 229 KB there); which is faster is for the bench to measure ("ours" against
+# "ours-pointer").
 FWD_CONFIGS = {
     16: AttnConfig(128, 64, 4, 3),
     32: AttnConfig(128, 64, 4, 3),
@@ -650,14 +712,25 @@ def attn_config(table: dict, head_dim: int) -> AttnConfig:
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    # (batch, seqlen, heads); the head_dim stride is 1, checked by the public function.
+    """(batch, seqlen, heads) strides; the head_dim stride is 1, checked by the public function. A
+    packed (total, heads, head_dim) tensor gives its row stride as the batch stride too: its kernels
+    address a sequence by its first row (see _sequence)."""
+    if t.dim() == 3:
+        return t.stride(0), t.stride(0), t.stride(1)
     return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _lse_strides(lse: torch.Tensor) -> tuple[int, int]:
+    """(batch, heads) strides of lse (batch, heads, seqlen_q), or of a packed batch's (heads, total_q)
+    by its first row: 1."""
+    return (1, lse.stride(0)) if lse.dim() == 2 else (lse.stride(0), lse.stride(1))
 
 
 def tma_usable(cfg: AttnConfig, *tensors: torch.Tensor) -> bool:
     """Whether a pass with cfg moves its tiles by TMA: ``USE_TMA`` and the table entry allow it and
-    :func:`runtime.tma_compatible` holds (odd head dims and unaligned views take the pointer path)."""
-    return USE_TMA and cfg.tma and runtime.tma_compatible(*tensors)
+    :func:`runtime.tma_compatible` holds (odd head dims and unaligned views take the pointer path).
+    Packed sequences never do: a tile's store would spill into the next sequence's rows."""
+    return USE_TMA and cfg.tma and tensors[0].dim() == 4 and runtime.tma_compatible(*tensors)
 
 
 def _operand(t: torch.Tensor, block_s: int, block_d: int, tma: bool):
@@ -674,6 +747,32 @@ def _mask(causal: bool, window: tuple[int, int], seqlen_q: int, seqlen_k: int) -
     return left, right, {"CAUSAL": causal and not local, "LOCAL": local}
 
 
+@dataclass(frozen=True)
+class Packed:
+    """A packed (variable-length) batch: sequence b's queries are rows cu_seqlens_q[b] to
+    cu_seqlens_q[b + 1] of q, its keys the same rows of cu_seqlens_k in k and v; no sequence is
+    longer than max_seqlen_q queries or max_seqlen_k keys."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def _shape(q: torch.Tensor, k: torch.Tensor, packed: Packed | None) -> tuple[int, int, int, int, int, int]:
+    """(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim); a packed batch's seqlens are its maxima."""
+    if packed is None:
+        batch, seqlen_q, heads, head_dim = q.shape
+        return batch, seqlen_q, k.shape[1], heads, k.shape[2], head_dim
+    batch = packed.cu_seqlens_q.numel() - 1
+    return batch, packed.max_seqlen_q, packed.max_seqlen_k, q.shape[1], k.shape[1], q.shape[2]
+
+
+def _sequence_args(packed: Packed | None, dummy: torch.Tensor) -> dict:
+    cu_q, cu_k = (dummy, dummy) if packed is None else (packed.cu_seqlens_q, packed.cu_seqlens_k)
+    return {"CU_SEQLENS_Q": cu_q, "CU_SEQLENS_K": cu_k}
+
+
 def attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -681,30 +780,51 @@ def attention_fwd(
     causal: bool,
     softmax_scale: float,
     window: tuple[int, int] = (-1, -1),
+    packed: Packed | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward on validated inputs and a window normalized by :func:`normalize_mask`; returns out
-    (batch, seqlen_q, heads, head_dim) and lse (batch, heads, seqlen_q) float32."""
-    batch, seqlen_q, heads, head_dim = q.shape
-    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    like q and lse float32: (batch, heads, seqlen_q), or (heads, total_q) for a packed batch."""
+    batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim = _shape(q, k, packed)
     window_left, window_right, mask = _mask(causal, window, seqlen_q, seqlen_k)
     out = runtime.empty(q.shape, q.dtype, q.device)
-    lse = runtime.empty((batch, heads, seqlen_q), torch.float32, q.device)
+    lse_shape = (batch, heads, seqlen_q) if packed is None else (heads, q.shape[0])
+    lse = runtime.empty(lse_shape, torch.float32, q.device)
     cfg = attn_config(FWD_CONFIGS, head_dim)
     block_d = head_dim_block(head_dim)
     tma = tma_usable(cfg, q, k, v, out)
     q_tiles, out_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, out))
     k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (k, v))
     tiles = triton.cdiv(seqlen_q, cfg.block_m) * batch * heads
-    persistent = cfg.programs_per_sm > 0
+    persistent = cfg.programs_per_sm > 0 and packed is None
     programs = min(tiles, cfg.programs_per_sm * runtime.num_sms(q.device)) if persistent else tiles
+    if programs == 0:  # a packed batch of empty sequences
+        return out, lse
     with runtime.device_guard(q):
         _attn_fwd_kernel[(programs,)](
-            q_tiles, k_tiles, v_tiles, out_tiles, lse, softmax_scale, seqlen_q, seqlen_k, window_left,
-            window_right, batch, heads, heads // kv_heads, *_strides(q), *_strides(k), *_strides(v),
-            *_strides(out), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            **mask, TMA=tma, PERSISTENT=persistent, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            q_tiles, k_tiles, v_tiles, out_tiles, lse, **_sequence_args(packed, lse),
+            softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=window_left,
+            window_right=window_right,
+            batch=batch, heads=heads, group_size=heads // kv_heads,
+            **_stride_args(q=q, k=k, v=v, o=out), **_lse_stride_args(lse),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
+            PERSISTENT=persistent, VARLEN=packed is not None, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )  # fmt: skip
     return out, lse
+
+
+def _stride_args(**tensors: torch.Tensor) -> dict:
+    """stride_{name}b, stride_{name}s, stride_{name}h of each named tensor, as the kernels take them."""
+    return {
+        f"stride_{name}{dim}": stride
+        for name, t in tensors.items()
+        for dim, stride in zip("bsh", _strides(t), strict=True)
+    }
+
+
+def _lse_stride_args(lse: torch.Tensor) -> dict:
+    stride_b, stride_h = _lse_strides(lse)
+    return {"stride_lse_b": stride_b, "stride_lse_h": stride_h}
 
 
 def attention_bwd(
@@ -718,26 +838,30 @@ def attention_bwd(
     causal: bool,
     softmax_scale: float,
     window: tuple[int, int] = (-1, -1),
+    packed: Packed | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`attention_fwd`; dlse is the gradient of lse, or None. Returns dq, dk, dv."""
-    batch, seqlen_q, heads, head_dim = q.shape
-    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim = _shape(q, k, packed)
     window_left, window_right, mask = _mask(causal, window, seqlen_q, seqlen_k)
     if dout.stride(-1) != 1:  # gradients can arrive expanded (stride 0) or transposed
         dout = dout.contiguous()
     if dlse is not None:
         dlse = dlse.contiguous()
     block_d = head_dim_block(head_dim)
-    delta = runtime.empty((batch, heads, seqlen_q), torch.float32, q.device)
+    delta = runtime.empty(lse.shape, torch.float32, q.device)
     dq = runtime.empty(q.shape, q.dtype, q.device)
     dk = runtime.empty(k.shape, k.dtype, k.device)
     dv = runtime.empty(v.shape, v.dtype, v.device)
+    if q.shape[0] == 0 or k.shape[0] == 0:  # a packed batch without queries or without keys
+        return dq.zero_(), dk.zero_(), dv.zero_()
     group_size = heads // kv_heads
-    dims = {"HEAD_DIM": head_dim, "BLOCK_D": block_d}
+    dims = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "VARLEN": packed is not None}
+    sequences = _sequence_args(packed, delta)
+    windowed = {"window_left": window_left, "window_right": window_right}
     with runtime.device_guard(q):
         _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * heads)](
-            out, dout, dlse if dlse is not None else delta, delta, seqlen_q, heads,
-            *_strides(out), *_strides(dout),
+            out, dout, dlse if dlse is not None else delta, delta, sequences["CU_SEQLENS_Q"], seqlen_q, heads,
+            **_stride_args(o=out, do=dout), **_lse_stride_args(lse),
             **dims, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=dlse is not None,
         )  # fmt: skip
         cfg = attn_config(BWD_DKDV_CONFIGS, head_dim)
@@ -748,9 +872,10 @@ def attention_bwd(
         )
         grid = (triton.cdiv(seqlen_k, cfg.block_n), batch * kv_heads, cfg.column_splits)
         _attn_bwd_dkdv_kernel[grid](
-            q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dk_tiles, dv_tiles, softmax_scale, seqlen_q,
-            seqlen_k, window_left, window_right, heads, kv_heads, group_size,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
+            q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dk_tiles, dv_tiles, **sequences,
+            softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
+            kv_heads=kv_heads, group_size=group_size,
+            **_stride_args(q=q, k=k, v=v, do=dout, dk=dk, dv=dv), **_lse_stride_args(lse),
             **dims, BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             **mask, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
@@ -759,9 +884,10 @@ def attention_bwd(
         q_tiles, do_tiles, dq_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout, dq))
         k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (k, v))
         _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * heads)](
-            q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dq_tiles, softmax_scale, seqlen_q, seqlen_k,
-            window_left, window_right, heads, group_size,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+            q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dq_tiles, **sequences,
+            softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
+            group_size=group_size,
+            **_stride_args(q=q, k=k, v=v, do=dout, dq=dq), **_lse_stride_args(lse),
             **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
@@ -773,6 +899,10 @@ def attention_bwd(
 # ----------------------------------------------------------------------------------------------
 
 
+def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Packed | None:
+    return None if cu_seqlens_q is None else Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
 @torch.library.custom_op("horse::flash_attn_fwd", mutates_args=())
 def _attn_fwd_op(
     q: torch.Tensor,
@@ -782,14 +912,21 @@ def _attn_fwd_op(
     softmax_scale: float,
     window_left: int,
     window_right: int,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return attention_fwd(q, k, v, causal, softmax_scale, (window_left, window_right))
+    packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return attention_fwd(q, k, v, causal, softmax_scale, (window_left, window_right), packed)
 
 
 @_attn_fwd_op.register_fake
-def _(q, k, v, causal, softmax_scale, window_left, window_right):
-    batch, seqlen_q, heads, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+def _(q, k, v, causal, softmax_scale, window_left, window_right, cu_seqlens_q, *_):
+    if cu_seqlens_q is None:
+        batch, seqlen_q, heads, _ = q.shape
+        return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("horse::flash_attn_bwd", mutates_args=())
@@ -805,27 +942,34 @@ def _attn_bwd_op(
     softmax_scale: float,
     window_left: int,
     window_right: int,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = (window_left, window_right)
-    return attention_bwd(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window)
+    packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return attention_bwd(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window, packed)
 
 
 @_attn_bwd_op.register_fake
-def _(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window_left, window_right):
+def _(dout, dlse, q, k, v, *_):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *ctx.mask_args = inputs  # causal, softmax_scale, window_left, window_right
+    q, k, v, causal, softmax_scale, window_left, window_right, cu_q, cu_k, max_q, max_k = inputs
     out, lse = output
     # O(seqlen) tensors only: the scores are recomputed in the backward, never saved.
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.mask_args = (causal, softmax_scale, window_left, window_right)
+    ctx.max_seqlens = (max_q, max_k)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _attn_bwd_op(dout, dlse, q, k, v, out, lse, *ctx.mask_args)
-    return dq, dk, dv, None, None, None, None
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = _attn_bwd_op(dout, dlse, q, k, v, out, lse, *ctx.mask_args, cu_q, cu_k, *ctx.max_seqlens)
+    return dq, dk, dv, *[None] * 8
 
 
 _attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -836,15 +980,13 @@ _attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------------------------
 
 
-def _validate(q, k, v) -> None:
-    fn = "flash_attention"
+def _validate(q, k, v, fn: str, packed: bool) -> None:
+    layout = "(total_tokens, heads, head_dim)" if packed else "(batch, seqlen, heads, head_dim)"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"{fn}: {name} must be (batch, seqlen, heads, head_dim), got shape {list(t.shape)}"
-            )
+        if t.dim() != (3 if packed else 4):
+            raise ValueError(f"{fn}: {name} must be {layout}, got shape {list(t.shape)}")
         if t.device != q.device:
             raise ValueError(f"{fn}: {name} is on {t.device} but q is on {q.device}")
         if t.dtype != q.dtype:
@@ -853,25 +995,60 @@ def _validate(q, k, v) -> None:
             raise ValueError(
                 f"{fn}: {name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}"
             )
-    batch, seqlen_q, heads, head_dim = q.shape
+    heads, head_dim = q.shape[-2:]
     if k.shape != v.shape:
         raise ValueError(f"{fn}: k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
-    if k.shape[0] != batch or k.shape[3] != head_dim:
-        raise ValueError(
-            f"{fn}: k and v must match q's batch {batch} and head_dim {head_dim}, got shape {list(k.shape)}"
-        )
+    if k.shape[-1] != head_dim or (not packed and k.shape[0] != q.shape[0]):
+        what = f"head_dim {head_dim}" if packed else f"batch {q.shape[0]} and head_dim {head_dim}"
+        raise ValueError(f"{fn}: k and v must match q's {what}, got shape {list(k.shape)}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"{fn}: head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[-2]
     if kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"{fn}: q's heads ({heads}) must be a multiple of k and v's heads ({kv_heads})")
-    if seqlen_q == 0 or k.shape[1] == 0 or batch == 0:
+    if not packed and (q.shape[1] == 0 or k.shape[1] == 0 or q.shape[0] == 0):
         raise ValueError(
             f"{fn}: batch and sequence lengths must be at least 1, got q {list(q.shape)}, k {list(k.shape)}"
         )
 
 
-def normalize_mask(causal: bool, window_size) -> tuple[bool, tuple[int, int]]:
+def _validate_sequences(q, k, packed: Packed) -> None:
+    """The packed batch's cu_seqlens and maxima. Their values are read only from CPU tensors in
+    eager mode: on a GPU that would wait for the device at every call, and in a torch.compile graph
+    it would break the graph."""
+    fn = "flash_attention_varlen"
+    cu_q, cu_k = packed.cu_seqlens_q, packed.cu_seqlens_k
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+            got = (
+                f"{cu.dtype} of shape {list(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+            )
+            raise ValueError(f"{fn}: {name} must be an int32 tensor of batch + 1 >= 2 offsets, got {got}")
+        if cu.device != q.device:
+            raise ValueError(f"{fn}: {name} is on {cu.device} but q is on {q.device}")
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(
+            f"{fn}: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+            f"{cu_q.numel()} and {cu_k.numel()}"
+        )
+    for name, value in (("max_seqlen_q", packed.max_seqlen_q), ("max_seqlen_k", packed.max_seqlen_k)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{fn}: {name} must be an int >= 0, got {value!r}")
+    if q.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    for name, cu, total, longest in (
+        ("cu_seqlens_q", cu_q, q.shape[0], packed.max_seqlen_q),
+        ("cu_seqlens_k", cu_k, k.shape[0], packed.max_seqlen_k),
+    ):
+        lengths = cu.diff()
+        if cu[0] != 0 or cu[-1] != total or (lengths < 0).any():
+            raise ValueError(f"{fn}: {name} must rise from 0 to {total} (the packed rows), got {cu.tolist()}")
+        if lengths.max() > longest:
+            max_name = name.replace("cu_seqlens", "max_seqlen")
+            raise ValueError(f"{fn}: {max_name} is {longest} but a sequence has {lengths.max().item()} rows")
+
+
+def normalize_mask(causal: bool, window_size, fn: str = "flash_attention") -> tuple[bool, tuple[int, int]]:
     """(causal, window) with the window validated and causal folded into it: causal is the right
     side at 0, a window of (-1, 0) is plain causal, and a returned window other than (-1, -1) is
     never causal (its right side says it)."""
@@ -883,7 +1060,7 @@ def normalize_mask(causal: bool, window_size) -> tuple[bool, tuple[int, int]]:
         )
     ):
         raise ValueError(
-            f"flash_attention: window_size must be two ints (left, right), each >= 0 or -1 for "
+            f"{fn}: window_size must be two ints (left, right), each >= 0 or -1 for "
             f"unbounded, got {window_size!r}"
         )
     left, right = window_size
@@ -919,7 +1096,7 @@ def flash_attention(
     lse (batch, heads, seqlen_q) float32 the natural log-sum-exp of each row's scaled scores.
     """
     q, k, v = runtime.autocast(q, k, v)
-    _validate(q, k, v)
+    _validate(q, k, v, "flash_attention", packed=False)
     causal, window = normalize_mask(causal, window_size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if runtime.runs_triton(q):
@@ -927,8 +1104,53 @@ def flash_attention(
             raise TypeError(
                 f"flash_attention: q, k and v must be float16 or bfloat16 on the Triton path, got {q.dtype}"
             )
-        out, lse = _attn_fwd_op(q, k, v, causal, scale, *window)
+        out, lse = _attn_fwd_op(q, k, v, causal, scale, *window, None, None, 0, 0)
     else:
         out, lse = reference.attention(q, k, v, causal, scale, window_size=window)
+        out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`flash_attention` over a packed batch of variable-length sequences, flash-attn's varlen
+    layout: no padding, each sequence attending only within itself.
+
+    q: (total_q, heads, head_dim), k, v: (total_k, kv_heads, head_dim), the sequences one after
+    another: sequence b's queries are rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and its keys rows
+    cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v (int32, batch + 1 offsets rising from 0 to the
+    total; a sequence may be empty). max_seqlen_q and max_seqlen_k bound the lengths: they size the
+    launch without reading the offsets back from the device, so on a GPU the offsets and maxima are
+    trusted, as flash-attn trusts them (on the CPU they are checked). causal, window_size and
+    softmax_scale as in :func:`flash_attention`, per sequence (causal aligned to each one's
+    bottom-right corner). Returns out like q, or (out, lse) with return_lse, lse (heads, total_q).
+    """
+    fn = "flash_attention_varlen"
+    q, k, v = runtime.autocast(q, k, v)
+    _validate(q, k, v, fn, packed=True)
+    packed = Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _validate_sequences(q, k, packed)
+    causal, window = normalize_mask(causal, window_size, fn)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if runtime.runs_triton(q):
+        if q.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{fn}: q, k and v must be float16 or bfloat16 on the Triton path, got {q.dtype}")
+        sequences = (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k)
+        out, lse = _attn_fwd_op(q, k, v, causal, scale, *window, *sequences)
+    else:
+        out, lse = reference.attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_size=window
+        )
         out = out.to(q.dtype)
     return (out, lse) if return_lse else out

@@ -5,6 +5,8 @@ takes the same arguments as its kernel and returns float32 (float64 for float64 
 tests use for the truth); a residual sum comes back in the input's dtype, as the kernels return it.
 """
 
+import itertools
+
 import torch
 
 
@@ -105,6 +107,33 @@ def attention(
     probs = torch.exp(scores - lse) * has_key
     lse = torch.where(has_key, lse, float("-inf")).squeeze(-1)  # (batch, heads, seqlen_q)
     return torch.einsum("bhqk,bkhd->bqhd", probs, v), lse
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    upcast: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+):
+    """:func:`attention` of each sequence of a packed batch: q (total_q, heads, head_dim), k, v
+    (total_k, kv_heads, head_dim), sequence b in rows cu_seqlens[b]:cu_seqlens[b + 1]. Returns out
+    (total_q, heads, head_dim) and lse (heads, total_q)."""
+    outs, lses = [], []
+    bounds = zip(
+        itertools.pairwise(cu_seqlens_q.tolist()), itertools.pairwise(cu_seqlens_k.tolist()), strict=True
+    )
+    for (q0, q1), (k0, k1) in bounds:
+        out, lse = attention(
+            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, softmax_scale, upcast, window_size
+        )
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=-1)
 
 
 def apply_activation(z: torch.Tensor, activation: str) -> torch.Tensor:

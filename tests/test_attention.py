@@ -1,6 +1,8 @@
 """Flash attention (kernels.attention) against the float64 truth, forward and backward."""
 
 import dataclasses
+import functools
+import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -182,6 +184,120 @@ def test_reference_window_matches_sdpa(window):
     torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-5)
 
 
+# Packed batches (flash_attention_varlen), as (query lengths, key lengths, heads, kv_heads, head_dim):
+# lengths 1 and ragged, unequal query and key lengths, empty sequences, a batch without keys and
+# one without queries, GQA and a padded head dim.
+VARLEN_CASES = [
+    ([5, 129, 1, 40], [5, 129, 1, 40], 4, 2, 64),
+    ([3, 17, 0, 50], [40, 20, 7, 0], 2, 2, 80),
+    ([33, 70], [33, 70], 2, 1, 32),
+    ([3, 2], [0, 0], 2, 2, 32),
+    ([0, 0], [4, 5], 2, 2, 32),
+]
+
+
+def make_packed(lengths_q, lengths_k, heads, kv_heads, head_dim, dtype, device):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def randn(rows, heads):
+        t = torch.randn(rows, heads, head_dim, generator=gen)
+        return t.to(device=device, dtype=dtype).requires_grad_()
+
+    def offsets(lengths):
+        return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+    q, k, v = randn(sum(lengths_q), heads), randn(sum(lengths_k), kv_heads), randn(sum(lengths_k), kv_heads)
+    return q, k, v, offsets(lengths_q), offsets(lengths_k)
+
+
+def check_varlen(case, causal: bool, window, dtype, device):
+    lengths_q, lengths_k, *heads_dim = case
+    q, k, v, cu_q, cu_k = make_packed(lengths_q, lengths_k, *heads_dim, dtype, device)
+    out, lse = kernels.flash_attention_varlen(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max(lengths_q),
+        max(lengths_k),
+        causal=causal,
+        return_lse=True,
+        window_size=window,
+    )
+    dout = torch.randn_like(out)
+    ours = dict(
+        zip(("out", "dq", "dk", "dv"), (out, *torch.autograd.grad(out, (q, k, v), dout)), strict=True)
+    )
+    results = []
+    for upcast in (True, False):
+        leaves = [(t.detach().double() if upcast else t.detach().clone()).requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = reference.attention_varlen(
+            *leaves, cu_q, cu_k, causal, upcast=upcast, window_size=window
+        )
+        grads = torch.autograd.grad(ref_out, leaves, dout.to(ref_out.dtype), allow_unused=True)
+        grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads, strict=True)]
+        results.append({"out": ref_out, "lse": ref_lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
+    truth, baseline = results
+    for name, value in ours.items():
+        assert torch.isfinite(value).all(), f"{name} has non-finite values"
+        assert_close(name, value, truth[name], baseline[name])
+    assert lse.shape == (q.shape[1], q.shape[0])
+    assert_lse_close(lse, truth["lse"], baseline["lse"].float())
+
+
+VARLEN_MASKS = [(False, (-1, -1)), (True, (-1, -1)), (True, (10, -1))]
+
+
+@pytest.mark.parametrize(("causal", "window"), VARLEN_MASKS, ids=str)
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
+def test_varlen_matches_reference_sequence_by_sequence(case, causal, window, device):
+    check_varlen(case, causal, window, torch.float16, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("causal", "window"), VARLEN_MASKS, ids=str)
+@pytest.mark.parametrize(
+    "case", [([1000, 1, 333, 2048], [1000, 1, 333, 2048], 8, 2, 128), ([7, 300], [900, 0], 4, 4, 96)], ids=str
+)
+def test_gpu_varlen(case, causal, window, dtype):
+    check_varlen(case, causal, window, dtype, "cuda")
+
+
+def test_varlen_equals_padded_batches_of_its_sequences(device):
+    # Sequences of equal length packed are the padded-batch kernel's own batch, bit for bit.
+    q, k, v = make_qkv(Shape(3, 40, 40, 4, 2, 64), torch.float16, device, requires_grad=False)
+    cu = torch.arange(0, 121, 40, dtype=torch.int32, device=device)
+    dense, dense_lse = kernels.flash_attention(q, k, v, causal=True, return_lse=True)
+    packed, packed_lse = kernels.flash_attention_varlen(
+        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 40, 40, causal=True, return_lse=True
+    )
+    assert torch.equal(packed, dense.flatten(0, 1))
+    assert torch.equal(packed_lse, dense_lse.transpose(0, 1).flatten(1))
+
+
+def test_varlen_bad_input_is_named():
+    q = torch.randn(10, 4, 16, dtype=torch.float16)
+    k = torch.randn(10, 2, 16, dtype=torch.float16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    varlen = kernels.flash_attention_varlen
+    with pytest.raises(ValueError, match=r"q must be \(total_tokens, heads, head_dim\)"):
+        varlen(q[None], k, k, cu, cu, 6, 6)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be an int32 tensor"):
+        varlen(q, k, k, cu.long(), cu, 6, 6)
+    with pytest.raises(ValueError, match="same length"):
+        varlen(q, k, k, cu, cu[:2], 6, 6)
+    with pytest.raises(ValueError, match="cu_seqlens_k must rise from 0 to 10"):
+        varlen(q, k, k, cu, torch.tensor([0, 7, 4], dtype=torch.int32), 6, 6)
+    with pytest.raises(ValueError, match="max_seqlen_q is 5 but a sequence has 6 rows"):
+        varlen(q, k, k, cu, cu, 5, 6)
+    with pytest.raises(ValueError, match="max_seqlen_k must be an int >= 0"):
+        varlen(q, k, k, cu, cu, 6, -1)
+    with pytest.raises(ValueError, match="flash_attention_varlen: window_size"):
+        varlen(q, k, k, cu, cu, 6, 6, window_size=(1,))
+
+
 def test_large_logits_stay_finite(device):
     # Scores of several hundred: exp overflows float16 and float32 unless the max is subtracted.
     check(Shape(1, 129, 129, 2, 2, 64), True, torch.float16, device, scale=6.0)
@@ -324,11 +440,17 @@ def test_cpu_without_interpreter_uses_the_reference(monkeypatch):
 def test_custom_op_passes_opcheck_and_compiles_fullgraph():
     q, k, v = make_qkv(Shape(1, 24, 24, 2, 1, 32), torch.float16, "cpu")
     for mask in ((True, 0.125, -1, -1), (False, 0.125, 5, 3)):
-        torch.library.opcheck(torch.ops.horse.flash_attn_fwd.default, (q, k, v, *mask))
+        torch.library.opcheck(torch.ops.horse.flash_attn_fwd.default, (q, k, v, *mask, None, None, 0, 0))
+    cu = torch.tensor([0, 9, 24], dtype=torch.int32)
+    packed = (q[0], k[0], v[0], True, 0.125, -1, -1, cu, cu, 15, 15)
+    torch.library.opcheck(torch.ops.horse.flash_attn_fwd.default, packed)
     eager = kernels.flash_attention(q, k, v, causal=True)
     torch._dynamo.reset()
     compiled = torch.compile(lambda q, k, v: kernels.flash_attention(q, k, v, causal=True), fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v), eager, rtol=0, atol=0)
+    varlen = functools.partial(kernels.flash_attention_varlen, max_seqlen_q=15, max_seqlen_k=15, causal=True)
+    compiled = torch.compile(varlen, fullgraph=True)
+    torch.testing.assert_close(compiled(*packed[:3], cu, cu), varlen(*packed[:3], cu, cu), rtol=0, atol=0)
 
 
 @pytest.mark.gpu
