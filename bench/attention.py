@@ -14,6 +14,14 @@ flash-attn package imports. A baseline that cannot run a shape (no kernel for it
 skipped there with the reason. Directions: forward under no_grad; backward, ``autograd.grad`` of
 out w.r.t. q, k, v on a graph built once; forward+backward in one call. Rates are TFLOP/s of the
 ANCHORS counts (:func:`forward_flops` and the 2.5x and 3.5x multiples).
+
+Beyond the published shape, in full runs only and not gated (no public figure to hold them to):
+``attention_window``, a causal sliding window of WINDOW keys, against ours fully causal (what the
+window saves), SDPA's efficient backend with the window as a mask and flash-attn's window; and
+``attention_packed``, a batch of documents of uneven length packed (``flash_attention_varlen``)
+against the same documents padded to the longest, which is what users run without it (ours, and
+SDPA's flash backend: causal on right-padded rows keeps every real row exact), and flash-attn's
+varlen. Their rates count the work the window or the documents need, whatever a baseline spends.
 """
 
 import itertools
@@ -35,6 +43,10 @@ MATH_MAX_SEQLEN = 4096
 REFERENCE_SCORE_ELEMENTS = 2**30  # the float32 check's S×S matrices, about 4 GiB each
 EXPLICIT_MATRICES = 4  # S×S matrices the compiled explicit attention holds at once, at least
 SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+WINDOW = 1024  # attention_window: each query sees itself and the WINDOW keys before it (Mistral)
+WINDOW_SEQLENS = (4096, 16384)
+PACKED_LENGTHS = (4096, 512, 2048, 1024, 3072, 256, 1536, 2560, 1280)  # 16384 tokens in 9 documents
+EXTRA_HEAD_DIM = 128  # of both, with MODEL_DIM // EXTRA_HEAD_DIM heads
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,10 @@ class Shape:
     seqlen: int
     heads: int
     head_dim: int
+
+    @property
+    def numel(self) -> int:
+        return self.batch * self.seqlen * self.heads * self.head_dim
 
 
 def benchmark_shape(seqlen: int, head_dim: int) -> Shape:
@@ -65,14 +81,28 @@ def forward_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim
     return flops // 2 if causal else flops
 
 
+def window_flops(batch: int, heads: int, seqlen: int, head_dim: int, window: int) -> int:
+    """4·head_dim per visible (query, key) pair of a causal window: query i sees min(i, window) + 1."""
+    near = min(seqlen, window)
+    pairs = near * (near + 1) // 2 + (seqlen - near) * (window + 1)
+    return 4 * batch * heads * head_dim * pairs
+
+
+def packed_flops(lengths, heads: int, head_dim: int) -> int:
+    """Causal forward FLOPs of each document on its own (forward_flops' halving), summed."""
+    return sum(forward_flops(1, heads, n, n, head_dim, causal=True) for n in lengths)
+
+
 # Backward: five matmuls against the forward's two (q kᵀ again, dv, dp, dq, dk); both: seven.
 DIRECTION_MULTIPLE = {"forward": (1, 1), "backward": (5, 2), "forward+backward": (7, 2)}
 
 
-def direction_flops(direction: str, shape: Shape, causal: bool) -> int:
+def direction_flops(direction: str, shape: Shape, causal: bool, forward: int | None = None) -> int:
+    """The direction's multiple of the forward: ``forward``, or the shape's :func:`forward_flops`."""
     numerator, denominator = DIRECTION_MULTIPLE[direction]
-    flops = forward_flops(shape.batch, shape.heads, shape.seqlen, shape.seqlen, shape.head_dim, causal)
-    return numerator * flops // denominator
+    if forward is None:
+        forward = forward_flops(shape.batch, shape.heads, shape.seqlen, shape.seqlen, shape.head_dim, causal)
+    return numerator * forward // denominator
 
 
 def normalized_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -96,14 +126,16 @@ def make_qkv(shape: Shape, device, requires_grad: bool = False) -> list[torch.Te
     return [torch.randn(size, dtype=DTYPE, device=device).requires_grad_(requires_grad) for _ in range(3)]
 
 
-def check(shape: Shape, causal: bool, device, attention=None) -> tuple[dict, bool]:
+def check(shape: Shape, causal: bool, device, attention=None, window_size=(-1, -1)) -> tuple[dict, bool]:
     """out, dq, dk, dv of ours (or ``attention``) for a random dout against the float32 reference,
     outputs NaN-poisoned. Ours runs on the whole shape and must be finite everywhere; the
     reference on the leading block of :func:`checked_batch_heads` (every pair is independent)."""
     import kernels
     from kernels import reference, runtime
 
-    attention = attention or (lambda q, k, v: kernels.flash_attention(q, k, v, causal=causal))
+    attention = attention or (
+        lambda q, k, v: kernels.flash_attention(q, k, v, causal=causal, window_size=window_size)
+    )
     torch.manual_seed(0)
     qkv = make_qkv(shape, device, requires_grad=True)
     dout = torch.randn_like(qkv[0])
@@ -116,14 +148,45 @@ def check(shape: Shape, causal: bool, device, attention=None) -> tuple[dict, boo
         return t.detach()[:batch, :, :heads]
 
     exact = [block(t).float().requires_grad_() for t in qkv]
-    out_exact, _ = reference.attention(*exact, causal=causal)
+    out_exact, _ = reference.attention(*exact, causal=causal, window_size=window_size)
     truths = (out_exact, *torch.autograd.grad(out_exact, exact, block(dout).float()))
+    return _verdict(ours, truths, block)
+
+
+def _verdict(ours, truths, block) -> tuple[dict, bool]:
+    """Normalized errors of out, dq, dk, dv (the block of ours the truths cover), and whether all of
+    ours is finite and within TOLERANCE."""
     errors = {
         name: normalized_error(block(actual), truth)
         for name, actual, truth in zip(("out", "dq", "dk", "dv"), ours, truths, strict=True)
     }
     finite = all(bool(torch.isfinite(t).all()) for t in ours)
     return errors, finite and all(e <= TOLERANCE for e in errors.values())
+
+
+def offsets(lengths, device) -> torch.Tensor:
+    """cu_seqlens of documents of these lengths: int32, 0 then the running totals."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def check_packed(lengths, heads: int, head_dim: int, device) -> tuple[dict, bool]:
+    """:func:`check` for flash_attention_varlen (causal) on documents of these lengths packed; the
+    reference runs each document of the first two heads on its own."""
+    import kernels
+    from kernels import reference, runtime
+
+    torch.manual_seed(0)
+    qkv = make_qkv(Shape(1, sum(lengths), heads, head_dim), device, requires_grad=True)
+    qkv = [t[0].detach().requires_grad_() for t in qkv]
+    dout = torch.randn_like(qkv[0])
+    cu = offsets(lengths, device)
+    with runtime.poison_outputs():
+        out = kernels.flash_attention_varlen(*qkv, cu, cu, max(lengths), max(lengths), causal=True)
+        ours = (out, *torch.autograd.grad(out, qkv, dout))
+    exact = [t.detach()[:, :2].float().requires_grad_() for t in qkv]
+    out_exact, _ = reference.attention_varlen(*exact, cu, cu, causal=True)
+    truths = (out_exact, *torch.autograd.grad(out_exact, exact, dout[:, :2].float()))
+    return _verdict(ours, truths, lambda t: t.detach()[:, :2])
 
 
 def _sdpa(backend_name: str, causal: bool):
@@ -136,6 +199,24 @@ def _sdpa(backend_name: str, causal: bool):
         with sdpa_kernel(backend):
             out = torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+            )
+        return out.transpose(1, 2)
+
+    return attention
+
+
+def _sdpa_window(shape: Shape, window: int):
+    """SDPA's efficient backend with the causal window as a boolean (seqlen, seqlen) mask."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = torch.arange(shape.seqlen, device="cuda")[:, None]
+    cols = torch.arange(shape.seqlen, device="cuda")[None, :]
+    mask = (cols <= rows) & (cols >= rows - window)
+
+    def attention(q, k, v):
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
             )
         return out.transpose(1, 2)
 
@@ -161,6 +242,16 @@ def _flash_attn(causal: bool):
     except (ImportError, OSError) as error:
         raise suite.UnavailableError(f"flash_attn does not import: {error}") from error
     return lambda q, k, v: flash_attn_func(q, k, v, causal=causal)
+
+
+def _flash_attn_extra(kind: str, **kwargs):
+    """flash-attn's window (``func``) or varlen (``varlen``) call with these keyword arguments."""
+    try:
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
+    except (ImportError, OSError) as error:
+        raise suite.UnavailableError(f"flash_attn does not import: {error}") from error
+    fn = flash_attn_func if kind == "func" else flash_attn_varlen_func
+    return lambda *args: fn(*args, **kwargs)
 
 
 def implementations(shape: Shape, causal: bool) -> dict:
@@ -193,30 +284,34 @@ def _without_tma(call):
     return timed
 
 
-def _setup(direction: str, make_fn, shape: Shape, pointer_loads: bool = False):
+def _setup(direction: str, make_fn, shape: Shape, pointer_loads=False, make_inputs=None, extra=tuple):
+    """The setup of a timed call of make_fn()(q, k, v, *extra()) on inputs of ``shape`` (or from
+    ``make_inputs(requires_grad)``: q, k, v of any layout); extra is built at setup, on the GPU."""
+
     def setup():
-        call = _timed_call(direction, make_fn(), shape)
+        device = torch.device("cuda")
+        inputs = make_inputs or (lambda grad: make_qkv(shape, device, requires_grad=grad))
+        call = _timed_call(direction, make_fn(), inputs, shape.numel * DTYPE.itemsize, extra())
         return _without_tma(call) if pointer_loads else call
 
     return setup
 
 
-def _timed_call(direction: str, fn, shape: Shape):
+def _timed_call(direction: str, fn, make_inputs, tensor_bytes: int, extra=()):
     device = torch.device("cuda")
-    tensor_bytes = shape.batch * shape.seqlen * shape.heads * shape.head_dim * DTYPE.itemsize
     if direction == "forward":
-        copies = timing.rotating_inputs(lambda: make_qkv(shape, device), 3 * tensor_bytes, device)
-        return suite.rotate(copies, lambda qkv: fn(*qkv), no_grad=True)
+        copies = timing.rotating_inputs(lambda: make_inputs(False), 3 * tensor_bytes, device)
+        return suite.rotate(copies, lambda qkv: fn(*qkv, *extra), no_grad=True)
 
     def inputs():
-        qkv = make_qkv(shape, device, requires_grad=True)
-        out = fn(*qkv) if direction == "backward" else None
+        qkv = make_inputs(True)
+        out = fn(*qkv, *extra) if direction == "backward" else None
         return qkv, out, torch.randn(qkv[0].shape, dtype=DTYPE, device=device)
 
     copies = timing.rotating_inputs(inputs, 5 * tensor_bytes, device)  # q, k, v, out, dout
     if direction == "backward":
         return suite.rotate(copies, lambda c: torch.autograd.grad(c[1], c[0], c[2], retain_graph=True))
-    return suite.rotate(copies, lambda c: torch.autograd.grad(fn(*c[0]), c[0], c[2]))
+    return suite.rotate(copies, lambda c: torch.autograd.grad(fn(*c[0], *extra), c[0], c[2]))
 
 
 def cases(quick: bool) -> list[suite.Case]:
@@ -236,18 +331,91 @@ def cases(quick: bool) -> list[suite.Case]:
                 _setup(direction, make_fn, shape, pointer_loads=name == "ours-pointer"),
                 checker if name == "ours" else None,
             ))  # fmt: skip
+    return out if quick else out + window_cases() + packed_cases()
+
+
+def window_cases() -> list[suite.Case]:
+    import kernels
+
+    out = []
+    for seqlen in WINDOW_SEQLENS:
+        shape = benchmark_shape(seqlen, EXTRA_HEAD_DIM)
+        params = {"seqlen": seqlen, "head_dim": shape.head_dim, "window": WINDOW, "batch": shape.batch,
+                  "heads": shape.heads}  # fmt: skip
+        forward = window_flops(shape.batch, shape.heads, seqlen, shape.head_dim, WINDOW)
+        impls = {
+            "ours": lambda: (
+                lambda q, k, v: kernels.flash_attention(q, k, v, causal=True, window_size=(WINDOW, -1))
+            ),
+            "ours-causal": lambda: lambda q, k, v: kernels.flash_attention(q, k, v, causal=True),
+            "sdpa-efficient-mask": lambda s=shape: _sdpa_window(s, WINDOW),
+            "flash-attn": lambda: _flash_attn_extra("func", causal=True, window_size=(WINDOW, 0)),
+        }
+        checker = lambda s=shape: check(s, True, "cuda", window_size=(WINDOW, -1))  # noqa: E731
+        for (name, make_fn), direction in itertools.product(impls.items(), DIRECTION_MULTIPLE):
+            out.append(suite.Case(
+                "attention_window", params, direction, name, direction_flops(direction, shape, True, forward),
+                "flop", _setup(direction, make_fn, shape), checker if name == "ours" else None,
+            ))  # fmt: skip
+    return out
+
+
+def packed_cases() -> list[suite.Case]:
+    import kernels
+
+    heads, longest, device = MODEL_DIM // EXTRA_HEAD_DIM, max(PACKED_LENGTHS), torch.device("cuda")
+    params = {"tokens": sum(PACKED_LENGTHS), "documents": len(PACKED_LENGTHS), "longest": longest,
+              "head_dim": EXTRA_HEAD_DIM, "heads": heads}  # fmt: skip
+    forward = packed_flops(PACKED_LENGTHS, heads, EXTRA_HEAD_DIM)
+    packed = Shape(1, sum(PACKED_LENGTHS), heads, EXTRA_HEAD_DIM)
+    padded = Shape(len(PACKED_LENGTHS), longest, heads, EXTRA_HEAD_DIM)
+
+    def packed_inputs(grad):
+        return [t[0].detach().requires_grad_(grad) for t in make_qkv(packed, device)]
+
+    def varlen_args():
+        cu = offsets(PACKED_LENGTHS, device)
+        return (cu, cu, longest, longest)
+
+    impls = {  # name -> (make_fn, input shape, packed inputs)
+        "ours": (lambda: lambda *a: kernels.flash_attention_varlen(*a, causal=True), packed, True),
+        "ours-padded": (lambda: lambda q, k, v: kernels.flash_attention(q, k, v, causal=True), padded, False),
+        "sdpa-flash-padded": (lambda: _sdpa("FLASH_ATTENTION", True), padded, False),
+        "flash-attn": (lambda: _flash_attn_extra("varlen", causal=True), packed, True),
+    }
+    checker = lambda: check_packed(PACKED_LENGTHS, heads, EXTRA_HEAD_DIM, "cuda")  # noqa: E731
+    out = []
+    for (name, (make_fn, shape, is_packed)), direction in itertools.product(
+        impls.items(), DIRECTION_MULTIPLE
+    ):
+        inputs = {"make_inputs": packed_inputs, "extra": varlen_args} if is_packed else {}
+        setup = _setup(direction, make_fn, shape, **inputs)
+        out.append(suite.Case(
+            "attention_packed", params, direction, name, direction_flops(direction, shape, True, forward),
+            "flop", setup, checker if name == "ours" else None,
+        ))  # fmt: skip
     return out
 
 
 def interpreter_checks() -> list[tuple[str, dict, bool]]:
-    """The correctness check on tiny shapes, on the CPU (in Triton's interpreter when it is on)."""
-    return [
+    """The correctness checks on tiny shapes, on the CPU (in Triton's interpreter when it is on)."""
+    checks = [
         (
             f"attention seqlen={s.seqlen} head_dim={s.head_dim} {'causal' if causal else 'full'}",
             *check(s, causal, "cpu"),
         )
         for s, causal in itertools.product(INTERPRETER_SHAPES, (False, True))
     ]
+    small = INTERPRETER_SHAPES[1]
+    checks.append(
+        (
+            f"attention_window seqlen={small.seqlen} window=20",
+            *check(small, True, "cpu", window_size=(20, -1)),
+        )
+    )
+    lengths = (40, 1, 77, 0, 19)
+    checks.append((f"attention_packed documents={lengths}", *check_packed(lengths, 2, 64, "cpu")))
+    return checks
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ def test_check_on_a_block_of_a_large_shape(monkeypatch):
 
 
 def test_cases_cover_shapes_directions_and_baselines():
-    cases = attention.cases(quick=False)
+    cases = [c for c in attention.cases(quick=False) if c.kernel == "attention"]
     shapes = len(attention.SEQLENS) * len(attention.HEAD_DIMS)
     ours = [c for c in cases if c.implementation == "ours"]
     assert len(ours) == shapes * 2 * 3  # x causal x directions
@@ -130,9 +130,49 @@ def test_cases_cover_shapes_directions_and_baselines():
     assert {(c.params["seqlen"], c.params["head_dim"]) for c in quick} == set(attention.QUICK_SHAPES)
 
 
+def test_window_and_packed_cases_in_full_runs_only():
+    cases = attention.cases(quick=False)
+    window = [c for c in cases if c.kernel == "attention_window"]
+    packed = [c for c in cases if c.kernel == "attention_packed"]
+    assert {c.implementation for c in window} == {"ours", "ours-causal", "sdpa-efficient-mask", "flash-attn"}
+    assert {c.implementation for c in packed} == {"ours", "ours-padded", "sdpa-flash-padded", "flash-attn"}
+    assert len(window) == len(attention.WINDOW_SEQLENS) * 4 * 3 and len(packed) == 4 * 3
+    assert all(c.check is not None for c in window + packed if c.implementation == "ours")
+    # Every implementation of a shape and direction is credited with the same work: the window's.
+    for c in window:
+        shape = attention.benchmark_shape(c.params["seqlen"], c.params["head_dim"])
+        forward = attention.window_flops(
+            shape.batch, shape.heads, shape.seqlen, shape.head_dim, attention.WINDOW
+        )
+        assert c.work == attention.direction_flops(c.direction, shape, True, forward)
+    assert {c.work for c in packed if c.direction == "forward"} == {
+        attention.packed_flops(attention.PACKED_LENGTHS, 16, 128)
+    }
+    assert not {c.kernel for c in attention.cases(quick=True)} - {"attention"}
+
+
+def test_window_and_packed_flop_counts():
+    # Seqlen 5, window 2: queries see 1, 2, 3, 3, 3 keys.
+    assert attention.window_flops(2, 3, 5, 64, window=2) == 4 * 2 * 3 * 64 * 12
+    # A window past the sequence is plain causal: S(S+1)/2 pairs, against forward_flops' S²/2.
+    assert attention.window_flops(1, 1, 8, 16, window=100) == 4 * 16 * 36
+    assert attention.packed_flops((3, 5), 2, 64) == 4 * 2 * 64 * (9 + 25) // 2
+
+
+def test_check_packed_passes_ours_and_fails_a_wrong_result(monkeypatch):
+    import kernels
+
+    errors, ok = attention.check_packed((40, 1, 77, 0, 19), 2, 64, "cpu")
+    assert ok and set(errors) == {"out", "dq", "dk", "dv"}, errors
+    varlen = kernels.flash_attention_varlen
+    monkeypatch.setattr(kernels, "flash_attention_varlen", lambda *a, **kw: 1.05 * varlen(*a, **kw))
+    errors, ok = attention.check_packed((40, 1, 77, 0, 19), 2, 64, "cpu")
+    assert not ok and errors["out"] > attention.TOLERANCE
+
+
 def test_interpreter_checks_pass():
     results = attention.interpreter_checks()
-    assert len(results) == 2 * len(attention.INTERPRETER_SHAPES)
+    assert len(results) == 2 * len(attention.INTERPRETER_SHAPES) + 2
     assert all(ok for _, _, ok in results), results
 
 
@@ -144,7 +184,8 @@ def test_ours_pointer_times_every_pass_without_tma(monkeypatch):
     call()
     assert seen == [False] and kernels.attention.USE_TMA is True
     [case] = [c for c in attention.cases(quick=True) if c.implementation == "ours-pointer"][:1]
-    monkeypatch.setattr(attention, "_timed_call", lambda direction, fn, shape: lambda: seen.append(
-        kernels.attention.USE_TMA))  # fmt: skip
+    monkeypatch.setattr(
+        attention, "_timed_call", lambda *args: lambda: seen.append(kernels.attention.USE_TMA)
+    )
     case.setup()()
     assert seen == [False, False] and kernels.attention.USE_TMA is True
