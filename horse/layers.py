@@ -143,9 +143,8 @@ class FusedSelfAttention(nn.Module):
                 f"FusedSelfAttention: n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})"
             )
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
-        kernels.attention.normalize_mask(
-            causal, window_size
-        )  # a bad window fails here, not at the first call
+        # A bad window fails here, not at the first call.
+        kernels.attention.normalize_mask(causal, window_size, "FusedSelfAttention")
         self.causal, self.window_size = causal, tuple(window_size)
         factory = {"device": device, "dtype": dtype}
         self.c_attn = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias, **factory)

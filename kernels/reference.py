@@ -93,7 +93,7 @@ def attention(
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         diagonal = torch.arange(seqlen_q, device=q.device)[:, None] + seqlen_k - seqlen_q
         cols = torch.arange(seqlen_k, device=q.device)[None, :]
-        hidden = torch.zeros_like(cols > diagonal)
+        hidden = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
         if right >= 0:
             hidden |= cols > diagonal + right
         if left >= 0:
