@@ -82,7 +82,8 @@ def _replaceable(module: nn.Module) -> bool:
 
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (rotate-half form, as GPT-NeoX and LLaMA) on (batch, seqlen, heads,
-    head_dim) tensors, for positions below max_seqlen; the tables are float32 buffers, not saved."""
+    head_dim) tensors, or (tokens, heads, head_dim) ones with a position per token, for positions
+    below max_seqlen; the tables are float32 buffers, not saved."""
 
     def __init__(self, head_dim: int, max_seqlen: int, base: float = 10000.0, device=None):
         super().__init__()
@@ -94,13 +95,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """x (batch, seqlen, heads, head_dim) at positions offset .. offset + seqlen - 1."""
-        end = offset + x.shape[1]
-        if end > self.cos.shape[0]:
-            raise ValueError(f"RotaryEmbedding: position {end - 1} is past max_seqlen {self.cos.shape[0]}")
-        cos = self.cos[offset:end, None, :].to(x.dtype)
-        sin = self.sin[offset:end, None, :].to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x (batch, seqlen, heads, head_dim) at positions offset .. offset + seqlen - 1, or x
+        (tokens, heads, head_dim) at ``positions`` (tokens,), each below max_seqlen."""
+        if positions is not None:
+            cos = self.cos[positions, None, :].to(x.dtype)
+            sin = self.sin[positions, None, :].to(x.dtype)
+        else:
+            end = offset + x.shape[1]
+            if end > self.cos.shape[0]:
+                raise ValueError(
+                    f"RotaryEmbedding: position {end - 1} is past max_seqlen {self.cos.shape[0]}"
+                )
+            cos = self.cos[offset:end, None, :].to(x.dtype)
+            sin = self.sin[offset:end, None, :].to(x.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -152,7 +162,14 @@ class FusedSelfAttention(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, max_seqlen, rope_base, device) if rotary else None
         self.register_load_state_dict_pre_hook(_fuse_separate_projections)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None
+    ) -> torch.Tensor:
+        """x (batch, seqlen, d_model); or, with cu_seqlens (int32 offsets, one more than the
+        documents) and max_seqlen (the longest document), a packed (total_tokens, d_model) batch of
+        documents that attend only within themselves, rotary positions restarting at each."""
+        if cu_seqlens is not None:
+            return self._packed_forward(x, cu_seqlens, max_seqlen)
         batch, seqlen, _ = x.shape
         qkv = self.c_attn(x).view(batch, seqlen, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)  # strided views
@@ -161,6 +178,28 @@ class FusedSelfAttention(nn.Module):
         # (batch, seqlen, n_heads, head_dim)
         y = kernels.flash_attention(q, k, v, causal=self.causal, window_size=self.window_size)
         return self.c_proj(y.reshape(batch, seqlen, self.n_heads * self.head_dim))
+
+    def _packed_forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None
+    ) -> torch.Tensor:
+        if x.dim() != 2 or max_seqlen is None:
+            raise ValueError(
+                "FusedSelfAttention: with cu_seqlens, x must be packed (total_tokens, d_model) and "
+                f"max_seqlen given, got x of shape {list(x.shape)} and max_seqlen {max_seqlen}"
+            )
+        tokens = x.shape[0]
+        qkv = self.c_attn(x).view(tokens, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
+        if self.rotary is not None:
+            # Each token's position in its document, without reading the offsets back from the GPU.
+            rows = torch.arange(tokens, device=x.device)
+            document = torch.searchsorted(cu_seqlens[1:], rows.to(cu_seqlens.dtype), right=True)
+            positions = rows - cu_seqlens[document]
+            q, k = self.rotary(q, positions=positions), self.rotary(k, positions=positions)
+        y = kernels.flash_attention_varlen(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, self.causal, window_size=self.window_size
+        )
+        return self.c_proj(y.reshape(tokens, self.n_heads * self.head_dim))
 
 
 def _fuse_separate_projections(module, state_dict, prefix, *args):

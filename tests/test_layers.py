@@ -1,5 +1,7 @@
 """The drop-in norms of horse.layers against torch.nn.LayerNorm / torch.nn.RMSNorm."""
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -203,6 +205,25 @@ def test_fused_self_attention_sliding_window(device):
     _compare_attention(ref, fused, device, 64)
     with pytest.raises(ValueError, match="window_size"):
         FusedSelfAttention(64, 4, window_size=(-3, 0))
+
+
+def test_fused_self_attention_on_packed_documents_matches_each_alone(device):
+    from horse.layers import FusedSelfAttention
+
+    torch.manual_seed(0)
+    attn = FusedSelfAttention(64, 4, n_kv_heads=2, rotary=True, device=device, dtype=torch.float16)
+    lengths = [13, 1, 40, 22]
+    x = torch.randn(sum(lengths), 64, device=device, dtype=torch.float16, requires_grad=True)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    packed = attn(x, cu_seqlens=cu, max_seqlen=max(lengths))
+    alone = torch.cat([attn(doc[None])[0] for doc in x.split(lengths)])
+    torch.testing.assert_close(packed, alone, rtol=2e-3, atol=2e-3)
+    dy = torch.randn_like(packed)
+    (dx_packed,) = torch.autograd.grad(packed, x, dy)
+    (dx_alone,) = torch.autograd.grad(alone, x, dy)
+    torch.testing.assert_close(dx_packed, dx_alone, rtol=2e-3, atol=2e-3)
+    with pytest.raises(ValueError, match="x must be packed"):
+        attn(x[None], cu_seqlens=cu, max_seqlen=40)
 
 
 def test_rotary_offset_continues_the_positions():
