@@ -328,6 +328,23 @@ def test_gradient_through_lse(device):
         assert_close(name, got, truth[name], baseline[name])
 
 
+def test_varlen_gradient_through_lse(device):
+    lengths = [17, 40, 5]
+    q, k, v, cu, _ = make_packed(lengths, lengths, 2, 1, 64, torch.float16, device)
+    out, lse = kernels.flash_attention_varlen(q, k, v, cu, cu, 40, 40, causal=True, return_lse=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    ours = torch.autograd.grad([out, lse], (q, k, v), [dout, dlse])
+    results = []
+    for upcast in (True, False):
+        leaves = [(t.detach().double() if upcast else t.detach().clone()).requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = reference.attention_varlen(*leaves, cu, cu, True, upcast=upcast)
+        results.append(
+            torch.autograd.grad([ref_out, ref_lse], leaves, [dout.to(ref_out.dtype), dlse.to(ref_lse.dtype)])
+        )
+    for name, got, truth, baseline in zip(("dq", "dk", "dv"), ours, *results, strict=True):
+        assert_close(name, got, truth, baseline)
+
+
 def test_backward_is_deterministic(device):
     shape = Shape(2, 129, 129, 4, 1, 64)
     results = []
