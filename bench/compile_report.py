@@ -185,6 +185,7 @@ ATTENTION_PASSES = {
     "attn_bwd_dkdv": ("_attn_bwd_dkdv_kernel", "BWD_DKDV_CONFIGS", ("Q", "DO"), ("K", "V", "DK", "DV")),
     "attn_bwd_dq": ("_attn_bwd_dq_kernel", "BWD_DQ_CONFIGS", ("Q", "DO", "DQ"), ("K", "V")),
 }
+PACKED_TABLES = {"FWD_CONFIGS": "PACKED_FWD_CONFIGS"}  # a packed batch's table where it has its own
 
 
 # The mask variants each pass compiles to: none, the causal diagonal, a sliding window.
@@ -259,7 +260,10 @@ def attention_configs() -> list[KernelConfig]:
                 cfg = getattr(attention, table)[block_d]
                 for tma in (False, True) if cfg.tma else (False,):
                     configs.append(attention_pass_config(name, cfg, head_dim, dtype, mask, tma))
-                configs.append(attention_pass_config(name, cfg, head_dim, dtype, mask, False, packed=True))
+                packed_cfg = getattr(attention, PACKED_TABLES.get(table, table))[block_d]
+                configs.append(
+                    attention_pass_config(name, packed_cfg, head_dim, dtype, mask, False, packed=True)
+                )
     return configs
 
 

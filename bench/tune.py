@@ -201,9 +201,8 @@ def attention_targets(passes, head_dims, seqlen: int) -> list[Target]:
                 f"attention {name} d={head_dim}", getattr(attention, table_name),
                 attention.head_dim_block(head_dim),
                 lambda cfg, p=pass_name, d=head_dim: [
-                    compile_report.attention_pass_config(p, cfg, d, torch.float16, mask, tma, packed)
+                    compile_report.attention_pass_config(p, cfg, d, torch.float16, mask, cfg.tma)
                     for mask in compile_report.ATTENTION_MASKS
-                    for tma, packed in ((cfg.tma, False), (False, True))
                 ],
                 lambda s=check_shape: all(bench_attention.check(s, c, DEVICE)[1] for c in (False, True)),
                 lambda p=pass_name, s=shape: _attention_calls(p, s),

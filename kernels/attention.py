@@ -664,7 +664,7 @@ class AttnConfig:
 # Per pass and padded head dim. Every entry compiles for sm_90 with HGMMA and no spills in both
 # dtypes and every mask (full, causal, local), with pointer loads, where tma is set with TMA loads,
 # and on packed batches (python -m bench.compile_report --filter attn), on triton 3.6 and 3.9 but
-# for one: the packed head-dim-128 forward spills 16 bytes on 3.9 (none on 3.6). TMA took fewer
+# for one: the packed head-dim-128 forward, hence PACKED_FWD_CONFIGS below. TMA took fewer
 # registers in most entries (221 against 255 in the head-dim-128 forward) and less shared memory
 # (197 against 229 KB there); which is faster is for the bench to measure ("ours" against
 # "ours-pointer").
@@ -677,6 +677,10 @@ FWD_CONFIGS = {
     # pointers; 128x32 with pointers is the one tile tried that compiles clean on 3.6 and 3.9.
     256: AttnConfig(128, 32, 8, 2, tma=False),
 }
+# Packed batches take pointer loads, and at head dim 128 a forward tile of their own: the padded
+# table's 128x128 pointer tile runs at 255 registers and spilled 16 bytes packed on triton 3.9, where
+# 128x64 compiled at 180-234 registers in every mask. The backward passes share the padded tables.
+PACKED_FWD_CONFIGS = {**FWD_CONFIGS, 128: AttnConfig(128, 64, 8, 3, tma=False)}
 # block_n is the key block each program owns (dk, dv accumulate there); block_m the query step.
 # At head dim 256 no tile held dk and dv whole without spilling (808 bytes at 64x64, 8 warps), so
 # two programs share each key block's columns, recomputing the scores: 1.5x this pass's FLOPs.
@@ -789,7 +793,7 @@ def attention_fwd(
     out = runtime.empty(q.shape, q.dtype, q.device)
     lse_shape = (batch, heads, seqlen_q) if packed is None else (heads, q.shape[0])
     lse = runtime.empty(lse_shape, torch.float32, q.device)
-    cfg = attn_config(FWD_CONFIGS, head_dim)
+    cfg = attn_config(FWD_CONFIGS if packed is None else PACKED_FWD_CONFIGS, head_dim)
     block_d = head_dim_block(head_dim)
     tma = tma_usable(cfg, q, k, v, out)
     q_tiles, out_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, out))

@@ -267,15 +267,17 @@ def test_gpu_varlen(case, causal, window, dtype):
 
 
 def test_varlen_equals_padded_batches_of_its_sequences(device):
-    # Sequences of equal length packed are the padded-batch kernel's own batch, bit for bit.
+    # Sequences of equal length packed are the padded-batch kernel's own batch: the same tiles, the
+    # same values (bit for bit in the interpreter; on a GPU the padded batch may load by TMA).
     q, k, v = make_qkv(Shape(3, 40, 40, 4, 2, 64), torch.float16, device, requires_grad=False)
     cu = torch.arange(0, 121, 40, dtype=torch.int32, device=device)
     dense, dense_lse = kernels.flash_attention(q, k, v, causal=True, return_lse=True)
     packed, packed_lse = kernels.flash_attention_varlen(
         q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 40, 40, causal=True, return_lse=True
     )
-    assert torch.equal(packed, dense.flatten(0, 1))
-    assert torch.equal(packed_lse, dense_lse.transpose(0, 1).flatten(1))
+    exact = {"rtol": 0, "atol": 0} if device == "cpu" else {"rtol": 1e-3, "atol": 1e-3}
+    torch.testing.assert_close(packed, dense.flatten(0, 1), **exact)
+    torch.testing.assert_close(packed_lse, dense_lse.transpose(0, 1).flatten(1), **exact)
 
 
 def test_varlen_bad_input_is_named():
