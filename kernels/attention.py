@@ -724,10 +724,20 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _lse_strides(lse: torch.Tensor) -> tuple[int, int]:
-    """(batch, heads) strides of lse (batch, heads, seqlen_q), or of a packed batch's (heads, total_q)
-    by its first row: 1."""
-    return (1, lse.stride(0)) if lse.dim() == 2 else (lse.stride(0), lse.stride(1))
+def _stride_args(**tensors: torch.Tensor) -> dict:
+    """stride_{name}b, stride_{name}s, stride_{name}h of each named tensor, as the kernels take them."""
+    return {
+        f"stride_{name}{dim}": stride
+        for name, t in tensors.items()
+        for dim, stride in zip("bsh", _strides(t), strict=True)
+    }
+
+
+def _lse_stride_args(lse: torch.Tensor) -> dict:
+    """stride_lse_b, stride_lse_h of lse (batch, heads, seqlen_q), or of a packed batch's (heads,
+    total_q), addressed by a sequence's first row: a batch stride of 1."""
+    stride_b, stride_h = (1, lse.stride(0)) if lse.dim() == 2 else (lse.stride(0), lse.stride(1))
+    return {"stride_lse_b": stride_b, "stride_lse_h": stride_h}
 
 
 def tma_usable(cfg: AttnConfig, *tensors: torch.Tensor) -> bool:
@@ -817,20 +827,6 @@ def attention_fwd(
     return out, lse
 
 
-def _stride_args(**tensors: torch.Tensor) -> dict:
-    """stride_{name}b, stride_{name}s, stride_{name}h of each named tensor, as the kernels take them."""
-    return {
-        f"stride_{name}{dim}": stride
-        for name, t in tensors.items()
-        for dim, stride in zip("bsh", _strides(t), strict=True)
-    }
-
-
-def _lse_stride_args(lse: torch.Tensor) -> dict:
-    stride_b, stride_h = _lse_strides(lse)
-    return {"stride_lse_b": stride_b, "stride_lse_h": stride_h}
-
-
 def attention_bwd(
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
@@ -860,12 +856,12 @@ def attention_bwd(
         return dq.zero_(), dk.zero_(), dv.zero_()
     group_size = heads // kv_heads
     dims = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "VARLEN": packed is not None}
-    sequences = _sequence_args(packed, delta)
+    sequences, lse_strides = _sequence_args(packed, delta), _lse_stride_args(lse)
     windowed = {"window_left": window_left, "window_right": window_right}
     with runtime.device_guard(q):
         _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * heads)](
             out, dout, dlse if dlse is not None else delta, delta, sequences["CU_SEQLENS_Q"], seqlen_q, heads,
-            **_stride_args(o=out, do=dout), **_lse_stride_args(lse),
+            **_stride_args(o=out, do=dout), **lse_strides,
             **dims, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=dlse is not None,
         )  # fmt: skip
         cfg = attn_config(BWD_DKDV_CONFIGS, head_dim)
@@ -879,7 +875,7 @@ def attention_bwd(
             q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dk_tiles, dv_tiles, **sequences,
             softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
             kv_heads=kv_heads, group_size=group_size,
-            **_stride_args(q=q, k=k, v=v, do=dout, dk=dk, dv=dv), **_lse_stride_args(lse),
+            **_stride_args(q=q, k=k, v=v, do=dout, dk=dk, dv=dv), **lse_strides,
             **dims, BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             **mask, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
@@ -891,7 +887,7 @@ def attention_bwd(
             q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dq_tiles, **sequences,
             softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
             group_size=group_size,
-            **_stride_args(q=q, k=k, v=v, do=dout, dq=dq), **_lse_stride_args(lse),
+            **_stride_args(q=q, k=k, v=v, do=dout, dq=dq), **lse_strides,
             **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
