@@ -211,7 +211,10 @@ def test_fused_self_attention_on_packed_documents_matches_each_alone(device):
     from horse.layers import FusedSelfAttention
 
     torch.manual_seed(0)
-    attn = FusedSelfAttention(64, 4, n_kv_heads=2, rotary=True, device=device, dtype=torch.float16)
+    # Rotary positions restart at each document: 76 tokens, none past the table's 48 positions.
+    attn = FusedSelfAttention(
+        64, 4, n_kv_heads=2, rotary=True, max_seqlen=48, device=device, dtype=torch.float16
+    )
     lengths = [13, 1, 40, 22]
     x = torch.randn(sum(lengths), 64, device=device, dtype=torch.float16, requires_grad=True)
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
