@@ -1,12 +1,16 @@
-"""The sm_90 compile report: every kernel config the package can select, compiled for the H100/H200.
+"""The compile report: every kernel config the package can select, compiled for the GPU that selects it.
 
-    python -m bench.compile_report [--filter TEXT] [--jobs N]
+    python -m bench.compile_report [--arch sm80 sm86 sm90 sm100] [--filter TEXT] [--jobs N]
 
-Needs no GPU: Triton compiles for ``GPUTarget("cuda", 90, 32)`` on the CPU, and the ``cuobjdump`` in
-Triton's wheel reads the cubin. One row per config: kernel, shape class, dtype, block sizes, warps,
-stages, registers, spill bytes (stack + local), shared memory, tensor-core instructions (HGMMA and
-HMMA), 128-bit global loads and TMA loads (UTMALDG). Exits 1 if any config spills or needs more
-shared memory than an sm_90 block may have. Each kernel family adds its configs to ``CONFIG_FAMILIES``.
+Needs no GPU: Triton compiles for a ``GPUTarget("cuda", capability, 32)`` on the CPU, and the
+``cuobjdump`` in Triton's wheel reads the cubin. Each GPU family of ``kernels.runtime.ARCHS`` (A100:
+sm_80; the 99-KiB Ampere, Ada and consumer Blackwell chips: sm_86; H100/H200: sm_90; B200/GB300:
+sm_100) has its own entry in every config table, compiled for its capability. One row per config:
+family, kernel, shape class, dtype, block sizes, warps, stages, registers, spill bytes (stack +
+local), shared memory, tensor-core instructions (HMMA on sm_80/86, HGMMA on sm_90, UTCHMMA on
+sm_100), 128-bit global loads and TMA loads (UTMALDG). Exits 1 if any config spills, needs more
+shared memory than a block may have on its family, or is a matmul kernel without tensor-core
+instructions. Each kernel family adds its configs to ``CONFIG_FAMILIES``.
 
 Pointers, strides, N and K are compiled as multiples of 16, the specialisation Triton picks on a
 GPU for aligned tensors with hidden sizes that are multiples of 16 (the usual case); a stride of 1
@@ -15,6 +19,7 @@ must run without ``TRITON_INTERPRET=1``, which replaces the kernels by interpret
 """
 
 import argparse
+import dataclasses
 import importlib
 import itertools
 import os
@@ -30,10 +35,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import layernorm
+from kernels import layernorm, runtime
+from kernels.runtime import ARCHS
 
-SM90 = GPUTarget("cuda", 90, 32)
-SM90_MAX_SHARED_BYTES = 232448  # 227 KiB of opt-in shared memory per block
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 FLOAT_SCALARS = {"eps", "softmax_scale"}  # every other scalar argument is an i32
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -53,6 +57,8 @@ class KernelConfig:
     num_stages: int = 1
     # argument name -> block shape of a TMA descriptor argument (its dtype from pointer_types)
     descriptors: dict = field(default_factory=dict, repr=False)
+    arch: str = "sm90"  # the kernels.runtime.ARCHS family whose table holds this config
+    matmul: bool = False  # its tl.dot must lower to tensor-core instructions
 
     @property
     def fn(self):
@@ -109,8 +115,9 @@ def parse_resource_usage(text: str) -> tuple[int, int]:
 
 
 def count_sass(text: str) -> tuple[int, int, int]:
-    """(tensor-core instructions, 128-bit global loads, TMA loads) in ``cuobjdump --dump-sass`` output."""
-    tensor_core = len(re.findall(r"\bH[G]?MMA\b", text))
+    """(tensor-core instructions, 128-bit global loads, TMA loads) in ``cuobjdump --dump-sass`` output:
+    HMMA (mma.sync, sm_80+), HGMMA (wgmma, sm_90), UTCHMMA/UTCIMMA/UTCQMMA (tcgen05, sm_100)."""
+    tensor_core = len(re.findall(r"\b(?:H[G]?MMA|UTC[HIQ]MMA)\b", text))
     loads_128 = len(re.findall(r"\bLDG\.E[.\w]*\.128\b", text))
     tma_loads = len(re.findall(r"\bUTMALDG\b", text))
     return tensor_core, loads_128, tma_loads
@@ -120,7 +127,8 @@ def compile_config(cfg: KernelConfig) -> CompileResult:
     signature, attrs = _signature(cfg)
     source = ASTSource(cfg.fn, signature, constexprs=cfg.constexprs, attrs=attrs)
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    compiled = triton.compile(source, target=SM90, options=options)
+    target = GPUTarget("cuda", ARCHS[cfg.arch].capability, 32)
+    compiled = triton.compile(source, target=target, options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
@@ -139,9 +147,9 @@ def compile_config(cfg: KernelConfig) -> CompileResult:
 # ----------------------------------------------------------------------------------------------
 
 
-def norm_configs() -> list[KernelConfig]:
-    """Every RowConfig that layernorm.row_config can return, for LayerNorm (residual, weight, bias)
-    and RMSNorm (residual, weight), the variants with the most live values, in every dtype."""
+def norm_configs(arch: runtime.Arch) -> list[KernelConfig]:
+    """Every RowConfig that layernorm.row_config can return on arch, for LayerNorm (residual, weight,
+    bias) and RMSNorm (residual, weight), the variants with the most live values, in every dtype."""
     configs = []
     for dtype, ty in TRITON_TYPES.items():
         for norm, rms in (("layer_norm", False), ("rms_norm", True)):
@@ -150,10 +158,10 @@ def norm_configs() -> list[KernelConfig]:
                 limit = layernorm.BWD_MAX_ROW_IN_REGISTERS if backward else layernorm.FWD_MAX_ROW_IN_REGISTERS
                 sizes = [2**p for p in range(limit.bit_length())] + [2 * limit]
                 for n in sizes:
-                    cfg = layernorm.row_config(n, backward, dtype)
+                    cfg = layernorm.row_config(n, backward, dtype, arch)
                     shape_class = f"N<={n}" if cfg.row_in_registers else f"N>{limit}"
                     configs += _norm_kernel_configs(norm, shape_class, dtype, ty, flags, cfg, backward)
-    return configs
+    return [dataclasses.replace(c, arch=arch.name) for c in configs]
 
 
 def _norm_kernel_configs(norm, shape_class, dtype, ty, flags, cfg, backward) -> list[KernelConfig]:
@@ -197,11 +205,13 @@ ATTENTION_MASKS = {
 
 
 def attention_pass_config(
-    name: str, cfg, head_dim: int, dtype: torch.dtype, mask: str, tma: bool, packed: bool = False
-):
+    name: str, cfg, head_dim: int, dtype: torch.dtype, mask: str, tma: bool, packed: bool = False,
+    arch: str = "sm90",
+):  # fmt: skip
     """The KernelConfig of attention pass ``name`` (a key of ATTENTION_PASSES) run with the
     kernels.attention.AttnConfig ``cfg`` at ``head_dim``, mask a key of ATTENTION_MASKS, pointer or
-    TMA loads, on a padded batch or a packed one (flash_attention_varlen: pointers, a program per tile)."""
+    TMA loads, on a padded batch or a packed one (flash_attention_varlen: pointers, a program per
+    tile), for GPU family arch."""
     from kernels import attention
 
     kernel, _, by_query, by_key = ATTENTION_PASSES[name]
@@ -228,20 +238,24 @@ def attention_pass_config(
     shape_class = " ".join([f"d={head_dim}", *modes])
     fn = f"kernels.attention.{kernel}"
     options = (cfg.num_warps, cfg.num_stages)
-    return KernelConfig(name, shape_class, dtype, fn, pointers, constexprs, *options, descriptors=descriptors)
+    return KernelConfig(
+        name, shape_class, dtype, fn, pointers, constexprs, *options, descriptors, arch, matmul=True
+    )
 
 
-def attention_configs() -> list[KernelConfig]:
-    """Every table entry of kernels.attention, for a power-of-two head dim and a padded one (3/4 of
-    the block), both dtypes and every mask, with pointer loads (always selectable: USE_TMA
-    off, unaligned inputs), where the entry allows TMA loads, and on a packed batch; and the
-    backward's preprocess, padded and packed."""
+def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
+    """Every table entry of kernels.attention for arch, for a power-of-two head dim and a padded one
+    (3/4 of the block), both dtypes and every mask, with pointer loads (always selectable: USE_TMA
+    off, unaligned inputs), on sm_90+ where the entry allows TMA loads, and on a packed batch; and
+    the backward's preprocess, padded and packed."""
     from kernels import attention
 
     configs = []
+    block_dims = sorted(attention.FWD_CONFIGS[arch.name])
+    tma_family = arch.capability >= 90
     for dtype in (torch.float16, torch.bfloat16):
         ty = TRITON_TYPES[dtype]
-        for block_d, head_dim in [(b, d) for b in sorted(attention.FWD_CONFIGS) for d in {b, b * 3 // 4}]:
+        for block_d, head_dim in [(b, d) for b in block_dims for d in {b, b * 3 // 4}]:
             for packed in (False, True):
                 pointers = {"OUT": ty, "DO": ty, "DLSE": "fp32", "DELTA": "fp32"}
                 pointers["CU_SEQLENS_Q"] = "i32" if packed else "fp32"
@@ -251,18 +265,30 @@ def attention_configs() -> list[KernelConfig]:
                     constexprs["stride_lse_b"] = 1
                 fn = "kernels.attention._attn_bwd_preprocess_kernel"
                 shape_class = f"d={head_dim}" + (" varlen" if packed else "")
+                warps = attention.PREPROCESS_NUM_WARPS
                 configs.append(
-                    KernelConfig("attn_bwd_preprocess", shape_class, dtype, fn, pointers, constexprs)
+                    KernelConfig(
+                        "attn_bwd_preprocess",
+                        shape_class,
+                        dtype,
+                        fn,
+                        pointers,
+                        constexprs,
+                        warps,
+                        arch=arch.name,
+                    )
                 )
             for (name, (_, table, _, _)), mask in itertools.product(
                 ATTENTION_PASSES.items(), ATTENTION_MASKS
             ):
-                cfg = getattr(attention, table)[block_d]
-                for tma in (False, True) if cfg.tma else (False,):
-                    configs.append(attention_pass_config(name, cfg, head_dim, dtype, mask, tma))
-                packed_cfg = getattr(attention, PACKED_TABLES.get(table, table))[block_d]
+                cfg = getattr(attention, table)[arch.name][block_d]
+                for tma in (False, True) if cfg.tma and tma_family else (False,):
+                    configs.append(
+                        attention_pass_config(name, cfg, head_dim, dtype, mask, tma, arch=arch.name)
+                    )
+                packed_cfg = getattr(attention, PACKED_TABLES.get(table, table))[arch.name][block_d]
                 configs.append(
-                    attention_pass_config(name, packed_cfg, head_dim, dtype, mask, False, packed=True)
+                    attention_pass_config(name, packed_cfg, head_dim, dtype, mask, False, True, arch.name)
                 )
     return configs
 
@@ -283,9 +309,11 @@ MLP_GEMMS = {
 MLP_POINTERS = ("X", "W", "B", "Y", "PRE", "WG", "WU", "GATE", "UP", "DY", "DH", "DPRE", "DUP", "H")
 
 
-def mlp_gemm_config(table: str, shape_class: str, cfg, dtype: torch.dtype, activation: str, tma: bool):
+def mlp_gemm_config(
+    table: str, shape_class: str, cfg, dtype: torch.dtype, activation: str, tma: bool, arch: str = "sm90"
+):
     """The KernelConfig of MLP GEMM ``table`` (a key of MLP_GEMMS) run with the kernels.mlp.GemmConfig
-    ``cfg`` and activation, pointer or TMA loads."""
+    ``cfg`` and activation, pointer or TMA loads, for GPU family arch."""
     kernel, flags, tiles = MLP_GEMMS[table]
     pointers = dict.fromkeys(MLP_POINTERS, TRITON_TYPES[dtype]) | {"DB_PARTIAL": "fp32"}
     dims = {"m": cfg.block_m, "n": cfg.block_n, "k": cfg.block_k}
@@ -297,23 +325,26 @@ def mlp_gemm_config(table: str, shape_class: str, cfg, dtype: torch.dtype, activ
     fn = f"kernels.mlp.{kernel}"
     options = (cfg.num_warps, cfg.num_stages)
     return KernelConfig(
-        f"mlp_{table}", shape, dtype, fn, pointers, constexprs, *options, descriptors=descriptors
+        f"mlp_{table}", shape, dtype, fn, pointers, constexprs, *options, descriptors, arch, matmul=True
     )
 
 
-def mlp_configs() -> list[KernelConfig]:
-    """Every GEMM table entry of kernels.mlp in both dtypes, for the two activations with the
-    heaviest epilogues (gelu's erf and gelu_tanh), with pointer loads (always selectable: USE_TMA
-    off, unaligned inputs) and, where the entry allows, TMA loads; and the elementwise backward,
-    plain and gated."""
+def mlp_configs(arch: runtime.Arch) -> list[KernelConfig]:
+    """Every GEMM table entry of kernels.mlp for arch in both dtypes, for the two activations with
+    the heaviest epilogues (gelu's erf and gelu_tanh), with pointer loads (always selectable:
+    USE_TMA off, unaligned inputs) and, on sm_90+ where the entry allows, TMA loads; and the
+    elementwise backward, plain and gated."""
     from kernels import mlp
 
     configs = []
+    tma_family = arch.capability >= 90
     for dtype in mlp.SUPPORTED_DTYPES:
         for table, activation in itertools.product(MLP_GEMMS, ("gelu", "gelu_tanh")):
-            for shape_class, cfg in mlp.GEMM_CONFIGS[table].items():
-                for tma in (False, True) if cfg.tma else (False,):
-                    configs.append(mlp_gemm_config(table, shape_class, cfg, dtype, activation, tma))
+            for shape_class, cfg in mlp.GEMM_CONFIGS[arch.name][table].items():
+                for tma in (False, True) if cfg.tma and tma_family else (False,):
+                    configs.append(
+                        mlp_gemm_config(table, shape_class, cfg, dtype, activation, tma, arch.name)
+                    )
         pointers = dict.fromkeys(MLP_POINTERS, TRITON_TYPES[dtype]) | {"DB_PARTIAL": "fp32"}
         row = mlp.ACT_BWD_CONFIG
         for gated in (False, True):
@@ -321,31 +352,39 @@ def mlp_configs() -> list[KernelConfig]:
                           "BLOCK_M": row.block_m, "BLOCK_N": row.block_n}  # fmt: skip
             name = "mlp_gated_act_bwd" if gated else "mlp_act_bwd"
             fn = "kernels.mlp._act_bwd_kernel"
-            configs.append(KernelConfig(name, "any/gelu", dtype, fn, pointers, constexprs, row.num_warps))
+            configs.append(
+                KernelConfig(name, "any/gelu", dtype, fn, pointers, constexprs, row.num_warps, arch=arch.name)
+            )
     return configs
 
 
 CONFIG_FAMILIES = {"norms": norm_configs, "attention": attention_configs, "mlp": mlp_configs}
 
 
-def all_configs() -> list[KernelConfig]:
-    return [cfg for family in CONFIG_FAMILIES.values() for cfg in family()]
+def all_configs(archs=tuple(ARCHS)) -> list[KernelConfig]:
+    """Every family's configs for each GPU family named in archs (keys of kernels.runtime.ARCHS)."""
+    return [cfg for name in archs for family in CONFIG_FAMILIES.values() for cfg in family(ARCHS[name])]
 
 
 def failures(results: list[CompileResult]) -> list[str]:
-    """One line per config that spills registers or exceeds the sm_90 shared-memory limit."""
+    """One line per config that spills registers, exceeds its GPU family's shared-memory limit, or
+    is a matmul kernel without tensor-core instructions."""
     bad = []
     for r in results:
         c = r.config
-        name = f"{c.kernel} {c.shape_class} {c.dtype_name} blocks {c.blocks} warps {c.num_warps}"
+        name = f"{c.arch} {c.kernel} {c.shape_class} {c.dtype_name} blocks {c.blocks} warps {c.num_warps}"
+        limit = ARCHS[c.arch].max_shared_bytes
         if r.spill_bytes > 0:
             bad.append(f"{name}: spills {r.spill_bytes} bytes")
-        if r.shared_bytes > SM90_MAX_SHARED_BYTES:
-            bad.append(f"{name}: needs {r.shared_bytes} bytes of shared memory (max {SM90_MAX_SHARED_BYTES})")
+        if r.shared_bytes > limit:
+            bad.append(f"{name}: needs {r.shared_bytes} bytes of shared memory (max {limit})")
+        if c.matmul and r.tensor_core_instructions == 0:
+            bad.append(f"{name}: no tensor-core instructions")
     return bad
 
 
 COLUMNS = (
+    "arch",
     "kernel",
     "shape",
     "dtype",
@@ -363,7 +402,7 @@ COLUMNS = (
 
 def format_table(results: list[CompileResult]) -> str:
     rows = [COLUMNS] + [
-        (r.config.kernel, r.config.shape_class, r.config.dtype_name, r.config.blocks,
+        (r.config.arch, r.config.kernel, r.config.shape_class, r.config.dtype_name, r.config.blocks,
          r.config.num_warps, r.config.num_stages, r.registers, r.spill_bytes, r.shared_bytes,
          r.tensor_core_instructions, r.global_loads_128, r.tma_loads)
         for r in results
@@ -374,19 +413,27 @@ def format_table(results: list[CompileResult]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--arch", nargs="+", choices=list(ARCHS), default=list(ARCHS), help="GPU families (default: all)"
+    )
     parser.add_argument("--filter", default="", help="only kernels whose name contains this text")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="parallel compilations")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the interpreter cannot compile kernels")
-    configs = [c for c in all_configs() if args.filter in c.kernel]
+    configs = [c for c in all_configs(args.arch) if args.filter in c.kernel]
     if not configs:
         parser.error(f"no kernel config matches --filter {args.filter!r}")
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         results = list(pool.map(compile_config, configs))
     print(format_table(results))
     bad = failures(results)
-    print(f"\n{len(results)} configs compiled for sm_90 (triton {triton.__version__}); {len(bad)} failing")
+    print()
+    for name in args.arch:
+        arch, count = ARCHS[name], sum(r.config.arch == name for r in results)
+        print(f"{name} ({arch.gpus}): {count} configs compiled for sm_{arch.capability}")
+    targets = ", ".join(f"sm_{ARCHS[a].capability}" for a in args.arch)
+    print(f"{len(results)} configs compiled for {targets} (triton {triton.__version__}); {len(bad)} failing")
     for line in bad:
         print(f"FAIL {line}")
     return 1 if bad else 0

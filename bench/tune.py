@@ -7,20 +7,21 @@
 A target is one table entry: an attention pass at a head dim (kernels.attention), or an MLP GEMM
 at a shape class (kernels.mlp). Starting from the entry (the prediction), the tuner descends. Every
 neighbour of the current best (block_m, block_n or block_k halved or doubled, num_warps 4 <-> 8,
-num_stages one up or down, TMA on or off, the epilogue split halved or doubled, and for the
+num_stages one up or down, TMA on or off (sm_90+), the epilogue split halved or doubled, and for the
 attention forward the programs per SM of a persistent launch one up or down) is compiled for
-sm_90 first (``bench.compile_report``: skipped if it spills or exceeds shared memory), checked
-against the float32 reference, then timed with CUDA events (the same inputs every call; each
-is tens of MiB, past the L2). The fastest neighbour, by the time summed over the target's modes,
-becomes the best if it gains more than MIN_GAIN, and its neighbours are next.
+this GPU's family first (``bench.compile_report``: skipped if it spills or exceeds shared
+memory), checked against the float32 reference, then timed with CUDA events (the same inputs
+every call; each is tens of MiB, past the L2). The fastest neighbour, by the time summed over the
+target's modes, becomes the best if it gains more than MIN_GAIN, and its neighbours are next.
 
 What is timed: an attention forward times ``attention_fwd`` on the bench shape (16K tokens,
 heads · head_dim = 2048, float16), causal and not; a backward pass the whole backward with only
 that pass's entry changed. An MLP GEMM times its launcher alone on the bench shape that falls in
 its class (GPT-2 1.3B or LLaMA 7B at 16K tokens for large; 124M at 1K tokens or 7B at 512 for
-medium). Stops at --seconds (shared by the targets in order) and prints every measurement with
-TFLOP/s, the table's entry and the best found; --json keeps them. Tables are changed by hand from
-what this measured, never at run time.
+medium). The entries tuned are those of this GPU's family (kernels.runtime.arch). Stops at
+--seconds (shared by the targets in order) and prints every measurement with TFLOP/s, the table's
+entry and the best found; --json keeps them. Tables are changed by hand from what this measured,
+never at run time.
 """
 
 import argparse
@@ -34,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from kernels import runtime
 
 ATTENTION_PASSES = {  # --passes name: (compile report pass, table in kernels.attention)
     "fwd": ("attn_fwd", "FWD_CONFIGS"),
@@ -72,12 +75,13 @@ class Target:
     check: Callable[[], bool]  # ours correct with the table as it is now (on the GPU)
     calls: Callable[[], dict]  # mode -> (zero-argument call, FLOPs a call does)
     persistent: bool = False  # candidates include programs_per_sm (the attention forward)
+    tma: bool = True  # candidates toggle TMA (the GPU has it: sm_90+)
 
 
 @dataclass
 class Measurement:
     config: dict
-    compiled: bool  # no spills, shared memory in budget on sm_90
+    compiled: bool  # no spills, shared memory in budget on the GPU's family
     correct: bool | None = None
     ms: dict = field(default_factory=dict)  # mode -> median ms
     tflops: dict = field(default_factory=dict)  # the same modes
@@ -88,11 +92,11 @@ class Measurement:
         return sum(self.ms.values()) if self.correct and self.ms else math.inf
 
 
-def neighbours(cfg, persistent: bool = False) -> list:
+def neighbours(cfg, persistent: bool = False, tma: bool = True) -> list:
     """Configs one change away from cfg (an AttnConfig or a GemmConfig): a tile dimension halved or
-    doubled within TILE_RANGE, the other warp count, a pipeline stage more or fewer, TMA toggled
-    (not for a split dk/dv pass), the epilogue split halved or doubled (GEMMs), and with persistent
-    one program per SM more or fewer, up to PROGRAMS_PER_SM."""
+    doubled within TILE_RANGE, the other warp count, a pipeline stage more or fewer, with tma TMA
+    toggled (not for a split dk/dv pass), the epilogue split halved or doubled (GEMMs), and with
+    persistent one program per SM more or fewer, up to PROGRAMS_PER_SM."""
     out = []
     for name in ("block_m", "block_n", "block_k"):
         value = getattr(cfg, name, None)
@@ -103,7 +107,7 @@ def neighbours(cfg, persistent: bool = False) -> list:
     for stages in (cfg.num_stages - 1, cfg.num_stages + 1):
         if STAGES[0] <= stages <= STAGES[1]:
             out.append(dataclasses.replace(cfg, num_stages=stages))
-    if getattr(cfg, "column_splits", 1) == 1:
+    if tma and getattr(cfg, "column_splits", 1) == 1:
         out.append(dataclasses.replace(cfg, tma=not cfg.tma))
     split = getattr(cfg, "epilogue_split", None)
     for new in (split // 2, split * 2) if split else ():
@@ -122,6 +126,7 @@ def descend(
     deadline: float,
     clock: Callable[[], float] = time.monotonic,
     persistent: bool = False,
+    tma: bool = True,
 ) -> tuple[object, list[Measurement]]:
     """Best-improvement descent from start over :func:`neighbours`, each config measured once,
     until no neighbour gains MIN_GAIN or the clock passes deadline. Returns (best, measurements)."""
@@ -129,7 +134,7 @@ def descend(
     best = start
     while clock() < deadline:
         candidates = []
-        for cfg in neighbours(best, persistent):
+        for cfg in neighbours(best, persistent, tma):
             if clock() >= deadline:
                 break
             if cfg not in measured:
@@ -143,8 +148,8 @@ def descend(
 
 
 def compiles_clean(configs: list) -> tuple[bool, str]:
-    """Whether every compile_report.KernelConfig compiles for sm_90 without spills and within
-    shared memory; the reason, or the registers, as a note."""
+    """Whether every compile_report.KernelConfig compiles for its GPU family without spills, within
+    shared memory and on tensor cores; the reason, or the registers, as a note."""
     from bench import compile_report
 
     try:  # in this process: a forked worker of a process that holds a CUDA context is unsafe
@@ -186,11 +191,13 @@ def gpu_measure(target: Target) -> Callable[[object], Measurement]:
 # ----------------------------------------------------------------------------------------------
 
 
-def attention_targets(passes, head_dims, seqlen: int) -> list[Target]:
+def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runtime.SM90) -> list[Target]:
+    """The entries of arch's attention tables for the passes at the head dims."""
     from bench import attention as bench_attention
     from bench import compile_report
     from kernels import attention
 
+    tma, arch = arch.capability >= 90, arch.name
     targets = []
     for name in passes:
         for head_dim in head_dims:
@@ -198,15 +205,15 @@ def attention_targets(passes, head_dims, seqlen: int) -> list[Target]:
             shape = bench_attention.benchmark_shape(seqlen, head_dim)
             check_shape = bench_attention.Shape(1, CHECK_SEQLEN, 2, head_dim)
             targets.append(Target(
-                f"attention {name} d={head_dim}", getattr(attention, table_name),
+                f"attention {name} d={head_dim} ({arch})", getattr(attention, table_name)[arch],
                 attention.head_dim_block(head_dim),
                 lambda cfg, p=pass_name, d=head_dim: [
-                    compile_report.attention_pass_config(p, cfg, d, torch.float16, mask, cfg.tma)
+                    compile_report.attention_pass_config(p, cfg, d, torch.float16, mask, cfg.tma, arch=arch)
                     for mask in compile_report.ATTENTION_MASKS
                 ],
                 lambda s=check_shape: all(bench_attention.check(s, c, DEVICE)[1] for c in (False, True)),
                 lambda p=pass_name, s=shape: _attention_calls(p, s),
-                persistent=name == "fwd",
+                persistent=name == "fwd", tma=tma,
             ))  # fmt: skip
     return targets
 
@@ -234,11 +241,13 @@ def _attention_calls(pass_name: str, shape) -> dict:
     return calls
 
 
-def mlp_targets(gemms, shape_classes) -> list[Target]:
+def mlp_targets(gemms, shape_classes, arch: runtime.Arch = runtime.SM90) -> list[Target]:
+    """The entries of arch's GEMM tables for the GEMMs at the shape classes."""
     from bench import compile_report
     from bench import mlp as bench_mlp
     from kernels import mlp
 
+    tma, arch = arch.capability >= 90, arch.name
     models = {m.name: m for m in bench_mlp.MODELS}
     targets = []
     for gemm in gemms:
@@ -246,14 +255,14 @@ def mlp_targets(gemms, shape_classes) -> list[Target]:
             model, tokens = models[MLP_SHAPES[gemm, shape_class][0]], MLP_SHAPES[gemm, shape_class][1]
             if mlp.shape_class(tokens, model.hidden) != shape_class:
                 raise ValueError(f"MLP_SHAPES: {model.name} at {tokens} tokens is not {shape_class}")
-            title = f"mlp {gemm} {shape_class} ({model.name}, {tokens} tokens)"
+            title = f"mlp {gemm} {shape_class} ({model.name}, {tokens} tokens; {arch})"
             targets.append(Target(
-                title, mlp.GEMM_CONFIGS[gemm], shape_class,
+                title, mlp.GEMM_CONFIGS[arch][gemm], shape_class,
                 lambda cfg, g=gemm, c=shape_class, a=model.activation: [
-                    compile_report.mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma)
+                    compile_report.mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma, arch)
                 ],
                 lambda m=model, t=tokens: bench_mlp.check(m, t, DEVICE, whole_mlp=True)[1],
-                lambda g=gemm, m=model, t=tokens: _mlp_calls(g, m, t),
+                lambda g=gemm, m=model, t=tokens: _mlp_calls(g, m, t), tma=tma,
             ))  # fmt: skip
     return targets
 
@@ -304,7 +313,7 @@ def tune(targets: list[Target], seconds: float, make_measure=gpu_measure) -> dic
         target_deadline = now + (deadline - now) / (len(targets) - index)
         start = target.table[target.key]
         best, measurements = descend(
-            start, make_measure(target), target_deadline, persistent=target.persistent
+            start, make_measure(target), target_deadline, persistent=target.persistent, tma=target.tma
         )
         report[target.title] = {
             "table": dataclasses.asdict(start),
@@ -364,11 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("tuning times kernels on a GPU; this machine has none")
+    arch = runtime.arch(torch.device(DEVICE))
     try:
         if args.family == "attention":
-            targets = attention_targets(args.passes, args.head_dims, args.seqlen)
+            targets = attention_targets(args.passes, args.head_dims, args.seqlen, arch)
         else:
-            targets = mlp_targets(args.gemms, args.shape_classes)
+            targets = mlp_targets(args.gemms, args.shape_classes, arch)
     except ValueError as error:  # a head dim or seqlen the bench shape cannot take
         parser.error(str(error))
     report = tune(targets, args.seconds)

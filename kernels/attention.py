@@ -32,6 +32,11 @@ whose TMA variant spilled registers, and ``USE_TMA = False`` take masked pointer
 kernel per pass serves both (the ``TMA`` constexpr).
 Causal forward and dq passes run their longest query blocks first, so the tail is short ones; the
 forward can also run persistent (``programs_per_sm`` in its table), off until measured faster.
+
+Tiles, warps and stages come from a table per pass with an entry per GPU family (A100-class sm80,
+the 99-KiB sm86 chips, Hopper sm90, datacenter Blackwell sm100: ``kernels.runtime.ARCHS``), each
+compiled clean for its family's target in the compile report; GPUs below compute capability 8.0
+raise.
 """
 
 import dataclasses
@@ -661,48 +666,127 @@ class AttnConfig:
     programs_per_sm: int = 0
 
 
-# Per pass and padded head dim. Every entry compiles for sm_90 with HGMMA and no spills in both
-# dtypes and every mask (full, causal, local), with pointer loads, where tma is set with TMA loads,
-# and on packed batches (python -m bench.compile_report --filter attn), on triton 3.6 and 3.9 but
-# for one: the packed head-dim-128 forward, hence PACKED_FWD_CONFIGS below. TMA took fewer
-# registers in most entries (221 against 255 in the head-dim-128 forward) and less shared memory
-# (197 against 229 KB there); which is faster is for the bench to measure ("ours" against
-# "ours-pointer").
+# Per GPU family (runtime.arch), pass and padded head dim. Every entry compiles for its family's
+# target (sm_80, sm_86, sm_90, sm_100) with tensor-core instructions, no spills and within its shared
+# memory, in both dtypes and every mask (full, causal, local), with pointer loads, on packed batches,
+# and on sm_90 and sm_100 where tma is set with TMA loads (python -m bench.compile_report --filter
+# attn). Only the sm_90 entries are chosen for speed. The others were picked by compiling candidate
+# tiles (block_m and block_n 16 to 128, 4 or 8 warps, 3 to 1 stages) from the largest down and
+# keeping one that compiles clean for the family; none is measured yet (python -m bench.tune
+# attention on such a GPU refines them). On sm_80 the 128x64 forward tile spilled 24 bytes at head
+# dim 128; the dk/dv pass spilled hundreds of bytes on sm_100 at sm_90's tiles.
+#
+# sm_90: clean on triton 3.6 and 3.9 but for one: the packed head-dim-128 forward, hence
+# PACKED_FWD_CONFIGS below. TMA took fewer registers in most entries (221 against 255 in the
+# head-dim-128 forward) and less shared memory (197 against 229 KB there); which is faster is for
+# the bench to measure ("ours" against "ours-pointer").
 FWD_CONFIGS = {
-    16: AttnConfig(128, 64, 4, 3),
-    32: AttnConfig(128, 64, 4, 3),
-    64: AttnConfig(128, 64, 4, 3),
-    128: AttnConfig(128, 128, 8, 3),
-    # 128x64 spilled 8-48 bytes on triton 3.9 (TMA, and pointers at head dim 192 causal), 64x64 with
-    # pointers; 128x32 with pointers is the one tile tried that compiles clean on 3.6 and 3.9.
-    256: AttnConfig(128, 32, 8, 2, tma=False),
+    "sm90": {
+        16: AttnConfig(128, 64, 4, 3),
+        32: AttnConfig(128, 64, 4, 3),
+        64: AttnConfig(128, 64, 4, 3),
+        128: AttnConfig(128, 128, 8, 3),
+        # 128x64 spilled 8-48 bytes on triton 3.9 (TMA, and pointers at head dim 192 causal), 64x64
+        # with pointers; 128x32 with pointers is the one tile tried that compiles clean on 3.6 and 3.9.
+        256: AttnConfig(128, 32, 8, 2, tma=False),
+    },
+    "sm100": {
+        16: AttnConfig(128, 128, 8, 3),
+        32: AttnConfig(128, 128, 8, 3),
+        64: AttnConfig(128, 128, 8, 3),
+        128: AttnConfig(128, 64, 8, 3, tma=False),
+        256: AttnConfig(128, 32, 8, 2),
+    },
+    "sm80": {
+        16: AttnConfig(128, 128, 8, 2, tma=False),
+        32: AttnConfig(128, 128, 8, 3, tma=False),
+        64: AttnConfig(128, 64, 8, 3, tma=False),
+        128: AttnConfig(128, 32, 8, 3, tma=False),
+        256: AttnConfig(64, 64, 8, 2, tma=False),
+    },
+    "sm86": {
+        16: AttnConfig(128, 128, 8, 2, tma=False),
+        32: AttnConfig(128, 128, 8, 3, tma=False),
+        64: AttnConfig(128, 64, 8, 3, tma=False),
+        128: AttnConfig(128, 32, 8, 3, tma=False),
+        256: AttnConfig(64, 32, 8, 2, tma=False),
+    },
 }
-# Packed batches take pointer loads, and at head dim 128 a forward tile of their own: the padded
-# table's 128x128 pointer tile runs at 255 registers and spilled 16 bytes packed on triton 3.9, where
-# 128x64 compiled at 180-234 registers in every mask. The backward passes share the padded tables.
-PACKED_FWD_CONFIGS = {**FWD_CONFIGS, 128: AttnConfig(128, 64, 8, 3, tma=False)}
+# Packed batches take pointer loads, and on sm_90 at head dim 128 a forward tile of their own: the
+# padded table's 128x128 pointer tile runs at 255 registers and spilled 16 bytes packed on triton
+# 3.9, where 128x64 compiled at 180-234 registers in every mask. The backward passes share the
+# padded tables.
+PACKED_FWD_CONFIGS = FWD_CONFIGS | {"sm90": FWD_CONFIGS["sm90"] | {128: AttnConfig(128, 64, 8, 3, tma=False)}}
 # block_n is the key block each program owns (dk, dv accumulate there); block_m the query step.
-# At head dim 256 no tile held dk and dv whole without spilling (808 bytes at 64x64, 8 warps), so
-# two programs share each key block's columns, recomputing the scores: 1.5x this pass's FLOPs.
-# At 128 the TMA variant of this tile spills 16-32 bytes (only block_m 16 did not): pointers there.
 BWD_DKDV_CONFIGS = {
-    16: AttnConfig(64, 128, 8, 2),
-    32: AttnConfig(64, 128, 8, 2),
-    64: AttnConfig(32, 128, 8, 2),
-    128: AttnConfig(32, 128, 8, 2, tma=False),
-    256: AttnConfig(16, 64, 8, 2, column_splits=2, tma=False),
+    # At head dim 256 no tile held dk and dv whole without spilling (808 bytes at 64x64, 8 warps),
+    # so two programs share each key block's columns, recomputing the scores: 1.5x this pass's
+    # FLOPs. At 128 the TMA variant of this tile spills 16-32 bytes (only block_m 16 did not).
+    "sm90": {
+        16: AttnConfig(64, 128, 8, 2),
+        32: AttnConfig(64, 128, 8, 2),
+        64: AttnConfig(32, 128, 8, 2),
+        128: AttnConfig(32, 128, 8, 2, tma=False),
+        256: AttnConfig(16, 64, 8, 2, column_splits=2, tma=False),
+    },
+    "sm100": {
+        16: AttnConfig(32, 128, 8, 3, tma=False),
+        32: AttnConfig(32, 128, 8, 3, tma=False),
+        64: AttnConfig(32, 128, 8, 3),
+        128: AttnConfig(32, 64, 8, 2),
+        256: AttnConfig(32, 32, 8, 3, tma=False),
+    },
+    "sm80": {
+        16: AttnConfig(32, 128, 4, 3, tma=False),
+        32: AttnConfig(64, 128, 8, 2, tma=False),
+        64: AttnConfig(16, 128, 8, 3, tma=False),
+        128: AttnConfig(32, 64, 8, 3, tma=False),
+        256: AttnConfig(16, 64, 8, 3, column_splits=2, tma=False),
+    },
+    "sm86": {
+        16: AttnConfig(64, 128, 8, 2, tma=False),
+        32: AttnConfig(32, 128, 4, 1, tma=False),
+        64: AttnConfig(32, 128, 8, 1, tma=False),
+        128: AttnConfig(64, 64, 8, 1, tma=False),
+        256: AttnConfig(32, 32, 8, 3, tma=False),
+    },
 }
-# At 256 the TMA variant compiles clean on triton 3.6 (250 registers) but spilled 544 bytes on 3.9.
 BWD_DQ_CONFIGS = {
-    16: AttnConfig(128, 64, 8, 3),
-    32: AttnConfig(128, 64, 8, 3),
-    64: AttnConfig(128, 64, 8, 3),
-    128: AttnConfig(128, 64, 8, 2),
-    256: AttnConfig(64, 32, 8, 2, tma=False),
+    # At 256 the TMA variant compiles clean on triton 3.6 (250 registers) but spilled 544 bytes on 3.9.
+    "sm90": {
+        16: AttnConfig(128, 64, 8, 3),
+        32: AttnConfig(128, 64, 8, 3),
+        64: AttnConfig(128, 64, 8, 3),
+        128: AttnConfig(128, 64, 8, 2),
+        256: AttnConfig(64, 32, 8, 2, tma=False),
+    },
+    "sm100": {
+        16: AttnConfig(128, 128, 8, 3),
+        32: AttnConfig(128, 128, 8, 3),
+        64: AttnConfig(128, 128, 8, 3),
+        128: AttnConfig(128, 32, 8, 3),
+        256: AttnConfig(128, 16, 8, 3, tma=False),
+    },
+    "sm80": {
+        16: AttnConfig(128, 128, 8, 3, tma=False),
+        32: AttnConfig(128, 32, 4, 2, tma=False),
+        64: AttnConfig(128, 64, 8, 3, tma=False),
+        128: AttnConfig(128, 32, 8, 3, tma=False),
+        256: AttnConfig(64, 32, 8, 3, tma=False),
+    },
+    "sm86": {
+        16: AttnConfig(128, 128, 8, 3, tma=False),
+        32: AttnConfig(128, 64, 8, 1, tma=False),
+        64: AttnConfig(128, 32, 4, 1, tma=False),
+        128: AttnConfig(128, 32, 8, 2, tma=False),
+        256: AttnConfig(32, 32, 4, 3, tma=False),
+    },
 }
 # Small, unequal tiles in the interpreter: quick there, and several blocks cross every boundary.
 INTERPRETER_BLOCKS = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1}
 PREPROCESS_BLOCK_M = 64
+# At 4 warps the 64 x 128 tiles of o and dO spilled 8-32 bytes on sm_100 (at 48-56 registers).
+PREPROCESS_NUM_WARPS = 8
 
 
 def head_dim_block(head_dim: int) -> int:
@@ -710,8 +794,9 @@ def head_dim_block(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def attn_config(table: dict, head_dim: int) -> AttnConfig:
-    cfg = table[head_dim_block(head_dim)]
+def attn_config(table: dict, head_dim: int, device: torch.device) -> AttnConfig:
+    """The entry of table (FWD_CONFIGS, ...) for head_dim on device's GPU family."""
+    cfg = table[runtime.arch(device).name][head_dim_block(head_dim)]
     return dataclasses.replace(cfg, **INTERPRETER_BLOCKS) if runtime.INTERPRET else cfg
 
 
@@ -803,7 +888,7 @@ def attention_fwd(
     out = runtime.empty(q.shape, q.dtype, q.device)
     lse_shape = (batch, heads, seqlen_q) if packed is None else (heads, q.shape[0])
     lse = runtime.empty(lse_shape, torch.float32, q.device)
-    cfg = attn_config(FWD_CONFIGS if packed is None else PACKED_FWD_CONFIGS, head_dim)
+    cfg = attn_config(FWD_CONFIGS if packed is None else PACKED_FWD_CONFIGS, head_dim, q.device)
     block_d = head_dim_block(head_dim)
     tma = tma_usable(cfg, q, k, v, out)
     q_tiles, out_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, out))
@@ -862,9 +947,9 @@ def attention_bwd(
         _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * heads)](
             out, dout, dlse if dlse is not None else delta, delta, sequences["CU_SEQLENS_Q"], seqlen_q, heads,
             **_stride_args(o=out, do=dout), **lse_strides,
-            **dims, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=dlse is not None,
+            **dims, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=dlse is not None, num_warps=PREPROCESS_NUM_WARPS,
         )  # fmt: skip
-        cfg = attn_config(BWD_DKDV_CONFIGS, head_dim)
+        cfg = attn_config(BWD_DKDV_CONFIGS, head_dim, q.device)
         tma = tma_usable(cfg, q, k, v, dout, dk, dv)
         q_tiles, do_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout))
         k_tiles, v_tiles, dk_tiles, dv_tiles = (
@@ -879,7 +964,7 @@ def attention_bwd(
             **dims, BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             **mask, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-        cfg = attn_config(BWD_DQ_CONFIGS, head_dim)
+        cfg = attn_config(BWD_DQ_CONFIGS, head_dim, q.device)
         tma = tma_usable(cfg, q, k, v, dout, dq)
         q_tiles, do_tiles, dq_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout, dq))
         k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (k, v))

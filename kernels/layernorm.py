@@ -363,7 +363,8 @@ class RowConfig:
 
 
 # Longest rows held whole in registers; the backward holds five float32 values per element.
-# Both limits are the largest sizes that compile for sm_90 with no spills (bench.compile_report).
+# Both limits are the largest sizes that compile with no spills for sm_90 (bench.compile_report;
+# the other GPU families compile clean there too).
 FWD_MAX_ROW_IN_REGISTERS = 16384
 BWD_MAX_ROW_IN_REGISTERS = 8192
 # Short rows are packed several to a program, up to a tile of this many elements. At 4096 the
@@ -375,8 +376,9 @@ CHUNKED_BWD = RowConfig(block_m=4, block_n=1024, num_warps=8, row_in_registers=F
 CHUNKED_BWD_ROW_COEFFS = RowConfig(block_m=1, block_n=4096, num_warps=8, row_in_registers=False)
 
 
-def row_config(n: int, backward: bool, dtype: torch.dtype) -> RowConfig:
-    """The one block-size rule of the row-wise kernels: about 8 float32 values per thread."""
+def row_config(n: int, backward: bool, dtype: torch.dtype, arch: runtime.Arch) -> RowConfig:
+    """The one block-size rule of the row-wise kernels on GPU family arch: about 8 float32 values a
+    thread (16 in the backward before sm_90)."""
     block_n = triton.next_power_of_2(n)
     if block_n > (BWD_MAX_ROW_IN_REGISTERS if backward else FWD_MAX_ROW_IN_REGISTERS):
         return CHUNKED_BWD if backward else CHUNKED_FWD
@@ -384,7 +386,10 @@ def row_config(n: int, backward: bool, dtype: torch.dtype) -> RowConfig:
     # The backward's 8192-element row spilled 8 bytes at 32 warps (64 registers a thread) with 16-bit
     # inputs on triton 3.9, and at 16 warps in float32 on 3.6: 16-bit inputs stop at 16 warps.
     max_warps = 16 if backward and dtype.itemsize == 2 else 32
-    num_warps = min(max_warps, max(1, block_m * block_n // 256))
+    # The backward before Hopper takes 16 values a thread: at 8, ptxas held 16-bit rows of 2048 and
+    # 4096 elements to 64 registers on sm_80 and sm_86 and spilled 8 bytes.
+    values_per_thread = 16 if backward and arch.capability < 90 else 8
+    num_warps = min(max_warps, max(1, block_m * block_n // (32 * values_per_thread)))
     return RowConfig(block_m, block_n, num_warps, row_in_registers=True)
 
 
@@ -419,7 +424,7 @@ def norm_fwd(
     rstd = runtime.empty((M,), fp32, x.device)
     if M == 0:
         return y, residual_out, mean, rstd
-    cfg = row_config(N, backward=False, dtype=x.dtype)
+    cfg = row_config(N, backward=False, dtype=x.dtype, arch=runtime.arch(x.device))
     residual_in = _dummy_if_none(residual, x)
     with runtime.device_guard(x):
         _norm_fwd_kernel[(triton.cdiv(M, cfg.block_m),)](
@@ -460,7 +465,7 @@ def norm_bwd(
     if dresidual_out is not None:
         dresidual_out = _unit_column_stride(dresidual_out)
     dx = runtime.empty((M, N), x.dtype, x.device)
-    cfg = row_config(N, backward=True, dtype=x.dtype)
+    cfg = row_config(N, backward=True, dtype=x.dtype, arch=runtime.arch(x.device))
     rows_per_program = backward_rows_per_program(M, cfg, x.device) if M else 1
     grid = (triton.cdiv(M, rows_per_program), triton.cdiv(N, cfg.block_n))
     dw_partial = runtime.empty((grid[0], N) if weight is not None else (0,), fp32, x.device)

@@ -47,8 +47,11 @@ as zeros, so the K loop needs no masks. W_out is read as stored, in (K, N) tiles
 needs its unit stride last. Operands whose start or row stride is not a multiple of 16 bytes (K not
 a multiple of 8, unaligned views), transposed weights, other GPUs and ``USE_TMA = False`` take
 pointer loads instead; one kernel serves both (the ``TMA`` constexpr). Epilogues store by pointers.
+The GEMM tiles come from a table with an entry per GPU family (``kernels.runtime.ARCHS``), each
+compiled clean for its family's target in the compile report.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -512,42 +515,118 @@ class GemmConfig:
     tma: bool = True  # x, weight and dy tiles by TMA (tensor descriptors) where the GPU and strides allow
 
 
-# Per kernel and shape class (see shape_class). float16 and bfloat16 share every entry: the same
-# element size, wgmma instruction shapes and shared-memory footprint; the compile report builds
-# each entry in both dtypes, with pointer and TMA loads, and every one lowers to HGMMA on sm_90
-# with no spills, for every activation (python -m bench.compile_report --filter mlp). TMA took
-# fewer registers in the forwards (170 against 223 in the large gelu_tanh one, 174 against 242 in
-# the medium gated one), about as many in the backwards, and 24-64 bytes more shared memory (its
-# barriers); which is faster is for the bench to measure ("ours" against "ours-pointer").
-# 8 warps are two warpgroups, each owning a 64-row half of the tile. The gated forward holds two
-# accumulators, so its tiles are half as wide. The epilogue split keeps the activation's
-# temporaries within the registers the accumulator leaves: unsplit, a 128 x 256 forward with gelu
-# spilled 224 bytes and the backward 2136, a 128 x 128 gated backward 1000.
+# Per GPU family (runtime.arch), kernel and shape class (see shape_class). float16 and bfloat16 share
+# every entry: the same element size, tensor-core instruction shapes and shared-memory footprint;
+# the compile report builds each entry in both dtypes for its family's target, with pointer loads
+# and on sm_90+ where tma is set with TMA loads, and every one lowers to tensor-core instructions
+# with no spills, for every activation (python -m bench.compile_report --filter mlp). Only the
+# sm_90 entries are chosen for speed. The others were picked by compiling candidate tiles (block_m
+# 64 or 128, block_n 64 up to sm_90's, block_k 32 or 64, 4 or 8 warps, 4 to 2 stages, epilogue
+# split 1 to 4) from sm_90's tile and the deepest pipeline down and keeping one that compiles clean
+# for the family; none is measured yet (python -m bench.tune mlp on such a GPU refines them). The
+# gated forward's 128 x 128 tile spilled 128-184 bytes on sm_80 and sm_86 at every split tried.
+#
+# sm_90: TMA took fewer registers in the forwards (170 against 223 in the large gelu_tanh one, 174
+# against 242 in the medium gated one), about as many in the backwards, and 24-64 bytes more
+# shared memory (its barriers); which is faster is for the bench to measure ("ours" against
+# "ours-pointer"). 8 warps are two warpgroups, each owning a 64-row half of the tile. The gated
+# forward holds two accumulators, so its tiles are half as wide. The epilogue split keeps the
+# activation's temporaries within the registers the accumulator leaves: unsplit, a 128 x 256
+# forward with gelu spilled 224 bytes and the backward 2136, a 128 x 128 gated backward 1000.
 GEMM_CONFIGS = {
-    "fwd": {
-        "large": GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4),
-        "medium": GemmConfig(128, 128, 64, 8, 8, 4),
-        "small": GemmConfig(64, 64, 64, 8, 4, 4),
+    "sm90": {
+        "fwd": {
+            "large": GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4),
+            "medium": GemmConfig(128, 128, 64, 8, 8, 4),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4),
+        },
+        "gated_fwd": {
+            "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=4),
+            "medium": GemmConfig(64, 128, 64, 8, 4, 4, epilogue_split=2),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4),
+        },
+        "dh_bwd": {
+            "large": GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4),
+            "medium": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=2),
+        },
+        "gated_dh_bwd": {
+            "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=4),
+            "medium": GemmConfig(64, 128, 64, 8, 4, 4, epilogue_split=4),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=2),
+        },
     },
-    "gated_fwd": {
-        "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=4),
-        "medium": GemmConfig(64, 128, 64, 8, 4, 4, epilogue_split=2),
-        "small": GemmConfig(64, 64, 64, 8, 4, 4),
+    "sm100": {
+        "fwd": {
+            "large": GemmConfig(128, 256, 64, 8, 8, 4, epilogue_split=2),
+            "medium": GemmConfig(128, 128, 64, 8, 8, 4),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4),
+        },
+        "gated_fwd": {
+            "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2),
+            "medium": GemmConfig(64, 128, 64, 8, 8, 4),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4),
+        },
+        "dh_bwd": {
+            "large": GemmConfig(128, 256, 64, 8, 8, 4, epilogue_split=4),
+            "medium": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4),
+        },
+        "gated_dh_bwd": {
+            "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2),
+            "medium": GemmConfig(64, 128, 64, 8, 8, 4),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4),
+        },
     },
-    "dh_bwd": {
-        "large": GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4),
-        "medium": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2),
-        "small": GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=2),
+    "sm80": {
+        "fwd": {
+            "large": GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4, tma=False),
+            "medium": GemmConfig(128, 128, 64, 8, 8, 4, tma=False),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
+        },
+        "gated_fwd": {
+            "large": GemmConfig(128, 64, 64, 8, 8, 4, tma=False),
+            "medium": GemmConfig(64, 128, 64, 8, 8, 4, tma=False),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
+        },
+        "dh_bwd": {
+            "large": GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4, tma=False),
+            "medium": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2, tma=False),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
+        },
+        "gated_dh_bwd": {
+            "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2, tma=False),
+            "medium": GemmConfig(64, 128, 64, 8, 8, 4, tma=False),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
+        },
     },
-    "gated_dh_bwd": {
-        "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=4),
-        "medium": GemmConfig(64, 128, 64, 8, 4, 4, epilogue_split=4),
-        "small": GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=2),
+    "sm86": {
+        "fwd": {
+            "large": GemmConfig(128, 256, 64, 8, 8, 2, epilogue_split=4, tma=False),
+            "medium": GemmConfig(128, 128, 64, 8, 8, 3, tma=False),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
+        },
+        "gated_fwd": {
+            "large": GemmConfig(128, 64, 64, 8, 8, 3, tma=False),
+            "medium": GemmConfig(64, 128, 64, 8, 8, 2, tma=False),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
+        },
+        "dh_bwd": {
+            "large": GemmConfig(128, 256, 64, 8, 8, 2, epilogue_split=4, tma=False),
+            "medium": GemmConfig(128, 128, 64, 8, 8, 3, epilogue_split=2, tma=False),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
+        },
+        "gated_dh_bwd": {
+            "large": GemmConfig(128, 128, 64, 8, 8, 3, epilogue_split=2, tma=False),
+            "medium": GemmConfig(64, 128, 64, 8, 8, 4, tma=False),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
+        },
     },
 }
 # Small, unequal tiles in the interpreter: quick there, several tiles cross every edge, and the
 # epilogue runs split, so the CPU tests run the subtile code too.
-INTERPRETER_GEMM_CONFIG = GemmConfig(32, 64, 32, 2, 4, 1, epilogue_split=4)
+INTERPRETER_GEMM_BLOCKS = {"block_m": 32, "block_n": 64, "block_k": 32, "group_m": 2, "num_warps": 4,
+                           "num_stages": 1, "epilogue_split": 4}  # fmt: skip
 # From this many outputs on, the large class's 128 x 256 tiles fill about two waves of an H200's
 # 132 SMs (256 tiles); below, smaller tiles keep more SMs busy.
 LARGE_OUTPUTS = 2**23
@@ -575,8 +654,10 @@ def shape_class(M: int, N: int) -> str:
     return "large" if M * N >= LARGE_OUTPUTS else "medium"
 
 
-def gemm_config(kernel: str, M: int, N: int) -> GemmConfig:
-    return INTERPRETER_GEMM_CONFIG if runtime.INTERPRET else GEMM_CONFIGS[kernel][shape_class(M, N)]
+def gemm_config(kernel: str, M: int, N: int, device: torch.device) -> GemmConfig:
+    """The GEMM_CONFIGS entry of kernel for an (M, N) output on device's GPU family."""
+    cfg = GEMM_CONFIGS[runtime.arch(device).name][kernel][shape_class(M, N)]
+    return dataclasses.replace(cfg, **INTERPRETER_GEMM_BLOCKS) if runtime.INTERPRET else cfg
 
 
 def _grid(cfg: GemmConfig, M: int, N: int) -> tuple[int]:
@@ -618,7 +699,7 @@ def _linear_act_fwd(
     pre = runtime.empty((M, N) if store_pre else (0,), x.dtype, x.device)
     if M == 0 or N == 0:
         return y, pre
-    cfg = gemm_config("fwd", M, N)
+    cfg = gemm_config("fwd", M, N, x.device)
     tma = tma_usable(cfg, x, weight)
     x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
     w_tiles = runtime.tma_operand(weight, (cfg.block_n, cfg.block_k), tma)
@@ -645,7 +726,7 @@ def _gated_fwd(
     up = runtime.empty((M, N) if store_pre else (0,), x.dtype, x.device)
     if M == 0 or N == 0:
         return y, gate, up
-    cfg = gemm_config("gated_fwd", M, N)
+    cfg = gemm_config("gated_fwd", M, N, x.device)
     tma = tma_usable(cfg, x, w_gate, w_up)
     x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
     wg_tiles, wu_tiles = (runtime.tma_operand(w, (cfg.block_n, cfg.block_k), tma) for w in (w_gate, w_up))
@@ -683,7 +764,7 @@ def _dh_act_bwd(
     dpre = runtime.empty((M, N), pre.dtype, pre.device)
     dup = runtime.empty((M, N) if gated else (0,), pre.dtype, pre.device)
     h = runtime.empty((M, N), pre.dtype, pre.device) if store_h else pre
-    cfg = gemm_config("gated_dh_bwd" if gated else "dh_bwd", M, N)
+    cfg = gemm_config("gated_dh_bwd" if gated else "dh_bwd", M, N, pre.device)
     db_partial = runtime.empty(
         (triton.cdiv(M, cfg.block_m), N) if has_bias else (0,), torch.float32, pre.device
     )

@@ -3,10 +3,17 @@
 The one switch: tensors on a CUDA device always run the Triton kernels. Tensors on the CPU run the
 Triton kernels in Triton's interpreter when ``TRITON_INTERPRET=1`` was set before ``triton`` was
 first imported (the tests do this), and the float32 references of ``kernels.reference`` otherwise.
+
+Every config table of the kernels has an entry per GPU family of ``ARCHS`` (A100-class sm80, the
+99-KiB sm86 chips, Hopper sm90, datacenter Blackwell sm100); a launch takes its device's family,
+known by the compute capability (:func:`arch`), and the compile report builds each family's
+entries for that family's own target.
 """
 
 import contextlib
+import functools
 import os
+from dataclasses import dataclass
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -62,6 +69,57 @@ def autocast(*tensors):
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)
 
 
+@dataclass(frozen=True)
+class Arch:
+    """A family of NVIDIA GPUs that shares one entry of every config table: the compute capability
+    the compile report builds that entry for, and the shared memory a block may have there."""
+
+    name: str
+    capability: int  # 80 for sm_80
+    max_shared_bytes: int
+    gpus: str  # the GPUs it covers, as the compile report names them
+
+
+SM80 = Arch("sm80", 80, 166912, "A100, A800, A30, Jetson Orin")  # 163 KiB a block
+# Ampere's and Ada's other chips and consumer Blackwell: 99 KiB a block, mma.sync tensor cores.
+SM86 = Arch("sm86", 86, 101376, "RTX 30, 40 and 50 series, A10, A40, L4, L40S, RTX 6000 Ada, GB10")
+SM90 = Arch("sm90", 90, 232448, "H100, H200, H20, GH200")  # 227 KiB a block
+SM100 = Arch("sm100", 100, 232448, "B200, B300, GB200, GB300")
+ARCHS = {a.name: a for a in (SM80, SM86, SM90, SM100)}
+
+
+def arch_of_capability(major: int, minor: int, name: str = "this GPU") -> Arch:
+    """The config family of an NVIDIA GPU of compute capability major.minor; an error below 8.0."""
+    if major == 8:
+        return SM80 if minor in (0, 7) else SM86
+    if major == 9:
+        return SM90
+    if major == 10:
+        return SM100
+    if major == 12:
+        return SM86
+    raise RuntimeError(
+        f"Little Horse's kernels have configs for NVIDIA compute capabilities 8.x, 9.0, 10.x and 12.x "
+        f"(Ampere, Ada, Hopper, Blackwell); {name} is {major}.{minor}. Use the reference path "
+        f"(CPU tensors, or the model's backend='reference') there."
+    )
+
+
+@functools.cache
+def _cuda_arch(index: int) -> Arch:
+    if torch.version.hip is not None:
+        raise RuntimeError("Little Horse's kernels have no configs for AMD GPUs (ROCm) yet")
+    major, minor = torch.cuda.get_device_capability(index)
+    return arch_of_capability(major, minor, torch.cuda.get_device_name(index))
+
+
+def arch(device: torch.device) -> Arch:
+    """Which entry of the config tables a launch on device takes; the interpreter emulates sm_90."""
+    if device.type == "cuda":
+        return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+    return SM90
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; a small fixed count in the interpreter."""
     if device.type == "cuda":
@@ -73,10 +131,7 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
     """Whether TMA (tensor descriptors) can address every tensor: an NVIDIA GPU of sm_90 or newer
     (the interpreter emulates one) and, per tensor, no zero size, a unit last stride, a 16-byte
     aligned start and other strides that are positive multiples of 16 bytes."""
-    first = tensors[0]
-    if first.is_cuda and (
-        torch.version.hip is not None or torch.cuda.get_device_capability(first.device)[0] < 9
-    ):
+    if arch(tensors[0].device).capability < 90:
         return False
     return all(
         t.numel() > 0

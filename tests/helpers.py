@@ -52,6 +52,22 @@ def record_tma_choices(monkeypatch, module) -> list:
     return choices
 
 
+def run_family_tables(monkeypatch, family: str, module, blocks: str, choose: str) -> set:
+    """Make every launch from now on take GPU family ``family``'s table entries at their own tiles,
+    not the interpreter's small ones (``module.<blocks>`` emptied), and return the set of configs
+    that ``module.<choose>`` (attn_config, gemm_config) hands the launches."""
+    monkeypatch.setattr(module, blocks, {})
+    monkeypatch.setattr(runtime, "arch", lambda device: runtime.ARCHS[family])
+    chosen, pick = set(), getattr(module, choose)
+
+    def recording(*args):
+        chosen.add(pick(*args))
+        return pick(*args)
+
+    monkeypatch.setattr(module, choose, recording)
+    return chosen
+
+
 def device_has_tma(device: str) -> bool:
     """The interpreter emulates TMA; a GPU has it from sm_90 on."""
     return device == "cpu" or torch.cuda.get_device_capability()[0] >= 9

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import assert_close, device_has_tma, record_tma_choices
+from helpers import assert_close, device_has_tma, record_tma_choices, run_family_tables
 
 import kernels
 from kernels import attention, reference, runtime
@@ -151,7 +151,8 @@ def test_window_reads_only_the_key_blocks_inside_it(device):
     shape = Shape(1, 1, 300, 2, 2, 64)
     q, k, v = make_qkv(shape, torch.float16, device)
     block_n = max(
-        attention.attn_config(t, 64).block_n for t in (attention.FWD_CONFIGS, attention.BWD_DQ_CONFIGS)
+        attention.attn_config(t, 64, torch.device(device)).block_n
+        for t in (attention.FWD_CONFIGS, attention.BWD_DQ_CONFIGS)
     )
     unread = (shape.seqlen_k - 1 - 33) // block_n * block_n
     poisoned_k, poisoned_v = (t.detach().clone() for t in (k, v))
@@ -522,7 +523,7 @@ def test_tma_and_pointer_loads_both_match_reference(shape, window, use_tma, devi
     choices = record_tma_choices(monkeypatch, attention)
     check(shape, True, torch.float16, device, window_size=window)
     # Every pass's table entry allows TMA at these head dims (the dk/dv pass at 80 pads to 128).
-    allowed = [attention.attn_config(table, shape.head_dim).tma for table in
+    allowed = [attention.attn_config(table, shape.head_dim, torch.device(device)).tma for table in
                (attention.FWD_CONFIGS, attention.BWD_DKDV_CONFIGS, attention.BWD_DQ_CONFIGS)]  # fmt: skip
     assert choices == [use_tma and a and device_has_tma(device) for a in allowed]
 
@@ -542,13 +543,29 @@ def test_unaligned_strides_take_the_pointer_path(device, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_persistent_forward_matches_reference(causal, device, monkeypatch):
     # 2 programs per SM loop over all the tiles (5 query blocks x 8 heads in the interpreter).
-    persistent = {d: dataclasses.replace(c, programs_per_sm=2) for d, c in attention.FWD_CONFIGS.items()}
-    monkeypatch.setattr(attention, "FWD_CONFIGS", persistent)
+    arch = runtime.arch(torch.device(device)).name
+    persistent = {
+        d: dataclasses.replace(c, programs_per_sm=2) for d, c in attention.FWD_CONFIGS[arch].items()
+    }
+    monkeypatch.setitem(attention.FWD_CONFIGS, arch, persistent)
     launches = []
     num_sms = runtime.num_sms
     monkeypatch.setattr(runtime, "num_sms", lambda d: launches.append(num_sms(d)) or launches[-1])
     check(Shape(2, 129, 129, 4, 2, 64), causal, torch.float16, device)
     assert launches, "the forward did not take the persistent path"
+
+
+@pytest.mark.parametrize("family", list(runtime.ARCHS))
+def test_every_gpu_familys_tiles_match_reference(family, device, monkeypatch):
+    # The interpreter runs small tiles of its own; here every entry of a GPU family's tables at its
+    # real tile shape (pointer loads before sm_90), a head dim per padded block, two of them padded.
+    if device != "cpu":
+        pytest.skip("a GPU launches its own family's entries (the other tests)")
+    chosen = run_family_tables(monkeypatch, family, attention, "INTERPRETER_BLOCKS", "attn_config")
+    for head_dim in (12, 32, 64, 96, 256):
+        check(Shape(1, 150, 140, 2, 1, head_dim), True, torch.float16, device)
+    tables = (attention.FWD_CONFIGS, attention.BWD_DKDV_CONFIGS, attention.BWD_DQ_CONFIGS)
+    assert chosen == {cfg for table in tables for cfg in table[family].values()}
 
 
 @pytest.mark.gpu
@@ -564,6 +581,11 @@ def test_gpu_pointer_loads_and_persistent_forward(shape, causal, mode, dtype, mo
     if mode == "pointer":
         monkeypatch.setattr(attention, "USE_TMA", False)
     else:
-        persistent = {d: dataclasses.replace(c, programs_per_sm=1) for d, c in attention.FWD_CONFIGS.items()}
-        monkeypatch.setattr(attention, "FWD_CONFIGS", persistent)
+        arch = runtime.arch(torch.device("cuda")).name
+        table = attention.FWD_CONFIGS[arch]
+        monkeypatch.setitem(
+            attention.FWD_CONFIGS,
+            arch,
+            {d: dataclasses.replace(c, programs_per_sm=1) for d, c in table.items()},
+        )
     check(shape, causal, dtype, "cuda")

@@ -159,4 +159,4 @@ def test_without_gpu_bench_checks_in_the_interpreter_and_runs_the_compile_report
     out = capsys.readouterr().out
     assert "timing needs a GPU" in out and "ok" in out and "FAIL" not in out
     [(cmd, env)] = calls
-    assert cmd[-2:] == ["-m", "bench.compile_report"] and "TRITON_INTERPRET" not in env
+    assert cmd[-4:] == ["-m", "bench.compile_report", "--arch", "sm90"] and "TRITON_INTERPRET" not in env

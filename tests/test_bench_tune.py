@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bench import timing, tune
+from kernels import runtime
 from kernels.attention import AttnConfig
 from kernels.mlp import GemmConfig
 
@@ -35,6 +36,7 @@ def test_attention_neighbours_change_one_thing_within_range():
     assert AttnConfig(8, 256, 4, 1, 2, False) not in edge and AttnConfig(16, 512, 4, 1, 2, False) not in edge
     assert AttnConfig(16, 256, 4, 0, 2, False) not in edge
     assert all(c.tma is False for c in edge)  # no TMA variant of a split pass
+    assert got - set(tune.neighbours(cfg, tma=False)) == {AttnConfig(128, 128, 8, 3, tma=False)}  # no TMA
 
 
 def test_gemm_neighbours_vary_block_k_and_the_epilogue_split():
@@ -104,11 +106,13 @@ def test_targets_point_at_the_tables_and_shapes_of_their_class():
     from kernels import attention, mlp
 
     fwd, dq = tune.attention_targets(["fwd", "bwd_dq"], [64], seqlen=4096)
-    assert fwd.table is attention.FWD_CONFIGS and fwd.key == 64 and fwd.persistent
-    assert dq.table is attention.BWD_DQ_CONFIGS and not dq.persistent
+    assert fwd.table is attention.FWD_CONFIGS["sm90"] and fwd.key == 64 and fwd.persistent and fwd.tma
+    assert dq.table is attention.BWD_DQ_CONFIGS["sm90"] and not dq.persistent
     targets = tune.mlp_targets(["fwd", "gated_fwd", "dh_bwd", "gated_dh_bwd"], ["large", "medium"])
     assert len(targets) == 8  # each (gemm, class) shape checked to fall in its class
-    assert targets[0].table is mlp.GEMM_CONFIGS["fwd"] and targets[0].key == "large"
+    assert targets[0].table is mlp.GEMM_CONFIGS["sm90"]["fwd"] and targets[0].key == "large"
+    [a100] = tune.attention_targets(["fwd"], [128], seqlen=4096, arch=runtime.SM80)
+    assert a100.table is attention.FWD_CONFIGS["sm80"] and not a100.tma  # no TMA before sm_90
 
 
 def _fake_target(table, key, check):
@@ -174,9 +178,9 @@ def test_compile_filter_passes_the_tables_and_rejects_shared_memory_over_budget(
         "from bench import tune; from kernels import attention, mlp; "
         "[fwd] = tune.attention_targets(['fwd'], [128], 4096); "
         "[gemm] = tune.mlp_targets(['fwd'], ['medium']); "
-        "print(tune.compiles_clean(fwd.compile_configs(attention.FWD_CONFIGS[128]))); "
+        "print(tune.compiles_clean(fwd.compile_configs(attention.FWD_CONFIGS['sm90'][128]))); "
         "print(tune.compiles_clean(fwd.compile_configs(attention.AttnConfig(128, 256, 8, 4, tma=False)))); "
-        "print(tune.compiles_clean(gemm.compile_configs(mlp.GEMM_CONFIGS['fwd']['medium'])))"
+        "print(tune.compiles_clean(gemm.compile_configs(mlp.GEMM_CONFIGS['sm90']['fwd']['medium'])))"
     )
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr

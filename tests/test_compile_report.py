@@ -1,4 +1,4 @@
-"""The sm_90 compile report's parsing and gate, and one real compile of a kernel family."""
+"""The compile report's parsing and gate, its GPU families, and one real compile of a kernel family."""
 
 import itertools
 import os
@@ -6,10 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from bench import compile_report
 from bench.compile_report import CompileResult, KernelConfig
+from kernels import runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,6 +30,7 @@ SASS = """
         /*00c0*/                   HMMA.16816.F32 R0, R4, R8, R0 ;
         /*00d0*/                   FMUL R1, R2, R3 ;
         /*00e0*/                   UTMALDG.4D [UR8], [UR4] ;
+        /*00f0*/                   UTCHMMA gdesc[UR4], gdesc[UR6], tmem[UR8], tmem[UR10], idesc[UR11], UPT ;
 """
 
 
@@ -36,40 +39,97 @@ def test_parse_resource_usage_counts_stack_and_local_as_spills():
 
 
 def test_count_sass_finds_tensor_core_ops_wide_loads_and_tma_loads():
-    assert compile_report.count_sass(SASS) == (2, 2, 1)
+    assert compile_report.count_sass(SASS) == (3, 2, 1)
 
 
-def _result(spill_bytes=0, shared_bytes=0) -> CompileResult:
-    cfg = KernelConfig("k", "N<=64", torch.float16, "kernels.layernorm._norm_fwd_kernel", {}, {"BLOCK_N": 64})
-    return CompileResult(cfg, 40, spill_bytes, shared_bytes, 0, 4, 0)
+def _result(spill_bytes=0, shared_bytes=0, arch="sm90", matmul=False, tensor_cores=0) -> CompileResult:
+    fn = "kernels.layernorm._norm_fwd_kernel"
+    cfg = KernelConfig("k", "N<=64", torch.float16, fn, {}, {"BLOCK_N": 64}, arch=arch, matmul=matmul)
+    return CompileResult(cfg, 40, spill_bytes, shared_bytes, tensor_cores, 4, 0)
 
 
-def test_gate_fails_spills_and_shared_memory_over_the_limit():
+def test_gate_fails_spills_and_shared_memory_over_the_family_limit():
     assert compile_report.failures([_result()]) == []
-    assert compile_report.failures([_result(shared_bytes=compile_report.SM90_MAX_SHARED_BYTES)]) == []
+    assert compile_report.failures([_result(shared_bytes=runtime.SM90.max_shared_bytes)]) == []
     [spill] = compile_report.failures([_result(spill_bytes=8)])
     assert "spills 8 bytes" in spill
-    [smem] = compile_report.failures([_result(shared_bytes=compile_report.SM90_MAX_SHARED_BYTES + 1)])
+    [smem] = compile_report.failures([_result(shared_bytes=runtime.SM90.max_shared_bytes + 1)])
     assert "shared memory" in smem
+    # What fits an H100's block does not fit an RTX 4090's (99 KiB).
+    [smem] = compile_report.failures([_result(shared_bytes=runtime.SM86.max_shared_bytes + 1, arch="sm86")])
+    assert smem.startswith("sm86 ") and "max 101376" in smem
+
+
+def test_gate_fails_a_matmul_kernel_without_tensor_cores():
+    [slow] = compile_report.failures([_result(matmul=True)])
+    assert "no tensor-core instructions" in slow
+    assert compile_report.failures([_result(matmul=True, tensor_cores=16)]) == []
+
+
+def test_every_family_has_an_entry_in_every_table():
+    from kernels import attention, mlp
+
+    for table in (attention.FWD_CONFIGS, attention.PACKED_FWD_CONFIGS, attention.BWD_DKDV_CONFIGS,
+                  attention.BWD_DQ_CONFIGS):  # fmt: skip
+        assert set(table) == set(runtime.ARCHS)
+        assert all(set(entries) == {16, 32, 64, 128, 256} for entries in table.values())
+    assert set(mlp.GEMM_CONFIGS) == set(runtime.ARCHS)
+    for tables in mlp.GEMM_CONFIGS.values():
+        assert {k: set(v) for k, v in tables.items()} == {
+            k: set(v) for k, v in mlp.GEMM_CONFIGS["sm90"].items()
+        }
+    for name, arch in runtime.ARCHS.items():
+        configs = compile_report.all_configs([name])
+        assert {c.arch for c in configs} == {name}
+        if arch.capability < 90:  # no TMA variants before Hopper
+            assert not any(c.descriptors for c in configs)
+
+
+def test_gpus_map_to_their_family():
+    families = {(8, 0): "sm80", (8, 7): "sm80", (8, 6): "sm86", (8, 9): "sm86", (9, 0): "sm90",
+                (10, 0): "sm100", (10, 3): "sm100", (12, 0): "sm86"}  # fmt: skip
+    for capability, name in families.items():
+        assert runtime.arch_of_capability(*capability).name == name
+    for old in ((7, 0), (7, 5), (6, 1)):
+        with pytest.raises(RuntimeError, match=rf"Tesla is {old[0]}\.{old[1]}"):
+            runtime.arch_of_capability(*old, name="Tesla")
+    assert runtime.arch(torch.device("cpu")) is runtime.SM90  # the interpreter emulates sm_90
 
 
 def test_every_selectable_norm_config_is_in_the_report():
     from kernels import layernorm
 
-    reported = {(c.dtype, c.constexprs["BLOCK_M"], c.constexprs["BLOCK_N"], c.num_warps)
-                for c in compile_report.norm_configs() if "BLOCK_M" in c.constexprs}  # fmt: skip
-    for n, backward, dtype in itertools.product(
-        range(1, layernorm.MAX_HIDDEN + 1, 97), (False, True), compile_report.TRITON_TYPES
-    ):
-        cfg = layernorm.row_config(n, backward, dtype)
-        assert (dtype, cfg.block_m, cfg.block_n, cfg.num_warps) in reported, (n, backward, dtype)
+    for arch in runtime.ARCHS.values():
+        reported = {(c.dtype, c.constexprs["BLOCK_M"], c.constexprs["BLOCK_N"], c.num_warps)
+                    for c in compile_report.norm_configs(arch) if "BLOCK_M" in c.constexprs}  # fmt: skip
+        for n, backward, dtype in itertools.product(
+            range(1, layernorm.MAX_HIDDEN + 1, 97), (False, True), compile_report.TRITON_TYPES
+        ):
+            cfg = layernorm.row_config(n, backward, dtype, arch)
+            assert (dtype, cfg.block_m, cfg.block_n, cfg.num_warps) in reported, (
+                arch.name,
+                n,
+                backward,
+                dtype,
+            )
 
 
-def test_real_compile_of_one_family_for_sm90():
+def test_real_compile_of_one_kernel_for_two_gpu_families():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     run = subprocess.run(
-        [sys.executable, "-m", "bench.compile_report", "--filter", "rms_norm_bwd_row_coeffs", "--jobs", "2"],
+        [
+            sys.executable,
+            "-m",
+            "bench.compile_report",
+            "--arch",
+            "sm90",
+            "sm86",
+            "--filter",
+            "rms_norm_bwd_row_coeffs",
+            "--jobs",
+            "2",
+        ],  # fmt: skip
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -77,11 +137,9 @@ def test_real_compile_of_one_family_for_sm90():
         timeout=600,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    rows = [
-        line.split() for line in run.stdout.splitlines() if line.strip().startswith("rms_norm_bwd_row_coeffs")
-    ]
-    assert len(rows) == 3  # one per dtype
+    rows = [line.split() for line in run.stdout.splitlines() if " rms_norm_bwd_row_coeffs " in line]
+    assert sorted(row[0] for row in rows) == ["sm86"] * 3 + ["sm90"] * 3  # one per dtype and family
     for row in rows:
-        registers, spills = int(row[6]), int(row[7])
+        registers, spills = int(row[7]), int(row[8])
         assert registers > 0 and spills == 0
-    assert "3 configs compiled for sm_90" in run.stdout
+    assert "6 configs compiled for sm_90, sm_86" in run.stdout

@@ -11,11 +11,12 @@ bit patterns. The elementwise backward has no dot, and is tested in bfloat16 her
 """
 
 import copy
+import itertools
 import zlib
 
 import pytest
 import torch
-from helpers import assert_close, device_has_tma, record_tma_choices
+from helpers import assert_close, device_has_tma, record_tma_choices, run_family_tables
 from torch import nn
 
 import kernels
@@ -181,6 +182,22 @@ def test_fused_gated_mlp(activation, shape, device):
     check("fused_gated_mlp", tensors, activation)
 
 
+@pytest.mark.parametrize("family", list(runtime.ARCHS))
+def test_every_gpu_familys_gemm_tiles_match_reference(family, device, monkeypatch):
+    # The interpreter runs small tiles of its own; here every GEMM entry of a GPU family's table at
+    # its real tile shape (pointer loads before sm_90). With LARGE_OUTPUTS lowered, M = 40 is the
+    # small class, 100 x 72 outputs the medium one and 257 x 136 the large one.
+    if device != "cpu":
+        pytest.skip("a GPU launches its own family's entries (the other tests)")
+    chosen = run_family_tables(monkeypatch, family, mlp, "INTERPRETER_GEMM_BLOCKS", "gemm_config")
+    monkeypatch.setattr(mlp, "LARGE_OUTPUTS", 2**15)
+    sizes = ((40, 72), (100, 72), (257, 136))
+    for kind, (M, H) in itertools.product(("fused_mlp", "fused_gated_mlp"), sizes):
+        tensors = make_tensors(kind, (M, 40, H, 24), torch.float16, device, seed=_seed(family, kind, M))
+        check(kind, tensors, "gelu_tanh")
+    assert chosen == {cfg for classes in mlp.GEMM_CONFIGS[family].values() for cfg in classes.values()}
+
+
 # K, H and D multiples of 8 (rows of 16-byte multiples in float16, as TMA needs), none a tile
 # multiple; M is 1, 33, 100 and 257.
 TMA_SHAPES = {
@@ -206,7 +223,7 @@ def test_tma_and_pointer_loads_both_match_reference(kind, use_tma, device, monke
     sizes = TMA_SHAPES[kind]
     check(kind, make_tensors(kind, sizes, torch.float16, device, seed=_seed(kind, "tma")), "gelu")
     M, N = sizes[0], sizes[-2 if kind.startswith("fused") else -1]
-    allowed = [mlp.gemm_config(table, M, N).tma for table in GEMM_TABLES[kind]]
+    allowed = [mlp.gemm_config(table, M, N, torch.device(device)).tma for table in GEMM_TABLES[kind]]
     assert choices == [use_tma and a and device_has_tma(device) for a in allowed]
 
 
