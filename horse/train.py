@@ -103,7 +103,7 @@ class TrainConfig:
     beta2: AdamW beta2
     grad_clip: clip the gradients' global norm to this (0: no clipping)
     precision: fp16 (fp32 master weights, dynamic loss scaling), bf16 or fp32; default fp16 on a GPU, or fp32
-    backend: triton (the fused kernels) or reference (plain torch); default triton on a GPU, else reference
+    backend: triton (fused kernels) or reference (plain torch); default triton on an sm_80+ GPU, or reference
     loss_scale: initial fp16 loss scale
     loss_scale_window: clean fp16 steps before the loss scale doubles (an inf/NaN gradient halves it, skips)
     seed: seeds the weights, the data order and the sample
@@ -311,6 +311,28 @@ PEAK_TFLOPS = {
     "H100": 989.0,
     "A100": 312.0,
 }
+
+
+def pick_backend(requested: str | None, device: str) -> tuple[str, str]:
+    """(backend, why): the one asked for, else triton on a GPU the kernels have configs for and
+    reference elsewhere. triton asked for on a GPU without configs (compute capability below 8.0,
+    AMD) fails here, before anything is loaded, with the kernels' own error."""
+    reason = ""
+    if device == "cuda":
+        try:
+            runtime.arch(torch.device("cuda", torch.cuda.current_device()))
+        except RuntimeError as error:
+            if requested == "triton":
+                raise
+            reason = f" ({error})"
+    if requested:
+        return requested, ""
+    if device == "cuda":
+        return ("reference", reason) if reason else ("triton", "")
+    return (
+        "reference",
+        " (no GPU: the Triton kernels would run only in Triton's interpreter, far too slowly to train)",
+    )
 
 
 def peak_flops(device: str, override_tflops: float | None) -> float | None:
@@ -591,7 +613,7 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel) -> list[dict]:
     start_time = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     precision = cfg.precision or ("fp16" if device == "cuda" else "fp32")
-    backend = cfg.backend or ("triton" if device == "cuda" else "reference")
+    backend, backend_note = pick_backend(cfg.backend, device)
     main_rank = parallel.rank == 0  # the only one that prints and writes metrics
     log = print if main_rank else lambda *args: None
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -642,10 +664,8 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel) -> list[dict]:
     flops_per_step = flops_per_token(config, seq_len) * tokens_per_step  # the whole model's
     peak = peak_flops(device, cfg.peak_tflops)
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-    note = ""
-    if device == "cpu" and backend == "reference" and not cfg.backend:
-        note = " (no GPU: the Triton kernels would run only in Triton's interpreter, far too slowly to train)"
-    elif device == "cpu" and backend == "triton" and not runtime.INTERPRET:
+    note = backend_note
+    if device == "cpu" and backend == "triton" and not runtime.INTERPRET:
         note = " (no GPU and TRITON_INTERPRET unset: the fused layers run their float32 reference)"
     log(f"horse.train on {where} | backend {backend}{note} | precision {precision}")
     if parallel.distributed:

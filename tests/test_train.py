@@ -15,6 +15,7 @@ import torch
 from horse import checkpoint, generate, train
 from horse.model import GPT, GPTConfig
 from horse.train import TrainConfig, lr_at, optimizer_step, parse_args
+from kernels import runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 # A smaller model than the tiny preset, so that a run takes a second or two.
@@ -38,6 +39,20 @@ def test_loss_falls_on_the_builtin_corpus(tmp_path, capsys):
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(1, 41))
     assert {"loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "mfu"} <= json.loads(lines[0]).keys()
+
+
+def test_backend_defaults_to_the_kernels_only_on_gpus_they_have_configs_for(monkeypatch):
+    assert train.pick_backend(None, "cpu")[0] == "reference"
+    assert train.pick_backend("triton", "cpu") == ("triton", "")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(runtime, "arch", lambda device: runtime.SM80)
+    assert train.pick_backend(None, "cuda") == ("triton", "")
+    monkeypatch.setattr(runtime, "arch", lambda device: runtime.arch_of_capability(7, 5, "Tesla T4"))
+    backend, why = train.pick_backend(None, "cuda")
+    assert backend == "reference" and "Tesla T4 is 7.5" in why
+    assert train.pick_backend("reference", "cuda") == ("reference", "")
+    with pytest.raises(RuntimeError, match=r"Tesla T4 is 7\.5"):
+        train.pick_backend("triton", "cuda")
 
 
 def test_resumed_run_repeats_the_uninterrupted_losses_exactly(tmp_path):
