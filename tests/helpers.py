@@ -70,4 +70,4 @@ def run_family_tables(monkeypatch, family: str, module, blocks: str, choose: str
 
 def device_has_tma(device: str) -> bool:
     """The interpreter emulates TMA; a GPU has it from sm_90 on."""
-    return device == "cpu" or torch.cuda.get_device_capability()[0] >= 9
+    return device == "cpu" or runtime.arch(torch.device(device)).capability >= 90
