@@ -186,14 +186,20 @@ def _norm_kernel_configs(norm, shape_class, dtype, ty, flags, cfg, backward) -> 
     return configs
 
 
-# Attention passes: kernel, the table that configures it, the arguments tiled along the queries and
-# along the keys (their TMA descriptors' block rows are BLOCK_M and BLOCK_N).
+# Attention passes: kernel, the arguments tiled along the queries and along the keys (their TMA
+# descriptors' block rows are BLOCK_M and BLOCK_N).
 ATTENTION_PASSES = {
-    "attn_fwd": ("_attn_fwd_kernel", "FWD_CONFIGS", ("Q", "OUT"), ("K", "V")),
-    "attn_bwd_dkdv": ("_attn_bwd_dkdv_kernel", "BWD_DKDV_CONFIGS", ("Q", "DO"), ("K", "V", "DK", "DV")),
-    "attn_bwd_dq": ("_attn_bwd_dq_kernel", "BWD_DQ_CONFIGS", ("Q", "DO", "DQ"), ("K", "V")),
+    "attn_fwd": ("_attn_fwd_kernel", ("Q", "OUT"), ("K", "V")),
+    "attn_bwd_dkdv": ("_attn_bwd_dkdv_kernel", ("Q", "DO"), ("K", "V", "DK", "DV")),
+    "attn_bwd_dq": ("_attn_bwd_dq_kernel", ("Q", "DO", "DQ"), ("K", "V")),
 }
-PACKED_TABLES = {"FWD_CONFIGS": "PACKED_FWD_CONFIGS"}  # a packed batch's table where it has its own
+# Each attention table: the pass it configures and the batches it configures it for (padded, packed).
+ATTENTION_TABLES = {
+    "FWD_CONFIGS": ("attn_fwd", (False,)),
+    "PACKED_FWD_CONFIGS": ("attn_fwd", (True,)),
+    "BWD_DKDV_CONFIGS": ("attn_bwd_dkdv", (False, True)),
+    "BWD_DQ_CONFIGS": ("attn_bwd_dq", (False, True)),
+}
 
 
 # The mask variants each pass compiles to: none, the causal diagonal, a sliding window.
@@ -214,7 +220,7 @@ def attention_pass_config(
     tile), for GPU family arch."""
     from kernels import attention
 
-    kernel, _, by_query, by_key = ATTENTION_PASSES[name]
+    kernel, by_query, by_key = ATTENTION_PASSES[name]
     block_d = attention.head_dim_block(head_dim)
     ty = TRITON_TYPES[dtype]
     pointers = dict.fromkeys(("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"), ty)
@@ -243,53 +249,49 @@ def attention_pass_config(
     )
 
 
+def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -> list[KernelConfig]:
+    """Every KernelConfig that entry cfg of kernels.attention's table (a key of ATTENTION_TABLES) at
+    block_d compiles to on arch: the local mask first (the most live values: a search stops at the
+    first failure), then causal and full; a power-of-two head dim and a padded one (3/4 of the
+    block); both dtypes; on the table's batches, padded ones with pointer loads (always selectable:
+    USE_TMA off, unaligned inputs) and, on sm_90+ where cfg.tma, TMA loads; packed ones with pointers."""
+    name, batches = ATTENTION_TABLES[table]
+    tma_modes = (False, True) if cfg.tma and arch.capability >= 90 else (False,)
+    configs = []
+    head_dims = dict.fromkeys((block_d, block_d * 3 // 4))
+    for mask, head_dim, dtype, packed in itertools.product(
+        reversed(ATTENTION_MASKS), head_dims, (torch.float16, torch.bfloat16), batches
+    ):
+        for tma in (False,) if packed else tma_modes:
+            configs.append(attention_pass_config(name, cfg, head_dim, dtype, mask, tma, packed, arch.name))
+    return configs
+
+
 def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
-    """Every table entry of kernels.attention for arch, for a power-of-two head dim and a padded one
-    (3/4 of the block), both dtypes and every mask, with pointer loads (always selectable: USE_TMA
-    off, unaligned inputs), on sm_90+ where the entry allows TMA loads, and on a packed batch; and
-    the backward's preprocess, padded and packed."""
+    """Every table entry of kernels.attention for arch (:func:`attention_entry_configs`), and the
+    backward's preprocess for each head dim, padded and packed."""
     from kernels import attention
 
     configs = []
-    block_dims = sorted(attention.FWD_CONFIGS[arch.name])
-    tma_family = arch.capability >= 90
-    for dtype in (torch.float16, torch.bfloat16):
+    for dtype, block_d, packed in itertools.product(
+        (torch.float16, torch.bfloat16), sorted(attention.FWD_CONFIGS[arch.name]), (False, True)
+    ):
         ty = TRITON_TYPES[dtype]
-        for block_d, head_dim in [(b, d) for b in block_dims for d in {b, b * 3 // 4}]:
-            for packed in (False, True):
-                pointers = {"OUT": ty, "DO": ty, "DLSE": "fp32", "DELTA": "fp32"}
-                pointers["CU_SEQLENS_Q"] = "i32" if packed else "fp32"
-                constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "HAS_DLSE": True, "VARLEN": packed,
-                              "BLOCK_M": attention.PREPROCESS_BLOCK_M}  # fmt: skip
-                if packed:
-                    constexprs["stride_lse_b"] = 1
-                fn = "kernels.attention._attn_bwd_preprocess_kernel"
-                shape_class = f"d={head_dim}" + (" varlen" if packed else "")
-                warps = attention.PREPROCESS_NUM_WARPS
-                configs.append(
-                    KernelConfig(
-                        "attn_bwd_preprocess",
-                        shape_class,
-                        dtype,
-                        fn,
-                        pointers,
-                        constexprs,
-                        warps,
-                        arch=arch.name,
-                    )
-                )
-            for (name, (_, table, _, _)), mask in itertools.product(
-                ATTENTION_PASSES.items(), ATTENTION_MASKS
-            ):
-                cfg = getattr(attention, table)[arch.name][block_d]
-                for tma in (False, True) if cfg.tma and tma_family else (False,):
-                    configs.append(
-                        attention_pass_config(name, cfg, head_dim, dtype, mask, tma, arch=arch.name)
-                    )
-                packed_cfg = getattr(attention, PACKED_TABLES.get(table, table))[arch.name][block_d]
-                configs.append(
-                    attention_pass_config(name, packed_cfg, head_dim, dtype, mask, False, True, arch.name)
-                )
+        for head_dim in dict.fromkeys((block_d, block_d * 3 // 4)):
+            pointers = {"OUT": ty, "DO": ty, "DLSE": "fp32", "DELTA": "fp32"}
+            pointers["CU_SEQLENS_Q"] = "i32" if packed else "fp32"
+            constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "HAS_DLSE": True, "VARLEN": packed,
+                          "BLOCK_M": attention.PREPROCESS_BLOCK_M}  # fmt: skip
+            if packed:
+                constexprs["stride_lse_b"] = 1
+            fn = "kernels.attention._attn_bwd_preprocess_kernel"
+            shape_class = f"d={head_dim}" + (" varlen" if packed else "")
+            warps = attention.PREPROCESS_NUM_WARPS
+            configs.append(KernelConfig("attn_bwd_preprocess", shape_class, dtype, fn, pointers, constexprs,
+                                        warps, arch=arch.name))  # fmt: skip
+    for table in ATTENTION_TABLES:
+        for block_d, cfg in sorted(getattr(attention, table)[arch.name].items()):
+            configs += attention_entry_configs(table, cfg, block_d, arch)
     return configs
 
 
@@ -329,32 +331,41 @@ def mlp_gemm_config(
     )
 
 
+def mlp_entry_configs(table: str, shape_class: str, cfg, arch: runtime.Arch) -> list[KernelConfig]:
+    """Every KernelConfig that entry cfg of kernels.mlp.GEMM_CONFIGS[arch][table] at shape_class
+    compiles to on arch: in both dtypes, for the two activations with the heaviest epilogues (gelu's
+    erf and gelu_tanh), with pointer loads (always selectable: USE_TMA off, unaligned inputs) and,
+    on sm_90+ where cfg.tma, TMA loads."""
+    from kernels import mlp
+
+    tma_modes = (False, True) if cfg.tma and arch.capability >= 90 else (False,)
+    return [
+        mlp_gemm_config(table, shape_class, cfg, dtype, activation, tma, arch.name)
+        for dtype, activation, tma in itertools.product(
+            mlp.SUPPORTED_DTYPES, ("gelu", "gelu_tanh"), tma_modes
+        )
+    ]
+
+
 def mlp_configs(arch: runtime.Arch) -> list[KernelConfig]:
-    """Every GEMM table entry of kernels.mlp for arch in both dtypes, for the two activations with
-    the heaviest epilogues (gelu's erf and gelu_tanh), with pointer loads (always selectable:
-    USE_TMA off, unaligned inputs) and, on sm_90+ where the entry allows, TMA loads; and the
-    elementwise backward, plain and gated."""
+    """Every GEMM table entry of kernels.mlp for arch (:func:`mlp_entry_configs`), and the
+    elementwise backward, plain and gated, in both dtypes."""
     from kernels import mlp
 
     configs = []
-    tma_family = arch.capability >= 90
-    for dtype in mlp.SUPPORTED_DTYPES:
-        for table, activation in itertools.product(MLP_GEMMS, ("gelu", "gelu_tanh")):
-            for shape_class, cfg in mlp.GEMM_CONFIGS[arch.name][table].items():
-                for tma in (False, True) if cfg.tma and tma_family else (False,):
-                    configs.append(
-                        mlp_gemm_config(table, shape_class, cfg, dtype, activation, tma, arch.name)
-                    )
+    for table, entries in mlp.GEMM_CONFIGS[arch.name].items():
+        for shape_class, cfg in entries.items():
+            configs += mlp_entry_configs(table, shape_class, cfg, arch)
+    row = mlp.ACT_BWD_CONFIG
+    for dtype, gated in itertools.product(mlp.SUPPORTED_DTYPES, (False, True)):
         pointers = dict.fromkeys(MLP_POINTERS, TRITON_TYPES[dtype]) | {"DB_PARTIAL": "fp32"}
-        row = mlp.ACT_BWD_CONFIG
-        for gated in (False, True):
-            constexprs = {"ACTIVATION": "gelu", "GATED": gated, "HAS_BIAS": not gated, "stride_dhn": 1,
-                          "BLOCK_M": row.block_m, "BLOCK_N": row.block_n}  # fmt: skip
-            name = "mlp_gated_act_bwd" if gated else "mlp_act_bwd"
-            fn = "kernels.mlp._act_bwd_kernel"
-            configs.append(
-                KernelConfig(name, "any/gelu", dtype, fn, pointers, constexprs, row.num_warps, arch=arch.name)
-            )
+        constexprs = {"ACTIVATION": "gelu", "GATED": gated, "HAS_BIAS": not gated, "stride_dhn": 1,
+                      "BLOCK_M": row.block_m, "BLOCK_N": row.block_n}  # fmt: skip
+        name = "mlp_gated_act_bwd" if gated else "mlp_act_bwd"
+        fn = "kernels.mlp._act_bwd_kernel"
+        configs.append(
+            KernelConfig(name, "any/gelu", dtype, fn, pointers, constexprs, row.num_warps, arch=arch.name)
+        )
     return configs
 
 

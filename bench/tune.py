@@ -3,6 +3,7 @@
     python -m bench.tune attention [--passes fwd bwd_dkdv bwd_dq] [--head-dims 128] [--seqlen 4096]
     python -m bench.tune mlp [--gemms fwd gated_fwd dh_bwd gated_dh_bwd] [--shape-classes large medium]
     (either with --seconds 240 --json PATH)
+    python -m bench.tune attention|mlp --compile-only --arch sm86 [--start-from sm90] [--jobs N]
 
 A target is one table entry: an attention pass at a head dim (kernels.attention), or an MLP GEMM
 at a shape class (kernels.mlp). Starting from the entry (the prediction), the tuner descends. Every
@@ -22,16 +23,24 @@ medium). The entries tuned are those of this GPU's family (kernels.runtime.arch)
 --seconds (shared by the targets in order) and prints every measurement with TFLOP/s, the table's
 entry and the best found; --json keeps them. Tables are changed by hand from what this measured,
 never at run time.
+
+With --compile-only nothing runs on a GPU: for each entry of the family --arch, the first of its
+candidates (the entry, or --start-from's, then smaller tiles from the largest down) that compiles
+clean for that family in every variant ``bench.compile_report`` builds of an entry, and why each
+candidate before it failed.
 """
 
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -300,6 +309,162 @@ def _mlp_calls(gemm: str, model, tokens: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# Compile-only search (no GPU)
+# ----------------------------------------------------------------------------------------------
+
+ATTENTION_TILES = (128, 64, 32, 16)  # block_m and block_n
+ATTENTION_STAGES = (3, 2, 1)
+GEMM_TILES = ((128, 64), (256, 128, 64), (64, 32))  # block_m, block_n, block_k
+GEMM_STAGES = (4, 3, 2)
+
+
+@dataclass
+class EntrySearch:
+    """One table entry of a GPU family to search by compiling alone: candidates in order of
+    preference, and every compile_report.KernelConfig a candidate must compile clean in."""
+
+    title: str
+    table_entry: object  # the family's entry now
+    candidates: list  # the start first
+    variants: Callable[[object], list]
+
+
+def attention_candidates(pass_name: str, start, block_d: int, tma: bool) -> list:
+    """start, then every tile no larger: block_m and block_n in ATTENTION_TILES (the forward and dq
+    passes loop over key blocks, so block_n <= block_m; dk/dv over query blocks, block_m <= block_n),
+    8 or 4 warps, ATTENTION_STAGES, the dk/dv pass at head dim 256 also with 2 column splits, TMA
+    (tma: the family has it) and pointers. Largest tile first, then the longest side, fewer splits,
+    start's warps, more stages, TMA before pointers."""
+    by_queries = pass_name == "attn_bwd_dkdv"
+    tiles = [(m, n) for m, n in itertools.product(ATTENTION_TILES, repeat=2)
+             if (m <= n if by_queries else n <= m) and m * n <= start.block_m * start.block_n]  # fmt: skip
+    splits = (1, 2) if pass_name == "attn_bwd_dkdv" and block_d == 256 else (1,)
+    out = [
+        dataclasses.replace(start, block_m=m, block_n=n, num_warps=w, num_stages=st, column_splits=sp, tma=t)
+        for (m, n), w, st, sp, t in itertools.product(tiles, WARPS, ATTENTION_STAGES, splits, (tma, False))
+    ]
+    out.sort(key=lambda c: (-c.block_m * c.block_n, -max(c.block_m, c.block_n), c.column_splits,
+                            c.num_warps != start.num_warps, -c.num_stages, not c.tma))  # fmt: skip
+    return list(dict.fromkeys([start, *out]))
+
+
+def gemm_candidates(start, tma: bool) -> list:
+    """start, then every GEMM tile of GEMM_TILES with no more outputs than start's, 8 or 4 warps,
+    GEMM_STAGES, an epilogue split of EPILOGUE_SPLITS leaving 32 columns or more, TMA (tma: the
+    family has it) and pointers, start's group. Largest tile first, start's shape first among equals,
+    then the deepest pipeline (block_k times stages), fewer splits, start's warps, TMA first."""
+    out = [
+        dataclasses.replace(start, block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st,
+                            epilogue_split=sp, tma=t)
+        for m, n, k in itertools.product(*GEMM_TILES) if m * n <= start.block_m * start.block_n
+        for w, st, sp, t in itertools.product(WARPS, GEMM_STAGES, EPILOGUE_SPLITS, (tma, False))
+        if n // sp >= 32
+    ]  # fmt: skip
+    out.sort(key=lambda c: (-c.block_m * c.block_n, (c.block_m, c.block_n) != (start.block_m, start.block_n),
+                            -c.block_k * c.num_stages, c.epilogue_split, c.num_warps != start.num_warps,
+                            not c.tma))  # fmt: skip
+    return list(dict.fromkeys([start, *out]))
+
+
+def attention_searches(passes, head_dims, arch: runtime.Arch, start_from: runtime.Arch | None = None) -> list:
+    """An EntrySearch per attention table entry of arch for the passes (the forward's packed table
+    too) at the head dims, starting from start_from's entry (default: arch's own)."""
+    from bench import compile_report
+    from kernels import attention
+
+    tma, searches = arch.capability >= 90, []
+    block_dims = list(dict.fromkeys(attention.head_dim_block(d) for d in head_dims))
+    for name, block_d in itertools.product(passes, block_dims):
+        pass_name, padded_table = ATTENTION_PASSES[name]
+        for table_name in (padded_table, "PACKED_FWD_CONFIGS") if name == "fwd" else (padded_table,):
+            table = getattr(attention, table_name)
+            start = table[(start_from or arch).name][block_d]
+            start = start if tma else dataclasses.replace(start, tma=False)
+            batch = " packed" if table_name.startswith("PACKED") else ""
+            searches.append(EntrySearch(
+                f"attention {name}{batch} d={block_d} ({arch.name})", table[arch.name][block_d],
+                attention_candidates(pass_name, start, block_d, tma),
+                lambda cfg, t=table_name, b=block_d: compile_report.attention_entry_configs(t, cfg, b, arch),
+            ))  # fmt: skip
+    return searches
+
+
+def mlp_searches(gemms, shape_classes, arch: runtime.Arch, start_from: runtime.Arch | None = None) -> list:
+    """An EntrySearch per GEMM table entry of arch for the GEMMs at the shape classes, starting from
+    start_from's entry (default: arch's own)."""
+    from bench import compile_report
+    from kernels import mlp
+
+    tma, searches = arch.capability >= 90, []
+    for gemm, shape_class in itertools.product(gemms, shape_classes):
+        start = mlp.GEMM_CONFIGS[(start_from or arch).name][gemm][shape_class]
+        start = start if tma else dataclasses.replace(start, tma=False)
+        searches.append(EntrySearch(
+            f"mlp {gemm} {shape_class} ({arch.name})", mlp.GEMM_CONFIGS[arch.name][gemm][shape_class],
+            gemm_candidates(start, tma),
+            lambda cfg, g=gemm, c=shape_class: compile_report.mlp_entry_configs(g, c, cfg, arch),
+        ))  # fmt: skip
+    return searches
+
+
+def first_failure(configs: list, compile_batch: Callable[[list], list], batch: int) -> str | None:
+    """Why configs (compile_report.KernelConfig) do not all compile clean, or None if they do;
+    compiled batch at a time (compile_batch: configs -> CompileResults), stopping at the first
+    batch that fails."""
+    from bench import compile_report
+
+    for i in range(0, len(configs), batch):
+        try:
+            results = compile_batch(configs[i : i + batch])
+        except Exception as error:  # a config Triton cannot compile at all
+            return f"does not compile: {' '.join(str(error).split())[:200]}"
+        bad = compile_report.failures(results)
+        if bad:
+            return bad[0] + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+    return None
+
+
+def search_entries(
+    searches: list[EntrySearch],
+    compile_batch: Callable[[list], list],
+    batch: int = 2,
+    seconds: float = math.inf,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict:
+    """For each search the first candidate that compiles clean in every variant, with the reason
+    each earlier candidate failed; stops at seconds. The report as a dict (null: none found)."""
+    deadline = clock() + seconds
+    report = {}
+    for search in searches:
+        clean, rejected = None, []
+        for cfg in search.candidates:
+            if clock() >= deadline:
+                break
+            reason = first_failure(search.variants(cfg), compile_batch, batch)
+            if reason is None:
+                clean = cfg
+                break
+            rejected.append({"config": dataclasses.asdict(cfg), "reason": reason})
+        report[search.title] = {
+            "table": dataclasses.asdict(search.table_entry),
+            "start": dataclasses.asdict(search.candidates[0]),
+            "clean": dataclasses.asdict(clean) if clean else None,
+            "rejected": rejected,
+        }
+        print(format_search(search.title, report[search.title]), flush=True)
+    return report
+
+
+def format_search(title: str, result: dict) -> str:
+    """The start, the first clean candidate against the table's entry, and every rejection."""
+    clean = _short(result["clean"]) if result["clean"] else "none"
+    same = " (the table's)" if result["clean"] == result["table"] else f", table {_short(result['table'])}"
+    lines = [f"== {title}: from {_short(result['start'])}, first clean {clean}{same}"]
+    lines += [f"  {_short(r['config']):34s} {r['reason']}" for r in result["rejected"]]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------------------------
 
@@ -361,31 +526,82 @@ def main(argv: list[str] | None = None) -> int:
     attention.add_argument(
         "--passes", nargs="+", choices=list(ATTENTION_PASSES), default=list(ATTENTION_PASSES)
     )
-    attention.add_argument("--head-dims", nargs="+", type=int, default=[128])
+    attention.add_argument("--head-dims", nargs="+", type=int, help="default: 128; with --compile-only all")
     attention.add_argument("--seqlen", type=int, default=4096, help="the bench shape's (16K tokens a batch)")
     mlp = families.add_parser("mlp", help="the GEMM table of kernels.mlp")
     gemms = list(dict.fromkeys(g for g, _ in MLP_SHAPES))
     mlp.add_argument("--gemms", nargs="+", choices=gemms, default=gemms)
-    mlp.add_argument("--shape-classes", nargs="+", choices=["large", "medium"], default=["large", "medium"])
+    mlp.add_argument(
+        "--shape-classes", nargs="+", choices=["large", "medium", "small"], help="default: large medium; "
+        "with --compile-only all (small has no bench shape to time)",
+    )  # fmt: skip
     for family in (attention, mlp):
-        family.add_argument("--seconds", type=float, default=240, help="time budget, shared by the targets")
+        family.add_argument("--seconds", type=float, help="time budget, shared by the targets (default: "
+                            "240; with --compile-only none)")  # fmt: skip
         family.add_argument("--json", help="write every measurement here")
+        family.add_argument(
+            "--compile-only", action="store_true", help="no GPU: for each entry of --arch, the first "
+            "candidate (largest tile first) that compiles clean in every variant the compile report builds",
+        )  # fmt: skip
+        family.add_argument("--arch", choices=list(runtime.ARCHS), help="with --compile-only: the family")
+        family.add_argument("--start-from", choices=list(runtime.ARCHS), help="with --compile-only: start "
+                            "from this family's entries (default: --arch's own)")  # fmt: skip
+        family.add_argument("--jobs", type=int, default=os.cpu_count(), help="with --compile-only: parallel "
+                            "compilations")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.compile_only:
+        return _compile_only(parser, args)
+    if args.arch or args.start_from:
+        parser.error("--arch and --start-from go with --compile-only: a GPU tunes its own family's entries")
     if not torch.cuda.is_available():
-        parser.error("tuning times kernels on a GPU; this machine has none")
+        parser.error("tuning times kernels on a GPU; this machine has none (--compile-only needs none)")
+    if "small" in (args.shape_classes or ()):
+        parser.error("--shape-classes small has no bench shape to time; --compile-only searches it")
     arch = runtime.arch(torch.device(DEVICE))
     try:
         if args.family == "attention":
-            targets = attention_targets(args.passes, args.head_dims, args.seqlen, arch)
+            targets = attention_targets(args.passes, args.head_dims or [128], args.seqlen, arch)
         else:
-            targets = mlp_targets(args.gemms, args.shape_classes, arch)
+            targets = mlp_targets(args.gemms, args.shape_classes or ["large", "medium"], arch)
     except ValueError as error:  # a head dim or seqlen the bench shape cannot take
         parser.error(str(error))
-    report = tune(targets, args.seconds)
+    report = tune(targets, 240 if args.seconds is None else args.seconds)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
+
+
+def _compile_only(parser: argparse.ArgumentParser, args) -> int:
+    """The compile-only search: exits 1 if an entry has no clean candidate."""
+    from bench import compile_report
+
+    if args.arch is None:
+        parser.error("--compile-only: name the GPU family to search with --arch")
+    arch, start_from = runtime.ARCHS[args.arch], args.start_from and runtime.ARCHS[args.start_from]
+    if args.family == "attention":
+        from kernels import attention
+
+        head_dims = args.head_dims or sorted(attention.FWD_CONFIGS[arch.name])
+        if max(head_dims) > attention.MAX_HEAD_DIM or min(head_dims) < 1:
+            parser.error(f"--head-dims: 1 to {attention.MAX_HEAD_DIM}, got {head_dims}")
+        searches = attention_searches(args.passes, head_dims, arch, start_from)
+    else:
+        searches = mlp_searches(
+            args.gemms, args.shape_classes or ["large", "medium", "small"], arch, start_from
+        )
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("unset TRITON_INTERPRET: the interpreter cannot compile kernels")
+    jobs = max(1, args.jobs)
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        seconds = math.inf if args.seconds is None else args.seconds
+        report = search_entries(
+            searches, lambda c: list(pool.map(compile_report.compile_config, c)), jobs, seconds
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0 if all(r["clean"] for r in report.values()) else 1
 
 
 if __name__ == "__main__":

@@ -672,7 +672,8 @@ class AttnConfig:
 # and on sm_90 and sm_100 where tma is set with TMA loads (python -m bench.compile_report --filter
 # attn). Only the sm_90 entries are chosen for speed. The others were picked by compiling candidate
 # tiles (block_m and block_n 16 to 128, 4 or 8 warps, 3 to 1 stages) from the largest down and
-# keeping one that compiles clean for the family; none is measured yet (python -m bench.tune
+# keeping one that compiles clean for the family (python -m bench.tune attention --compile-only
+# --arch FAMILY --start-from sm90 runs this search); none is measured yet (python -m bench.tune
 # attention on such a GPU refines them). On sm_80 the 128x64 forward tile spilled 24 bytes at head
 # dim 128; the dk/dv pass spilled hundreds of bytes on sm_100 at sm_90's tiles.
 #

@@ -523,7 +523,8 @@ class GemmConfig:
 # sm_90 entries are chosen for speed. The others were picked by compiling candidate tiles (block_m
 # 64 or 128, block_n 64 up to sm_90's, block_k 32 or 64, 4 or 8 warps, 4 to 2 stages, epilogue
 # split 1 to 4) from sm_90's tile and the deepest pipeline down and keeping one that compiles clean
-# for the family; none is measured yet (python -m bench.tune mlp on such a GPU refines them). The
+# for the family (python -m bench.tune mlp --compile-only --arch FAMILY --start-from sm90 runs this
+# search); none is measured yet (python -m bench.tune mlp on such a GPU refines them). The
 # gated forward's 128 x 128 tile spilled 128-184 bytes on sm_80 and sm_86 at every split tried.
 #
 # sm_90: TMA took fewer registers in the forwards (170 against 223 in the large gelu_tanh one, 174

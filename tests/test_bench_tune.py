@@ -211,3 +211,124 @@ def test_cli_needs_a_gpu(family):
     with pytest.raises(SystemExit) as exit_info:
         tune.main([family, "--seconds", "1"])
     assert exit_info.value.code == 2
+
+
+def test_attention_candidates_start_from_the_entry_and_never_grow_the_tile():
+    start = AttnConfig(128, 64, 8, 3, programs_per_sm=1)
+    got = tune.attention_candidates("attn_fwd", start, 128, tma=True)
+    assert got[0] == start and len(got) == len(set(got))
+    assert all(c.block_n <= c.block_m and c.block_m * c.block_n <= 128 * 64 for c in got)
+    assert all(c.programs_per_sm == 1 and c.column_splits == 1 for c in got)
+    areas = [c.block_m * c.block_n for c in got[1:]]
+    assert areas == sorted(areas, reverse=True) and got[-1].block_m * got[-1].block_n == 16 * 16
+    # start's tile and warps first: TMA before pointers, then fewer stages
+    assert got[1:3] == [dataclasses.replace(start, tma=False), dataclasses.replace(start, num_stages=2)]
+    assert {c.tma for c in got} == {True, False}
+    dkdv = tune.attention_candidates("attn_bwd_dkdv", AttnConfig(64, 128, 8, 2, tma=False), 256, tma=False)
+    assert all(c.block_m <= c.block_n and not c.tma for c in dkdv)
+    assert {c.column_splits for c in dkdv} == {1, 2}
+    assert {c.column_splits for c in tune.attention_candidates("attn_bwd_dkdv", dkdv[0], 128, False)} == {1}
+
+
+def test_gemm_candidates_keep_32_columns_an_epilogue_subtile():
+    start = GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=4, tma=False)
+    got = tune.gemm_candidates(start, tma=False)
+    assert got[0] == start and len(got) == len(set(got))
+    assert all(c.block_m * c.block_n <= 128 * 128 and c.block_n // c.epilogue_split >= 32 for c in got)
+    assert all(not c.tma and c.group_m == 8 for c in got)
+    # among the tiles of start's size, start's shape (not 64x256) comes first, deepest pipeline first
+    assert got[1] == GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=1, tma=False)
+    assert GemmConfig(64, 256, 64, 8, 8, 4, tma=False) in got
+    assert got.index(GemmConfig(64, 256, 64, 8, 8, 4, tma=False)) > got.index(
+        GemmConfig(128, 128, 32, 8, 4, 2, tma=False)
+    )
+
+
+def _clean_below(max_area, calls):
+    """A compile_batch whose configs spill when their tile holds more than max_area scores."""
+    from bench.compile_report import CompileResult
+
+    def compile_batch(configs):
+        calls.append(len(configs))
+        area = [c.constexprs["BLOCK_M"] * c.constexprs["BLOCK_N"] for c in configs]
+        return [
+            CompileResult(c, 128, 8 * (a > max_area), 1024, 16, 0, 0)
+            for c, a in zip(configs, area, strict=True)
+        ]
+
+    return compile_batch
+
+
+def test_search_keeps_the_first_clean_candidate_and_says_why_each_before_failed(capsys):
+    from kernels import attention
+
+    [search] = tune.attention_searches(["bwd_dq"], [96], runtime.SM86, start_from=runtime.SM90)
+    assert search.table_entry == attention.BWD_DQ_CONFIGS["sm86"][128]
+    assert search.candidates[0] == dataclasses.replace(attention.BWD_DQ_CONFIGS["sm90"][128], tma=False)
+    calls = []
+    report = tune.search_entries([search], _clean_below(64 * 64, calls), batch=2)
+    result = report[search.title]
+    assert search.title == "attention bwd_dq d=128 (sm86)"
+    clean = AttnConfig(**result["clean"])
+    assert clean.block_m * clean.block_n == 64 * 64 and clean == search.candidates[len(result["rejected"])]
+    assert all(r["config"]["block_m"] * r["config"]["block_n"] > 64 * 64 for r in result["rejected"])
+    assert all("spills 8 bytes" in r["reason"] for r in result["rejected"])
+    # a failing candidate costs one batch; the clean one compiles every variant (padded and packed)
+    variants = len(search.variants(clean))
+    assert variants == 3 * 2 * 2 * 2 and sum(calls) == 2 * len(result["rejected"]) + variants
+    json.dumps(report, allow_nan=False)
+    out = capsys.readouterr().out
+    assert out.startswith("== attention bwd_dq d=128 (sm86): from 128x64 w8 s2, first clean 128x32 w8 s3")
+
+
+def test_search_reports_none_when_nothing_is_clean_and_stops_at_the_deadline():
+    searches = tune.mlp_searches(["fwd", "dh_bwd"], ["small"], runtime.SM80)
+    assert [s.title for s in searches] == ["mlp fwd small (sm80)", "mlp dh_bwd small (sm80)"]
+    report = tune.search_entries(searches[:1], _clean_below(0, []), batch=4)
+    assert report["mlp fwd small (sm80)"]["clean"] is None
+    assert len(report["mlp fwd small (sm80)"]["rejected"]) == len(searches[0].candidates)
+    ticks = itertools.count()
+    report = tune.search_entries(searches, _clean_below(0, []), seconds=3, clock=lambda: next(ticks))
+    assert sum(len(r["rejected"]) for r in report.values()) <= 3
+
+
+def test_a_compile_error_is_a_reason_not_a_crash():
+    def broken(configs):
+        raise RuntimeError("PassManager::run failed\n  in tritongpu")
+
+    [search] = tune.mlp_searches(["fwd"], ["small"], runtime.SM80)
+    search.candidates = search.candidates[:2]
+    report = tune.search_entries([search], broken)
+    reasons = [r["reason"] for r in report[search.title]["rejected"]]
+    assert reasons == ["does not compile: PassManager::run failed in tritongpu"] * 2
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["mlp", "--compile-only"], "--arch"),
+        (["mlp", "--compile-only", "--arch", "sm80"], "TRITON_INTERPRET"),
+        (["attention", "--arch", "sm80"], "--compile-only"),
+        (["attention", "--compile-only", "--arch", "sm80", "--head-dims", "512"], "--head-dims"),
+    ],
+)
+def test_compile_only_flags_are_checked(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        tune.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_compile_only_cli_finds_a_real_entry_clean(tmp_path):
+    from kernels import mlp
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
+    out = tmp_path / "search.json"
+    argv = ["mlp", "--compile-only", "--arch", "sm80", "--gemms", "fwd", "--shape-classes", "small"]
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.tune", *argv, "--jobs", "2", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    [result] = json.loads(out.read_text()).values()
+    assert result["clean"] == result["table"] == dataclasses.asdict(mlp.GEMM_CONFIGS["sm80"]["fwd"]["small"])
+    assert result["rejected"] == [] and "first clean 64x64x64 w4 s4 (the table's)" in run.stdout

@@ -143,3 +143,24 @@ def test_real_compile_of_one_kernel_for_two_gpu_families():
         registers, spills = int(row[7]), int(row[8])
         assert registers > 0 and spills == 0
     assert "6 configs compiled for sm_90, sm_86" in run.stdout
+
+
+def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
+    from kernels import attention, mlp
+
+    cfg = attention.AttnConfig(128, 64, 8, 3, tma=True)
+    padded = compile_report.attention_entry_configs("FWD_CONFIGS", cfg, 128, runtime.SM90)
+    assert len(padded) == 3 * 2 * 2 * 2  # masks, head dims 128 and 96, dtypes, TMA and pointers
+    assert padded[0].constexprs["LOCAL"] and not any(c.constexprs["VARLEN"] for c in padded)
+    assert {c.constexprs["HEAD_DIM"] for c in padded} == {128, 96} and sum(
+        bool(c.descriptors) for c in padded
+    ) == 12
+    packed = compile_report.attention_entry_configs("PACKED_FWD_CONFIGS", cfg, 128, runtime.SM90)
+    assert len(packed) == 12 and all(c.constexprs["VARLEN"] and not c.descriptors for c in packed)
+    bwd = compile_report.attention_entry_configs("BWD_DQ_CONFIGS", cfg, 128, runtime.SM80)
+    assert len(bwd) == 24 and not any(c.descriptors for c in bwd)  # padded and packed, no TMA on sm_80
+    gemm = mlp.GemmConfig(128, 128, 64, 8, 8, 4)
+    assert len(compile_report.mlp_entry_configs("fwd", "large", gemm, runtime.SM90)) == 8
+    assert len(compile_report.mlp_entry_configs("fwd", "large", gemm, runtime.SM86)) == 4
+    assert all(c in compile_report.all_configs(["sm86"]) for c in compile_report.attention_entry_configs(
+        "BWD_DKDV_CONFIGS", attention.BWD_DKDV_CONFIGS["sm86"][64], 64, runtime.SM86))  # fmt: skip
