@@ -3,14 +3,15 @@
     python -m bench.compile_report [--arch sm80 sm86 sm90 sm100] [--filter TEXT] [--jobs N]
 
 Needs no GPU: Triton compiles for a ``GPUTarget("cuda", capability, 32)`` on the CPU, and the
-``cuobjdump`` in Triton's wheel reads the cubin. Each GPU family of ``kernels.runtime.ARCHS`` (A100:
-sm_80; the 99-KiB Ampere, Ada and consumer Blackwell chips: sm_86; H100/H200: sm_90; B200/GB300:
-sm_100) has its own entry in every config table, compiled for its capability. One row per config:
-family, kernel, shape class, dtype, block sizes, warps, stages, registers, spill bytes (stack +
-local), shared memory, tensor-core instructions (HMMA on sm_80/86, HGMMA on sm_90, UTCHMMA on
-sm_100), 128-bit global loads and TMA loads (UTMALDG). Exits 1 if any config spills, needs more
-shared memory than a block may have on its family, or is a matmul kernel without tensor-core
-instructions. Each kernel family adds its configs to ``CONFIG_FAMILIES``.
+``cuobjdump`` and ``nvdisasm`` in Triton's wheel read the cubin. Each GPU family of
+``kernels.runtime.ARCHS`` (A100: sm_80; the 99-KiB Ampere, Ada and consumer Blackwell chips:
+sm_86; H100/H200: sm_90; B200/GB300: sm_100) has its own entry in every config table, compiled
+for its capability. One row per config: family, kernel, shape class, dtype, block sizes, warps,
+stages, registers, spill bytes (stack + local), shared memory, tensor-core instructions (HMMA on
+sm_80/86, HGMMA on sm_90, UTCHMMA on sm_100), 128-bit global loads and TMA loads (UTMALDG). Exits
+1 if any config spills, needs more shared memory than a block may have on its family, or is a
+matmul kernel without tensor-core instructions. Each kernel family adds its configs to
+``CONFIG_FAMILIES``.
 
 Pointers, strides, N and K are compiled as multiples of 16, the specialisation Triton picks on a
 GPU for aligned tensors with hidden sizes that are multiples of 16 (the usual case); a stride of 1
@@ -19,15 +20,18 @@ must run without ``TRITON_INTERPRET=1``, which replaces the kernels by interpret
 """
 
 import argparse
+import bisect
 import dataclasses
 import importlib
 import itertools
+import math
 import os
 import re
+import struct
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +42,10 @@ from triton.compiler import ASTSource
 from kernels import layernorm, runtime
 from kernels.runtime import ARCHS
 
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+CUOBJDUMP, NVDISASM = os.path.join(NVIDIA_BIN, "cuobjdump"), os.path.join(NVIDIA_BIN, "nvdisasm")
+MAX_CHUNK = 32  # configs a worker compiles before disassembling them together
+INSTRUCTION_BYTES = 16  # every SASS instruction since sm_70
 FLOAT_SCALARS = {"eps", "softmax_scale"}  # every other scalar argument is an i32
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -115,7 +122,7 @@ def parse_resource_usage(text: str) -> tuple[int, int]:
 
 
 def count_sass(text: str) -> tuple[int, int, int]:
-    """(tensor-core instructions, 128-bit global loads, TMA loads) in ``cuobjdump --dump-sass`` output:
+    """(tensor-core instructions, 128-bit global loads, TMA loads) in SASS (nvdisasm's or cuobjdump's):
     HMMA (mma.sync, sm_80+), HGMMA (wgmma, sm_90), UTCHMMA/UTCIMMA/UTCQMMA (tcgen05, sm_100)."""
     tensor_core = len(re.findall(r"\b(?:H[G]?MMA|UTC[HIQ]MMA)\b", text))
     loads_128 = len(re.findall(r"\bLDG\.E[.\w]*\.128\b", text))
@@ -123,23 +130,81 @@ def count_sass(text: str) -> tuple[int, int, int]:
     return tensor_core, loads_128, tma_loads
 
 
-def compile_config(cfg: KernelConfig) -> CompileResult:
+def machine_code(cubin: bytes) -> bytes:
+    """The instructions of an ELF64 cubin: its ``.text.*`` sections (one a kernel), end to end."""
+    (section_headers,) = struct.unpack_from("<Q", cubin, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", cubin, section_headers + i * entry_size) for i in range(count)]
+    names = headers[names_index][4]
+
+    def name(header) -> bytes:
+        start = names + header[0]
+        return cubin[start : cubin.index(b"\0", start)]
+
+    return b"".join(cubin[h[4] : h[4] + h[5]] for h in headers if name(h).startswith(b".text."))
+
+
+def disassemble(codes: list[bytes], target: str) -> list[str]:
+    """The SASS of each of codes (the machine code of kernels for one target, e.g. "90a"), from one
+    nvdisasm call on them end to end: its start-up (about 0.4 s) costs more than most kernels'
+    disassembly. An instruction is its code's by the offset nvdisasm prints before it."""
+    with tempfile.NamedTemporaryFile(suffix=".bin") as raw:
+        raw.write(b"".join(codes))
+        raw.flush()
+        text = subprocess.run(
+            [NVDISASM, "--binary", f"SM{target}", raw.name], capture_output=True, text=True, check=True
+        ).stdout
+    ends = list(itertools.accumulate(len(code) for code in codes))
+    lines: list[list[str]] = [[] for _ in codes]
+    for line in text.splitlines():
+        offset = re.match(r"\s*/\*([0-9a-f]+)\*/", line)
+        if offset is not None:
+            lines[bisect.bisect_right(ends, int(offset.group(1), 16))].append(line)
+    printed, expected = [len(kernel) for kernel in lines], [len(code) // INSTRUCTION_BYTES for code in codes]
+    if printed != expected:  # the offsets did not parse as this expects: no count would be right
+        raise RuntimeError(f"nvdisasm --binary SM{target}: {printed} instructions per kernel, not {expected}")
+    return ["\n".join(kernel) for kernel in lines]
+
+
+def compile_kernel(cfg: KernelConfig):
+    """Triton's compiled kernel of cfg for its GPU family: its asm has "ptx" and "cubin"."""
     signature, attrs = _signature(cfg)
     source = ASTSource(cfg.fn, signature, constexprs=cfg.constexprs, attrs=attrs)
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    target = GPUTarget("cuda", ARCHS[cfg.arch].capability, 32)
-    compiled = triton.compile(source, target=target, options=options)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run(
-            [CUOBJDUMP, "--dump-resource-usage", cubin.name], capture_output=True, text=True, check=True
-        ).stdout
-        sass = subprocess.run(
-            [CUOBJDUMP, "--dump-sass", cubin.name], capture_output=True, text=True, check=True
-        ).stdout
-    registers, spill_bytes = parse_resource_usage(usage)
-    return CompileResult(cfg, registers, spill_bytes, compiled.metadata.shared, *count_sass(sass))
+    return triton.compile(source, target=GPUTarget("cuda", ARCHS[cfg.arch].capability, 32), options=options)
+
+
+def compile_configs(configs: list[KernelConfig]) -> list[CompileResult]:
+    """Compile configs, then read each cubin's registers and spills (cuobjdump) and the SASS of all
+    that share a target in one disassembly."""
+    compiled = [compile_kernel(cfg) for cfg in configs]
+    usage = []
+    for kernel in compiled:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(kernel.asm["cubin"])
+            cubin.flush()
+            usage.append(parse_resource_usage(subprocess.run(
+                [CUOBJDUMP, "--dump-resource-usage", cubin.name], capture_output=True, text=True, check=True
+            ).stdout))  # fmt: skip
+    targets = [re.search(r"^\.target sm_(\w+)", kernel.asm["ptx"], re.M).group(1) for kernel in compiled]
+    sass = [""] * len(compiled)
+    for target in set(targets):
+        indices = [i for i, t in enumerate(targets) if t == target]
+        codes = [machine_code(compiled[i].asm["cubin"]) for i in indices]
+        for i, text in zip(indices, disassemble(codes, target), strict=True):
+            sass[i] = text
+    return [
+        CompileResult(cfg, *usage[i], compiled[i].metadata.shared, *count_sass(sass[i]))
+        for i, cfg in enumerate(configs)
+    ]
+
+
+def compile_in_pool(pool: Executor, configs: list[KernelConfig], workers: int) -> list[CompileResult]:
+    """compile_configs over a pool of workers, in chunks of up to MAX_CHUNK configs (each chunk one
+    disassembly per target), the results in the order of configs."""
+    chunk = max(1, min(MAX_CHUNK, math.ceil(len(configs) / workers)))
+    chunks = [configs[i : i + chunk] for i in range(0, len(configs), chunk)]
+    return [result for results in pool.map(compile_configs, chunks) for result in results]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -435,8 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     configs = [c for c in all_configs(args.arch) if args.filter in c.kernel]
     if not configs:
         parser.error(f"no kernel config matches --filter {args.filter!r}")
-    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        results = list(pool.map(compile_config, configs))
+    jobs = max(1, args.jobs)
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        results = compile_in_pool(pool, configs, jobs)
     print(format_table(results))
     bad = failures(results)
     print()

@@ -162,7 +162,7 @@ def compiles_clean(configs: list) -> tuple[bool, str]:
     from bench import compile_report
 
     try:  # in this process: a forked worker of a process that holds a CUDA context is unsafe
-        results = [compile_report.compile_config(c) for c in configs]
+        results = compile_report.compile_configs(configs)
     except Exception as error:  # a config Triton cannot compile at all
         return False, f"does not compile: {' '.join(str(error).split())[:200]}"
     bad = compile_report.failures(results)
@@ -596,7 +596,7 @@ def _compile_only(parser: argparse.ArgumentParser, args) -> int:
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         seconds = math.inf if args.seconds is None else args.seconds
         report = search_entries(
-            searches, lambda c: list(pool.map(compile_report.compile_config, c)), jobs, seconds
+            searches, lambda c: compile_report.compile_in_pool(pool, c, jobs), jobs, seconds
         )
     if args.json:
         with open(args.json, "w") as f:

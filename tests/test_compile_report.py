@@ -1,6 +1,7 @@
 """The compile report's parsing and gate, its GPU families, and one real compile of a kernel family."""
 
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -164,3 +165,46 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
     assert len(compile_report.mlp_entry_configs("fwd", "large", gemm, runtime.SM86)) == 4
     assert all(c in compile_report.all_configs(["sm86"]) for c in compile_report.attention_entry_configs(
         "BWD_DKDV_CONFIGS", attention.BWD_DKDV_CONFIGS["sm86"][64], 64, runtime.SM86))  # fmt: skip
+
+
+SASS_AGREEMENT = """
+import json, subprocess, tempfile
+from bench import compile_report as cr
+
+wanted = [("sm90", "mlp_fwd"), ("sm90", "rms_norm_bwd_row_coeffs"), ("sm80", "mlp_fwd"),
+          ("sm90", "attn_bwd_preprocess")]
+configs = []
+for arch, kernel in wanted:
+    found = [c for c in cr.all_configs([arch]) if c.kernel == kernel and c.dtype_name == "fp16"]
+    configs += [c for c in found if c.shape_class.startswith("small")][:2] or found[:1]
+batched = cr.compile_configs(configs)
+alone = []
+for cfg in configs:  # cuobjdump's SASS of each cubin on its own: what the batch must agree with
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(cr.compile_kernel(cfg).asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([cr.CUOBJDUMP, "--dump-sass", cubin.name], capture_output=True,
+                              text=True, check=True).stdout
+    alone.append(cr.count_sass(sass))
+print(json.dumps({"archs": [c.arch for c in configs], "kernels": [r.config.kernel for r in batched],
+                  "expected": [c.kernel for c in configs], "batched": [[r.tensor_core_instructions,
+                  r.global_loads_128, r.tma_loads] for r in batched], "alone": alone}))
+"""
+
+
+def test_batched_disassembly_counts_each_kernel_as_cuobjdump_does_alone():
+    """compile_configs disassembles the machine code of all kernels of a target in one nvdisasm call
+    and attributes instructions by offset; each kernel's counts must be cuobjdump's of its cubin."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    run = subprocess.run(
+        [sys.executable, "-c", SASS_AGREEMENT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(run.stdout.splitlines()[-1])
+    assert report["kernels"] == report["expected"]
+    assert report["archs"].count("sm90") >= 4 and "sm80" in report["archs"]  # two targets, one batch
+    assert report["batched"] == [list(counts) for counts in report["alone"]]
+    counts = {tuple(c) for c in report["alone"]}
+    assert len(counts) >= 3, counts  # kernels that differ, so a misattributed instruction shows
+    assert any(tc > 0 for tc, _, _ in counts) and any(tma > 0 for _, _, tma in counts)
