@@ -170,7 +170,7 @@ def compile_kernel(cfg: KernelConfig):
     """Triton's compiled kernel of cfg for its GPU family: its asm has "ptx" and "cubin"."""
     signature, attrs = _signature(cfg)
     source = ASTSource(cfg.fn, signature, constexprs=cfg.constexprs, attrs=attrs)
-    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **runtime.COMPILE_OPTIONS}
     return triton.compile(source, target=GPUTarget("cuda", ARCHS[cfg.arch].capability, 32), options=options)
 
 

@@ -914,7 +914,7 @@ def attention_fwd(
             **_stride_args(q=q, k=k, v=v, o=out), **_lse_stride_args(lse),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
             PERSISTENT=persistent, VARLEN=packed is not None, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
     return out, lse
 
@@ -955,6 +955,7 @@ def attention_bwd(
             out, dout, dlse if dlse is not None else delta, delta, sequences["CU_SEQLENS_Q"], seqlen_q, heads,
             **_stride_args(o=out, do=dout), **lse_strides,
             **dims, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=dlse is not None, num_warps=PREPROCESS_NUM_WARPS,
+            **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
         cfg = attn_config(BWD_DKDV_CONFIGS, head_dim, q.device)
         tma = tma_usable(cfg, q, k, v, dout, dk, dv)
@@ -969,7 +970,7 @@ def attention_bwd(
             kv_heads=kv_heads, group_size=group_size,
             **_stride_args(q=q, k=k, v=v, do=dout, dk=dk, dv=dv), **lse_strides,
             **dims, BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            **mask, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **mask, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
         cfg = attn_config(BWD_DQ_CONFIGS, head_dim, q.device)
         tma = tma_usable(cfg, q, k, v, dout, dq)
@@ -981,7 +982,7 @@ def attention_bwd(
             group_size=group_size,
             **_stride_args(q=q, k=k, v=v, do=dout, dq=dq), **lse_strides,
             **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
     return dq, dk, dv
 

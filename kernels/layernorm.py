@@ -434,7 +434,7 @@ def norm_fwd(
             M, N, x.stride(0), residual_in.stride(0), eps,
             IS_RMS=rms, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
             HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            ROW_IN_REGISTERS=cfg.row_in_registers, num_warps=cfg.num_warps,
+            ROW_IN_REGISTERS=cfg.row_in_registers, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
     return y, residual_out, mean, rstd
 
@@ -482,7 +482,7 @@ def norm_bwd(
                     M, N, dy.stride(0), x.stride(0),
                     IS_RMS=rms, HAS_WEIGHT=weight is not None,
                     BLOCK_N=CHUNKED_BWD_ROW_COEFFS.block_n,
-                    num_warps=CHUNKED_BWD_ROW_COEFFS.num_warps,
+                    num_warps=CHUNKED_BWD_ROW_COEFFS.num_warps, **runtime.COMPILE_OPTIONS,
                 )  # fmt: skip
             c1, c2 = (coeffs, coeffs) if cfg.row_in_registers else (coeffs[0], coeffs[1])
             _norm_bwd_kernel[grid](
@@ -491,7 +491,7 @@ def norm_bwd(
                 IS_RMS=rms, HAS_DRESIDUAL=dresidual_out is not None,
                 HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                COEFFS_IN_TILE=cfg.row_in_registers, num_warps=cfg.num_warps,
+                COEFFS_IN_TILE=cfg.row_in_registers, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
     param_dtype = weight.dtype if weight is not None else x.dtype
     # Stage two of the reduction: a fixed-order sum over the programs' partial rows.

@@ -676,6 +676,7 @@ def _launch_options(cfg: GemmConfig, tma: bool) -> dict:
         "TMA": tma,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
+        **runtime.COMPILE_OPTIONS,
     }
 
 
@@ -807,7 +808,7 @@ def _act_bwd(
                 dh, pre, up if gated else pre, dpre, dup, db_partial, M, N, rows_per_program,
                 dh.stride(0), dh.stride(1),
                 ACTIVATION=activation, GATED=gated, HAS_BIAS=has_bias,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
     return dpre, dup, _db(db_partial, has_bias, pre.dtype)
 

@@ -20,6 +20,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+# Compile options of every launch (and of the compile report). FMA contraction is Triton's default
+# up to 3.9, which warns that 3.10 turns it off; the kernels' tables and tolerances were set with it.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+
 # Tests turn this on so that an output element a kernel forgot to write reads as NaN, never as
 # whatever the allocator left there.
 _poison_outputs = False

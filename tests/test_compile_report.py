@@ -208,3 +208,41 @@ def test_batched_disassembly_counts_each_kernel_as_cuobjdump_does_alone():
     counts = {tuple(c) for c in report["alone"]}
     assert len(counts) >= 3, counts  # kernels that differ, so a misattributed instruction shows
     assert any(tc > 0 for tc, _, _ in counts) and any(tma > 0 for _, _, tma in counts)
+
+
+def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_with(monkeypatch):
+    """The report's cubins are the launches' only if both pass runtime.COMPILE_OPTIONS (FMA
+    contraction, which Triton 3.10 stops doing by default): every kernel's launch is checked."""
+    import kernels
+    from kernels import attention, layernorm, mlp
+
+    interpreted = type(layernorm._norm_fwd_kernel)  # the interpreter's stand-in for a JIT function
+    launches = []
+    run = interpreted.run
+
+    def recording_run(self, *args, **kwargs):
+        launches.append((self.fn.__name__, {k: kwargs.get(k) for k in runtime.COMPILE_OPTIONS}))
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreted, "run", recording_run)
+    torch.manual_seed(0)
+    f16 = {"dtype": torch.float16}
+
+    def backward(out):
+        out.float().sum().backward()
+
+    for n in (64, layernorm.FWD_MAX_ROW_IN_REGISTERS + 1):  # a row in registers, and one in chunks
+        x, w = torch.randn(3, n, requires_grad=True), torch.randn(n, requires_grad=True)
+        backward(kernels.layer_norm(x, (n,), w, torch.randn(n, requires_grad=True)))
+    q, k, v = (torch.randn(1, 2, 24, 16, **f16, requires_grad=True) for _ in range(3))
+    backward(kernels.flash_attention(q, k, v, causal=True))
+    x = torch.randn(20, 32, **f16, requires_grad=True)
+    w1, w2, w3 = (torch.randn(48, 32, **f16).mul_(0.2).requires_grad_() for _ in range(3))
+    backward(kernels.linear_act(x, w1, None, activation="gelu"))
+    backward(kernels.gated_linear(x, w1, w2, activation="silu"))
+    backward(kernels.fused_mlp(x, w1, None, w3.t().contiguous(), None, activation="gelu"))
+    backward(kernels.fused_gated_mlp(x, w1, w2, w3.t().contiguous(), activation="silu"))
+    defined = {name for module in (attention, layernorm, mlp) for name, value in vars(module).items()
+               if isinstance(value, interpreted) and name.endswith("_kernel")}  # fmt: skip
+    assert {name for name, _ in launches} == defined
+    assert all(options == runtime.COMPILE_OPTIONS for _, options in launches), launches
