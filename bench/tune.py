@@ -5,24 +5,25 @@
     (either with --seconds 240 --json PATH)
     python -m bench.tune attention|mlp --compile-only --arch sm86 [--start-from sm90] [--jobs N]
 
-A target is one table entry: an attention pass at a head dim (kernels.attention), or an MLP GEMM
-at a shape class (kernels.mlp). Starting from the entry (the prediction), the tuner descends. Every
-neighbour of the current best (block_m, block_n or block_k halved or doubled, num_warps 4 <-> 8,
-num_stages one up or down, TMA on or off (sm_90+), the epilogue split halved or doubled, and for the
-attention forward the programs per SM of a persistent launch one up or down) is compiled for
-this GPU's family first (``bench.compile_report``: skipped if it spills or exceeds shared
-memory), checked against the float32 reference, then timed with CUDA events (the same inputs
-every call; each is tens of MiB, past the L2). The fastest neighbour, by the time summed over the
-target's modes, becomes the best if it gains more than MIN_GAIN, and its neighbours are next.
+A target is one table entry: an attention pass at a head dim (kernels.attention; the forward's
+packed table too), or an MLP GEMM at a shape class (kernels.mlp). Starting from the entry (the
+prediction), the tuner descends. Every neighbour of the current best (block_m, block_n or block_k
+halved or doubled, num_warps 4 <-> 8, num_stages one up or down, TMA on or off (sm_90+), the
+epilogue split halved or doubled, and for the attention forward the programs per SM of a persistent
+launch one up or down) is compiled for this GPU's family first (``bench.compile_report``: skipped
+if it spills or exceeds shared memory), checked against the float32 reference, then timed with CUDA
+events (the same inputs every call; each is tens of MiB, past the L2). The fastest neighbour, by
+the time summed over the target's modes, becomes the best if it gains more than MIN_GAIN, and its
+neighbours are next.
 
-What is timed: an attention forward times ``attention_fwd`` on the bench shape (16K tokens,
-heads · head_dim = 2048, float16), causal and not; a backward pass the whole backward with only
-that pass's entry changed. An MLP GEMM times its launcher alone on the bench shape that falls in
-its class (GPT-2 1.3B or LLaMA 7B at 16K tokens for large; 124M at 1K tokens or 7B at 512 for
-medium). The entries tuned are those of this GPU's family (kernels.runtime.arch). Stops at
---seconds (shared by the targets in order) and prints every measurement with TFLOP/s, the table's
-entry and the best found; --json keeps them. Tables are changed by hand from what this measured,
-never at run time.
+What is timed: an attention forward times ``attention_fwd`` on the bench shape (16K tokens, heads ·
+head_dim = 2048, float16), causal and not, and the packed forward the bench's nine documents (16K
+tokens, causal); a backward pass the whole backward with only that pass's entry changed. An MLP
+GEMM times its launcher alone on the bench shape that falls in its class (GPT-2 1.3B or LLaMA 7B at
+16K tokens for large; 124M at 1K tokens or 7B at 512 for medium). The entries tuned are those of
+this GPU's family (kernels.runtime.arch). Stops at --seconds (shared by the targets in order) and
+prints every measurement with TFLOP/s, the table's entry and the best found; --json keeps them.
+Tables are changed by hand from what this measured, never at run time.
 
 With --compile-only nothing runs on a GPU: for each entry of the family --arch, the first of its
 candidates (the entry, or --start-from's, then smaller tiles from the largest down) that compiles
@@ -224,7 +225,43 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
                 lambda p=pass_name, s=shape: _attention_calls(p, s),
                 persistent=name == "fwd", tma=tma,
             ))  # fmt: skip
+            if name == "fwd":  # packed documents have a table of their own
+                targets.append(_packed_forward_target(shape, arch))
     return targets
+
+
+def _packed_forward_target(shape, arch: str) -> Target:
+    """The PACKED_FWD_CONFIGS entry at shape's head dim, timed on the bench's documents (causal,
+    as packed documents are trained), checked on three ragged ones; pointer loads, no persistence."""
+    from bench import attention as bench_attention
+    from bench import compile_report
+    from kernels import attention
+
+    check_lengths = (CHECK_SEQLEN, 1, CHECK_SEQLEN // 3)
+    return Target(
+        f"attention fwd packed d={shape.head_dim} ({arch})", attention.PACKED_FWD_CONFIGS[arch],
+        attention.head_dim_block(shape.head_dim),
+        lambda cfg, d=shape.head_dim: [
+            compile_report.attention_pass_config("attn_fwd", cfg, d, torch.float16, mask, False, True, arch)
+            for mask in compile_report.ATTENTION_MASKS
+        ],
+        lambda d=shape.head_dim: bench_attention.check_packed(check_lengths, 2, d, DEVICE)[1],
+        lambda: _packed_forward_calls(shape.heads, shape.head_dim), tma=False,
+    )  # fmt: skip
+
+
+def _packed_forward_calls(heads: int, head_dim: int) -> dict:
+    from bench import attention as bench_attention
+    from kernels import attention
+
+    lengths = bench_attention.PACKED_LENGTHS
+    total, longest = sum(lengths), max(lengths)
+    shape = bench_attention.Shape(1, total, heads, head_dim)
+    q, k, v = (t[0] for t in bench_attention.make_qkv(shape, DEVICE))  # (tokens, heads, head_dim)
+    cu = bench_attention.offsets(lengths, DEVICE)
+    packed = attention.Packed(cu, cu, longest, longest)
+    call = functools.partial(attention.attention_fwd, q, k, v, True, 1 / math.sqrt(head_dim), packed=packed)
+    return {"causal": (call, bench_attention.packed_flops(lengths, heads, head_dim))}
 
 
 def _attention_calls(pass_name: str, shape) -> dict:

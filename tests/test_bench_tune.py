@@ -105,14 +105,18 @@ def test_wrong_results_never_win():
 def test_targets_point_at_the_tables_and_shapes_of_their_class():
     from kernels import attention, mlp
 
-    fwd, dq = tune.attention_targets(["fwd", "bwd_dq"], [64], seqlen=4096)
+    fwd, packed, dq = tune.attention_targets(["fwd", "bwd_dq"], [64], seqlen=4096)
     assert fwd.table is attention.FWD_CONFIGS["sm90"] and fwd.key == 64 and fwd.persistent and fwd.tma
+    # Packed batches take pointers and a program per tile: neither TMA nor persistence to toggle.
+    assert packed.table is attention.PACKED_FWD_CONFIGS["sm90"] and packed.key == 64
+    assert not packed.persistent and not packed.tma
     assert dq.table is attention.BWD_DQ_CONFIGS["sm90"] and not dq.persistent
     targets = tune.mlp_targets(["fwd", "gated_fwd", "dh_bwd", "gated_dh_bwd"], ["large", "medium"])
     assert len(targets) == 8  # each (gemm, class) shape checked to fall in its class
     assert targets[0].table is mlp.GEMM_CONFIGS["sm90"]["fwd"] and targets[0].key == "large"
-    [a100] = tune.attention_targets(["fwd"], [128], seqlen=4096, arch=runtime.SM80)
+    a100, a100_packed = tune.attention_targets(["fwd"], [128], seqlen=4096, arch=runtime.SM80)
     assert a100.table is attention.FWD_CONFIGS["sm80"] and not a100.tma  # no TMA before sm_90
+    assert a100_packed.table is attention.PACKED_FWD_CONFIGS["sm80"]
 
 
 def _fake_target(table, key, check):
@@ -149,6 +153,7 @@ def tiny_targets_on_the_cpu(monkeypatch):
     monkeypatch.setattr(
         bench_attention, "benchmark_shape", lambda seqlen, d: bench_attention.Shape(1, 40, 2, d)
     )
+    monkeypatch.setattr(bench_attention, "PACKED_LENGTHS", (17, 1, 30))
     tiny = (bench_mlp.Model("tiny", 48, 80, gated=False), bench_mlp.Model("tiny-gated", 40, 96, gated=True))
     monkeypatch.setattr(bench_mlp, "MODELS", tiny)
     shapes = {(g, "medium"): ("tiny-gated" if "gated" in g else "tiny", 100) for g, _ in tune.MLP_SHAPES}
@@ -161,6 +166,10 @@ def tiny_targets_on_the_cpu(monkeypatch):
 def test_every_target_checks_and_times_a_candidate(tiny_targets_on_the_cpu):
     # In the interpreter the tiles are its own, but TMA and the persistent loop follow the candidate.
     targets = tune.attention_targets(list(tune.ATTENTION_PASSES), [64], seqlen=4096)
+    assert [t.title for t in targets if "fwd" in t.title] == [
+        "attention fwd d=64 (sm90)",
+        "attention fwd packed d=64 (sm90)",
+    ]
     targets += tune.mlp_targets(["fwd", "gated_fwd", "dh_bwd", "gated_dh_bwd"], ["medium"])
     for target in targets:
         target.compile_configs = lambda cfg: []  # the sm_90 compile needs TRITON_INTERPRET unset
@@ -168,7 +177,8 @@ def test_every_target_checks_and_times_a_candidate(tiny_targets_on_the_cpu):
         for candidate in (entry, *tune.neighbours(entry, target.persistent)[-2:]):
             result = tune.gpu_measure(target)(candidate)
             assert result.correct, (target.title, candidate, result.note)
-            assert set(result.ms) == ({"gemm"} if target.title.startswith("mlp") else {"full", "causal"})
+            modes = {"causal"} if "packed" in target.title else {"full", "causal"}
+            assert set(result.ms) == ({"gemm"} if target.title.startswith("mlp") else modes)
             assert target.table[target.key] == entry
 
 
@@ -176,16 +186,20 @@ def test_compile_filter_passes_the_tables_and_rejects_shared_memory_over_budget(
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     script = (
         "from bench import tune; from kernels import attention, mlp; "
-        "[fwd] = tune.attention_targets(['fwd'], [128], 4096); "
+        "[fwd, packed] = tune.attention_targets(['fwd'], [128], 4096); "
         "[gemm] = tune.mlp_targets(['fwd'], ['medium']); "
         "print(tune.compiles_clean(fwd.compile_configs(attention.FWD_CONFIGS['sm90'][128]))); "
         "print(tune.compiles_clean(fwd.compile_configs(attention.AttnConfig(128, 256, 8, 4, tma=False)))); "
-        "print(tune.compiles_clean(gemm.compile_configs(mlp.GEMM_CONFIGS['sm90']['fwd']['medium'])))"
+        "print(tune.compiles_clean(gemm.compile_configs(mlp.GEMM_CONFIGS['sm90']['fwd']['medium']))); "
+        "variants = packed.compile_configs(attention.PACKED_FWD_CONFIGS['sm90'][128]); "
+        "print(tune.compiles_clean(variants)); print(sorted(c.shape_class for c in variants))"
     )
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    attention_entry, too_big, gemm_entry = run.stdout.splitlines()
-    assert attention_entry.startswith("(True, 'registers ") and gemm_entry.startswith("(True, 'registers ")
+    attention_entry, too_big, gemm_entry, packed_entry, packed_variants = run.stdout.splitlines()
+    for entry in (attention_entry, gemm_entry, packed_entry):
+        assert entry.startswith("(True, 'registers "), entry
+    assert packed_variants == str(["d=128 causal varlen", "d=128 local varlen", "d=128 varlen"])
     assert too_big.startswith("(False, ") and "shared memory" in too_big
 
 
