@@ -1,17 +1,19 @@
 """The compile report: every kernel config the package can select, compiled for the GPU that selects it.
 
     python -m bench.compile_report [--arch sm80 sm86 sm90 sm100] [--filter TEXT] [--jobs N]
+    python -m bench.compile_report --arch sm86 --capability 120   # an RTX 5090's build of sm86's
 
 Needs no GPU: Triton compiles for a ``GPUTarget("cuda", capability, 32)`` on the CPU, and the
 ``cuobjdump`` and ``nvdisasm`` in Triton's wheel read the cubin. Each GPU family of
-``kernels.runtime.ARCHS`` (A100: sm_80; the 99-KiB Ampere, Ada and consumer Blackwell chips:
-sm_86; H100/H200: sm_90; B200/GB300: sm_100) has its own entry in every config table, compiled
-for its capability. One row per config: family, kernel, shape class, dtype, block sizes, warps,
-stages, registers, spill bytes (stack + local), shared memory, tensor-core instructions (HMMA on
-sm_80/86, HGMMA on sm_90, UTCHMMA on sm_100), 128-bit global loads and TMA loads (UTMALDG). Exits
-1 if any config spills, needs more shared memory than a block may have on its family, or is a
-matmul kernel without tensor-core instructions. Each kernel family adds its configs to
-``CONFIG_FAMILIES``.
+``kernels.runtime.ARCHS`` (A100: sm_80; the 99-KiB Ampere, Ada and consumer Blackwell chips: sm_86;
+H100/H200: sm_90; B200/GB300: sm_100) has its own entry in every config table, compiled for its
+capability. One row per config: family, kernel, shape class, dtype, block sizes, warps, stages,
+registers, spill bytes (stack + local), shared memory, tensor-core instructions (HMMA on sm_80/86,
+HGMMA on sm_90, UTCHMMA on sm_100), 128-bit global loads, TMA loads (UTMALDG) and the target
+compiled for. Exits 1 if any config spills, needs more shared memory than a block may have on its
+family, or is a matmul kernel without tensor-core instructions. Each kernel family adds its configs
+to ``CONFIG_FAMILIES``. ``--capability`` builds one family's entries for another GPU that takes them
+(sm_89 or sm_120 for sm86).
 
 Pointers, strides, N and K are compiled as multiples of 16, the specialisation Triton picks on a
 GPU for aligned tensors with hidden sizes that are multiples of 16 (the usual case); a stride of 1
@@ -66,11 +68,16 @@ class KernelConfig:
     descriptors: dict = field(default_factory=dict, repr=False)
     arch: str = "sm90"  # the kernels.runtime.ARCHS family whose table holds this config
     matmul: bool = False  # its tl.dot must lower to tensor-core instructions
+    capability: int = 0  # the target compiled for; 0: its family's own (another with --capability)
 
     @property
     def fn(self):
         module, name = self.fn_path.rsplit(".", 1)
         return getattr(importlib.import_module(module), name)
+
+    @property
+    def target_capability(self) -> int:
+        return self.capability or ARCHS[self.arch].capability
 
     @property
     def blocks(self) -> str:
@@ -90,6 +97,7 @@ class CompileResult:
     tensor_core_instructions: int
     global_loads_128: int
     tma_loads: int
+    target: str = ""  # the machine code's, as the PTX names it: "90a" for sm_90a
 
 
 def _signature(cfg: KernelConfig) -> tuple[dict, dict]:
@@ -167,11 +175,11 @@ def disassemble(codes: list[bytes], target: str) -> list[str]:
 
 
 def compile_kernel(cfg: KernelConfig):
-    """Triton's compiled kernel of cfg for its GPU family: its asm has "ptx" and "cubin"."""
+    """Triton's compiled kernel of cfg for its target: its asm has "ptx" and "cubin"."""
     signature, attrs = _signature(cfg)
     source = ASTSource(cfg.fn, signature, constexprs=cfg.constexprs, attrs=attrs)
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **runtime.COMPILE_OPTIONS}
-    return triton.compile(source, target=GPUTarget("cuda", ARCHS[cfg.arch].capability, 32), options=options)
+    return triton.compile(source, target=GPUTarget("cuda", cfg.target_capability, 32), options=options)
 
 
 def compile_configs(configs: list[KernelConfig]) -> list[CompileResult]:
@@ -194,7 +202,7 @@ def compile_configs(configs: list[KernelConfig]) -> list[CompileResult]:
         for i, text in zip(indices, disassemble(codes, target), strict=True):
             sass[i] = text
     return [
-        CompileResult(cfg, *usage[i], compiled[i].metadata.shared, *count_sass(sass[i]))
+        CompileResult(cfg, *usage[i], compiled[i].metadata.shared, *count_sass(sass[i]), targets[i])
         for i, cfg in enumerate(configs)
     ]
 
@@ -473,6 +481,7 @@ COLUMNS = (
     "tc",
     "ldg128",
     "tma",
+    "target",
 )
 
 
@@ -480,11 +489,24 @@ def format_table(results: list[CompileResult]) -> str:
     rows = [COLUMNS] + [
         (r.config.arch, r.config.kernel, r.config.shape_class, r.config.dtype_name, r.config.blocks,
          r.config.num_warps, r.config.num_stages, r.registers, r.spill_bytes, r.shared_bytes,
-         r.tensor_core_instructions, r.global_loads_128, r.tma_loads)
+         r.tensor_core_instructions, r.global_loads_128, r.tma_loads, f"sm_{r.target}")
         for r in results
     ]  # fmt: skip
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(COLUMNS))]
     return "\n".join("  ".join(str(v).rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows)
+
+
+def _check_capability(parser: argparse.ArgumentParser, capability: int, archs: list[str]) -> None:
+    """--capability must be a GPU whose launches take the one family named by --arch."""
+    if len(archs) != 1:
+        parser.error("--capability builds one family's entries: name it alone with --arch")
+    try:
+        family = runtime.arch_of_capability(capability // 10, capability % 10).name
+    except RuntimeError:
+        family = None
+    if family != archs[0]:
+        parser.error(f"--capability {capability}: a GPU of compute capability {capability / 10:.1f} "
+                     f"takes {family or 'no family'}'s entries, not {archs[0]}'s")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -494,22 +516,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--filter", default="", help="only kernels whose name contains this text")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="parallel compilations")
+    parser.add_argument(
+        "--capability", type=int, help="build one --arch family's entries for another GPU that takes "
+        "them: 87 (sm80), 89 or 120 (sm86), 103 (sm100)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the interpreter cannot compile kernels")
     configs = [c for c in all_configs(args.arch) if args.filter in c.kernel]
     if not configs:
         parser.error(f"no kernel config matches --filter {args.filter!r}")
+    if args.capability is not None:
+        _check_capability(parser, args.capability, args.arch)
+        configs = [dataclasses.replace(c, capability=args.capability) for c in configs]
     jobs = max(1, args.jobs)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         results = compile_in_pool(pool, configs, jobs)
     print(format_table(results))
     bad = failures(results)
     print()
+    capabilities = {name: args.capability or ARCHS[name].capability for name in args.arch}
     for name in args.arch:
-        arch, count = ARCHS[name], sum(r.config.arch == name for r in results)
-        print(f"{name} ({arch.gpus}): {count} configs compiled for sm_{arch.capability}")
-    targets = ", ".join(f"sm_{ARCHS[a].capability}" for a in args.arch)
+        count = sum(r.config.arch == name for r in results)
+        print(f"{name} ({ARCHS[name].gpus}): {count} configs compiled for sm_{capabilities[name]}")
+    targets = ", ".join(f"sm_{capabilities[a]}" for a in args.arch)
     print(f"{len(results)} configs compiled for {targets} (triton {triton.__version__}); {len(bad)} failing")
     for line in bad:
         print(f"FAIL {line}")

@@ -140,10 +140,32 @@ def test_real_compile_of_one_kernel_for_two_gpu_families():
     assert run.returncode == 0, run.stdout + run.stderr
     rows = [line.split() for line in run.stdout.splitlines() if " rms_norm_bwd_row_coeffs " in line]
     assert sorted(row[0] for row in rows) == ["sm86"] * 3 + ["sm90"] * 3  # one per dtype and family
+    assert {(row[0], row[-1]) for row in rows} == {("sm86", "sm_86"), ("sm90", "sm_90a")}
     for row in rows:
         registers, spills = int(row[7]), int(row[8])
         assert registers > 0 and spills == 0
     assert "6 configs compiled for sm_90, sm_86" in run.stdout
+
+
+def test_capability_builds_a_familys_entries_for_another_gpu_that_takes_them():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
+
+    def report(*args):
+        command = [sys.executable, "-m", "bench.compile_report", "--filter", "rms_norm_bwd_row_coeffs", *args]
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+    run = report("--arch", "sm86", "--capability", "120")  # an RTX 5090 takes the sm86 entries
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "3 configs compiled for sm_120 " in run.stdout and "sm86 (RTX" in run.stdout
+    rows = [line.split() for line in run.stdout.splitlines() if " rms_norm_bwd_row_coeffs " in line]
+    assert len(rows) == 3 and all(row[0] == "sm86" and row[-1] == "sm_120a" for row in rows), rows
+    for args, message in (
+        (("--arch", "sm90", "--capability", "120"), "takes sm86's entries, not sm90's"),
+        (("--arch", "sm86", "--capability", "75"), "takes no family's entries"),
+        (("--arch", "sm86", "sm90", "--capability", "89"), "name it alone with --arch"),
+    ):
+        run = report(*args)
+        assert run.returncode == 2 and message in run.stderr, (args, run.stderr)
 
 
 def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
