@@ -686,6 +686,10 @@ class AttnConfig:
 # the sm_80 and sm_86 head-dim-16 forwards (3 stages spilled on 3.6), the sm_86 dq pass at head dims
 # 32 and 256, and the sm_100 packed local dk/dv pass at 128. What compiles clean there takes fewer
 # stages or a narrower tile (bench.tune --compile-only), a trade left for a GPU to measure.
+#
+# The sm86 entries built for consumer Blackwell (compile_report --capability 120, triton 3.6) spill
+# 8-48 bytes in the backward at head dims 16 and 32: the dk/dv pass at 16 (packed, causal and local),
+# the dq pass at 16 (padded) and at 32 (packed local). sm_89 (Ada) builds them all clean.
 FWD_CONFIGS = {
     "sm90": {
         16: AttnConfig(128, 64, 4, 3),
