@@ -157,16 +157,26 @@ def descend(
     return best, list(measured.values())
 
 
-def compiles_clean(configs: list) -> tuple[bool, str]:
-    """Whether every compile_report.KernelConfig compiles for its GPU family without spills, within
-    shared memory and on tensor cores; the reason, or the registers, as a note."""
+def compile_failures(configs: list, compile_batch: Callable[[list], list]) -> tuple[list, list[str]]:
+    """The CompileResults of configs (compile_report.KernelConfig) built by compile_batch, and a line
+    per config that spills, exceeds shared memory or misses the tensor cores (compile_report.failures);
+    a config Triton cannot compile at all is the one line."""
     from bench import compile_report
 
-    try:  # in this process: a forked worker of a process that holds a CUDA context is unsafe
-        results = compile_report.compile_configs(configs)
-    except Exception as error:  # a config Triton cannot compile at all
-        return False, f"does not compile: {' '.join(str(error).split())[:200]}"
-    bad = compile_report.failures(results)
+    try:
+        results = compile_batch(configs)
+    except Exception as error:
+        return [], [f"does not compile: {' '.join(str(error).split())[:200]}"]
+    return results, compile_report.failures(results)
+
+
+def compiles_clean(configs: list) -> tuple[bool, str]:
+    """Whether every compile_report.KernelConfig compiles clean for its GPU family; the reason, or
+    the registers, as a note."""
+    from bench import compile_report
+
+    # In this process: a forked worker of a process that holds a CUDA context is unsafe.
+    results, bad = compile_failures(configs, compile_report.compile_configs)
     return not bad, "; ".join(bad) if bad else "registers " + "/".join(str(r.registers) for r in results)
 
 
@@ -448,14 +458,8 @@ def first_failure(configs: list, compile_batch: Callable[[list], list], batch: i
     """Why configs (compile_report.KernelConfig) do not all compile clean, or None if they do;
     compiled batch at a time (compile_batch: configs -> CompileResults), stopping at the first
     batch that fails."""
-    from bench import compile_report
-
     for i in range(0, len(configs), batch):
-        try:
-            results = compile_batch(configs[i : i + batch])
-        except Exception as error:  # a config Triton cannot compile at all
-            return f"does not compile: {' '.join(str(error).split())[:200]}"
-        bad = compile_report.failures(results)
+        _, bad = compile_failures(configs[i : i + batch], compile_batch)
         if bad:
             return bad[0] + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
     return None

@@ -726,8 +726,9 @@ FWD_CONFIGS = {
 # Packed batches take pointer loads, and on sm_90 at head dim 128 a forward tile of their own: the
 # padded table's 128x128 pointer tile runs at 255 registers and spilled 16 bytes packed on triton
 # 3.9, where 128x64 compiled at 180-234 registers in every mask. The backward passes share the
-# padded tables.
-PACKED_FWD_CONFIGS = FWD_CONFIGS | {"sm90": FWD_CONFIGS["sm90"] | {128: AttnConfig(128, 64, 8, 3, tma=False)}}
+# padded tables. A dict of its own per family: tuning one table (bench.tune) never edits the other.
+PACKED_FWD_CONFIGS = {arch: dict(table) for arch, table in FWD_CONFIGS.items()}
+PACKED_FWD_CONFIGS["sm90"][128] = AttnConfig(128, 64, 8, 3, tma=False)
 # block_n is the key block each program owns (dk, dv accumulate there); block_m the query step.
 BWD_DKDV_CONFIGS = {
     # At head dim 256 no tile held dk and dv whole without spilling (808 bytes at 64x64, 8 warps),

@@ -117,6 +117,7 @@ def test_targets_point_at_the_tables_and_shapes_of_their_class():
     a100, a100_packed = tune.attention_targets(["fwd"], [128], seqlen=4096, arch=runtime.SM80)
     assert a100.table is attention.FWD_CONFIGS["sm80"] and not a100.tma  # no TMA before sm_90
     assert a100_packed.table is attention.PACKED_FWD_CONFIGS["sm80"]
+    assert a100_packed.table is not a100.table  # tuning one never edits the other
 
 
 def _fake_target(table, key, check):
