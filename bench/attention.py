@@ -254,8 +254,9 @@ def _flash_attn_extra(kind: str, **kwargs):
     return lambda *args: fn(*args, **kwargs)
 
 
-def implementations(shape: Shape, causal: bool) -> dict:
-    """name -> a function building fn(q, k, v) -> out; built at setup, on the GPU."""
+def implementations(shape: Shape, causal: bool, quick: bool = False) -> dict:
+    """name -> a function building fn(q, k, v) -> out; built at setup, on the GPU. quick: without
+    torch.compile, which no gate names and each of whose cases compiles afresh."""
     import kernels
 
     ours = lambda: lambda q, k, v: kernels.flash_attention(q, k, v, causal=causal)  # noqa: E731
@@ -264,7 +265,8 @@ def implementations(shape: Shape, causal: bool) -> dict:
         if backend != "MATH" or shape.seqlen <= MATH_MAX_SEQLEN:
             name = "sdpa-" + backend.split("_")[0].lower()
             impls[name] = lambda b=backend: _sdpa(b, causal)
-    impls["compile"] = lambda: _compiled_explicit(shape, causal)
+    if not quick:
+        impls["compile"] = lambda: _compiled_explicit(shape, causal)
     impls["flash-attn"] = lambda: _flash_attn(causal)
     return impls
 
@@ -324,7 +326,7 @@ def cases(quick: bool) -> list[suite.Case]:
                   "batch": shape.batch, "heads": shape.heads}  # fmt: skip
         checker = lambda s=shape, c=causal: check(s, c, "cuda")  # noqa: E731
         for (name, make_fn), direction in itertools.product(
-            implementations(shape, causal).items(), DIRECTION_MULTIPLE
+            implementations(shape, causal, quick).items(), DIRECTION_MULTIPLE
         ):
             out.append(suite.Case(
                 "attention", params, direction, name, direction_flops(direction, shape, causal), "flop",

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one-command device check, for the GPU machine (torch 2.11, triton 3.6, no network): the
 # GPU-marked tests, the bench suite with --gate on its quick shapes, and a short training
-# throughput run of gpt2-124m in fp16, each under its own time limit (8 minutes in all). Writes
+# throughput run of gpt2-124m in fp16, each under its own time limit (8 minutes in all, the grace
+# after each limit included). At its limit a step gets SIGINT: pytest, the bench suite and
+# bench.train then stop where they are and still report (and write) what they measured. Writes
 # everything under $1, or $OUT, or bench/results/latest, and prints a summary table last.
 #
 #   device tool:  run(command="bash bench/device_check.sh", timeout_s=540)
@@ -21,13 +23,17 @@ step() {  # step NAME SECONDS COMMAND...: run under a time limit, log it, note r
   shift 2
   start=$(date +%s)
   echo "=== $name: $*" >> "$out/device_check.log"
-  timeout "$limit" "$@" >> "$out/device_check.log" 2>&1
+  timeout -s INT -k 10 "$limit" "$@" >> "$out/device_check.log" 2>&1  # then 10 s to report
   rc=$?
   printf '%-10s rc=%-4s %4ss  %s\n' "$name" "$rc" "$(( $(date +%s) - start ))" "$*" >> "$out/summary.txt"
   tail -n 25 "$out/device_check.log"
 }
 
-step tests 140 python3 -m pytest -m gpu -q -p no:cacheprovider tests
+# Each GPU test compiles kernels of its own: with pytest-xdist (on the GPU machine) 8 processes
+# compile at once.
+workers=()
+python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
+step tests 110 python3 -m pytest -m gpu -q -p no:cacheprovider ${workers[@]+"${workers[@]}"} tests
 # The training step is timed by bench.train below, with its own budget, not twice.
 step bench 200 python3 -m bench --quick --gate --only norms attention mlp --out "$out/bench"
 # 60 s of timed steps shared by the two backends, after their warm-up (Triton and torch.compile

@@ -45,6 +45,7 @@ import math
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -261,12 +262,20 @@ def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
         "(data loading not measured)"
     )
     budget = args.seconds / len(args.backends) if args.seconds else None
-    results = []
+    results, broken = [], []
     for backend in args.backends:
         try:
             results.append(measure(cfg, config, backend, args.warmup, args.steps, budget))
         except torch.cuda.OutOfMemoryError:
             print(f"  {backend}: out of memory at this batch size; no result")
+        except KeyboardInterrupt:  # a time limit's SIGINT (bench/device_check.sh): keep what was measured
+            print(f"  {backend}: interrupted; no result, and the backends after it do not run")
+            broken.append(backend)
+            break
+        except Exception:  # an error in one backend (an Inductor failure, say) costs only its result
+            traceback.print_exc()
+            print(f"  {backend}: failed (traceback above); no result")
+            broken.append(backend)
     suite.add_metrics(results, ceilings)
     print("\n" + format_table(results) + "\n")
     for r in results:
@@ -286,7 +295,9 @@ def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
         print(f"gates: {len(verdicts) - len(failed)} of {len(verdicts)} passed")
         for verdict in verdicts:
             print("  " + verdict.describe())
-    return 1 if args.gate and failed else 0
+    if broken:
+        print(f"no result from {', '.join(broken)}: failed or interrupted")
+    return 1 if broken or (args.gate and failed) else 0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -71,3 +71,33 @@ def run_family_tables(monkeypatch, family: str, module, blocks: str, choose: str
 def device_has_tma(device: str) -> bool:
     """The interpreter emulates TMA; a GPU has it from sm_90 on."""
     return device == "cpu" or runtime.arch(torch.device(device)).capability >= 90
+
+
+class FakeClock:
+    """Stands in for the GPU's timeline and the host's clock: only the timed calls move it."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def fake_cuda_events(monkeypatch, clock: FakeClock) -> None:
+    """CUDA events that read the fake clock, and a no-op torch.cuda.synchronize."""
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.at = None
+
+        def record(self):
+            self.at = clock.now
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)

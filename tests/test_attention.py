@@ -487,7 +487,7 @@ def test_gpu_matches_reference(shape, causal, dtype):
     check(shape, causal, dtype, "cuda")
 
 
-# Few GPU cases, each a new set of compiled kernels: the device check runs every GPU test in 140 s.
+# Few GPU cases, each a new set of compiled kernels: the device check runs every GPU test in 110 s.
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("shape", "causal", "window", "dtype"),

@@ -128,6 +128,7 @@ def test_cases_cover_shapes_directions_and_baselines():
     )
     quick = attention.cases(quick=True)
     assert {(c.params["seqlen"], c.params["head_dim"]) for c in quick} == set(attention.QUICK_SHAPES)
+    assert {c.implementation for c in quick} == names - {"compile"}  # ungated, and each case compiles
 
 
 def test_window_and_packed_cases_in_full_runs_only():

@@ -72,7 +72,9 @@ def test_cases_cover_every_model_direction_and_baseline():
                    and c.direction == "forward+backward" and c.implementation == "ours"]  # fmt: skip
     assert gpt2_124m.work == 3 * 2 * 2 * 8192 * 768 * 3072 and gpt2_124m.unit == "flop"
     quick = mlp.cases(quick=True)
-    assert "compile" not in {c.implementation for c in quick} and len(quick) < len(cases)
+    compiled = [c for c in quick if c.implementation == "compile"]  # each case compiles afresh
+    assert len(quick) < len(cases) and len(compiled) == len(mlp.QUICK_CASES)
+    assert all(c.kernel.startswith("mlp") and c.direction == "forward+backward" for c in compiled)
 
 
 @pytest.mark.parametrize("model", [GPT2, LLAMA], ids=["gpt2", "llama"])
@@ -83,7 +85,7 @@ def test_every_timed_call_runs_and_checks(model, monkeypatch):
         mlp.timing, "rotating_inputs", lambda make_copy, bytes_per_copy, device: [make_copy()]
     )
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
-    cases = mlp.model_cases(model, 33, with_compile=True, device="cpu")
+    cases = mlp.model_cases(model, 33, device="cpu")
     assert len(cases) == 6 + 4 * len(suite.DIRECTIONS)
     for case in cases:
         result = case.setup()()

@@ -2,8 +2,11 @@
 
 import json
 import subprocess
+import types
 
 import pytest
+import torch
+from helpers import FakeClock, fake_cuda_events
 
 from bench import __main__ as bench_main
 from bench import suite, timing
@@ -85,6 +88,21 @@ def test_the_shipped_gates_load_and_name_real_metrics():
     assert all(g.baseline for g in gates if g.metric == "speedup")
 
 
+def test_every_gate_meets_a_quick_case_and_its_baseline_runs_beside_it():
+    # A quick run (the device check's) must time each gated shape with the baseline its gate names,
+    # or the gate reads "not measured" and --gate fails however fast ours is.
+    families = bench_main._families(bench_main.FAMILIES)
+    cases = [case for family in families for case in family.cases(quick=True)]
+    results = [
+        result(c.kernel, c.implementation, 1.0, c.direction, c.unit, c.work, **c.params) for c in cases
+    ]
+    suite.add_metrics(results, CEILINGS)
+    gates = suite.load_gates()
+    verdicts = suite.evaluate_gates(results, gates)
+    assert all(any(v.gate is g for v in verdicts) for g in gates)  # every gate is met
+    assert [v.describe() for v in verdicts if v.value is None] == []
+
+
 def test_json_report_schema(tmp_path):
     results = [result(), result(impl="eager", ms=2.0)]
     suite.add_metrics(results, CEILINGS)
@@ -160,3 +178,78 @@ def test_without_gpu_bench_checks_in_the_interpreter_and_runs_the_compile_report
     assert "timing needs a GPU" in out and "ok" in out and "FAIL" not in out
     [(cmd, env)] = calls
     assert cmd[-4:] == ["-m", "bench.compile_report", "--arch", "sm90"] and "TRITON_INTERPRET" not in env
+
+
+class StandInGPU:
+    """bench's gpu_main() whole on the CPU: CUDA events on a fake clock that each timed call moves,
+    and the device's ceilings as CEILINGS."""
+
+    def __init__(self, monkeypatch):
+        self.clock = FakeClock()
+        fake_cuda_events(monkeypatch, self.clock)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        machine = timing.machine_info() | {"gpu": "NVIDIA H200"}
+        monkeypatch.setattr(timing, "machine_info", lambda device: machine)
+        monkeypatch.setattr(timing, "copy_bandwidth_gbps", lambda device: CEILINGS["copy_gbps"])
+        monkeypatch.setattr(timing, "matmul_tflops", lambda device: CEILINGS["matmul_tflops"])
+        self.monkeypatch = monkeypatch
+
+    def timed(self, ms: float = 0.0, error: BaseException | None = None):
+        """A case's setup: a call that takes ms of GPU time, or raises error."""
+
+        def call():
+            if error is not None:
+                raise error
+            self.clock.now += ms * 1e-3
+
+        return lambda: call
+
+    def run(self, cases, gates, out) -> tuple[int, dict]:
+        """gpu_main with cases as the one family and gates as gates.toml; exit code and results.json."""
+        family = types.SimpleNamespace(cases=lambda quick: cases)
+        self.monkeypatch.setattr(bench_main, "_families", lambda names: [family])
+        self.monkeypatch.setattr(suite, "load_gates", lambda: gates)
+        code = bench_main.gpu_main(*bench_main._parse(["--gate", "--out", str(out)]))
+        return code, json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.parametrize("scenario", ["skipped baseline", "failing ours-pointer", "interrupted"])
+def test_the_gpu_path_on_a_stand_in_gpu_times_skips_gates_and_keeps_what_it_measured(
+    scenario, monkeypatch, tmp_path, capsys
+):
+    # ours at 1 ms and eager at 2 ms are timed. The third case is a baseline that cannot run
+    # (skipped, so its gate reads "not measured" and fails), or a variant of ours that fails (a
+    # failed test, never a skip), or is interrupted as the device check's SIGINT does (the run
+    # stops there, and what it measured is still written).
+    gpu = StandInGPU(monkeypatch)
+    third, error = {
+        "skipped baseline": ("compile", RuntimeError("no kernel for this shape")),
+        "failing ours-pointer": ("ours-pointer", RuntimeError("out of resources")),
+        "interrupted": ("compile", KeyboardInterrupt()),
+    }[scenario]
+    shape = ("layer_norm", {"rows": 16384, "hidden": 4096}, "forward")
+    cases = [
+        suite.Case(*shape, "ours", 3.6e9, "byte", gpu.timed(1.0), lambda: ({"y": 0.0}, True)),
+        suite.Case(*shape, "eager", 3.6e9, "byte", gpu.timed(2.0)),
+        suite.Case(*shape, third, 3.6e9, "byte", gpu.timed(error=error)),
+    ]
+    gates = gates_of(
+        '[[gate]]\nkernel = "*"\nmetric = "speedup"\nbaseline = "eager"\nmin = 1.5\n'
+        '[[gate]]\nkernel = "*"\nmetric = "speedup"\nbaseline = "compile"\nmin = 1.0\n',
+        tmp_path,
+    )
+    code, report = gpu.run(cases, gates, tmp_path)
+    out = capsys.readouterr().out
+    ours, eager = report["results"][:2]
+    assert ours["implementation"] == "ours" and ours["median_ms"] == pytest.approx(1.0)
+    assert ours["correct"] is True and ours["speedups"] == pytest.approx({"eager": 2.0})
+    assert eager["median_ms"] == pytest.approx(2.0) and len(report["results"]) == 2
+    assert [g["passed"] for g in report["gates"]] == [True, False]  # compile: not measured
+    assert "FAIL layer_norm forward [rows=16384 hidden=4096]: not measured" in out
+    assert (tmp_path / "layer_norm.png").exists()
+    if scenario == "skipped baseline":
+        assert code == 1 and "compile unavailable: no kernel for this shape" in out  # --gate
+    elif scenario == "failing ours-pointer":
+        assert code == pytest.ExitCode.TESTS_FAILED and "FAILED" in out and "out of resources" in out
+    else:
+        assert code == pytest.ExitCode.INTERRUPTED

@@ -8,6 +8,7 @@ import types
 
 import pytest
 import torch
+from helpers import FakeClock, fake_cuda_events
 
 from bench import __main__ as bench_main
 from bench import suite
@@ -64,31 +65,9 @@ def test_report_schema_and_the_train_gate(tmp_path):
     assert table[0].split()[:4] == ["backend", "step", "ms", "q1-q3"] and "1.25x" in table[1]
 
 
-class FakeClock:
-    """Stands in for the GPU's timeline and the host's clock: only steps move it."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
 def fake_gpu(monkeypatch, clock: FakeClock):
     """CUDA events reading the fake clock, and no-op synchronization and memory statistics."""
-
-    class Event:
-        def __init__(self, enable_timing):
-            self.at = None
-
-        def record(self):
-            self.at = clock.now
-
-        def elapsed_time(self, end):
-            return (end.at - self.at) * 1e3
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    fake_cuda_events(monkeypatch, clock)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 * 2**30)
     monkeypatch.setattr(bench_train, "time", types.SimpleNamespace(perf_counter=clock))
@@ -111,9 +90,8 @@ def test_time_steps_leaves_out_the_warmup_and_stops_on_the_budget(monkeypatch):
     assert len(times) == 3
 
 
-def test_the_gpu_path_with_a_stand_in_gpu_writes_the_report(monkeypatch, tmp_path, capsys):
-    # gpu_main() whole, with the tiny model's real steps on the CPU and a fake clock:
-    # each triton step takes 10 ms of it, each reference-compile step 15 ms.
+def stand_in_h200(monkeypatch) -> FakeClock:
+    """fake_gpu, named an H200 with a measured matmul of 800 TFLOP/s; its clock."""
     clock = FakeClock()
     fake_gpu(monkeypatch, clock)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -123,6 +101,13 @@ def test_the_gpu_path_with_a_stand_in_gpu_writes_the_report(monkeypatch, tmp_pat
         bench_train.timing, "machine_info", lambda device: machine_info() | {"gpu": "NVIDIA H200"}
     )
     monkeypatch.setattr(bench_train.timing, "matmul_tflops", lambda device: 800.0)
+    return clock
+
+
+def test_the_gpu_path_with_a_stand_in_gpu_writes_the_report(monkeypatch, tmp_path, capsys):
+    # gpu_main() whole, with the tiny model's real steps on the CPU and a fake clock:
+    # each triton step takes 10 ms of it, each reference-compile step 15 ms.
+    clock = stand_in_h200(monkeypatch)
     make_step = bench_train.make_step
 
     def make_step_on_the_cpu(cfg, config, backend, device):
@@ -153,6 +138,42 @@ def test_the_gpu_path_with_a_stand_in_gpu_writes_the_report(monkeypatch, tmp_pat
         and compiled["extra"]["backend"] == "reference-compile"
     )
     assert all(math.isfinite(r["extra"]["loss"]) for r in report["results"])
+
+
+@pytest.mark.parametrize(
+    "error", [RuntimeError("inductor failed"), KeyboardInterrupt()], ids=lambda e: type(e).__name__
+)
+def test_a_backend_that_fails_or_is_interrupted_costs_only_its_result(error, monkeypatch, tmp_path, capsys):
+    # reference-compile raises as it is built: an error skips it and the next backend still runs; an
+    # interrupt (the device check's time limit sends SIGINT) ends the measuring. Either way the
+    # report keeps what was measured and the exit code says something is missing.
+    clock = stand_in_h200(monkeypatch)
+    make_step = bench_train.make_step
+
+    def make_step_on_the_cpu(cfg, config, backend, device):
+        if backend == "reference-compile":
+            raise error
+        step = make_step(cfg, config, backend, "cpu")
+
+        def timed():
+            clock.now += 0.010
+            return step()
+
+        return timed
+
+    monkeypatch.setattr(bench_train, "make_step", make_step_on_the_cpu)
+    argv = ["--preset", "tiny", "--batch-size", "4", "--precision", "fp32", "--warmup", "0", "--steps", "2",
+            "--backends", "triton", "reference-compile", "reference", "--out", str(tmp_path)]  # fmt: skip
+    assert bench_train.gpu_main(*bench_train.parse_args(argv)) == 1
+    out = capsys.readouterr()
+    report = json.loads((tmp_path / "train.json").read_text())
+    measured = [r["extra"]["backend"] for r in report["results"]]
+    if isinstance(error, KeyboardInterrupt):
+        assert measured == ["triton"] and "reference-compile: interrupted" in out.out
+    else:
+        assert measured == ["triton", "reference"] and "inductor failed" in out.err
+        assert report["results"][0]["speedups"] == pytest.approx({"eager": 1.0})
+    assert "no result from reference-compile: failed or interrupted" in out.out
 
 
 def test_without_gpu_it_says_so_and_checks_the_harness(monkeypatch, capsys):
