@@ -29,10 +29,10 @@ step() {  # step NAME SECONDS COMMAND...: run under a time limit, log it, note r
   tail -n 25 "$out/device_check.log"
 }
 
-# Each GPU test compiles kernels of its own: with pytest-xdist (on the GPU machine) 8 processes
+# Each GPU test compiles kernels of its own: with pytest-xdist (on the GPU machine) 12 processes
 # compile at once.
 workers=()
-python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
+python3 -c "import xdist" 2>/dev/null && workers=(-n 12)
 step tests 110 python3 -m pytest -m gpu -q -p no:cacheprovider ${workers[@]+"${workers[@]}"} tests
 # The training step is timed by bench.train below, with its own budget, not twice.
 step bench 200 python3 -m bench --quick --gate --only norms attention mlp --out "$out/bench"

@@ -104,6 +104,7 @@ class TrainConfig:
     grad_clip: clip the gradients' global norm to this (0: no clipping)
     precision: fp16 (fp32 master weights, dynamic loss scaling), bf16 or fp32; default fp16 on a GPU, or fp32
     backend: triton (fused kernels) or reference (plain torch); default triton on an sm_80+ GPU, or reference
+    device: cuda or cpu (under torchrun: NCCL or gloo); default cuda where a GPU is visible
     loss_scale: initial fp16 loss scale
     loss_scale_window: clean fp16 steps before the loss scale doubles (an inf/NaN gradient halves it, skips)
     seed: seeds the weights, the data order and the sample
@@ -140,6 +141,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     precision: Literal["fp16", "bf16", "fp32"] | None = None
     backend: Literal["triton", "reference"] | None = None
+    device: Literal["cuda", "cpu"] | None = None
     loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
     seed: int = 1337
@@ -178,7 +180,7 @@ class TrainConfig:
         if self.preset not in PRESETS:
             raise ValueError(f"--preset {self.preset!r} is unknown; choose from {', '.join(PRESETS)}")
         hints = typing.get_type_hints(TrainConfig)
-        for name in ("decay", "precision", "backend"):
+        for name in ("decay", "precision", "backend", "device"):
             choices = _flag_kwargs(hints[name])["choices"]
             if getattr(self, name) not in (*choices, None):
                 raise ValueError(
@@ -313,6 +315,13 @@ PEAK_TFLOPS = {
 }
 
 
+def pick_device(requested: str | None) -> str:
+    """The one asked for, else cuda where a GPU is visible; cuda asked for without one is an error."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible to this process")
+    return requested or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def pick_backend(requested: str | None, device: str) -> tuple[str, str]:
     """(backend, why): the one asked for, else triton on a GPU the kernels have configs for and
     reference elsewhere. triton asked for on a GPU without configs (compute capability below 8.0,
@@ -331,7 +340,7 @@ def pick_backend(requested: str | None, device: str) -> tuple[str, str]:
         return ("reference", reason) if reason else ("triton", "")
     return (
         "reference",
-        " (no GPU: the Triton kernels would run only in Triton's interpreter, far too slowly to train)",
+        " (on the CPU: the Triton kernels would run only in Triton's interpreter, far too slowly to train)",
     )
 
 
@@ -601,17 +610,17 @@ def _si(x: float) -> str:
 def train(cfg: TrainConfig, overrides: dict | None = None) -> list[dict]:
     """Run cfg (model flags in overrides) on this process, or on every rank of a torchrun launch;
     returns this session's per-step metrics records."""
-    parallel = init_from_env(cfg.tp, cfg.sequence_parallel)
+    device = pick_device(cfg.device)
+    parallel = init_from_env(cfg.tp, cfg.sequence_parallel, device)
     try:
-        return _train(cfg, overrides or {}, parallel)
+        return _train(cfg, overrides or {}, parallel, device)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel) -> list[dict]:
+def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -> list[dict]:
     start_time = time.perf_counter()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     precision = cfg.precision or ("fp16" if device == "cuda" else "fp32")
     backend, backend_note = pick_backend(cfg.backend, device)
     main_rank = parallel.rank == 0  # the only one that prints and writes metrics
@@ -666,7 +675,7 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel) -> list[dict]:
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     note = backend_note
     if device == "cpu" and backend == "triton" and not runtime.INTERPRET:
-        note = " (no GPU and TRITON_INTERPRET unset: the fused layers run their float32 reference)"
+        note = " (on the CPU with TRITON_INTERPRET unset: the fused layers run their float32 reference)"
     log(f"horse.train on {where} | backend {backend}{note} | precision {precision}")
     if parallel.distributed:
         log(

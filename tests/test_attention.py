@@ -443,6 +443,7 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("call,error,message", BAD_INPUTS)
 def test_bad_input_is_named(call, error, message):
     q = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16)
@@ -458,6 +459,7 @@ def test_cpu_without_interpreter_uses_the_reference(monkeypatch):
     torch.testing.assert_close(out, reference.attention(q, k, v, causal=True)[0], rtol=0, atol=0)
 
 
+@pytest.mark.interpreter
 def test_custom_op_passes_opcheck_and_compiles_fullgraph():
     q, k, v = make_qkv(Shape(1, 24, 24, 2, 1, 32), torch.float16, "cpu")
     for mask in ((True, 0.125, -1, -1), (False, 0.125, 5, 3)):

@@ -160,6 +160,7 @@ def test_window_and_packed_flop_counts():
     assert attention.packed_flops((3, 5), 2, 64) == 4 * 2 * 64 * (9 + 25) // 2
 
 
+@pytest.mark.interpreter
 def test_check_packed_passes_ours_and_fails_a_wrong_result(monkeypatch):
     import kernels
 
@@ -171,6 +172,7 @@ def test_check_packed_passes_ours_and_fails_a_wrong_result(monkeypatch):
     assert not ok and errors["out"] > attention.TOLERANCE
 
 
+@pytest.mark.interpreter
 def test_interpreter_checks_pass():
     results = attention.interpreter_checks()
     assert len(results) == 2 * len(attention.INTERPRETER_SHAPES) + 2

@@ -21,6 +21,7 @@ def test_flops_count_the_gemms():
     assert mlp.mlp_flops(LLAMA, 64, "forward") == 3 * 2 * 64 * 100 * 40
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("model", [GPT2, LLAMA], ids=["gpt2", "llama"])
 def test_ours_saves_half_of_what_eager_saves(model):
     # Ours keeps the pre-activation (gate and up when gated); eager keeps it and h (gated: gate,
@@ -36,6 +37,7 @@ def test_ours_saves_half_of_what_eager_saves(model):
         assert mlp.saved_activation_bytes(lambda t: mlp.ours_mlp(model, t), tensors) == 0
 
 
+@pytest.mark.interpreter
 def test_interpreter_checks_pass():
     results = mlp.interpreter_checks()
     assert len(results) == 2 * len(mlp.INTERPRETER_CASES)
@@ -77,6 +79,7 @@ def test_cases_cover_every_model_direction_and_baseline():
     assert all(c.kernel.startswith("mlp") and c.direction == "forward+backward" for c in compiled)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("model", [GPT2, LLAMA], ids=["gpt2", "llama"])
 def test_every_timed_call_runs_and_checks(model, monkeypatch):
     # The cases' setups on the CPU with one copy of the inputs and no Inductor (~30 s here): every

@@ -66,6 +66,7 @@ def _off_by_5_percent(fn):
     return lambda *args: 1.05 * fn(*args)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("wrong", [False, True])
 def test_check_tells_right_from_wrong(wrong):
     layer_norm = norms.norms()[0]
@@ -90,6 +91,7 @@ def test_cases_cover_every_shape_direction_and_implementation():
     assert len(norms.cases(quick=True)) == 2 * len(norms.QUICK_SHAPES) * 2 * 3
 
 
+@pytest.mark.interpreter
 def test_interpreter_checks_pass():
     results = norms.interpreter_checks()
     assert len(results) == 2 * len(norms.INTERPRETER_SHAPES)

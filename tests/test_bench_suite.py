@@ -173,6 +173,7 @@ def test_without_gpu_bench_checks_in_the_interpreter_and_runs_the_compile_report
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(bench_main.subprocess, "run", fake_run)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench_main.main(["--only", "norms"]) == 0
     out = capsys.readouterr().out
     assert "timing needs a GPU" in out and "ok" in out and "FAIL" not in out

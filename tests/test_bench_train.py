@@ -187,6 +187,7 @@ def test_without_gpu_it_says_so_and_checks_the_harness(monkeypatch, capsys):
     assert float(last) < float(first)  # the second step has learnt from the same batch
 
 
+@pytest.mark.interpreter
 def test_interpreter_checks_compare_every_backend_with_the_reference():
     checks = bench_train.interpreter_checks()
     assert [label.split(": ")[1] for label, _, _ in checks] == [

@@ -164,6 +164,7 @@ def tiny_targets_on_the_cpu(monkeypatch):
     )
 
 
+@pytest.mark.interpreter
 def test_every_target_checks_and_times_a_candidate(tiny_targets_on_the_cpu):
     # In the interpreter the tiles are its own, but TMA and the persistent loop follow the candidate.
     targets = tune.attention_targets(list(tune.ATTENTION_PASSES), [64], seqlen=4096)

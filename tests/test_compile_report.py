@@ -232,6 +232,7 @@ def test_batched_disassembly_counts_each_kernel_as_cuobjdump_does_alone():
     assert any(tc > 0 for tc, _, _ in counts) and any(tma > 0 for _, _, tma in counts)
 
 
+@pytest.mark.interpreter
 def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_with(monkeypatch):
     """The report's cubins are the launches' only if both pass runtime.COMPILE_OPTIONS (FMA
     contraction, which Triton 3.10 stops doing by default): every kernel's launch is checked."""

@@ -228,6 +228,7 @@ def test_bad_input_is_named(call, error, message):
         call(x, w)
 
 
+@pytest.mark.interpreter
 def test_custom_ops_pass_opcheck():
     x = torch.randn(8, 40, requires_grad=True)
     w = torch.randn(40, requires_grad=True)
@@ -252,6 +253,7 @@ class PreNormBlock(torch.nn.Module):
         return y * h
 
 
+@pytest.mark.interpreter
 def test_torch_compile_fullgraph_runs_through_the_ops():
     torch.manual_seed(0)
     model = PreNormBlock(48)
@@ -270,7 +272,9 @@ def test_torch_compile_fullgraph_runs_through_the_ops():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(16384, 4096), (4096, 65536), (3, 12288)], ids=str)
+# (1024, 65536): the chunked path at its largest hidden size; the float64 truth of each case takes
+# ~8 GiB there, with the GPU tests running in 12 processes on one GPU.
+@pytest.mark.parametrize("shape", [(16384, 4096), (1024, 65536), (3, 12288)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 def test_gpu_large_shapes(rms, dtype, shape):

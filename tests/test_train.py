@@ -23,7 +23,8 @@ SMALL = {"n_layer": 2, "d_model": 64, "n_head": 4, "block_size": 32}
 
 
 def _cfg(tmp_path, **kwargs) -> TrainConfig:
-    quick = dict(batch_size=8, max_steps=8, warmup_steps=2, eval_interval=4, eval_steps=2, sample_tokens=0)
+    quick = dict(batch_size=8, max_steps=8, warmup_steps=2, eval_interval=4, eval_steps=2, sample_tokens=0,
+                 device="cpu")  # fmt: skip
     return TrainConfig(**({"out_dir": str(tmp_path / "run")} | quick | kwargs))
 
 
@@ -34,7 +35,7 @@ def test_loss_falls_on_the_builtin_corpus(tmp_path, capsys):
     assert sum(losses[-5:]) / 5 < losses[0] - 2.0
     assert records[-1]["val_loss"] < losses[0] - 2.0
     out = capsys.readouterr().out
-    assert "backend reference (no GPU" in out and "precision fp32" in out
+    assert "backend reference (on the CPU" in out and "precision fp32" in out
     assert "----- sample: 20 tokens" in out
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(1, 41))
@@ -53,6 +54,15 @@ def test_backend_defaults_to_the_kernels_only_on_gpus_they_have_configs_for(monk
     assert train.pick_backend("reference", "cuda") == ("reference", "")
     with pytest.raises(RuntimeError, match=r"Tesla T4 is 7\.5"):
         train.pick_backend("triton", "cuda")
+
+
+def test_device_defaults_to_a_visible_gpu_and_cuda_without_one_is_an_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert train.pick_device(None) == "cpu" and train.pick_device("cpu") == "cpu"
+    with pytest.raises(ValueError, match="--device cuda: no CUDA device is visible"):
+        train.pick_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert train.pick_device(None) == "cuda" and train.pick_device("cpu") == "cpu"
 
 
 def test_resumed_run_repeats_the_uninterrupted_losses_exactly(tmp_path):
@@ -160,6 +170,7 @@ def test_flags_config_file_and_errors_that_name_the_argument(tmp_path, capsys):
         (["--preset", "gpt5"], "--preset 'gpt5' is unknown"),
         (["--batch-size", "0"], "--batch-size must be at least 1"),
         (["--precision", "fp8"], "--precision: invalid choice"),
+        (["--device", "tpu"], "--device: invalid choice"),
         (["--resume"], "--resume needs --out-dir"),
         (
             ["--config", str(tmp_path / "run.json"), "--config", str(tmp_path / "nope.json")],
@@ -218,6 +229,7 @@ def _command(*args: str) -> subprocess.CompletedProcess:
 def test_script_profile_trace_and_generate_command(tmp_path, capsys):
     out = tmp_path / "run"
     steps = [
+        "--device=cpu",
         "--max-steps=4",
         "--batch-size=4",
         "--profile-steps=1",
@@ -238,7 +250,7 @@ def test_script_profile_trace_and_generate_command(tmp_path, capsys):
 
 @pytest.mark.gpu
 def test_fp16_training_on_the_gpu_with_the_kernels(tmp_path, capsys):
-    records = train.train(_cfg(tmp_path, max_steps=30, ckpt_interval=15), SMALL)
+    records = train.train(_cfg(tmp_path, max_steps=30, ckpt_interval=15, device="cuda"), SMALL)
     out = capsys.readouterr().out
     assert "backend triton" in out and "precision fp16" in out
     assert all(r["loss_scale"] is not None for r in records)

@@ -35,6 +35,7 @@ QUICK = dict(
     keep_last=0,
     precision="fp32",
     backend="reference",
+    device="cpu",  # gloo, also where a GPU is visible
 )
 GLOBAL_BATCH = 4  # sequences per step, over all data-parallel replicas
 
