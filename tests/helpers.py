@@ -4,6 +4,7 @@ with the tensor's magnitude (summation order alone moves float32 results by ~1e-
 
 import torch
 
+from bench import timing
 from kernels import runtime
 
 FLOOR = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
@@ -101,3 +102,17 @@ def fake_cuda_events(monkeypatch, clock: FakeClock) -> None:
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+
+# What a stand-in H200 measures: device-to-device copy GB/s and float16 matmul TFLOP/s.
+STAND_IN_CEILINGS = {"copy_gbps": 4000.0, "matmul_tflops": 800.0}
+
+
+def name_it_an_h200(monkeypatch) -> None:
+    """Device 0, an "NVIDIA H200" in name and machine info, whose ceilings measure STAND_IN_CEILINGS."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *device: "NVIDIA H200")
+    machine = timing.machine_info() | {"gpu": "NVIDIA H200"}
+    monkeypatch.setattr(timing, "machine_info", lambda device: machine)
+    monkeypatch.setattr(timing, "copy_bandwidth_gbps", lambda device: STAND_IN_CEILINGS["copy_gbps"])
+    monkeypatch.setattr(timing, "matmul_tflops", lambda device: STAND_IN_CEILINGS["matmul_tflops"])

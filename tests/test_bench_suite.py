@@ -6,12 +6,12 @@ import types
 
 import pytest
 import torch
-from helpers import FakeClock, fake_cuda_events
+from helpers import STAND_IN_CEILINGS, FakeClock, fake_cuda_events, name_it_an_h200
 
 from bench import __main__ as bench_main
 from bench import suite, timing
 
-CEILINGS = {"copy_gbps": 4000.0, "matmul_tflops": 800.0}
+CEILINGS = STAND_IN_CEILINGS
 
 
 def result(kernel="layer_norm", impl="ours", ms=1.0, direction="forward", unit="byte", work=3.6e9, **params):
@@ -188,11 +188,7 @@ class StandInGPU:
     def __init__(self, monkeypatch):
         self.clock = FakeClock()
         fake_cuda_events(monkeypatch, self.clock)
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        machine = timing.machine_info() | {"gpu": "NVIDIA H200"}
-        monkeypatch.setattr(timing, "machine_info", lambda device: machine)
-        monkeypatch.setattr(timing, "copy_bandwidth_gbps", lambda device: CEILINGS["copy_gbps"])
-        monkeypatch.setattr(timing, "matmul_tflops", lambda device: CEILINGS["matmul_tflops"])
+        name_it_an_h200(monkeypatch)
         self.monkeypatch = monkeypatch
 
     def timed(self, ms: float = 0.0, error: BaseException | None = None):

@@ -8,7 +8,7 @@ import types
 
 import pytest
 import torch
-from helpers import FakeClock, fake_cuda_events
+from helpers import FakeClock, fake_cuda_events, name_it_an_h200
 
 from bench import __main__ as bench_main
 from bench import suite
@@ -94,13 +94,7 @@ def stand_in_h200(monkeypatch) -> FakeClock:
     """fake_gpu, named an H200 with a measured matmul of 800 TFLOP/s; its clock."""
     clock = FakeClock()
     fake_gpu(monkeypatch, clock)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *device: "NVIDIA H200")
-    machine_info = bench_train.timing.machine_info
-    monkeypatch.setattr(
-        bench_train.timing, "machine_info", lambda device: machine_info() | {"gpu": "NVIDIA H200"}
-    )
-    monkeypatch.setattr(bench_train.timing, "matmul_tflops", lambda device: 800.0)
+    name_it_an_h200(monkeypatch)
     return clock
 
 
