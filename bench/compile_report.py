@@ -456,7 +456,8 @@ def failures(results: list[CompileResult]) -> list[str]:
     bad = []
     for r in results:
         c = r.config
-        name = f"{c.arch} {c.kernel} {c.shape_class} {c.dtype_name} blocks {c.blocks} warps {c.num_warps}"
+        family = f"{c.arch} as sm_{c.capability}" if c.capability else c.arch
+        name = f"{family} {c.kernel} {c.shape_class} {c.dtype_name} blocks {c.blocks} warps {c.num_warps}"
         limit = ARCHS[c.arch].max_shared_bytes
         if r.spill_bytes > 0:
             bad.append(f"{name}: spills {r.spill_bytes} bytes")
@@ -496,17 +497,17 @@ def format_table(results: list[CompileResult]) -> str:
     return "\n".join("  ".join(str(v).rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows)
 
 
-def _check_capability(parser: argparse.ArgumentParser, capability: int, archs: list[str]) -> None:
-    """--capability must be a GPU whose launches take the one family named by --arch."""
-    if len(archs) != 1:
-        parser.error("--capability builds one family's entries: name it alone with --arch")
+def capability_error(capability: int, family: str) -> str | None:
+    """Why a build of family's entries for compute capability (86 for 8.6) is refused: a GPU of
+    that capability takes another family's entries, or none; None when it takes family's."""
     try:
-        family = runtime.arch_of_capability(capability // 10, capability % 10).name
+        takes = runtime.arch_of_capability(capability // 10, capability % 10).name
     except RuntimeError:
-        family = None
-    if family != archs[0]:
-        parser.error(f"--capability {capability}: a GPU of compute capability {capability / 10:.1f} "
-                     f"takes {family or 'no family'}'s entries, not {archs[0]}'s")  # fmt: skip
+        takes = None
+    if takes == family:
+        return None
+    return (f"--capability {capability}: a GPU of compute capability {capability / 10:.1f} takes "
+            f"{takes or 'no family'}'s entries, not {family}'s")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -527,7 +528,10 @@ def main(argv: list[str] | None = None) -> int:
     if not configs:
         parser.error(f"no kernel config matches --filter {args.filter!r}")
     if args.capability is not None:
-        _check_capability(parser, args.capability, args.arch)
+        if len(args.arch) != 1:
+            parser.error("--capability builds one family's entries: name it alone with --arch")
+        if error := capability_error(args.capability, args.arch[0]):
+            parser.error(error)
         configs = [dataclasses.replace(c, capability=args.capability) for c in configs]
     jobs = max(1, args.jobs)
     with ProcessPoolExecutor(max_workers=jobs) as pool:

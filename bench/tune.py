@@ -4,6 +4,7 @@
     python -m bench.tune mlp [--gemms fwd gated_fwd dh_bwd gated_dh_bwd] [--shape-classes large medium]
     (either with --seconds 240 --json PATH)
     python -m bench.tune attention|mlp --compile-only --arch sm86 [--start-from sm90] [--jobs N]
+        [--capability 86 89 120]
 
 A target is one table entry: an attention pass at a head dim (kernels.attention; the forward's
 packed table too), or an MLP GEMM at a shape class (kernels.mlp). Starting from the entry (the
@@ -28,7 +29,8 @@ Tables are changed by hand from what this measured, never at run time.
 With --compile-only nothing runs on a GPU: for each entry of the family --arch, the first of its
 candidates (the entry, or --start-from's, then smaller tiles from the largest down) that compiles
 clean for that family in every variant ``bench.compile_report`` builds of an entry, and why each
-candidate before it failed.
+candidate before it failed. --capability builds each variant for each of several GPUs that take the
+family's entries instead (``--arch sm86 --capability 86 89 120``: Ampere, Ada, consumer Blackwell).
 """
 
 import argparse
@@ -454,6 +456,18 @@ def mlp_searches(gemms, shape_classes, arch: runtime.Arch, start_from: runtime.A
     return searches
 
 
+def built_for(search: EntrySearch, capabilities: list[int]) -> EntrySearch:
+    """search, its candidates to compile clean for each GPU of capabilities (86 for 8.6) rather than
+    their family's own: every variant for each GPU in turn, so a search still meets the variant
+    likeliest to fail first."""
+
+    def variants(cfg) -> list:
+        return [dataclasses.replace(v, capability=c) for v in search.variants(cfg) for c in capabilities]
+
+    title = f"{search.title[:-1]} as sm_{'/sm_'.join(map(str, capabilities))})"
+    return dataclasses.replace(search, title=title, variants=variants)
+
+
 def first_failure(configs: list, compile_batch: Callable[[list], list], batch: int) -> str | None:
     """Why configs (compile_report.KernelConfig) do not all compile clean, or None if they do;
     compiled batch at a time (compile_batch: configs -> CompileResults), stopping at the first
@@ -589,11 +603,16 @@ def main(argv: list[str] | None = None) -> int:
                             "from this family's entries (default: --arch's own)")  # fmt: skip
         family.add_argument("--jobs", type=int, default=os.cpu_count(), help="with --compile-only: parallel "
                             "compilations")  # fmt: skip
+        family.add_argument(
+            "--capability", nargs="+", type=int, help="with --compile-only: clean when built for each of "
+            "these GPUs that take --arch's entries, e.g. 86 89 120 for sm86 (default: the family's own)",
+        )  # fmt: skip
     args = parser.parse_args(argv)
     if args.compile_only:
         return _compile_only(parser, args)
-    if args.arch or args.start_from:
-        parser.error("--arch and --start-from go with --compile-only: a GPU tunes its own family's entries")
+    if args.arch or args.start_from or args.capability:
+        parser.error("--arch, --start-from and --capability go with --compile-only: a GPU tunes its own "
+                     "family's entries")  # fmt: skip
     if not torch.cuda.is_available():
         parser.error("tuning times kernels on a GPU; this machine has none (--compile-only needs none)")
     if "small" in (args.shape_classes or ()):
@@ -631,6 +650,11 @@ def _compile_only(parser: argparse.ArgumentParser, args) -> int:
         searches = mlp_searches(
             args.gemms, args.shape_classes or ["large", "medium", "small"], arch, start_from
         )
+    for capability in args.capability or ():
+        if error := compile_report.capability_error(capability, arch.name):
+            parser.error(error)
+    if args.capability:
+        searches = [built_for(search, args.capability) for search in searches]
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the interpreter cannot compile kernels")
     jobs = max(1, args.jobs)

@@ -682,14 +682,14 @@ class AttnConfig:
 # head-dim-128 forward) and less shared memory (197 against 229 KB there); which is faster is for
 # the bench to measure ("ours" against "ours-pointer").
 #
-# sm_80, sm_86, sm_100 on triton 3.9 (CI builds with 3.6, where all are clean): 8-16 bytes spill in
-# the sm_80 and sm_86 head-dim-16 forwards (3 stages spilled on 3.6), the sm_86 dq pass at head dims
-# 32 and 256, and the sm_100 packed local dk/dv pass at 128. What compiles clean there takes fewer
-# stages or a narrower tile (bench.tune --compile-only), a trade left for a GPU to measure.
+# sm_80, sm_86, sm_100: clean on triton 3.6 (CI's) and 3.9 alike. Where a tile spilled 8-16 bytes on
+# one of them (the sm_80 and sm_86 head-dim-16 forwards at 128x128: 3 stages on 3.6, 2 on 3.9; the
+# sm_86 dq pass at 256; the sm_100 packed local dk/dv pass at 128), the entry is the first candidate
+# of bench.tune --compile-only that compiled clean on both.
 #
-# The sm86 entries built for consumer Blackwell (compile_report --capability 120, triton 3.6) spill
-# 8-48 bytes in the backward at head dims 16 and 32: the dk/dv pass at 16 (packed, causal and local),
-# the dq pass at 16 (padded) and at 32 (packed local). sm_89 (Ada) builds them all clean.
+# The sm86 entries are clean on each GPU that takes them: sm_86, sm_89 (Ada) and sm_120 (consumer
+# Blackwell), searched with --capability 86 89 120. The backward's tiles before spilled 8-48 bytes
+# on sm_120 at head dims 16 and 32 (dk/dv at 16; dq at 16 and 32).
 FWD_CONFIGS = {
     "sm90": {
         16: AttnConfig(128, 64, 4, 3),
@@ -709,14 +709,14 @@ FWD_CONFIGS = {
         256: AttnConfig(128, 32, 8, 2),
     },
     "sm80": {
-        16: AttnConfig(128, 128, 8, 2, tma=False),
+        16: AttnConfig(128, 64, 8, 3, tma=False),
         32: AttnConfig(128, 128, 8, 3, tma=False),
         64: AttnConfig(128, 64, 8, 3, tma=False),
         128: AttnConfig(128, 32, 8, 3, tma=False),
         256: AttnConfig(64, 64, 8, 2, tma=False),
     },
     "sm86": {
-        16: AttnConfig(128, 128, 8, 2, tma=False),
+        16: AttnConfig(128, 64, 8, 3, tma=False),
         32: AttnConfig(128, 128, 8, 3, tma=False),
         64: AttnConfig(128, 64, 8, 3, tma=False),
         128: AttnConfig(128, 32, 8, 3, tma=False),
@@ -745,7 +745,7 @@ BWD_DKDV_CONFIGS = {
         16: AttnConfig(32, 128, 8, 3, tma=False),
         32: AttnConfig(32, 128, 8, 3, tma=False),
         64: AttnConfig(32, 128, 8, 3),
-        128: AttnConfig(32, 64, 8, 2),
+        128: AttnConfig(16, 128, 8, 1),
         256: AttnConfig(32, 32, 8, 3, tma=False),
     },
     "sm80": {
@@ -756,7 +756,7 @@ BWD_DKDV_CONFIGS = {
         256: AttnConfig(16, 64, 8, 3, column_splits=2, tma=False),
     },
     "sm86": {
-        16: AttnConfig(64, 128, 8, 2, tma=False),
+        16: AttnConfig(32, 128, 8, 2, tma=False),
         32: AttnConfig(32, 128, 4, 1, tma=False),
         64: AttnConfig(32, 128, 8, 1, tma=False),
         128: AttnConfig(64, 64, 8, 1, tma=False),
@@ -787,11 +787,11 @@ BWD_DQ_CONFIGS = {
         256: AttnConfig(64, 32, 8, 3, tma=False),
     },
     "sm86": {
-        16: AttnConfig(128, 128, 8, 3, tma=False),
-        32: AttnConfig(128, 64, 8, 1, tma=False),
+        16: AttnConfig(128, 128, 8, 2, tma=False),
+        32: AttnConfig(128, 32, 8, 3, tma=False),
         64: AttnConfig(128, 32, 4, 1, tma=False),
         128: AttnConfig(128, 32, 8, 2, tma=False),
-        256: AttnConfig(32, 32, 4, 3, tma=False),
+        256: AttnConfig(64, 16, 8, 3, tma=False),
     },
 }
 # Small, unequal tiles in the interpreter: quick there, and several blocks cross every boundary.

@@ -389,7 +389,8 @@ def row_config(n: int, backward: bool, dtype: torch.dtype, arch: runtime.Arch) -
     # The backward before Hopper takes 16 values a thread: at 8, ptxas held 16-bit rows of 2048 and
     # 4096 elements to 64 registers on sm_80 and sm_86 and spilled 8 bytes. (On triton 3.9 the float16
     # RMSNorm row of 2048 spills 8 bytes at 16 too, on sm_80 only: held to 80 registers. Built for
-    # sm_120, which takes the sm86 entries, the float32 LayerNorm backward of 64 spills 8 bytes.)
+    # sm_120, which takes the sm86 entries, the float32 LayerNorm backward of 64 spills 8 bytes at 4
+    # warps, held to 96 registers; at 8 values a thread, clean there, the row of 16 spilled on sm_86.)
     values_per_thread = 16 if backward and arch.capability < 90 else 8
     num_warps = min(max_warps, max(1, block_m * block_n // (32 * values_per_thread)))
     return RowConfig(block_m, block_n, num_warps, row_in_registers=True)

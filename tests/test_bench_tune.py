@@ -319,9 +319,47 @@ def test_a_compile_error_is_a_reason_not_a_crash():
     assert reasons == ["does not compile: PassManager::run failed in tritongpu"] * 2
 
 
+def test_a_search_built_for_several_gpus_needs_every_variant_clean_on_each():
+    from bench.compile_report import CompileResult
+
+    [search] = tune.attention_searches(["bwd_dq"], [16], runtime.SM86)
+    several = tune.built_for(search, [86, 89, 120])
+    assert several.title == "attention bwd_dq d=16 (sm86 as sm_86/sm_89/sm_120)"
+    assert several.candidates == search.candidates and several.table_entry == search.table_entry
+    start = search.candidates[0]
+    one = search.variants(start)
+    built = several.variants(start)
+    assert len(built) == 3 * len(one)
+    first = [(v.target_capability, v.shape_class) for v in built[:3]]
+    assert first == [(c, one[0].shape_class) for c in (86, 89, 120)]  # each variant on every GPU in turn
+    assert [dataclasses.replace(v, capability=0) for v in built[::3]] == one
+
+    def spills_on_120_above(area):  # a stand-in compiler: the GPU of 12.0 spills the larger tiles
+        def compile_batch(configs):
+            return [
+                CompileResult(c, 128, 8 * (c.target_capability == 120 and c.constexprs["BLOCK_M"]
+                                           * c.constexprs["BLOCK_N"] > area), 1024, 16, 0, 0)
+                for c in configs
+            ]  # fmt: skip
+
+        return compile_batch
+
+    area = start.block_m * start.block_n // 2
+    own = tune.search_entries([search], spills_on_120_above(area))[search.title]
+    assert own["clean"] == dataclasses.asdict(start) and own["rejected"] == []
+    result = tune.search_entries([several], spills_on_120_above(area))[several.title]
+    clean = AttnConfig(**result["clean"])
+    assert clean.block_m * clean.block_n == area and result["rejected"]
+    assert all(r["reason"].startswith("sm86 as sm_120 attn_bwd_dq ") for r in result["rejected"])
+    assert all(r["reason"].endswith("spills 8 bytes") for r in result["rejected"])
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (["attention", "--compile-only", "--arch", "sm86", "--capability", "86", "90"], "takes sm90's"),
+        (["mlp", "--compile-only", "--arch", "sm80", "--capability", "75"], "takes no family's entries"),
+        (["attention", "--capability", "120"], "--compile-only"),
         (["mlp", "--compile-only"], "--arch"),
         (["mlp", "--compile-only", "--arch", "sm80"], "TRITON_INTERPRET"),
         (["attention", "--arch", "sm80"], "--compile-only"),
