@@ -359,10 +359,10 @@ def test_a_search_built_for_several_gpus_needs_every_variant_clean_on_each():
     [
         (["attention", "--compile-only", "--arch", "sm86", "--capability", "86", "90"], "takes sm90's"),
         (["mlp", "--compile-only", "--arch", "sm80", "--capability", "75"], "takes no family's entries"),
-        (["attention", "--capability", "120"], "--compile-only"),
+        (["attention", "--capability", "120"], "go with --compile-only"),
         (["mlp", "--compile-only"], "--arch"),
         (["mlp", "--compile-only", "--arch", "sm80"], "TRITON_INTERPRET"),
-        (["attention", "--arch", "sm80"], "--compile-only"),
+        (["attention", "--arch", "sm80"], "go with --compile-only"),
         (["attention", "--compile-only", "--arch", "sm80", "--head-dims", "512"], "--head-dims"),
     ],
 )
