@@ -1,19 +1,21 @@
 """The compile report: every kernel config the package can select, compiled for the GPU that selects it.
 
-    python -m bench.compile_report [--arch sm80 sm86 sm90 sm100] [--filter TEXT] [--jobs N]
+    python -m bench.compile_report [--arch sm80 sm86 sm90 sm100 gfx942] [--filter TEXT] [--jobs N]
     python -m bench.compile_report --arch sm86 --capability 120   # an RTX 5090's build of sm86's
 
-Needs no GPU: Triton compiles for a ``GPUTarget("cuda", capability, 32)`` on the CPU, and the
-``cuobjdump`` and ``nvdisasm`` in Triton's wheel read the cubin. Each GPU family of
-``kernels.runtime.ARCHS`` (A100: sm_80; the 99-KiB Ampere, Ada and consumer Blackwell chips: sm_86;
-H100/H200: sm_90; B200/GB300: sm_100) has its own entry in every config table, compiled for its
-capability. One row per config: family, kernel, shape class, dtype, block sizes, warps, stages,
-registers, spill bytes (stack + local), shared memory, tensor-core instructions (HMMA on sm_80/86,
-HGMMA on sm_90, UTCHMMA on sm_100), 128-bit global loads, TMA loads (UTMALDG) and the target
+Needs no GPU: Triton compiles for a ``GPUTarget("cuda", capability, 32)`` or ``GPUTarget("hip",
+"gfx942", 64)`` on the CPU; the ``cuobjdump`` and ``nvdisasm`` in Triton's wheel read a cubin, and
+an AMD kernel's assembly (amdgcn) says its own registers, scratch and instructions. Each GPU family
+of ``kernels.runtime.ARCHS`` (A100: sm_80; the 99-KiB Ampere, Ada and consumer Blackwell chips:
+sm_86; H100/H200: sm_90; B200/GB300: sm_100; MI300X/MI325X: gfx942) has its own entry in every
+config table, compiled for its target. One row per config: family, kernel, shape class, dtype,
+block sizes, warps, stages, registers (AMD: VGPRs and AGPRs), spill bytes (stack + local; AMD:
+scratch), shared memory (AMD: LDS), tensor-core instructions (HMMA on sm_80/86, HGMMA on sm_90,
+UTCHMMA on sm_100, MFMA on gfx942), 128-bit global loads, TMA loads (UTMALDG) and the target
 compiled for. Exits 1 if any config spills, needs more shared memory than a block may have on its
-family, or is a matmul kernel without tensor-core instructions. Each kernel family adds its configs
-to ``CONFIG_FAMILIES``. ``--capability`` builds one family's entries for another GPU that takes them
-(sm_89 or sm_120 for sm86).
+family or more than 1024 threads, or is a matmul kernel without tensor-core instructions. Each
+kernel family adds its configs to ``CONFIG_FAMILIES``. ``--capability`` builds one NVIDIA family's
+entries for another GPU that takes them (sm_89 or sm_120 for sm86).
 
 Pointers, strides, N and K are compiled as multiples of 16, the specialisation Triton picks on a
 GPU for aligned tensors with hidden sizes that are multiples of 16 (the usual case); a stride of 1
@@ -80,6 +82,14 @@ class KernelConfig:
         return self.capability or ARCHS[self.arch].capability
 
     @property
+    def gpu_target(self) -> GPUTarget:
+        """What Triton compiles this config for."""
+        arch = ARCHS[self.arch]
+        if arch.hip_target:
+            return GPUTarget("hip", arch.hip_target, arch.warp_size)
+        return GPUTarget("cuda", self.target_capability, arch.warp_size)
+
+    @property
     def blocks(self) -> str:
         return "x".join(str(v) for k, v in self.constexprs.items() if k.startswith("BLOCK_"))
 
@@ -97,7 +107,7 @@ class CompileResult:
     tensor_core_instructions: int
     global_loads_128: int
     tma_loads: int
-    target: str = ""  # the machine code's, as the PTX names it: "90a" for sm_90a
+    target: str = ""  # the machine code's: "sm_90a" (as the PTX names it), "gfx942"
 
 
 def _signature(cfg: KernelConfig) -> tuple[dict, dict]:
@@ -138,6 +148,22 @@ def count_sass(text: str) -> tuple[int, int, int]:
     return tensor_core, loads_128, tma_loads
 
 
+def parse_amdgcn(text: str) -> tuple[int, int, int, int]:
+    """(registers, spill bytes, MFMA instructions, 128-bit global loads) of an AMD kernel's assembly:
+    its registers are VGPRs and AGPRs together (.vgpr_count), its spills the scratch memory a lane
+    needs (.private_segment_fixed_size). SGPRs that spill go to VGPR lanes first, so a kernel
+    without scratch has no spill to memory."""
+    fields = {}
+    for key in ("vgpr_count", "private_segment_fixed_size"):
+        match = re.search(rf"^\s*\.{key}:\s+(\d+)", text, re.M)
+        if match is None:
+            raise ValueError(f"no .{key} in the kernel's amdgcn metadata")
+        fields[key] = int(match.group(1))
+    mfma = len(re.findall(r"^\s*v_mfma_", text, re.M))
+    loads_128 = len(re.findall(r"^\s*(?:global|buffer)_load_dwordx4\b", text, re.M))
+    return fields["vgpr_count"], fields["private_segment_fixed_size"], mfma, loads_128
+
+
 def machine_code(cubin: bytes) -> bytes:
     """The instructions of an ELF64 cubin: its ``.text.*`` sections (one a kernel), end to end."""
     (section_headers,) = struct.unpack_from("<Q", cubin, 0x28)
@@ -175,16 +201,32 @@ def disassemble(codes: list[bytes], target: str) -> list[str]:
 
 
 def compile_kernel(cfg: KernelConfig):
-    """Triton's compiled kernel of cfg for its target: its asm has "ptx" and "cubin"."""
+    """Triton's compiled kernel of cfg for its target: its asm has "ptx" and "cubin" (NVIDIA), or
+    "amdgcn" and "hsaco" (AMD)."""
     signature, attrs = _signature(cfg)
     source = ASTSource(cfg.fn, signature, constexprs=cfg.constexprs, attrs=attrs)
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **runtime.COMPILE_OPTIONS}
-    return triton.compile(source, target=GPUTarget("cuda", cfg.target_capability, 32), options=options)
+    return triton.compile(source, target=cfg.gpu_target, options=options)
 
 
 def compile_configs(configs: list[KernelConfig]) -> list[CompileResult]:
     """Compile configs, then read each cubin's registers and spills (cuobjdump) and the SASS of all
-    that share a target in one disassembly."""
+    that share a target in one disassembly; an AMD kernel's from its assembly."""
+    nvidia = [i for i, cfg in enumerate(configs) if not ARCHS[cfg.arch].hip_target]
+    results = [_compile_amd(cfg) if ARCHS[cfg.arch].hip_target else None for cfg in configs]
+    for i, result in zip(nvidia, _compile_nvidia([configs[i] for i in nvidia]), strict=True):
+        results[i] = result
+    return results
+
+
+def _compile_amd(cfg: KernelConfig) -> CompileResult:
+    kernel = compile_kernel(cfg)
+    registers, spills, mfma, loads_128 = parse_amdgcn(kernel.asm["amdgcn"])
+    shared = kernel.metadata.shared
+    return CompileResult(cfg, registers, spills, shared, mfma, loads_128, 0, kernel.metadata.arch)
+
+
+def _compile_nvidia(configs: list[KernelConfig]) -> list[CompileResult]:
     compiled = [compile_kernel(cfg) for cfg in configs]
     usage = []
     for kernel in compiled:
@@ -202,7 +244,7 @@ def compile_configs(configs: list[KernelConfig]) -> list[CompileResult]:
         for i, text in zip(indices, disassemble(codes, target), strict=True):
             sass[i] = text
     return [
-        CompileResult(cfg, *usage[i], compiled[i].metadata.shared, *count_sass(sass[i]), targets[i])
+        CompileResult(cfg, *usage[i], compiled[i].metadata.shared, *count_sass(sass[i]), f"sm_{targets[i]}")
         for i, cfg in enumerate(configs)
     ]
 
@@ -329,7 +371,7 @@ def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -
     block); both dtypes; on the table's batches, padded ones with pointer loads (always selectable:
     USE_TMA off, unaligned inputs) and, on sm_90+ where cfg.tma, TMA loads; packed ones with pointers."""
     name, batches = ATTENTION_TABLES[table]
-    tma_modes = (False, True) if cfg.tma and arch.capability >= 90 else (False,)
+    tma_modes = (False, True) if cfg.tma and arch.tma else (False,)
     configs = []
     head_dims = dict.fromkeys((block_d, block_d * 3 // 4))
     for mask, head_dim, dtype, packed in itertools.product(
@@ -411,7 +453,7 @@ def mlp_entry_configs(table: str, shape_class: str, cfg, arch: runtime.Arch) -> 
     on sm_90+ where cfg.tma, TMA loads."""
     from kernels import mlp
 
-    tma_modes = (False, True) if cfg.tma and arch.capability >= 90 else (False,)
+    tma_modes = (False, True) if cfg.tma and arch.tma else (False,)
     return [
         mlp_gemm_config(table, shape_class, cfg, dtype, activation, tma, arch.name)
         for dtype, activation, tma in itertools.product(
@@ -451,8 +493,8 @@ def all_configs(archs=tuple(ARCHS)) -> list[KernelConfig]:
 
 
 def failures(results: list[CompileResult]) -> list[str]:
-    """One line per config that spills registers, exceeds its GPU family's shared-memory limit, or
-    is a matmul kernel without tensor-core instructions."""
+    """One line per config that spills registers, exceeds its GPU family's shared-memory limit or
+    threads a block, or is a matmul kernel without tensor-core instructions."""
     bad = []
     for r in results:
         c = r.config
@@ -465,6 +507,8 @@ def failures(results: list[CompileResult]) -> list[str]:
             bad.append(f"{name}: needs {r.shared_bytes} bytes of shared memory (max {limit})")
         if c.matmul and r.tensor_core_instructions == 0:
             bad.append(f"{name}: no tensor-core instructions")
+        if (threads := c.num_warps * ARCHS[c.arch].warp_size) > runtime.MAX_THREADS:
+            bad.append(f"{name}: {threads} threads a block (max {runtime.MAX_THREADS})")
     return bad
 
 
@@ -490,7 +534,7 @@ def format_table(results: list[CompileResult]) -> str:
     rows = [COLUMNS] + [
         (r.config.arch, r.config.kernel, r.config.shape_class, r.config.dtype_name, r.config.blocks,
          r.config.num_warps, r.config.num_stages, r.registers, r.spill_bytes, r.shared_bytes,
-         r.tensor_core_instructions, r.global_loads_128, r.tma_loads, f"sm_{r.target}")
+         r.tensor_core_instructions, r.global_loads_128, r.tma_loads, r.target)
         for r in results
     ]  # fmt: skip
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(COLUMNS))]
@@ -539,11 +583,11 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(results))
     bad = failures(results)
     print()
-    capabilities = {name: args.capability or ARCHS[name].capability for name in args.arch}
+    built_for = {a: ARCHS[a].hip_target or f"sm_{args.capability or ARCHS[a].capability}" for a in args.arch}
     for name in args.arch:
         count = sum(r.config.arch == name for r in results)
-        print(f"{name} ({ARCHS[name].gpus}): {count} configs compiled for sm_{capabilities[name]}")
-    targets = ", ".join(f"sm_{capabilities[a]}" for a in args.arch)
+        print(f"{name} ({ARCHS[name].gpus}): {count} configs compiled for {built_for[name]}")
+    targets = ", ".join(built_for.values())
     print(f"{len(results)} configs compiled for {targets} (triton {triton.__version__}); {len(bad)} failing")
     for line in bad:
         print(f"FAIL {line}")

@@ -219,7 +219,7 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
     from bench import compile_report
     from kernels import attention
 
-    tma, arch = arch.capability >= 90, arch.name
+    tma, arch = arch.tma, arch.name
     targets = []
     for name in passes:
         for head_dim in head_dims:
@@ -305,7 +305,7 @@ def mlp_targets(gemms, shape_classes, arch: runtime.Arch = runtime.SM90) -> list
     from bench import mlp as bench_mlp
     from kernels import mlp
 
-    tma, arch = arch.capability >= 90, arch.name
+    tma, arch = arch.tma, arch.name
     models = {m.name: m for m in bench_mlp.MODELS}
     targets = []
     for gemm in gemms:
@@ -421,7 +421,7 @@ def attention_searches(passes, head_dims, arch: runtime.Arch, start_from: runtim
     from bench import compile_report
     from kernels import attention
 
-    tma, searches = arch.capability >= 90, []
+    tma, searches = arch.tma, []
     block_dims = list(dict.fromkeys(attention.head_dim_block(d) for d in head_dims))
     for name, block_d in itertools.product(passes, block_dims):
         pass_name, padded_table = ATTENTION_PASSES[name]
@@ -444,7 +444,7 @@ def mlp_searches(gemms, shape_classes, arch: runtime.Arch, start_from: runtime.A
     from bench import compile_report
     from kernels import mlp
 
-    tma, searches = arch.capability >= 90, []
+    tma, searches = arch.tma, []
     for gemm, shape_class in itertools.product(gemms, shape_classes):
         start = mlp.GEMM_CONFIGS[(start_from or arch).name][gemm][shape_class]
         start = start if tma else dataclasses.replace(start, tma=False)

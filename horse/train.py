@@ -312,6 +312,9 @@ PEAK_TFLOPS = {
     "H100 NVL": 835.0,
     "H100": 989.0,
     "A100": 312.0,
+    "MI325X": 1307.4,
+    "MI300X": 1307.4,
+    "MI300A": 980.6,
 }
 
 
@@ -325,7 +328,7 @@ def pick_device(requested: str | None) -> str:
 def pick_backend(requested: str | None, device: str) -> tuple[str, str]:
     """(backend, why): the one asked for, else triton on a GPU the kernels have configs for and
     reference elsewhere. triton asked for on a GPU without configs (compute capability below 8.0,
-    AMD) fails here, before anything is loaded, with the kernels' own error."""
+    AMD GPUs other than gfx942) fails here, before anything is loaded, with the kernels' own error."""
     reason = ""
     if device == "cuda":
         try:

@@ -34,9 +34,9 @@ Causal forward and dq passes run their longest query blocks first, so the tail i
 forward can also run persistent (``programs_per_sm`` in its table), off until measured faster.
 
 Tiles, warps and stages come from a table per pass with an entry per GPU family (A100-class sm80,
-the 99-KiB sm86 chips, Hopper sm90, datacenter Blackwell sm100: ``kernels.runtime.ARCHS``), each
-compiled clean for its family's target in the compile report; GPUs below compute capability 8.0
-raise.
+the 99-KiB sm86 chips, Hopper sm90, datacenter Blackwell sm100, AMD's MI300 series gfx942:
+``kernels.runtime.ARCHS``), each compiled clean for its family's target in the compile report;
+NVIDIA GPUs below compute capability 8.0 and other AMD GPUs raise.
 """
 
 import dataclasses
@@ -667,7 +667,7 @@ class AttnConfig:
 
 
 # Per GPU family (runtime.arch), pass and padded head dim. Every entry compiles for its family's
-# target (sm_80, sm_86, sm_90, sm_100) with tensor-core instructions, no spills and within its shared
+# target (sm_80, sm_86, sm_90, sm_100, gfx942) with tensor-core instructions, no spills and within its shared
 # memory, in both dtypes and every mask (full, causal, local), with pointer loads, on packed batches,
 # and on sm_90 and sm_100 where tma is set with TMA loads (python -m bench.compile_report --filter
 # attn). Only the sm_90 entries are chosen for speed. The others were picked by compiling candidate
@@ -690,6 +690,14 @@ class AttnConfig:
 # The sm86 entries are clean on each GPU that takes them: sm_86, sm_89 (Ada) and sm_120 (consumer
 # Blackwell), searched with --capability 86 89 120. The backward's tiles before spilled 8-48 bytes
 # on sm_120 at head dims 16 and 32 (dk/dv at 16; dq at 16 and 32).
+#
+# gfx942 (AMD MI300X, MI325X): pointer loads, 64 KiB of LDS, wavefronts of 64 threads (4 warps are
+# 256). Searched from sm_90's entries (--arch gfx942 --start-from sm90, triton 3.6); sm_80's tiles
+# had spilled or overflowed the LDS in 190 of their 400 configs there. With 512 registers a lane
+# (the AGPRs included) the dk/dv pass holds dk and dv whole at head dim 256: no column split. Three
+# first finds spilled 8-36 bytes on triton 3.9 (the forward at 256 at 8 warps, dk/dv at 32 at 8
+# warps, dq at 256 at 2 stages); their entries are candidates clean on both (dq at 256 with 4 warps
+# and 3 stages spilled 508 bytes on 3.6).
 FWD_CONFIGS = {
     "sm90": {
         16: AttnConfig(128, 64, 4, 3),
@@ -721,6 +729,13 @@ FWD_CONFIGS = {
         64: AttnConfig(128, 64, 8, 3, tma=False),
         128: AttnConfig(128, 32, 8, 3, tma=False),
         256: AttnConfig(64, 32, 8, 2, tma=False),
+    },
+    "gfx942": {
+        16: AttnConfig(128, 64, 4, 3, tma=False),
+        32: AttnConfig(128, 64, 4, 3, tma=False),
+        64: AttnConfig(128, 64, 4, 3, tma=False),
+        128: AttnConfig(128, 128, 4, 2, tma=False),
+        256: AttnConfig(128, 32, 4, 3, tma=False),
     },
 }
 # Packed batches take pointer loads, and on sm_90 at head dim 128 a forward tile of their own: the
@@ -762,6 +777,13 @@ BWD_DKDV_CONFIGS = {
         128: AttnConfig(64, 64, 8, 1, tma=False),
         256: AttnConfig(32, 32, 8, 3, tma=False),
     },
+    "gfx942": {
+        16: AttnConfig(64, 128, 8, 1, tma=False),
+        32: AttnConfig(64, 128, 4, 1, tma=False),
+        64: AttnConfig(32, 128, 8, 1, tma=False),
+        128: AttnConfig(32, 128, 4, 1, tma=False),
+        256: AttnConfig(16, 64, 4, 1, tma=False),
+    },
 }
 BWD_DQ_CONFIGS = {
     # At 256 the TMA variant compiles clean on triton 3.6 (250 registers) but spilled 544 bytes on 3.9.
@@ -792,6 +814,13 @@ BWD_DQ_CONFIGS = {
         64: AttnConfig(128, 32, 4, 1, tma=False),
         128: AttnConfig(128, 32, 8, 2, tma=False),
         256: AttnConfig(64, 16, 8, 3, tma=False),
+    },
+    "gfx942": {
+        16: AttnConfig(128, 64, 8, 3, tma=False),
+        32: AttnConfig(128, 64, 8, 3, tma=False),
+        64: AttnConfig(128, 64, 8, 1, tma=False),
+        128: AttnConfig(128, 64, 4, 1, tma=False),
+        256: AttnConfig(128, 16, 8, 1, tma=False),
     },
 }
 # Small, unequal tiles in the interpreter: quick there, and several blocks cross every boundary.

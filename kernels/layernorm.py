@@ -378,21 +378,22 @@ CHUNKED_BWD_ROW_COEFFS = RowConfig(block_m=1, block_n=4096, num_warps=8, row_in_
 
 def row_config(n: int, backward: bool, dtype: torch.dtype, arch: runtime.Arch) -> RowConfig:
     """The one block-size rule of the row-wise kernels on GPU family arch: about 8 float32 values a
-    thread (16 in the backward before sm_90)."""
+    thread (16 in the backward on NVIDIA GPUs before sm_90), at most 1024 threads a program."""
     block_n = triton.next_power_of_2(n)
     if block_n > (BWD_MAX_ROW_IN_REGISTERS if backward else FWD_MAX_ROW_IN_REGISTERS):
         return CHUNKED_BWD if backward else CHUNKED_FWD
     block_m = max(1, min(64, (BWD_TILE_ELEMENTS if backward else FWD_TILE_ELEMENTS) // block_n))
     # The backward's 8192-element row spilled 8 bytes at 32 warps (64 registers a thread) with 16-bit
     # inputs on triton 3.9, and at 16 warps in float32 on 3.6: 16-bit inputs stop at 16 warps.
-    max_warps = 16 if backward and dtype.itemsize == 2 else 32
+    max_warps = min(16 if backward and dtype.itemsize == 2 else 32, runtime.MAX_THREADS // arch.warp_size)
     # The backward before Hopper takes 16 values a thread: at 8, ptxas held 16-bit rows of 2048 and
     # 4096 elements to 64 registers on sm_80 and sm_86 and spilled 8 bytes. (On triton 3.9 the float16
     # RMSNorm row of 2048 spills 8 bytes at 16 too, on sm_80 only: held to 80 registers. Built for
     # sm_120, which takes the sm86 entries, the float32 LayerNorm backward of 64 spills 8 bytes at 4
     # warps, held to 96 registers; at 8 values a thread, clean there, the row of 16 spilled on sm_86.)
-    values_per_thread = 16 if backward and arch.capability < 90 else 8
-    num_warps = min(max_warps, max(1, block_m * block_n // (32 * values_per_thread)))
+    # AMD's gfx942 has twice the registers a lane (512 with the AGPRs): 8 is clean there.
+    values_per_thread = 16 if backward and not arch.hip_target and arch.capability < 90 else 8
+    num_warps = min(max_warps, max(1, block_m * block_n // (arch.warp_size * values_per_thread)))
     return RowConfig(block_m, block_n, num_warps, row_in_registers=True)
 
 

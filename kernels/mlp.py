@@ -526,6 +526,8 @@ class GemmConfig:
 # for the family (python -m bench.tune mlp --compile-only --arch FAMILY --start-from sm90 runs this
 # search); none is measured yet (python -m bench.tune mlp on such a GPU refines them). The
 # gated forward's 128 x 128 tile spilled 128-184 bytes on sm_80 and sm_86 at every split tried.
+# On gfx942 (AMD MI300X; 64 KiB of LDS, 512 registers a lane with the AGPRs) sm_90's tiles fit
+# at one or two stages fewer, and most epilogues unsplit.
 #
 # sm_90: TMA took fewer registers in the forwards (170 against 223 in the large gelu_tanh one, 174
 # against 242 in the medium gated one), about as many in the backwards, and 24-64 bytes more
@@ -622,6 +624,28 @@ GEMM_CONFIGS = {
             "large": GemmConfig(128, 128, 64, 8, 8, 3, epilogue_split=2, tma=False),
             "medium": GemmConfig(64, 128, 64, 8, 8, 4, tma=False),
             "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
+        },
+    },
+    "gfx942": {
+        "fwd": {
+            "large": GemmConfig(128, 256, 64, 8, 8, 2, tma=False),
+            "medium": GemmConfig(128, 128, 64, 8, 8, 3, tma=False),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
+        },
+        "gated_fwd": {
+            "large": GemmConfig(128, 128, 64, 8, 8, 2, tma=False),
+            "medium": GemmConfig(64, 128, 64, 8, 4, 2, tma=False),
+            "small": GemmConfig(64, 64, 64, 8, 4, 3, tma=False),
+        },
+        "dh_bwd": {
+            "large": GemmConfig(128, 256, 64, 8, 8, 2, epilogue_split=2, tma=False),
+            "medium": GemmConfig(128, 128, 64, 8, 8, 3, tma=False),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=2, tma=False),
+        },
+        "gated_dh_bwd": {
+            "large": GemmConfig(128, 128, 64, 8, 8, 3, epilogue_split=2, tma=False),
+            "medium": GemmConfig(64, 128, 64, 8, 4, 3, tma=False),
+            "small": GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=2, tma=False),
         },
     },
 }

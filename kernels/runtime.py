@@ -5,9 +5,9 @@ Triton kernels in Triton's interpreter when ``TRITON_INTERPRET=1`` was set befor
 first imported (the tests do this), and the float32 references of ``kernels.reference`` otherwise.
 
 Every config table of the kernels has an entry per GPU family of ``ARCHS`` (A100-class sm80, the
-99-KiB sm86 chips, Hopper sm90, datacenter Blackwell sm100); a launch takes its device's family,
-known by the compute capability (:func:`arch`), and the compile report builds each family's
-entries for that family's own target.
+99-KiB sm86 chips, Hopper sm90, datacenter Blackwell sm100, AMD's MI300 series gfx942); a launch
+takes its device's family, known by the compute capability or the AMD target (:func:`arch`), and
+the compile report builds each family's entries for that family's own target.
 """
 
 import contextlib
@@ -75,13 +75,21 @@ def autocast(*tensors):
 
 @dataclass(frozen=True)
 class Arch:
-    """A family of NVIDIA GPUs that shares one entry of every config table: the compute capability
-    the compile report builds that entry for, and the shared memory a block may have there."""
+    """A family of GPUs that shares one entry of every config table: the target the compile report
+    builds that entry for (an NVIDIA compute capability, or an AMD gfx target), and the shared
+    memory a block may have there."""
 
     name: str
-    capability: int  # 80 for sm_80
+    capability: int  # 80 for sm_80; 0 for an AMD family
     max_shared_bytes: int
     gpus: str  # the GPUs it covers, as the compile report names them
+    hip_target: str = ""  # an AMD family's gfx target; "" for NVIDIA
+    warp_size: int = 32  # threads a warp (AMD: a wavefront of 64)
+
+    @property
+    def tma(self) -> bool:
+        """Whether the family moves tiles by TMA (tensor descriptors): NVIDIA sm_90 and newer."""
+        return self.capability >= 90
 
 
 SM80 = Arch("sm80", 80, 166912, "A100, A800, A30, Jetson Orin")  # 163 KiB a block
@@ -89,7 +97,10 @@ SM80 = Arch("sm80", 80, 166912, "A100, A800, A30, Jetson Orin")  # 163 KiB a blo
 SM86 = Arch("sm86", 86, 101376, "RTX 30, 40 and 50 series, A10, A40, L4, L40S, RTX 6000 Ada, GB10")
 SM90 = Arch("sm90", 90, 232448, "H100, H200, H20, GH200")  # 227 KiB a block
 SM100 = Arch("sm100", 100, 232448, "B200, B300, GB200, GB300")
-ARCHS = {a.name: a for a in (SM80, SM86, SM90, SM100)}
+# CDNA 3: 64 KiB of LDS a workgroup, MFMA matrix cores, 64-lane wavefronts.
+GFX942 = Arch("gfx942", 0, 65536, "MI300X, MI300A, MI325X", hip_target="gfx942", warp_size=64)
+ARCHS = {a.name: a for a in (SM80, SM86, SM90, SM100, GFX942)}
+MAX_THREADS = 1024  # a block's (workgroup's), on every family
 
 
 def arch_of_capability(major: int, minor: int, name: str = "this GPU") -> Arch:
@@ -109,10 +120,24 @@ def arch_of_capability(major: int, minor: int, name: str = "this GPU") -> Arch:
     )
 
 
+def arch_of_amd_target(gcn_arch_name: str, name: str = "this GPU") -> Arch:
+    """The config family of an AMD GPU by its target as ROCm names it ("gfx942:sramecc+:xnack-")."""
+    target = gcn_arch_name.split(":")[0]
+    for family in ARCHS.values():
+        if family.hip_target == target:
+            return family
+    amd = ", ".join(f"{a.hip_target} ({a.gpus})" for a in ARCHS.values() if a.hip_target)
+    raise RuntimeError(
+        f"Little Horse's kernels have configs for the AMD targets {amd}; {name} is {target}. Use the "
+        f"reference path (CPU tensors, or the model's backend='reference') there."
+    )
+
+
 @functools.cache
 def _cuda_arch(index: int) -> Arch:
     if torch.version.hip is not None:
-        raise RuntimeError("Little Horse's kernels have no configs for AMD GPUs (ROCm) yet")
+        properties = torch.cuda.get_device_properties(index)
+        return arch_of_amd_target(properties.gcnArchName, properties.name)
     major, minor = torch.cuda.get_device_capability(index)
     return arch_of_capability(major, minor, torch.cuda.get_device_name(index))
 
@@ -135,7 +160,7 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
     """Whether TMA (tensor descriptors) can address every tensor: an NVIDIA GPU of sm_90 or newer
     (the interpreter emulates one) and, per tensor, no zero size, a unit last stride, a 16-byte
     aligned start and other strides that are positive multiples of 16 bytes."""
-    if arch(tensors[0].device).capability < 90:
+    if not arch(tensors[0].device).tma:
         return False
     return all(
         t.numel() > 0

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,6 +36,30 @@ SASS = """
 """
 
 
+AMDGCN = """
+	global_load_dwordx4 v[6:9], v[38:39], off
+	buffer_load_dwordx4 v[10:13], v14, s[4:7], 0 offen
+	global_load_dwordx2 v[2:3], v[40:41], off
+	s_load_dwordx4 s[12:15], s[0:1], 0x28
+	v_mfma_f32_32x32x8_f16 v[50:65], v[134:135], v[118:119], v[50:65]
+	v_mfma_f32_16x16x16_bf16 a[0:3], v[4:5], v[6:7], a[0:3]
+	v_add_f32_e32 v1, v2, v3
+amdhsa.kernels:
+  - .group_segment_fixed_size: 0
+    .private_segment_fixed_size: 412
+    .sgpr_count:     34
+    .sgpr_spill_count: 12
+    .vgpr_count:     256
+    .vgpr_spill_count: 100
+"""
+
+
+def test_parse_amdgcn_counts_registers_scratch_mfma_and_wide_loads():
+    assert compile_report.parse_amdgcn(AMDGCN) == (256, 412, 2, 2)
+    with pytest.raises(ValueError, match="private_segment_fixed_size"):
+        compile_report.parse_amdgcn(AMDGCN.replace(".private_segment_fixed_size", ".other"))
+
+
 def test_parse_resource_usage_counts_stack_and_local_as_spills():
     assert compile_report.parse_resource_usage(RESOURCE_USAGE) == (70, 24)
 
@@ -43,9 +68,9 @@ def test_count_sass_finds_tensor_core_ops_wide_loads_and_tma_loads():
     assert compile_report.count_sass(SASS) == (3, 2, 1)
 
 
-def _result(spill_bytes=0, shared_bytes=0, arch="sm90", matmul=False, tensor_cores=0) -> CompileResult:
+def _result(spill_bytes=0, shared_bytes=0, arch="sm90", matmul=False, tensor_cores=0, warps=4):
     fn = "kernels.layernorm._norm_fwd_kernel"
-    cfg = KernelConfig("k", "N<=64", torch.float16, fn, {}, {"BLOCK_N": 64}, arch=arch, matmul=matmul)
+    cfg = KernelConfig("k", "N<=64", torch.float16, fn, {}, {"BLOCK_N": 64}, warps, arch=arch, matmul=matmul)
     return CompileResult(cfg, 40, spill_bytes, shared_bytes, tensor_cores, 4, 0)
 
 
@@ -59,6 +84,14 @@ def test_gate_fails_spills_and_shared_memory_over_the_family_limit():
     # What fits an H100's block does not fit an RTX 4090's (99 KiB).
     [smem] = compile_report.failures([_result(shared_bytes=runtime.SM86.max_shared_bytes + 1, arch="sm86")])
     assert smem.startswith("sm86 ") and "max 101376" in smem
+
+
+def test_gate_fails_more_than_1024_threads_a_block():
+    assert compile_report.failures([_result(warps=32), _result(arch="gfx942", warps=16)]) == []
+    [wide] = compile_report.failures([_result(arch="gfx942", warps=32)])  # wavefronts of 64
+    assert wide.startswith("gfx942 ") and "2048 threads a block (max 1024)" in wide
+    [smem] = compile_report.failures([_result(shared_bytes=65537, arch="gfx942")])  # 64 KiB of LDS
+    assert "max 65536" in smem
 
 
 def test_gate_fails_a_matmul_kernel_without_tensor_cores():
@@ -82,8 +115,9 @@ def test_every_family_has_an_entry_in_every_table():
     for name, arch in runtime.ARCHS.items():
         configs = compile_report.all_configs([name])
         assert {c.arch for c in configs} == {name}
-        if arch.capability < 90:  # no TMA variants before Hopper
+        if not arch.tma:  # no TMA variants before Hopper, nor on AMD
             assert not any(c.descriptors for c in configs)
+        assert all(c.gpu_target.backend == ("hip" if arch.hip_target else "cuda") for c in configs[:1])
 
 
 def test_gpus_map_to_their_family():
@@ -95,6 +129,17 @@ def test_gpus_map_to_their_family():
         with pytest.raises(RuntimeError, match=rf"Tesla is {old[0]}\.{old[1]}"):
             runtime.arch_of_capability(*old, name="Tesla")
     assert runtime.arch(torch.device("cpu")) is runtime.SM90  # the interpreter emulates sm_90
+    assert runtime.arch_of_amd_target("gfx942:sramecc+:xnack-") is runtime.GFX942
+    with pytest.raises(RuntimeError, match=r"gfx942 \(MI300X.*; AMD Instinct MI250X is gfx90a"):
+        runtime.arch_of_amd_target("gfx90a:sramecc+:xnack-", name="AMD Instinct MI250X")
+
+
+def test_an_amd_gpu_takes_its_family_by_its_target(monkeypatch):
+    properties = SimpleNamespace(gcnArchName="gfx942:sramecc+:xnack-", name="AMD Instinct MI300X")
+    monkeypatch.setattr(torch.version, "hip", "7.0.0", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties)
+    assert runtime._cuda_arch.__wrapped__(0) is runtime.GFX942
+    assert not runtime.GFX942.tma and runtime.SM90.tma and not runtime.SM86.tma
 
 
 def test_every_selectable_norm_config_is_in_the_report():
@@ -115,7 +160,7 @@ def test_every_selectable_norm_config_is_in_the_report():
             )
 
 
-def test_real_compile_of_one_kernel_for_two_gpu_families():
+def test_real_compile_of_one_kernel_for_three_gpu_families():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     run = subprocess.run(
@@ -126,6 +171,7 @@ def test_real_compile_of_one_kernel_for_two_gpu_families():
             "--arch",
             "sm90",
             "sm86",
+            "gfx942",
             "--filter",
             "rms_norm_bwd_row_coeffs",
             "--jobs",
@@ -139,12 +185,34 @@ def test_real_compile_of_one_kernel_for_two_gpu_families():
     )
     assert run.returncode == 0, run.stdout + run.stderr
     rows = [line.split() for line in run.stdout.splitlines() if " rms_norm_bwd_row_coeffs " in line]
-    assert sorted(row[0] for row in rows) == ["sm86"] * 3 + ["sm90"] * 3  # one per dtype and family
-    assert {(row[0], row[-1]) for row in rows} == {("sm86", "sm_86"), ("sm90", "sm_90a")}
+    assert sorted(row[0] for row in rows) == ["gfx942"] * 3 + ["sm86"] * 3 + ["sm90"] * 3  # a dtype each
+    targets = {(row[0], row[-1]) for row in rows}
+    assert targets == {("sm86", "sm_86"), ("sm90", "sm_90a"), ("gfx942", "gfx942")}
     for row in rows:
         registers, spills = int(row[7]), int(row[8])
         assert registers > 0 and spills == 0
-    assert "6 configs compiled for sm_90, sm_86" in run.stdout
+    assert "9 configs compiled for sm_90, sm_86, gfx942" in run.stdout
+
+
+AMD_MATMUL = """
+import json
+from bench import compile_report as cr
+
+[cfg] = [c for c in cr.all_configs(["gfx942"]) if c.kernel == "mlp_fwd" and c.dtype_name == "fp16"][:1]
+[r] = cr.compile_configs([cfg])
+print(json.dumps([r.registers, r.spill_bytes, r.shared_bytes, r.tensor_core_instructions, r.target]))
+"""
+
+
+def test_an_amd_matmul_compiles_to_mfma_instructions():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "-c", AMD_MATMUL], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    registers, spills, shared, mfma, target = json.loads(run.stdout.splitlines()[-1])
+    assert target == "gfx942" and 0 < registers <= 512 and spills == 0
+    assert 0 < shared <= runtime.GFX942.max_shared_bytes and mfma > 0
 
 
 def test_capability_builds_a_familys_entries_for_another_gpu_that_takes_them():
@@ -163,6 +231,7 @@ def test_capability_builds_a_familys_entries_for_another_gpu_that_takes_them():
         (("--arch", "sm90", "--capability", "120"), "takes sm86's entries, not sm90's"),
         (("--arch", "sm86", "--capability", "75"), "takes no family's entries"),
         (("--arch", "sm86", "sm90", "--capability", "89"), "name it alone with --arch"),
+        (("--arch", "gfx942", "--capability", "90"), "takes sm90's entries, not gfx942's"),
     ):
         run = report(*args)
         assert run.returncode == 2 and message in run.stderr, (args, run.stderr)
