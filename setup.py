@@ -11,7 +11,7 @@ setup(
     python_requires=">=3.11",  # tomllib (bench gates)
     # Loose ranges: a user's CUDA build of PyTorch brings its own Triton, and we keep both.
     # safetensors: the trainer's checkpoints; tqdm: its progress bar.
-    install_requires=["torch>=2.6", "triton>=3.2", "numpy", "safetensors", "tqdm"],
+    install_requires=["torch>=2.9", "triton>=3.5", "numpy", "safetensors", "tqdm"],
     # ruff pinned: its formatter changes between releases, and CI checks formatting.
     # matplotlib draws the bench suite's plots (and is tested with it).
     extras_require={"test": ["pytest>=8", "pytest-benchmark>=4", "ruff==0.17.6", "matplotlib"]},

@@ -108,6 +108,7 @@ class CompileResult:
     global_loads_128: int
     tma_loads: int
     target: str = ""  # the machine code's: "sm_90a" (as the PTX names it), "gfx942"
+    error: str = ""  # why Triton could not compile it ("" when it did; the counts are then 0)
 
 
 def _signature(cfg: KernelConfig) -> tuple[dict, dict]:
@@ -211,23 +212,34 @@ def compile_kernel(cfg: KernelConfig):
 
 def compile_configs(configs: list[KernelConfig]) -> list[CompileResult]:
     """Compile configs, then read each cubin's registers and spills (cuobjdump) and the SASS of all
-    that share a target in one disassembly; an AMD kernel's from its assembly."""
-    nvidia = [i for i, cfg in enumerate(configs) if not ARCHS[cfg.arch].hip_target]
-    results = [_compile_amd(cfg) if ARCHS[cfg.arch].hip_target else None for cfg in configs]
-    for i, result in zip(nvidia, _compile_nvidia([configs[i] for i in nvidia]), strict=True):
+    that share a target in one disassembly; an AMD kernel's from its assembly. A config Triton
+    fails to compile (a compiler crash on some Triton version) is a result with its error, so the
+    report goes on and names it."""
+    results: list[CompileResult | None] = [None] * len(configs)
+    nvidia = []  # (index in configs, compiled kernel)
+    for i, cfg in enumerate(configs):
+        try:
+            kernel = compile_kernel(cfg)
+        except Exception as error:
+            results[i] = CompileResult(cfg, 0, 0, 0, 0, 0, 0, error=" ".join(str(error).split())[:200])
+            continue
+        if ARCHS[cfg.arch].hip_target:
+            results[i] = _read_amd(cfg, kernel)
+        else:
+            nvidia.append((i, kernel))
+    read = _read_nvidia([configs[i] for i, _ in nvidia], [kernel for _, kernel in nvidia])
+    for (i, _), result in zip(nvidia, read, strict=True):
         results[i] = result
     return results
 
 
-def _compile_amd(cfg: KernelConfig) -> CompileResult:
-    kernel = compile_kernel(cfg)
+def _read_amd(cfg: KernelConfig, kernel) -> CompileResult:
     registers, spills, mfma, loads_128 = parse_amdgcn(kernel.asm["amdgcn"])
     shared = kernel.metadata.shared
     return CompileResult(cfg, registers, spills, shared, mfma, loads_128, 0, kernel.metadata.arch)
 
 
-def _compile_nvidia(configs: list[KernelConfig]) -> list[CompileResult]:
-    compiled = [compile_kernel(cfg) for cfg in configs]
+def _read_nvidia(configs: list[KernelConfig], compiled: list) -> list[CompileResult]:
     usage = []
     for kernel in compiled:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -493,14 +505,17 @@ def all_configs(archs=tuple(ARCHS)) -> list[KernelConfig]:
 
 
 def failures(results: list[CompileResult]) -> list[str]:
-    """One line per config that spills registers, exceeds its GPU family's shared-memory limit or
-    threads a block, or is a matmul kernel without tensor-core instructions."""
+    """One line per config that Triton cannot compile, spills registers, exceeds its GPU family's
+    shared-memory limit or threads a block, or is a matmul kernel without tensor-core instructions."""
     bad = []
     for r in results:
         c = r.config
         family = f"{c.arch} as sm_{c.capability}" if c.capability else c.arch
         name = f"{family} {c.kernel} {c.shape_class} {c.dtype_name} blocks {c.blocks} warps {c.num_warps}"
         limit = ARCHS[c.arch].max_shared_bytes
+        if r.error:
+            bad.append(f"{name}: does not compile: {r.error}")
+            continue
         if r.spill_bytes > 0:
             bad.append(f"{name}: spills {r.spill_bytes} bytes")
         if r.shared_bytes > limit:
@@ -531,12 +546,15 @@ COLUMNS = (
 
 
 def format_table(results: list[CompileResult]) -> str:
-    rows = [COLUMNS] + [
-        (r.config.arch, r.config.kernel, r.config.shape_class, r.config.dtype_name, r.config.blocks,
-         r.config.num_warps, r.config.num_stages, r.registers, r.spill_bytes, r.shared_bytes,
-         r.tensor_core_instructions, r.global_loads_128, r.tma_loads, r.target)
-        for r in results
-    ]  # fmt: skip
+    def cells(r: CompileResult) -> tuple:
+        c = r.config
+        counts = (r.registers, r.spill_bytes, r.shared_bytes, r.tensor_core_instructions, r.global_loads_128,
+                  r.tma_loads, r.target)  # fmt: skip
+        if r.error:  # nothing was built to count; the FAIL line below the table says why
+            counts = ("-",) * (len(counts) - 1) + ("error",)
+        return (c.arch, c.kernel, c.shape_class, c.dtype_name, c.blocks, c.num_warps, c.num_stages, *counts)
+
+    rows = [COLUMNS] + [cells(r) for r in results]
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(COLUMNS))]
     return "\n".join("  ".join(str(v).rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows)
 

@@ -13,10 +13,37 @@ the compile report builds each family's entries for that family's own target.
 import contextlib
 import functools
 import os
+import re
 from dataclasses import dataclass
 
 import torch
-from triton.tools.tensor_descriptor import TensorDescriptor
+import triton
+
+# The oldest Triton the kernels run on (setup.py asks for the same; PyTorch 2.9 ships it). Before
+# 3.4 there are no host-side tensor descriptors, the kernels' TMA operands; 3.4's compiler crashes
+# on the Blackwell dk/dv pass, where 3.5 builds every config of the compile report.
+MIN_TRITON = (3, 5)
+
+
+def major_minor(version: str) -> tuple[int, int]:
+    """(3, 10) of "3.10.0" or "3.10.0+git1a2b3c"."""
+    return tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", version).groups())
+
+
+def check_triton_version(version: str) -> None:
+    """Raise a clear ImportError, not a missing module's, on a Triton older than MIN_TRITON."""
+    if major_minor(version) < MIN_TRITON:
+        need = ".".join(map(str, MIN_TRITON))
+        raise ImportError(
+            f"Little Horse's kernels need triton>={need}; this environment has triton {version}. "
+            f"PyTorch 2.9 and newer bring one: pip install 'torch>=2.9'."
+        )
+
+
+check_triton_version(triton.__version__)
+TRITON_VERSION = major_minor(triton.__version__)
+
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 

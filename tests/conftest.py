@@ -13,7 +13,11 @@ if not HAS_CUDA:
         raise RuntimeError("triton was imported before tests/conftest.py could set TRITON_INTERPRET=1")
     os.environ["TRITON_INTERPRET"] = "1"
 
+from helpers import check_descriptor_strides_in_bytes  # noqa: E402
+
 from kernels import runtime  # noqa: E402
+
+check_descriptor_strides_in_bytes()
 
 
 def pytest_collection_modifyitems(config, items):

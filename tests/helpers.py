@@ -39,6 +39,26 @@ def assert_close(name: str, actual: torch.Tensor, truth: torch.Tensor, baseline:
         )
 
 
+def check_descriptor_strides_in_bytes() -> None:
+    """Triton 3.5's interpreter refuses a tensor descriptor whose strides are not multiples
+    of 16 elements, where a GPU (and the interpreter from 3.6) asks for 16 bytes: it would fail the
+    float16 tiles of 8-element strides that the launchers rightly send by TMA. Make it check bytes,
+    in this process (conftest) and in the ranks a test spawns. Nothing to do on 3.6 or a GPU."""
+    if not runtime.INTERPRET or runtime.TRITON_VERSION >= (3, 6):
+        return
+    from triton.runtime import interpreter
+
+    def validate(self):
+        assert self.base.data.item() % 16 == 0, "base must be 16-byte aligned"
+        assert len(self.strides) == len(self.block_shape) == self.ndim >= 1
+        itemsize = self.base.dtype.element_ty.primitive_bitwidth // 8
+        for stride in self.strides[:-1]:
+            assert stride.data.item() * itemsize % 16 == 0, "stride must be 16-byte aligned"
+        assert self.strides[-1].data.item() == 1, "last dim must be contiguous"
+
+    interpreter.TensorDescHandle.validate = validate
+
+
 def record_tma_choices(monkeypatch, module) -> list:
     """The verdicts of ``module.tma_usable`` (kernels.attention's or kernels.mlp's) for every launch
     from now on, in order."""

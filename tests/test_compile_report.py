@@ -94,6 +94,27 @@ def test_gate_fails_more_than_1024_threads_a_block():
     assert "max 65536" in smem
 
 
+def test_a_config_triton_cannot_compile_is_a_failing_row_and_the_report_goes_on(monkeypatch):
+    """A compiler crash (triton 3.4's on the sm_100 dk/dv configs) names its config, in the
+    table and the gate, and the configs after it are still built and read."""
+    crashing, built = (_result(arch="gfx942", warps=w).config for w in (4, 8))
+
+    def compile_kernel(cfg):
+        if cfg is crashing:
+            raise RuntimeError("PassManager::run failed\n  in TritonGPUHoistTMEMAlloc")
+        return SimpleNamespace(asm={"amdgcn": AMDGCN}, metadata=SimpleNamespace(shared=1024, arch="gfx942"))
+
+    monkeypatch.setattr(compile_report, "compile_kernel", compile_kernel)
+    results = compile_report.compile_configs([crashing, built])
+    assert results[0].error == "PassManager::run failed in TritonGPUHoistTMEMAlloc"
+    assert results[1].error == "" and (results[1].registers, results[1].target) == (256, "gfx942")
+    [crash, scratch] = compile_report.failures(results)  # AMDGCN's 412 bytes of scratch: a spill
+    assert crash.startswith("gfx942 k N<=64 fp16") and crash.endswith("does not compile: " + results[0].error)
+    assert "warps 8: spills 412 bytes" in scratch
+    crashed_row = compile_report.format_table(results).splitlines()[1].split()
+    assert crashed_row[-7:] == ["-"] * 6 + ["error"]
+
+
 def test_gate_fails_a_matmul_kernel_without_tensor_cores():
     [slow] = compile_report.failures([_result(matmul=True)])
     assert "no tensor-core instructions" in slow
@@ -305,18 +326,20 @@ def test_batched_disassembly_counts_each_kernel_as_cuobjdump_does_alone():
 def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_with(monkeypatch):
     """The report's cubins are the launches' only if both pass runtime.COMPILE_OPTIONS (FMA
     contraction, which Triton 3.10 stops doing by default): every kernel's launch is checked."""
+    from triton.runtime.interpreter import GridExecutor  # runs every launch in the interpreter
+
     import kernels
     from kernels import attention, layernorm, mlp
 
     interpreted = type(layernorm._norm_fwd_kernel)  # the interpreter's stand-in for a JIT function
     launches = []
-    run = interpreted.run
+    launch = GridExecutor.__call__
 
-    def recording_run(self, *args, **kwargs):
+    def recording_launch(self, *args, **kwargs):
         launches.append((self.fn.__name__, {k: kwargs.get(k) for k in runtime.COMPILE_OPTIONS}))
-        return run(self, *args, **kwargs)
+        return launch(self, *args, **kwargs)
 
-    monkeypatch.setattr(interpreted, "run", recording_run)
+    monkeypatch.setattr(GridExecutor, "__call__", recording_launch)
     torch.manual_seed(0)
     f16 = {"dtype": torch.float16}
 

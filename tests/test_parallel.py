@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F  # noqa: N812
+from helpers import check_descriptor_strides_in_bytes
 
 import kernels
 from horse.model import GPT, GPTConfig, KVCache
@@ -51,6 +52,7 @@ def _spawn(worker, *args) -> None:
 
 
 def _rank_main(rank: int, port: int, worker, args) -> None:
+    check_descriptor_strides_in_bytes()  # what conftest does, in this new process
     env = {
         "RANK": rank,
         "LOCAL_RANK": rank,

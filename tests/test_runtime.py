@@ -1,0 +1,32 @@
+"""The Triton versions the kernels take: the floor, its error, and setup.py's agreement with it."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kernels import runtime
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_versions_read_as_major_and_minor():
+    assert runtime.major_minor("3.4.0") == (3, 4)
+    assert runtime.major_minor("3.10.1+git1a2b3c4") == (3, 10)  # compared as numbers: 3.10 > 3.9
+    assert runtime.major_minor("3.10.1") > runtime.major_minor("3.9.0")
+
+
+def test_a_triton_older_than_the_floor_is_refused_by_name():
+    refusal = r"need triton>=3\.5; this environment has triton 3\.4\.0\. .*pip install 'torch>=2\.9'"
+    with pytest.raises(ImportError, match=refusal):
+        runtime.check_triton_version("3.4.0")
+    for version in ("3.5.0", "3.6.0", "3.10.0+gitabcdef"):
+        runtime.check_triton_version(version)
+
+
+def test_setup_asks_for_the_triton_the_kernels_need():
+    setup = (ROOT / "setup.py").read_text()
+    triton_floor = re.search(r'"triton>=(\d+)\.(\d+)"', setup).groups()
+    assert tuple(map(int, triton_floor)) == runtime.MIN_TRITON
+    # PyTorch pins its Triton, and 2.9 is the first release that brings 3.5: a new floor moves both.
+    assert runtime.MIN_TRITON == (3, 5) and '"torch>=2.9"' in setup
