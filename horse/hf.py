@@ -229,6 +229,9 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def from_hf_tensors(tensors: dict, config: GPTConfig, arch: str, source: Path) -> dict[str, torch.Tensor]:
     """Horse's state dict (float32) from HF's tensors, or an error naming source and every missing one."""
+    base = "transformer." if arch == "GPT2LMHeadModel" else "model."
+    if not any(k.startswith(base) for k in tensors):  # saved from the bare GPT2Model / LlamaModel
+        tensors = {base + k: v for k, v in tensors.items()}  # (as OpenAI's GPT-2 on the Hub is)
     if arch == "GPT2LMHeadModel":
         names, stacked = _gpt2_names(config), {}
     else:

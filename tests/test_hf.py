@@ -50,10 +50,12 @@ def hf_llama(tie: bool = False, bias: bool = False) -> torch.nn.Module:
 
 
 def save_hf(model, path, fmt: str):
-    """model saved by save_pretrained (safetensors, or sharded), or as a pytorch_model.bin."""
+    """model saved by save_pretrained (safetensors, or sharded), or as a pytorch_model.bin: GPT-2's
+    of its bare GPT2Model (no "transformer." in the names, as OpenAI's GPT-2 on the Hub)."""
     if fmt == "bin":
         model.config.save_pretrained(path)
-        torch.save(model.state_dict(), path / hf.BIN)
+        gpt2 = isinstance(model, transformers.GPT2LMHeadModel)
+        torch.save((model.transformer if gpt2 else model).state_dict(), path / hf.BIN)
     else:
         model.save_pretrained(path, **({"max_shard_size": "20KB"} if fmt == "sharded" else {}))
     return path
@@ -255,6 +257,8 @@ def test_init_from_a_hf_folder_fine_tunes_its_weights(tmp_path, capsys):
     tuned = checkpoint.full_weights(checkpoint.latest(tmp_path / "run"))
     for name, t in GPT.from_pretrained(path).state_dict().items():
         torch.testing.assert_close(tuned[name], t, atol=1e-9, rtol=0)  # one step at lr 1e-12
+    train.train(*train.parse_args(["--out-dir", cfg.out_dir, "--resume", "--max-steps", "2"]))
+    assert checkpoint.latest(tmp_path / "run").name == "ckpt_0000002"  # resumed: the run's own weights
     with pytest.raises(ValueError, match="--n-layer 3 \\(its 2\\)"):
         train.train(cfg, {"n_layer": 3})
     small = save_hf(hf_gpt2(vocab=100), tmp_path / "small", "bin")
