@@ -102,6 +102,15 @@ def config_from_hf(path: str | Path) -> tuple[GPTConfig, str]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path / CONFIG}: not valid JSON ({e})") from e
     arch = _architecture(path, hf)
+    try:
+        return _config(path, hf, arch), arch
+    except KeyError as e:
+        raise ValueError(f"{path / CONFIG}: no {e.args[0]!r}, which a {arch} config needs") from e
+    except ValueError as e:  # GPTConfig's own checks (a width that the heads do not divide, ...)
+        raise ValueError(f"{path / CONFIG}: {e}") from e
+
+
+def _config(path: Path, hf: dict, arch: str) -> GPTConfig:
     vocab = hf["vocab_size"]
     common = {
         "vocab_size": pad_vocab(vocab),
@@ -121,7 +130,7 @@ def config_from_hf(path: str | Path) -> tuple[GPTConfig, str]:
             mlp_hidden=hf.get("n_inner"),
             norm_eps=hf.get("layer_norm_epsilon", 1e-5),
             **common,
-        ), arch
+        )
     act = hf.get("hidden_act", "silu")
     _require(path, f"hidden_act {act!r}", act == "silu", "silu (SwiGLU)")
     _require(path, "mlp_bias true", not hf.get("mlp_bias", False), "no MLP biases")
@@ -142,7 +151,7 @@ def config_from_hf(path: str | Path) -> tuple[GPTConfig, str]:
         rope_base=_rope_theta(path, hf),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         **common,
-    ), arch
+    )
 
 
 def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -172,7 +181,7 @@ def _read_file(file: Path) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Names: horse's parameter -> (HF's tensor, whether HF stores it transposed)
+# Names: horse's parameter -> HF's tensor
 # ----------------------------------------------------------------------------------------------
 
 
@@ -253,6 +262,16 @@ def from_hf_tensors(tensors: dict, config: GPTConfig, arch: str, source: Path) -
     for name in ("wte.weight", "lm_head.weight"):
         if name in state:
             state[name] = _pad_rows(state[name], config.vocab_size)
+    with torch.device("meta"):
+        expected = GPT(config).state_dict()
+    wrong = [
+        f"{', '.join(stacked.get(k, [names.get(k)]))} (as {k}): {list(t.shape)}, "
+        f"expected {list(expected[k].shape)}"
+        for k, t in state.items()
+        if t.shape != expected[k].shape
+    ]
+    if wrong:
+        raise ValueError(f"{source}: tensors of the wrong shape for its {CONFIG}: " + "; ".join(wrong))
     return {k: v.float().contiguous() for k, v in state.items()}
 
 

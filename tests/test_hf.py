@@ -212,14 +212,22 @@ def test_generate_cli_with_a_hf_folder_and_its_tokenizer(tmp_path, capsys):
 def test_bad_checkpoints_name_the_file_and_what_was_expected(tmp_path, capsys):
     path = save_hf(hf_llama(), tmp_path / "hf", "safetensors")
     tensors = load_file(path / "model.safetensors")
-    del tensors["model.layers.1.self_attn.k_proj.weight"], tensors["lm_head.weight"]
-    save_file(tensors, path / "model.safetensors")
+    dropped = ("model.layers.1.self_attn.k_proj.weight", "lm_head.weight")
+    save_file({k: v for k, v in tensors.items() if k not in dropped}, path / "model.safetensors")
     with pytest.raises(ValueError, match="2 tensor") as e:
         GPT.from_pretrained(path)
     assert str(path) in str(e.value)
     assert "model.layers.1.self_attn.k_proj.weight" in str(e.value) and "lm_head.weight" in str(e.value)
 
+    save_file(tensors, path / "model.safetensors")
     config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"intermediate_size": 40}))
+    wrong = r"up_proj.weight \(as blocks.0.mlp.up_proj.weight\): \[48, 32\], expected \[40, 32\]"
+    with pytest.raises(ValueError, match=wrong):
+        GPT.from_pretrained(path)
+    (path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "hidden_size"}))
+    with pytest.raises(ValueError, match="config.json: no 'hidden_size', which a LlamaForCausalLM config"):
+        GPT.from_pretrained(path)
     bert = {"architectures": ["BertModel"], "model_type": "bert"}
     (path / "config.json").write_text(json.dumps(config | bert))
     with pytest.raises(ValueError, match=r"config.json: architecture \['BertModel'\] is not supported") as e:
