@@ -65,8 +65,13 @@ def is_hf_folder(path: str | Path) -> bool:
 def _architecture(path: Path, hf: dict) -> str:
     archs = hf.get("architectures") or []
     arch = next((a for a in archs if a in ARCHITECTURES), None)
-    if arch is None:  # no architectures list: go by model_type, as transformers' AutoModel does
+    if not archs:  # go by model_type, as transformers' AutoModelForCausalLM does
         arch = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}.get(hf.get("model_type"))
+    if not archs and "model_type" not in hf:
+        raise ValueError(
+            f"{path / CONFIG}: names no architectures or model_type: not a Hugging Face checkpoint "
+            "(a horse run or checkpoint loads with horse.checkpoint, or as --ckpt / --init-from)"
+        )
     if arch is None:
         raise ValueError(
             f"{path / CONFIG}: architecture {archs or hf.get('model_type')!r} is not supported "
@@ -301,7 +306,7 @@ def to_hf(config: GPTConfig, state: dict[str, torch.Tensor]) -> tuple[dict, dict
     vocab = config.vocab_used or config.vocab_size
     state = {k: v[:vocab] if k in ("wte.weight", "lm_head.weight") else v for k, v in state.items()}
     common = {"architectures": [arch], "vocab_size": vocab, "tie_word_embeddings": config.tie_embeddings}
-    common |= {"bos_token_id": None, "eos_token_id": None, "dtype": "float32"}
+    common |= {"bos_token_id": None, "eos_token_id": None, "dtype": "float32", "torch_dtype": "float32"}
     if arch == "GPT2LMHeadModel":
         names, stacked = _gpt2_names(config), {}
         if not config.bias:  # HF's GPT-2 always has biases: zeros are the same model

@@ -234,6 +234,10 @@ def test_bad_checkpoints_name_the_file_and_what_was_expected(tmp_path, capsys):
         GPT.from_pretrained(path)
     assert "GPT2LMHeadModel" in str(e.value) and str(path) in str(e.value)
 
+    (path / "config.json").write_text(json.dumps({"train": {}, "model": {}}))  # a horse run's
+    with pytest.raises(ValueError, match="config.json: names no architectures or model_type"):
+        GPT.from_pretrained(path)
+
     yarns = ({"rope_scaling": {"rope_type": "yarn", "factor": 4}}, {"rope_parameters": {"rope_type": "yarn"}})
     for yarn in yarns:
         (path / "config.json").write_text(json.dumps(config | yarn))
