@@ -6,8 +6,10 @@ import json
 
 import pytest
 import torch
+from helpers import assert_close
 from safetensors.torch import load_file, save_file
 
+import kernels
 from horse import checkpoint, generate, hf, train
 from horse.model import GPT, GPTConfig
 from horse.train import TrainConfig
@@ -278,9 +280,23 @@ def test_init_from_a_hf_folder_fine_tunes_its_weights(tmp_path, capsys):
         train.train(TrainConfig(**(vars(cfg) | {"init_from": str(small)})), {})
 
 
-def test_a_tiny_forward_through_the_triton_backend(tmp_path):
+def test_a_tiny_forward_through_the_triton_backend(tmp_path, monkeypatch):
+    """In float32 (fused norms), and in float16, where attention and the gated MLP run the kernels too:
+    within twice the reference backend's own float16 error of transformers' float32 logits."""
     theirs = hf_llama()
-    ours = GPT.from_pretrained(save_hf(theirs, tmp_path / "hf", "safetensors"), backend="triton").eval()
+    path = save_hf(theirs, tmp_path / "hf", "safetensors")
+    ours, reference = (GPT.from_pretrained(path, backend=b).eval() for b in ("triton", "reference"))
+    calls = []
+    for name in ("flash_attention", "fused_gated_mlp"):  # the model looks them up at call time
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(
+            kernels, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw)
+        )
     idx = _ids(97, (1, 7))
     with torch.no_grad():
-        torch.testing.assert_close(ours(idx)[..., :97], theirs(idx).logits, atol=1e-4, rtol=0)
+        truth = theirs(idx).logits
+        torch.testing.assert_close(ours(idx)[..., :97], truth, atol=1e-4, rtol=0)
+        with torch.autocast("cpu", torch.float16):
+            logits, baseline = ours(idx)[..., :97], reference(idx)[..., :97]
+    assert calls == ["flash_attention", "fused_gated_mlp"] * 2  # in float16 only, once a layer
+    assert_close("float16 logits", logits, truth, baseline)
