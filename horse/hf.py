@@ -282,21 +282,17 @@ def from_hf_tensors(tensors: dict, config: GPTConfig, arch: str, source: Path) -
 
 def hf_architecture(config: GPTConfig) -> str:
     """The HF architecture a horse config exports as, or an error naming the fields neither takes."""
-    gpt2 = {
-        "positions": "learned",
-        "norm": "layernorm",
-        "mlp": "gelu",
-        "n_kv_heads": None,
-        "attn_window": None,
-    }
+    gpt2 = {"positions": "learned", "norm": "layernorm", "mlp": "gelu", "attn_window": None}
     llama = {"positions": "rotary", "norm": "rmsnorm", "mlp": "swiglu", "attn_window": None}
-    for arch, fields in (("GPT2LMHeadModel", gpt2), ("LlamaForCausalLM", llama)):
-        if all(getattr(config, k) == v for k, v in fields.items()):
-            return arch
+    ours = {k: getattr(config, k) for k in gpt2}
+    if ours == gpt2 and config.kv_heads == config.n_head:
+        return "GPT2LMHeadModel"
+    if ours == llama:
+        return "LlamaForCausalLM"
     raise ValueError(
-        f"a model with positions {config.positions!r}, norm {config.norm!r}, mlp {config.mlp!r}, attn_window "
-        f"{config.attn_window} has no Hugging Face twin here: GPT2LMHeadModel takes {gpt2}, "
-        f"LlamaForCausalLM takes {llama}"
+        f"a model of {ours} with {config.kv_heads} of {config.n_head} heads for keys and values has no "
+        f"Hugging Face twin here: GPT2LMHeadModel takes {gpt2} and kv heads = heads, LlamaForCausalLM "
+        f"takes {llama}"
     )
 
 

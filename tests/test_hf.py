@@ -178,7 +178,14 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, config, cap
 
 def test_export_of_an_untied_gpt2_without_biases(tmp_path):
     config = GPTConfig(
-        vocab_size=256, block_size=48, n_layer=1, n_head=2, d_model=16, bias=False, tie_embeddings=False
+        vocab_size=256,
+        block_size=48,
+        n_layer=1,
+        n_head=2,
+        n_kv_heads=2,
+        d_model=16,
+        bias=False,
+        tie_embeddings=False,
     )
     ours, run = _horse_checkpoint(tmp_path, config)
     hf.export(run, tmp_path / "export")
@@ -192,7 +199,7 @@ def test_export_of_a_model_without_a_twin_names_the_fields(tmp_path):
     _, run = _horse_checkpoint(tmp_path, config)
     with pytest.raises(SystemExit):
         checkpoint.main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "export")])
-    with pytest.raises(ValueError, match="positions 'rotary', norm 'layernorm', mlp 'gelu'"):
+    with pytest.raises(ValueError, match="'positions': 'rotary', 'norm': 'layernorm', 'mlp': 'gelu'"):
         hf.export(run, tmp_path / "export")
     assert not (tmp_path / "export" / "config.json").exists()
 
