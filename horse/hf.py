@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from horse import checkpoint
 from horse.data import BPETokenizer, load_tokenizer
-from horse.model import GPT, GPTConfig
+from horse.model import GPT, GPTConfig, rotary_tables
 from horse.parallel import Parallel, shard_state_dict
 
 CONFIG, SAFETENSORS, SAFETENSORS_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
@@ -359,8 +359,12 @@ def from_pretrained(path: str | Path, backend: str = "reference") -> GPT:
     """A GPT (float32, on the CPU) holding the weights of the Hugging Face folder path."""
     path = Path(path)
     config, arch = config_from_hf(path)
-    model = GPT(config, backend)
-    model.load_state_dict(from_hf_tensors(read_tensors(path), config, arch, path))
+    state = from_hf_tensors(read_tensors(path), config, arch, path)
+    with torch.device("meta"):  # no random initialisation to overwrite, no second copy of the weights
+        model = GPT(config, backend)
+    model.load_state_dict(state, assign=True)
+    if config.positions == "rotary":  # derived from the config, not saved
+        model.rope_cos, model.rope_sin = rotary_tables(config)
     return model
 
 
