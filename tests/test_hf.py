@@ -280,6 +280,10 @@ def test_init_from_a_hf_folder_fine_tunes_its_weights(tmp_path, capsys):
         torch.testing.assert_close(tuned[name], t, atol=1e-9, rtol=0)  # one step at lr 1e-12
     train.train(*train.parse_args(["--out-dir", cfg.out_dir, "--resume", "--max-steps", "2"]))
     assert checkpoint.latest(tmp_path / "run").name == "ckpt_0000002"  # resumed: the run's own weights
+    train.train(TrainConfig(**(vars(cfg) | {"init_from": cfg.out_dir, "out_dir": f"{cfg.out_dir}2"})), {})
+    again = checkpoint.full_weights(checkpoint.latest(tmp_path / "run2"))  # from a horse run this time
+    for name, t in checkpoint.full_weights(checkpoint.latest(tmp_path / "run")).items():
+        torch.testing.assert_close(again[name], t, atol=1e-9, rtol=0)
     with pytest.raises(ValueError, match="--n-layer 3 \\(its 2\\)"):
         train.train(cfg, {"n_layer": 3})
     small = save_hf(hf_gpt2(vocab=100), tmp_path / "small", "bin")
