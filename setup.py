@@ -13,6 +13,16 @@ setup(
     # safetensors: the trainer's checkpoints; tqdm: its progress bar.
     install_requires=["torch>=2.9", "triton>=3.5", "numpy", "safetensors", "tqdm"],
     # ruff pinned: its formatter changes between releases, and CI checks formatting.
-    # matplotlib draws the bench suite's plots (and is tested with it).
-    extras_require={"test": ["pytest>=8", "pytest-benchmark>=4", "ruff==0.17.6", "matplotlib"]},
+    # matplotlib draws the bench suite's plots (and is tested with it); transformers and tokenizers
+    # build the Hugging Face models that horse.hf's conversions are checked against.
+    extras_require={
+        "test": [
+            "pytest>=8",
+            "pytest-benchmark>=4",
+            "ruff==0.17.6",
+            "matplotlib",
+            "transformers",
+            "tokenizers",
+        ]
+    },
 )

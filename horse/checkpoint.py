@@ -20,6 +20,8 @@ moments, which have the parameters' shapes, are gathered whole and split again).
 consolidated file that ``horse.generate`` and ``GPT(config).load_state_dict`` take:
 
     python -m horse.checkpoint export CKPT_OR_RUN_DIR --out model.safetensors
+    python -m horse.checkpoint export CKPT_OR_RUN_DIR --format hf --out DIR    (horse.hf: a folder
+                                               that transformers loads as GPT-2 or LLaMA)
 """
 
 import argparse
@@ -355,10 +357,21 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("export", help="the whole model in one safetensors file (from any tp size)")
     p.add_argument("ckpt", metavar="CKPT_OR_RUN_DIR", help="a checkpoint, or a run's newest complete one")
-    p.add_argument("--out", required=True, metavar="FILE", help="the .safetensors file to write")
+    p.add_argument("--out", required=True, metavar="OUT", help="the .safetensors file (hf: a folder)")
+    p.add_argument(
+        "--format",
+        choices=("safetensors", "hf"),
+        default="safetensors",
+        help="hf: a Hugging Face folder (config.json, model.safetensors, tokenizer.json) for transformers",
+    )
     args = parser.parse_args(argv)
     try:
-        ckpt = export(args.ckpt, args.out)
+        if args.format == "hf":
+            from horse import hf  # it builds on this module
+
+            ckpt = hf.export(args.ckpt, args.out)
+        else:
+            ckpt = export(args.ckpt, args.out)
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
     print(f"wrote {args.out}: the whole model of {ckpt} (saved at tp={tp_size(ckpt)})")

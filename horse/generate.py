@@ -3,7 +3,8 @@
     python -m horse.generate --ckpt runs/tiny-... --prompt "ROMEO:" [--max-new-tokens 300]
                              [--temperature 0.8] [--top-k 40] [--num-samples 1] [--seed 0]
 
---ckpt is a checkpoint directory or a run's output directory (its newest complete checkpoint).
+--ckpt is a checkpoint directory, a run's output directory (its newest complete checkpoint), or a
+Hugging Face GPT-2 / LLaMA folder with its tokenizer.json (``horse.hf``).
 The prompt is fed once; after it every new token runs alone against the cached keys and values.
 """
 
@@ -12,8 +13,7 @@ import contextlib
 
 import torch
 
-from horse import checkpoint
-from horse.data import load_tokenizer
+from horse import hf
 from horse.model import GPT, KVCache
 
 
@@ -59,7 +59,7 @@ def generate(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m horse.generate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ckpt", required=True, help="checkpoint directory, or a run's output directory")
+    parser.add_argument("--ckpt", required=True, help="checkpoint, run directory, or Hugging Face folder")
     parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     parser.add_argument("--max-new-tokens", type=int, default=300)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: always the most likely token")
@@ -72,16 +72,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--temperature must be at least 0, got {args.temperature}")
     if args.max_new_tokens < 0 or args.num_samples < 1 or args.top_k < 0:
         parser.error("--max-new-tokens and --top-k must be at least 0, --num-samples at least 1")
-    try:
-        ckpt = checkpoint.resolve(args.ckpt)
-    except FileNotFoundError as e:
-        parser.error(f"--ckpt: {e}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    config, tokenizer_name = checkpoint.read_metadata(ckpt)
-    model = GPT(config, args.backend or ("triton" if device == "cuda" else "reference")).to(device)
-    checkpoint.load_weights(ckpt, model)
-    model.eval()
-    tokenizer = load_tokenizer(ckpt, tokenizer_name)
+    try:
+        backend = args.backend or ("triton" if device == "cuda" else "reference")
+        model, tokenizer = hf.load_model(args.ckpt, backend)
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(f"--ckpt: {e}")
+    if tokenizer is None:
+        parser.error(f"--ckpt {args.ckpt}: no {hf.TOKENIZER} in the folder to encode the prompt with")
+    model.to(device).eval()
     ids = tokenizer.encode(args.prompt)
     if not ids:
         parser.error("--prompt must not be empty")

@@ -1,6 +1,7 @@
 """The GPT model, nanoGPT-shaped, on the drop-in layers of ``horse.layers``.
 
     logits = norm_f(blocks(embed(idx))) @ wteᵀ       the LM head is the token embedding, tied
+                                                     (or its own lm_head, as LLaMA's)
 
 Every block is pre-norm: ``h = h + attn(norm_1(h)); h = h + mlp(norm_2(h))``. With backend
 ``"triton"`` each residual add is fused into the norm that follows it (``forward_residual`` of the
@@ -51,7 +52,8 @@ BACKENDS = ("triton", "reference")
 class GPTConfig:
     """The architecture. Where it runs (backend, device, precision) is the caller's choice.
 
-    vocab_size: rows of the token embedding (and outputs of the tied LM head)
+    vocab_size: rows of the token embedding (and outputs of the LM head)
+    vocab_used: ids in use; the padding rows above get logits of -inf (never sampled, no loss); None: all
     block_size: longest sequence the model takes (the learned position table, the rotary table)
     n_layer: transformer blocks
     n_head: query heads
@@ -65,6 +67,7 @@ class GPTConfig:
     bias: biases in the linear layers and the LayerNorms (the swiglu MLP has none, as LLaMA)
     rope_base: rotary base frequency
     norm_eps: epsilon of every norm
+    tie_embeddings: the LM head is the token embedding (GPT-2); else a separate lm_head (LLaMA)
     """
 
     vocab_size: int = 50304  # GPT-2's 50,257 rounded up to a multiple of 64 for the tensor cores
@@ -81,6 +84,8 @@ class GPTConfig:
     bias: bool = True
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
+    vocab_used: int | None = None
+    tie_embeddings: bool = True
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
@@ -94,6 +99,11 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.n_kv_heads ({self.n_kv_heads}) must divide n_head ({self.n_head})")
         if self.attn_window is not None and self.attn_window < 0:
             raise ValueError(f"GPTConfig.attn_window must be at least 0 (or None), got {self.attn_window}")
+        if self.vocab_used is not None and not 1 <= self.vocab_used <= self.vocab_size:
+            raise ValueError(
+                f"GPTConfig.vocab_used must be between 1 and vocab_size ({self.vocab_size}), "
+                f"got {self.vocab_used}"
+            )
         if self.mlp_hidden is not None and self.mlp_hidden < 1:
             raise ValueError(f"GPTConfig.mlp_hidden must be at least 1, got {self.mlp_hidden}")
         hints = typing.get_type_hints(GPTConfig)
@@ -381,6 +391,9 @@ class GPT(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         self.blocks = nn.ModuleList(Block(config, backend, self.parallel) for _ in range(config.n_layer))
         self.norm_f = make_norm(config, backend)
+        self.lm_head = None
+        if not config.tie_embeddings:
+            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             # GPT-2: the projections that write into the residual stream are scaled by
@@ -389,6 +402,15 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         if self.parallel.tp_size > 1:
             shard_parameters(self, self.parallel)
+
+    @classmethod
+    def from_pretrained(cls, path: str, backend: str = "reference") -> "GPT":
+        """The model of a local Hugging Face checkpoint folder (GPT2LMHeadModel or LlamaForCausalLM:
+        config.json and safetensors or pytorch_model.bin), float32 on the CPU; nothing is downloaded.
+        The conversion lives in ``horse.hf``."""
+        from horse import hf  # it builds on this module
+
+        return hf.from_pretrained(path, backend)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -426,7 +448,13 @@ class GPT(nn.Module):
         y, _ = add_norm(self.norm_f, x, h)
         if cache is not None:
             cache.length += T
-        return F.linear(column_parallel_input(y, self.parallel), self.wte.weight)  # (B, T, vocab_size / tp)
+        head = self.wte.weight if self.lm_head is None else self.lm_head.weight  # (vocab_size / tp, C)
+        logits = F.linear(column_parallel_input(y, self.parallel), head)  # (B, T, vocab_size / tp)
+        used = self.config.vocab_used
+        if used is not None and used < self.config.vocab_size:
+            ids = torch.arange(head.shape[0], device=idx.device) + self.parallel.tp_rank * head.shape[0]
+            logits = logits.masked_fill(ids >= used, float("-inf"))  # the padding rows
+        return logits
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of next-token prediction; idx, targets (B, T). At tp > 1 computed on
@@ -437,16 +465,17 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def num_params(self) -> int:
-        """Parameters (this rank's, at tp > 1), the tied embedding / LM head counted once."""
+        """Parameters (this rank's, at tp > 1), a tied embedding / LM head counted once."""
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at sequence length seq_len: 6·N (forward and backward of every
-        matmul; N leaves out the position table, a lookup, but keeps the token embedding, which is
-        also the LM head) plus 12·n_layer·d_model·seq_len for attention's scores and weighted sum,
+        matmul; N leaves out the position table, a lookup, and keeps the token embedding only when
+        it is also the LM head) plus 12·n_layer·d_model·seq_len for attention's scores and weighted sum,
         seq_len capped at attn_window + 1 with a sliding window (the most keys a query sees).
         At tp > 1 this rank's share: its parameters, its 1/tp of the heads."""
-        n = self.num_params() - (self.wpe.weight.numel() if self.wpe is not None else 0)
+        lookups = [self.wpe] + ([self.wte] if self.lm_head is not None else [])
+        n = self.num_params() - sum(m.weight.numel() for m in lookups if m is not None)
         window = self.config.attn_window
         keys = seq_len if window is None else min(seq_len, window + 1)
         attention = 12 * self.config.n_layer * self.config.d_model * keys // self.parallel.tp_size

@@ -112,6 +112,7 @@ def init_from_env(tp: int = 1, sequence_parallel: bool = False, device_type: str
 # "module." or torch.compile's "_orig_mod.", is ignored): by rows (dim 0) or by input columns (dim 1).
 SPLIT_ROWS = (
     "wte.weight",
+    "lm_head.weight",
     "attn.c_attn.weight",
     "attn.c_attn.bias",
     "mlp.c_fc.weight",
@@ -149,7 +150,7 @@ def shard_spec(name: str, config: GPTConfig) -> tuple[int, list[int]] | None:
     if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
         q, kv = config.n_head * config.head_dim, config.kv_heads * config.head_dim
         return 0, [q, kv, kv]
-    if name.endswith("wte.weight"):
+    if name.endswith(("wte.weight", "lm_head.weight")):
         return 0, [config.vocab_size]
     if name.endswith("attn.c_proj.weight"):
         return 1, [config.d_model]

@@ -58,7 +58,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from horse import checkpoint
+from horse import checkpoint, hf
 from horse.data import BPETokenizer, Loader, load_dataset
 from horse.generate import generate
 from horse.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params, preset
@@ -87,6 +87,7 @@ class TrainConfig:
     data: a directory made by `python -m horse.data prepare`; empty: the built-in corpus as bytes
     out_dir: checkpoints, metrics.jsonl, config.json and traces; empty: runs/<preset>-<date>-<time>
     resume: continue from the newest complete checkpoint in --out-dir (automatic after a torchrun restart)
+    init_from: start from these weights (a Hugging Face folder, or a run or checkpoint); the model is theirs
     tp: tensor-parallel size: ranks that split each layer (under torchrun; divides the world size)
     sequence_parallel: with --tp, norms and residual adds run on sequence shards (T must divide by tp)
     batch_size: sequences per micro-batch, per data-parallel replica
@@ -124,6 +125,7 @@ class TrainConfig:
     data: str = ""
     out_dir: str = ""
     resume: bool = False
+    init_from: str = ""
     tp: int = 1
     sequence_parallel: bool = False
     batch_size: int = 32
@@ -631,7 +633,10 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     train_split, val_split, tokenizer = load_dataset(cfg.data)
-    config = model_config(cfg, overrides, tokenizer.vocab_size)
+    if cfg.init_from:
+        config = hf.pretrained_config_for(cfg.init_from, overrides, tokenizer.vocab_size)
+    else:
+        config = model_config(cfg, overrides, tokenizer.vocab_size)
     check_divisible(config, parallel.tp_size)
     seq_len = cfg.seq_len or config.block_size
     if seq_len > config.block_size:
@@ -656,6 +661,8 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     # float32 master weights, autocast computes in fp16/bf16; at tp > 1 this rank's shard, cut from
     # the whole model initialised from the seed, so every tp size starts from the same weights.
     model = build_model(config, backend, parallel, device, cfg.seed)
+    if cfg.init_from and ckpt is None:
+        hf.load_pretrained(cfg.init_from, model, parallel)
     loss_fn = model.loss
     if parallel.dp_size > 1:  # gradients averaged over the replicas in buckets, during the backward
         device_ids = [torch.cuda.current_device()] if device == "cuda" else None
@@ -687,7 +694,8 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
             + (f" | restart {restarts}" if restarts else "")
         )
     log(
-        f"model {cfg.preset}: {num_params(config) / 1e6:.2f}M parameters, {config.n_layer} layers, d_model "
+        f"model {cfg.init_from or cfg.preset}: {num_params(config) / 1e6:.2f}M parameters, "
+        f"{config.n_layer} layers, d_model "
         f"{config.d_model}, {config.n_head} heads ({config.kv_heads} kv), vocabulary {config.vocab_size}, "
         f"{config.positions} positions, {config.norm}, {config.mlp} | "
         f"{flops_per_step / tokens_per_step / 1e9:.3f} GFLOP per token"
