@@ -218,7 +218,10 @@ def save(
         if parallel.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, SaveError):
-            raise SaveError(f"checkpoint {final.name} could not be written: {e}") from None
+            raise SaveError(
+                f"checkpoint {final.name} could not be written: {e} (nothing of it is kept; the older "
+                "checkpoints are untouched)"
+            ) from None
         raise
     if parallel.rank == 0:  # only now that the new one is whole
         for old in complete(out_dir)[:-keep_last] if keep_last > 0 else []:
