@@ -226,6 +226,8 @@ def save(
     if parallel.rank == 0:  # only now that the new one is whole
         for old in complete(out_dir)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old)
+        for leftover in out_dir.glob(".ckpt_*.tmp"):  # saves cut short (a kill), never to be redone
+            shutil.rmtree(leftover, ignore_errors=True)
     return final
 
 
@@ -489,7 +491,7 @@ def verify_main(run: Path, parser: argparse.ArgumentParser) -> int:
         how = "files present, no checksums recorded" if unchecked else "sizes and SHA-256 match"
         print(f"{ckpt.name}: good ({how})")
     for leftover in sorted(run.glob(".ckpt_*.tmp")):
-        print(f"{leftover.name}: an unfinished save (ignored; the next save of that step removes it)")
+        print(f"{leftover.name}: an unfinished save (ignored; the next save removes it)")
     damaged = len(found) - len(good)
     print(f"{len(good)} good, {damaged} damaged" + (f"; newest good: {good[-1]}" if good else ""))
     return 1 if damaged else 0
