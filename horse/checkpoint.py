@@ -93,11 +93,11 @@ def _written(path: Path) -> dict:
 
 def _on_every_rank(work: Callable[[], dict], parallel: Parallel) -> dict:
     """work() on this rank, then a wait for every rank (it holds a collective): the union of their
-    results, or SaveError on every rank when work() raised OSError on any."""
+    results, or SaveError on every rank when work() raised on any."""
     try:
         result, error = work(), None
-    except OSError as e:
-        result, error = {}, str(e)
+    except Exception as e:  # on a full disk safetensors raises SafetensorError, torch.save RuntimeError
+        result, error = {}, str(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
     gathered = [(result, error)]
     if parallel.distributed:
         gathered = [None] * parallel.world_size
@@ -218,6 +218,8 @@ def save(
         if parallel.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, SaveError):
+            with contextlib.suppress(OSError):  # a full disk's errors do not always say so
+                e = f"{e}; {shutil.disk_usage(out_dir).free:,} bytes free in {out_dir}"
             raise SaveError(
                 f"checkpoint {final.name} could not be written: {e} (nothing of it is kept; the older "
                 "checkpoints are untouched)"
@@ -226,7 +228,7 @@ def save(
     if parallel.rank == 0:  # only now that the new one is whole
         for old in complete(out_dir)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old)
-        for leftover in out_dir.glob(".ckpt_*.tmp"):  # saves cut short (a kill), never to be redone
+        for leftover in out_dir.glob(".ckpt_*"):  # of saves cut short (a kill), never to be redone
             shutil.rmtree(leftover, ignore_errors=True)
     return final
 

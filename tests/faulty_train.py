@@ -11,8 +11,8 @@ the first launch; TORCHELASTIC_RESTART_COUNT counts them). Kinds:
     term, usr1    SIGTERM / SIGUSR1 after the step's optimizer update (a grace period: the run saves)
     term-nograce  SIGTERM as above, then SIGKILL once the save it asks for has begun
     term-twice    SIGTERM as above, then a second SIGTERM in the middle of that save
-    enospc        the step's save fails: its weights file is cut in half and writing it raises
-                  OSError(ENOSPC), as a full disk does; once
+    enospc        the step's save fails as on a full disk: its weights file is cut in half and
+                  writing it raises what safetensors raises then (ENOSPC in a SafetensorError); once
 
 Each fault says what it does on stderr before it strikes. Signals are sent by the process to itself,
 so the step they land in is exact.
@@ -22,6 +22,8 @@ import errno
 import os
 import signal
 import sys
+
+from safetensors import SafetensorError
 
 from horse import checkpoint, train
 
@@ -73,7 +75,8 @@ def main() -> None:
             faults.pop(in_flight[0])
             say("ENOSPC during the save")
             os.truncate(path, os.path.getsize(path) // 2)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            no_space = f"{os.strerror(errno.ENOSPC)} (os error {errno.ENOSPC})"
+            raise SafetensorError(f"Error while serializing: I/O error: {no_space}")
 
     real_lr_at, real_optimizer_step, real_save_file = train.lr_at, train.optimizer_step, checkpoint.save_file
     train.lr_at, train.optimizer_step, checkpoint.save_file = lr_at, optimizer_step, save_file
