@@ -5,7 +5,7 @@ resumed run's losses, gradient norms and validation losses equal the uninterrupt
 bit. Faults: kill -9 at seeded random steps (one in a save), SIGTERM with and without a grace
 period, a second signal during the save, a failing write (ENOSPC mid-save, --on-save-error stop and
 continue), a damaged newest checkpoint, and under torchrun (gloo, tp=2, --max-restarts) a signal on
-one rank and a rank killed."""
+one rank, a rank killed and one rank's failed save."""
 
 import json
 import os
@@ -229,18 +229,22 @@ def test_save_on_signal_names_real_signals_and_empty_installs_none():
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
-def test_torchrun_ranks_agree_on_one_ranks_signal_and_a_killed_rank_restarts(tmp_path):
-    """tp=2 on two processes. First launch: rank 1 alone gets SIGUSR1 in step 3; both ranks save
-    step 3 and exit 75, and torchrun starts them again. Second: rank 0 is killed in step 6; torchrun
-    starts them again, and they finish as an uninterrupted tp=2 run does."""
-    steps = dict(tp=2, max_steps=8, eval_interval=4)
+def test_torchrun_ranks_agree_on_a_signal_a_failed_save_and_restart_after_a_kill(tmp_path):
+    """tp=2 on two processes, each writing its own shard, --on-save-error continue. First launch:
+    rank 1 alone gets SIGUSR1 in step 3; both ranks save step 3 and exit 75, and torchrun starts
+    them again. Second: rank 0 is killed in step 6, and torchrun starts them again. Third: rank 1's
+    save of step 8 fails (ENOSPC); both ranks go on. They finish as an uninterrupted tp=2 run."""
+    steps = dict(tp=2, max_steps=12, eval_interval=4, on_save_error="continue")
     status, out = _launch(tmp_path / "reference", nproc=2, **steps)
     assert status == 0, out[-3000:]
     run = tmp_path / "run"
-    status, out = _launch(run, "usr1@3:1:0,kill@6:0:1", nproc=2, launcher=("--max-restarts=2",), **steps)
+    faults = "usr1@3:1:0,kill@6:0:1,enospc@8:1:2"
+    status, out = _launch(run, faults, nproc=2, launcher=("--max-restarts=2",), **steps)
     assert status == 0, out[-5000:]
     assert "preempted: SIGUSR1 during step 3; step 3 finished and saved" in out
     assert "fault: kill -9 in step 6" in out
     resumed = [int(s) for s in re.findall(r"resumed from ckpt_(\d+)", out)]
     assert resumed == [3, INTERVAL]  # nothing lost to the signal; 2 steps to the kill
+    assert "warning: checkpoint ckpt_0000008 could not be written: rank 1: SafetensorError" in out
+    assert [p.name for p in checkpoint.candidates(run)] == ["ckpt_0000003", "ckpt_0000004", "ckpt_0000012"]
     _assert_finished_as(run, _steps(tmp_path / "reference"))
