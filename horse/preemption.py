@@ -6,16 +6,18 @@ finishes its step; at the end of every step all ranks agree, through one all-red
 number, whether any rank received one (a rank that stopped alone would leave the others waiting
 in a collective forever); then every rank writes its part of the checkpoint and the job exits
 with :data:`PREEMPTED` (75, EX_TEMPFAIL: "try again later"), which a job script can take as "requeue
-with --resume". A second signal aborts at once, exiting 128 + its number as the signal would
-have: a save it interrupts leaves only its temporary directory, never a partial checkpoint,
-and older checkpoints are untouched (``horse.checkpoint`` renames a save into place only when it
-is whole and rotates only after that).
+with --resume". A second signal during that save aborts it, exiting 128 + its number as the signal
+would have: the save leaves only its temporary directory, never a partial checkpoint, and older
+checkpoints are untouched (``horse.checkpoint`` renames a save into place only when it is whole
+and rotates only after that). A second signal before the save counts as the first: under Slurm
+every process of a step gets the signal, and torchrun forwards its own copy to its workers.
 
 torchrun forwards SIGTERM to its workers and waits 30 s before SIGKILL; for SIGUSR1 it needs
 ``TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1`` in its environment (or
 send the signal to the workers themselves).
 """
 
+import contextlib
 import signal
 import sys
 
@@ -56,19 +58,20 @@ class Preemption:
     """Catches the given signals while installed (a context manager) and tells, at the end of each
     step, whether any rank of the world has received one.
 
-    The handler only records the signal: the step in flight runs to its end. A second signal
-    raises :class:`Aborted` from wherever the process is, the save included."""
+    The handler only records the signal: the step in flight runs to its end. A second signal inside
+    :meth:`saving` raises :class:`Aborted` there."""
 
     def __init__(self, signals: list[signal.Signals], device: str = "cpu"):
         self.signals, self.device = signals, device
         self.received: signal.Signals | None = None
+        self.in_save = False
         self._previous = {}
 
     def _handle(self, signum: int, frame) -> None:
-        if self.received is not None:
+        if self.received is not None and self.in_save:
             print(f"{signal.Signals(signum).name} again: aborting now", file=sys.stderr, flush=True)
             raise Aborted(signum)
-        self.received = signal.Signals(signum)
+        self.received = self.received or signal.Signals(signum)
 
     def __enter__(self) -> "Preemption":
         for s in self.signals:
@@ -92,3 +95,12 @@ class Preemption:
             if signum and self.received is None:  # another rank's: from now on a signal here aborts
                 self.received = signal.Signals(signum)
         return self.received
+
+    @contextlib.contextmanager
+    def saving(self):
+        """Around a checkpoint save: a signal after the first one aborts it."""
+        self.in_save = True
+        try:
+            yield
+        finally:
+            self.in_save = False

@@ -808,18 +808,19 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
             signum = preempt.agreed()  # a collective: every rank stops after the same step
             if (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == max_steps or signum:
                 try:
-                    last_ckpt = save_checkpoint(
-                        out_dir,
-                        step,
-                        model,
-                        optimizer,
-                        scaler,
-                        train_loader,
-                        cfg,
-                        tokenizer,
-                        cfg.keep_last,
-                        parallel,
-                    )
+                    with preempt.saving():  # where a second signal aborts
+                        last_ckpt = save_checkpoint(
+                            out_dir,
+                            step,
+                            model,
+                            optimizer,
+                            scaler,
+                            train_loader,
+                            cfg,
+                            tokenizer,
+                            cfg.keep_last,
+                            parallel,
+                        )
                 except checkpoint.SaveError as e:
                     if cfg.on_save_error == "stop" or step == max_steps or signum:
                         raise

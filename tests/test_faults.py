@@ -220,12 +220,13 @@ def test_save_on_signal_names_real_signals_and_empty_installs_none():
     before = signal.getsignal(signal.SIGTERM)
     with preemption.Preemption(preemption.parse_signals("")) as preempt:
         assert signal.getsignal(signal.SIGTERM) is before and preempt.agreed() is None
-    with preemption.Preemption([signal.SIGUSR1]) as preempt:
+    with preemption.Preemption([signal.SIGUSR1, signal.SIGUSR2]) as preempt:
         os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR2)  # before the save: the same request, as Slurm's and torchrun's
         assert preempt.agreed() == signal.SIGUSR1
-        with pytest.raises(SystemExit) as aborted:
-            os.kill(os.getpid(), signal.SIGUSR1)
-        assert aborted.value.code == 128 + signal.SIGUSR1
+        with pytest.raises(SystemExit) as aborted, preempt.saving():
+            os.kill(os.getpid(), signal.SIGUSR2)
+        assert aborted.value.code == 128 + signal.SIGUSR2
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
