@@ -5,7 +5,7 @@ resumed run's losses, gradient norms and validation losses equal the uninterrupt
 bit. Faults: kill -9 at seeded random steps (one in a save), SIGTERM with and without a grace
 period, a second signal during the save, a failing write (ENOSPC mid-save, --on-save-error stop and
 continue), a damaged newest checkpoint, and under torchrun (gloo, tp=2, --max-restarts) a signal on
-one rank, a rank killed and one rank's failed save."""
+one rank, a rank killed and one rank's failed save, and SIGTERM sent to torchrun itself."""
 
 import json
 import os
@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,20 +34,27 @@ RUN = dict(
 )  # fmt: skip
 
 
-def _launch(run: Path, faults: str = "", nproc: int = 0, launcher: tuple = (), **flags) -> tuple[int, str]:
-    """(exit status, console output) of the driver on run with these faults and flags; nproc > 0:
-    under torchrun with nproc CPU processes."""
+def _command(run: Path, nproc: int = 0, launcher: tuple = (), **flags) -> list[str]:
+    """The driver on run with these flags; nproc > 0: under torchrun with nproc CPU processes."""
     command = [sys.executable]
     if nproc:
         command += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *launcher]
-    command += [str(DRIVER), "--out-dir", str(run), *command_line_flags(RUN | flags)]
-    env = os.environ | {
+    return command + [str(DRIVER), "--out-dir", str(run), *command_line_flags(RUN | flags)]
+
+
+def _env(faults: str = "") -> dict:
+    return os.environ | {
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",
         "HORSE_FAULTS": faults,
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # see horse/train.py on restarts
     }
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _launch(run: Path, faults: str = "", nproc: int = 0, launcher: tuple = (), **flags) -> tuple[int, str]:
+    """(exit status, console output) of the driver on run with these faults and flags."""
+    command = _command(run, nproc, launcher, **flags)
+    result = subprocess.run(command, env=_env(faults), capture_output=True, text=True, timeout=300)
     return result.returncode, result.stdout + result.stderr
 
 
@@ -249,3 +257,28 @@ def test_torchrun_ranks_agree_on_a_signal_a_failed_save_and_restart_after_a_kill
     assert "warning: checkpoint ckpt_0000008 could not be written: rank 1: SafetensorError" in out
     assert [p.name for p in checkpoint.candidates(run)] == ["ckpt_0000003", "ckpt_0000004", "ckpt_0000012"]
     _assert_finished_as(run, _steps(tmp_path / "reference"))
+
+
+def test_sigterm_to_torchrun_reaches_every_worker_and_loses_no_step(tmp_path):
+    """As Kubernetes or Slurm preempt: SIGTERM to torchrun itself, at whatever step the run is in.
+    torchrun forwards it to its workers and waits for them; they save the step they were in."""
+    run = tmp_path / "run"
+    flags = dict(tp=2, max_steps=100_000, ckpt_interval=100_000, eval_interval=100_000)
+    log = tmp_path / "console.log"  # a file, not a pipe that nobody reads until the end
+    with (
+        open(log, "w") as console,
+        subprocess.Popen(
+            _command(run, nproc=2, **flags), env=_env(), stdout=console, stderr=subprocess.STDOUT
+        ) as launch,
+    ):
+        metrics, deadline = run / "metrics.jsonl", time.monotonic() + 240
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert launch.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        launch.send_signal(signal.SIGTERM)
+        launch.wait(timeout=120)
+    out = log.read_text()
+    assert "Sending process" in out and "closing signal SIGTERM" in out, out[-3000:]  # torchrun's own log
+    step = max(_steps(run))
+    assert f"preempted: SIGTERM during step {step}; step {step} finished and saved" in out, out[-3000:]
+    assert checkpoint.latest(run) == _ckpt(run, step) and checkpoint.verify(_ckpt(run, step)) == []
