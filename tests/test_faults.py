@@ -216,6 +216,9 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumes(refer
     assert checkpoint.verify(older)[0] == "model.safetensors: missing"
     (older / "manifest.json").write_text('{"step": 12, "files": {"mod')
     assert checkpoint.verify(older)[0].startswith("manifest.json: unreadable (JSONDecodeError")
+    shutil.copytree(older, tmp_path / "none-good" / older.name)
+    with pytest.raises(ValueError, match=f"no good checkpoint in .*: checkpoint {older.name} is damaged"):
+        checkpoint.newest_good(tmp_path / "none-good")
 
 
 def test_save_on_signal_names_real_signals_and_empty_installs_none():
