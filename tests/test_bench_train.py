@@ -206,3 +206,30 @@ def test_the_bench_suite_runs_the_training_step():
     assert quick[0].params == {"layers": 12, "d_model": 768, "batch": 16, "seq_len": 1024, "grad_accum": 1}
     assert quick[0].work == GPT2_FLOPS_PER_TOKEN * 16 * 1024
     assert len(bench_train.cases(quick=False)) == 6
+
+
+def test_triton_out_of_memory_is_broken_and_its_gate_not_measured(monkeypatch, tmp_path, capsys):
+    clock = stand_in_h200(monkeypatch)
+    make_step = bench_train.make_step
+
+    def make_step_on_the_cpu(cfg, config, backend, device):
+        if backend == "triton":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        step = make_step(cfg, config, backend, "cpu")
+
+        def timed():
+            clock.now += 0.010
+            return step()
+
+        return timed
+
+    monkeypatch.setattr(bench_train, "make_step", make_step_on_the_cpu)
+    argv = ["--preset", "tiny", "--batch-size", "4", "--precision", "fp32", "--warmup", "0", "--steps", "2",
+            "--backends", "triton", "reference-compile", "--out", str(tmp_path)]  # fmt: skip
+    assert bench_train.gpu_main(*bench_train.parse_args(argv)) == 1  # without --gate too
+    out = capsys.readouterr().out
+    assert "triton: out of memory" in out and "no result from triton" in out
+    assert (
+        "FAIL train_step forward+backward [layers=4 d_model=256 batch=4 seq_len=64 grad_accum=1]: "
+        "not measured (ours)" in out
+    )
