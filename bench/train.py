@@ -52,8 +52,9 @@ from pathlib import Path
 import torch
 
 from bench import suite, timing
+from horse.loss_scale import LossScaler
 from horse.model import GPT, PRESETS, GPTConfig, flops_per_token, preset
-from horse.train import LossScaler, TrainConfig, make_optimizer, peak_flops, train_step
+from horse.train import TrainConfig, make_optimizer, peak_flops, train_step
 from kernels import runtime
 
 BACKENDS = ("triton", "reference-compile", "reference")
@@ -82,7 +83,7 @@ def make_step(
     torch.manual_seed(cfg.seed)
     model = GPT(config, "triton" if backend == "triton" else "reference").to(device)  # float32 weights
     optimizer = make_optimizer(model, cfg, device)
-    scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window, enabled=cfg.precision == "fp16")
+    scaler = LossScaler.from_config(cfg, enabled=cfg.precision == "fp16")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
     autocast = (lambda: torch.autocast(device, dtype)) if dtype else contextlib.nullcontext
     loss_fn = model.loss
