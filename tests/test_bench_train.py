@@ -90,6 +90,20 @@ def test_time_steps_leaves_out_the_warmup_and_stops_on_the_budget(monkeypatch):
     assert len(times) == 3
 
 
+def test_a_deadline_counts_the_warmup_and_still_times_two_steps(monkeypatch):
+    clock = FakeClock()
+    fake_gpu(monkeypatch, clock)
+
+    def step():
+        clock.now += 0.5 if clock.now < 1.0 else 0.005  # two slow warm-up steps (compilation)
+        return torch.tensor(5.5), False
+
+    times, *_ = bench_train.time_steps(step, warmup=2, steps=100, seconds=None, stop_at=1.018)
+    assert times == pytest.approx([5.0] * 4)  # 1.0 s of warm-up; past 1.018 s after the fourth
+    times, *_ = bench_train.time_steps(step, warmup=1, steps=100, seconds=60, stop_at=clock.now)
+    assert len(times) == 2  # out of time before timing began: two steps all the same
+
+
 def stand_in_h200(monkeypatch) -> FakeClock:
     """fake_gpu, named an H200 with a measured matmul of 800 TFLOP/s; its clock."""
     clock = FakeClock()
