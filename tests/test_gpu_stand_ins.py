@@ -3,15 +3,18 @@ and torch.distributed: the local GPU of a rank and the process group's device, t
 checkpoint keeps and restores, and the NVTX ranges without the nvtx package."""
 
 import contextlib
+import dataclasses
 import types
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from horse import parallel as horse_parallel
 from horse import train
 from horse.loss_scale import LossScaler
 from horse.parallel import Parallel
+from kernels import runtime
 
 
 class StandInCUDA:
@@ -105,3 +108,46 @@ def test_nvtx_ranges_fall_back_to_torchs_without_the_nvtx_package(monkeypatch):
     with train.nvtx_range("forward"):
         pass
     assert opened == ["forward"]
+
+
+class CUDAOnTheCPU(TorchFunctionMode):
+    """A fake device layer: every torch call that names a CUDA device gets the CPU instead, and
+    pinning memory is a no-op, so code written for a GPU runs on CPU tensors."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.device:  # the code's own devices stay CUDA ones
+            return func(*args, **(kwargs or {}))
+        args = tuple(self.cpu(a) for a in args)
+        kwargs = {k: self.cpu(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def cpu(x):
+        if isinstance(x, torch.device) and x.type == "cuda":
+            return torch.device("cpu")
+        return "cpu" if isinstance(x, str) and x.startswith("cuda") else x
+
+
+def test_the_trainers_gpu_branches_run_and_resume_on_a_stand_in_gpu(monkeypatch, tmp_path, capsys):
+    # train() on "cuda": fp16 by default, pinned batches, fused AdamW, NVTX ranges through torch's
+    # binding (no nvtx package), MFU from the GPU's name, the CUDA RNG in the checkpoint and back.
+    cuda = StandInCUDA(monkeypatch, count=1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *device: "NVIDIA H200")
+    monkeypatch.setattr(runtime, "arch", lambda device: runtime.SM90)
+    ranges = []
+    monkeypatch.setattr(train, "nvtx", None)
+    monkeypatch.setattr(torch.cuda.nvtx, "range", lambda name: contextlib.nullcontext(ranges.append(name)))
+    small = {"n_layer": 1, "d_model": 32, "n_head": 2, "block_size": 16}
+    cfg = train.TrainConfig(preset="tiny", backend="reference", batch_size=2, max_steps=2, eval_interval=2,
+                            eval_steps=1, sample_tokens=0, out_dir=str(tmp_path / "run"))  # fmt: skip
+    with CUDAOnTheCPU():
+        records = train.train(cfg, small)
+        resumed = train.train(dataclasses.replace(cfg, max_steps=3, resume=True), small)
+    out = capsys.readouterr().out
+    assert "horse.train on NVIDIA H200 | backend reference | precision fp16" in out
+    assert [r["loss_scale"] for r in records] == [2.0**16] * 2 and all(r["mfu"] > 0 for r in records)
+    assert [r["step"] for r in resumed] == [3]
+    assert {"data", "forward", "backward", "optimizer"} <= set(ranges)
+    assert cuda.restored == [(0, 0)]  # device 0's state, from the checkpoint of step 2
