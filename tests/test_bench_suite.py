@@ -237,6 +237,8 @@ class StandInGPU:
         self.busy = False
         monkeypatch.setattr(torch.cuda, "_sleep", self.spin)
         monkeypatch.setattr(timing, "_spin_cycles_per_ms", lambda device: 1000.0)
+        # Under pytest-xdist (-n), pytest-benchmark would disable itself in the suite's own session.
+        monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
         self.monkeypatch = monkeypatch
 
     def spin(self, cycles: int) -> None:
