@@ -1,15 +1,20 @@
 """``python -m bench``: every kernel, and the whole training step, against its baselines on this
 machine's GPU, gated.
 
-    python -m bench [--quick] [--gate] [--only norms attention ...] [--out DIR] [pytest-benchmark options]
+    python -m bench [--quick] [--gate] [--only norms attention ...] [--out DIR] [--compare PREVIOUS.json]
+                    [pytest options: --durations N, -k ..., --benchmark-save NAME, ...]
 
 Measures the device's ceilings (copy bandwidth, a large float16 matmul), then times every case of
 the families below under pytest-benchmark with CUDA events (norms, attention, MLP, and the
 end-to-end training step of bench/train.py), ours checked against the float32 reference first
 where a family has a check. Prints a table, writes results.json (with the machine) and a PNG per
 kernel to --out (default bench/results/<date>-<gpu>/), and with --gate exits 1 naming each kernel
-and shape below its threshold in bench/gates.toml. Options it does not know (``--benchmark-save NAME``,
-``--benchmark-compare``, ``-k``) go to pytest.
+and shape below its threshold in bench/gates.toml (a gated case of ours without a result fails as
+"not measured"). ``--quick`` times only what the gates need: ours on the gated shapes and
+directions, and the baselines those gates name. ``--compare PREVIOUS.json`` prints each case's time
+over an earlier run's and exits 1 where ours is more than 5 % slower. Options it does not know
+(``--durations 20``: where the time went, compilation included; ``--benchmark-save NAME``, ``-k``)
+go to pytest.
 
 Without a GPU it runs each family's correctness check on small shapes in Triton's interpreter and
 the compile report for sm_90 (the GPU the suite times; ``python -m bench.compile_report`` builds
@@ -18,9 +23,11 @@ every GPU family's), says that timing needs a GPU, and exits 0 if both pass.
 
 import argparse
 import importlib
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -41,6 +48,10 @@ def _parse(argv):
     )
     parser.add_argument("--only", nargs="+", choices=FAMILIES, help="these families only")
     parser.add_argument("--out", type=Path, help="directory for results.json and the plots")
+    parser.add_argument(
+        "--compare", type=Path, metavar="PREVIOUS.json",
+        help="an earlier run's results.json: print each case's time ratio, exit 1 if ours regressed > 5 %%",
+    )  # fmt: skip
     return parser.parse_known_args(argv)
 
 
@@ -64,6 +75,8 @@ def cpu_main(args) -> int:
     )
     passed &= report.returncode == 0
     print("\ncorrectness and sm_90 compile report: " + ("ok" if passed else "FAIL"))
+    if args.compare:
+        print(f"--compare {args.compare}: nothing was timed here to compare")
     return 0 if passed else 1
 
 
@@ -73,6 +86,7 @@ def gpu_main(args, pytest_args) -> int:
     from bench import suite, timing
 
     device = torch.device("cuda", torch.cuda.current_device())
+    start = time.perf_counter()
     machine = timing.machine_info(device)
     versions = f"CUDA {machine['cuda_runtime']}  torch {machine['torch']}  triton {machine['triton']}"
     print(f"{machine['gpu']}  {versions}")
@@ -81,8 +95,15 @@ def gpu_main(args, pytest_args) -> int:
         "matmul_tflops": timing.matmul_tflops(device),
     }
     copy, matmul = ceilings["copy_gbps"], ceilings["matmul_tflops"]
-    print(f"ceilings: copy {copy:.0f} GB/s, float16 matmul {matmul:.0f} TFLOP/s")
+    print(
+        f"ceilings: copy {copy:.0f} GB/s, float16 matmul {matmul:.0f} TFLOP/s "
+        f"(measured in {time.perf_counter() - start:.0f} s)"
+    )
+    gates = suite.load_gates()
+    previous = json.loads(args.compare.read_text()) if args.compare else None  # a bad file fails first
     cases = [case for family in _families(args.only or FAMILIES) for case in family.cases(args.quick)]
+    if args.quick:
+        cases = suite.gated_cases(cases, gates)
     plugin = suite.SuitePlugin(cases)
     pytest_code = pytest.main(
         [str(BENCH_DIR / "bench_kernels.py"), "-o", "python_files=bench_*.py",
@@ -93,7 +114,7 @@ def gpu_main(args, pytest_args) -> int:
     results = plugin.results
     suite.add_metrics(results, ceilings)
     print("\n" + suite.format_table(results))
-    verdicts = suite.evaluate_gates(results, suite.load_gates())
+    verdicts = suite.evaluate_gates(results, gates, cases)
     out = args.out or suite.results_dir(machine["gpu"])
     out.mkdir(parents=True, exist_ok=True)
     suite.write_json(out / "results.json", machine, ceilings, results, verdicts)
@@ -103,9 +124,14 @@ def gpu_main(args, pytest_args) -> int:
     print(f"\ngates: {len(verdicts) - len(failed)} of {len(verdicts)} passed")
     for verdict in verdicts:
         print("  " + verdict.describe())
+    regressed = []
+    if previous is not None:
+        lines, regressed = suite.compare(results, previous, cases)
+        print(f"\nagainst {args.compare}: {len(regressed)} regressions of ours beyond 5 %")
+        print("\n".join("  " + line for line in lines))
     if pytest_code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         return int(pytest_code)
-    return 1 if args.gate and failed else 0
+    return 1 if (args.gate and failed) or regressed else 0
 
 
 def main(argv=None) -> int:

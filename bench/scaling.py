@@ -297,14 +297,15 @@ def rank_step(
     rank's compute alone. ``horse.train.train_step`` in float16 with its loss scaler; one fixed
     random batch of (batch, seq) tokens.
     """
-    from horse.train import LossScaler, TrainConfig, make_optimizer, train_step
+    from horse.loss_scale import LossScaler
+    from horse.train import TrainConfig, make_optimizer, train_step
 
     torch.manual_seed(0)
     with torch.device(device):  # built whole on the device, then sliced to rank 0's shard
         model = GPT(config, "triton", Parallel(tp_size=tp))
     cfg = TrainConfig(precision="fp16")
     optimizer = make_optimizer(model, cfg, device)
-    scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window)
+    scaler = LossScaler.from_config(cfg, enabled=True)
     idx = torch.randint(config.vocab_size, (batch, seq), device=device)  # (B, T)
     targets = torch.randint(config.vocab_size, (batch, seq), device=device)  # (B, T)
 

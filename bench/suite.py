@@ -5,12 +5,15 @@ A kernel family's benchmark module (bench/norms.py, bench/attention.py, ...) des
 do, and a ``setup`` that builds rotated inputs on the GPU and returns the call to time. The
 :class:`SuitePlugin` hands the cases to pytest-benchmark (``bench/bench_kernels.py``), which times
 each with CUDA events (``timing.cuda_event_timer``), so ``--benchmark-save`` and
-``--benchmark-compare`` work as usual. Before the first timing of ours on a shape, the case's
-``check`` compares it with the float32 reference. Metrics (TFLOP/s or GB/s, fraction of the
-device's measured ceiling, speedup over every baseline) and the gates of ``bench/gates.toml``
-are computed from the results afterwards.
+``--benchmark-compare`` work as usual: each round is one call, queued behind a spin kernel so that
+the GPU is busy before the round's start event (the host's launch never shows in the time). Before
+the first timing of ours on a shape, the case's ``check`` compares it with the float32 reference.
+Metrics (TFLOP/s or GB/s, fraction of the device's measured ceiling, speedup over every baseline),
+the gates of ``bench/gates.toml`` and the comparison with an earlier run are computed from the
+results afterwards.
 """
 
+import dataclasses
 import datetime
 import fnmatch
 import itertools
@@ -24,6 +27,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from bench import timing
 
 GATES_FILE = Path(__file__).with_name("gates.toml")
 RESULTS_DIR = Path(__file__).with_name("results")
@@ -47,11 +52,24 @@ class Case:
 
     @property
     def shape(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in self.params.items())
+        return shape_text(self.params)
 
     @property
     def id(self) -> str:
         return f"{self.kernel}[{self.shape}]-{self.direction}-{self.implementation}"
+
+    @property
+    def key(self) -> tuple:
+        return _key(self)
+
+
+def shape_text(params: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in params.items())
+
+
+def _key(item) -> tuple:
+    """What a Case and its Result share: kernel, shape, direction, implementation."""
+    return item.kernel, tuple(item.params.items()), item.direction, item.implementation
 
 
 @dataclass
@@ -73,10 +91,15 @@ class Result:
     speedups: dict = field(default_factory=dict)  # ours only: baseline -> baseline time / ours
     # A benchmark's own metrics beyond these (bench.train: tokens/s, MFU, peak memory).
     extra: dict = field(default_factory=dict)
+    samples_ms: list = field(default_factory=list)  # every timed round, in order
+
+    @property
+    def key(self) -> tuple:
+        return _key(self)
 
     @property
     def shape(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in self.params.items())
+        return shape_text(self.params)
 
 
 class UnavailableError(Exception):
@@ -111,11 +134,16 @@ def compiled(fn, **options) -> Callable[[], Callable]:
 
 
 class SuitePlugin:
-    """A pytest plugin that parametrizes ``bench/bench_kernels.py`` over cases and collects results."""
+    """A pytest plugin that parametrizes ``bench/bench_kernels.py`` over cases and collects results.
 
-    def __init__(self, cases: list[Case], rounds: int = 30, iterations: int = 5, warmup_rounds: int = 3):
+    Each case: ``warmup`` untimed calls (compilation, the allocator, clocks), then ``rounds`` rounds
+    of one call each, a spin kernel queued before each round's start event. 100 rounds: the median's
+    standard error is then about an eighth of the spread between the quartiles.
+    """
+
+    def __init__(self, cases: list[Case], rounds: int = 100, warmup: int = 5):
         self.cases = cases
-        self.rounds, self.iterations, self.warmup_rounds = rounds, iterations, warmup_rounds
+        self.rounds, self.warmup = rounds, warmup
         self.results: list[Result] = []
         self.checks: dict[tuple, tuple[dict, bool]] = {}
 
@@ -143,14 +171,18 @@ class SuitePlugin:
             kernel=case.kernel, params=case.params, direction=case.direction,
             implementation=case.implementation, work=case.work, unit=case.unit,
         )  # fmt: skip
-        benchmark.pedantic(
-            call, rounds=self.rounds, iterations=self.iterations, warmup_rounds=self.warmup_rounds
-        )
+        for _ in range(self.warmup):
+            call()
+        spin_ms = timing.spin_ahead_ms(timing.host_ms_per_call(call))
+        # One call a round, behind a spin: the round's start event waits on the GPU until the host
+        # has queued the call, so the event pair holds the call's GPU time alone.
+        benchmark.pedantic(call, setup=lambda: timing.spin(spin_ms), rounds=self.rounds)
         stats = benchmark.stats.stats
         self.results.append(
             Result(
                 case.kernel, case.params, case.direction, case.implementation, case.unit, case.work,
                 stats.median * 1e3, stats.q1 * 1e3, stats.q3 * 1e3, stats.rounds, correct, errors,
+                samples_ms=[seconds * 1e3 for seconds in stats.data],
             )
         )  # fmt: skip
         if correct is False:
@@ -206,15 +238,22 @@ class Gate:
             and all(_holds(r.params.get(name), condition) for name, condition in self.where.items())
         )
 
-    def value(self, r: Result) -> float | None:
-        """The gated metric of r; None where the baseline was not measured on r's shape."""
+    def baselines(self) -> str:
+        """The fnmatch pattern of the baselines this gate compares ours with ("" for none)."""
+        return self.baseline.removeprefix("best:") if self.metric == "speedup" else ""
+
+    def measure(self, r: Result) -> tuple[float | None, dict]:
+        """The gated metric of r (None where no baseline it names was measured on r's shape), and
+        the speedups over each baseline it was taken from: a ``best:`` gate's minimum is over all
+        the baselines matching its pattern that were measured."""
         if self.metric == "ceiling_fraction":
-            return r.ceiling_fraction
+            return r.ceiling_fraction, {}
         if self.baseline.startswith("best:"):
-            pattern = self.baseline.removeprefix("best:")
-            speedups = [s for name, s in r.speedups.items() if fnmatch.fnmatch(name, pattern)]
-            return min(speedups) if speedups else None  # against the fastest = the smallest speedup
-        return r.speedups.get(self.baseline)
+            over = {name: s for name, s in r.speedups.items() if fnmatch.fnmatch(name, self.baselines())}
+        else:
+            over = {name: s for name, s in r.speedups.items() if name == self.baseline}
+        # Against the fastest baseline: the smallest speedup.
+        return (min(over.values()) if over else None), over
 
     def describe(self) -> str:
         what = (
@@ -251,26 +290,102 @@ def load_gates(path: Path = GATES_FILE) -> list[Gate]:
 @dataclass
 class GateVerdict:
     gate: Gate
-    result: Result
-    value: float | None
+    subject: Result | Case  # the result of ours, or the case of ours that got no result
+    value: float | None  # None: ours, or every baseline the gate names, not measured
+    over: dict = field(default_factory=dict)  # baseline -> speedup, those the value was taken from
+
+    @property
+    def result(self) -> Result | None:
+        return self.subject if isinstance(self.subject, Result) else None
+
+    @property
+    def correct(self) -> bool | None:
+        return self.result.correct if self.result is not None else None
 
     @property
     def passed(self) -> bool:
-        return self.result.correct is not False and self.value is not None and self.value >= self.gate.min
+        return self.correct is not False and self.value is not None and self.value >= self.gate.min
 
     def describe(self) -> str:
-        r = self.result
-        shown = "not measured" if self.value is None else f"{self.value:.3f}"
+        s = self.subject
+        if self.value is None:
+            shown = "not measured" + (" (ours)" if self.result is None else f" ({self.gate.baseline})")
+        else:
+            shown = f"{self.value:.3f}"
+            if self.gate.baseline.startswith("best:"):
+                shown += " (min over " + ", ".join(f"{n} {v:.3f}" for n, v in self.over.items()) + ")"
         verdict = "PASS" if self.passed else "FAIL"
-        wrong = " (and wrong against the reference)" if r.correct is False else ""
+        wrong = " (and wrong against the reference)" if self.correct is False else ""
         return (
-            f"{verdict} {r.kernel} {r.direction} [{r.shape}]: {shown} (gate: {self.gate.describe()}){wrong}"
+            f"{verdict} {s.kernel} {s.direction} [{s.shape}]: {shown} (gate: {self.gate.describe()}){wrong}"
         )
 
 
-def evaluate_gates(results: list[Result], gates: list[Gate]) -> list[GateVerdict]:
-    """One verdict per (gate, matching result of ours); a wrong result fails every gate it meets."""
-    return [GateVerdict(g, r, g.value(r)) for g in gates for r in results if g.matches(r)]
+def evaluate_gates(results: list[Result], gates: list[Gate], expected: list[Case] = ()) -> list[GateVerdict]:
+    """One verdict per (gate, matching result of ours); a wrong result fails every gate it meets.
+
+    ``expected``: the cases that were to run. A gate never passes for lack of a result: each case
+    of ours it matches that has no result (broken, interrupted) gets a verdict "not measured".
+    """
+    measured = {r.key for r in results}
+    missing = [c for c in expected if c.implementation == "ours" and c.key not in measured]
+    return [
+        GateVerdict(g, r, *g.measure(r)) if isinstance(r, Result) else GateVerdict(g, r, None)
+        for g in gates
+        for r in [*results, *missing]
+        if g.matches(r)
+    ]
+
+
+def gated_cases(cases: list[Case], gates: list[Gate]) -> list[Case]:
+    """The cases a gate needs: ours on each shape and direction some gate holds it to, and there
+    each baseline such a gate compares it with (the quick run's cases)."""
+    patterns: dict[tuple, set[str]] = {}
+    for case in cases:
+        ours = dataclasses.replace(case, implementation="ours")
+        for gate in gates:
+            if gate.matches(ours):
+                patterns.setdefault(case.key[:3], set()).add(gate.baselines())
+    return [
+        c
+        for c in cases
+        if c.key[:3] in patterns
+        and (
+            c.implementation == "ours"
+            or any(p and fnmatch.fnmatch(c.implementation, p) for p in patterns[c.key[:3]])
+        )
+    ]
+
+
+REGRESSION = 0.05  # --compare fails where ours got this much slower than in the earlier run
+
+
+def compare(results: list[Result], previous: dict, expected: list[Case]) -> tuple[list[str], list[str]]:
+    """Each case's median time over the same case's in an earlier run's results.json (``previous``,
+    parsed), for the cases that were to run (``expected``) and that the earlier run measured.
+    Returns the report's lines and the failures among them: ours (or a variant of ours) slower by
+    more than REGRESSION, or not measured now."""
+    now = {r.key: r for r in results}
+    selected = {c.key for c in expected}
+    lines, failures = [], []
+    for old in previous["results"]:
+        key = (old["kernel"], tuple(old["params"].items()), old["direction"], old["implementation"])
+        if key not in selected:
+            continue
+        ours = old["implementation"].startswith("ours")
+        label = f"{old['kernel']} {old['direction']} [{shape_text(old['params'])}] {old['implementation']}"
+        if key not in now:
+            line = f"{label}: not measured (was {old['median_ms']:.4f} ms)"
+            bad = ours
+        else:
+            ratio = now[key].median_ms / old["median_ms"]
+            bad = ours and ratio > 1 + REGRESSION
+            times = f"{old['median_ms']:.4f} -> {now[key].median_ms:.4f} ms"
+            line = f"{label}: {ratio:.3f}x the earlier time ({times})"
+        lines.append(("REGRESSION " if bad else "           ") + line)
+        if bad:
+            failures.append(line)
+    return lines, failures
 
 
 TABLE_COLUMNS = (
@@ -319,8 +434,8 @@ def write_json(
         "ceilings": ceilings,
         "results": [asdict(r) for r in results],
         "gates": [
-            {"gate": v.gate.describe(), "kernel": v.result.kernel, "direction": v.result.direction,
-             "shape": v.result.params, "value": v.value, "passed": v.passed}
+            {"gate": v.gate.describe(), "kernel": v.subject.kernel, "direction": v.subject.direction,
+             "shape": v.subject.params, "value": v.value, "over": v.over, "passed": v.passed}
             for v in verdicts
         ],
     }  # fmt: skip

@@ -7,9 +7,10 @@ wall clock around asynchronous launches. Three things keep the samples honest:
   allocator grows, clocks ramp up);
 * each call reads one of several copies of its inputs, enough copies that together they exceed
   twice the L2 cache, so no call finds its inputs left in L2 by an earlier one;
-* a spin kernel (``torch.cuda._sleep``) queued ahead of each batch of calls keeps the GPU busy
-  while the host enqueues the batch, so host overhead (Python, autograd, guards) never shows up
-  as a gap inside a call's pair of events.
+* a spin kernel (``torch.cuda._sleep``) queued ahead of each timed call (the bench suite's rounds:
+  one call each) or batch of calls (:func:`time_gpu`) keeps the GPU busy while the host enqueues
+  it, so host overhead (Python, op dispatch, autograd, guards) never shows up inside a call's
+  pair of events: from an idle GPU it is 10-15 % of a 60-100 microsecond norm.
 
 Reported: the median of the samples and their 20th and 80th percentiles as the spread.
 Throughputs are in decimal units: GB/s = 1e9 bytes per second, TFLOP/s = 1e12 FLOPs per second.
@@ -95,6 +96,28 @@ def _spin_cycles_per_ms(device_index: int) -> float:
     return cycles / start.elapsed_time(end)
 
 
+def spin(ms: float) -> None:
+    """Queue a kernel that keeps the current CUDA device busy for about ``ms`` (at most MAX_SPIN_MS)."""
+    torch.cuda._sleep(int(min(MAX_SPIN_MS, ms) * _spin_cycles_per_ms(torch.cuda.current_device())))
+
+
+def host_ms_per_call(call: Callable[[], object], calls: int = 5) -> float:
+    """Host time to enqueue one ``call()``, in ms, from an idle GPU; only to size a spin, never a result."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize()
+    return elapsed_ms / calls
+
+
+def spin_ahead_ms(host_ms: float, calls: int = 1) -> float:
+    """How long to spin so the GPU is still busy when the last of ``calls`` calls is enqueued:
+    twice their host time (the host may run slower while timing), plus 0.1 ms for the events."""
+    return 2 * host_ms * calls + 0.1
+
+
 def time_gpu(
     fn: Callable[[T], object],
     inputs: Sequence[T],
@@ -116,21 +139,12 @@ def time_gpu(
 
     for _ in range(warmup):
         call()
-    torch.cuda.synchronize()
-    # Host time to enqueue one call, only to size the spin; no GPU time is read off a wall clock.
-    host_start = time.perf_counter()
-    for _ in range(batch):
-        call()
-    host_ms_per_call = (time.perf_counter() - host_start) * 1e3 / batch
-    torch.cuda.synchronize()
-
-    cycles_per_ms = _spin_cycles_per_ms(torch.cuda.current_device())
+    host_ms = host_ms_per_call(call, batch)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
     for first in range(0, repeats, batch):
         batch_calls = range(first, min(first + batch, repeats))
-        spin_ms = min(MAX_SPIN_MS, 2 * host_ms_per_call * len(batch_calls) + 0.1)
-        torch.cuda._sleep(int(spin_ms * cycles_per_ms))
+        spin(spin_ahead_ms(host_ms, len(batch_calls)))
         for i in batch_calls:
             starts[i].record()
             call()

@@ -21,7 +21,9 @@ the same weights, from one seed:
 
 Each backend first takes ``--warmup`` untimed steps (Triton and torch.compile compile there, the
 loss scale settles), then up to ``--steps`` steps, each between its own pair of CUDA events; with
-``--seconds`` a backend stops early once its share (seconds / backends) has passed. The step
+``--seconds`` a backend stops early once its share (seconds / backends) has passed; with
+``--deadline S`` each backend stops by its share of what is left of S seconds from the start, its
+warm-up and compilation included (the device check's time limit). The step
 synchronizes once, as the trainer's does (it reads the gradient norm), so the events also hold the
 time the GPU waits for the host to launch kernels, as in training. Reported per backend: the median
 step time and its quartiles; tokens/s = tokens per step / median step time; TFLOP/s and MFU from the
@@ -52,8 +54,9 @@ from pathlib import Path
 import torch
 
 from bench import suite, timing
+from horse.loss_scale import LossScaler
 from horse.model import GPT, PRESETS, GPTConfig, flops_per_token, preset
-from horse.train import LossScaler, TrainConfig, make_optimizer, peak_flops, train_step
+from horse.train import TrainConfig, make_optimizer, peak_flops, train_step
 from kernels import runtime
 
 BACKENDS = ("triton", "reference-compile", "reference")
@@ -82,7 +85,7 @@ def make_step(
     torch.manual_seed(cfg.seed)
     model = GPT(config, "triton" if backend == "triton" else "reference").to(device)  # float32 weights
     optimizer = make_optimizer(model, cfg, device)
-    scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window, enabled=cfg.precision == "fp16")
+    scaler = LossScaler.from_config(cfg, enabled=cfg.precision == "fp16")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
     autocast = (lambda: torch.autocast(device, dtype)) if dtype else contextlib.nullcontext
     loss_fn = model.loss
@@ -151,7 +154,7 @@ def step_result(
         KERNEL, case_params(cfg, config), "forward+backward", implementation, "flop",
         per_token * tokens_per_step, median_ms, q1_ms, q3_ms, len(times_ms),
         # A step of ours whose loss is inf or NaN fails every gate.
-        correct=math.isfinite(loss) if implementation == "ours" else None,
+        correct=math.isfinite(loss) if implementation == "ours" else None, samples_ms=times_ms,
     )  # fmt: skip
     result.extra = {
         "backend": backend,
@@ -175,16 +178,24 @@ def step_result(
 
 
 def time_steps(
-    step: Callable[[], tuple[torch.Tensor, bool]], warmup: int, steps: int, seconds: float | None
+    step: Callable[[], tuple[torch.Tensor, bool]],
+    warmup: int,
+    steps: int,
+    seconds: float | None,
+    stop_at: float | None = None,
 ) -> tuple[list[float], int, int, float]:
     """GPU times (ms) of up to ``steps`` steps after ``warmup`` untimed ones, stopping after
-    ``seconds`` (at least 2 steps); returns (times, peak memory in bytes, skipped steps, last loss)."""
+    ``seconds`` of timing or at ``stop_at`` (a ``time.perf_counter()``: warm-up included), whichever
+    comes first, but after at least 2 steps; returns (times, peak memory in bytes, skipped steps,
+    last loss)."""
+    begin = time.perf_counter()  # only to stop on the budget and say where the time went
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
+    print(f"    {warmup} warm-up steps (compilation included): {time.perf_counter() - begin:.1f} s")
     torch.cuda.reset_peak_memory_stats()
     starts, ends, skipped = [], [], 0
-    begin = time.perf_counter()  # only to stop on the budget; every time reported is from events
+    begin = time.perf_counter()  # every time reported is from events
     while len(starts) < steps:
         starts.append(torch.cuda.Event(enable_timing=True))
         ends.append(torch.cuda.Event(enable_timing=True))
@@ -192,7 +203,11 @@ def time_steps(
         loss, was_skipped = step()
         ends[-1].record()
         skipped += was_skipped
-        if seconds is not None and len(starts) >= 2 and time.perf_counter() - begin > seconds:
+        now = time.perf_counter()
+        out_of_time = (seconds is not None and now - begin > seconds) or (
+            stop_at is not None and now > stop_at
+        )
+        if out_of_time and len(starts) >= 2:
             break
     torch.cuda.synchronize()
     times = [start.elapsed_time(end) for start, end in zip(starts, ends, strict=True)]
@@ -200,14 +215,20 @@ def time_steps(
 
 
 def measure(
-    cfg: TrainConfig, config: GPTConfig, backend: str, warmup: int, steps: int, seconds: float | None
+    cfg: TrainConfig,
+    config: GPTConfig,
+    backend: str,
+    warmup: int,
+    steps: int,
+    seconds: float | None,
+    stop_at: float | None = None,
 ) -> suite.Result:
     """One backend's result on the current GPU; frees its model, optimizer and compiled graphs after."""
     step = None
     try:
         host_start = time.perf_counter()
         step = make_step(cfg, config, backend, "cuda")
-        times, memory, skipped, loss = time_steps(step, warmup, steps, seconds)
+        times, memory, skipped, loss = time_steps(step, warmup, steps, seconds, stop_at)
         result = step_result(
             cfg, config, backend, times, memory, skipped, loss, peak_flops("cuda", cfg.peak_tflops)
         )
@@ -262,12 +283,19 @@ def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
         "(data loading not measured)"
     )
     budget = args.seconds / len(args.backends) if args.seconds else None
+    deadline = time.perf_counter() + args.deadline if args.deadline else None
     results, broken = [], []
-    for backend in args.backends:
+    for i, backend in enumerate(args.backends):
+        stop_at = None
+        if deadline is not None:  # this backend's share of what is left, its compilation included
+            now = time.perf_counter()
+            stop_at = now + (deadline - now) / (len(args.backends) - i)
         try:
-            results.append(measure(cfg, config, backend, args.warmup, args.steps, budget))
+            results.append(measure(cfg, config, backend, args.warmup, args.steps, budget, stop_at))
         except torch.cuda.OutOfMemoryError:
             print(f"  {backend}: out of memory at this batch size; no result")
+            if IMPLEMENTATIONS[backend] == "ours":  # ours running out of memory is broken, never skipped
+                broken.append(backend)
         except KeyboardInterrupt:  # a time limit's SIGINT (bench/device_check.sh): keep what was measured
             print(f"  {backend}: interrupted; no result, and the backends after it do not run")
             broken.append(backend)
@@ -285,7 +313,14 @@ def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
             f"{KERNEL} {cfg.preset} {cfg.precision} {x['backend']}: {x['tokens_per_s']:,.0f} tokens/s{mfu}, "
             f"peak memory {x['peak_memory_bytes'] / 2**30:.2f} GiB"
         )
-    verdicts = suite.evaluate_gates(results, suite.load_gates())
+    # A gate of ours never passes for lack of a result: "not measured" where triton got none.
+    expected = [
+        suite.Case(
+            KERNEL, case_params(cfg, config), "forward+backward", IMPLEMENTATIONS[b], 0.0, "flop", None
+        )
+        for b in args.backends
+    ]
+    verdicts = suite.evaluate_gates(results, suite.load_gates(), expected)
     out = args.out or suite.results_dir(machine["gpu"])
     out.mkdir(parents=True, exist_ok=True)
     suite.write_json(out / "train.json", machine, ceilings, results, verdicts)
@@ -385,6 +420,12 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, TrainConfig, GPTConfig]:
         "--seconds", type=float, help="stop timing after this, shared equally by the backends"
     )
     parser.add_argument(
+        "--deadline",
+        type=float,
+        help="stop timing by this many seconds after the start, warm-up and compilation included: "
+        "each backend stops at its share of what is left (after 2 timed steps at least)",
+    )
+    parser.add_argument(
         "--peak-tflops", type=float, help="dense fp16/bf16 peak for MFU; default: by GPU name"
     )
     parser.add_argument(
@@ -392,8 +433,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, TrainConfig, GPTConfig]:
     )
     parser.add_argument("--gate", action="store_true", help="exit 1 if triton misses a train_step gate")
     args = parser.parse_args(argv)
-    if args.warmup < 0 or args.steps < 2 or (args.seconds is not None and args.seconds <= 0):
-        parser.error("--warmup must be at least 0, --steps at least 2 and --seconds positive")
+    positive = all(getattr(args, name) is None or getattr(args, name) > 0 for name in ("seconds", "deadline"))
+    if args.warmup < 0 or args.steps < 2 or not positive:
+        parser.error("--warmup must be at least 0, --steps at least 2, --seconds and --deadline positive")
     args.backends = list(dict.fromkeys(args.backends))
     try:
         cfg = TrainConfig(

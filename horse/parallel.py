@@ -88,10 +88,15 @@ def init_from_env(tp: int = 1, sequence_parallel: bool = False, device_type: str
     if world == 1:
         return Parallel(sequence_parallel=sequence_parallel and tp > 1)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = None
     if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # Modulo the GPUs this process sees: one GPU per process (CUDA_VISIBLE_DEVICES set per rank
+        # by a launcher) or a node that shows fewer GPUs than it runs ranks.
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        # device_id: NCCL binds the communicator to this GPU up front (no guess from the rank).
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", device_id=device)
     mesh = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
     return Parallel(
         tp_rank=mesh.get_local_rank("tp"),

@@ -61,13 +61,13 @@ from tqdm import tqdm
 from horse import checkpoint, hf, preemption
 from horse.data import BPETokenizer, Loader, load_dataset
 from horse.generate import generate
+from horse.loss_scale import LossScaler
 from horse.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params, preset
 from horse.parallel import (
     Parallel,
     allreduce_sequence_parallel_grads,
     build_model,
     check_divisible,
-    found_nonfinite,
     global_grad_norm,
     init_from_env,
 )
@@ -109,6 +109,9 @@ class TrainConfig:
     device: cuda or cpu (under torchrun: NCCL or gloo); default cuda where a GPU is visible
     loss_scale: initial fp16 loss scale
     loss_scale_window: clean fp16 steps before the loss scale doubles (an inf/NaN gradient halves it, skips)
+    min_loss_scale: the fp16 loss scale never halves below this
+    loss_scale_hysteresis: fp16 steps skipped in a row before the loss scale halves
+    max_skipped_steps: stop with an error after this many fp16 steps in a row skipped for inf/NaN gradients
     seed: seeds the weights, the data order and the sample
     eval_interval: steps between validation losses (and one at the end)
     eval_steps: batches per validation loss
@@ -150,6 +153,9 @@ class TrainConfig:
     device: Literal["cuda", "cpu"] | None = None
     loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
+    min_loss_scale: float = 1.0
+    loss_scale_hysteresis: int = 2
+    max_skipped_steps: int = 100
     seed: int = 1337
     eval_interval: int = 100
     eval_steps: int = 10
@@ -166,7 +172,8 @@ class TrainConfig:
 
     def __post_init__(self):
         at_least_1 = (
-            "tp batch_size grad_accum max_steps eval_interval eval_steps log_interval loss_scale_window"
+            "tp batch_size grad_accum max_steps eval_interval eval_steps log_interval loss_scale_window "
+            "loss_scale_hysteresis max_skipped_steps"
         )
         for name in at_least_1.split() + ["seq_len", "max_tokens"]:
             value = getattr(self, name)
@@ -176,10 +183,12 @@ class TrainConfig:
         for name in at_least_0.split() + ["fail_at_step"]:
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must be at least 0, got {getattr(self, name)}")
-        for name in ("lr", "loss_scale", "peak_tflops"):
+        for name in ("lr", "loss_scale", "min_loss_scale", "peak_tflops"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{_flag(name)} must be positive, got {value}")
+        if self.min_loss_scale > self.loss_scale:
+            raise ValueError(f"--min-loss-scale {self.min_loss_scale} exceeds --loss-scale {self.loss_scale}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"--min-lr-ratio must be between 0 and 1, got {self.min_lr_ratio}")
         for name in ("beta1", "beta2"):
@@ -397,79 +406,6 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, device: str) -> torch.opt
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device == "cuda")
 
 
-class LossScaler:
-    """Dynamic fp16 loss scaling that every rank agrees on (Megatron's; torch.amp.GradScaler agrees
-    on its inf check across ranks only for DTensor gradients), with GradScaler's interface:
-    scale(loss), unscale_(optimizer), step(optimizer), update().
-
-    The loss is multiplied by the scale before the backward, so that small gradients do not vanish
-    in float16; unscale_ divides them back. A step whose gradients hold an inf or NaN on any rank
-    of the world is skipped by every rank and halves the scale; growth_interval clean steps in a
-    row double it. Disabled (bf16, fp32), it scales by 1 and checks nothing.
-    """
-
-    def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        growth_interval: int = 1000,
-        enabled: bool = True,
-        parallel: Parallel | None = None,
-    ):
-        self.scale_factor, self.growth_interval, self.enabled = init_scale, growth_interval, enabled
-        self.parallel = parallel or Parallel()
-        self.clean_steps = 0
-        self.found_inf: torch.Tensor | None = None  # this step's, agreed by every rank; set by unscale_
-        self.skipped = False  # whether step() skipped; read on the host once, before the optimizer runs
-
-    def is_enabled(self) -> bool:
-        return self.enabled
-
-    def get_scale(self) -> float:
-        return self.scale_factor if self.enabled else 1.0
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scale_factor if self.enabled else loss
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the optimizer's gradients (float32 master weights, one device) by the scale in
-        place, and find whether any rank's hold an inf or NaN: one all-reduce (MAX) over the world."""
-        if not self.enabled:
-            return
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        found_inf = torch.zeros(1, device=grads[0].device)
-        inv_scale = torch.full((1,), 1.0 / self.scale_factor, device=grads[0].device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-        self.found_inf = found_nonfinite(found_inf, self.parallel)
-
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """optimizer.step(), unless a rank found an inf or NaN (unscales first if not yet done)."""
-        if self.enabled and self.found_inf is None:
-            self.unscale_(optimizer)
-        self.skipped = self.enabled and bool(self.found_inf.item())
-        if not self.skipped:
-            optimizer.step()
-
-    def update(self) -> None:
-        """Halve the scale after a skipped step, double it after growth_interval clean ones."""
-        if not self.enabled:
-            return
-        self.found_inf = None
-        self.clean_steps = 0 if self.skipped else self.clean_steps + 1
-        if self.skipped:
-            self.scale_factor /= 2
-        elif self.clean_steps == self.growth_interval:
-            self.scale_factor *= 2
-            self.clean_steps = 0
-
-    def state_dict(self) -> dict:
-        return {"scale": self.scale_factor, "clean_steps": self.clean_steps} if self.enabled else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.scale_factor = state["scale"]
-        # "_growth_tracker": torch.amp.GradScaler's name for it, in checkpoints written before this class.
-        self.clean_steps = state.get("clean_steps", state.get("_growth_tracker", 0))
-
-
 def optimizer_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -571,7 +507,8 @@ def save_checkpoint(
         "scaler": scaler.state_dict(),
         "rng": {
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            # This rank's device only: a resume may see fewer GPUs (the local one is LOCAL_RANK % count).
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else [],
         },
         "loader": loader.state_dict(),
         "train_config": dataclasses.asdict(cfg),
@@ -589,8 +526,11 @@ def restore_checkpoint(ckpt: Path, model, optimizer, scaler, loader, parallel: P
     if scaler.is_enabled() and state["scaler"]:
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["torch"])
-    if torch.cuda.is_available() and state["rng"]["cuda"]:
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    cuda_rng = state["rng"]["cuda"]
+    if torch.cuda.is_available() and len(cuda_rng):
+        if isinstance(cuda_rng, list):  # written before: every device's, this rank's at its index
+            cuda_rng = cuda_rng[min(torch.cuda.current_device(), len(cuda_rng) - 1)]
+        torch.cuda.set_rng_state(cuda_rng)
     loader.load_state_dict(state["loader"])
     return state["step"]
 
@@ -679,7 +619,7 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
         device_ids = [torch.cuda.current_device()] if device == "cuda" else None
         loss_fn = DistributedDataParallel(LossOf(model), device_ids, process_group=parallel.dp_group)
     optimizer = make_optimizer(model, cfg, device)
-    scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window, precision == "fp16", parallel)
+    scaler = LossScaler.from_config(cfg, precision == "fp16", parallel)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
     autocast = (lambda: torch.autocast(device, dtype)) if dtype else contextlib.nullcontext
     dp = {"dp_rank": parallel.dp_rank, "dp_size": parallel.dp_size}
@@ -764,10 +704,11 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
             loss = loss.item()
             dt = time.perf_counter() - t0
             step += 1
-            if not math.isfinite(loss) and not scaler.is_enabled():
+            if not math.isfinite(loss):  # fp16 too: no loss scale makes an inf forward finite
                 raise FloatingPointError(
                     f"loss is {loss} at step {step}: training diverged (try a lower --lr)"
                 )
+            scaler.check(step, loss)
 
             record = {
                 "step": step,

@@ -63,8 +63,49 @@ def test_speedup_gates_against_one_baseline_and_the_best_of_several(tmp_path):
     suite.add_metrics([ours, flash, cudnn], CEILINGS)
     best, compile_gate = suite.evaluate_gates([ours, flash, cudnn], gates)
     assert best.value == pytest.approx(0.95) and not best.passed  # cuDNN, the fastest, beats ours
+    # A best: gate names the baselines it took the minimum over (sdpa-efficient was not measured).
+    assert best.over == pytest.approx({"sdpa-flash": 1.2, "sdpa-cudnn": 0.95})
+    assert "0.950 (min over sdpa-flash 1.200, sdpa-cudnn 0.950)" in best.describe()
     assert compile_gate.value is None and not compile_gate.passed  # no compile baseline measured
-    assert "not measured" in compile_gate.describe()
+    assert "not measured (compile)" in compile_gate.describe()
+
+
+def test_a_gated_case_of_ours_without_a_result_fails_as_not_measured(tmp_path):
+    # ours broke (or was interrupted) on one of two gated shapes: its gate fails there, never
+    # passes for lack of a result; a shape no gate holds ours to gets no verdict.
+    [gate] = gates_of(
+        '[[gate]]\nkernel = "*_norm"\nmetric = "speedup"\nbaseline = "eager"\nmin = 1.0\n', tmp_path
+    )
+    shapes = [{"rows": 16384, "hidden": 4096}, {"rows": 16384, "hidden": 1024}]
+    expected = [
+        suite.Case("layer_norm", p, "forward", impl, 1.0, "byte", None)
+        for p in shapes
+        for impl in ("ours", "eager")
+    ] + [suite.Case("attention", {}, "forward", "ours", 1.0, "flop", None)]
+    results = [result(ms=1.0, **shapes[0]), result(impl="eager", ms=2.0, **shapes[0])]
+    suite.add_metrics(results, CEILINGS)
+    measured, missing = suite.evaluate_gates(results, [gate], expected)
+    assert measured.passed and measured.result is results[0]
+    assert not missing.passed and missing.result is None
+    assert missing.describe().startswith(
+        "FAIL layer_norm forward [rows=16384 hidden=1024]: not measured (ours)"
+    )
+
+
+def test_the_quick_cases_are_the_gated_ones(tmp_path):
+    # ours where a gate holds it, and there the baselines those gates name; nothing else.
+    gates = gates_of(
+        '[[gate]]\nkernel = "attention"\ndirection = "forward"\nmetric = "speedup"\n'
+        'baseline = "best:sdpa-*"\nmin = 1.0\nwhere = { seqlen = ">= 4096" }\n'
+        '[[gate]]\nkernel = "attention"\ndirection = "forward"\nmetric = "ceiling_fraction"\nmin = 0.5\n',
+        tmp_path,
+    )
+    impls = ("ours", "ours-pointer", "sdpa-flash", "sdpa-cudnn", "flash-attn", "compile")
+    cases = [suite.Case("attention", {"seqlen": n}, direction, impl, 1.0, "flop", None)
+             for n in (1024, 4096) for direction in ("forward", "backward") for impl in impls]  # fmt: skip
+    kept = [(c.params["seqlen"], c.direction, c.implementation) for c in suite.gated_cases(cases, gates)]
+    assert kept == [(1024, "forward", "ours"), (4096, "forward", "ours"), (4096, "forward", "sdpa-flash"),
+                    (4096, "forward", "sdpa-cudnn")]  # fmt: skip
 
 
 def test_a_wrong_result_fails_every_gate(tmp_path):
@@ -91,13 +132,13 @@ def test_the_shipped_gates_load_and_name_real_metrics():
 def test_every_gate_meets_a_quick_case_and_its_baseline_runs_beside_it():
     # A quick run (the device check's) must time each gated shape with the baseline its gate names,
     # or the gate reads "not measured" and --gate fails however fast ours is.
+    gates = suite.load_gates()
     families = bench_main._families(bench_main.FAMILIES)
-    cases = [case for family in families for case in family.cases(quick=True)]
+    cases = suite.gated_cases([case for family in families for case in family.cases(quick=True)], gates)
     results = [
         result(c.kernel, c.implementation, 1.0, c.direction, c.unit, c.work, **c.params) for c in cases
     ]
     suite.add_metrics(results, CEILINGS)
-    gates = suite.load_gates()
     verdicts = suite.evaluate_gates(results, gates)
     assert all(any(v.gate is g for v in verdicts) for g in gates)  # every gate is met
     assert [v.describe() for v in verdicts if v.value is None] == []
@@ -116,7 +157,8 @@ def test_json_report_schema(tmp_path):
                                          "throughput", "ceiling_fraction", "speedups", "correct"}  # fmt: skip
     [verdict] = report["gates"]
     assert verdict == {"gate": gate.describe(), "kernel": "layer_norm", "direction": "forward",
-                       "shape": {"rows": 16384, "hidden": 4096}, "value": 2.0, "passed": True}  # fmt: skip
+                       "shape": {"rows": 16384, "hidden": 4096}, "value": 2.0, "over": {"eager": 2.0},
+                       "passed": True}  # fmt: skip
 
 
 def test_table_has_a_row_per_result():
@@ -183,13 +225,25 @@ def test_without_gpu_bench_checks_in_the_interpreter_and_runs_the_compile_report
 
 class StandInGPU:
     """bench's gpu_main() whole on the CPU: CUDA events on a fake clock that each timed call moves,
-    and the device's ceilings as CEILINGS."""
+    and the device's ceilings as CEILINGS. A call that finds the GPU idle adds LAUNCH_MS, the host's
+    launch, to its time; a spin (torch.cuda._sleep) queued before it keeps the GPU busy instead."""
+
+    LAUNCH_MS = 0.15
 
     def __init__(self, monkeypatch):
         self.clock = FakeClock()
         fake_cuda_events(monkeypatch, self.clock)
         name_it_an_h200(monkeypatch)
+        self.busy = False
+        monkeypatch.setattr(torch.cuda, "_sleep", self.spin)
+        monkeypatch.setattr(timing, "_spin_cycles_per_ms", lambda device: 1000.0)
+        # Under pytest-xdist (-n), pytest-benchmark would disable itself in the suite's own session.
+        monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
         self.monkeypatch = monkeypatch
+
+    def spin(self, cycles: int) -> None:
+        assert cycles >= 100  # at least the 0.1 ms for the events
+        self.busy = True
 
     def timed(self, ms: float = 0.0, error: BaseException | None = None):
         """A case's setup: a call that takes ms of GPU time, or raises error."""
@@ -197,20 +251,23 @@ class StandInGPU:
         def call():
             if error is not None:
                 raise error
-            self.clock.now += ms * 1e-3
+            self.clock.now += (ms + (0.0 if self.busy else self.LAUNCH_MS)) * 1e-3
+            self.busy = False
 
         return lambda: call
 
-    def run(self, cases, gates, out) -> tuple[int, dict]:
+    def run(self, cases, gates, out, *flags) -> tuple[int, dict]:
         """gpu_main with cases as the one family and gates as gates.toml; exit code and results.json."""
         family = types.SimpleNamespace(cases=lambda quick: cases)
         self.monkeypatch.setattr(bench_main, "_families", lambda names: [family])
         self.monkeypatch.setattr(suite, "load_gates", lambda: gates)
-        code = bench_main.gpu_main(*bench_main._parse(["--gate", "--out", str(out)]))
+        code = bench_main.gpu_main(*bench_main._parse(["--gate", "--out", str(out), *flags]))
         return code, json.loads((out / "results.json").read_text())
 
 
-@pytest.mark.parametrize("scenario", ["skipped baseline", "failing ours-pointer", "interrupted"])
+@pytest.mark.parametrize(
+    "scenario", ["skipped baseline", "failing ours-pointer", "interrupted", "ours out of memory"]
+)
 def test_the_gpu_path_on_a_stand_in_gpu_times_skips_gates_and_keeps_what_it_measured(
     scenario, monkeypatch, tmp_path, capsys
 ):
@@ -223,6 +280,7 @@ def test_the_gpu_path_on_a_stand_in_gpu_times_skips_gates_and_keeps_what_it_meas
         "skipped baseline": ("compile", RuntimeError("no kernel for this shape")),
         "failing ours-pointer": ("ours-pointer", RuntimeError("out of resources")),
         "interrupted": ("compile", KeyboardInterrupt()),
+        "ours out of memory": ("ours-pointer", None),
     }[scenario]
     shape = ("layer_norm", {"rows": 16384, "hidden": 4096}, "forward")
     cases = [
@@ -230,6 +288,11 @@ def test_the_gpu_path_on_a_stand_in_gpu_times_skips_gates_and_keeps_what_it_meas
         suite.Case(*shape, "eager", 3.6e9, "byte", gpu.timed(2.0)),
         suite.Case(*shape, third, 3.6e9, "byte", gpu.timed(error=error)),
     ]
+    if scenario == "ours out of memory":  # on a second gated shape: broken, never skipped
+        wide = (shape[0], {"rows": 16384, "hidden": 8192}, shape[2])
+        cases[2] = suite.Case(
+            *wide, "ours", 7.2e9, "byte", gpu.timed(error=torch.OutOfMemoryError("CUDA oom"))
+        )
     gates = gates_of(
         '[[gate]]\nkernel = "*"\nmetric = "speedup"\nbaseline = "eager"\nmin = 1.5\n'
         '[[gate]]\nkernel = "*"\nmetric = "speedup"\nbaseline = "compile"\nmin = 1.0\n',
@@ -238,9 +301,16 @@ def test_the_gpu_path_on_a_stand_in_gpu_times_skips_gates_and_keeps_what_it_meas
     code, report = gpu.run(cases, gates, tmp_path)
     out = capsys.readouterr().out
     ours, eager = report["results"][:2]
+    # One call a round behind a spin: no launch in the time, and every round kept.
     assert ours["implementation"] == "ours" and ours["median_ms"] == pytest.approx(1.0)
+    assert ours["samples_ms"] == pytest.approx([1.0] * 100) and ours["rounds"] == 100
     assert ours["correct"] is True and ours["speedups"] == pytest.approx({"eager": 2.0})
     assert eager["median_ms"] == pytest.approx(2.0) and len(report["results"]) == 2
+    if scenario == "ours out of memory":
+        assert code == pytest.ExitCode.TESTS_FAILED and "CUDA oom" in out and "SKIPPED" not in out
+        assert [g["passed"] for g in report["gates"]] == [True, False, False, False]
+        assert "FAIL layer_norm forward [rows=16384 hidden=8192]: not measured (ours)" in out
+        return
     assert [g["passed"] for g in report["gates"]] == [True, False]  # compile: not measured
     assert "FAIL layer_norm forward [rows=16384 hidden=4096]: not measured" in out
     assert (tmp_path / "layer_norm.png").exists()
@@ -250,3 +320,22 @@ def test_the_gpu_path_on_a_stand_in_gpu_times_skips_gates_and_keeps_what_it_meas
         assert code == pytest.ExitCode.TESTS_FAILED and "FAILED" in out and "out of resources" in out
     else:
         assert code == pytest.ExitCode.INTERRUPTED
+
+
+def test_compare_prints_each_ratio_and_fails_where_ours_regressed(monkeypatch, tmp_path, capsys):
+    gpu = StandInGPU(monkeypatch)
+    shape = ("layer_norm", {"rows": 16384, "hidden": 4096}, "forward")
+    cases = [suite.Case(*shape, "ours", 3.6e9, "byte", gpu.timed(1.0)),
+             suite.Case(*shape, "eager", 3.6e9, "byte", gpu.timed(2.0))]  # fmt: skip
+    [gate] = gates_of('[[gate]]\nkernel = "*"\nmetric = "speedup"\nbaseline = "eager"\nmin = 1.5\n', tmp_path)
+    for earlier_ours_ms, code in ((0.99, 0), (0.9, 1)):  # now 1.0 ms: 1 % slower passes, 11 % fails
+        earlier = tmp_path / "earlier.json"
+        previous = [result(ms=earlier_ours_ms), result(impl="eager", ms=1.0), result(kernel="other_norm")]
+        suite.write_json(earlier, {}, CEILINGS, previous, [])
+        assert gpu.run(cases, [gate], tmp_path, "--compare", str(earlier))[0] == code
+        out = capsys.readouterr().out
+        ratio = 1.0 / earlier_ours_ms
+        assert f"layer_norm forward [rows=16384 hidden=4096] ours: {ratio:.3f}x the earlier time" in out
+        assert "[rows=16384 hidden=4096] eager: 2.000x" in out  # a slower baseline is shown, not failed
+        assert "other_norm" not in out  # not selected in this run
+        assert ("REGRESSION layer_norm" in out) == (code == 1)

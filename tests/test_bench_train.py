@@ -90,6 +90,20 @@ def test_time_steps_leaves_out_the_warmup_and_stops_on_the_budget(monkeypatch):
     assert len(times) == 3
 
 
+def test_a_deadline_counts_the_warmup_and_still_times_two_steps(monkeypatch):
+    clock = FakeClock()
+    fake_gpu(monkeypatch, clock)
+
+    def step():
+        clock.now += 0.5 if clock.now < 1.0 else 0.005  # two slow warm-up steps (compilation)
+        return torch.tensor(5.5), False
+
+    times, *_ = bench_train.time_steps(step, warmup=2, steps=100, seconds=None, stop_at=1.018)
+    assert times == pytest.approx([5.0] * 4)  # 1.0 s of warm-up; past 1.018 s after the fourth
+    times, *_ = bench_train.time_steps(step, warmup=1, steps=100, seconds=60, stop_at=clock.now)
+    assert len(times) == 2  # out of time before timing began: two steps all the same
+
+
 def stand_in_h200(monkeypatch) -> FakeClock:
     """fake_gpu, named an H200 with a measured matmul of 800 TFLOP/s; its clock."""
     clock = FakeClock()
@@ -206,3 +220,30 @@ def test_the_bench_suite_runs_the_training_step():
     assert quick[0].params == {"layers": 12, "d_model": 768, "batch": 16, "seq_len": 1024, "grad_accum": 1}
     assert quick[0].work == GPT2_FLOPS_PER_TOKEN * 16 * 1024
     assert len(bench_train.cases(quick=False)) == 6
+
+
+def test_triton_out_of_memory_is_broken_and_its_gate_not_measured(monkeypatch, tmp_path, capsys):
+    clock = stand_in_h200(monkeypatch)
+    make_step = bench_train.make_step
+
+    def make_step_on_the_cpu(cfg, config, backend, device):
+        if backend == "triton":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        step = make_step(cfg, config, backend, "cpu")
+
+        def timed():
+            clock.now += 0.010
+            return step()
+
+        return timed
+
+    monkeypatch.setattr(bench_train, "make_step", make_step_on_the_cpu)
+    argv = ["--preset", "tiny", "--batch-size", "4", "--precision", "fp32", "--warmup", "0", "--steps", "2",
+            "--backends", "triton", "reference-compile", "--out", str(tmp_path)]  # fmt: skip
+    assert bench_train.gpu_main(*bench_train.parse_args(argv)) == 1  # without --gate too
+    out = capsys.readouterr().out
+    assert "triton: out of memory" in out and "no result from triton" in out
+    assert (
+        "FAIL train_step forward+backward [layers=4 d_model=256 batch=4 seq_len=64 grad_accum=1]: "
+        "not measured (ours)" in out
+    )

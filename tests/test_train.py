@@ -92,7 +92,7 @@ def test_inf_gradient_skips_the_step_halves_the_scale_and_keeps_the_weights():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, d_model=16))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = train.LossScaler(init_scale=1024.0, growth_interval=2)
+    scaler = train.LossScaler(init_scale=1024.0, growth_interval=2, hysteresis=1)
     idx = torch.randint(0, 64, (2, 8))
 
     def backward(poison: bool) -> None:

@@ -199,7 +199,7 @@ def _inf_on_one_rank(parallel) -> None:
     torch.manual_seed(0)
     model = GPT(train.model_config(train.TrainConfig(), SMALL, 256))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = train.LossScaler(init_scale=1024.0, growth_interval=1000, parallel=parallel)
+    scaler = train.LossScaler(init_scale=1024.0, growth_interval=1000, parallel=parallel, hysteresis=1)
     idx = torch.randint(0, 256, (2, 8))
     before = [p.detach().clone() for p in model.parameters()]
     for poison in (True, False):
