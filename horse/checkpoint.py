@@ -7,13 +7,22 @@
                                          tensors and containers, so torch.load(weights_only=True)
                                          reads it
     OUT/ckpt_0001000/tokenizer.json      the BPE tokenizer, when the data had one
-    OUT/ckpt_0001000/manifest.json       the tensor-parallel size and every file above
+    OUT/ckpt_0001000/manifest.json       the tensor-parallel size and every file above, with its
+                                         size and SHA-256
 
 With tensor parallelism each tp rank writes its own shard, ``model-tp01-of-04.safetensors`` and
 ``state-tp01-of-04.pt`` (under the unsharded parameter names), and the data-parallel replicas
-of it (dp rank > 0) write nothing. Every file goes into a temporary directory; after a barrier
-rank 0 writes the manifest and renames the directory into place, so a run killed mid-write leaves
-no directory that :func:`latest` would pick up. Across nodes OUT must be a shared file system.
+of it (dp rank > 0) write nothing. Every file goes into a temporary directory; when every rank
+has written its files, rank 0 writes the manifest and renames the directory into place, so a run
+killed mid-write leaves no directory that :func:`latest` would pick up, and only then deletes the
+checkpoints beyond --keep-last. A save that fails on any rank (a full disk, permissions, an I/O
+error) raises :class:`SaveError` on every rank, leaving the older checkpoints as they were.
+Across nodes OUT must be a shared file system.
+
+Resuming verifies before it trusts: :func:`newest_good` checks the sizes and checksums of the
+newest checkpoint and falls back to older ones, saying what failed. Check a run by hand with
+
+    python -m horse.checkpoint verify RUN_OR_CKPT_DIR      (exit status 1 when any is damaged)
 
 Loading reshards: a checkpoint saved at tp=2 resumes at tp=1 or tp=4 (the weights and AdamW's
 moments, which have the parameters' shapes, are gathered whole and split again). Export writes one
@@ -27,10 +36,12 @@ consolidated file that ``horse.generate`` and ``GPT(config).load_state_dict`` ta
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,6 +66,11 @@ def shard_files(tp_rank: int, tp_size: int) -> tuple[str, str]:
     return f"model-{tag}.safetensors", f"state-{tag}.pt"
 
 
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (on any rank): nothing of it looks complete, and no older
+    checkpoint was removed."""
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -63,9 +79,33 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _barrier(parallel: Parallel) -> None:
+def _digest(path: Path) -> dict:
+    """A file's size and SHA-256, as the manifest records them."""
+    with open(path, "rb") as f:
+        return {"size": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+
+def _written(path: Path) -> dict:
+    """Flush a file just written to the disk; its :func:`_digest`, read back."""
+    _fsync(path)
+    return _digest(path)
+
+
+def _on_every_rank(work: Callable[[], dict], parallel: Parallel) -> dict:
+    """work() on this rank, then a wait for every rank (it holds a collective): the union of their
+    results, or SaveError on every rank when work() raised on any."""
+    try:
+        result, error = work(), None
+    except Exception as e:  # on a full disk safetensors raises SafetensorError, torch.save RuntimeError
+        result, error = {}, str(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+    gathered = [(result, error)]
     if parallel.distributed:
-        dist.barrier()
+        gathered = [None] * parallel.world_size
+        dist.all_gather_object(gathered, (result, error))
+    failed = [f"rank {r}: {e}" if parallel.distributed else e for r, (_, e) in enumerate(gathered) if e]
+    if failed:
+        raise SaveError("; ".join(failed))
+    return {k: v for part, _ in gathered for k, v in part.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,16 +163,22 @@ def save(
     parallel: Parallel | None = None,
 ) -> Path:
     """Write checkpoint ``step`` of model (a horse GPT, or this rank's shard of one), its optimizer
-    and state into out_dir; keep the newest keep_last. Every rank calls it (it holds barriers)."""
+    and state into out_dir; then keep the newest keep_last. Every rank calls it (it holds
+    collectives); when any rank cannot write, every rank raises SaveError."""
     parallel = parallel or Parallel()
     out_dir = Path(out_dir)
     final = out_dir / f"ckpt_{step:07d}"
     tmp = out_dir / f".{final.name}.tmp"
-    if parallel.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a run killed mid-write
-        tmp.mkdir(parents=True)
-    _barrier(parallel)
-    if parallel.dp_rank == 0:  # the other dp ranks hold copies of the same shard
+
+    def start() -> dict:
+        if parallel.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a run killed mid-write
+            tmp.mkdir(parents=True)
+        return {}
+
+    def write_shard() -> dict:
+        if parallel.dp_rank != 0:  # the other dp ranks hold copies of the same shard
+            return {}
         weights_file, state_file = shard_files(parallel.tp_rank, parallel.tp_size)
         weights = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
         metadata = {
@@ -143,24 +189,47 @@ def save(
         }
         save_file(weights, tmp / weights_file, metadata=metadata)
         torch.save(state | {"optimizer": optimizer_state(optimizer, model)}, tmp / state_file)
-        for f in (weights_file, state_file):
-            _fsync(tmp / f)
-    _barrier(parallel)
-    if parallel.rank == 0:
-        files = [name for r in range(parallel.tp_size) for name in shard_files(r, parallel.tp_size)]
+        return {f: _written(tmp / f) for f in (weights_file, state_file)}
+
+    def finish(files: dict) -> dict:
+        if parallel.rank != 0:
+            return {}
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / tokenizer_file.name)
-            files.append(tokenizer_file.name)
-        (tmp / MANIFEST).write_text(json.dumps({"step": step, "tp_size": parallel.tp_size, "files": files}))
-        for f in tmp.iterdir():
-            _fsync(f)
+            files[tokenizer_file.name] = _written(tmp / tokenizer_file.name)
+        manifest = {"step": step, "tp_size": parallel.tp_size, "files": dict(sorted(files.items()))}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _fsync(tmp / MANIFEST)
+        _fsync(tmp)
+        old = out_dir / f".{final.name}.old"  # the same step saved before (a damaged one, on resume)
         if final.exists():
-            shutil.rmtree(final)
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
         os.rename(tmp, final)
         _fsync(out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        return {}
+
+    try:
+        _on_every_rank(start, parallel)
+        files = _on_every_rank(write_shard, parallel)
+        _on_every_rank(lambda: finish(files), parallel)  # no rank reads the run before the rename
+    except BaseException as e:  # a full disk, or a second signal (horse.preemption) mid-save
+        if parallel.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, SaveError):
+            with contextlib.suppress(OSError):  # a full disk's errors do not always say so
+                e = f"{e}; {shutil.disk_usage(out_dir).free:,} bytes free in {out_dir}"
+            raise SaveError(
+                f"checkpoint {final.name} could not be written: {e} (nothing of it is kept; the older "
+                "checkpoints are untouched)"
+            ) from None
+        raise
+    if parallel.rank == 0:  # only now that the new one is whole
         for old in complete(out_dir)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old)
-    _barrier(parallel)  # so that no rank reads the run directory before the rename
+        for leftover in out_dir.glob(".ckpt_*"):  # of saves cut short (a kill), never to be redone
+            shutil.rmtree(leftover, ignore_errors=True)
     return final
 
 
@@ -170,11 +239,15 @@ def save(
 
 
 def _manifest(ckpt: Path) -> dict:
-    """The manifest of checkpoint directory ckpt; for one written before tensor parallelism (no
-    manifest), the two files it always had."""
-    if (ckpt / MANIFEST).is_file():
-        return json.loads((ckpt / MANIFEST).read_text())
-    return {"tp_size": 1, "files": [WEIGHTS, STATE], "legacy": True}
+    """The manifest of checkpoint directory ckpt, its files a dict of name: {size, sha256}; for one
+    written before tensor parallelism (no manifest), the two files it always had. Files of a
+    manifest written before checksums map to None."""
+    if not (ckpt / MANIFEST).is_file():
+        return {"tp_size": 1, "files": dict.fromkeys([WEIGHTS, STATE]), "legacy": True}
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    if isinstance(manifest["files"], list):
+        manifest["files"] = dict.fromkeys(manifest["files"])
+    return manifest
 
 
 def _is_complete(ckpt: Path) -> bool:
@@ -187,11 +260,62 @@ def _is_complete(ckpt: Path) -> bool:
 
 def complete(out_dir: str | Path) -> list[Path]:
     """The complete checkpoints in out_dir, oldest first."""
+    return [p for p in candidates(out_dir) if _is_complete(p)]
+
+
+def verify(ckpt: str | Path, rank: int = 0, world_size: int = 1) -> list[str]:
+    """What is wrong with checkpoint directory ckpt, a line per problem: each file missing, of
+    another size or SHA-256 than its manifest says (files of a manifest without checksums need only
+    exist). Empty: good. Rank rank of world_size checks every world_size-th file only."""
+    ckpt = Path(ckpt)
+    try:
+        files = _manifest(ckpt)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        return [f"{MANIFEST}: unreadable ({type(e).__name__}: {e})"]
+    problems = []
+    for name in sorted(files)[rank::world_size]:
+        path, expected = ckpt / name, files[name]
+        if not path.is_file():
+            problems.append(f"{name}: missing")
+        elif expected is not None and path.stat().st_size != expected["size"]:
+            problems.append(f"{name}: {path.stat().st_size:,} bytes, the manifest says {expected['size']:,}")
+        elif expected is not None and _digest(path)["sha256"] != expected["sha256"]:
+            problems.append(f"{name}: its SHA-256 is not the manifest's (the contents are damaged)")
+    return problems
+
+
+def candidates(out_dir: str | Path) -> list[Path]:
+    """Every checkpoint directory in out_dir, complete or not, oldest first (unfinished saves,
+    .ckpt_*.tmp, are not among them)."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return []
-    found = [p for p in out_dir.iterdir() if _NAME.fullmatch(p.name) and _is_complete(p)]
+    found = [p for p in out_dir.iterdir() if _NAME.fullmatch(p.name) and p.is_dir()]
     return sorted(found, key=lambda p: int(_NAME.fullmatch(p.name).group(1)))
+
+
+def newest_good(
+    out_dir: str | Path, parallel: Parallel | None = None, strict: bool = False
+) -> tuple[Path | None, list[str]]:
+    """(the newest checkpoint in out_dir that :func:`verify` passes, a warning for each newer one
+    that it fails); (None, []) when out_dir holds none. The ranks share the reading and agree.
+    strict: a damaged newest checkpoint is a ValueError instead; so is a run with none good."""
+    parallel = parallel or Parallel()
+    warnings = []
+    for ckpt in reversed(candidates(out_dir)):
+        problems = [verify(ckpt, parallel.rank, parallel.world_size)]
+        if parallel.distributed:
+            problems = [None] * parallel.world_size
+            dist.all_gather_object(problems, verify(ckpt, parallel.rank, parallel.world_size))
+        problems = list(dict.fromkeys(p for part in problems for p in part))  # the manifest's once
+        if not problems:
+            return ckpt, warnings
+        if strict:
+            raise ValueError(f"checkpoint {ckpt} is damaged: {'; '.join(problems)} (--strict-resume)")
+        warnings.append(f"checkpoint {ckpt.name} is damaged, skipped: {'; '.join(problems)}")
+    if warnings:
+        raise ValueError(f"no good checkpoint in {out_dir}: " + " | ".join(warnings))
+    return None, []
 
 
 def latest(out_dir: str | Path) -> Path | None:
@@ -352,6 +476,29 @@ def export(ckpt: str | Path, out: str | Path) -> Path:
     return ckpt
 
 
+def verify_main(run: Path, parser: argparse.ArgumentParser) -> int:
+    """Print each checkpoint of run (or run itself, a checkpoint) as good or damaged and why;
+    returns the exit status: 1 when any is damaged."""
+    found = [run] if (run / MANIFEST).is_file() else candidates(run)
+    if not found:
+        parser.error(f"{run}: no checkpoint directories (ckpt_NNNNNNN) in it")
+    good = []
+    for ckpt in found:
+        problems = verify(ckpt)
+        if problems:
+            print(f"{ckpt.name}: DAMAGED: {'; '.join(problems)}")
+            continue
+        good.append(ckpt.name)
+        unchecked = None in _manifest(ckpt)["files"].values()  # written before checksums
+        how = "files present, no checksums recorded" if unchecked else "sizes and SHA-256 match"
+        print(f"{ckpt.name}: good ({how})")
+    for leftover in sorted(run.glob(".ckpt_*.tmp")):
+        print(f"{leftover.name}: an unfinished save (ignored; the next save removes it)")
+    damaged = len(found) - len(good)
+    print(f"{len(good)} good, {damaged} damaged" + (f"; newest good: {good[-1]}" if good else ""))
+    return 1 if damaged else 0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m horse.checkpoint", description="Checkpoint tools.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -364,7 +511,11 @@ def main(argv: list[str] | None = None) -> None:
         default="safetensors",
         help="hf: a Hugging Face folder (config.json, model.safetensors, tokenizer.json) for transformers",
     )
+    p = commands.add_parser("verify", help="check every checkpoint of a run against its manifest")
+    p.add_argument("run", metavar="RUN_OR_CKPT_DIR", help="a run's output directory, or one checkpoint")
     args = parser.parse_args(argv)
+    if args.command == "verify":
+        sys.exit(verify_main(Path(args.run), parser))
     try:
         if args.format == "hf":
             from horse import hf  # it builds on this module

@@ -58,7 +58,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from horse import checkpoint, hf
+from horse import checkpoint, hf, preemption
 from horse.data import BPETokenizer, Loader, load_dataset
 from horse.generate import generate
 from horse.loss_scale import LossScaler
@@ -86,7 +86,8 @@ class TrainConfig:
     preset: model preset: tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b (model flags override its fields)
     data: a directory made by `python -m horse.data prepare`; empty: the built-in corpus as bytes
     out_dir: checkpoints, metrics.jsonl, config.json and traces; empty: runs/<preset>-<date>-<time>
-    resume: continue from the newest complete checkpoint in --out-dir (automatic after a torchrun restart)
+    resume: continue from the newest good checkpoint in --out-dir (automatic after a torchrun restart)
+    strict_resume: with --resume, a damaged newest checkpoint is an error, not a warning and an older one
     init_from: start from these weights (a Hugging Face folder, or a run or checkpoint); the model is theirs
     tp: tensor-parallel size: ranks that split each layer (under torchrun; divides the world size)
     sequence_parallel: with --tp, norms and residual adds run on sequence shards (T must divide by tp)
@@ -117,6 +118,8 @@ class TrainConfig:
     log_interval: steps between console log lines (every step goes to metrics.jsonl)
     ckpt_interval: steps between checkpoints (and one at the end); 0: only at the end
     keep_last: complete checkpoints kept (0: all)
+    on_save_error: a save that fails (full disk, I/O): stop, or continue and retry at the next interval
+    save_on_signal: signals that finish the step, save it and exit 75 (preempted, resumable); empty: none
     peak_tflops: dense fp16/bf16 peak of the device for MFU; default: from the GPU's name
     profile_steps: record a torch.profiler trace of this many steps (after two warm-up steps): OUT/trace.json
     sample_tokens: tokens of generated text printed at the end (0: none)
@@ -128,6 +131,7 @@ class TrainConfig:
     data: str = ""
     out_dir: str = ""
     resume: bool = False
+    strict_resume: bool = False
     init_from: str = ""
     tp: int = 1
     sequence_parallel: bool = False
@@ -158,6 +162,8 @@ class TrainConfig:
     log_interval: int = 10
     ckpt_interval: int = 0
     keep_last: int = 3
+    on_save_error: Literal["stop", "continue"] = "stop"
+    save_on_signal: str = "SIGTERM SIGUSR1"
     peak_tflops: float | None = None
     profile_steps: int = 0
     sample_tokens: int = 300
@@ -191,12 +197,13 @@ class TrainConfig:
         if self.preset not in PRESETS:
             raise ValueError(f"--preset {self.preset!r} is unknown; choose from {', '.join(PRESETS)}")
         hints = typing.get_type_hints(TrainConfig)
-        for name in ("decay", "precision", "backend", "device"):
+        for name in ("decay", "precision", "backend", "device", "on_save_error"):
             choices = _flag_kwargs(hints[name])["choices"]
             if getattr(self, name) not in (*choices, None):
                 raise ValueError(
                     f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}"
                 )
+        preemption.parse_signals(self.save_on_signal)
         if self.resume and not self.out_dir:
             raise ValueError("--resume needs --out-dir: the run to continue")
 
@@ -595,6 +602,10 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
             f"--out-dir {out_dir} holds checkpoints of an earlier run ({ckpt.name}): pass --resume to "
             "continue it, or choose another --out-dir"
         )
+    if resume:  # the newest checkpoint whose files match their manifest's sizes and checksums
+        ckpt, damaged = checkpoint.newest_good(out_dir, parallel, cfg.strict_resume)
+        for warning in damaged:
+            log(f"warning: {warning}")
     if ckpt is not None:
         checkpoint.check_config(ckpt, config)
 
@@ -676,7 +687,8 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
         total=max_steps, initial=step, unit="step", disable=None if main_rank else True, dynamic_ncols=True
     )
     metrics_file = open(metrics_path, "a") if main_rank else contextlib.nullcontext()  # noqa: SIM115
-    with metrics_file as metrics, _profiler(cfg, out_dir, device) as profiler:
+    preempt = preemption.Preemption(preemption.parse_signals(cfg.save_on_signal), device)
+    with metrics_file as metrics, _profiler(cfg, out_dir, device) as profiler, preempt:
         while step < max_steps:
             if step + 1 == cfg.fail_at_step and parallel.rank == failing_rank and restarts == 0:
                 raise RuntimeError(
@@ -734,19 +746,33 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
             records.append(record)
             bar.set_postfix_str(f"loss {loss:.4f}")
             bar.update()
-            if (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == max_steps:
-                last_ckpt = save_checkpoint(
-                    out_dir,
-                    step,
-                    model,
-                    optimizer,
-                    scaler,
-                    train_loader,
-                    cfg,
-                    tokenizer,
-                    cfg.keep_last,
-                    parallel,
+            signum = preempt.agreed()  # a collective: every rank stops after the same step
+            if (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == max_steps or signum:
+                try:
+                    with preempt.saving():  # where a second signal aborts
+                        last_ckpt = save_checkpoint(
+                            out_dir,
+                            step,
+                            model,
+                            optimizer,
+                            scaler,
+                            train_loader,
+                            cfg,
+                            tokenizer,
+                            cfg.keep_last,
+                            parallel,
+                        )
+                except checkpoint.SaveError as e:
+                    if cfg.on_save_error == "stop" or step == max_steps or signum:
+                        raise
+                    retry = min(max_steps, (step // cfg.ckpt_interval + 1) * cfg.ckpt_interval)
+                    log(f"warning: {e}; training goes on (--on-save-error continue), next try: step {retry}")
+            if signum:
+                log(
+                    f"preempted: {signum.name} during step {step}; step {step} finished and saved in "
+                    f"{last_ckpt}; exiting {preemption.PREEMPTED} (continue with --resume)"
                 )
+                raise preemption.Preempted()
             if profiler is not None:
                 profiler.step()
     bar.close()
@@ -771,7 +797,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg, overrides = parse_args(argv)
     try:
         train(cfg, overrides)
-    except (ValueError, FileNotFoundError, ImportError) as e:
+    except (ValueError, FileNotFoundError, ImportError, checkpoint.SaveError) as e:
         sys.exit(f"horse.train: error: {e}")
 
 

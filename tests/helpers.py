@@ -136,3 +136,13 @@ def name_it_an_h200(monkeypatch) -> None:
     monkeypatch.setattr(timing, "machine_info", lambda device: machine)
     monkeypatch.setattr(timing, "copy_bandwidth_gbps", lambda device: STAND_IN_CEILINGS["copy_gbps"])
     monkeypatch.setattr(timing, "matmul_tflops", lambda device: STAND_IN_CEILINGS["matmul_tflops"])
+
+
+def command_line_flags(values: dict) -> list[str]:
+    """horse.train's flags for a dict of field values: {"max_steps": 3, "resume": True} ->
+    ["--max-steps", "3", "--resume"] (False leaves a flag out)."""
+    flags = []
+    for key, value in values.items():
+        flag = "--" + key.replace("_", "-")
+        flags += ([flag] if value is True else []) if isinstance(value, bool) else [flag, str(value)]
+    return flags

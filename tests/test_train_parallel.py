@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import command_line_flags
 from safetensors.torch import load_file
 
 from horse import checkpoint, generate, train
@@ -40,19 +41,11 @@ QUICK = dict(
 GLOBAL_BATCH = 4  # sequences per step, over all data-parallel replicas
 
 
-def _flags(values: dict) -> list[str]:
-    flags = []
-    for key, value in values.items():
-        flag = "--" + key.replace("_", "-")
-        flags += ([flag] if value is True else []) if isinstance(value, bool) else [flag, str(value)]
-    return flags
-
-
 def _torchrun(nproc: int, out_dir: Path, *launcher: str, **kwargs) -> str:
     """Run horse/train.py on nproc CPU processes; returns the console output (rank 0's)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     command += [*launcher, str(ROOT / "horse" / "train.py"), "--out-dir", str(out_dir)]
-    command += _flags(QUICK | SMALL | kwargs)
+    command += command_line_flags(QUICK | SMALL | kwargs)
     # Without the variable a restart can read the failed workers' addresses (see horse/train.py).
     env = os.environ | {
         "PYTHONPATH": str(ROOT),

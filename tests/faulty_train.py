@@ -1,0 +1,87 @@
+"""horse/train.py with faults injected at chosen steps, for tests/test_faults.py.
+
+    HORSE_FAULTS="kill@7" python tests/faulty_train.py --out-dir RUN ...      (horse.train's flags)
+
+HORSE_FAULTS is a comma-separated list of KIND@STEP[:RANK[:RESTART]]: fault KIND strikes in step
+STEP (1-based, the step in flight) on rank RANK (default 0) of torchrun attempt RESTART (default 0:
+the first launch; TORCHELASTIC_RESTART_COUNT counts them). Kinds:
+
+    kill          SIGKILL after the step's optimizer update, before its metrics are written
+    kill-in-save  SIGKILL in the step's checkpoint save, after its weights file is written
+    term, usr1    SIGTERM / SIGUSR1 after the step's optimizer update (a grace period: the run saves)
+    term-nograce  SIGTERM as above, then SIGKILL once the save it asks for has begun
+    term-twice    SIGTERM as above, then a second SIGTERM in the middle of that save
+    enospc        the step's save fails as on a full disk: its weights file is cut in half and
+                  writing it raises what safetensors raises then (ENOSPC in a SafetensorError); once
+
+Each fault says what it does on stderr before it strikes. Signals are sent by the process to itself,
+so the step they land in is exact.
+"""
+
+import errno
+import os
+import signal
+import sys
+
+from safetensors import SafetensorError
+
+from horse import checkpoint, train
+
+
+def _faults() -> dict[int, str]:
+    """{step: kind} of the faults for this rank and attempt."""
+    rank, restart = int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    chosen = {}
+    for spec in filter(None, os.environ.get("HORSE_FAULTS", "").split(",")):
+        kind, _, where = spec.partition("@")
+        step, fault_rank, fault_restart = ([*map(int, where.split(":")), 0, 0])[:3]
+        if (fault_rank, fault_restart) == (rank, restart):
+            chosen[step] = kind
+    return chosen
+
+
+def main() -> None:
+    faults = _faults()
+    in_flight = [0]
+
+    def say(what: str) -> None:
+        print(f"fault: {what} in step {in_flight[0]}", file=sys.stderr, flush=True)
+
+    def lr_at(step, max_steps, cfg):  # called once at the start of every step
+        in_flight[0] = step + 1
+        return real_lr_at(step, max_steps, cfg)
+
+    def optimizer_step(*args, **kwargs):
+        result = real_optimizer_step(*args, **kwargs)
+        kind = faults.get(in_flight[0])
+        if kind == "kill":
+            say("kill -9")
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind in ("term", "term-nograce", "term-twice", "usr1"):
+            say("SIGUSR1" if kind == "usr1" else "SIGTERM")
+            os.kill(os.getpid(), signal.SIGUSR1 if kind == "usr1" else signal.SIGTERM)
+        return result
+
+    def save_file(tensors, path, metadata=None):
+        real_save_file(tensors, path, metadata=metadata)
+        kind = faults.get(in_flight[0])
+        if kind in ("kill-in-save", "term-nograce"):
+            say("kill -9 during the save")
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "term-twice":
+            say("a second SIGTERM during the save")
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif kind == "enospc":
+            faults.pop(in_flight[0])
+            say("ENOSPC during the save")
+            os.truncate(path, os.path.getsize(path) // 2)
+            no_space = f"{os.strerror(errno.ENOSPC)} (os error {errno.ENOSPC})"
+            raise SafetensorError(f"Error while serializing: I/O error: {no_space}")
+
+    real_lr_at, real_optimizer_step, real_save_file = train.lr_at, train.optimizer_step, checkpoint.save_file
+    train.lr_at, train.optimizer_step, checkpoint.save_file = lr_at, optimizer_step, save_file
+    train.main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()

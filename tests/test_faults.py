@@ -1,0 +1,287 @@
+"""Faults survived, counted: each test runs horse/train.py (through tests/faulty_train.py, which
+strikes at an exact step) on the CPU with a small model, in fp32, lets a fault strike, resumes, and
+asserts how many steps were lost (at most the checkpoint interval; none after SIGTERM) and that the
+resumed run's losses, gradient norms and validation losses equal the uninterrupted run's bit for
+bit. Faults: kill -9 at seeded random steps (one in a save), SIGTERM with and without a grace
+period, a second signal during the save, a failing write (ENOSPC mid-save, --on-save-error stop and
+continue), a damaged newest checkpoint, and under torchrun (gloo, tp=2, --max-restarts) a signal on
+one rank, a rank killed and one rank's failed save, and SIGTERM sent to torchrun itself."""
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+from helpers import command_line_flags
+
+from horse import checkpoint, preemption, train
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIVER = ROOT / "tests" / "faulty_train.py"
+STEPS, INTERVAL = 16, 4
+RUN = dict(
+    n_layer=2, d_model=64, n_head=4, block_size=32, batch_size=4, max_steps=STEPS, warmup_steps=2,
+    eval_interval=8, eval_steps=1, sample_tokens=0, ckpt_interval=INTERVAL, log_interval=100,
+    precision="fp32", backend="reference", device="cpu",
+)  # fmt: skip
+
+
+def _command(run: Path, nproc: int = 0, launcher: tuple = (), **flags) -> list[str]:
+    """The driver on run with these flags; nproc > 0: under torchrun with nproc CPU processes."""
+    command = [sys.executable]
+    if nproc:
+        command += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *launcher]
+    return command + [str(DRIVER), "--out-dir", str(run), *command_line_flags(RUN | flags)]
+
+
+def _env(faults: str = "") -> dict:
+    return os.environ | {
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "HORSE_FAULTS": faults,
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # see horse/train.py on restarts
+    }
+
+
+def _launch(run: Path, faults: str = "", nproc: int = 0, launcher: tuple = (), **flags) -> tuple[int, str]:
+    """(exit status, console output) of the driver on run with these faults and flags."""
+    command = _command(run, nproc, launcher, **flags)
+    result = subprocess.run(command, env=_env(faults), capture_output=True, text=True, timeout=300)
+    return result.returncode, result.stdout + result.stderr
+
+
+def _steps(run: Path) -> dict[int, tuple]:
+    """(loss, gradient norm, validation loss) by step, from the run's metrics.jsonl."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["grad_norm"], r.get("val_loss")) for r in records}
+
+
+def _resumed_from(out: str) -> int:
+    found = re.findall(r"resumed from ckpt_(\d+)", out)
+    assert len(found) == 1, out[-3000:]
+    return int(found[0])
+
+
+def _assert_finished_as(run: Path, reference: dict) -> None:
+    """Every step logged once, each exactly as in the uninterrupted run; no unfinished save left."""
+    assert _steps(run) == reference
+    assert checkpoint.verify(checkpoint.latest(run)) == []
+    assert not list(run.glob(".ckpt_*")), "a save's temporary directory was left behind"
+
+
+def _ckpt(run: Path, step: int) -> Path:
+    return run / f"ckpt_{step:07d}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, dict]:
+    """The uninterrupted run: its directory and its steps. Under xdist its workers share one, in
+    their session's directory."""
+    shared = tmp_path_factory.getbasetemp()
+    shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
+    with FileLock(shared / "faults-reference.lock"):
+        run = shared / "faults-reference"
+        if not (run / "done").exists():
+            shutil.rmtree(run, ignore_errors=True)
+            status, out = _launch(run)
+            assert status == 0, out[-3000:]
+            (run / "done").touch()
+    return run, _steps(run)
+
+
+def test_kill_9_at_seeded_steps_loses_at_most_an_interval(reference, tmp_path):
+    rng = random.Random(27)
+    in_save = rng.choice(range(INTERVAL, STEPS, INTERVAL))  # killed while writing this step's checkpoint
+    others = rng.sample([s for s in range(1, STEPS) if s != in_save], 4)
+    faults = sorted([(s, "kill") for s in others] + [(in_save, "kill-in-save")])
+    run, previous = tmp_path / "run", None
+    for step, kind in [*faults, (None, None)]:
+        status, out = _launch(run, f"{kind}@{step}" if kind else "", resume=previous is not None)
+        if previous is not None:  # the launch before was killed in step `previous`
+            lost = previous - _resumed_from(out)
+            assert 0 < lost <= INTERVAL, f"killed in step {previous}, {out[-2000:]}"
+        if kind is None:
+            assert status == 0, out[-3000:]
+            break
+        assert status == -signal.SIGKILL, out[-3000:]
+        assert f"kill -9{' during the save' if kind == 'kill-in-save' else ''} in step {step}" in out
+        if kind == "kill-in-save":  # its save was cut short: a temporary directory, never a checkpoint
+            assert not _ckpt(run, step).exists() and (run / f".ckpt_{step:07d}.tmp").is_dir()
+        previous = step
+    _assert_finished_as(run, reference[1])
+
+
+def test_sigterm_with_a_grace_period_loses_no_step(reference, tmp_path):
+    step = random.Random(28).choice([s for s in range(2, STEPS) if s % INTERVAL])
+    run = tmp_path / "run"
+    status, out = _launch(run, f"term@{step}")
+    assert status == preemption.PREEMPTED, out[-3000:]
+    assert f"preempted: SIGTERM during step {step}; step {step} finished and saved" in out
+    assert max(_steps(run)) == step and checkpoint.latest(run) == _ckpt(run, step)
+    status, out = _launch(run, resume=True)
+    assert status == 0 and _resumed_from(out) == step, out[-3000:]  # nothing lost
+    _assert_finished_as(run, reference[1])
+
+
+def test_sigterm_without_a_grace_period_loses_at_most_an_interval(reference, tmp_path):
+    """SIGKILL follows SIGTERM before the save it asked for is written."""
+    step = random.Random(29).choice([s for s in range(2, STEPS) if s % INTERVAL])
+    run = tmp_path / "run"
+    status, out = _launch(run, f"term-nograce@{step}")
+    assert status == -signal.SIGKILL and "kill -9 during the save" in out, out[-3000:]
+    assert not _ckpt(run, step).exists()
+    status, out = _launch(run, resume=True)
+    assert status == 0 and 0 < step - _resumed_from(out) <= INTERVAL, out[-3000:]
+    _assert_finished_as(run, reference[1])
+
+
+def test_a_second_signal_aborts_the_save_and_keeps_the_older_checkpoints(reference, tmp_path):
+    step = 2 * INTERVAL + 1
+    run = tmp_path / "run"
+    status, out = _launch(run, f"term-twice@{step}", keep_last=1)
+    assert status == 128 + signal.SIGTERM and "SIGTERM again: aborting now" in out, out[-3000:]
+    # Neither the aborted save nor its temporary directory; the one older checkpoint kept, whole.
+    assert [p.name for p in checkpoint.candidates(run)] == [_ckpt(run, 2 * INTERVAL).name]
+    assert checkpoint.verify(_ckpt(run, 2 * INTERVAL)) == [] and not list(run.glob(".ckpt_*"))
+    status, out = _launch(run, resume=True)
+    assert status == 0 and _resumed_from(out) == 2 * INTERVAL, out[-3000:]
+    _assert_finished_as(run, reference[1])
+
+
+@pytest.mark.parametrize("on_error", ["stop", "continue"])
+def test_a_full_disk_mid_save_keeps_the_older_checkpoints(reference, tmp_path, on_error):
+    failing = 2 * INTERVAL
+    run = tmp_path / "run"
+    status, out = _launch(run, f"enospc@{failing}", keep_last=1, on_save_error=on_error)
+    assert "ENOSPC during the save in step 8" in out
+    cannot = (
+        f"checkpoint ckpt_{failing:07d} could not be written: SafetensorError: Error while serializing: "
+        "I/O error: No space left on device"
+    )
+    if on_error == "stop":
+        assert status == 1 and f"horse.train: error: {cannot}" in out, out[-3000:]
+        # Rotation (--keep-last 1) never ran: the older checkpoint is there, whole.
+        assert checkpoint.candidates(run) == [_ckpt(run, INTERVAL)] and not list(run.glob(".ckpt_*"))
+        assert checkpoint.verify(_ckpt(run, INTERVAL)) == []
+        status, out = _launch(run, resume=True)
+        assert status == 0 and _resumed_from(out) == INTERVAL, out[-3000:]
+    else:
+        assert status == 0, out[-3000:]
+        assert f"warning: {cannot}" in out and f"next try: step {failing + INTERVAL}" in out
+        assert checkpoint.candidates(run) == [_ckpt(run, STEPS)]
+    _assert_finished_as(run, reference[1])
+
+
+def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumes(reference, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(reference[0], run, ignore=shutil.ignore_patterns("done"))
+    weights = _ckpt(run, STEPS) / "model.safetensors"
+    size = weights.stat().st_size
+    os.truncate(weights, size // 2)  # a failed copy
+    truncated = f"model.safetensors: {size // 2:,} bytes, the manifest says {size:,}"
+    with pytest.raises(SystemExit) as exit_:
+        checkpoint.main(["verify", str(run)])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 1 and f"ckpt_{STEPS:07d}: DAMAGED: {truncated}" in out
+    assert f"ckpt_{STEPS - INTERVAL:07d}: good (sizes and SHA-256 match)" in out
+    cfg, overrides = train.parse_args(["--out-dir", str(run), "--resume", "--strict-resume"])
+    with pytest.raises(ValueError, match=rf"ckpt_{STEPS:07d} is damaged: {truncated} \(--strict-resume\)"):
+        train.train(cfg, overrides)
+    status, out = _launch(run, resume=True)
+    assert status == 0 and _resumed_from(out) == STEPS - INTERVAL, out[-3000:]
+    assert f"warning: checkpoint ckpt_{STEPS:07d} is damaged, skipped: {truncated}" in out
+    _assert_finished_as(run, reference[1])
+    with pytest.raises(SystemExit) as exit_:
+        checkpoint.main(["verify", str(run)])
+    assert exit_.value.code == 0
+    # Contents damaged at the same size, a file gone, a manifest cut short: each named.
+    older = _ckpt(run, STEPS - INTERVAL)
+    with open(older / "state.pt", "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 1]))
+    assert checkpoint.verify(older) == [
+        "state.pt: its SHA-256 is not the manifest's (the contents are damaged)"
+    ]
+    (older / "model.safetensors").unlink()
+    assert checkpoint.verify(older)[0] == "model.safetensors: missing"
+    (older / "manifest.json").write_text('{"step": 12, "files": {"mod')
+    assert checkpoint.verify(older)[0].startswith("manifest.json: unreadable (JSONDecodeError")
+    shutil.copytree(older, tmp_path / "none-good" / older.name)
+    with pytest.raises(ValueError, match=f"no good checkpoint in .*: checkpoint {older.name} is damaged"):
+        checkpoint.newest_good(tmp_path / "none-good")
+
+
+def test_save_on_signal_names_real_signals_and_empty_installs_none():
+    assert preemption.parse_signals("SIGTERM SIGUSR1") == [signal.SIGTERM, signal.SIGUSR1]
+    assert preemption.parse_signals("term,usr2") == [signal.SIGTERM, signal.SIGUSR2]
+    with pytest.raises(ValueError, match="--save-on-signal: 'SIGKILL' is not a signal that can be caught"):
+        train.TrainConfig(save_on_signal="SIGKILL")
+    with pytest.raises(ValueError, match="'SIGNOPE' is not a signal"):
+        preemption.parse_signals("SIGNOPE")
+    before = signal.getsignal(signal.SIGTERM)
+    with preemption.Preemption(preemption.parse_signals("")) as preempt:
+        assert signal.getsignal(signal.SIGTERM) is before and preempt.agreed() is None
+    with preemption.Preemption([signal.SIGUSR1, signal.SIGUSR2]) as preempt:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR2)  # before the save: the same request, as Slurm's and torchrun's
+        assert preempt.agreed() == signal.SIGUSR1
+        with pytest.raises(SystemExit) as aborted, preempt.saving():
+            os.kill(os.getpid(), signal.SIGUSR2)
+        assert aborted.value.code == 128 + signal.SIGUSR2
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+def test_torchrun_ranks_agree_on_a_signal_a_failed_save_and_restart_after_a_kill(tmp_path):
+    """tp=2 on two processes, each writing its own shard, --on-save-error continue. First launch:
+    rank 1 alone gets SIGUSR1 in step 3; both ranks save step 3 and exit 75, and torchrun starts
+    them again. Second: rank 0 is killed in step 6, and torchrun starts them again. Third: rank 1's
+    save of step 8 fails (ENOSPC); both ranks go on. They finish as an uninterrupted tp=2 run."""
+    steps = dict(tp=2, max_steps=12, eval_interval=4, on_save_error="continue")
+    status, out = _launch(tmp_path / "reference", nproc=2, **steps)
+    assert status == 0, out[-3000:]
+    run = tmp_path / "run"
+    faults = "usr1@3:1:0,kill@6:0:1,enospc@8:1:2"
+    status, out = _launch(run, faults, nproc=2, launcher=("--max-restarts=2",), **steps)
+    assert status == 0, out[-5000:]
+    assert "preempted: SIGUSR1 during step 3; step 3 finished and saved" in out
+    assert "fault: kill -9 in step 6" in out
+    resumed = [int(s) for s in re.findall(r"resumed from ckpt_(\d+)", out)]
+    assert resumed == [3, INTERVAL]  # nothing lost to the signal; 2 steps to the kill
+    assert "warning: checkpoint ckpt_0000008 could not be written: rank 1: SafetensorError" in out
+    assert [p.name for p in checkpoint.candidates(run)] == ["ckpt_0000003", "ckpt_0000004", "ckpt_0000012"]
+    _assert_finished_as(run, _steps(tmp_path / "reference"))
+
+
+def test_sigterm_to_torchrun_reaches_every_worker_and_loses_no_step(tmp_path):
+    """As Kubernetes or Slurm preempt: SIGTERM to torchrun itself, at whatever step the run is in.
+    torchrun forwards it to its workers and waits for them; they save the step they were in."""
+    run = tmp_path / "run"
+    flags = dict(tp=2, max_steps=100_000, ckpt_interval=100_000, eval_interval=100_000)
+    log = tmp_path / "console.log"  # a file, not a pipe that nobody reads until the end
+    with (
+        open(log, "w") as console,
+        subprocess.Popen(
+            _command(run, nproc=2, **flags), env=_env(), stdout=console, stderr=subprocess.STDOUT
+        ) as launch,
+    ):
+        metrics, deadline = run / "metrics.jsonl", time.monotonic() + 240
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert launch.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        launch.send_signal(signal.SIGTERM)
+        launch.wait(timeout=120)
+    out = log.read_text()
+    assert "Sending process" in out and "closing signal SIGTERM" in out, out[-3000:]  # torchrun's own log
+    step = max(_steps(run))
+    assert f"preempted: SIGTERM during step {step}; step {step} finished and saved" in out, out[-3000:]
+    assert checkpoint.latest(run) == _ckpt(run, step) and checkpoint.verify(_ckpt(run, step)) == []
