@@ -396,7 +396,8 @@ def reduce_loss(loss: torch.Tensor, target: torch.Tensor, ignore_index: int, red
     return loss.sum() / count, 1.0 / count
 
 
-def _dloss_of(target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+def row_weight(target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """d(reduced loss)/d(loss_i), a float32 scalar tensor: 1/n_valid for "mean", else 1."""
     return reduce_loss(torch.zeros((0,), device=target.device), target, ignore_index, reduction)[1]
 
 
@@ -415,7 +416,7 @@ def _cross_entropy_fwd_op(
     z_loss: float,
     compute_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dloss = _dloss_of(target, ignore_index, reduction) if compute_grad else None
+    dloss = row_weight(target, ignore_index, reduction) if compute_grad else None
     if runtime.runs_triton(logits):
         dlogits = runtime.empty(logits.shape if compute_grad else (0,), logits.dtype, logits.device)
         loss, _ = cross_entropy_fwd(
@@ -462,7 +463,7 @@ def _linear_cross_entropy_fwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # "none": the gradient needs the incoming per-row gradient; the backward runs the chunks again
     in_forward = compute_grad and reduction != "none"
-    dloss = _dloss_of(target, ignore_index, reduction) if in_forward else None
+    dloss = row_weight(target, ignore_index, reduction) if in_forward else None
     loss, dx, dw, db = linear_cross_entropy_chunks(
         x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss, runtime.runs_triton(x)
     )
