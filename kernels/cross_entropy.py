@@ -279,14 +279,19 @@ class VocabShard:
     all_reduce_sum: Callable[[torch.Tensor], None]
 
 
-# Bytes of one chunk's logits. 64 MiB is 1.3 % of the unfused loss's peak at gpt2-124m, 16 x 1024 tokens
-# (the memory test), and gives the GEMMs 660 rows of a 50,304-word vocabulary in 16-bit.
+# Bytes of one chunk's logits. 64 MiB is 0.7 % of the unfused loss's peak at gpt2-124m, 16 x 1024 tokens
+# (10 GB: tests/test_cross_entropy.py's memory test), and gives the GEMMs 667 rows of a 50,304-word
+# vocabulary in 16-bit. The plain-PyTorch twins hold a float32 copy of the chunk besides: half the rows.
 CHUNK_BYTES = 64 * 2**20
+# dW's float32 sum takes each chunk's 16-bit product in slices of the vocabulary of at most these bytes
+# (a whole (V, H) product would be 77 MB more at gpt2-124m).
+DW_SLICE_BYTES = 16 * 2**20
 
 
-def chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Rows per chunk: as many as CHUNK_BYTES of logits hold, at most 1/8 of the GPU's free memory."""
-    budget = CHUNK_BYTES
+def chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype, device: torch.device, use_triton: bool) -> int:
+    """Rows per chunk: as many as CHUNK_BYTES of logits hold (half without Triton), at most 1/8 of the
+    GPU's free memory."""
+    budget = CHUNK_BYTES if use_triton else CHUNK_BYTES // 2
     if device.type == "cuda":
         budget = min(budget, torch.cuda.mem_get_info(device)[0] // 8)
     return max(1, min(n_rows, budget // (vocab * dtype.itemsize)))
@@ -360,7 +365,8 @@ def linear_cross_entropy_chunks(
     db = torch.zeros((V,) if grad and bias is not None else (0,), dtype=torch.float32, device=x.device)
     if dloss is not None:
         dloss = dloss.float().expand(N)
-    rows = chunk_rows(N, V, x.dtype, x.device)
+    rows = chunk_rows(N, V, x.dtype, x.device, use_triton)
+    dw_slice = max(1, DW_SLICE_BYTES // (x.shape[1] * x.element_size()))  # vocabulary rows
     buffer = torch.empty((min(rows, N), V), dtype=x.dtype, device=x.device)
     for start in range(0, N, rows):
         end = min(start + rows, N)
@@ -378,8 +384,9 @@ def linear_cross_entropy_chunks(
             torch.mm(logits, w, out=dx[start:end])
             if dw.dtype == logits.dtype:
                 dw.addmm_(logits.T, xc)
-            else:  # a 16-bit product (float32 inside the GEMM) added to the float32 sum
-                dw += logits.T @ xc
+            else:  # 16-bit products (float32 inside the GEMM) added to the float32 sum
+                for v in range(0, V, dw_slice):
+                    dw[v : v + dw_slice] += logits[:, v : v + dw_slice].T @ xc
             if bias is not None:
                 db += logits.sum(0, dtype=torch.float32)
     return loss, dx, dw.to(weight.dtype), db.to(bias.dtype if bias is not None else db.dtype)
@@ -523,8 +530,8 @@ def _linear_backward(ctx, dloss, _ddx, _ddw, _ddb):
     if ctx.recompute:
         x, weight, bias, target = ctx.saved_tensors
         dx, dw, db = _linear_cross_entropy_bwd_op(x, weight, bias, target, dloss, *ctx.options)
-    else:  # computed in the forward for a reduced loss of gradient 1: scale by the real one
-        dx, dw, db = ((g * dloss).to(g.dtype) for g in ctx.saved_tensors)
+    else:  # computed in the forward for a reduced loss of gradient 1: scaled by the real one in place
+        dx, dw, db = (g.mul_(dloss) for g in ctx.saved_tensors)  # (a copy of dW would cost its size again)
     return dx, dw, db if ctx.has_bias else None, None, None, None, None, None, None
 
 

@@ -14,6 +14,10 @@ def _upcast(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float64 else t.float()
 
 
+def _upcast_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32, copy=True)
+
+
 def _affine(y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     if weight is not None:
         y = y * _upcast(weight)
@@ -215,12 +219,12 @@ def finite_or_zero(row_max: torch.Tensor) -> torch.Tensor:
 def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor, smoothing: bool) -> torch.Tensor:
     """(4, C): each row's max, Σ exp(z - max), the logit at column target (0 where target is outside
     [0, V_local): another shard's, or ignored) and, with smoothing, Σ z (else 0)."""
-    z = _upcast(logits)
+    z = _upcast_copy(logits)  # the chunk's one float32 copy; the rest is in place
     row_max = z.amax(dim=-1)
-    sum_exp = torch.exp(z - finite_or_zero(row_max)[:, None]).sum(dim=-1)
     here = (target >= 0) & (target < z.shape[1])
     target_logit = z.gather(1, target.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
     sum_z = z.sum(dim=-1) if smoothing else torch.zeros_like(row_max)
+    sum_exp = z.sub_(finite_or_zero(row_max)[:, None]).exp_().sum(dim=-1)
     return torch.stack([row_max, sum_exp, torch.where(here, target_logit, 0.0), sum_z])
 
 
@@ -239,8 +243,8 @@ def cross_entropy_grad_(logits, target, lse, scale, vocab: int, label_smoothing:
     """Overwrite logits (C, V_local) by scale_i · ∂loss_i/∂z = scale_i (softmax(z)(1 + 2 λ lse) - (1 - ε)
     onehot(target) - ε / vocab): lse over the whole vocabulary, target the column here (outside
     [0, V_local): none)."""
-    z = _upcast(logits)
-    g = torch.exp(z - lse[:, None]) * (1 + 2 * z_loss * lse)[:, None] - label_smoothing / vocab
-    here = ((target >= 0) & (target < z.shape[1])).to(g.dtype)[:, None]
-    g.scatter_add_(1, target.clamp(0, z.shape[1] - 1)[:, None], -(1 - label_smoothing) * here)
-    logits.copy_(g * scale[:, None])
+    g = _upcast_copy(logits).sub_(lse[:, None]).exp_()  # one float32 copy, then in place
+    g.mul_((1 + 2 * z_loss * lse)[:, None]).sub_(label_smoothing / vocab)
+    here = ((target >= 0) & (target < g.shape[1])).to(g.dtype)[:, None]
+    g.scatter_add_(1, target.clamp(0, g.shape[1] - 1)[:, None], -(1 - label_smoothing) * here)
+    logits.copy_(g.mul_(scale[:, None]))
