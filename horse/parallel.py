@@ -446,8 +446,7 @@ def _vocab_shard(start: int, vocab: int, group: dist.ProcessGroup) -> VocabShard
 class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     """Mean cross entropy of x Wᵀ with W this rank's vocabulary rows, by the chunk loop of
     kernels.cross_entropy (linear_cross_entropy_chunks). Its gradients (dx a partial sum over the
-    ranks' columns) are computed in the forward for a loss gradient of 1, then scaled by the real one
-    (in place: a second backward through the same graph raises, as after any in-place change)."""
+    ranks' columns) are computed in the forward for a loss gradient of 1, then scaled by the real one."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, shard, use_triton, ignore_index, label_smoothing, z_loss):
@@ -464,7 +463,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss):
         dx, dweight = ctx.saved_tensors
-        return dx.mul_(dloss), dweight.mul_(dloss), *[None] * 6  # in place: a copy of dW costs its size
+        return (dx * dloss).to(dx.dtype), (dweight * dloss).to(dweight.dtype), *[None] * 6
 
 
 def vocab_parallel_linear_cross_entropy(

@@ -530,8 +530,8 @@ def _linear_backward(ctx, dloss, _ddx, _ddw, _ddb):
     if ctx.recompute:
         x, weight, bias, target = ctx.saved_tensors
         dx, dw, db = _linear_cross_entropy_bwd_op(x, weight, bias, target, dloss, *ctx.options)
-    else:  # computed in the forward for a reduced loss of gradient 1: scaled by the real one in place
-        dx, dw, db = (g.mul_(dloss) for g in ctx.saved_tensors)  # (a copy of dW would cost its size again)
+    else:  # computed in the forward for a reduced loss of gradient 1: scale by the real one
+        dx, dw, db = ((g * dloss).to(g.dtype) for g in ctx.saved_tensors)
     return dx, dw, db if ctx.has_bias else None, None, None, None, None, None, None
 
 
