@@ -46,19 +46,19 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernels
+# Kernels (a row of logits has N vocabulary columns; M rows)
 # ----------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _row_stats(ROW, n_cols, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
+def _row_stats(ROW, N, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
     """(max, Σ exp(z - max), Σ z) of one row, float32, in one sweep over blocks of BLOCK_V."""
     m = tl.full((), float("-inf"), tl.float32)
     d = tl.zeros((), tl.float32)
     sum_z = tl.zeros((), tl.float32)
-    for start in range(0, n_cols, BLOCK_V):
+    for start in range(0, N, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < n_cols
+        mask = cols < N
         z = tl.load(ROW + cols, mask=mask, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(z, axis=0))
         # A row (or its start) of -inf logits: exp(-inf - -inf) would be NaN; shift by 0 instead.
@@ -71,15 +71,13 @@ def _row_stats(ROW, n_cols, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _write_grad(
-    ROW, DROW, n_cols, target_col, lse, scale, label_smoothing, z_loss, vocab, BLOCK_V: tl.constexpr
-):
+def _write_grad(ROW, DROW, N, target_col, lse, scale, label_smoothing, z_loss, vocab, BLOCK_V: tl.constexpr):
     """DROW = scale · (softmax(z) (1 + 2 λ lse) - (1 - ε) onehot(target_col) - ε / vocab), in DROW's dtype.
     Each element is read before it is written, so DROW may be ROW (in place)."""
     p_scale = 1.0 + 2.0 * z_loss * lse
-    for start in range(0, n_cols, BLOCK_V):
+    for start in range(0, N, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < n_cols
+        mask = cols < N
         z = tl.load(ROW + cols, mask=mask, other=0.0).to(tl.float32)
         g = tl.exp(z - lse) * p_scale - label_smoothing / vocab
         g = tl.where(cols == target_col, g - (1.0 - label_smoothing), g)
@@ -88,13 +86,13 @@ def _write_grad(
 
 @triton.jit
 def _cross_entropy_kernel(
-    LOGITS,  # (M, n_cols), row stride stride_logits, unit column stride
-    DLOGITS,  # (M, n_cols), row stride stride_dlogits: the gradient, when WRITE_GRAD; may be LOGITS
+    LOGITS,  # (M, N), row stride stride_logits, unit column stride
+    DLOGITS,  # (M, N), row stride stride_dlogits: the gradient, when WRITE_GRAD; may be LOGITS
     TARGET,  # (M,) int64
     DLOSS,  # (M,) float32 with stride dloss_stride (0: one value for every row): d(reduced)/d(loss_i)
     LOSS,  # (M,) float32: loss_i, 0 on ignored rows
     LSE,  # (M,) float32
-    n_cols,
+    N,
     stride_logits,
     stride_dlogits,
     dloss_stride,
@@ -110,30 +108,30 @@ def _cross_entropy_kernel(
     logits_row = LOGITS + row * stride_logits
     target = tl.load(TARGET + row)
     ignored = target == ignore_index
-    m, d, sum_z = _row_stats(logits_row, n_cols, HAS_SMOOTHING, BLOCK_V)
+    m, d, sum_z = _row_stats(logits_row, N, HAS_SMOOTHING, BLOCK_V)
     lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(d)
     target_logit = tl.load(logits_row + target, mask=~ignored, other=0.0).to(tl.float32)
     loss = lse * (1.0 + z_loss * lse) - (1.0 - label_smoothing) * target_logit
     if HAS_SMOOTHING:
-        loss -= label_smoothing * sum_z / n_cols
+        loss -= label_smoothing * sum_z / N
     tl.store(LOSS + row, tl.where(ignored, 0.0, loss))
     tl.store(LSE + row, lse)
     if WRITE_GRAD:
         scale = tl.where(ignored, 0.0, tl.load(DLOSS + row * dloss_stride))
         col = tl.where(ignored, -1, target)
         _write_grad(
-            logits_row, DLOGITS + row * stride_dlogits, n_cols, col, tl.where(ignored, 0.0, lse), scale,
-            label_smoothing, z_loss, n_cols, BLOCK_V,
+            logits_row, DLOGITS + row * stride_dlogits, N, col, tl.where(ignored, 0.0, lse), scale,
+            label_smoothing, z_loss, N, BLOCK_V,
         )  # fmt: skip
 
 
 @triton.jit
 def _cross_entropy_stats_kernel(
-    LOGITS,  # (M, n_cols), row stride stride_logits: this rank's vocabulary columns
-    TARGET,  # (M,) int64: column of the target in this shard (outside [0, n_cols): another rank's)
+    LOGITS,  # (M, N), row stride stride_logits: this rank's vocabulary columns
+    TARGET,  # (M,) int64: column of the target in this shard (outside [0, N): another rank's)
     STATS,  # (4, M) float32: max, Σ exp(z - max), the target's logit (0 if not here), Σ z
     M,
-    n_cols,
+    N,
     stride_logits,
     HAS_SMOOTHING: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -142,8 +140,8 @@ def _cross_entropy_stats_kernel(
     row = tl.program_id(0).to(tl.int64)
     logits_row = LOGITS + row * stride_logits
     target = tl.load(TARGET + row)
-    m, d, sum_z = _row_stats(logits_row, n_cols, HAS_SMOOTHING, BLOCK_V)
-    here = (target >= 0) & (target < n_cols)
+    m, d, sum_z = _row_stats(logits_row, N, HAS_SMOOTHING, BLOCK_V)
+    here = (target >= 0) & (target < N)
     tl.store(STATS + row, m)
     tl.store(STATS + M + row, d)
     tl.store(STATS + 2 * M + row, tl.load(logits_row + target, mask=here, other=0.0).to(tl.float32))
@@ -152,11 +150,11 @@ def _cross_entropy_stats_kernel(
 
 @triton.jit
 def _cross_entropy_grad_kernel(
-    LOGITS,  # (M, n_cols), row stride stride_logits: overwritten by the gradient
+    LOGITS,  # (M, N), row stride stride_logits: overwritten by the gradient
     TARGET,  # (M,) int64: column of the target in this shard
     LSE,  # (M,) float32: over the whole vocabulary
     SCALE,  # (M,) float32: d(reduced loss)/d(loss_i), 0 on ignored rows
-    n_cols,
+    N,
     stride_logits,
     vocab,
     label_smoothing,
@@ -167,7 +165,7 @@ def _cross_entropy_grad_kernel(
     row = tl.program_id(0).to(tl.int64)
     logits_row = LOGITS + row * stride_logits
     _write_grad(
-        logits_row, logits_row, n_cols, tl.load(TARGET + row), tl.load(LSE + row), tl.load(SCALE + row),
+        logits_row, logits_row, N, tl.load(TARGET + row), tl.load(LSE + row), tl.load(SCALE + row),
         label_smoothing, z_loss, vocab, BLOCK_V,
     )  # fmt: skip
 
