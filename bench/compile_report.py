@@ -50,7 +50,7 @@ NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia"
 CUOBJDUMP, NVDISASM = os.path.join(NVIDIA_BIN, "cuobjdump"), os.path.join(NVIDIA_BIN, "nvdisasm")
 MAX_CHUNK = 32  # configs a worker compiles before disassembling them together
 INSTRUCTION_BYTES = 16  # every SASS instruction since sm_70
-FLOAT_SCALARS = {"eps", "softmax_scale"}  # every other scalar argument is an i32
+FLOAT_SCALARS = {"eps", "softmax_scale", "label_smoothing", "z_loss"}  # every other scalar: an i32
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
@@ -496,7 +496,46 @@ def mlp_configs(arch: runtime.Arch) -> list[KernelConfig]:
     return configs
 
 
-CONFIG_FAMILIES = {"norms": norm_configs, "attention": attention_configs, "mlp": mlp_configs}
+def loss_configs(arch: runtime.Arch) -> list[KernelConfig]:
+    """Every RowConfig that kernels.cross_entropy.row_config can return on arch (one per block size),
+    for its three kernels (the fused one with smoothing and the gradient, the vocabulary shard's
+    statistics and gradient passes), in every dtype."""
+    module = "kernels.cross_entropy"
+    loss = importlib.import_module(module)  # the module: kernels.cross_entropy is also its function
+    configs = []
+    limit = loss.MAX_BLOCK_V
+    for dtype, ty in TRITON_TYPES.items():
+        for n in [2**p for p in range(limit.bit_length())] + [2 * limit]:
+            cfg = loss.row_config(n, arch)
+            shape_class = f"V<={n}" if n <= limit else f"V>{limit}"
+            blocks = {"BLOCK_V": cfg.block_v}
+            kernels = {
+                "cross_entropy": (
+                    "_cross_entropy_kernel", {"LOGITS": ty, "DLOGITS": ty, "TARGET": "i64", "DLOSS": "fp32",
+                                              "LOSS": "fp32", "LSE": "fp32"},
+                    {"HAS_SMOOTHING": True, "WRITE_GRAD": True},
+                ),
+                "cross_entropy_stats": (
+                    "_cross_entropy_stats_kernel", {"LOGITS": ty, "TARGET": "i64", "STATS": "fp32"},
+                    {"HAS_SMOOTHING": True},
+                ),
+                "cross_entropy_grad": (
+                    "_cross_entropy_grad_kernel",
+                    {"LOGITS": ty, "TARGET": "i64", "LSE": "fp32", "SCALE": "fp32"}, {},
+                ),
+            }  # fmt: skip
+            for name, (fn, pointers, flags) in kernels.items():
+                configs.append(KernelConfig(name, shape_class, dtype, f"{module}.{fn}", pointers,
+                                            {**flags, **blocks}, cfg.num_warps, arch=arch.name))  # fmt: skip
+    return configs
+
+
+CONFIG_FAMILIES = {
+    "norms": norm_configs,
+    "attention": attention_configs,
+    "mlp": mlp_configs,
+    "loss": loss_configs,
+}
 
 
 def all_configs(archs=tuple(ARCHS)) -> list[KernelConfig]:

@@ -13,10 +13,11 @@ scaled by its LossScaler), then unscale, clip the gradient norm to 1.0, PyTorch'
 one fixed random batch made on the GPU beforehand: data loading is not measured. The backends run
 the same weights, from one seed:
 
-* ``triton``: ``GPT(config, "triton")``, the fused norms with their residual adds, flash attention
-  and the fused MLP;
-* ``reference-compile``: ``GPT(config, "reference")`` with its loss (forward and cross-entropy)
-  under ``torch.compile`` (default mode, static shapes); the optimizer step stays as on the others;
+* ``triton``: ``GPT(config, "triton")``, the fused norms with their residual adds, flash attention,
+  the fused MLP and the LM head fused with the loss;
+* ``reference-compile``: ``GPT(config, "reference", fused_loss=False)``, plain PyTorch (logits, then
+  F.cross_entropy), with its loss (forward and cross-entropy) under ``torch.compile`` (default mode,
+  static shapes); the optimizer step stays as on the others;
 * ``reference``: the same model, eager.
 
 Each backend first takes ``--warmup`` untimed steps (Triton and torch.compile compile there, the
@@ -83,7 +84,8 @@ def make_step(
     step's loss, whether the loss scaler skipped it). Model, optimizer, scaler and a fixed random
     batch of cfg.batch_size x seq_len tokens are made here, on device, from cfg.seed."""
     torch.manual_seed(cfg.seed)
-    model = GPT(config, "triton" if backend == "triton" else "reference").to(device)  # float32 weights
+    triton = backend == "triton"
+    model = GPT(config, "triton" if triton else "reference", fused_loss=triton).to(device)  # float32 weights
     optimizer = make_optimizer(model, cfg, device)
     scaler = LossScaler.from_config(cfg, enabled=cfg.precision == "fp16")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)

@@ -43,6 +43,7 @@ from horse.parallel import (
     split_sequence,
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
+    vocab_parallel_linear_cross_entropy,
 )
 
 BACKENDS = ("triton", "reference")
@@ -378,11 +379,19 @@ class GPT(nn.Module):
     ``horse.parallel.build_model`` does it from a given seed, on the CPU, then moves the shard.
     """
 
-    def __init__(self, config: GPTConfig, backend: str = "reference", parallel: Parallel | None = None):
+    def __init__(
+        self,
+        config: GPTConfig,
+        backend: str = "reference",
+        parallel: Parallel | None = None,
+        fused_loss: bool = True,
+    ):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"GPT: backend must be one of {BACKENDS}, got {backend!r}")
         self.config, self.backend, self.parallel = config, backend, parallel or Parallel()
+        # GPT.loss: the LM head fused with the loss (no logits held), or logits then F.cross_entropy
+        self.fused_loss = fused_loss
         self.wte = nn.Embedding(config.vocab_size, config.d_model)
         self.wpe = nn.Embedding(config.block_size, config.d_model) if config.positions == "learned" else None
         if config.positions == "rotary":  # not persistent: derived from the config, not learned
@@ -423,6 +432,23 @@ class GPT(nn.Module):
         """idx (B, T) token ids -> logits (B, T, vocab_size), at tp > 1 this rank's vocabulary
         columns (B, T, vocab_size / tp). With a cache (tp=1 only), idx continues the cached
         tokens, and its keys and values are appended to the cache."""
+        y = self.features(idx, cache)
+        head = self.head_weight  # (vocab_size / tp, C)
+        logits = F.linear(column_parallel_input(y, self.parallel), head)  # (B, T, vocab_size / tp)
+        used = self.config.vocab_used
+        if used is not None and used < self.config.vocab_size:
+            ids = torch.arange(head.shape[0], device=idx.device) + self.parallel.tp_rank * head.shape[0]
+            logits = logits.masked_fill(ids >= used, float("-inf"))  # the padding rows
+        return logits
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head (vocab_size / tp, C): the token embedding, or lm_head's own weight."""
+        return self.wte.weight if self.lm_head is None else self.lm_head.weight
+
+    def features(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """idx (B, T) -> the final norm's output (B, T, C), the LM head's input; (B, T / tp, C) under
+        sequence parallelism."""
         B, T = idx.shape
         if cache is not None and self.parallel.tp_size > 1:
             raise ValueError(
@@ -448,17 +474,18 @@ class GPT(nn.Module):
         y, _ = add_norm(self.norm_f, x, h)
         if cache is not None:
             cache.length += T
-        head = self.wte.weight if self.lm_head is None else self.lm_head.weight  # (vocab_size / tp, C)
-        logits = F.linear(column_parallel_input(y, self.parallel), head)  # (B, T, vocab_size / tp)
-        used = self.config.vocab_used
-        if used is not None and used < self.config.vocab_size:
-            ids = torch.arange(head.shape[0], device=idx.device) + self.parallel.tp_rank * head.shape[0]
-            logits = logits.masked_fill(ids >= used, float("-inf"))  # the padding rows
-        return logits
+        return y
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of next-token prediction; idx, targets (B, T). At tp > 1 computed on
-        the vocabulary shards of the logits (never gathered), the same value on every tp rank."""
+        the vocabulary shards (never gathered), the same value on every tp rank. With fused_loss
+        (the default) the LM head and the loss run fused in row chunks and the logits never exist
+        whole: the Triton kernels on backend triton, their plain-PyTorch twins on reference."""
+        if self.fused_loss:
+            return vocab_parallel_linear_cross_entropy(
+                self.features(idx), self.head_weight, targets, self.parallel,
+                use_triton=self.backend == "triton", vocab_used=self.config.vocab_used,
+            )  # fmt: skip
         logits = self(idx)
         if self.parallel.tp_size > 1:
             return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.parallel)

@@ -24,9 +24,11 @@ per branch forward, one per branch backward. The conjugate pairs that do it, aft
 
 Sequence parallelism swaps the all-reduces for a reduce-scatter and an all-gather (the same
 bytes) and keeps the residual stream, the norms and the adds on (B, T / tp, C) between the
-branches, so they cost 1/tp of the time and activation memory. The logits stay split by
-vocabulary: ``vocab_parallel_cross_entropy`` computes the loss from the shards without gathering
-them. Every function takes its process group from the ``Parallel`` it is given; nothing is global.
+branches, so they cost 1/tp of the time and activation memory. The LM head and the loss run fused
+on each rank's vocabulary rows (``vocab_parallel_linear_cross_entropy``): in row chunks, with an
+all-reduce of each chunk's row max and one of its sums, never materialising or gathering the logits
+(``vocab_parallel_cross_entropy`` is the unfused form, on logits split by vocabulary). Every
+function takes its process group from the ``Parallel`` it is given; nothing is global.
 """
 
 from __future__ import annotations
@@ -40,6 +42,16 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 (the name every PyTorch reader knows)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+
+from kernels import runtime
+from kernels.cross_entropy import (
+    VocabShard,
+    check_options,
+    check_target,
+    linear_cross_entropy,
+    linear_cross_entropy_chunks,
+    row_weight,
+)
 
 if TYPE_CHECKING:  # horse.model imports this module
     from collections.abc import Iterable
@@ -425,6 +437,79 @@ def vocab_parallel_cross_entropy(
     rank's vocabulary columns, against targets (N,) in [0, V); equals ``F.cross_entropy`` of the
     gathered logits, without gathering them."""
     return _VocabParallelCrossEntropy.apply(logits, targets, parallel.tp_rank, parallel.tp_group).mean()
+
+
+def _vocab_shard(start: int, vocab: int, group: dist.ProcessGroup) -> VocabShard:
+    return VocabShard(
+        start,
+        vocab,
+        all_reduce_max=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group),
+        all_reduce_sum=lambda t: dist.all_reduce(t, group=group),
+    )
+
+
+class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
+    """Mean cross entropy of x Wᵀ with W this rank's vocabulary rows, by the chunk loop of
+    kernels.cross_entropy (linear_cross_entropy_chunks). Its gradients (dx a partial sum over the
+    ranks' columns) are computed in the forward for a loss gradient of 1, then scaled by the real one."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, shard, use_triton, ignore_index, label_smoothing, z_loss):
+        # x (N, C); weight (V_local, C); targets (N,) ids in [0, V) or ignore_index
+        dloss = row_weight(targets, ignore_index, "mean")
+        wants_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        rows, dx, dweight, _ = linear_cross_entropy_chunks(
+            x, weight, None, targets, dloss if wants_grad else None, ignore_index, label_smoothing, z_loss,
+            use_triton, shard,
+        )  # fmt: skip
+        ctx.save_for_backward(dx, dweight)
+        return rows.sum() * dloss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        dx, dweight = ctx.saved_tensors
+        return (dx * dloss).to(dx.dtype), (dweight * dloss).to(dweight.dtype), *[None] * 6
+
+
+def vocab_parallel_linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    parallel: Parallel,
+    use_triton: bool,
+    vocab_used: int | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+) -> torch.Tensor:
+    """Mean cross entropy (float32 scalar, the same on every tp rank) of the LM head ``x @ W_wholeᵀ``
+    against targets (B, T) in [0, vocab_used) (or ignore_index), without the logits: x (B, T, C), or
+    this rank's chunk (B, T/tp, C) under sequence parallelism; weight (V/tp, C), this rank's rows
+    [rank·V/tp, (rank+1)·V/tp) of the head. Rows from vocab_used on (padding) are left out.
+
+    Fused (``kernels.cross_entropy``): rows in chunks, each chunk's logits computed, turned into the
+    loss and their gradient, and consumed, on the Triton kernels (use_triton) or their plain-PyTorch
+    twins; at tp > 1 one all-reduce of each chunk's row max and one of its sums. At tp=1 on Triton it
+    is ``kernels.linear_cross_entropy``, a custom op that torch.compile traces whole.
+    """
+    rows = weight.shape[0]
+    vocab = rows * parallel.tp_size if vocab_used is None else vocab_used
+    start = parallel.tp_rank * rows
+    weight = weight[: max(0, min(rows, vocab - start))]  # this rank's columns in use
+    x = column_parallel_input(x, parallel).flatten(0, 1)  # (B·T, C): the whole sequence on every rank
+    targets = targets.flatten()
+    use_triton = use_triton and runtime.runs_triton(x)
+    if parallel.tp_size == 1 and use_triton:
+        options = {"ignore_index": ignore_index, "label_smoothing": label_smoothing, "z_loss": z_loss}
+        return linear_cross_entropy(x, weight, targets, **options)
+    fn = "vocab_parallel_linear_cross_entropy"
+    check_options(fn, ignore_index, "mean", label_smoothing, z_loss)
+    check_target(fn, targets, tuple(x.shape[:1]), vocab, ignore_index, x.device)
+    shard = _vocab_shard(start, vocab, parallel.tp_group) if parallel.tp_size > 1 else None
+    (x,) = runtime.autocast(x)
+    return _VocabParallelLinearCrossEntropy.apply(
+        x, weight, targets, shard, use_triton, ignore_index, label_smoothing, z_loss
+    )
 
 
 # ----------------------------------------------------------------------------------------------

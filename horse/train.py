@@ -107,6 +107,7 @@ class TrainConfig:
     precision: fp16 (fp32 master weights, dynamic loss scaling), bf16 or fp32; default fp16 on a GPU, or fp32
     backend: triton (fused kernels) or reference (plain torch); default triton on an sm_80+ GPU, or reference
     device: cuda or cpu (under torchrun: NCCL or gloo); default cuda where a GPU is visible
+    fused_loss: the LM head fused with the loss, in row chunks (no logits held); --no-fused-loss: unfused
     loss_scale: initial fp16 loss scale
     loss_scale_window: clean fp16 steps before the loss scale doubles (an inf/NaN gradient halves it, skips)
     min_loss_scale: the fp16 loss scale never halves below this
@@ -151,6 +152,7 @@ class TrainConfig:
     precision: Literal["fp16", "bf16", "fp32"] | None = None
     backend: Literal["triton", "reference"] | None = None
     device: Literal["cuda", "cpu"] | None = None
+    fused_loss: bool = True
     loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
     min_loss_scale: float = 1.0
@@ -612,6 +614,7 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     # float32 master weights, autocast computes in fp16/bf16; at tp > 1 this rank's shard, cut from
     # the whole model initialised from the seed, so every tp size starts from the same weights.
     model = build_model(config, backend, parallel, device, cfg.seed)
+    model.fused_loss = cfg.fused_loss
     if cfg.init_from and ckpt is None:
         hf.load_pretrained(cfg.init_from, model, parallel)
     loss_fn = model.loss

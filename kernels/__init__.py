@@ -7,18 +7,21 @@ through it without graph breaks.
 """
 
 from kernels.attention import flash_attention, flash_attention_varlen
+from kernels.cross_entropy import cross_entropy, linear_cross_entropy
 from kernels.layernorm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from kernels.mlp import fused_gated_mlp, fused_mlp, gated_linear, linear_act
 
 __all__ = [
     "add_layer_norm",
     "add_rms_norm",
+    "cross_entropy",
     "flash_attention",
     "flash_attention_varlen",
     "fused_gated_mlp",
     "fused_mlp",
     "gated_linear",
     "layer_norm",
+    "linear_cross_entropy",
     "linear_act",
     "rms_norm",
 ]

@@ -94,7 +94,9 @@ def autocast(*tensors):
     in nn.Linear, and the cast is differentiable, so the float32 master weight gets its gradient.
     """
     first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
-    if first is None or not torch.is_autocast_enabled(first.device.type):
+    if first is None or not torch.amp.is_autocast_available(first.device.type):  # meta: no autocast
+        return tensors
+    if not torch.is_autocast_enabled(first.device.type):
         return tensors
     dtype = torch.get_autocast_dtype(first.device.type)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)

@@ -1,0 +1,674 @@
+"""Cross-entropy with its gradient in the same pass, and the LM head fused with it.
+
+    lse_i  = log Σ_v exp(z_iv)                                  (online max and sum over blocks of v)
+    loss_i = (1 - ε)(lse_i - z_i,t) + ε(lse_i - mean_v z_iv) + λ lse_i²    (ε label smoothing, λ z-loss)
+    ∂loss_i/∂z_iv = softmax(z_i)_v (1 + 2λ lse_i) - (1 - ε)[v = t] - ε / V
+
+``cross_entropy``: one Triton program per row sweeps the row twice inside one launch: the first sweep
+keeps the running max and sum of exponentials (and the sum of logits for label smoothing), the second
+writes the gradient, already multiplied by d(reduced loss)/d(loss_i) (1/n_valid for "mean", 1 for
+"sum" and "none"), so the backward is a scale by the incoming gradient and never reads the logits
+again. No float32 copy of the logits exists; arithmetic is float32 on float16/bfloat16/float32 rows.
+The public ``cross_entropy`` writes the gradient into a buffer the op owns (the caller's logits are
+left alone); ``linear_cross_entropy`` writes it in place of its own chunk of logits.
+
+``linear_cross_entropy``: x (N, H) @ weightᵀ (V, H) [+ bias] and the loss, without the (N, V) logits.
+Rows go in chunks (:func:`chunk_rows`: a budget of logits bytes, smaller when the GPU has little
+free memory); per chunk a GEMM writes the logits, the kernel above turns them into the loss and, in
+place, their gradient, and two GEMMs turn that into dx (complete for the chunk's rows) and dW
+(added to a float32 accumulator, as db); everything in a fixed order, so gradients repeat bit for
+bit. The GEMMs run in x's dtype (the weight and bias are cast to it; their gradients come back in
+their own dtypes), so a float32 master weight under autocast gets a float32 gradient directly.
+With reduction "none" the gradient depends on the incoming per-row gradient, so the forward
+computes the loss only and the backward runs the chunks again.
+
+A vocabulary shard (:class:`VocabShard`, tensor parallelism): the weight holds columns [start, start +
+V_local) of a vocabulary of V; per chunk the row statistics are reduced over the ranks (one all-reduce
+of the max, one of the sum of exponentials, the target's logit and the sum of logits) between a
+statistics kernel and a gradient kernel; no rank ever holds another's logits.
+
+Targets are int64 in [0, V) or ``ignore_index`` (such rows add nothing; a batch with no other row
+gives a loss of 0 and zero gradients). V ranges over 1..262,144, any size.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import reference, runtime
+
+MAX_VOCAB = 262144
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+REDUCTIONS = ("mean", "sum", "none")
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels (a row of logits has N vocabulary columns; M rows)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_stats(ROW, N, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(max, Σ exp(z - max), Σ z) of one row, float32, in one sweep over blocks of BLOCK_V."""
+    m = tl.full((), float("-inf"), tl.float32)
+    d = tl.zeros((), tl.float32)
+    sum_z = tl.zeros((), tl.float32)
+    for start in range(0, N, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < N
+        z = tl.load(ROW + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        # A row (or its start) of -inf logits: exp(-inf - -inf) would be NaN; shift by 0 instead.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        d = d * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), axis=0)
+        m = m_new
+        if HAS_SMOOTHING:
+            sum_z += tl.sum(tl.where(mask, z, 0.0), axis=0)
+    return m, d, sum_z
+
+
+@triton.jit
+def _write_grad(ROW, DROW, N, target_col, lse, scale, label_smoothing, z_loss, vocab, BLOCK_V: tl.constexpr):
+    """DROW = scale · (softmax(z) (1 + 2 λ lse) - (1 - ε) onehot(target_col) - ε / vocab), in DROW's dtype.
+    Each element is read before it is written, so DROW may be ROW (in place)."""
+    p_scale = 1.0 + 2.0 * z_loss * lse
+    for start in range(0, N, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < N
+        z = tl.load(ROW + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.exp(z - lse) * p_scale - label_smoothing / vocab
+        g = tl.where(cols == target_col, g - (1.0 - label_smoothing), g)
+        tl.store(DROW + cols, (g * scale).to(DROW.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _cross_entropy_kernel(
+    LOGITS,  # (M, N), row stride stride_logits, unit column stride
+    DLOGITS,  # (M, N), row stride stride_dlogits: the gradient, when WRITE_GRAD; may be LOGITS
+    TARGET,  # (M,) int64
+    DLOSS,  # (M,) float32 with stride dloss_stride (0: one value for every row): d(reduced)/d(loss_i)
+    LOSS,  # (M,) float32: loss_i, 0 on ignored rows
+    LSE,  # (M,) float32
+    N,
+    stride_logits,
+    stride_dlogits,
+    dloss_stride,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    HAS_SMOOTHING: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # grid = (M,)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 on large logits
+    logits_row = LOGITS + row * stride_logits
+    target = tl.load(TARGET + row)
+    ignored = target == ignore_index
+    m, d, sum_z = _row_stats(logits_row, N, HAS_SMOOTHING, BLOCK_V)
+    lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(d)
+    target_logit = tl.load(logits_row + target, mask=~ignored, other=0.0).to(tl.float32)
+    loss = lse * (1.0 + z_loss * lse) - (1.0 - label_smoothing) * target_logit
+    if HAS_SMOOTHING:
+        loss -= label_smoothing * sum_z / N
+    tl.store(LOSS + row, tl.where(ignored, 0.0, loss))
+    tl.store(LSE + row, lse)
+    if WRITE_GRAD:
+        scale = tl.where(ignored, 0.0, tl.load(DLOSS + row * dloss_stride))
+        col = tl.where(ignored, -1, target)
+        _write_grad(
+            logits_row, DLOGITS + row * stride_dlogits, N, col, tl.where(ignored, 0.0, lse), scale,
+            label_smoothing, z_loss, N, BLOCK_V,
+        )  # fmt: skip
+
+
+@triton.jit
+def _cross_entropy_stats_kernel(
+    LOGITS,  # (M, N), row stride stride_logits: this rank's vocabulary columns
+    TARGET,  # (M,) int64: column of the target in this shard (outside [0, N): another rank's)
+    STATS,  # (4, M) float32: max, Σ exp(z - max), the target's logit (0 if not here), Σ z
+    M,
+    N,
+    stride_logits,
+    HAS_SMOOTHING: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # grid = (M,)
+    row = tl.program_id(0).to(tl.int64)
+    logits_row = LOGITS + row * stride_logits
+    target = tl.load(TARGET + row)
+    m, d, sum_z = _row_stats(logits_row, N, HAS_SMOOTHING, BLOCK_V)
+    here = (target >= 0) & (target < N)
+    tl.store(STATS + row, m)
+    tl.store(STATS + M + row, d)
+    tl.store(STATS + 2 * M + row, tl.load(logits_row + target, mask=here, other=0.0).to(tl.float32))
+    tl.store(STATS + 3 * M + row, sum_z)
+
+
+@triton.jit
+def _cross_entropy_grad_kernel(
+    LOGITS,  # (M, N), row stride stride_logits: overwritten by the gradient
+    TARGET,  # (M,) int64: column of the target in this shard
+    LSE,  # (M,) float32: over the whole vocabulary
+    SCALE,  # (M,) float32: d(reduced loss)/d(loss_i), 0 on ignored rows
+    N,
+    stride_logits,
+    vocab,
+    label_smoothing,
+    z_loss,
+    BLOCK_V: tl.constexpr,
+):
+    # grid = (M,)
+    row = tl.program_id(0).to(tl.int64)
+    logits_row = LOGITS + row * stride_logits
+    _write_grad(
+        logits_row, logits_row, N, tl.load(TARGET + row), tl.load(LSE + row), tl.load(SCALE + row),
+        label_smoothing, z_loss, vocab, BLOCK_V,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    block_v: int
+    num_warps: int
+
+
+# Logits a program holds per step of its sweep. At 4096 a float32 block is 8 values a thread over 16
+# warps: larger blocks buy nothing for a memory-bound sweep and cost registers.
+MAX_BLOCK_V = 4096
+
+
+def row_config(n_cols: int, arch: runtime.Arch) -> RowConfig:
+    """The block rule of the cross-entropy kernels on GPU family arch: the row (up to MAX_BLOCK_V) a
+    step, 8 values a thread."""
+    block_v = min(triton.next_power_of_2(n_cols), MAX_BLOCK_V)
+    return RowConfig(block_v, max(1, min(16, block_v // (8 * arch.warp_size))))
+
+
+def _scalars(label_smoothing: float, z_loss: float) -> dict:
+    return {"label_smoothing": float(label_smoothing), "z_loss": float(z_loss)}
+
+
+def cross_entropy_fwd(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    dloss: torch.Tensor | None,
+    dlogits: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss and log-sum-exp (M,) float32 of logits (M, V) (unit column stride) against target (M,).
+
+    With dloss (a float32 scalar, or (M,)) the kernel also writes dloss_i · ∂loss_i/∂logits into
+    dlogits (M, V), which may be logits itself; ignored rows get zeros.
+    """
+    M, V = logits.shape
+    loss = runtime.empty((M,), torch.float32, logits.device)
+    lse = runtime.empty((M,), torch.float32, logits.device)
+    if M == 0:
+        return loss, lse
+    cfg = row_config(V, runtime.arch(logits.device))
+    write_grad = dloss is not None
+    out = dlogits if write_grad else logits
+    dloss = dloss if write_grad else loss
+    with runtime.device_guard(logits):
+        _cross_entropy_kernel[(M,)](
+            logits, out, target, dloss, loss, lse,
+            V, logits.stride(0), out.stride(0), dloss.stride(0) if dloss.dim() else 0, ignore_index,
+            **_scalars(label_smoothing, z_loss), HAS_SMOOTHING=label_smoothing > 0, WRITE_GRAD=write_grad,
+            BLOCK_V=cfg.block_v, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
+        )  # fmt: skip
+    return loss, lse
+
+
+def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor, smoothing: bool) -> torch.Tensor:
+    """(4, M) float32 of logits (M, V_local) as :func:`reference.cross_entropy_stats` returns them."""
+    M, V = logits.shape
+    stats = runtime.empty((4, M), torch.float32, logits.device)
+    if M == 0:
+        return stats
+    cfg = row_config(V, runtime.arch(logits.device))
+    with runtime.device_guard(logits):
+        _cross_entropy_stats_kernel[(M,)](
+            logits, target, stats, M, V, logits.stride(0), HAS_SMOOTHING=smoothing,
+            BLOCK_V=cfg.block_v, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
+        )  # fmt: skip
+    return stats
+
+
+def cross_entropy_grad_(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    scale: torch.Tensor,
+    vocab: int,
+    label_smoothing: float,
+    z_loss: float,
+) -> None:
+    """Overwrite logits (M, V_local) by scale_i · ∂loss_i/∂logits (:func:`reference.cross_entropy_grad_`)."""
+    M, V = logits.shape
+    if M == 0:
+        return
+    cfg = row_config(V, runtime.arch(logits.device))
+    with runtime.device_guard(logits):
+        _cross_entropy_grad_kernel[(M,)](
+            logits, target, lse, scale, V, logits.stride(0), vocab, **_scalars(label_smoothing, z_loss),
+            BLOCK_V=cfg.block_v, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's columns [start, start + V_local) of a vocabulary of ``vocab`` split over ranks, and
+    the two collectives that combine the ranks' row statistics (in place, over the tp group)."""
+
+    start: int
+    vocab: int
+    all_reduce_max: Callable[[torch.Tensor], None]
+    all_reduce_sum: Callable[[torch.Tensor], None]
+
+
+# Bytes of one chunk's logits. 64 MiB is 0.7 % of the unfused loss's peak at gpt2-124m, 16 x 1024 tokens
+# (10 GB: tests/test_cross_entropy.py's memory test), and gives the GEMMs 667 rows of a 50,304-word
+# vocabulary in 16-bit. The plain-PyTorch twins hold a float32 copy of the chunk besides: half the rows.
+CHUNK_BYTES = 64 * 2**20
+# dW's float32 sum takes each chunk's 16-bit product in slices of the vocabulary of at most these bytes
+# (a whole (V, H) product would be 77 MB more at gpt2-124m).
+DW_SLICE_BYTES = 16 * 2**20
+
+
+def chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype, device: torch.device, use_triton: bool) -> int:
+    """Rows per chunk: as many as CHUNK_BYTES of logits hold (half without Triton), at most 1/8 of the
+    GPU's free memory."""
+    budget = CHUNK_BYTES if use_triton else CHUNK_BYTES // 2
+    if device.type == "cuda":
+        budget = min(budget, torch.cuda.mem_get_info(device)[0] // 8)
+    return max(1, min(n_rows, budget // (vocab * dtype.itemsize)))
+
+
+def _chunk_loss_(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    dloss: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    use_triton: bool,
+    shard: VocabShard | None,
+) -> torch.Tensor:
+    """Loss (C,) of a chunk of logits (C, V_local); with dloss the gradient replaces the logits."""
+    if use_triton and shard is None:
+        return cross_entropy_fwd(logits, target, dloss, logits, ignore_index, label_smoothing, z_loss)[0]
+    start, vocab = (0, logits.shape[1]) if shard is None else (shard.start, shard.vocab)
+    ignored = target == ignore_index
+    local = torch.where(ignored, -1, target - start)  # the target's column here; outside: elsewhere
+    smoothing = label_smoothing > 0
+    if use_triton:
+        stats = cross_entropy_stats(logits, local, smoothing)
+    else:
+        stats = reference.cross_entropy_stats(logits, local, smoothing)
+    if shard is not None:
+        row_max = stats[0].clone()
+        shard.all_reduce_max(row_max)
+        stats[1] *= torch.exp(stats[0] - reference.finite_or_zero(row_max))
+        stats[0] = row_max
+        sums = stats[1:].contiguous()  # one all-reduce for the three sums
+        shard.all_reduce_sum(sums)
+        stats[1:] = sums
+    loss, lse = reference.cross_entropy_loss_from_stats(stats, ignored, vocab, label_smoothing, z_loss)
+    if dloss is not None:
+        scale = torch.where(ignored, 0.0, dloss.float().expand(target.shape)).contiguous()
+        lse = torch.where(ignored, 0.0, lse)
+        grad_ = cross_entropy_grad_ if use_triton else reference.cross_entropy_grad_
+        grad_(logits, local, lse, scale, vocab, label_smoothing, z_loss)
+    return loss
+
+
+def linear_cross_entropy_chunks(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    dloss: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    use_triton: bool,
+    shard: VocabShard | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunk loop: x (N, H), weight (V_local, H), bias (V_local,) or None, target (N,).
+
+    Returns (loss (N,) float32, dx, dweight, dbias). With dloss (a float32 scalar or (N,): the
+    gradient of the caller's reduced loss with respect to each row's loss), dx is (N, H) in x's dtype
+    and dweight, dbias come in weight's and bias's dtypes, summed in float32; without, they are empty.
+    The per-chunk math runs the Triton kernels (use_triton) or their plain-PyTorch twins.
+    """
+    N, _ = x.shape
+    V = weight.shape[0]
+    w = weight.to(x.dtype)
+    b = None if bias is None else bias.to(x.dtype)
+    loss = runtime.empty((N,), torch.float32, x.device)
+    grad = dloss is not None
+    dx = runtime.empty(x.shape if grad else (0,), x.dtype, x.device)
+    dw = torch.zeros(weight.shape if grad else (0,), dtype=torch.float32, device=x.device)
+    db = torch.zeros((V,) if grad and bias is not None else (0,), dtype=torch.float32, device=x.device)
+    if dloss is not None:
+        dloss = dloss.float().expand(N)
+    rows = chunk_rows(N, V, x.dtype, x.device, use_triton)
+    dw_slice = max(1, DW_SLICE_BYTES // (x.shape[1] * x.element_size()))  # vocabulary rows
+    buffer = torch.empty((min(rows, N), V), dtype=x.dtype, device=x.device)
+    for start in range(0, N, rows):
+        end = min(start + rows, N)
+        xc = x[start:end]  # (C, H)
+        logits = buffer[: end - start]  # (C, V): the chunk's logits, then their gradient
+        if b is None:
+            torch.mm(xc, w.T, out=logits)
+        else:
+            torch.addmm(b, xc, w.T, out=logits)
+        dloss_c = None if dloss is None else dloss[start:end]
+        loss[start:end] = _chunk_loss_(
+            logits, target[start:end], dloss_c, ignore_index, label_smoothing, z_loss, use_triton, shard
+        )
+        if grad:
+            torch.mm(logits, w, out=dx[start:end])
+            if dw.dtype == logits.dtype:
+                dw.addmm_(logits.T, xc)
+            else:  # 16-bit products (float32 inside the GEMM) added to the float32 sum
+                for v in range(0, V, dw_slice):
+                    dw[v : v + dw_slice] += logits[:, v : v + dw_slice].T @ xc
+            if bias is not None:
+                db += logits.sum(0, dtype=torch.float32)
+    return loss, dx, dw.to(weight.dtype), db.to(bias.dtype if bias is not None else db.dtype)
+
+
+def reduce_loss(loss: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str):
+    """The reduced loss of per-row losses (float32) and d(it)/d(loss_i): a float32 scalar tensor."""
+    if reduction == "none":
+        return loss, torch.ones((), dtype=torch.float32, device=loss.device)
+    if reduction == "sum":
+        return loss.sum(), torch.ones((), dtype=torch.float32, device=loss.device)
+    # mean over the rows not ignored; none left: 0, not PyTorch's 0/0
+    count = (target != ignore_index).sum().clamp(min=1).to(torch.float32)
+    return loss.sum() / count, 1.0 / count
+
+
+def row_weight(target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """d(reduced loss)/d(loss_i), a float32 scalar tensor: 1/n_valid for "mean", else 1."""
+    return reduce_loss(torch.zeros((0,), device=target.device), target, ignore_index, reduction)[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops and autograd
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("horse::cross_entropy_fwd", mutates_args=())
+def _cross_entropy_fwd_op(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dloss = row_weight(target, ignore_index, reduction) if compute_grad else None
+    if runtime.runs_triton(logits):
+        dlogits = runtime.empty(logits.shape if compute_grad else (0,), logits.dtype, logits.device)
+        loss, _ = cross_entropy_fwd(
+            logits, target, dloss, dlogits if compute_grad else None, ignore_index, label_smoothing, z_loss
+        )
+    else:
+        dlogits = logits.clone() if compute_grad else logits.new_empty((0,))
+        loss = _chunk_loss_(dlogits if compute_grad else logits, target, dloss, ignore_index,
+                            label_smoothing, z_loss, use_triton=False, shard=None)  # fmt: skip
+    return reduce_loss(loss, target, ignore_index, reduction)[0], dlogits
+
+
+@_cross_entropy_fwd_op.register_fake
+def _(logits, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad):
+    loss = logits.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32)
+    return loss, logits.new_empty(logits.shape if compute_grad else (0,))
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.per_row = inputs[3] == "none"
+
+
+def _cross_entropy_backward(ctx, dloss, _ddlogits):
+    (dlogits,) = ctx.saved_tensors
+    scale = dloss[:, None] if ctx.per_row else dloss
+    return (dlogits * scale).to(dlogits.dtype), None, None, None, None, None, None
+
+
+_cross_entropy_fwd_op.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
+
+
+@torch.library.custom_op("horse::linear_cross_entropy_fwd", mutates_args=())
+def _linear_cross_entropy_fwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # "none": the gradient needs the incoming per-row gradient; the backward runs the chunks again
+    in_forward = compute_grad and reduction != "none"
+    dloss = row_weight(target, ignore_index, reduction) if in_forward else None
+    loss, dx, dw, db = linear_cross_entropy_chunks(
+        x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss, runtime.runs_triton(x)
+    )
+    return reduce_loss(loss, target, ignore_index, reduction)[0], dx, dw, db
+
+
+def _linear_grads_fake(x, weight, bias, with_grads: bool):
+    return (
+        x.new_empty(x.shape if with_grads else (0,)),
+        weight.new_empty(weight.shape if with_grads else (0,)),
+        x.new_empty((0,)) if bias is None or not with_grads else bias.new_empty(bias.shape),
+    )
+
+
+@_linear_cross_entropy_fwd_op.register_fake
+def _(x, weight, bias, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad):
+    loss = x.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32)
+    return loss, *_linear_grads_fake(x, weight, bias, compute_grad and reduction != "none")
+
+
+@torch.library.custom_op("horse::linear_cross_entropy_bwd", mutates_args=())
+def _linear_cross_entropy_bwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    dloss: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, dx, dw, db = linear_cross_entropy_chunks(
+        x, weight, bias, target, dloss.contiguous(), ignore_index, label_smoothing, z_loss,
+        runtime.runs_triton(x),
+    )  # fmt: skip
+    return dx, dw, db
+
+
+@_linear_cross_entropy_bwd_op.register_fake
+def _(x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss):
+    return _linear_grads_fake(x, weight, bias, True)
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, bias, target, ignore_index, reduction, label_smoothing, z_loss, _ = inputs
+    _, dx, dw, db = output
+    ctx.recompute = reduction == "none"
+    ctx.has_bias = bias is not None
+    ctx.options = (ignore_index, label_smoothing, z_loss)
+    if ctx.recompute:
+        ctx.save_for_backward(x, weight, bias, target)
+    else:
+        ctx.save_for_backward(dx, dw, db)
+
+
+def _linear_backward(ctx, dloss, _ddx, _ddw, _ddb):
+    if ctx.recompute:
+        x, weight, bias, target = ctx.saved_tensors
+        dx, dw, db = _linear_cross_entropy_bwd_op(x, weight, bias, target, dloss, *ctx.options)
+    else:  # computed in the forward for a reduced loss of gradient 1: scale by the real one
+        dx, dw, db = ((g * dloss).to(g.dtype) for g in ctx.saved_tensors)
+    return dx, dw, db if ctx.has_bias else None, None, None, None, None, None, None
+
+
+_linear_cross_entropy_fwd_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------
+
+
+def check_options(fn: str, ignore_index: int, reduction: str, label_smoothing: float, z_loss: float) -> None:
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"{fn}: ignore_index must be an int, got {type(ignore_index).__name__}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{fn}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{fn}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not z_loss >= 0.0:
+        raise ValueError(f"{fn}: z_loss must be at least 0, got {z_loss}")
+
+
+def check_target(fn: str, target: torch.Tensor, rows: tuple[int, ...], vocab: int, ignore_index: int, device):
+    """target: an int64 tensor of shape rows on device, every value in [0, vocab) or ignore_index.
+
+    The values are checked on the host for CPU tensors; on a GPU and under torch.compile by an
+    asynchronous device assert (no synchronisation), whose failure names the argument too."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"{fn}: target must be a torch.Tensor, got {type(target).__name__}")
+    if target.dtype != torch.int64:
+        raise TypeError(f"{fn}: target must be int64 (torch.long), got {target.dtype}")
+    if tuple(target.shape) != rows:
+        raise ValueError(f"{fn}: target must have shape {list(rows)}, got {list(target.shape)}")
+    if target.device != device:
+        raise ValueError(f"{fn}: target is on {target.device} but the input is on {device}")
+    if target.device.type == "meta":
+        return
+    bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
+    message = f"{fn}: target values must be in [0, {vocab}) or ignore_index ({ignore_index})"
+    if torch.compiler.is_compiling() or target.device.type != "cpu":
+        torch._assert_async(~bad.any(), message)
+    elif bad.any():
+        value = target[bad][0].item()
+        raise ValueError(f"{message}; got {value} at {tuple(bad.nonzero()[0].tolist())}")
+
+
+def _check_float(fn: str, name: str, t: torch.Tensor, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{fn}: {name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{fn}: {name} is on {t.device} but the input is on {device}")
+
+
+def _check_vocab(fn: str, name: str, vocab: int) -> None:
+    if not 1 <= vocab <= MAX_VOCAB:
+        raise ValueError(f"{fn}: {name} must have between 1 and {MAX_VOCAB} classes, got {vocab}")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    # (M, n) with a unit column stride: the kernels take any row stride
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(1) == 1 or t.shape[1] == 1 else t.contiguous()
+
+
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+) -> torch.Tensor:
+    """Cross-entropy of logits (..., V) against target (...) int64, as ``F.cross_entropy`` of the
+    flattened rows, plus ``z_loss · logsumexp²`` per row (PaLM's z-loss), in float32.
+
+    reduction "mean" (over rows whose target is not ignore_index; 0 when there are none), "sum", or
+    "none" (a (...) tensor, 0 at ignored rows). Returns float32. The gradient of the logits is written
+    in the forward into a buffer of logits' shape and dtype owned by the op (never into logits);
+    only with autograd recording and logits requiring a gradient.
+    """
+    fn = "cross_entropy"
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{fn}: logits must be a torch.Tensor, got {type(logits).__name__}")
+    _check_float(fn, "logits", logits, logits.device)
+    if logits.dim() < 1:
+        raise ValueError(f"{fn}: logits must have a class dimension, got shape {list(logits.shape)}")
+    check_options(fn, ignore_index, reduction, label_smoothing, z_loss)
+    _check_vocab(fn, "logits", logits.shape[-1])
+    check_target(fn, target, tuple(logits.shape[:-1]), logits.shape[-1], ignore_index, logits.device)
+    loss, _ = _cross_entropy_fwd_op(
+        _rows(logits), target.reshape(-1), ignore_index, reduction, float(label_smoothing), float(z_loss),
+        _wants_grad(logits),
+    )  # fmt: skip
+    return loss.view(target.shape) if reduction == "none" else loss
+
+
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+) -> torch.Tensor:
+    """``cross_entropy(x @ weight.T + bias, target, ...)`` without the logits: x (..., H), weight (V, H)
+    as nn.Linear's, bias (V,) or None, target (...) int64; options as :func:`cross_entropy`.
+
+    The matmuls run in x's dtype (autocast's, when on); weight and bias may be float32 masters and
+    get float32 gradients. Returns float32: a scalar, or (...) for reduction "none".
+    """
+    fn = "linear_cross_entropy"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
+    _check_float(fn, "x", x, x.device)
+    _check_float(fn, "weight", weight, x.device)
+    if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"{fn}: weight must be (V, H) with H = x's last dimension; got x {list(x.shape)}, weight "
+            f"{list(weight.shape)}"
+        )
+    vocab = weight.shape[0]
+    _check_vocab(fn, "weight", vocab)
+    if bias is not None:
+        _check_float(fn, "bias", bias, x.device)
+        if tuple(bias.shape) != (vocab,):
+            raise ValueError(f"{fn}: bias must have shape [{vocab}], got {list(bias.shape)}")
+    check_options(fn, ignore_index, reduction, label_smoothing, z_loss)
+    check_target(fn, target, tuple(x.shape[:-1]), vocab, ignore_index, x.device)
+    (x,) = runtime.autocast(x)  # the weight stays as given: the op casts it, its gradient keeps its dtype
+    loss, *_ = _linear_cross_entropy_fwd_op(
+        _rows(x), _rows(weight), bias, target.reshape(-1), ignore_index, reduction,
+        float(label_smoothing), float(z_loss), _wants_grad(x, weight, bias),
+    )  # fmt: skip
+    return loss.view(target.shape) if reduction == "none" else loss

@@ -1,0 +1,389 @@
+"""kernels.cross_entropy and kernels.linear_cross_entropy against F.cross_entropy in float64 (forward,
+dlogits, dx, dW, db) on awkward sizes, with ignore_index, label smoothing and z-loss; the chunk loop's
+plain-PyTorch form; bad input; torch.compile; and the memory the fused loss saves."""
+
+import dataclasses
+import sys
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from helpers import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import kernels
+import kernels.cross_entropy  # noqa: F401 (the module, which kernels.cross_entropy the function hides)
+from horse.model import GPT, GPTConfig
+from horse.parallel import Parallel, vocab_parallel_linear_cross_entropy
+from kernels import reference
+
+ce = sys.modules["kernels.cross_entropy"]
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+OPTIONS = [
+    {},
+    {"label_smoothing": 0.1},
+    {"z_loss": 1e-2},
+    {"label_smoothing": 0.2, "z_loss": 1e-3, "reduction": "sum"},
+    {"reduction": "none", "label_smoothing": 0.05},
+]
+
+
+def _targets(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    """Targets with the first and last class and two ignored rows (rows >= 4)."""
+    t = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(seed))
+    t[0], t[-1] = 0, vocab - 1
+    if rows >= 4:
+        t[1], t[rows // 2] = -100, -100
+    return t
+
+
+def _grads(loss: torch.Tensor, inputs: list, seed: int = 1) -> tuple:
+    """The inputs' gradients for a random upstream gradient (every row its own weight for "none")."""
+    upstream = (
+        torch.rand(loss.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.5
+    )
+    return torch.autograd.grad(loss, inputs, upstream.to(loss.dtype))
+
+
+def _cases(sizes: list[tuple]) -> list[tuple]:
+    """Every option set on the first size; the other sizes with one each, in turn."""
+    rest = [(*size, OPTIONS[i % len(OPTIONS)]) for i, size in enumerate(sizes[1:], 1)]
+    return [(*sizes[0], options) for options in OPTIONS] + rest
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("rows", "vocab", "options"), _cases([(13, 1000), (5, 1), (9, 7), (3, 5003)]), ids=str
+)
+def test_cross_entropy_matches_float64(rows, vocab, dtype, options):
+    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    target = _targets(rows, vocab)
+    exact = logits.double().requires_grad_()
+    truth = reference.cross_entropy(exact, target, **options)
+    (truth_grad,) = _grads(truth, [exact])
+    baseline_in = logits.float().requires_grad_()  # PyTorch's own: F.cross_entropy upcasts 16-bit logits
+    baseline = reference.cross_entropy(baseline_in, target, **options)
+    (baseline_grad,) = _grads(baseline, [baseline_in])
+    ours_in = logits.clone().requires_grad_()
+    loss = kernels.cross_entropy(ours_in, target, **options)
+    (grad,) = _grads(loss, [ours_in])
+    assert loss.dtype == torch.float32 and grad.dtype == dtype
+    assert_close("loss", loss, truth, baseline)
+    assert_close("dlogits", grad, truth_grad, baseline_grad.to(dtype))
+    assert torch.equal(ours_in.detach(), logits)  # the caller's logits are not overwritten
+
+
+@pytest.mark.interpreter
+def test_cross_entropy_takes_any_leading_shape_and_the_largest_vocabulary():
+    logits = torch.randn(2, 1, 262144).half().requires_grad_()
+    target = torch.tensor([[5], [262143]])
+    loss = kernels.cross_entropy(logits, target, reduction="none")
+    assert loss.shape == (2, 1)
+    exact = logits.detach().double().requires_grad_()
+    truth = reference.cross_entropy(exact, target, reduction="none")
+    torch.testing.assert_close(loss.double(), truth, rtol=1e-5, atol=1e-5)
+    loss.sum().backward()
+    truth.sum().backward()
+    torch.testing.assert_close(logits.grad.double(), exact.grad, rtol=0, atol=1e-3)
+
+
+def _linear_case(rows, hidden, vocab, dtype, bias: bool, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    w = (torch.randn(vocab, hidden, generator=g) / hidden**0.5 * 3).to(dtype)
+    b = (torch.randn(vocab, generator=g) * 0.5).to(dtype) if bias else None
+    return [t for t in (x, w, b) if t is not None], _targets(rows, vocab, seed)
+
+
+def _linear(fn, tensors, target, **options):
+    x, w, *b = tensors
+    return fn(x, w, target, b[0] if b else None, **options)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=str)  # bf16's tl.dot: no matmul here
+@pytest.mark.parametrize(
+    ("rows", "hidden", "vocab", "bias", "options"),
+    _cases([(37, 24, 1001, True), (5, 8, 1, True), (23, 16, 300, False)]),
+    ids=str,
+)
+def test_linear_cross_entropy_matches_float64(monkeypatch, rows, hidden, vocab, bias, dtype, options):
+    monkeypatch.setattr(ce, "CHUNK_BYTES", 7 * vocab * dtype.itemsize)  # chunks of 7 rows: a ragged last one
+    monkeypatch.setattr(ce, "DW_SLICE_BYTES", 5 * hidden * dtype.itemsize)  # and dW's slices
+    tensors, target = _linear_case(rows, hidden, vocab, dtype, bias)
+    exact = [t.double().requires_grad_() for t in tensors]
+    truth = _linear(reference.linear_cross_entropy, exact, target, **options)
+    truth_grads = _grads(truth, exact)
+    # PyTorch's own at this precision: the logits by a matmul in dtype, the loss in float32.
+    baseline_in = [t.clone().requires_grad_() for t in tensors]
+    x, w, *b = baseline_in
+    logits = F.linear(x, w, b[0] if b else None)
+    baseline = reference.cross_entropy(logits, target, **options)
+    baseline_grads = _grads(baseline, baseline_in)
+    ours_in = [t.clone().requires_grad_() for t in tensors]
+    loss = _linear(kernels.linear_cross_entropy, ours_in, target, **options)
+    grads = _grads(loss, ours_in)
+    assert loss.dtype == torch.float32
+    assert_close("loss", loss, truth, baseline.float())
+    for name, grad, want, base in zip(("dx", "dW", "db"), grads, truth_grads, baseline_grads, strict=False):
+        assert_close(name, grad, want, base)
+
+
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "plain-pytorch"])
+def test_the_chunk_loop_matches_the_truth_on_either_path(monkeypatch, use_triton):
+    if use_triton and not ce.runtime.INTERPRET:
+        pytest.skip("the Triton path runs on a GPU or in the interpreter")
+    monkeypatch.setattr(ce, "CHUNK_BYTES", 6 * 97 * 4)
+    tensors, target = _linear_case(29, 12, 97, torch.float32, bias=True)
+    options = {"ignore_index": -100, "label_smoothing": 0.1, "z_loss": 1e-2}
+    dloss = ce.row_weight(target, -100, "mean")
+    rows, dx, dw, db = ce.linear_cross_entropy_chunks(*tensors[:2], tensors[2], target, dloss, **options,
+                                                      use_triton=use_triton)  # fmt: skip
+    exact = [t.double().requires_grad_() for t in tensors]
+    truth = _linear(reference.linear_cross_entropy, exact, target, **options, reduction="none")
+    torch.testing.assert_close(rows.double(), truth.detach(), rtol=1e-5, atol=1e-5)
+    (truth / (target != -100).sum()).sum().backward()
+    for got, t in zip((dx, dw, db), exact, strict=True):
+        torch.testing.assert_close(got.double(), t.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fused", ["cross_entropy", "linear_cross_entropy"])
+def test_an_all_ignored_batch_gives_zero_loss_and_zero_gradients(fused):
+    tensors, _ = _linear_case(6, 8, 33, torch.float16, bias=True)
+    target = torch.full((6,), -1)
+    tensors = [t.requires_grad_() for t in tensors]
+    for reduction in ("mean", "sum", "none"):
+        if fused == "cross_entropy":
+            loss = kernels.cross_entropy(F.linear(*tensors), target, ignore_index=-1, reduction=reduction)
+        else:
+            loss = _linear(
+                kernels.linear_cross_entropy, tensors, target, ignore_index=-1, reduction=reduction
+            )
+        assert torch.equal(loss, torch.zeros_like(loss))
+        for grad in torch.autograd.grad(loss.sum(), tensors):
+            assert torch.equal(grad, torch.zeros_like(grad))
+
+
+@pytest.mark.interpreter
+def test_linear_cross_entropy_gradients_repeat_bit_for_bit(monkeypatch):
+    monkeypatch.setattr(ce, "CHUNK_BYTES", 5 * 211 * 2)
+    tensors, target = _linear_case(31, 16, 211, torch.float16, bias=True)
+    runs = []
+    for _ in range(3):
+        inputs = [t.clone().requires_grad_() for t in tensors]
+        loss = _linear(kernels.linear_cross_entropy, inputs, target, label_smoothing=0.1)
+        runs.append((loss, *torch.autograd.grad(loss * 3.0, inputs)))
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run, runs[0], strict=True))
+
+
+def test_a_float32_master_weight_under_autocast_gets_a_float32_gradient():
+    tensors, target = _linear_case(9, 16, 40, torch.float32, bias=True)
+    x, w, b = [t.requires_grad_() for t in tensors]
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = kernels.linear_cross_entropy(x, w, target, b)
+    loss.backward()
+    assert (x.grad.dtype, w.grad.dtype, b.grad.dtype) == (torch.float32,) * 3
+    truth = reference.linear_cross_entropy(x.detach().bfloat16(), w.detach().bfloat16(), target, b.detach())
+    assert loss.item() == pytest.approx(truth.item(), rel=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda x, w, t: kernels.cross_entropy(x @ w.T, t.clamp(max=0) + 40), ValueError,
+         r"cross_entropy: target values must be in \[0, 40\) or ignore_index \(-100\); got 40"),
+        (lambda x, w, t: kernels.linear_cross_entropy(x, w, torch.where(t > 3, -5, t)), ValueError,
+         "linear_cross_entropy: target values .* got -5"),
+        (lambda x, w, t: kernels.cross_entropy((x @ w.T).long(), t), TypeError, "logits must be float16"),
+        (lambda x, w, t: kernels.cross_entropy(x @ w.T, t.int()), TypeError, "target must be int64"),
+        (lambda x, w, t: kernels.cross_entropy(x @ w.T, t[:-1]), ValueError, r"target must have shape \[9\]"),
+        (lambda x, w, t: kernels.cross_entropy(x @ w.T, t.to("meta")), ValueError, "target is on meta"),
+        (lambda x, w, t: kernels.linear_cross_entropy(x, w.to("meta"), t), ValueError, "weight is on meta"),
+        (lambda x, w, t: kernels.linear_cross_entropy(x, w[:, :-1], t), ValueError, r"weight must be \(V,"),
+        (lambda x, w, t: kernels.linear_cross_entropy(x.int(), w, t), TypeError, "x must be float16"),
+        (lambda x, w, t: kernels.linear_cross_entropy(x, w, t, bias=w[0]), ValueError,
+         r"bias must have shape \[40\]"),
+        (lambda x, w, t: kernels.cross_entropy(x @ w.T, t, reduction="avg"), ValueError, "reduction must be"),
+        (lambda x, w, t: kernels.cross_entropy(x @ w.T, t, label_smoothing=1.5), ValueError,
+         "label_smoothing must be in"),
+        (lambda x, w, t: kernels.cross_entropy(x @ w.T, t, z_loss=-1.0), ValueError, "z_loss must be"),
+        (lambda x, w, t: kernels.cross_entropy(torch.empty(1, 262145, device="meta"), t[:1].to("meta")),
+         ValueError, "logits must have between 1 and 262144 classes"),
+    ],
+)  # fmt: skip
+def test_bad_input_raises_naming_the_argument(call, error, message):
+    tensors, target = _linear_case(9, 16, 40, torch.float32, bias=False)
+    with pytest.raises(error, match=message):
+        call(*tensors, target)
+
+
+@pytest.mark.interpreter
+def test_custom_ops_pass_opcheck_and_compile_fullgraph():
+    tensors, target = _linear_case(11, 16, 70, torch.float32, bias=True)
+    x, w, b = [t.requires_grad_() for t in tensors]
+    ops = torch.ops.horse
+    linear_args = (x, w, b, target, -100, "mean", 0.1, 0.0, True)
+    torch.library.opcheck(ops.linear_cross_entropy_fwd.default, linear_args)
+    torch.library.opcheck(ops.cross_entropy_fwd.default, (x @ w.T, target, -100, "none", 0.0, 1e-3, True))
+    dloss = torch.rand(11)
+    bwd_args = (x.detach(), w.detach(), None, target, dloss, -100, 0.0, 0.0)  # a backward: no graph
+    torch.library.opcheck(ops.linear_cross_entropy_bwd.default, bwd_args)
+
+    def loss_fn(x, w, b):
+        logits = x @ w.T
+        return kernels.linear_cross_entropy(x, w, target, b, z_loss=1e-3) + kernels.cross_entropy(
+            logits, target
+        )
+
+    eager = loss_fn(x, w, b)
+    expected = torch.autograd.grad(eager, (x, w, b))
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")  # a graph break raises
+    loss = compiled(x, w, b)
+    torch.testing.assert_close(loss, eager)
+    for got, want in zip(torch.autograd.grad(loss, (x, w, b)), expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+# ----------------------------------------------------------------------------------------------
+# The model, and the memory the fused loss saves
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_the_gpt_loss_is_the_same_fused_or_not(backend):
+    config = GPTConfig(vocab_size=128, vocab_used=113, block_size=16, n_layer=1, n_head=2, d_model=32)
+    torch.manual_seed(0)
+    fused = GPT(config, backend)
+    unfused = GPT(config, backend, fused_loss=False)
+    unfused.load_state_dict(fused.state_dict())
+    idx, targets = torch.randint(0, 113, (2, 2, 16))
+    losses = []
+    for model in (fused, unfused):
+        with torch.autocast("cpu", torch.float16, enabled=backend == "triton"):
+            loss = model.loss(idx, targets)
+        loss.backward()
+        losses.append(loss)
+    tol = 2e-3 if backend == "triton" else 1e-5
+    assert losses[0].item() == pytest.approx(losses[1].item(), rel=tol)
+    for (name, p), q in zip(fused.named_parameters(), unfused.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol * q.grad.abs().max().item(), msg=name)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages alive at each op, counting only those allocated while the mode is
+    on (the inputs given are already there): ``peak`` is the most at once."""
+
+    def __init__(self, *existing: torch.Tensor):
+        super().__init__()
+        self.known = {t.untyped_storage()._cdata for t in existing}
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self.live and key not in self.known:
+                    self.live[key] = storage.nbytes()
+                    self.now += storage.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(storage, self._free, key)
+        return out
+
+
+def _loss_peak_bytes(fused: bool, rows: int, hidden: int, vocab: int, device: str) -> int:
+    """Peak bytes the LM head and its loss allocate through the forward and backward: x (rows,
+    hidden) float16 and a float32 master weight (vocab, hidden), as the trainer hands them to it
+    under autocast; unfused, today's F.linear in float16 and F.cross_entropy in float32."""
+    x = torch.randn(rows, hidden, dtype=torch.float16, device=device).requires_grad_()
+    w = torch.randn(vocab, hidden, device=device).requires_grad_()
+    target = torch.randint(0, vocab, (rows,), device=device)
+    with LiveBytes(x, w, target) as memory:
+        if fused:  # the reference backend's path: the chunk loop on plain PyTorch
+            loss = vocab_parallel_linear_cross_entropy(x[None], w, target[None], Parallel(), use_triton=False)
+        else:
+            loss = F.cross_entropy(F.linear(x, w.half()).float(), target)
+        loss.backward()
+    assert x.grad is not None and w.grad.dtype == torch.float32
+    return memory.peak
+
+
+def test_fused_loss_peak_memory_is_under_5_percent_of_the_unfused_at_gpt2_124m():
+    # 16 x 1,024 tokens, vocabulary 50,304, d_model 768: shapes only, on the meta device.
+    unfused = _loss_peak_bytes(False, 16 * 1024, 768, 50304, "meta")
+    fused = _loss_peak_bytes(True, 16 * 1024, 768, 50304, "meta")
+    assert unfused > 9e9  # the float16 logits, their float32 copy, the log-softmax and its gradients
+    assert fused <= 0.05 * unfused, f"fused {fused / 1e6:.0f} MB, unfused {unfused / 1e6:.0f} MB"
+
+
+def test_fused_loss_peak_memory_on_a_scaled_down_shape_that_runs(monkeypatch):
+    # gpt2-124m's shape over 16 (rows, hidden, vocabulary); the chunk budget over 256 (16 x 16).
+    monkeypatch.setattr(ce, "CHUNK_BYTES", ce.CHUNK_BYTES // 256)
+    monkeypatch.setattr(ce, "DW_SLICE_BYTES", ce.DW_SLICE_BYTES // 256)
+    unfused = _loss_peak_bytes(False, 1024, 48, 3144, "cpu")
+    fused = _loss_peak_bytes(True, 1024, 48, 3144, "cpu")
+    assert fused <= 0.05 * unfused, f"fused {fused / 1e6:.2f} MB, unfused {unfused / 1e6:.2f} MB"
+
+
+def test_the_trainer_flag_turns_the_fused_loss_off():
+    from horse.train import parse_args
+
+    assert parse_args([])[0].fused_loss is True
+    assert parse_args(["--no-fused-loss"])[0].fused_loss is False
+    assert dataclasses.replace(parse_args(["--fused-loss"])[0]).fused_loss is True
+
+
+# ----------------------------------------------------------------------------------------------
+# On a GPU
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gpu_gpt2_124m_head_matches_and_saves_memory(dtype):
+    rows, hidden, vocab = 16 * 1024, 768, 50304
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(rows, hidden, device="cuda", generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.05).requires_grad_()
+    target = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
+    target[::7] = -100
+    peaks, results = [], []
+    for fused in (True, False):
+        x.grad = w.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        if fused:
+            loss = kernels.linear_cross_entropy(x, w, target, label_smoothing=0.1)
+        else:
+            loss = F.cross_entropy(F.linear(x, w.to(dtype)).float(), target, label_smoothing=0.1)
+        loss.backward()
+        peaks.append(torch.cuda.max_memory_allocated() - start)
+        results.append((loss.detach(), x.grad.clone(), w.grad.clone()))
+        del loss
+    assert peaks[0] <= 0.05 * peaks[1], f"fused {peaks[0] / 1e6:.0f} MB, unfused {peaks[1] / 1e6:.0f} MB"
+    for ours, theirs, name in zip(results[0], results[1], ("loss", "dx", "dW"), strict=True):
+        scale = theirs.float().abs().max().item()
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-2 * scale, msg=name)
+
+
+def test_every_block_the_rule_picks_is_in_the_compile_report():
+    from bench import compile_report
+
+    for arch in ce.runtime.ARCHS.values():
+        built = {(c.constexprs["BLOCK_V"], c.num_warps) for c in compile_report.loss_configs(arch)}
+        for n_cols in (1, 7, 1000, 4097, 50304, 262144):
+            cfg = ce.row_config(n_cols, arch)
+            assert (cfg.block_v, cfg.num_warps) in built, (arch.name, n_cols)
