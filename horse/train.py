@@ -296,8 +296,11 @@ def model_config(cfg: TrainConfig, overrides: dict, data_vocab: int) -> GPTConfi
         raise ValueError(
             f"--vocab-size {overrides['vocab_size']} is smaller than the data's vocabulary ({data_vocab})"
         )
-    # Rounded up to a multiple of 64 for the tensor cores; the extra rows are never a target.
-    overrides = {"vocab_size": -(-data_vocab // 64) * 64, **overrides}
+    # Rounded up to a multiple of 64 for the tensor cores; the extra rows are masked (vocab_used):
+    # never a target, never sampled, no probability taken from the data's ids.
+    rounded = overrides.get("vocab_size", -(-data_vocab // 64) * 64)
+    used = data_vocab if rounded > data_vocab else None
+    overrides = {"vocab_size": rounded, "vocab_used": used, **overrides}
     return dataclasses.replace(preset(cfg.preset), **overrides)
 
 
