@@ -544,6 +544,16 @@ def load_dataset(data: str | Path | None = None) -> tuple[Split, Split, ByteToke
     return splits[0], splits[1], tokenizer
 
 
+def _rows_to_tensor(split: Split, rows: list[np.ndarray]) -> torch.Tensor:
+    tokens = np.stack(rows).astype(np.int64)
+    if tokens.max() >= split.vocab_size:
+        raise ValueError(
+            f"{split.name}: token {tokens.max()} is outside the vocabulary of {split.vocab_size}: the data "
+            "does not match its tokenizer"
+        )
+    return torch.from_numpy(tokens)
+
+
 class Loader:
     """Batches of (input, target) windows, (batch_size, seq_len) int64 each, target shifted by one.
 
@@ -589,13 +599,7 @@ class Loader:
         shard = np.searchsorted(self._ends, flat, side="right")
         offset = flat - (self._ends[shard] - self._starts[shard])
         rows = [self.split.shards[s][o : o + self.seq_len + 1] for s, o in zip(shard, offset, strict=True)]
-        tokens = np.stack(rows).astype(np.int64)  # (batch_size, seq_len + 1)
-        if tokens.max() >= self.split.vocab_size:
-            raise ValueError(
-                f"{self.split.name}: token {tokens.max()} is outside the vocabulary of "
-                f"{self.split.vocab_size}: the data does not match its tokenizer"
-            )
-        t = torch.from_numpy(tokens)
+        t = _rows_to_tensor(self.split, rows)  # (batch_size, seq_len + 1)
         if self.device.type == "cuda":
             t = t.pin_memory().to(self.device, non_blocking=True)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
@@ -610,6 +614,54 @@ class Loader:
 
     def load_state_dict(self, state: dict) -> None:
         self.seed, self.position = state["seed"], state["position"]
+
+
+class HeldOut:
+    """The first ``tokens`` tokens of a split as consecutive windows of seq_len inputs (targets
+    shifted by one; a window never crosses a shard's end), in batches of batch_size: the same
+    held-out tokens at every evaluation, each counted once. Data parallel: rank dp_rank takes
+    windows dp_rank, dp_rank + dp_size, ...; the caller sums over the ranks."""
+
+    def __init__(
+        self,
+        split: Split,
+        tokens: int,
+        seq_len: int,
+        batch_size: int,
+        device: str | torch.device = "cpu",
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ):
+        if tokens < seq_len:
+            raise ValueError(f"--eval-tokens {tokens:,} is less than one window of seq_len {seq_len}")
+        needed = tokens // seq_len
+        starts = []  # (shard, offset) of each window
+        for s, shard in enumerate(split.shards):
+            offsets = range(0, len(shard) - seq_len, seq_len)[: needed - len(starts)]
+            starts += [(s, o) for o in offsets]
+        if len(starts) < needed:
+            raise ValueError(
+                f"--eval-tokens {tokens:,}: {split.name} holds {len(starts):,} windows of seq_len {seq_len}, "
+                f"{len(starts) * seq_len:,} tokens; ask for at most that"
+            )
+        self.split, self.seq_len, self.batch_size, self.device = (
+            split,
+            seq_len,
+            batch_size,
+            torch.device(device),
+        )
+        self.starts = starts[dp_rank::dp_size]
+        self.tokens = needed * seq_len  # over all the ranks
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(input, target) batches, (batch_size or fewer, seq_len) int64 each."""
+        for i in range(0, len(self.starts), self.batch_size):
+            rows = [
+                self.split.shards[s][o : o + self.seq_len + 1]
+                for s, o in self.starts[i : i + self.batch_size]
+            ]
+            t = _rows_to_tensor(self.split, rows).to(self.device)  # (batch, seq_len + 1)
+            yield t[:, :-1], t[:, 1:]
 
 
 def _workers(text: str) -> int:
