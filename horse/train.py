@@ -248,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
         docs, hints = _docs(cls), typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = f" (default {f.default!r})" if cls is TrainConfig and f.default is not None else ""
+            if cls is TrainConfig and f.name in recipes.FIELDS:
+                default = " (default: the preset's recipe)"
             kwargs = _flag_kwargs(hints[f.name])
             group.add_argument(_flag(f.name), dest=f.name, help=docs.get(f.name, "") + default, **kwargs)
     return parser
