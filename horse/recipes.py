@@ -82,7 +82,7 @@ def recipe_values(preset: str, given: dict) -> dict:
     run's values): given wins; a --grad-accum given without --batch-tokens drops the recipe's
     batch_tokens. An unknown preset has none (TrainConfig names it)."""
     if preset not in RECIPES:
-        return {}
+        return given
     values = {name: getattr(RECIPES[preset], name) for name in FIELDS}
     if "grad_accum" in given and "batch_tokens" not in given:
         del values["batch_tokens"]
