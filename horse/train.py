@@ -713,8 +713,7 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     if device == "cpu" and backend == "triton" and not runtime.INTERPRET:
         note = " (on the CPU with TRITON_INTERPRET unset: the fused layers run their float32 reference)"
     log(f"horse.train on {where} | backend {backend}{note} | precision {precision}")
-    if not cfg.init_from:
-        log(recipes.describe(cfg))
+    log(recipes.describe(cfg))
     if parallel.distributed:
         log(
             f"parallel: {parallel.world_size} processes ({dist.get_backend()}) = tp {parallel.tp_size}"
