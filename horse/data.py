@@ -1,11 +1,23 @@
 """Token data: the built-in corpus, the tokenizers, binary token shards and the batch loader.
 
-    python -m horse.data prepare INPUT... --out DIR [--tokenizer tokenizer.json] [--val-fraction 0.1]
+    python -m horse.data prepare INPUT... --out DIR [--tokenizer tokenizer.json] [--workers N]
+        [--text-field text] [--val-fraction 0.1] [--shard-tokens 100_000_000]
 
-``prepare`` tokenises text files (bytes by default; a BPE ``tokenizer.json`` when the ``tokenizers``
-package is installed), holds out the last ``val-fraction`` of each file's tokens for validation,
-and writes DIR/train_000.bin ..., DIR/val_000.bin ... and DIR/meta.json (the tokenizer, the
-vocabulary size, every shard with its token count; a BPE tokenizer.json is copied beside them).
+``prepare`` tokenises files, directories (every file under them, recursively, but hidden ones) and
+globs: plain UTF-8 text, one document a file, and JSON Lines (``.jsonl``, ``.ndjson``), one document
+a line in its ``--text-field``. An end-of-text token follows every document: the tokenizer's own
+(``<|endoftext|>``, ``</s>``...) or, for bytes, id 256 (vocabulary 257). The last ``val-fraction``
+of each file (cut at a line start) is held out for validation; when a document is cut there, each
+part ends with the end-of-text token, so that no two documents run together in either split.
+
+It streams: files are read in line-aligned pieces of about a megabyte, tokenised in ``--workers``
+processes with a bounded number in flight and written to the shard open at the time, so memory
+stays that of a few pieces whatever the corpus size, and time is linear in it. The pieces do not
+depend on the number of workers and their tokens are written in order, so the output is
+byte-identical for any --workers. A shard is written as NAME.tmp and renamed when whole; meta.json
+(the tokenizer, the vocabulary, the end-of-text id, every shard with its token count; a BPE
+tokenizer.json is copied beside them) is written last, after an existing one has been removed at
+the start, so an interrupted run leaves nothing a loader takes for a data set.
 
 A shard is a 32-byte little-endian header, then its tokens:
 
@@ -17,21 +29,34 @@ and meta.json, so a truncated, foreign or mismatched file is an error, never gar
 """
 
 import argparse
+import collections
+import glob
 import importlib.resources
 import json
+import multiprocessing
+import os
+import resource
 import shutil
 import struct
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 MAGIC = b"HORSETOK"
 VERSION = 1
 HEADER = struct.Struct("<8sIIQII")
 SHARD_TOKENS = 100_000_000  # 200 MB of uint16 per shard
+PIECE_BYTES = 1 << 20  # text read and tokenised at a time
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+NUL, NEWLINE = b"\0", b"\n"
 CORPUS = "tinyshakespeare.txt"
+# The end-of-text tokens of GPT-2, LLaMA/Mistral, LLaMA 3 and others, looked up in a tokenizer.json.
+EOT_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -40,20 +65,37 @@ CORPUS = "tinyshakespeare.txt"
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, nothing to download or train."""
+    """UTF-8 bytes as tokens: vocabulary 256, nothing to download or train. With ``eot``, id 256
+    ends a document (vocabulary 257): the tokenizer of data made by ``prepare``."""
 
-    name = "bytes"
-    vocab_size = 256
+    EOT_TEXT = "<|endoftext|>"  # how decode shows id 256
+
+    def __init__(self, eot: bool = False):
+        self.name = "bytes+eot" if eot else "bytes"
+        self.eot_id = 256 if eot else None
+        self.vocab_size = 257 if eot else 256
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
     def decode(self, ids: list[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")  # a sample may end mid-character
+        # A sample may end mid-character: errors="replace".
+        runs, run = [], []
+        for i in ids:
+            if i == self.eot_id:
+                runs.append(bytes(run).decode("utf-8", errors="replace"))
+                run = []
+            else:
+                run.append(i)
+        return self.EOT_TEXT.join([*runs, bytes(run).decode("utf-8", errors="replace")])
 
 
 class BPETokenizer:
-    """A Hugging Face ``tokenizers`` tokenizer from a local tokenizer.json (no downloads)."""
+    """A Hugging Face ``tokenizers`` tokenizer from a local tokenizer.json (no downloads); its
+    end-of-text id is that of the first of EOT_TOKENS it has (None: none of them)."""
 
     name = "tokenizer.json"
 
@@ -67,27 +109,38 @@ class BPETokenizer:
         if not Path(path).is_file():
             raise FileNotFoundError(f"tokenizer file {path} does not exist")
         self.path = Path(path)
-        self._tokenizer = Tokenizer.from_file(str(path))
+        try:
+            self._tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception that does not name the file
+            raise ValueError(f"{path}: not a tokenizers tokenizer.json ({e})") from e
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        ids = (self._tokenizer.token_to_id(t) for t in EOT_TOKENS)
+        self.eot_id = next((i for i in ids if i is not None), None)
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
+
     def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids)
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def load_tokenizer(directory: str | Path, name: str) -> ByteTokenizer | BPETokenizer:
-    """The tokenizer ``name`` ("bytes" or "tokenizer.json") recorded for data or a checkpoint in
-    directory (or for a file in it: an exported model.safetensors)."""
+    """The tokenizer ``name`` ("bytes", "bytes+eot" or "tokenizer.json") recorded for data or a
+    checkpoint in directory (or for a file in it: an exported model.safetensors)."""
     directory = Path(directory)
     if directory.is_file():
         directory = directory.parent
-    if name == ByteTokenizer.name:
-        return ByteTokenizer()
+    if name in ("bytes", "bytes+eot"):
+        return ByteTokenizer(eot=name == "bytes+eot")
     if name == BPETokenizer.name:
         return BPETokenizer(Path(directory) / name)
-    raise ValueError(f"{directory}: unknown tokenizer {name!r} (expected 'bytes' or 'tokenizer.json')")
+    raise ValueError(
+        f"{directory}: unknown tokenizer {name!r} (expected 'bytes', 'bytes+eot' or 'tokenizer.json')"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,49 +190,294 @@ def read_shard(path: str | Path) -> tuple[np.ndarray, int]:
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER.size, shape=(count,)), vocab_size
 
 
+class ShardWriter:
+    """Tokens of one split streamed into DIR/<split>_NNN.bin shards of shard_tokens each: each is
+    written as .tmp, its header's count filled in at the end, then renamed."""
+
+    def __init__(self, out_dir: Path, split: str, vocab_size: int, shard_tokens: int):
+        self.out_dir, self.split, self.vocab_size, self.shard_tokens = (
+            out_dir,
+            split,
+            vocab_size,
+            shard_tokens,
+        )
+        self.dtype = token_dtype(vocab_size).newbyteorder("<")
+        self.shards: list[dict] = []  # meta.json's entries of the finished shards
+        self.file, self.count = None, 0
+
+    def write(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            if self.file is None:
+                self.file = open(self._path(".tmp"), "wb")  # noqa: SIM115 (closed in _finish)
+                self.file.write(b"\0" * HEADER.size)  # the header, once the count is known
+                self.count = 0
+            take = min(len(tokens), self.shard_tokens - self.count)
+            self.file.write(np.ascontiguousarray(tokens[:take], dtype=self.dtype).tobytes())
+            self.count += take
+            tokens = tokens[take:]
+            if self.count == self.shard_tokens:
+                self._finish()
+
+    def close(self) -> list[dict]:
+        if self.file is not None:
+            self._finish()
+        return self.shards
+
+    def discard(self) -> None:
+        """Remove this writer's shards and its unfinished one (after a failure)."""
+        if self.file is not None:
+            self.file.close()
+            self._path(".tmp").unlink(missing_ok=True)
+        for entry in self.shards:
+            (self.out_dir / entry["file"]).unlink(missing_ok=True)
+
+    def _path(self, suffix: str = "") -> Path:
+        return self.out_dir / f"{self.split}_{len(self.shards):03d}.bin{suffix}"
+
+    def _finish(self) -> None:
+        self.file.seek(0)
+        self.file.write(HEADER.pack(MAGIC, VERSION, self.dtype.itemsize, self.count, self.vocab_size, 0))
+        self.file.close()
+        self.file = None
+        os.replace(self._path(".tmp"), self._path())
+        self.shards.append({"file": self._path().name, "tokens": self.count})
+
+
+def find_inputs(inputs: list[str | Path]) -> list[Path]:
+    """The files of inputs, in order: a file; a directory's files, recursively, sorted, hidden ones
+    (a name starting with '.') left out; a glob's matches, sorted (``**`` recurses)."""
+    files = []
+    for item in map(str, inputs):
+        if Path(item).is_file():
+            found = [Path(item)]
+        elif Path(item).is_dir() or any(c in item for c in "*?["):
+            roots = (
+                [Path(item)]
+                if Path(item).is_dir()
+                else [Path(m) for m in sorted(glob.glob(item, recursive=True))]
+            )
+            found = []
+            for root in roots:
+                if root.is_file():
+                    found.append(root)
+                    continue
+                for path in sorted(root.rglob("*")):
+                    hidden = any(part.startswith(".") for part in path.relative_to(root).parts)
+                    if path.is_file() and not hidden:
+                        found.append(path)
+            if not found:
+                raise ValueError(f"INPUT {item}: no files there")
+        else:
+            raise FileNotFoundError(f"INPUT {item}: no such file, directory or glob match")
+        files += found
+    return files
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of whole lines of one file (a text file's longest lines aside) to tokenise."""
+
+    path: str
+    line: int  # the number of its first line, from 1
+    data: bytes
+    jsonl: bool
+    split: str  # train or val
+    ends_document: bool  # a text file's piece at the end of its split: the end-of-text token follows
+
+
+def _line_start_before(f, position: int) -> int:
+    """The start of the line holding byte position (a UTF-8 character's start if that line began
+    more than PIECE_BYTES before it)."""
+    f.seek(max(0, position - PIECE_BYTES))
+    before = f.read(position - max(0, position - PIECE_BYTES))
+    newline = before.rfind(b"\n")
+    if newline >= 0:
+        return position - len(before) + newline + 1
+    while position > 0 and len(before) and 0x80 <= before[-1] < 0xC0:  # a continuation byte
+        before, position = before[:-1], position - 1
+    return position
+
+
+def file_pieces(path: Path, val_fraction: float, piece_bytes: int = PIECE_BYTES) -> Iterator[Piece]:
+    """Pieces of about piece_bytes of path, cut after a newline: train's up to the line start
+    nearest the last val_fraction of the file, then val's. A JSON line is never cut; a text line
+    longer than piece_bytes is, at a UTF-8 character's start."""
+    jsonl = path.suffix.lower() in JSONL_SUFFIXES
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        cut = _line_start_before(f, size - int(size * val_fraction))
+        f.seek(0)
+        line = 1
+        for split, end in (("train", cut), ("val", size)):
+            while f.tell() < end:
+                start = f.tell()
+                data = f.read(min(piece_bytes, end - start))
+                if f.tell() < end and not data.endswith(b"\n"):
+                    newline = data.rfind(b"\n")
+                    if newline >= 0:
+                        data = data[: newline + 1]
+                    elif jsonl:  # a long JSON line: read on to its end
+                        rest = f.readline()
+                        data += rest[: end - start - len(data)]
+                    else:
+                        while len(data) > 1 and 0x80 <= data[-1] < 0xC0:
+                            data = data[:-1]
+                        data = data[:-1] if len(data) > 1 and data[-1] >= 0xC0 else data
+                    f.seek(start + len(data))
+                last = f.tell() >= end
+                yield Piece(str(path), line, data, jsonl, split, ends_document=last and not jsonl)
+                line += data.count(b"\n")
+
+
+_worker_tokenizer = None  # each worker's, set by _start_worker
+
+
+def _start_worker(tokenizer_path: str | None) -> None:
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are the parallelism
+    _worker_tokenizer = ByteTokenizer(eot=True) if tokenizer_path is None else BPETokenizer(tokenizer_path)
+
+
+def encode_piece(piece: Piece, tokenizer, text_field: str) -> tuple[np.ndarray, int]:
+    """(tokens, documents ended) of a piece: its text, or each JSON line's text_field, encoded,
+    with the end-of-text id after each document. Not text, or a JSON line without the field, is an
+    error naming the file and line."""
+    data = piece.data
+
+    def where(offset: int) -> str:
+        return f"{piece.path} line {piece.line + data.count(NEWLINE, 0, offset)}"
+
+    if NUL in data:
+        raise ValueError(f"{where(data.index(NUL))}: a NUL byte: not a text file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{where(e.start)}: byte 0x{data[e.start]:02x} is not UTF-8: not a text file"
+        ) from None
+    eot = np.array([tokenizer.eot_id], dtype=np.uint32)
+    if not piece.jsonl:
+        if isinstance(tokenizer, ByteTokenizer):  # the bytes are the tokens
+            tokens = np.frombuffer(data, dtype=np.uint8)
+        else:
+            tokens = np.asarray(tokenizer.encode(text), dtype=np.uint32)
+        if piece.ends_document:
+            return np.concatenate([tokens, eot]), 1
+        return tokens.astype(np.uint32), 0
+    texts = []
+    for i, line in enumerate(text.split("\n")):
+        if not line.strip():
+            continue
+        here = f"{piece.path} line {piece.line + i}"
+        try:
+            document = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{here}: not JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(document, dict) or text_field not in document:
+            keys = f"its keys: {', '.join(document)}" if isinstance(document, dict) else "not an object"
+            raise ValueError(f"{here}: no {text_field!r} field ({keys}); choose the field with --text-field")
+        if not isinstance(document[text_field], str):
+            kind = type(document[text_field]).__name__
+            raise ValueError(f"{here}: field {text_field!r} is a {kind}, not a string of text")
+        texts.append(document[text_field])
+    parts = [p for tokens in tokenizer.encode_batch(texts) for p in (tokens, eot)]
+    return (np.concatenate(parts) if parts else np.empty(0, np.uint32)), len(texts)
+
+
+def _encode_in_worker(piece: Piece, text_field: str) -> tuple[np.ndarray, int]:
+    return encode_piece(piece, _worker_tokenizer, text_field)
+
+
+def encode_pieces(
+    pieces: Iterator[Piece], tokenizer, tokenizer_path: str | None, text_field: str, workers: int
+) -> Iterator[tuple[Piece, np.ndarray, int]]:
+    """(piece, tokens, documents) of each piece, in order; tokenised in this process (workers 1)
+    or in a pool of workers processes with at most 2 · workers pieces in flight."""
+    if workers == 1:
+        for piece in pieces:
+            yield piece, *encode_piece(piece, tokenizer, text_field)
+        return
+    # apply_async over a bounded window, not imap: imap's feeder thread reads the whole input ahead
+    # into memory whenever the workers are slower than the disk.
+    with multiprocessing.get_context("fork").Pool(workers, _start_worker, (tokenizer_path,)) as pool:
+        window = collections.deque()
+        for piece in pieces:
+            window.append((piece, pool.apply_async(_encode_in_worker, (piece, text_field))))
+            if len(window) >= 2 * workers:
+                piece, result = window.popleft()
+                yield piece, *result.get()
+        for piece, result in window:
+            yield piece, *result.get()
+
+
 def prepare(
     inputs: list[str | Path],
     out_dir: str | Path,
     tokenizer: str | Path | None = None,
     val_fraction: float = 0.1,
     shard_tokens: int = SHARD_TOKENS,
+    text_field: str = "text",
+    workers: int = 1,
+    piece_bytes: int = PIECE_BYTES,
+    progress: bool | None = False,
 ) -> dict:
-    """Tokenise text files into train/val shards in out_dir (see the module docstring); returns meta."""
+    """Tokenise inputs into train/val shards in out_dir (see the module docstring); returns meta.
+    progress: a tqdm bar of bytes read, with tokens/s (None: when stderr is a terminal)."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
-    if shard_tokens < 1:
-        raise ValueError(f"shard_tokens must be at least 1, got {shard_tokens}")
-    tok = ByteTokenizer() if tokenizer is None else BPETokenizer(tokenizer)
+    for name, value in (("shard_tokens", shard_tokens), ("workers", workers), ("piece_bytes", piece_bytes)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    files = find_inputs(inputs)
+    tok = ByteTokenizer(eot=True) if tokenizer is None else BPETokenizer(tokenizer)
+    if tok.eot_id is None:
+        raise ValueError(
+            f"{tokenizer}: no end-of-text token among its tokens (looked for {', '.join(EOT_TOKENS)}); "
+            "add one as a special token"
+        )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"version": VERSION, "tokenizer": tok.name, "vocab_size": tok.vocab_size, "train": [], "val": []}
-    pending = {"train": [], "val": []}
-
-    def flush(split: str, final: bool) -> None:
-        tokens = np.concatenate(pending[split]) if pending[split] else np.empty(0, dtype=np.int64)
-        while len(tokens) >= shard_tokens or (final and len(tokens)):
-            name = f"{split}_{len(meta[split]):03d}.bin"
-            write_shard(out_dir / name, tokens[:shard_tokens], tok.vocab_size)
-            meta[split].append({"file": name, "tokens": int(min(len(tokens), shard_tokens))})
-            tokens = tokens[shard_tokens:]
-        pending[split] = [tokens]
-
-    for path in inputs:
-        tokens = np.asarray(tok.encode(Path(path).read_text(encoding="utf-8")), dtype=np.int64)
-        n_val = int(len(tokens) * val_fraction)
-        pending["train"].append(tokens[: len(tokens) - n_val])
-        pending["val"].append(tokens[len(tokens) - n_val :])
-        for split in pending:
-            flush(split, final=False)
-    for split in pending:
-        flush(split, final=True)
-        if not meta[split]:
-            raise ValueError(
-                f"prepare: no {split} tokens from {[str(p) for p in inputs]}: the inputs are too short"
-            )
+    # A data set is what meta.json lists: remove it first, then the shards an earlier run left.
+    (out_dir / "meta.json").unlink(missing_ok=True)
+    for stale in [*out_dir.glob("train_*.bin*"), *out_dir.glob("val_*.bin*")]:
+        stale.unlink()
+    writers = {s: ShardWriter(out_dir, s, tok.vocab_size, shard_tokens) for s in ("train", "val")}
+    pieces = (p for f in files for p in file_pieces(f, val_fraction, piece_bytes))
+    total = sum(f.stat().st_size for f in files)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="prepare",
+        disable=None if progress is None else not progress,
+    )
+    n_tokens, documents, start = 0, 0, time.perf_counter()
+    try:
+        path = tokenizer and str(tokenizer)
+        for piece, tokens, docs in encode_pieces(pieces, tok, path, text_field, workers):
+            writers[piece.split].write(tokens)
+            n_tokens, documents = n_tokens + len(tokens), documents + docs
+            bar.update(len(piece.data))
+            rate = n_tokens / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"{n_tokens:,} tokens, {rate:,.0f} tokens/s", refresh=False)
+        meta = {"version": VERSION, "tokenizer": tok.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id}
+        for split, writer in writers.items():
+            meta[split] = writer.close()
+            if not meta[split]:
+                raise ValueError(
+                    f"prepare: no {split} tokens from {[str(p) for p in inputs]}: the inputs are too short"
+                )
+    except BaseException:  # an error or an interrupt: nothing of this run is left behind
+        for writer in writers.values():
+            writer.discard()
+        raise
+    finally:
+        bar.close()
+    meta |= {"documents": documents, "seconds": round(time.perf_counter() - start, 3)}
     if isinstance(tok, BPETokenizer):
         shutil.copyfile(tok.path, out_dir / BPETokenizer.name)
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (out_dir / "meta.json.tmp").write_text(json.dumps(meta, indent=1) + "\n")
+    os.replace(out_dir / "meta.json.tmp", out_dir / "meta.json")
     return meta
 
 
@@ -246,6 +544,16 @@ def load_dataset(data: str | Path | None = None) -> tuple[Split, Split, ByteToke
     return splits[0], splits[1], tokenizer
 
 
+def _rows_to_tensor(split: Split, rows: list[np.ndarray]) -> torch.Tensor:
+    tokens = np.stack(rows).astype(np.int64)
+    if tokens.max() >= split.vocab_size:
+        raise ValueError(
+            f"{split.name}: token {tokens.max()} is outside the vocabulary of {split.vocab_size}: the data "
+            "does not match its tokenizer"
+        )
+    return torch.from_numpy(tokens)
+
+
 class Loader:
     """Batches of (input, target) windows, (batch_size, seq_len) int64 each, target shifted by one.
 
@@ -291,13 +599,7 @@ class Loader:
         shard = np.searchsorted(self._ends, flat, side="right")
         offset = flat - (self._ends[shard] - self._starts[shard])
         rows = [self.split.shards[s][o : o + self.seq_len + 1] for s, o in zip(shard, offset, strict=True)]
-        tokens = np.stack(rows).astype(np.int64)  # (batch_size, seq_len + 1)
-        if tokens.max() >= self.split.vocab_size:
-            raise ValueError(
-                f"{self.split.name}: token {tokens.max()} is outside the vocabulary of "
-                f"{self.split.vocab_size}: the data does not match its tokenizer"
-            )
-        t = torch.from_numpy(tokens)
+        t = _rows_to_tensor(self.split, rows)  # (batch_size, seq_len + 1)
         if self.device.type == "cuda":
             t = t.pin_memory().to(self.device, non_blocking=True)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
@@ -314,15 +616,81 @@ class Loader:
         self.seed, self.position = state["seed"], state["position"]
 
 
+class HeldOut:
+    """The first ``tokens`` tokens of a split as consecutive windows of seq_len inputs (targets
+    shifted by one; a window never crosses a shard's end), in batches of batch_size: the same
+    held-out tokens at every evaluation, each counted once. Data parallel: rank dp_rank takes
+    windows dp_rank, dp_rank + dp_size, ...; the caller sums over the ranks."""
+
+    def __init__(
+        self,
+        split: Split,
+        tokens: int,
+        seq_len: int,
+        batch_size: int,
+        device: str | torch.device = "cpu",
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ):
+        if tokens < seq_len:
+            raise ValueError(f"--eval-tokens {tokens:,} is less than one window of seq_len {seq_len}")
+        needed = tokens // seq_len
+        starts = []  # (shard, offset) of each window
+        for s, shard in enumerate(split.shards):
+            offsets = range(0, len(shard) - seq_len, seq_len)[: needed - len(starts)]
+            starts += [(s, o) for o in offsets]
+        if len(starts) < needed:
+            raise ValueError(
+                f"--eval-tokens {tokens:,}: {split.name} holds {len(starts):,} windows of seq_len {seq_len}, "
+                f"{len(starts) * seq_len:,} tokens; ask for at most that"
+            )
+        self.split, self.seq_len, self.batch_size, self.device = (
+            split,
+            seq_len,
+            batch_size,
+            torch.device(device),
+        )
+        self.starts = starts[dp_rank::dp_size]
+        self.tokens = needed * seq_len  # over all the ranks
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(input, target) batches, (batch_size or fewer, seq_len) int64 each."""
+        for i in range(0, len(self.starts), self.batch_size):
+            rows = [
+                self.split.shards[s][o : o + self.seq_len + 1]
+                for s, o in self.starts[i : i + self.batch_size]
+            ]
+            t = _rows_to_tensor(self.split, rows).to(self.device)  # (batch, seq_len + 1)
+            yield t[:, :-1], t[:, 1:]
+
+
+def _workers(text: str) -> int:
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m horse.data", description="Tokenise text into token shards."
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("prepare", help="tokenise text files into train/val shards")
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="UTF-8 text files")
+    p = commands.add_parser("prepare", help="tokenise text and JSON Lines into train/val shards")
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="UTF-8 text or .jsonl files, directories, globs",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--tokenizer", metavar="PATH", help="a BPE tokenizer.json (default: bytes)")
+    p.add_argument("--text-field", default="text", help="the text of a JSON line (default: text)")
+    p.add_argument(
+        "--workers",
+        type=_workers,
+        default=len(os.sched_getaffinity(0)),
+        help="tokenising processes (default: the CPUs this process may use)",
+    )
     p.add_argument(
         "--val-fraction", type=float, default=0.1, help="last fraction of each file held out (0.1)"
     )
@@ -330,14 +698,36 @@ def main(argv: list[str] | None = None) -> None:
         "--shard-tokens", type=int, default=SHARD_TOKENS, help=f"tokens per shard ({SHARD_TOKENS:,})"
     )
     args = parser.parse_args(argv)
-    for path in args.inputs:
-        if not Path(path).is_file():
-            parser.error(f"INPUT {path} is not a file")
-    meta = prepare(args.inputs, args.out, args.tokenizer, args.val_fraction, args.shard_tokens)
+    try:
+        meta = prepare(
+            args.inputs,
+            args.out,
+            args.tokenizer,
+            args.val_fraction,
+            args.shard_tokens,
+            args.text_field,
+            args.workers,
+            progress=None,
+        )
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        parser.exit(2, f"python -m horse.data prepare: error: {e}\n")
+    tokens = 0
     for split in ("train", "val"):
         n = sum(e["tokens"] for e in meta[split])
+        tokens += n
         print(f"{split}: {n:,} tokens in {len(meta[split])} shard(s)")
-    print(f"tokenizer {meta['tokenizer']}, vocabulary {meta['vocab_size']:,}; wrote {args.out}/meta.json")
+    # Peak resident memory (ru_maxrss, KiB on Linux) of this process and of its largest worker.
+    main_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    worker_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    print(
+        f"{meta['documents']:,} documents, {tokens:,} tokens in {meta['seconds']:.1f} s "
+        f"({tokens / max(meta['seconds'], 1e-9):,.0f} tokens/s, {args.workers} worker(s)); peak memory "
+        f"{main_mib:,.0f} MiB" + (f", each worker at most {worker_mib:,.0f} MiB" if args.workers > 1 else "")
+    )
+    print(
+        f"tokenizer {meta['tokenizer']}, vocabulary {meta['vocab_size']:,}, end of text {meta['eot_id']}; "
+        f"wrote {args.out}/meta.json"
+    )
 
 
 if __name__ == "__main__":

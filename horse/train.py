@@ -3,8 +3,8 @@ device or, under torchrun, tensor parallel inside a node and data parallel acros
 
     python horse/train.py                      # tiny on the built-in corpus, a few minutes on a CPU,
                                                #   then a sample of generated text
-    python -m horse.train --preset gpt2-124m --data DIR --batch-size 16 --grad-accum 32 \\
-        --max-tokens 10_000_000_000 --lr 6e-4 --warmup-steps 700 --eval-interval 250 --ckpt-interval 1000
+    python -m horse.train --preset gpt2-124m --data DIR --batch-size 16 --max-tokens 10e9 \\
+        --eval-interval 250 --ckpt-interval 1000    # GPT-3's recipe for its size: printed at the start
     python -m horse.train --config run.json --lr 3e-4      # flags from a JSON file; the command line wins
     python -m horse.train --out-dir runs/x --resume        # continue from the newest complete checkpoint,
                                                            #   with the flags in runs/x/config.json
@@ -26,9 +26,10 @@ connect without it, none of 4 with it).
 
 Every field of TrainConfig below is a flag (``max_steps`` is ``--max-steps``), and so is every
 field of ``horse.model.GPTConfig``, overriding the preset's value (``--n-layer 6``,
-``--positions rotary``). On a GPU the defaults are float16 and the Triton kernels; on a CPU,
-float32 and the plain-torch reference (the kernels would run in Triton's interpreter, far too
-slowly to train).
+``--positions rotary``). The optimiser's settings, the tokens a step and the held-out tokens come
+from the preset's recipe (``horse.recipes``) unless a flag gives them. On a GPU the defaults are
+float16 and the Triton kernels; on a CPU, float32 and the plain-torch reference (the kernels would
+run in Triton's interpreter, far too slowly to train).
 
 Each step writes a line to OUT/metrics.jsonl; the console gets a progress bar and a log line
 every --log-interval steps (tokens/s of the whole job, MFU per GPU). Data, forward, backward and
@@ -58,8 +59,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from horse import checkpoint, hf, preemption
-from horse.data import BPETokenizer, Loader, load_dataset
+from horse import checkpoint, hf, preemption, recipes
+from horse.data import BPETokenizer, HeldOut, Loader, load_dataset
 from horse.generate import generate
 from horse.loss_scale import LossScaler
 from horse.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params, preset
@@ -72,6 +73,8 @@ from horse.parallel import (
     init_from_env,
 )
 from kernels import runtime
+
+TINY = recipes.RECIPES["tiny"]  # TrainConfig's defaults; the command line takes the preset's recipe
 
 try:  # the nvtx package's ranges are the cheapest; torch.cuda.nvtx needs a CUDA build
     import nvtx
@@ -93,7 +96,8 @@ class TrainConfig:
     sequence_parallel: with --tp, norms and residual adds run on sequence shards (T must divide by tp)
     batch_size: sequences per micro-batch, per data-parallel replica
     seq_len: tokens per sequence; default: the model's block_size
-    grad_accum: micro-batches per optimizer step
+    grad_accum: micro-batches per optimizer step (set by --batch-tokens when that is given)
+    batch_tokens: tokens per optimizer step, by gradient accumulation: batch_size x seq_len x grad_accum x dp
     max_steps: optimizer steps
     max_tokens: token budget; when given it sets the number of steps instead of --max-steps
     lr: peak learning rate
@@ -115,7 +119,7 @@ class TrainConfig:
     max_skipped_steps: stop with an error after this many fp16 steps in a row skipped for inf/NaN gradients
     seed: seeds the weights, the data order and the sample
     eval_interval: steps between validation losses (and one at the end)
-    eval_steps: batches per validation loss
+    eval_tokens: validation loss over this many held-out tokens, the first of the val split, each once
     log_interval: steps between console log lines (every step goes to metrics.jsonl)
     ckpt_interval: steps between checkpoints (and one at the end); 0: only at the end
     keep_last: complete checkpoints kept (0: all)
@@ -125,6 +129,8 @@ class TrainConfig:
     profile_steps: record a torch.profiler trace of this many steps (after two warm-up steps): OUT/trace.json
     sample_tokens: tokens of generated text printed at the end (0: none)
     sample_prompt: the sample's prompt
+    compile: run the training loss under torch.compile (the kernels are custom ops: one graph at tp=1)
+    activation_checkpointing: recompute each block in the backward instead of keeping its activations
     fail_at_step: fault injection: rank 1 (rank 0 alone) raises at this step, before a torchrun restart only
     """
 
@@ -139,15 +145,16 @@ class TrainConfig:
     batch_size: int = 32
     seq_len: int | None = None
     grad_accum: int = 1
+    batch_tokens: int | None = TINY.batch_tokens
     max_steps: int = 250
     max_tokens: int | None = None
-    lr: float = 2e-3
+    lr: float = TINY.lr
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
+    warmup_steps: int = TINY.warmup_steps
     decay: Literal["cosine", "linear", "constant"] = "cosine"
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
+    weight_decay: float = TINY.weight_decay
+    beta1: float = TINY.beta1
+    beta2: float = TINY.beta2
     grad_clip: float = 1.0
     precision: Literal["fp16", "bf16", "fp32"] | None = None
     backend: Literal["triton", "reference"] | None = None
@@ -160,7 +167,7 @@ class TrainConfig:
     max_skipped_steps: int = 100
     seed: int = 1337
     eval_interval: int = 100
-    eval_steps: int = 10
+    eval_tokens: int = TINY.eval_tokens
     log_interval: int = 10
     ckpt_interval: int = 0
     keep_last: int = 3
@@ -170,14 +177,16 @@ class TrainConfig:
     profile_steps: int = 0
     sample_tokens: int = 300
     sample_prompt: str = "\n"
+    compile: bool = False
+    activation_checkpointing: bool = False
     fail_at_step: int = 0
 
     def __post_init__(self):
         at_least_1 = (
-            "tp batch_size grad_accum max_steps eval_interval eval_steps log_interval loss_scale_window "
+            "tp batch_size grad_accum max_steps eval_interval eval_tokens log_interval loss_scale_window "
             "loss_scale_hysteresis max_skipped_steps"
         )
-        for name in at_least_1.split() + ["seq_len", "max_tokens"]:
+        for name in at_least_1.split() + ["seq_len", "max_tokens", "batch_tokens"]:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{_flag(name)} must be at least 1, got {value}")
@@ -257,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
         docs, hints = _docs(cls), typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = f" (default {f.default!r})" if cls is TrainConfig and f.default is not None else ""
+            if cls is TrainConfig and f.name in recipes.FIELDS:
+                default = " (default: the preset's recipe)"
             kwargs = _flag_kwargs(hints[f.name])
             group.add_argument(_flag(f.name), dest=f.name, help=docs.get(f.name, "") + default, **kwargs)
     return parser
@@ -289,8 +300,9 @@ def _from_json(path: str, parser: argparse.ArgumentParser) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
-    """(TrainConfig, model overrides) from defaults < the resumed run's config.json < --config file <
-    command line: ``--out-dir DIR --resume`` alone continues a run with the flags it was started with."""
+    """(TrainConfig, model overrides) from defaults < the preset's recipe < the resumed run's
+    config.json < --config file < command line: ``--out-dir DIR --resume`` alone continues a run
+    with the flags it was started with."""
     parser = build_parser()
     given = vars(parser.parse_args(argv))
     values = _from_json(given.pop("config"), parser) if "config" in given else {}
@@ -300,6 +312,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
         run = json.loads(saved.read_text())
         run["train"].pop("fail_at_step", None)  # a fault injected into one launch, not into the run
         values = run["train"] | run["model"] | values
+    values = recipes.recipe_values(values.get("preset", TrainConfig.preset), values)
     train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
     try:
         cfg = TrainConfig(**{k: v for k, v in values.items() if k in train_fields})
@@ -314,8 +327,11 @@ def model_config(cfg: TrainConfig, overrides: dict, data_vocab: int) -> GPTConfi
         raise ValueError(
             f"--vocab-size {overrides['vocab_size']} is smaller than the data's vocabulary ({data_vocab})"
         )
-    # Rounded up to a multiple of 64 for the tensor cores; the extra rows are never a target.
-    overrides = {"vocab_size": -(-data_vocab // 64) * 64, **overrides}
+    # Rounded up to a multiple of 64 for the tensor cores; the extra rows are masked (vocab_used):
+    # never a target, never sampled, no probability taken from the data's ids.
+    rounded = overrides.get("vocab_size", -(-data_vocab // 64) * 64)
+    used = data_vocab if rounded > data_vocab else None
+    overrides = {"vocab_size": rounded, "vocab_used": used, **overrides}
     return dataclasses.replace(preset(cfg.preset), **overrides)
 
 
@@ -472,14 +488,15 @@ def train_step(
 
 
 class LossOf(nn.Module):
-    """model.loss as a module's forward: DDP hooks the forward of the module it wraps."""
+    """model.loss (or loss, its compiled form) as a module's forward: DDP hooks the forward of the
+    module it wraps."""
 
-    def __init__(self, model: GPT):
+    def __init__(self, model: GPT, loss: Callable | None = None):
         super().__init__()
-        self.model = model
+        self.model, self.loss = model, loss or model.loss
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.model.loss(idx, targets)
+        return self.loss(idx, targets)
 
 
 def dp_mean(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
@@ -492,13 +509,17 @@ def dp_mean(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: GPT, loader: Loader, steps: int, autocast, parallel: Parallel) -> float:
-    """Mean loss over the loader's first ``steps`` batches: the same batches at every evaluation."""
+def evaluate(model: GPT, held_out: HeldOut, autocast, parallel: Parallel) -> float:
+    """Mean loss over the held-out tokens, each once: the same tokens at every evaluation."""
     model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)  # loss sum, tokens
     with autocast():
-        losses = torch.stack([model.loss(*loader.batch(i)).float() for i in range(steps)])
+        for x, y in held_out.batches():
+            total += torch.stack([model.loss(x, y).double() * y.numel(), torch.tensor(y.numel())])
     model.train()
-    return dp_mean(losses.mean(), parallel).item()
+    if parallel.dp_size > 1:  # each replica evaluated its own windows
+        dist.all_reduce(total, group=parallel.dp_group)
+    return (total[0] / total[1]).item()
 
 
 def save_checkpoint(
@@ -581,6 +602,7 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     log = print if main_rank else lambda *args: None
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
+    recipes.check_data(cfg)
     train_split, val_split, tokenizer = load_dataset(cfg.data)
     if cfg.init_from:
         config = hf.pretrained_config_for(cfg.init_from, overrides, tokenizer.vocab_size)
@@ -592,6 +614,8 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
         raise ValueError(
             f"--seq-len {seq_len} exceeds the model's block_size {config.block_size} (see --block-size)"
         )
+    grad_accum = recipes.grad_accum(cfg, seq_len, parallel.dp_size)
+    step_cfg = dataclasses.replace(cfg, grad_accum=grad_accum)  # train_step's; config.json keeps cfg's
     if cfg.sample_tokens and not tokenizer.encode(cfg.sample_prompt):
         raise ValueError("--sample-prompt must not be empty when --sample-tokens is above 0")
     # Under torchrun, named after the launch's id: the same on every rank and node, and after a restart.
@@ -617,18 +641,20 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     model.fused_loss = cfg.fused_loss
     if cfg.init_from and ckpt is None:
         hf.load_pretrained(cfg.init_from, model, parallel)
-    loss_fn = model.loss
+    if cfg.activation_checkpointing:
+        recipes.checkpoint_blocks(model)
+    loss_fn = recipes.compile_loss(model, parallel.tp_size == 1) if cfg.compile else model.loss
     if parallel.dp_size > 1:  # gradients averaged over the replicas in buckets, during the backward
         device_ids = [torch.cuda.current_device()] if device == "cuda" else None
-        loss_fn = DistributedDataParallel(LossOf(model), device_ids, process_group=parallel.dp_group)
+        loss_fn = DistributedDataParallel(LossOf(model, loss_fn), device_ids, process_group=parallel.dp_group)
     optimizer = make_optimizer(model, cfg, device)
     scaler = LossScaler.from_config(cfg, precision == "fp16", parallel)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
     autocast = (lambda: torch.autocast(device, dtype)) if dtype else contextlib.nullcontext
     dp = {"dp_rank": parallel.dp_rank, "dp_size": parallel.dp_size}
     train_loader = Loader(train_split, cfg.batch_size, seq_len, cfg.seed, device, **dp)
-    val_loader = Loader(val_split, cfg.batch_size, seq_len, cfg.seed, device, **dp)
-    tokens_per_step = cfg.batch_size * seq_len * cfg.grad_accum * parallel.dp_size  # the whole job's
+    held_out = HeldOut(val_split, cfg.eval_tokens, seq_len, cfg.batch_size, device, **dp)
+    tokens_per_step = cfg.batch_size * seq_len * grad_accum * parallel.dp_size  # the whole job's
     max_steps = math.ceil(cfg.max_tokens / tokens_per_step) if cfg.max_tokens else cfg.max_steps
     step = 0
     if ckpt is not None:
@@ -641,6 +667,7 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     if device == "cpu" and backend == "triton" and not runtime.INTERPRET:
         note = " (on the CPU with TRITON_INTERPRET unset: the fused layers run their float32 reference)"
     log(f"horse.train on {where} | backend {backend}{note} | precision {precision}")
+    log(recipes.describe(cfg))
     if parallel.distributed:
         log(
             f"parallel: {parallel.world_size} processes ({dist.get_backend()}) = tp {parallel.tp_size}"
@@ -656,9 +683,9 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     )
     log(
         f"data {train_split.name}: {sum(map(len, train_split.shards)):,} train / "
-        f"{sum(map(len, val_split.shards)):,} val tokens ({tokenizer.name}) | {cfg.batch_size} x {seq_len} "
-        f"tokens x {cfg.grad_accum} x dp {parallel.dp_size} = {tokens_per_step:,} tokens per step, "
-        f"{max_steps} steps"
+        f"{sum(map(len, val_split.shards)):,} val tokens ({tokenizer.name}, evaluated on the first "
+        f"{held_out.tokens:,}) | {cfg.batch_size} x {seq_len} tokens x {grad_accum} x dp "
+        f"{parallel.dp_size} = {tokens_per_step:,} tokens per step, {max_steps} steps"
     )
     log(f"out {out_dir}" + (f" | resumed from {ckpt.name}" if ckpt is not None else ""))
     shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -702,7 +729,7 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss, grad_norm, skipped = train_step(
-                loss_fn, train_loader.next, model, optimizer, scaler, cfg, parallel, autocast
+                loss_fn, train_loader.next, model, optimizer, scaler, step_cfg, parallel, autocast
             )
             loss = loss.item()
             dt = time.perf_counter() - t0
@@ -726,7 +753,7 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
                 "time_s": time.perf_counter() - start_time,
             }
             if step % cfg.eval_interval == 0 or step == max_steps:
-                record["val_loss"] = evaluate(model, val_loader, cfg.eval_steps, autocast, parallel)
+                record["val_loss"] = evaluate(model, held_out, autocast, parallel)
             if main_rank and (
                 step % cfg.log_interval == 0 or step == max_steps or "val_loss" in record or skipped
             ):

@@ -23,17 +23,24 @@ def prepared(tmp_path):
     return out
 
 
+def _cut(text: bytes, val_fraction: float = 0.1) -> int:
+    """Where prepare cuts a file into train and val: the line start before its last val_fraction."""
+    return text.rfind(b"\n", 0, len(text) - int(len(text) * val_fraction)) + 1
+
+
 def test_prepare_round_trips_bytes_into_shards(prepared):
     meta = json.loads((prepared / "meta.json").read_text())
-    assert meta["tokenizer"] == "bytes" and meta["vocab_size"] == 256
+    assert meta["tokenizer"] == "bytes+eot" and meta["vocab_size"] == 257 and meta["eot_id"] == 256
     assert len(meta["train"]) > 1  # 1,000-token shards
     train, val, tokenizer = load_dataset(prepared)
-    assert isinstance(tokenizer, ByteTokenizer)
+    assert isinstance(tokenizer, ByteTokenizer) and tokenizer.eot_id == 256
     assert all(s.dtype == np.uint16 for s in train.shards)
     a, b = TEXT.encode(), ("All:\nSpeak, speak. Ünïcödé\n" * 30).encode()
-    n_a, n_b = len(a) - len(a) // 10, len(b) - len(b) // 10
-    assert bytes(np.concatenate(train.shards).astype(np.uint8)) == a[:n_a] + b[:n_b]
-    assert bytes(np.concatenate(val.shards).astype(np.uint8)) == a[n_a:] + b[n_b:]
+    eot = [256]  # after each part of a document: the files do not run together in either split
+    train_ids, val_ids = np.concatenate(train.shards).tolist(), np.concatenate(val.shards).tolist()
+    assert train_ids == [*a[: _cut(a)], *eot, *b[: _cut(b)], *eot]
+    assert val_ids == [*a[_cut(a) :], *eot, *b[_cut(b) :], *eot]
+    assert tokenizer.decode(val_ids).endswith("Ünïcödé\n<|endoftext|>")
 
 
 def test_uint32_shards_for_large_vocabularies(tmp_path):
@@ -58,7 +65,7 @@ def test_truncated_foreign_and_mismatched_shards_are_errors(prepared, tmp_path):
     with pytest.raises(ValueError, match="not a Little Horse token shard"):
         load_dataset(prepared)
     write_shard(shard, np.zeros(1000, dtype=np.int64), vocab_size=512)  # a shard of another data set
-    with pytest.raises(ValueError, match="meta.json lists 1,000 of 256"):
+    with pytest.raises(ValueError, match="meta.json lists 1,000 of 257"):
         load_dataset(prepared)
     with pytest.raises(FileNotFoundError, match="no meta.json"):
         load_dataset(tmp_path)
@@ -125,11 +132,192 @@ def test_bpe_tokenizer_from_a_local_file(tmp_path):
     bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
     bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = tokenizers.decoders.ByteLevel()
-    bpe.train_from_iterator([TEXT], tokenizers.trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False
+    )
+    bpe.train_from_iterator([TEXT], trainer)
     bpe.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "in.txt").write_text(TEXT)
     meta = prepare([tmp_path / "in.txt"], tmp_path / "out", tokenizer=tmp_path / "tokenizer.json")
     assert meta["tokenizer"] == "tokenizer.json" and (tmp_path / "out" / "tokenizer.json").is_file()
+    assert meta["eot_id"] == 0  # the tokenizer's own <|endoftext|>
     train, val, tokenizer = load_dataset(tmp_path / "out")
     ids = np.concatenate(train.shards + val.shards).tolist()
-    assert len(ids) < len(TEXT) and tokenizer.decode(ids) == TEXT
+    assert ids.count(0) == 2 and ids[-1] == 0  # after the train part and after the val part
+    text = TEXT.encode()
+    assert len(ids) < len(TEXT) and tokenizer.decode(ids) == "<|endoftext|>".join(
+        [text[: _cut(text)].decode(), text[_cut(text) :].decode(), ""]
+    )
+
+
+def _bpe(tmp_path, special_tokens=("<|endoftext|>",)):
+    """A small byte-level BPE tokenizer.json trained here (nothing downloaded)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=400, special_tokens=list(special_tokens), show_progress=False
+    )
+    bpe.train_from_iterator([TEXT], trainer)
+    path = tmp_path / "tokenizer.json"
+    bpe.save(str(path))
+    return path
+
+
+def _corpus(root):
+    """Text files and JSON Lines in nested directories, a hidden file that must be skipped."""
+    (root / "books" / "deep").mkdir(parents=True)
+    (root / "books" / "a.txt").write_text(TEXT)
+    (root / "books" / "deep" / "b.txt").write_text("Ünïcödé line\n" * 200 + "no newline at the end")
+    (root / "books" / ".hidden").write_bytes(b"\0\1\2 not text")
+    lines = [json.dumps({"id": i, "body": f"document {i}: " + "words " * (i % 7)}) for i in range(300)]
+    (root / "web.jsonl").write_text("\n".join(lines[:150]) + "\n\n" + "\n".join(lines[150:]) + "\n")
+    return [str(root / "books"), str(root / "*.jsonl")]
+
+
+def test_prepare_takes_directories_globs_and_json_lines(tmp_path):
+    inputs = _corpus(tmp_path)
+    meta = prepare(inputs, tmp_path / "out", text_field="body")
+    assert meta["documents"] == 2 * 2 + 300  # each text file's train and val parts, each JSON line
+    train, val, tokenizer = load_dataset(tmp_path / "out")
+    splits = [
+        tokenizer.decode(np.concatenate(s.shards).tolist()).split("<|endoftext|>") for s in (train, val)
+    ]
+    assert splits[0][-1] == splits[1][-1] == ""  # the last document ends with its own end-of-text token
+    # Sorted: books/a.txt, books/deep/b.txt (books/.hidden skipped), then web.jsonl's lines.
+    documents = [t + v for t, v in zip(splits[0][:2], splits[1][:2], strict=True)] + splits[0][2:-1]
+    documents += splits[1][2:-1]
+    assert documents[:2] == [TEXT, "Ünïcödé line\n" * 200 + "no newline at the end"]
+    assert documents[2:] == [f"document {i}: " + "words " * (i % 7) for i in range(300)]
+    with pytest.raises(ValueError, match=r"web.jsonl line 1: no 'text' field \(its keys: id, body\)"):
+        prepare([tmp_path / "web.jsonl"], tmp_path / "out2")
+    with pytest.raises(FileNotFoundError, match="INPUT .*nowhere.txt: no such file"):
+        prepare([tmp_path / "nowhere.txt"], tmp_path / "out2")
+    with pytest.raises(ValueError, match=r"INPUT .*\*.parquet: no files there"):
+        prepare([str(tmp_path / "*.parquet")], tmp_path / "out2")
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_output_is_byte_identical_for_any_number_of_workers(tmp_path, tokenizer):
+    inputs = _corpus(tmp_path)
+    bpe = _bpe(tmp_path) if tokenizer == "bpe" else None
+    outputs = []
+    for workers in (1, 2, 3):
+        out = tmp_path / f"out{workers}"
+        prepare(inputs, out, bpe, text_field="body", workers=workers, piece_bytes=500, shard_tokens=700)
+        outputs.append({f.name: f.read_bytes() for f in sorted(out.iterdir()) if f.name != "meta.json"})
+        outputs[-1]["meta"] = json.loads((out / "meta.json").read_text()) | {"seconds": None}
+    assert len(outputs[0]) > 10  # many shards, from pieces of 500 bytes
+    assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_pieces_are_read_as_they_are_tokenised_not_ahead(tmp_path, workers):
+    """Memory stays a few pieces' whatever the corpus: the reader is at most 2 · workers pieces ahead."""
+    (tmp_path / "big.txt").write_text("a line of text\n" * 2000)
+    read = []
+
+    def pieces():
+        for piece in data.file_pieces(tmp_path / "big.txt", 0.1, piece_bytes=300):
+            read.append(piece)
+            yield piece
+
+    ahead = []
+    for i, (piece, tokens, _) in enumerate(
+        data.encode_pieces(pieces(), ByteTokenizer(True), None, "text", workers)
+    ):
+        assert piece is read[i] and bytes(tokens[: len(piece.data)].astype(np.uint8)) == piece.data
+        ahead.append(len(read) - i)
+    assert len(read) > 90 and max(ahead) <= 2 * workers
+
+
+def test_memory_is_bounded_by_a_piece_not_the_corpus(tmp_path):
+    tracemalloc = pytest.importorskip("tracemalloc")
+    (tmp_path / "big.txt").write_text("a line of text, repeated until the file holds 8 MB\n" * 160_000)
+    tracemalloc.start()
+    try:
+        meta = prepare([tmp_path / "big.txt"], tmp_path / "out", piece_bytes=1 << 16, shard_tokens=1 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sum(e["tokens"] for e in meta["train"] + meta["val"]) > 8e6
+    assert peak < 2e6  # the whole corpus's tokens would take 16 MB as uint16, 64 MB as int64
+
+
+def test_bad_input_names_the_file_and_line(tmp_path):
+    good = "fine\n" * 100
+    (tmp_path / "nul.txt").write_bytes(good.encode() * 2 + b"bad\0line\n")
+    (tmp_path / "latin1.txt").write_bytes(good.encode() + "caf\xe9\n".encode("latin-1"))
+    (tmp_path / "docs.jsonl").write_text('{"text": "a"}\n' * 60 + '{"title": "b"}\n')
+    (tmp_path / "notjson.jsonl").write_text('{"text": "a"}\n{"text": oops}\n')
+    (tmp_path / "number.jsonl").write_text('{"text": 3}\n')
+    cases = {
+        "nul.txt": r"nul.txt line 201: a NUL byte: not a text file",
+        "latin1.txt": r"latin1.txt line 101: byte 0xe9 is not UTF-8: not a text file",
+        "docs.jsonl": r"docs.jsonl line 61: no 'text' field \(its keys: title\)",
+        "notjson.jsonl": r"notjson.jsonl line 2: not JSON",
+        "number.jsonl": r"number.jsonl line 1: field 'text' is a int, not a string",
+    }
+    for name, message in cases.items():
+        for workers in (1, 2):
+            with pytest.raises(ValueError, match=message):
+                prepare([tmp_path / name], tmp_path / "out", workers=workers, piece_bytes=64)
+            assert not list((tmp_path / "out").iterdir())  # nothing left behind
+
+
+def test_an_interrupted_run_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
+    (tmp_path / "in.txt").write_text(TEXT * 20)
+    out = tmp_path / "out"
+    prepare([tmp_path / "in.txt"], out, shard_tokens=5000)
+    assert (out / "meta.json").is_file()
+    encode, calls = data.encode_piece, []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 30:
+            raise KeyboardInterrupt
+        return encode(*args)
+
+    monkeypatch.setattr(data, "encode_piece", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([tmp_path / "in.txt"], out, shard_tokens=5000, piece_bytes=1000)
+    assert not list(out.iterdir())  # the earlier meta.json and shards went first, this run's after
+    with pytest.raises(FileNotFoundError, match="no meta.json"):
+        load_dataset(out)
+    # A run killed outright leaves its open shard as .tmp: never a name the loader reads.
+    writer = data.ShardWriter(out, "train", 257, shard_tokens=100)
+    writer.write(np.arange(150))
+    assert sorted(f.name for f in out.iterdir()) == ["train_000.bin", "train_001.bin.tmp"]
+    assert read_shard(out / "train_000.bin")[0].tolist() == list(range(100))
+
+
+def test_tokenizers_end_of_text_and_a_tokenizer_json_that_does_not_parse(tmp_path):
+    (tmp_path / "in.txt").write_text(TEXT)
+    with pytest.raises(ValueError, match=r"tokenizer.json: no end-of-text token .*<\|endoftext\|>"):
+        prepare([tmp_path / "in.txt"], tmp_path / "out", _bpe(tmp_path, special_tokens=()))
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    bad = tmp_path / "tokenizer.json"
+    for load in (lambda: data.load_tokenizer(tmp_path, "tokenizer.json"),
+                 lambda: prepare([tmp_path / "in.txt"], tmp_path / "out", bad)):  # fmt: skip
+        with pytest.raises(
+            ValueError, match=f"{tmp_path / 'tokenizer.json'}: not a tokenizers tokenizer.json"
+        ):
+            load()
+    assert ByteTokenizer(eot=True).decode([104, 105, 256, 195]) == "hi<|endoftext|>\ufffd"
+
+
+def test_prepare_command_line_progress_and_summary(tmp_path, capsys):
+    _corpus(tmp_path)
+    data.main(["prepare", str(tmp_path / "books"), "--out", str(tmp_path / "out"), "--workers", "2"])
+    out = capsys.readouterr().out
+    assert "4 documents" in out and "tokens/s, 2 worker(s)); peak memory" in out
+    assert "tokenizer bytes+eot, vocabulary 257, end of text 256" in out
+    prepare([tmp_path / "books"], tmp_path / "out", progress=True)
+    assert "tokens/s" in capsys.readouterr().err  # the bar's
+    with pytest.raises(SystemExit):
+        data.main(["prepare", str(tmp_path / "books"), "--out", str(tmp_path / "out"), "--workers", "0"])
+    assert "--workers: must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        data.main(["prepare", str(tmp_path / "web.jsonl"), "--out", str(tmp_path / "out")])
+    assert "web.jsonl line 1: no 'text' field" in capsys.readouterr().err

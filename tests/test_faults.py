@@ -29,7 +29,7 @@ DRIVER = ROOT / "tests" / "faulty_train.py"
 STEPS, INTERVAL = 16, 4
 RUN = dict(
     n_layer=2, d_model=64, n_head=4, block_size=32, batch_size=4, max_steps=STEPS, warmup_steps=2,
-    eval_interval=8, eval_steps=1, sample_tokens=0, ckpt_interval=INTERVAL, log_interval=100,
+    eval_interval=8, eval_tokens=128, sample_tokens=0, ckpt_interval=INTERVAL, log_interval=100,
     precision="fp32", backend="reference", device="cpu",
 )  # fmt: skip
 

@@ -141,7 +141,7 @@ def test_the_trainers_gpu_branches_run_and_resume_on_a_stand_in_gpu(monkeypatch,
     monkeypatch.setattr(torch.cuda.nvtx, "range", lambda name: contextlib.nullcontext(ranges.append(name)))
     small = {"n_layer": 1, "d_model": 32, "n_head": 2, "block_size": 16}
     cfg = train.TrainConfig(preset="tiny", backend="reference", batch_size=2, max_steps=2, eval_interval=2,
-                            eval_steps=1, sample_tokens=0, out_dir=str(tmp_path / "run"))  # fmt: skip
+                            eval_tokens=32, sample_tokens=0, out_dir=str(tmp_path / "run"))  # fmt: skip
     with CUDAOnTheCPU():
         records = train.train(cfg, small)
         resumed = train.train(dataclasses.replace(cfg, max_steps=3, resume=True), small)

@@ -271,7 +271,7 @@ def test_init_from_a_hf_folder_fine_tunes_its_weights(tmp_path, capsys):
     path = save_hf(theirs, tmp_path / "hf", "safetensors")
     cfg = TrainConfig(
         init_from=str(path), out_dir=str(tmp_path / "run"), batch_size=2, seq_len=16, max_steps=1,
-        lr=1e-12, warmup_steps=0, eval_interval=1, eval_steps=1, sample_tokens=0, device="cpu",
+        lr=1e-12, warmup_steps=0, eval_interval=1, eval_tokens=64, sample_tokens=0, device="cpu",
     )  # fmt: skip
     train.train(cfg, {})
     assert f"model {path}:" in capsys.readouterr().out

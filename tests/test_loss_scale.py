@@ -64,7 +64,7 @@ def test_a_run_that_skips_every_step_stops_with_a_clear_error(monkeypatch, tmp_p
     # crashed with "value cannot be converted to type float without overflow".
     every_gradient_overflows(monkeypatch)
     cfg = TrainConfig(preset="tiny", batch_size=2, max_steps=150, warmup_steps=1, eval_interval=1000,
-                      eval_steps=1, sample_tokens=0, device="cpu", precision="fp16",
+                      eval_tokens=128, sample_tokens=0, device="cpu", precision="fp16",
                       out_dir=str(tmp_path / "run"))  # fmt: skip
     with pytest.raises(FloatingPointError) as error:
         train.train(cfg, SMALL)

@@ -1,6 +1,8 @@
 """horse.train: the loss falls, a resumed run repeats the uninterrupted one exactly, fp16 loss scaling
 skips bad steps, checkpoints are atomic and checked, and bad flags are named."""
 
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -11,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_close
 
-from horse import checkpoint, generate, train
+from horse import checkpoint, data, generate, recipes, train
 from horse.model import GPT, GPTConfig
 from horse.train import TrainConfig, lr_at, optimizer_step, parse_args
 from kernels import runtime
@@ -23,13 +26,15 @@ SMALL = {"n_layer": 2, "d_model": 64, "n_head": 4, "block_size": 32}
 
 
 def _cfg(tmp_path, **kwargs) -> TrainConfig:
-    quick = dict(batch_size=8, max_steps=8, warmup_steps=2, eval_interval=4, eval_steps=2, sample_tokens=0,
+    quick = dict(batch_size=8, max_steps=8, warmup_steps=2, eval_interval=4, eval_tokens=512, sample_tokens=0,
                  device="cpu")  # fmt: skip
     return TrainConfig(**({"out_dir": str(tmp_path / "run")} | quick | kwargs))
 
 
 def test_loss_falls_on_the_builtin_corpus(tmp_path, capsys):
-    records = train.train(_cfg(tmp_path, max_steps=40, eval_interval=40, sample_tokens=20), SMALL)
+    records = train.train(
+        _cfg(tmp_path, max_steps=40, eval_interval=40, eval_tokens=4096, sample_tokens=20), SMALL
+    )
     losses = [r["loss"] for r in records]
     assert losses[0] == pytest.approx(math.log(256), abs=0.3)  # uniform over bytes at initialisation
     assert sum(losses[-5:]) / 5 < losses[0] - 2.0
@@ -257,3 +262,165 @@ def test_fp16_training_on_the_gpu_with_the_kernels(tmp_path, capsys):
     assert sum(r["loss"] for r in records[-5:]) / 5 < records[0]["loss"] - 1.5
     state = checkpoint.load_state(tmp_path / "run" / "ckpt_0000015")
     assert state["scaler"]["scale"] > 0 and state["rng"]["cuda"]
+
+
+def test_presets_carry_their_recipe_and_flags_override_it(capsys):
+    cfg, _ = parse_args(["--preset", "gpt2-124m", "--data", "d"])
+    assert (cfg.lr, cfg.warmup_steps, cfg.batch_tokens) == (6e-4, 715, 524_288)  # GPT-3 Small's
+    assert (cfg.weight_decay, cfg.beta1, cfg.beta2, cfg.eval_tokens) == (0.1, 0.9, 0.95, 2**20)
+    xl, _ = parse_args(["--preset", "gpt2-1.5b"])
+    assert (xl.lr, xl.warmup_steps, xl.batch_tokens) == (2e-4, 358, 2**20)  # GPT-3 XL's
+    cfg, _ = parse_args(["--preset", "gpt2-350m", "--lr", "1e-4", "--beta2", "0.99"])
+    assert (cfg.lr, cfg.beta2, cfg.warmup_steps, cfg.batch_tokens) == (1e-4, 0.99, 715, 524_288)
+    assert "--lr 0.0001 (the recipe's 0.0003), --warmup-steps 715, " in recipes.describe(cfg)
+    # --grad-accum alone drops the recipe's tokens a step; the tiny recipe has none.
+    assert parse_args(["--preset", "gpt2-124m", "--grad-accum", "4"])[0].batch_tokens is None
+    assert parse_args([])[0].batch_tokens is None and parse_args([])[0].lr == 2e-3
+    cfg = parse_args(["--preset", "gpt2-124m", "--batch-size", "16"])[0]
+    assert recipes.grad_accum(cfg, 1024, dp_size=1) == 32 and recipes.grad_accum(cfg, 1024, dp_size=4) == 8
+    with pytest.raises(
+        ValueError, match="--batch-tokens 524,288 is not a multiple of --batch-size 16 x seq_len 1000"
+    ):
+        recipes.grad_accum(cfg, 1000, dp_size=1)
+    given = ["--batch-size", "16", "--grad-accum", "4", "--batch-tokens", "524288"]
+    cfg, _ = parse_args(["--preset", "gpt2-124m", *given])
+    with pytest.raises(ValueError, match="--grad-accum 4 and --batch-tokens 524,288 disagree"):
+        recipes.grad_accum(cfg, 1024, dp_size=1)
+
+
+def test_a_gpt2_preset_without_data_says_what_to_prepare():
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--preset", "gpt2-124m", "--device", "cpu"])
+    err = str(exit_.value.code)  # sys.exit's message, printed to stderr
+    assert "--preset gpt2-124m trains on text tokenised with a BPE tokenizer" in err
+    assert "python -m horse.data prepare CORPUS... --tokenizer tokenizer.json --out data/NAME" in err
+
+
+def test_batch_tokens_accumulates_and_the_recipe_is_printed(tmp_path, capsys):
+    accumulated = train.train(_cfg(tmp_path, max_steps=1, grad_accum=2), SMALL)
+    by_tokens = train.train(_cfg(tmp_path, out_dir=str(tmp_path / "b"), max_steps=1, batch_tokens=512), SMALL)
+    assert [r["loss"] for r in by_tokens] == [r["loss"] for r in accumulated]
+    assert by_tokens[-1]["tokens"] == 512
+    out = capsys.readouterr().out
+    assert "recipe tiny (tuned on the built-in corpus): --lr 0.002, --warmup-steps 2 (the recipe's 30)" in out
+    assert "--batch-tokens 512 (the recipe's none)" in out and "8 x 32 tokens x 2 x dp 1 = 512 tokens" in out
+
+
+def test_rounded_vocabulary_masks_its_padding(tmp_path):
+    cfg = _cfg(tmp_path)
+    assert train.model_config(cfg, {}, 257) == dataclasses.replace(
+        train.model_config(cfg, {}, 256), vocab_size=320, vocab_used=257
+    )
+    assert train.model_config(cfg, {}, 256).vocab_used is None
+    assert train.model_config(cfg, {"vocab_size": 512}, 257).vocab_used == 257
+    (tmp_path / "in.txt").write_text(data.builtin_text()[:50_000])
+    data.prepare([tmp_path / "in.txt"], tmp_path / "data")
+    records = train.train(_cfg(tmp_path, data=str(tmp_path / "data"), max_steps=1, lr=1e-9), SMALL)
+    # Near-uniform logits at initialisation: over the 257 ids in use, not the 320 rows.
+    assert records[0]["loss"] == pytest.approx(math.log(257), abs=0.05)
+
+
+def test_eval_tokens_is_a_fixed_held_out_slice(tmp_path):
+    _, val, _ = data.load_dataset()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL, vocab_size=256))
+    held_out = data.HeldOut(val, 100, 32, batch_size=2)  # 3 windows: 96 tokens
+    assert held_out.tokens == 96
+    windows = [torch.from_numpy(val.shards[0][i * 32 : i * 32 + 33].astype("int64")) for i in range(3)]
+    want = sum(model.loss(w[None, :-1], w[None, 1:]).item() for w in windows) / 3
+    got = train.evaluate(model, held_out, contextlib.nullcontext, train.Parallel())
+    assert got == pytest.approx(want, rel=1e-6) and got == train.evaluate(
+        model, held_out, contextlib.nullcontext, train.Parallel()
+    )
+    ranks = [data.HeldOut(val, 100, 32, 2, dp_rank=r, dp_size=2).starts for r in range(2)]
+    assert sorted(ranks[0] + ranks[1]) == held_out.starts and not set(ranks[0]) & set(ranks[1])
+    with pytest.raises(ValueError, match="--eval-tokens 1,000,000: .* holds 3,485 windows of seq_len 32"):
+        data.HeldOut(val, 1_000_000, 32, 2)
+    cfg, _ = parse_args(["--eval-tokens", "4096"])
+    assert cfg.eval_tokens == 4096
+
+
+def _saved_tensors(fn) -> int:
+    count = [0]
+
+    def pack(t):
+        count[0] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = fn()
+    return loss, count[0]
+
+
+def test_activation_checkpointing_recomputes_blocks_with_the_same_gradients():
+    torch.manual_seed(0)
+    config = GPTConfig(**SMALL, vocab_size=256)
+    plain, checkpointed = GPT(config), GPT(config)
+    checkpointed.load_state_dict(plain.state_dict())
+    recipes.checkpoint_blocks(checkpointed)
+    idx = torch.randint(0, 256, (2, 32))
+    loss, saved = _saved_tensors(lambda: plain.loss(idx, idx))
+    loss_ckpt, saved_ckpt = _saved_tensors(lambda: checkpointed.loss(idx, idx))
+    assert saved_ckpt < saved / 2  # a block keeps its inputs only
+    loss.backward()
+    loss_ckpt.backward()
+    assert torch.equal(loss, loss_ckpt)
+    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7, msg=name)
+    assert list(checkpointed.state_dict()) == list(plain.state_dict())  # the checkpoints' names
+
+
+@pytest.mark.interpreter
+def test_compile_traces_the_kernels_in_one_graph():
+    """fullgraph=True: a graph break is an error. The triton backend in float16 runs attention, the
+    MLP and the norms through their custom ops (Triton's interpreter here; aot_eager traces them):
+    loss and gradients within the suite's accuracy rule. With activation checkpointing too: the
+    trainer's test below, on the reference backend."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=32)
+    model, baseline, truth = GPT(config, backend="triton"), GPT(config), GPT(config).double()
+    for other in (baseline, truth):
+        other.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 64, (2, 16))
+
+    def loss_and_grads(loss_fn, m: GPT, dtype: torch.dtype | None) -> list[torch.Tensor]:
+        with torch.autocast("cpu", dtype) if dtype else contextlib.nullcontext():
+            loss = loss_fn(idx, idx)
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in m.parameters()]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model.loss, fullgraph=True, backend="aot_eager")
+    results = [
+        loss_and_grads(compiled, model, torch.float16),
+        loss_and_grads(truth.loss, truth, None),
+        loss_and_grads(baseline.loss, baseline, torch.float16),
+    ]
+    names = ["loss"] + [name for name, _ in model.named_parameters()]
+    for name, actual, want, base in zip(names, *results, strict=True):
+        assert_close(name, actual, want, base)
+
+
+def test_compile_and_activation_checkpointing_in_the_trainer(tmp_path, monkeypatch):
+    """The trainer compiles with fullgraph=True at tp=1: through the checkpointed blocks too."""
+    eager = train.train(_cfg(tmp_path, max_steps=2, eval_interval=2), SMALL)
+    compile_, checkpoint_blocks, calls = torch.compile, recipes.checkpoint_blocks, []
+
+    def compile_quickly(fn, **kwargs):  # aot_eager: no C++ compiler run for the CPU
+        calls.append(kwargs)
+        return compile_(fn, **kwargs, backend="aot_eager")
+
+    def checkpointed(model):
+        calls.append("checkpoint_blocks")
+        checkpoint_blocks(model)
+
+    monkeypatch.setattr(torch, "compile", compile_quickly)
+    monkeypatch.setattr(recipes, "checkpoint_blocks", checkpointed)
+    torch._dynamo.reset()
+    both = train.train(
+        _cfg(tmp_path, out_dir=str(tmp_path / "c"), max_steps=2, eval_interval=2, compile=True,
+             activation_checkpointing=True), SMALL)  # fmt: skip
+    assert calls == ["checkpoint_blocks", {"fullgraph": True}]
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in both] == pytest.approx([r[key] for r in eager], rel=1e-5)
+    assert both[-1]["val_loss"] == pytest.approx(eager[-1]["val_loss"], rel=1e-5)
