@@ -189,6 +189,9 @@ class StandInGPU:
         self.clock = FakeClock()
         fake_cuda_events(monkeypatch, self.clock)
         name_it_an_h200(monkeypatch)
+        # bench's own pytest session is no xdist worker, even inside one: else pytest-benchmark,
+        # reading this variable, switches itself off and times nothing.
+        monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
         self.monkeypatch = monkeypatch
 
     def timed(self, ms: float = 0.0, error: BaseException | None = None):
