@@ -14,11 +14,15 @@ setup(
     install_requires=["torch>=2.9", "triton>=3.5", "numpy", "safetensors", "tqdm"],
     # ruff pinned: its formatter changes between releases, and CI checks formatting.
     # matplotlib draws the bench suite's plots (and is tested with it); transformers and tokenizers
-    # build the Hugging Face models that horse.hf's conversions are checked against.
+    # build the Hugging Face models that horse.hf's conversions are checked against; pytest-xdist
+    # runs the tests on every core (-n auto). pytest 9.2 gives nodes structured ids that xdist 3.8's
+    # --dist loadgroup cannot mark, so it spreads an xdist_group over every worker without a word
+    # (pytest-dev/pytest-xdist#1386; tests/conftest.py stops a run where that happens).
     extras_require={
         "test": [
-            "pytest>=8",
+            "pytest>=8,<9.2",
             "pytest-benchmark>=4",
+            "pytest-xdist>=3",
             "ruff==0.17.6",
             "matplotlib",
             "transformers",

@@ -26,10 +26,15 @@ must run without ``TRITON_INTERPRET=1``, which replaces the kernels by interpret
 import argparse
 import bisect
 import dataclasses
+import functools
+import hashlib
 import importlib
+import inspect
 import itertools
+import json
 import math
 import os
+import random
 import re
 import struct
 import subprocess
@@ -40,8 +45,10 @@ from dataclasses import dataclass, field
 
 import torch
 import triton
+from triton._C.libtriton import get_cache_invalidating_env_vars
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
 
 from kernels import layernorm, runtime
 from kernels.runtime import ARCHS
@@ -206,8 +213,11 @@ def compile_kernel(cfg: KernelConfig):
     "amdgcn" and "hsaco" (AMD)."""
     signature, attrs = _signature(cfg)
     source = ASTSource(cfg.fn, signature, constexprs=cfg.constexprs, attrs=attrs)
-    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **runtime.COMPILE_OPTIONS}
-    return triton.compile(source, target=cfg.gpu_target, options=options)
+    return triton.compile(source, target=cfg.gpu_target, options=_options(cfg))
+
+
+def _options(cfg: KernelConfig) -> dict:
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **runtime.COMPILE_OPTIONS}
 
 
 def compile_configs(configs: list[KernelConfig]) -> list[CompileResult]:
@@ -267,6 +277,133 @@ def compile_in_pool(pool: Executor, configs: list[KernelConfig], workers: int) -
     chunk = max(1, min(MAX_CHUNK, math.ceil(len(configs) / workers)))
     chunks = [configs[i : i + chunk] for i in range(0, len(configs), chunk)]
     return [result for results in pool.map(compile_configs, chunks) for result in results]
+
+
+# ----------------------------------------------------------------------------------------------
+# The rows already proven: bench/compile_report_cache.json
+# ----------------------------------------------------------------------------------------------
+
+CACHE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_report_cache.json")
+VERIFY_AT_LEAST = 60  # reused rows compiled afresh each run to check the file against the compiler
+# The code that turns a config into its row: a change to any of it invalidates every cached row.
+ROW_READERS = (_signature, _options, compile_kernel, compile_configs, _read_amd, _read_nvidia,
+               parse_resource_usage, count_sass, parse_amdgcn, machine_code, disassemble)  # fmt: skip
+ROW_FIELDS = ("registers", "spill_bytes", "shared_bytes", "tensor_core_instructions", "global_loads_128",
+              "tma_loads", "target")  # fmt: skip
+
+
+@functools.cache
+def reader_hash() -> str:
+    code = [inspect.getsource(f) for f in ROW_READERS]
+    code.append(repr((ROW_FIELDS, [f.name for f in dataclasses.fields(CompileResult)], INSTRUCTION_BYTES,
+                      sorted(FLOAT_SCALARS))))  # fmt: skip
+    return hashlib.sha256("\n".join(code).encode()).hexdigest()
+
+
+@functools.cache
+def toolchain(target: GPUTarget) -> str:
+    """Triton's version and its backend's own hash for target: on NVIDIA the version of the ptxas
+    that assembles it (Triton's wheel brings it; TRITON_PTXAS_PATH may replace it)."""
+    return f"triton {triton.__version__} {make_backend(target).hash()}"
+
+
+def row_key(cfg: KernelConfig) -> str:
+    """What decides cfg's compiled code and its row, hashed: the kernel's Triton cache key (its
+    source, the source of the jit functions it calls, the constexpr globals it reads, its first
+    line), the signature with its alignment attributes, the constexprs, the compile options, the
+    target and its toolchain, the environment variables Triton's own cache keys on, and the code
+    that reads a row from the compiled kernel (reader_hash)."""
+    signature, attrs = _signature(cfg)
+    target = cfg.gpu_target
+    environment = sorted(get_cache_invalidating_env_vars().items())
+    code = (cfg.fn.cache_key, signature, attrs, sorted(cfg.constexprs.items()), sorted(_options(cfg).items()))
+    parts = (*code, repr(target), toolchain(target), environment, reader_hash())
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+def row_values(r: CompileResult) -> list:
+    return [getattr(r, name) for name in ROW_FIELDS]
+
+
+def load_cache(path: str) -> dict[str, dict]:
+    """The cached entries by row key, each {"config": its description, "row": row_values}; {} when
+    there is no file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)["rows"]
+    except FileNotFoundError:
+        return {}
+    except (ValueError, KeyError) as error:
+        raise SystemExit(f"{path} is not a compile report cache ({error!r}): --update rewrites it") from error
+
+
+def save_cache(path: str, entries: dict[str, dict]) -> None:
+    """One row a line, in the order of their descriptions, so that a kernel change reads as a diff."""
+    ordered = sorted(entries.items(), key=lambda item: (item[1]["config"], item[0]))
+    lines = [f"    {json.dumps(key)}: {json.dumps(entry)}" for key, entry in ordered]
+    text = '{\n  "columns": ' + json.dumps(ROW_FIELDS) + ',\n  "rows": {\n' + ",\n".join(lines) + "\n  }\n}\n"
+    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)), delete=False) as f:
+        f.write(text)
+    os.chmod(f.name, 0o644)
+    os.replace(f.name, path)  # a report killed while writing leaves the old file whole
+
+
+def verification_sample(configs: list[KernelConfig], count: int, seed: int) -> list[int]:
+    """Indices of the reused configs to compile afresh: one of each (GPU family, kernel), then more
+    at random up to count; none if count is 0. The same for the same configs and seed."""
+    if count <= 0:
+        return []
+    rng = random.Random(seed)
+    groups: dict[tuple, list[int]] = {}
+    for i, c in enumerate(configs):
+        groups.setdefault((c.arch, c.kernel), []).append(i)
+    chosen = {rng.choice(members) for members in groups.values()}
+    rest = [i for i in range(len(configs)) if i not in chosen]
+    chosen.update(rng.sample(rest, min(len(rest), max(0, count - len(chosen)))))
+    return sorted(chosen)
+
+
+@dataclass
+class Proof:
+    """What a report run proved for its configs, and how."""
+
+    results: list[CompileResult]  # one a config, fresh or cached
+    built: int  # configs whose key was missing from the cache (or all, with --rebuild)
+    reused: int  # cached rows taken for their key
+    verified: int  # reused rows compiled afresh as well
+    differ: list[str]  # a line per verified row whose fresh compile disagrees with the cache
+    fresh: dict[str, CompileResult]  # key -> fresh result, for --update
+
+
+def prove(configs: list[KernelConfig], keys: list[str], cached: dict, verify: int, seed: int, build) -> Proof:
+    """Each config's row: taken from cached (entries by key, :func:`load_cache`) where its key is
+    there, built with build (a list of configs -> their CompileResults) where it is not; and a
+    sample of the reused rows (:func:`verification_sample`) built as well and compared."""
+    reused = [i for i, key in enumerate(keys) if key in cached]
+    checked = [reused[j] for j in verification_sample([configs[i] for i in reused], verify, seed)]
+    to_build = [i for i, key in enumerate(keys) if key not in cached] + checked
+    built = dict(zip(to_build, build([configs[i] for i in to_build]), strict=True))
+    results, differ = [], []
+    for i, (cfg, key) in enumerate(zip(configs, keys, strict=True)):
+        result = built.get(i) or CompileResult(cfg, *cached[key]["row"])
+        if i in checked and (result.error or row_values(result) != cached[key]["row"]):
+            fresh, row = result.error or row_values(result), cached[key]["row"]
+            differ.append(f"{describe(cfg)}: cached row {row} but a fresh compile gives {fresh}")
+        results.append(result)
+    fresh = {keys[i]: result for i, result in built.items()}
+    return Proof(results, len(configs) - len(reused), len(reused), len(checked), differ, fresh)
+
+
+def updated_entries(cached: dict, proof: Proof, current: set[str]) -> dict[str, dict]:
+    """The cache after a run: the fresh rows (those without an error) over the cached ones, only
+    keys in current (the other keys belong to code that no longer exists)."""
+    entries = {key: entry for key, entry in cached.items() if key in current}
+    for key, result in proof.fresh.items():
+        if result.error:  # a crash may be the machine's: never cached, built again next run
+            entries.pop(key, None)
+        else:
+            entries[key] = {"config": describe(result.config), "row": row_values(result)}
+    return entries
 
 
 # ----------------------------------------------------------------------------------------------
@@ -543,14 +680,19 @@ def all_configs(archs=tuple(ARCHS)) -> list[KernelConfig]:
     return [cfg for name in archs for family in CONFIG_FAMILIES.values() for cfg in family(ARCHS[name])]
 
 
+def describe(c: KernelConfig) -> str:
+    """A config in words: "sm90 attn_fwd d=128 causal fp16 blocks 128x64x128 warps 8" (not unique)."""
+    family = f"{c.arch} as sm_{c.capability}" if c.capability else c.arch
+    return f"{family} {c.kernel} {c.shape_class} {c.dtype_name} blocks {c.blocks} warps {c.num_warps}"
+
+
 def failures(results: list[CompileResult]) -> list[str]:
     """One line per config that Triton cannot compile, spills registers, exceeds its GPU family's
     shared-memory limit or threads a block, or is a matmul kernel without tensor-core instructions."""
     bad = []
     for r in results:
         c = r.config
-        family = f"{c.arch} as sm_{c.capability}" if c.capability else c.arch
-        name = f"{family} {c.kernel} {c.shape_class} {c.dtype_name} blocks {c.blocks} warps {c.num_warps}"
+        name = describe(c)
         limit = ARCHS[c.arch].max_shared_bytes
         if r.error:
             bad.append(f"{name}: does not compile: {r.error}")
@@ -622,6 +764,23 @@ def main(argv: list[str] | None = None) -> int:
         "--capability", type=int, help="build one --arch family's entries for another GPU that takes "
         "them: 87 (sm80), 89 or 120 (sm86), 103 (sm100)",
     )  # fmt: skip
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="rewrite --cache: this run's rows (only those whose key changed are compiled) over its rows "
+        "of unchanged code; stale keys dropped",
+    )
+    parser.add_argument("--rebuild", action="store_true", help="compile every config, reusing no cached row")
+    parser.add_argument(
+        "--verify",
+        type=int,
+        default=VERIFY_AT_LEAST,
+        metavar="N",
+        help="compile N reused rows afresh, at least one per GPU family and kernel, and fail if one "
+        f"differs (default {VERIFY_AT_LEAST}; 0: none)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="which reused rows --verify picks (default 0)")
+    parser.add_argument("--cache", default=CACHE_FILE, help="the rows already proven (default: %(default)s)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the interpreter cannot compile kernels")
@@ -634,18 +793,30 @@ def main(argv: list[str] | None = None) -> int:
         if error := capability_error(args.capability, args.arch[0]):
             parser.error(error)
         configs = [dataclasses.replace(c, capability=args.capability) for c in configs]
+    keys = [row_key(c) for c in configs]
+    cached = load_cache(args.cache)
     jobs = max(1, args.jobs)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        results = compile_in_pool(pool, configs, jobs)
+        proof = prove(configs, keys, {} if args.rebuild else cached, args.verify, args.seed,
+                      functools.partial(compile_in_pool, pool, workers=jobs))  # fmt: skip
+    results = proof.results
     print(format_table(results))
-    bad = failures(results)
+    bad = proof.differ + failures(results)
     print()
     built_for = {a: ARCHS[a].hip_target or f"sm_{args.capability or ARCHS[a].capability}" for a in args.arch}
     for name in args.arch:
         count = sum(r.config.arch == name for r in results)
-        print(f"{name} ({ARCHS[name].gpus}): {count} configs compiled for {built_for[name]}")
-    targets = ", ".join(built_for.values())
-    print(f"{len(results)} configs compiled for {targets} (triton {triton.__version__}); {len(bad)} failing")
+        print(f"{name} ({ARCHS[name].gpus}): {count} configs for {built_for[name]}")
+    targets, cache = ", ".join(built_for.values()), os.path.relpath(args.cache)
+    cache = args.cache if cache.startswith("..") else cache
+    print(f"{len(results)} configs for {targets} (triton {triton.__version__}): {proof.built} built (key new "
+          f"or changed), {proof.reused} reused from {cache}, {proof.verified} of them re-verified by a fresh "
+          f"compile; {len(bad)} failing")  # fmt: skip
+    if args.update:
+        current = {row_key(c) for c in all_configs()} | set(keys)
+        entries = updated_entries(cached, proof, current)
+        save_cache(args.cache, entries)
+        print(f"wrote {len(entries)} rows to {cache} ({len(cached.keys() - entries.keys())} dropped)")
     for line in bad:
         print(f"FAIL {line}")
     return 1 if bad else 0

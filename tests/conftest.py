@@ -18,6 +18,10 @@ from helpers import check_descriptor_strides_in_bytes  # noqa: E402
 from kernels import runtime  # noqa: E402
 
 check_descriptor_strides_in_bytes()
+# A pytest-xdist worker takes its share of the cores, not all of them: two workers with two threads
+# each on two cores spend their time switching.
+if (workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -30,6 +34,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if marker in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    # pytest-xdist's --dist loadgroup sends a test to its xdist_group's worker by the "@group" it
+    # appends to the test's id; where that append has no effect (pytest 9.2 with xdist 3.8) a group's
+    # tests run on every worker side by side, each building the module's fixtures again: say so.
+    grouped = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group")]
+    lost = [nodeid for nodeid in grouped if "@" not in nodeid]
+    if session.config.getoption("loadgroup", False) and lost:
+        session.config.issue_config_time_warning(pytest.PytestConfigWarning(
+            f"--dist loadgroup lost the xdist_group of {len(lost)} tests ({lost[0]}), which now run side by "
+            f"side: pytest {pytest.__version__} with this pytest-xdist (pytest-dev/pytest-xdist#1386); "
+            "install 'pytest<9.2'"), stacklevel=1)  # fmt: skip
 
 
 @pytest.fixture(autouse=True)

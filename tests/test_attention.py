@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import assert_close, device_has_tma, record_tma_choices, run_family_tables
+from helpers import all_pairs, assert_close, device_has_tma, record_tma_choices, run_family_tables
 
 import kernels
 from kernels import attention, reference, runtime
@@ -515,11 +515,13 @@ def test_autocast_runs_float32_inputs_in_half_precision(device):
     assert all(t.grad.dtype == torch.float32 and torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
-@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointer"])
-@pytest.mark.parametrize("window", [(-1, -1), (50, -1)], ids=["causal", "window"])
+# Each shape with TMA and with pointers, and with each mask (pairwise: 6 of the 12 combinations).
 @pytest.mark.parametrize(
-    "shape", [Shape(2, 129, 129, 4, 2, 64), Shape(1, 17, 129, 2, 2, 80), Shape(1, 129, 17, 4, 1, 32)], ids=str
-)
+    ("shape", "window", "use_tma"),
+    all_pairs([Shape(2, 129, 129, 4, 2, 64), Shape(1, 17, 129, 2, 2, 80), Shape(1, 129, 17, 4, 1, 32)],
+              [(-1, -1), (50, -1)], [True, False]),
+    ids=lambda v: {True: "tma", False: "pointer", (-1, -1): "causal", (50, -1): "window"}.get(v, str(v)),
+)  # fmt: skip
 def test_tma_and_pointer_loads_both_match_reference(shape, window, use_tma, device, monkeypatch):
     monkeypatch.setattr(attention, "USE_TMA", use_tma)
     choices = record_tma_choices(monkeypatch, attention)

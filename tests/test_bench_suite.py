@@ -237,7 +237,8 @@ class StandInGPU:
         self.busy = False
         monkeypatch.setattr(torch.cuda, "_sleep", self.spin)
         monkeypatch.setattr(timing, "_spin_cycles_per_ms", lambda device: 1000.0)
-        # Under pytest-xdist (-n), pytest-benchmark would disable itself in the suite's own session.
+        # bench's own pytest session is no xdist worker, even inside one: else pytest-benchmark,
+        # reading this variable, switches itself off and times nothing.
         monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
         self.monkeypatch = monkeypatch
 

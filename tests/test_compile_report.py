@@ -1,5 +1,8 @@
 """The compile report's parsing and gate, its GPU families, and one real compile of a kernel family."""
 
+import dataclasses
+import functools
+import importlib.util
 import itertools
 import json
 import os
@@ -10,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
 
 from bench import compile_report
 from bench.compile_report import CompileResult, KernelConfig
@@ -121,6 +125,123 @@ def test_gate_fails_a_matmul_kernel_without_tensor_cores():
     assert compile_report.failures([_result(matmul=True, tensor_cores=16)]) == []
 
 
+KEYED_KERNEL = """
+import triton.language as tl
+from triton.runtime.jit import JITFunction  # not triton.jit: the tests run in the interpreter
+
+
+@JITFunction
+def _scale(x):
+    return x * {factor}
+
+
+@JITFunction
+def _kernel(X, Y, N, BLOCK_N: tl.constexpr):
+    offs = tl.arange(0, BLOCK_N)
+    tl.store(Y + offs, _scale(tl.load(X + offs, mask=offs < N)), mask=offs {compare} N)
+"""
+
+
+def _keyed_module(tmp_path, monkeypatch, name: str, factor: int = 2, compare: str = "<") -> KernelConfig:
+    path = tmp_path / f"{name}.py"
+    path.write_text(KEYED_KERNEL.format(factor=factor, compare=compare))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    pointers = {"X": "fp16", "Y": "fp16"}
+    return KernelConfig(
+        "k", "any", torch.float16, f"{name}._kernel", pointers, {"BLOCK_N": 64}, 4, arch="sm90"
+    )
+
+
+def test_a_rows_key_changes_with_the_code_config_target_toolchain_and_reader(tmp_path, monkeypatch):
+    cfg = _keyed_module(tmp_path, monkeypatch, "keyed_a")
+    key = compile_report.row_key(cfg)
+    assert compile_report.row_key(_keyed_module(tmp_path, monkeypatch, "keyed_same")) == key  # by content
+    changed = {
+        "a called jit function's source": _keyed_module(tmp_path, monkeypatch, "keyed_helper", factor=3),
+        "the kernel's source": _keyed_module(tmp_path, monkeypatch, "keyed_body", compare="<="),
+        "num_warps": dataclasses.replace(cfg, num_warps=8),
+        "num_stages": dataclasses.replace(cfg, num_stages=3),
+        "a constexpr": dataclasses.replace(cfg, constexprs={"BLOCK_N": 128}),
+        "a pointer's dtype": dataclasses.replace(cfg, pointer_types={"X": "fp32", "Y": "fp16"}),
+        "the family": dataclasses.replace(cfg, arch="sm80"),
+        "the target": dataclasses.replace(cfg, capability=100),
+    }
+    keys = {what: compile_report.row_key(c) for what, c in changed.items()}
+    assert key not in keys.values() and len(set(keys.values())) == len(keys), keys
+    # A Triton release (its own cache of the toolchain string), and the code that reads a row.
+    monkeypatch.setattr(compile_report, "toolchain", functools.cache(compile_report.toolchain.__wrapped__))
+    monkeypatch.setattr(triton, "__version__", triton.__version__ + ".post1")
+    assert compile_report.row_key(cfg) != key
+    monkeypatch.undo()
+    assert compile_report.row_key(_keyed_module(tmp_path, monkeypatch, "keyed_a")) == key
+    monkeypatch.setattr(
+        compile_report, "reader_hash", functools.cache(compile_report.reader_hash.__wrapped__)
+    )
+    monkeypatch.setattr(compile_report, "ROW_READERS", (*compile_report.ROW_READERS, compile_report.describe))
+    assert compile_report.row_key(cfg) != key
+
+
+def _fake_build(built: list):
+    """A compile that records what it was asked to build and returns rows that say which config."""
+
+    def build(configs):
+        built.extend(configs)
+        return [
+            CompileResult(c, 32 + c.num_warps, 0, len(c.kernel), 0, 0, 0, f"sm_{c.arch}") for c in configs
+        ]
+
+    return build
+
+
+def test_cached_rows_are_reused_a_sample_is_verified_and_a_tampered_row_fails():
+    configs = [c for c in compile_report.all_configs(["sm90", "sm80"]) if c.kernel.startswith("layer_norm")]
+    keys = [f"key{i}" for i in range(len(configs))]
+    groups = {(c.arch, c.kernel) for c in configs}
+    assert len(configs) > 100 and len(groups) == 6
+    built = []
+    first = compile_report.prove(configs, keys, {}, 60, 0, _fake_build(built))
+    assert (first.built, first.reused, first.verified, first.differ) == (len(configs), 0, 0, [])
+    cache = compile_report.updated_entries({}, first, set(keys))
+    assert list(cache) == keys and cache["key0"]["config"] == compile_report.describe(configs[0])
+
+    built.clear()
+    again = compile_report.prove(configs, keys, cache, 60, 0, _fake_build(built))
+    assert (again.built, again.reused, again.verified, again.differ) == (0, len(configs), 60, [])
+    assert len(built) == 60 and {(c.arch, c.kernel) for c in built} == groups
+    assert [compile_report.row_values(r) for r in again.results] == [e["row"] for e in cache.values()]
+    sample = compile_report.verification_sample
+    assert built == [configs[i] for i in sample(configs, 60, 0)]  # the same sample for the same seed
+    assert sample(configs, 60, 1) != sample(configs, 60, 0)
+    assert len(sample(configs, 2, 0)) == 6 and sample(configs, 0, 0) == []  # one of each (family, kernel)
+
+    built.clear()
+    trusted = compile_report.prove(configs, keys, cache, 0, 0, _fake_build(built))
+    assert (trusted.built, trusted.verified, built) == (0, 0, [])
+    tampered = {key: {**entry, "row": list(entry["row"])} for key, entry in cache.items()}
+    tampered["key5"]["row"][0] += 1
+    checked = compile_report.prove(configs, keys, tampered, len(configs), 0, _fake_build([]))
+    [line] = checked.differ
+    assert line.startswith(compile_report.describe(configs[5]) + ": cached row [")
+    # A cached row goes through the gate like a fresh one: a spill in the file fails the report.
+    tampered["key5"]["row"][1] = 8
+    [spill] = compile_report.failures(
+        compile_report.prove(configs, keys, tampered, 0, 0, _fake_build([])).results
+    )
+    assert spill.endswith("spills 8 bytes")
+
+    changed = ["changed0", *keys[1:]]
+    built.clear()
+    after = compile_report.prove(configs, changed, cache, 0, 0, _fake_build(built))
+    assert (after.built, after.reused, built) == (1, len(configs) - 1, configs[:1])
+    failed = dataclasses.replace(after.results[0], error="ptxas died")
+    after.fresh["changed0"] = failed
+    assert "key0" not in compile_report.updated_entries(cache, after, set(changed))  # stale: dropped
+    assert "changed0" not in compile_report.updated_entries(cache, after, set(changed))  # errors: not kept
+
+
 def test_every_family_has_an_entry_in_every_table():
     from kernels import attention, mlp
 
@@ -181,38 +302,51 @@ def test_every_selectable_norm_config_is_in_the_report():
             )
 
 
-def test_real_compile_of_one_kernel_for_three_gpu_families():
+def test_real_compile_of_one_kernel_for_three_gpu_families_then_its_rows_from_the_cache(tmp_path):
+    """Built and written by --update; then taken from the file, a row of each family compiled again
+    to check it: a tampered row fails that check; stale rows go at the next --update."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.compile_report",
-            "--arch",
-            "sm90",
-            "sm86",
-            "gfx942",
-            "--filter",
-            "rms_norm_bwd_row_coeffs",
-            "--jobs",
-            "2",
-        ],  # fmt: skip
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    cache = tmp_path / "cache.json"
+
+    def report(*args):
+        command = [sys.executable, "-m", "bench.compile_report", "--arch", "sm90", "sm86", "gfx942"]
+        command += ["--filter", "rms_norm_bwd_row_coeffs", "--jobs", "2", "--cache", str(cache), *args]
+        run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        lines = [line for line in run.stdout.splitlines() if not line.startswith("FAIL ")]
+        return run, [line.split() for line in lines if " rms_norm_bwd_row_coeffs " in line]  # the table's
+
+    run, rows = report("--update")
     assert run.returncode == 0, run.stdout + run.stderr
-    rows = [line.split() for line in run.stdout.splitlines() if " rms_norm_bwd_row_coeffs " in line]
     assert sorted(row[0] for row in rows) == ["gfx942"] * 3 + ["sm86"] * 3 + ["sm90"] * 3  # a dtype each
     targets = {(row[0], row[-1]) for row in rows}
     assert targets == {("sm86", "sm_86"), ("sm90", "sm_90a"), ("gfx942", "gfx942")}
     for row in rows:
         registers, spills = int(row[7]), int(row[8])
         assert registers > 0 and spills == 0
-    assert "9 configs compiled for sm_90, sm_86, gfx942" in run.stdout
+    assert "9 configs for sm_90, sm_86, gfx942 (triton " in run.stdout
+    assert f"9 built (key new or changed), 0 reused from {cache}, 0 of them re-verified" in run.stdout
+    assert f"wrote 9 rows to {cache} (0 dropped)" in run.stdout
+
+    written = json.loads(cache.read_text())
+    assert len(written["rows"]) == 9 and written["columns"][:2] == ["registers", "spill_bytes"]
+    written["rows"]["0" * 32] = {"config": "a kernel since changed", "row": [1, 0, 0, 0, 0, 0, "sm_90a"]}
+    for entry in written["rows"].values():
+        entry["row"][0] += entry["config"].startswith("sm90 ")  # sm90's registers, tampered with
+    cache.write_text(json.dumps(written))
+    again, cached_rows = report("--verify", "1")  # at least one row per family and kernel: 3
+    assert again.returncode == 1
+    assert "0 built (key new or changed), 9 reused" in again.stdout
+    assert "3 of them re-verified" in again.stdout
+    [differ] = [line for line in again.stdout.splitlines() if line.startswith("FAIL ")]
+    assert differ.startswith("FAIL sm90 rms_norm_bwd_row_coeffs") and "but a fresh compile gives" in differ
+    assert [row for row in cached_rows if row[0] != "sm90"] == [row for row in rows if row[0] != "sm90"]
+    assert json.loads(cache.read_text()) == written  # read, never written without --update
+
+    updated, _ = report("--update", "--verify", "0")
+    assert updated.returncode == 0 and "0 built" in updated.stdout, updated.stdout + updated.stderr
+    assert f"wrote 9 rows to {cache} (1 dropped)" in updated.stdout  # the stale key; the tampered rows stay
+    assert "0" * 32 not in json.loads(cache.read_text())["rows"]
 
 
 AMD_MATMUL = """
@@ -240,12 +374,13 @@ def test_capability_builds_a_familys_entries_for_another_gpu_that_takes_them():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
 
     def report(*args):
-        command = [sys.executable, "-m", "bench.compile_report", "--filter", "rms_norm_bwd_row_coeffs", *args]
+        command = [sys.executable, "-m", "bench.compile_report", "--rebuild", "--filter",
+                   "rms_norm_bwd_row_coeffs", *args]  # fmt: skip
         return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
     run = report("--arch", "sm86", "--capability", "120")  # an RTX 5090 takes the sm86 entries
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "3 configs compiled for sm_120 " in run.stdout and "sm86 (RTX" in run.stdout
+    assert "3 configs for sm_120 " in run.stdout and "sm86 (RTX" in run.stdout
     rows = [line.split() for line in run.stdout.splitlines() if " rms_norm_bwd_row_coeffs " in line]
     assert len(rows) == 3 and all(row[0] == "sm86" and row[-1] == "sm_120a" for row in rows), rows
     for args, message in (

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import all_pairs, assert_close
 
 import kernels
 from kernels import reference, runtime
@@ -113,10 +113,13 @@ def check_case(case: Case) -> None:
         assert_close(name, ours[name], truth[name], baseline[name])
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+# Every value of each axis and every pair of values (30 cases), not all 120 combinations.
+CASES = all_pairs([False, True], DTYPES, [False, True], SHAPES)
+CASE_IDS = [f"{'rms' if rms else 'layer'}_norm-{dtype}-{'residual' if residual else 'plain'}-{n}x{m}"
+            for rms, dtype, residual, (n, m) in CASES]  # fmt: skip
+
+
+@pytest.mark.parametrize(("rms", "dtype", "residual", "shape"), CASES, ids=CASE_IDS)
 def test_matches_reference(rms, dtype, residual, shape, device):
     check_case(make_case(rms, shape, dtype, device, residual=residual))
 

@@ -6,14 +6,13 @@ import dataclasses
 import itertools
 import math
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F  # noqa: N812
-from helpers import check_descriptor_strides_in_bytes
+from helpers import check_descriptor_strides_in_bytes, free_port
 
 import kernels
 from horse.model import GPT, GPTConfig, KVCache
@@ -38,6 +37,8 @@ from horse.parallel import (
     vocab_parallel_embedding,
 )
 
+# Under pytest-xdist in one worker with tests/test_train_parallel.py: one group of ranks at a time.
+pytestmark = pytest.mark.xdist_group("multiprocess")
 TP = 2
 GPT2 = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, d_model=32)
 # LLaMA's own head, and a vocabulary padded past the ids in use: rank 1 holds padding columns.
@@ -49,10 +50,7 @@ LLAMA = dataclasses.replace(
 
 def _spawn(worker, *args) -> None:
     """Run worker(parallel, *args) on TP gloo ranks (one tp group); a failure on any rank fails here."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank_main, args=(port, worker, args), nprocs=TP)
+    mp.spawn(_rank_main, args=(free_port(), worker, args), nprocs=TP)
 
 
 def _rank_main(rank: int, port: int, worker, args) -> None:

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +15,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import command_line_flags
+from helpers import command_line_flags, free_port
 from safetensors.torch import load_file
 
 from horse import checkpoint, generate, train
 from horse.model import GPT
 from horse.parallel import Parallel, init_from_env
 
+# Under pytest-xdist the multi-process tests run one after another in one worker: the module's runs
+# fixture is built once, and their ranks do not compete with each other for the two cores.
+pytestmark = pytest.mark.xdist_group("multiprocess")
 ROOT = Path(__file__).resolve().parents[1]
 # A small model and 3 steps: a 4-process launch takes ~13 s on two cores, mostly importing torch.
 SMALL = {"n_layer": 2, "d_model": 64, "n_head": 4, "block_size": 32}
@@ -43,6 +45,7 @@ GLOBAL_BATCH = 4  # sequences per step, over all data-parallel replicas
 
 def _torchrun(nproc: int, out_dir: Path, *launcher: str, **kwargs) -> str:
     """Run horse/train.py on nproc CPU processes; returns the console output (rank 0's)."""
+    # --standalone: the rendezvous on a port the OS picks free (localhost:0), so launches run side by side.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     command += [*launcher, str(ROOT / "horse" / "train.py"), "--out-dir", str(out_dir)]
     command += command_line_flags(QUICK | SMALL | kwargs)
@@ -177,10 +180,7 @@ def test_torchrun_restart_resumes_from_the_newest_checkpoint(runs, tmp_path):
 
 def _spawn(worker, world: int, tp: int, *args) -> None:
     """Run worker(parallel, *args) on world gloo ranks; a failure on any rank fails here."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank_main, args=(world, tp, port, worker, args), nprocs=world)
+    mp.spawn(_rank_main, args=(world, tp, free_port(), worker, args), nprocs=world)
 
 
 def _rank_main(rank: int, world: int, tp: int, port: int, worker, args) -> None:
