@@ -368,12 +368,14 @@ def _attn_bwd_preprocess_kernel(
     HAS_DLSE: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
-    # grid = (cdiv(seqlen_q, BLOCK_M), batch * heads)
-    batch_head = tl.program_id(1)
+    # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): batch x heads on axis 0, whose 2**31 - 1
+    # programs CUDA allows (65,535 on axis 1), a (batch, head)'s query blocks side by side.
+    m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    batch_head = tl.program_id(0) // m_blocks
     b = batch_head // heads
     h = batch_head % heads
+    start_m = tl.program_id(0) % m_blocks * BLOCK_M
     q_seq, seqlen_q = _sequence(CU_SEQLENS_Q, b, seqlen_q, VARLEN)
-    start_m = tl.program_id(0) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     o_strides = (stride_ob, stride_os, stride_oh)
     do_strides = (stride_dob, stride_dos, stride_doh)
@@ -483,17 +485,20 @@ def _attn_bwd_dkdv_kernel(
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
-    # grid = (cdiv(seqlen_k, BLOCK_N), batch * kv_heads, BLOCK_D // BLOCK_D_OUT): one key block, all
-    # query heads of its group, dk and dv columns [program_id(2) * BLOCK_D_OUT, + BLOCK_D_OUT).
-    start_n = tl.program_id(0) * BLOCK_N
-    batch_kv_head = tl.program_id(1)
+    # grid = (cdiv(seqlen_k, BLOCK_N) * batch * kv_heads, BLOCK_D // BLOCK_D_OUT): one key block, all
+    # query heads of its group, dk and dv columns [program_id(1) * BLOCK_D_OUT, + BLOCK_D_OUT). Batch x
+    # heads goes on axis 0 (2**31 - 1 programs; 65,535 on axis 1), a (batch, head)'s key blocks side
+    # by side, so the programs running together share its queries in L2.
+    n_blocks = tl.cdiv(seqlen_k, BLOCK_N)
+    start_n = tl.program_id(0) % n_blocks * BLOCK_N
+    batch_kv_head = tl.program_id(0) // n_blocks
     b = batch_kv_head // kv_heads
     kv_h = batch_kv_head % kv_heads
     q_seq, seqlen_q = _sequence(CU_SEQLENS_Q, b, seqlen_q, VARLEN)
     k_seq, seqlen_k = _sequence(CU_SEQLENS_K, b, seqlen_k, VARLEN)
     if VARLEN and start_n >= seqlen_k:  # the grid covers the longest sequence
         return
-    col = tl.program_id(2) * BLOCK_D_OUT
+    col = tl.program_id(1) * BLOCK_D_OUT
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k_strides = (stride_kb, stride_ks, stride_kh)
     v_strides = (stride_vb, stride_vs, stride_vh)
@@ -593,12 +598,13 @@ def _attn_bwd_dq_kernel(
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
-    # grid = (cdiv(seqlen_q, BLOCK_M), batch * heads)
-    m_block = tl.program_id(0)
+    # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): as the preprocess, batch x heads on axis 0.
+    m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    m_block = tl.program_id(0) % m_blocks
     if CAUSAL:  # the longest query blocks first, as in the forward
-        m_block = tl.num_programs(0) - 1 - m_block
+        m_block = m_blocks - 1 - m_block
     start_m = m_block * BLOCK_M
-    batch_head = tl.program_id(1)
+    batch_head = tl.program_id(0) // m_blocks
     b = batch_head // heads
     h = batch_head % heads
     kv_h = h // group_size
@@ -940,7 +946,8 @@ def attention_fwd(
     if programs == 0:  # a packed batch of empty sequences
         return out, lse
     with runtime.device_guard(q):
-        _attn_fwd_kernel[(programs,)](
+        runtime.launch(
+            _attn_fwd_kernel, (programs,),
             q_tiles, k_tiles, v_tiles, out_tiles, lse, **_sequence_args(packed, lse),
             softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=window_left,
             window_right=window_right,
@@ -985,7 +992,9 @@ def attention_bwd(
     sequences, lse_strides = _sequence_args(packed, delta), _lse_stride_args(lse)
     windowed = {"window_left": window_left, "window_right": window_right}
     with runtime.device_guard(q):
-        _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * heads)](
+        grid = (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M) * batch * heads,)
+        runtime.launch(
+            _attn_bwd_preprocess_kernel, grid,
             out, dout, dlse if dlse is not None else delta, delta, sequences["CU_SEQLENS_Q"], seqlen_q, heads,
             **_stride_args(o=out, do=dout), **lse_strides,
             **dims, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=dlse is not None, num_warps=PREPROCESS_NUM_WARPS,
@@ -997,8 +1006,9 @@ def attention_bwd(
         k_tiles, v_tiles, dk_tiles, dv_tiles = (
             _operand(t, cfg.block_n, block_d, tma) for t in (k, v, dk, dv)
         )
-        grid = (triton.cdiv(seqlen_k, cfg.block_n), batch * kv_heads, cfg.column_splits)
-        _attn_bwd_dkdv_kernel[grid](
+        grid = (triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads, cfg.column_splits)
+        runtime.launch(
+            _attn_bwd_dkdv_kernel, grid,
             q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dk_tiles, dv_tiles, **sequences,
             softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
             kv_heads=kv_heads, group_size=group_size,
@@ -1010,7 +1020,9 @@ def attention_bwd(
         tma = tma_usable(cfg, q, k, v, dout, dq)
         q_tiles, do_tiles, dq_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout, dq))
         k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (k, v))
-        _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * heads)](
+        grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
+        runtime.launch(
+            _attn_bwd_dq_kernel, grid,
             q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dq_tiles, **sequences,
             softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
             group_size=group_size,

@@ -476,9 +476,11 @@ def _act_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    # grid = (cdiv(M, rows_per_program), cdiv(N, BLOCK_N)): each program a slab of rows, one column block.
-    pid_m = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # grid = (cdiv(N, BLOCK_N), cdiv(M, rows_per_program)): each program one column block, a slab of
+    # rows. Column blocks go on axis 0, which takes 2**31 - 1 programs (axis 1 only 65,535); the
+    # launcher keeps the slabs to a few per SM.
+    pid_m = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     row_start = pid_m * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
@@ -731,7 +733,8 @@ def _linear_act_fwd(
     x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
     w_tiles = runtime.tma_operand(weight, (cfg.block_n, cfg.block_k), tma)
     with runtime.device_guard(x):
-        _linear_act_fwd_kernel[_grid(cfg, M, N)](
+        runtime.launch(
+            _linear_act_fwd_kernel, _grid(cfg, M, N),
             x_tiles, w_tiles, bias if bias is not None else weight, y, pre, M, N, K,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
             ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre,
@@ -758,7 +761,8 @@ def _gated_fwd(
     x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
     wg_tiles, wu_tiles = (runtime.tma_operand(w, (cfg.block_n, cfg.block_k), tma) for w in (w_gate, w_up))
     with runtime.device_guard(x):
-        _gated_fwd_kernel[_grid(cfg, M, N)](
+        runtime.launch(
+            _gated_fwd_kernel, _grid(cfg, M, N),
             x_tiles, wg_tiles, wu_tiles, y, gate, up, M, N, K,
             x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
             ACTIVATION=activation, STORE_PRE=store_pre, **_launch_options(cfg, tma),
@@ -802,7 +806,8 @@ def _dh_act_bwd(
         dy_tiles = runtime.tma_operand(dy, (cfg.block_m, cfg.block_k), tma)
         w_tiles = runtime.tma_operand(w_out, (cfg.block_k, cfg.block_n), tma) if tma else w
         with runtime.device_guard(pre):
-            _dh_act_bwd_kernel[_grid(cfg, M, N)](
+            runtime.launch(
+                _dh_act_bwd_kernel, _grid(cfg, M, N),
                 dy_tiles, w_tiles, pre, up if gated else pre, dpre, dup, h, db_partial, M, N, K,
                 dy.stride(0), dy.stride(1), w.stride(0), w.stride(1),
                 ACTIVATION=activation, GATED=gated, STORE_H=store_h, HAS_BIAS=has_bias,
@@ -822,13 +827,14 @@ def _act_bwd(
     column_blocks = triton.cdiv(N, cfg.block_n)
     slabs = max(1, 4 * runtime.num_sms(pre.device) // max(1, column_blocks))
     rows_per_program = triton.cdiv(triton.cdiv(max(M, 1), slabs), cfg.block_m) * cfg.block_m
-    grid = (triton.cdiv(M, rows_per_program), column_blocks)
+    grid = (column_blocks, triton.cdiv(M, rows_per_program))
     dpre = runtime.empty((M, N), pre.dtype, pre.device)
     dup = runtime.empty((M, N) if gated else (0,), pre.dtype, pre.device)
-    db_partial = runtime.empty((grid[0], N) if has_bias else (0,), torch.float32, pre.device)
+    db_partial = runtime.empty((grid[1], N) if has_bias else (0,), torch.float32, pre.device)
     if M > 0 and N > 0:
         with runtime.device_guard(pre):
-            _act_bwd_kernel[grid](
+            runtime.launch(
+                _act_bwd_kernel, grid,
                 dh, pre, up if gated else pre, dpre, dup, db_partial, M, N, rows_per_program,
                 dh.stride(0), dh.stride(1),
                 ACTIVATION=activation, GATED=gated, HAS_BIAS=has_bias,

@@ -136,3 +136,20 @@ def name_it_an_h200(monkeypatch) -> None:
     monkeypatch.setattr(timing, "machine_info", lambda device: machine)
     monkeypatch.setattr(timing, "copy_bandwidth_gbps", lambda device: STAND_IN_CEILINGS["copy_gbps"])
     monkeypatch.setattr(timing, "matmul_tflops", lambda device: STAND_IN_CEILINGS["matmul_tflops"])
+
+
+def record_launches(monkeypatch, execute: bool = True) -> list[tuple[str, tuple[int, ...]]]:
+    """(kernel name, grid) of every Triton launch from now on, in order, as ``runtime.launch`` sees
+    them. With execute=False the grids are checked against CUDA's limits but no kernel runs (outputs
+    stay as allocated): walks the launchers at sizes the interpreter is too slow for."""
+    launches = []
+    if execute:
+        hook = lambda kernel, grid: launches.append((kernel.__name__, grid))  # noqa: E731
+        monkeypatch.setattr(runtime, "launch_hooks", [*runtime.launch_hooks, hook])
+    else:
+
+        def check_only(kernel, grid, *args, **kwargs):
+            launches.append((kernel.__name__, runtime.check_grid(grid, kernel.__name__)))
+
+        monkeypatch.setattr(runtime, "launch", check_only)
+    return launches
