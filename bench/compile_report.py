@@ -109,6 +109,7 @@ class CompileResult:
     tma_loads: int
     target: str = ""  # the machine code's: "sm_90a" (as the PTX names it), "gfx942"
     error: str = ""  # why Triton could not compile it ("" when it did; the counts are then 0)
+    narrow_stride_products: tuple[str, ...] = ()  # see narrow_stride_products()
 
 
 def _signature(cfg: KernelConfig) -> tuple[dict, dict]:
@@ -129,6 +130,31 @@ def _signature(cfg: KernelConfig) -> tuple[dict, dict]:
             if name in ("N", "K") or name.startswith("stride"):
                 attrs[(index,)] = [["tt.divisibility", 16]]
     return signature, attrs
+
+
+_TTIR_OP = re.compile(r"^\s*(%[\w.#]+) = ([\w.]+) (.*?)(?: loc\(.*)?$")
+# Ops whose result holds its operand's values, reshaped: a stride stays a stride through them.
+_TTIR_VALUE_PRESERVING = {"tt.splat", "tt.broadcast", "tt.expand_dims"}
+
+
+def narrow_stride_products(ttir: str) -> tuple[str, ...]:
+    """The 32-bit multiplications by a stride argument in a kernel's TTIR, as "%result = ..." lines:
+    an offset ``index * stride`` in 32 bits wraps past 2**31 elements, into silent corruption or an
+    illegal address. A kernel multiplies its strides by 64-bit indices (``offs.to(tl.int64)``)."""
+    strides = set(re.findall(r"(%stride\w*): i32", ttir))
+    found = []
+    for line in ttir.splitlines():
+        match = _TTIR_OP.match(line)
+        if not match:
+            continue
+        result, op, rest = match.groups()
+        operands_text, _, result_type = rest.rpartition(" : ")
+        operands = set(re.findall(r"%[\w.#]+", operands_text))
+        if op in _TTIR_VALUE_PRESERVING and operands & strides:
+            strides.add(result)
+        elif op == "arith.muli" and operands & strides and re.search(r"\bi32\b|xi32>", result_type):
+            found.append(f"{result} = {op} {rest}")
+    return tuple(found)
 
 
 def parse_resource_usage(text: str) -> tuple[int, int]:
@@ -217,12 +243,14 @@ def compile_configs(configs: list[KernelConfig]) -> list[CompileResult]:
     report goes on and names it."""
     results: list[CompileResult | None] = [None] * len(configs)
     nvidia = []  # (index in configs, compiled kernel)
+    ttirs = {}  # index in configs -> its kernel's TTIR
     for i, cfg in enumerate(configs):
         try:
             kernel = compile_kernel(cfg)
         except Exception as error:
             results[i] = CompileResult(cfg, 0, 0, 0, 0, 0, 0, error=" ".join(str(error).split())[:200])
             continue
+        ttirs[i] = kernel.asm["ttir"]
         if ARCHS[cfg.arch].hip_target:
             results[i] = _read_amd(cfg, kernel)
         else:
@@ -230,6 +258,8 @@ def compile_configs(configs: list[KernelConfig]) -> list[CompileResult]:
     read = _read_nvidia([configs[i] for i, _ in nvidia], [kernel for _, kernel in nvidia])
     for (i, _), result in zip(nvidia, read, strict=True):
         results[i] = result
+    for i, ttir in ttirs.items():
+        results[i] = dataclasses.replace(results[i], narrow_stride_products=narrow_stride_products(ttir))
     return results
 
 
@@ -524,6 +554,11 @@ def failures(results: list[CompileResult]) -> list[str]:
             bad.append(f"{name}: no tensor-core instructions")
         if (threads := c.num_warps * ARCHS[c.arch].warp_size) > runtime.MAX_THREADS:
             bad.append(f"{name}: {threads} threads a block (max {runtime.MAX_THREADS})")
+        if products := r.narrow_stride_products:
+            more = f" (and {len(products) - 1} more)" if len(products) > 1 else ""
+            bad.append(
+                f"{name}: a 32-bit stride product, which wraps past 2**31 elements: {products[0]}{more}"
+            )
     return bad
 
 

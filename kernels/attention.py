@@ -163,9 +163,10 @@ def _load_tile(
         mask = offs_c[None, :] < HEAD_DIM
         if MASK:
             mask = mask & (offs_s[:, None] < seqlen)
-        # 64-bit: batch * stride passes 2**31 on large inputs.
+        # 64-bit: batch * stride, and row * stride in a long sequence or a wide view, pass 2**31.
         base = X + b.to(tl.int64) * strides[0] + h.to(tl.int64) * strides[2]
-        tile = tl.load(base + offs_s[:, None] * strides[1] + offs_c[None, :], mask=mask, other=0.0)
+        rows = offs_s.to(tl.int64)[:, None] * strides[1]
+        tile = tl.load(base + rows + offs_c[None, :], mask=mask, other=0.0)
     return tile
 
 
@@ -183,9 +184,8 @@ def _store_tile(
         offs_c = col + tl.arange(0, BLOCK_C)
         mask = (offs_s[:, None] < seqlen) & (offs_c[None, :] < HEAD_DIM)
         base = X + b.to(tl.int64) * strides[0] + h.to(tl.int64) * strides[2]
-        tl.store(
-            base + offs_s[:, None] * strides[1] + offs_c[None, :], tile.to(X.dtype.element_ty), mask=mask
-        )
+        rows = offs_s.to(tl.int64)[:, None] * strides[1]
+        tl.store(base + rows + offs_c[None, :], tile.to(X.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -140,13 +140,22 @@ def _operand_offsets(offs_m, offs_n, offs_k, M, N, stride_xm, stride_xk, stride_
     """Offsets of the first (BLOCK_M, BLOCK_K) tile of x and (BLOCK_K, BLOCK_N) tile of Wᵀ.
 
     Rows and columns past the edges wrap around (offs % M), so loads need no row or column mask;
-    the stores drop those rows and columns. Offsets are int64: row * stride passes 2**31.
+    the stores drop those rows and columns. Offsets are int64: index * stride passes 2**31 (a row of a
+    large x, a column of a transposed one).
     """
     rows = (offs_m % M).to(tl.int64)
     cols = (offs_n % N).to(tl.int64)
+    offs_k = offs_k.to(tl.int64)
     x_offs = rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_offs = offs_k[:, None] * stride_wk + cols[None, :] * stride_wn
     return x_offs, w_offs
+
+
+@triton.jit
+def _k_steps(stride_xk, stride_wk, BLOCK_K: tl.constexpr):
+    """How far the x and Wᵀ pointers move per K step, in 64 bits: BLOCK_K times a column stride of
+    a transposed operand passes 2**31."""
+    return tl.cast(stride_xk, tl.int64) * BLOCK_K, tl.cast(stride_wk, tl.int64) * BLOCK_K
 
 
 @triton.jit
@@ -194,13 +203,14 @@ def _matmul_tile(
         )
         x_ptrs = X + x_offs
         w_ptrs = W + w_offs
+        x_step, w_step = _k_steps(stride_xk, stride_wk, BLOCK_K)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             k_mask = offs_k < K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
             acc = tl.dot(x, w, acc)
-            x_ptrs += BLOCK_K * stride_xk
-            w_ptrs += BLOCK_K * stride_wk
+            x_ptrs += x_step
+            w_ptrs += w_step
     return acc
 
 
@@ -351,6 +361,7 @@ def _gated_fwd_kernel(
         x_ptrs = X + x_offs
         wg_ptrs = WG + w_offs
         wu_ptrs = WU + w_offs
+        x_step, w_step = _k_steps(stride_xk, stride_wk, BLOCK_K)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             k_mask = offs_k < K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
@@ -358,9 +369,9 @@ def _gated_fwd_kernel(
             wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
             acc_gate = tl.dot(x, wg, acc_gate)
             acc_up = tl.dot(x, wu, acc_up)
-            x_ptrs += BLOCK_K * stride_xk
-            wg_ptrs += BLOCK_K * stride_wk
-            wu_ptrs += BLOCK_K * stride_wk
+            x_ptrs += x_step
+            wg_ptrs += w_step
+            wu_ptrs += w_step
     SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
     for i in tl.static_range(EPILOGUE_SPLIT):
         gate = _subtile(acc_gate, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
@@ -487,7 +498,7 @@ def _act_bwd_kernel(
     for block_start in range(row_start, row_end, BLOCK_M):
         offs_m = block_start + tl.arange(0, BLOCK_M)
         mask = (offs_m < row_end)[:, None] & (offs_n < N)[None, :]
-        dh_ptrs = DH + offs_m.to(tl.int64)[:, None] * stride_dhm + offs_n[None, :] * stride_dhn
+        dh_ptrs = DH + offs_m.to(tl.int64)[:, None] * stride_dhm + offs_n.to(tl.int64)[None, :] * stride_dhn
         dh = tl.load(dh_ptrs, mask=mask, other=0.0).to(tl.float32)
         dpre = _act_bwd_tile(
             dh, PRE, UP, DPRE, DUP, DPRE, offs_m, offs_n, row_end, N, ACTIVATION, GATED, False

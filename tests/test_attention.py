@@ -642,3 +642,25 @@ def test_gpu_more_than_65535_heads(packed):
         results[upcast] = (ref_out, *torch.autograd.grad(ref_out, leaves, dout.to(ref_out.dtype)))
     for i, name in enumerate(("out", "dq", "dk", "dv")):
         assert_close(name, results["ours"][i], results[True][i], results[False][i])
+
+
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointer"])
+def test_rows_past_2_31_elements_are_addressed_in_64_bits(use_tma, device, monkeypatch):
+    # q's rows 2**30 elements apart (a view into a larger buffer): its third row starts past 2**31,
+    # where row * stride in 32 bits wraps. 4 GiB of address space; only the rows' pages are touched.
+    monkeypatch.setattr(attention, "USE_TMA", use_tma)
+    shape = Shape(1, 3, 5, 2, 2, 16)
+    q, k, v = make_qkv(shape, torch.float16, device)
+    row_stride = 2**30
+    buffer = torch.empty(2 * row_stride + shape.heads * shape.head_dim, dtype=torch.float16, device=device)
+    strides = (3 * row_stride, row_stride, shape.head_dim, 1)
+    q = buffer.as_strided(q.shape, strides).copy_(q.detach()).requires_grad_()
+    out = kernels.flash_attention(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    ours = dict(
+        zip(("out", "dq", "dk", "dv"), (out, *torch.autograd.grad(out, (q, k, v), dout)), strict=True)
+    )
+    truth = run_reference(q, k, v, dout, True, upcast=True)
+    baseline = run_reference(q, k, v, dout, True, upcast=False)
+    for name, value in ours.items():
+        assert_close(name, value, truth[name], baseline[name])

@@ -597,3 +597,28 @@ def test_fused_mlp_under_autocast_matches_nn_linear_and_trains_fp32_weights(gate
     for g, g_ref in zip(grads, grads_ref, strict=True):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g, g_ref, rtol=2e-2, atol=2e-2 * g_ref.abs().max().item())
+
+
+def past_2_31_elements(t: torch.Tensor) -> torch.Tensor:
+    """t (M, N) stored column-major in a buffer whose columns lie 2**30 elements apart: from the third
+    on they start past 2**31, where an index * stride in 32 bits wraps. The buffer takes 4 GiB of
+    address space per 2 columns; only the columns' pages are ever touched."""
+    M, N = t.shape
+    column_stride = 2**30
+    buffer = torch.empty((N - 1) * column_stride + M, dtype=t.dtype, device=t.device)
+    return buffer.as_strided((M, N), (1, column_stride)).copy_(t)
+
+
+def test_columns_past_2_31_elements_are_addressed_in_64_bits(device):
+    # A transposed x (the forward GEMM's k * stride_xk) and a transposed gradient (the elementwise
+    # backward's n * stride_dhn), each with a column past 2**31 elements.
+    tensors = make_tensors("linear_act", (5, 3, 3), torch.float16, device, seed=7)
+    x = past_2_31_elements(tensors["x"]).requires_grad_()
+    weight, bias = (tensors[name].clone().requires_grad_() for name in ("weight", "bias"))
+    y = kernels.linear_act(x, weight, bias, activation="gelu")
+    grads = torch.autograd.grad(y, (x, weight, bias), past_2_31_elements(tensors["dy"]))
+    ours = {"y": y.detach(), "dx": grads[0], "dweight": grads[1], "dbias": grads[2]}
+    truth = run(lambda t: reference_graph("linear_act", t, "gelu", None), tensors, torch.float64)
+    baseline = run(lambda t: reference_graph("linear_act", t, "gelu", torch.float16), tensors, torch.float32)
+    for name in truth:
+        assert_close(name, ours[name], truth[name], baseline[name].to(torch.float16))
