@@ -41,6 +41,11 @@ PyTorch keeps pre and h (2·M·H; gated 4·M·H: gate, act(gate), up and h). ``b
 both costs: the forward with and without saving, and the bytes each implementation keeps.
 No grad needed (``torch.no_grad()`` or no input requiring one): nothing is saved or written.
 
+float16 overflow: a pre-activation (gate, up) past ±65,504 that feeds an activation is clamped to
+it, and both the output and the backward's act' are computed from the clamped value (a
+straight-through clamp), so they agree: stored as ±inf it gave a finite output (silu(-inf) = 0) and
+NaN gradients (act'(-inf) = inf x 0). With activation ``none`` the output is left as a matmul gives it.
+
 Operand tiles move by TMA on Hopper and newer (sm_90+): the GEMMs' x and weight tiles (dy and W_out
 in the backward's) come through tensor descriptors, whose loads read out-of-bounds rows and columns
 as zeros, so the K loop needs no masks. W_out is read as stored, in (K, N) tiles, since a descriptor
@@ -240,6 +245,18 @@ def _subtile(acc, INDEX: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexp
 
 
 @triton.jit
+def _finite_in(z, OUT_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr):
+    """z clamped to float16's finite range (±65,504) when it is stored in float16 and feeds an
+    activation: a pre-activation stored as ±inf would give act' = inf x 0 = NaN in the backward
+    (silu at -inf) while the forward stayed finite. The forward computes act of the same clamped
+    value, so forward and backward agree (a straight-through clamp). Without an activation the
+    value is the output, left as a matmul gives it."""
+    if OUT_DTYPE == tl.float16 and ACTIVATION != "none":
+        z = tl.clamp(z, -65504.0, 65504.0)
+    return z
+
+
+@triton.jit
 def _fwd_epilogue(
     acc,
     B,
@@ -257,6 +274,7 @@ def _fwd_epilogue(
     col_mask = offs_n < N
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    acc = _finite_in(acc, Y.dtype.element_ty, ACTIVATION)
     mask = (offs_m < M)[:, None] & col_mask[None, :]
     out = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     if STORE_PRE:
@@ -307,6 +325,8 @@ def _gated_fwd_epilogue(
     acc_gate, acc_up, Y, GATE, UP, offs_m, offs_n, M, N, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr
 ):
     """Store y = act(gate) * up (and gate, up) for the tile at rows offs_m, columns offs_n."""
+    acc_gate = _finite_in(acc_gate, Y.dtype.element_ty, ACTIVATION)
+    acc_up = _finite_in(acc_up, Y.dtype.element_ty, ACTIVATION)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     if STORE_PRE:

@@ -622,3 +622,32 @@ def test_columns_past_2_31_elements_are_addressed_in_64_bits(device):
     baseline = run(lambda t: reference_graph("linear_act", t, "gelu", torch.float16), tensors, torch.float32)
     for name in truth:
         assert_close(name, ours[name], truth[name], baseline[name].to(torch.float16))
+
+
+@pytest.mark.parametrize("kind", ["linear_act", "gated_linear"])
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_float16_pre_activations_past_65504_are_clamped_in_forward_and_backward(kind, activation, device):
+    # x Wᵀ = ±90,000 in two columns: past float16's largest finite value. Stored as ±inf, silu's
+    # derivative at -inf was inf x 0 = NaN under a finite output; clamped to ±65,504 (straight
+    # through) the output and the gradients are those of the clamped pre-activation, all finite.
+    x = torch.tensor([[0.75, 0.75], [0.5, -0.25]], dtype=torch.float16, device=device, requires_grad=True)
+    big = torch.tensor([[6e4, 6e4], [-6e4, -6e4], [0.5, 0.25]], dtype=torch.float16, device=device)
+    weights = [big.clone().requires_grad_()]
+    if kind == "gated_linear":  # a large gate, a moderate up projection: act(gate) * up stays finite
+        weights.append(torch.full_like(big, 0.001).requires_grad_())
+        y = kernels.gated_linear(x, *weights, activation=activation)
+    else:
+        y = kernels.linear_act(x, *weights, activation=activation)
+    dy = torch.ones_like(y)
+    ours = (y, *torch.autograd.grad(y, (x, *weights), dy))
+
+    leaves = [t.detach().double().requires_grad_() for t in (x, *weights)]
+    pre = [leaves[0] @ w.t() for w in leaves[1:]]
+    straight_through = [p.detach().clamp(-65504, 65504).requires_grad_() for p in pre]
+    h = reference.apply_activation(straight_through[0], activation)
+    h = h * straight_through[1] if kind == "gated_linear" else h
+    dpre = torch.autograd.grad(h, straight_through, dy.double())
+    grads = torch.autograd.grad(pre, leaves, dpre)
+    for name, value, truth in zip(("y", "dx", "dw", "dw_up"), ours, (h, *grads), strict=False):
+        assert torch.isfinite(value).all(), f"{name}: {value}"
+        torch.testing.assert_close(value.double(), truth, rtol=2e-3, atol=1e-2, msg=name)
