@@ -1214,6 +1214,7 @@ def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    *,
     causal: bool = False,
     softmax_scale: float | None = None,
     return_lse: bool = False,
@@ -1227,7 +1228,9 @@ def flash_attention(
     bottom-right corner (query i sees keys j <= i + seqlen_k - seqlen_q; a query that sees none
     gets zeros). window_size (left, right) is a sliding window, as flash-attn's: query i sees keys
     i + seqlen_k - seqlen_q - left to i + seqlen_k - seqlen_q + right, -1 for an unbounded side;
-    with causal the right side is 0. softmax_scale defaults to 1 / sqrt(head_dim).
+    with causal the right side is 0. softmax_scale defaults to 1 / sqrt(head_dim). Every argument
+    after v is keyword-only: flash-attn's fourth positional argument is dropout_p, which this
+    function does not take, so ``flash_attention(q, k, v, 0.1)`` raises rather than runs causal.
 
     Under torch.autocast the inputs are cast to its dtype first, as a matmul's would be.
 
@@ -1258,6 +1261,7 @@ def flash_attention_varlen(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    *,
     causal: bool = False,
     softmax_scale: float | None = None,
     return_lse: bool = False,

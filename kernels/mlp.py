@@ -1281,6 +1281,7 @@ def linear_act(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    *,
     activation: str = "gelu_tanh",
 ) -> torch.Tensor:
     """``act(x @ weight.T + bias)`` in one GEMM, differentiable in x, weight and bias.
@@ -1299,7 +1300,7 @@ def linear_act(
 
 
 def gated_linear(
-    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str = "silu"
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *, activation: str = "silu"
 ) -> torch.Tensor:
     """``act(x @ w_gate.T) * (x @ w_up.T)`` in one kernel (SwiGLU with silu, GeGLU with gelu).
 
@@ -1322,6 +1323,7 @@ def fused_mlp(
     b_in: torch.Tensor | None,
     w_out: torch.Tensor,
     b_out: torch.Tensor | None,
+    *,
     activation: str = "gelu_tanh",
 ) -> torch.Tensor:
     """The GPT-2 MLP ``act(x @ w_in.T + b_in) @ w_out.T + b_out``, differentiable in every tensor.
@@ -1346,6 +1348,7 @@ def fused_gated_mlp(
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
     w_down: torch.Tensor,
+    *,
     activation: str = "silu",
 ) -> torch.Tensor:
     """The LLaMA MLP ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``, differentiable in every tensor.

@@ -93,12 +93,14 @@ def reference_graph(kind: str, t: dict, activation: str, round_to: torch.dtype |
 
 def call_ours(kind: str, t: dict, activation: str) -> torch.Tensor:
     if kind == "linear_act":
-        return kernels.linear_act(t["x"], t["weight"], t.get("bias"), activation)
+        return kernels.linear_act(t["x"], t["weight"], t.get("bias"), activation=activation)
     if kind == "gated_linear":
-        return kernels.gated_linear(t["x"], t["w_gate"], t["w_up"], activation)
+        return kernels.gated_linear(t["x"], t["w_gate"], t["w_up"], activation=activation)
     if kind == "fused_mlp":
-        return kernels.fused_mlp(t["x"], t["w_in"], t.get("b_in"), t["w_out"], t.get("b_out"), activation)
-    return kernels.fused_gated_mlp(t["x"], t["w_gate"], t["w_up"], t["w_down"], activation)
+        return kernels.fused_mlp(
+            t["x"], t["w_in"], t.get("b_in"), t["w_out"], t.get("b_out"), activation=activation
+        )
+    return kernels.fused_gated_mlp(t["x"], t["w_gate"], t["w_up"], t["w_down"], activation=activation)
 
 
 def make_tensors(kind: str, sizes: tuple, dtype, device, bias: bool = True, seed: int = 0) -> dict:
@@ -246,7 +248,7 @@ def test_unaligned_operands_take_the_pointer_path(device, monkeypatch):
 
     def outputs_and_grads(x):
         leaves = [v.detach().requires_grad_() for v in (x, t["w_gate"], t["w_up"], t["w_down"])]
-        y = kernels.fused_gated_mlp(*leaves, "silu")
+        y = kernels.fused_gated_mlp(*leaves, activation="silu")
         return [y, *torch.autograd.grad(y, leaves, t["dy"])]
 
     has_tma = device_has_tma(device)
@@ -318,10 +320,12 @@ def test_leading_dims_strides_and_expanded_gradients_are_read_in_place(device):
 
     def outputs_and_grads(*tensors):
         leaves = [v.detach().requires_grad_() for v in tensors]  # detach keeps the strides
-        y = kernels.fused_mlp(leaves[0], leaves[1], t["b_in"], leaves[2], t["b_out"], "gelu_tanh")
+        y = kernels.fused_mlp(leaves[0], leaves[1], t["b_in"], leaves[2], t["b_out"], activation="gelu_tanh")
         y.sum().backward()
-        plain = [kernels.linear_act(tensors[0], tensors[1], t["b_in"], "silu")]
-        gated = [kernels.gated_linear(tensors[0], tensors[1], t["w_in"], "relu2")]  # w_up: other strides
+        plain = [kernels.linear_act(tensors[0], tensors[1], t["b_in"], activation="silu")]
+        gated = [
+            kernels.gated_linear(tensors[0], tensors[1], t["w_in"], activation="relu2")
+        ]  # w_up: other strides
         return [y, *(v.grad for v in leaves), *plain, *gated]
 
     strided = outputs_and_grads(x, w_in, w_out)
@@ -371,9 +375,9 @@ def test_empty_dimensions(sizes, device):
 def test_cpu_without_interpreter_uses_the_reference_and_takes_float32(monkeypatch):
     monkeypatch.setattr(runtime, "INTERPRET", False)
     t = make_tensors("fused_mlp", (5, 16, 32, 8), torch.float32, "cpu")
-    y = kernels.fused_mlp(t["x"], t["w_in"], t["b_in"], t["w_out"], t["b_out"], "relu2")
+    y = kernels.fused_mlp(t["x"], t["w_in"], t["b_in"], t["w_out"], t["b_out"], activation="relu2")
     assert torch.equal(y, reference.fused_mlp(t["x"], t["w_in"], t["b_in"], t["w_out"], t["b_out"], "relu2"))
-    half = kernels.linear_act(t["x"].half(), t["w_in"].half(), None, "silu")
+    half = kernels.linear_act(t["x"].half(), t["w_in"].half(), None, activation="silu")
     assert half.dtype == torch.float16
 
 
