@@ -727,7 +727,10 @@ FWD_CONFIGS = {
         32: AttnConfig(128, 128, 8, 3, tma=False),
         64: AttnConfig(128, 64, 8, 3, tma=False),
         128: AttnConfig(128, 32, 8, 3, tma=False),
-        256: AttnConfig(64, 64, 8, 2, tma=False),
+        # With 64-bit row offsets (2**31-element views), 2 stages spilled 16-32 bytes at head dim
+        # 192 causal and local, padded and packed (triton 3.6); 1 stage is bench.tune --compile-only's
+        # first clean candidate, 128x32 spilled 216 bytes or more.
+        256: AttnConfig(64, 64, 8, 1, tma=False),
     },
     "sm86": {
         16: AttnConfig(128, 64, 8, 3, tma=False),
@@ -972,8 +975,11 @@ def attention_bwd(
     softmax_scale: float,
     window: tuple[int, int] = (-1, -1),
     packed: Packed | None = None,
+    needs: tuple[bool, bool] = (True, True),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of :func:`attention_fwd`; dlse is the gradient of lse, or None. Returns dq, dk, dv."""
+    """Backward of :func:`attention_fwd`; dlse is the gradient of lse, or None. Returns dq, dk, dv;
+    needs says whether dq and whether dk and dv are wanted: a pass nobody wants is not launched, its
+    gradients empty tensors (frozen inputs)."""
     batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim = _shape(q, k, packed)
     window_left, window_right, mask = _mask(causal, window, seqlen_q, seqlen_k)
     if dout.stride(-1) != 1:  # gradients can arrive expanded (stride 0) or transposed
@@ -982,10 +988,10 @@ def attention_bwd(
         dlse = dlse.contiguous()
     block_d = head_dim_block(head_dim)
     delta = runtime.empty(lse.shape, torch.float32, q.device)
-    dq = runtime.empty(q.shape, q.dtype, q.device)
-    dk = runtime.empty(k.shape, k.dtype, k.device)
-    dv = runtime.empty(v.shape, v.dtype, v.device)
-    if q.shape[0] == 0 or k.shape[0] == 0:  # a packed batch without queries or without keys
+    dq = runtime.empty(q.shape if needs[0] else (0,), q.dtype, q.device)
+    dk = runtime.empty(k.shape if needs[1] else (0,), k.dtype, k.device)
+    dv = runtime.empty(v.shape if needs[1] else (0,), v.dtype, v.device)
+    if q.shape[0] == 0 or k.shape[0] == 0 or not any(needs):  # nothing to compute
         return dq.zero_(), dk.zero_(), dv.zero_()
     group_size = heads // kv_heads
     dims = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "VARLEN": packed is not None}
@@ -1000,36 +1006,39 @@ def attention_bwd(
             **dims, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=dlse is not None, num_warps=PREPROCESS_NUM_WARPS,
             **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
-        cfg = attn_config(BWD_DKDV_CONFIGS, head_dim, q.device)
-        tma = tma_usable(cfg, q, k, v, dout, dk, dv)
-        q_tiles, do_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout))
-        k_tiles, v_tiles, dk_tiles, dv_tiles = (
-            _operand(t, cfg.block_n, block_d, tma) for t in (k, v, dk, dv)
-        )
-        grid = (triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads, cfg.column_splits)
-        runtime.launch(
-            _attn_bwd_dkdv_kernel, grid,
-            q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dk_tiles, dv_tiles, **sequences,
-            softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
-            kv_heads=kv_heads, group_size=group_size,
-            **_stride_args(q=q, k=k, v=v, do=dout, dk=dk, dv=dv), **lse_strides,
-            **dims, BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            **mask, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
-        )  # fmt: skip
-        cfg = attn_config(BWD_DQ_CONFIGS, head_dim, q.device)
-        tma = tma_usable(cfg, q, k, v, dout, dq)
-        q_tiles, do_tiles, dq_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout, dq))
-        k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (k, v))
-        grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
-        runtime.launch(
-            _attn_bwd_dq_kernel, grid,
-            q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dq_tiles, **sequences,
-            softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
-            group_size=group_size,
-            **_stride_args(q=q, k=k, v=v, do=dout, dq=dq), **lse_strides,
-            **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
-        )  # fmt: skip
+        if needs[1]:
+            cfg = attn_config(BWD_DKDV_CONFIGS, head_dim, q.device)
+            tma = tma_usable(cfg, q, k, v, dout, dk, dv)
+            q_tiles, do_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout))
+            k_tiles, v_tiles, dk_tiles, dv_tiles = (
+                _operand(t, cfg.block_n, block_d, tma) for t in (k, v, dk, dv)
+            )
+            grid = (triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads, cfg.column_splits)
+            runtime.launch(
+                _attn_bwd_dkdv_kernel, grid,
+                q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dk_tiles, dv_tiles, **sequences,
+                softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
+                kv_heads=kv_heads, group_size=group_size,
+                **_stride_args(q=q, k=k, v=v, do=dout, dk=dk, dv=dv), **lse_strides,
+                **dims, BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                **mask, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **runtime.COMPILE_OPTIONS,
+            )  # fmt: skip
+        if needs[0]:
+            cfg = attn_config(BWD_DQ_CONFIGS, head_dim, q.device)
+            tma = tma_usable(cfg, q, k, v, dout, dq)
+            q_tiles, do_tiles, dq_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout, dq))
+            k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (k, v))
+            grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
+            runtime.launch(
+                _attn_bwd_dq_kernel, grid,
+                q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dq_tiles, **sequences,
+                softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
+                group_size=group_size,
+                **_stride_args(q=q, k=k, v=v, do=dout, dq=dq), **lse_strides,
+                **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
+            )  # fmt: skip
     return dq, dk, dv
 
 
@@ -1085,15 +1094,18 @@ def _attn_bwd_op(
     cu_seqlens_k: torch.Tensor | None,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = (window_left, window_right)
     packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return attention_bwd(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window, packed)
+    return attention_bwd(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window, packed, needs)
 
 
 @_attn_bwd_op.register_fake
-def _(dout, dlse, q, k, v, *_):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(dout, dlse, q, k, v, *args):
+    needs_dq, needs_dkdv = args[-1]
+    wanted = (needs_dq, needs_dkdv, needs_dkdv)
+    return tuple(t.new_empty(t.shape if need else (0,)) for t, need in zip((q, k, v), wanted, strict=True))
 
 
 def _setup_context(ctx, inputs, output):
@@ -1107,8 +1119,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = _attn_bwd_op(dout, dlse, q, k, v, out, lse, *ctx.mask_args, cu_q, cu_k, *ctx.max_seqlens)
-    return dq, dk, dv, *[None] * 8
+    # dq, and dk with dv (one pass), only where an input wants them (frozen inputs launch nothing).
+    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]]
+    grads = _attn_bwd_op(dout, dlse, q, k, v, out, lse, *ctx.mask_args, cu_q, cu_k, *ctx.max_seqlens, needs)
+    return *(g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=False)), *[None] * 8
 
 
 _attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)

@@ -500,10 +500,11 @@ def norm_bwd(
                 COEFFS_IN_TILE=cfg.row_in_registers, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
     param_dtype = weight.dtype if weight is not None else x.dtype
-    # Stage two of the reduction: a fixed-order sum over the programs' partial rows.
-    dweight = dw_partial.sum(0).to(param_dtype) if weight is not None else dw_partial
-    dbias = db_partial.sum(0).to(param_dtype) if has_bias else db_partial
-    return dx, dweight, dbias
+    # Stage two of the reduction: a fixed-order sum over the programs' partial rows. Without the
+    # parameter, an empty tensor of its dtype all the same (the fake kernel's).
+    dweight = dw_partial.sum(0) if weight is not None else dw_partial
+    dbias = db_partial.sum(0) if has_bias else db_partial
+    return dx, dweight.to(param_dtype), dbias.to(param_dtype)
 
 
 # ----------------------------------------------------------------------------------------------

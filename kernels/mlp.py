@@ -802,8 +802,9 @@ def _gated_fwd(
 
 
 def _db(partial: torch.Tensor, has_bias: bool, dtype: torch.dtype) -> torch.Tensor:
-    # Stage two of the bias gradient: a fixed-order sum over the row tiles' float32 partials.
-    return partial.sum(0).to(dtype) if has_bias else partial
+    # Stage two of the bias gradient: a fixed-order sum over the row tiles' float32 partials. Without
+    # a bias, an empty tensor of the parameters' dtype all the same (the fake kernel's).
+    return (partial.sum(0) if has_bias else partial).to(dtype)
 
 
 def _dh_act_bwd(
@@ -813,19 +814,21 @@ def _dh_act_bwd(
     up: torch.Tensor | None,
     activation: str,
     has_bias: bool,
+    need_h: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dh = dy W_out in a GEMM whose epilogue applies act' (and the gate's product rule).
 
     Returns (dpre, dup, h, db): dpre (M, N); dup (M, N) when gated (up given), else empty; h, the
-    hidden activation recomputed from pre (M, N), or pre itself for ``none``; db (N,) or empty.
+    hidden activation recomputed from pre (M, N), or pre itself for ``none`` (empty unless need_h:
+    only the gradient of W_out uses it); db (N,) or empty.
     """
     M, N = pre.shape
     K = dy.shape[1]
     gated = up is not None
-    store_h = gated or activation != "none"
+    store_h = need_h and (gated or activation != "none")
     dpre = runtime.empty((M, N), pre.dtype, pre.device)
     dup = runtime.empty((M, N) if gated else (0,), pre.dtype, pre.device)
-    h = runtime.empty((M, N), pre.dtype, pre.device) if store_h else pre
+    h = runtime.empty((M, N), pre.dtype, pre.device) if store_h else pre if need_h else pre[:0]
     cfg = gemm_config("gated_dh_bwd" if gated else "dh_bwd", M, N, pre.device)
     db_partial = runtime.empty(
         (triton.cdiv(M, cfg.block_m), N) if has_bias else (0,), torch.float32, pre.device
@@ -874,10 +877,17 @@ def _act_bwd(
     return dpre, dup, _db(db_partial, has_bias, pre.dtype)
 
 
-def _weight_grads(dpre: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dx: torch.Tensor | None):
-    """(dx + dpre W, dpreᵀ x): plain GEMMs, cuBLAS's (nothing to fuse; torch.matmul reads any strides)."""
-    dx = torch.matmul(dpre, weight) if dx is None else torch.addmm(dx, dpre, weight)
-    return dx, torch.matmul(dpre.t(), x)
+def _input_grads(dpres, x: torch.Tensor | None, weights, needs: list[bool]) -> list[torch.Tensor]:
+    """[dx = Σ dpre_i W_i, dW_i = dpre_iᵀ x ...] for the layers (dpre_i, W_i) that read x: plain GEMMs,
+    cuBLAS's (nothing to fuse; torch.matmul reads any strides). needs[0] says whether dx is wanted,
+    needs[1 + i] whether dW_i is: an input or a weight that needs no gradient (frozen weights,
+    LoRA) gets an empty tensor and no GEMM, and x is saved (not None) only when some dW_i is wanted."""
+    dx = dpres[0].new_empty((0,))  # a new empty tensor each: an op's outputs may not alias
+    if needs[0]:
+        for i, (dpre, weight) in enumerate(zip(dpres, weights, strict=True)):
+            dx = torch.matmul(dpre, weight) if i == 0 else torch.addmm(dx, dpre, weight)
+    pairs = zip(dpres, needs[1:], strict=True)
+    return [dx, *(torch.matmul(dpre.t(), x) if need else dpre.new_empty((0,)) for dpre, need in pairs)]
 
 
 def linear_act_fwd(x, weight, bias, activation: str, save_pre: bool):
@@ -885,14 +895,15 @@ def linear_act_fwd(x, weight, bias, activation: str, save_pre: bool):
     return _linear_act_fwd(x, weight, bias, activation, _stores_pre(activation, save_pre))
 
 
-def linear_act_bwd(dy, x, weight, pre, has_bias: bool, activation: str):
-    """Backward of :func:`linear_act_fwd`: (dx, dweight, dbias or an empty tensor)."""
+def linear_act_bwd(dy, x, weight, pre, has_bias: bool, activation: str, needs: list[bool]):
+    """Backward of :func:`linear_act_fwd`: (dx, dweight, dbias), each an empty tensor where not
+    wanted (needs: dx, dweight; has_bias: dbias); x may then be None (see :func:`_input_grads`)."""
     if activation == "none":
         dpre = dy
         db = dy.sum(0, dtype=torch.float32).to(dy.dtype) if has_bias else dy.new_empty((0,))
     else:
         dpre, _, db = _act_bwd(dy, pre, None, activation, has_bias)
-    dx, dw = _weight_grads(dpre, x, weight, None)
+    dx, dw = _input_grads([dpre], x, [weight], needs)
     return dx, dw, db
 
 
@@ -902,12 +913,10 @@ def gated_linear_fwd(x, w_gate, w_up, activation: str, save_pre: bool):
     return _gated_fwd(x, w_gate, w_up, activation, save_pre)
 
 
-def gated_linear_bwd(dy, x, w_gate, w_up, gate, up, activation: str):
-    """Backward of :func:`gated_linear_fwd`: (dx, dw_gate, dw_up)."""
+def gated_linear_bwd(dy, x, w_gate, w_up, gate, up, activation: str, needs: list[bool]):
+    """Backward of :func:`gated_linear_fwd`: (dx, dw_gate, dw_up), empty where needs says not wanted."""
     dgate, dup, _ = _act_bwd(dy, gate, up, activation, has_bias=False)
-    dx, dw_gate = _weight_grads(dgate, x, w_gate, None)
-    dx, dw_up = _weight_grads(dup, x, w_up, dx)
-    return dx, dw_gate, dw_up
+    return tuple(_input_grads([dgate, dup], x, [w_gate, w_up], needs))
 
 
 def _down_proj(h: torch.Tensor, w_out: torch.Tensor, b_out: torch.Tensor | None) -> torch.Tensor:
@@ -915,10 +924,11 @@ def _down_proj(h: torch.Tensor, w_out: torch.Tensor, b_out: torch.Tensor | None)
     return torch.matmul(h, w_out.t()) if b_out is None else torch.addmm(b_out, h, w_out.t())
 
 
-def _out_grads(dy: torch.Tensor, h: torch.Tensor, has_b_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dW_out = dyᵀ h, db_out = Σ_rows dy): cuBLAS, and one float32 reduction over dy."""
+def _out_grads(dy: torch.Tensor, h: torch.Tensor, has_b_out: bool, need_dw: bool):
+    """(dW_out = dyᵀ h or empty unless need_dw, db_out = Σ_rows dy or empty): cuBLAS, and one float32
+    reduction over dy."""
     db_out = dy.sum(0, dtype=torch.float32).to(dy.dtype) if has_b_out else dy.new_empty((0,))
-    return torch.matmul(dy.t(), h), db_out
+    return torch.matmul(dy.t(), h) if need_dw else dy.new_empty((0,)), db_out
 
 
 def fused_mlp_fwd(x, w_in, b_in, w_out, b_out, activation: str, save_pre: bool):
@@ -934,12 +944,18 @@ def fused_mlp_fwd(x, w_in, b_in, w_out, b_out, activation: str, save_pre: bool):
     return _down_proj(h, w_out, b_out), pre
 
 
-def fused_mlp_bwd(dy, x, w_in, w_out, pre, has_b_in: bool, has_b_out: bool, activation: str):
-    """Backward of :func:`fused_mlp_fwd`: (dx, dw_in, db_in, dw_out, db_out); absent biases get empty
-    tensors."""
-    dpre, _, h, db_in = _dh_act_bwd(dy, w_out, pre, None, activation, has_b_in)
-    dw_out, db_out = _out_grads(dy, h, has_b_out)
-    dx, dw_in = _weight_grads(dpre, x, w_in, None)
+def fused_mlp_bwd(
+    dy, x, w_in, w_out, pre, has_b_in: bool, has_b_out: bool, activation: str, needs: list[bool]
+):
+    """Backward of :func:`fused_mlp_fwd`: (dx, dw_in, db_in, dw_out, db_out); what needs (dx, dw_in,
+    dw_out) or has_b_in / has_b_out leave out is an empty tensor, and costs no GEMM."""
+    if needs[0] or needs[1] or has_b_in:
+        dpre, _, h, db_in = _dh_act_bwd(dy, w_out, pre, None, activation, has_b_in, need_h=needs[2])
+        dx, dw_in = _input_grads([dpre], x, [w_in], needs[:2])
+    else:  # only W_out and b_out train: no dh GEMM, h recomputed elementwise where dW_out needs it
+        dx, dw_in, db_in = (dy.new_empty((0,)) for _ in range(3))  # outputs may not alias
+        h = reference.apply_activation(pre.float(), activation).to(pre.dtype) if needs[2] else dx
+    dw_out, db_out = _out_grads(dy, h, has_b_out, needs[2])
     return dx, dw_in, db_in, dw_out, db_out
 
 
@@ -949,13 +965,18 @@ def gated_mlp_fwd(x, w_gate, w_up, w_down, activation: str, save_pre: bool):
     return _down_proj(h, w_down, None), gate, up
 
 
-def gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation: str):
-    """Backward of :func:`gated_mlp_fwd`: (dx, dw_gate, dw_up, dw_down)."""
-    dgate, dup, h, _ = _dh_act_bwd(dy, w_down, gate, up, activation, has_bias=False)
-    dw_down, _ = _out_grads(dy, h, has_b_out=False)
-    dx, dw_gate = _weight_grads(dgate, x, w_gate, None)
-    dx, dw_up = _weight_grads(dup, x, w_up, dx)
-    return dx, dw_gate, dw_up, dw_down
+def gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation: str, needs: list[bool]):
+    """Backward of :func:`gated_mlp_fwd`: (dx, dw_gate, dw_up, dw_down), empty where needs says not
+    wanted (no GEMM for it)."""
+    if any(needs[:3]):
+        dgate, dup, h, _ = _dh_act_bwd(dy, w_down, gate, up, activation, has_bias=False, need_h=needs[3])
+        grads = _input_grads([dgate, dup], x, [w_gate, w_up], needs[:3])
+    else:  # only W_down trains: no dh GEMM, h recomputed elementwise
+        grads = [dy.new_empty((0,)) for _ in range(3)]  # outputs may not alias
+        h = (reference.apply_activation(gate.float(), activation) * up.float()).to(gate.dtype)
+        h = h if needs[3] else grads[0]
+    dw_down, _ = _out_grads(dy, h, has_b_out=False, need_dw=needs[3])
+    return (*grads, dw_down)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -965,10 +986,6 @@ def gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation: str):
 
 def _fake_pre(x: torch.Tensor, n: int, saved: bool) -> torch.Tensor:
     return x.new_empty((x.shape[0], n) if saved else (0,))
-
-
-def _fake_weight_grads(*weights: torch.Tensor) -> list[torch.Tensor]:
-    return [w.new_empty(w.shape) for w in weights]
 
 
 @torch.library.custom_op("horse::linear_act_fwd", mutates_args=())
@@ -991,28 +1008,35 @@ def _(x, weight, bias, activation, save_pre):
 @torch.library.custom_op("horse::linear_act_bwd", mutates_args=())
 def _linear_act_bwd_op(
     dy: torch.Tensor,
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     weight: torch.Tensor,
     pre: torch.Tensor,
     has_bias: bool,
     activation: str,
+    needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return linear_act_bwd(dy, x, weight, pre, has_bias, activation)
+    return linear_act_bwd(dy, x, weight, pre, has_bias, activation, needs)
+
+
+def _fake_input_grads(dy: torch.Tensor, weights, needs: list[bool]) -> list[torch.Tensor]:
+    """The shapes :func:`_input_grads` returns: dx (M, K), each dW_i like W_i, empty where not needed."""
+    dx = dy.new_empty((dy.shape[0], weights[0].shape[1]) if needs[0] else (0,))
+    return [
+        dx,
+        *(dy.new_empty(w.shape if need else (0,)) for w, need in zip(weights, needs[1:], strict=True)),
+    ]
 
 
 @_linear_act_bwd_op.register_fake
-def _(dy, x, weight, pre, has_bias, activation):
-    return (
-        x.new_empty(x.shape),
-        weight.new_empty(weight.shape),
-        x.new_empty((weight.shape[0],) if has_bias else (0,)),
-    )
+def _(dy, x, weight, pre, has_bias, activation, needs):
+    return (*_fake_input_grads(dy, [weight], needs), dy.new_empty((weight.shape[0],) if has_bias else (0,)))
 
 
 def _linear_act_setup_context(ctx, inputs, output):
     x, weight, bias, activation, save_pre = inputs
-    ctx.save_for_backward(x, weight, output[1])
-    ctx.has_bias = bias is not None
+    # x only for the weight's gradient: with a frozen weight (LoRA, fine-tuning) it is not kept.
+    ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight, output[1])
+    ctx.has_bias = bias is not None and ctx.needs_input_grad[2]
     ctx.activation = activation
     ctx.save_pre = save_pre or activation == "none"
 
@@ -1028,8 +1052,14 @@ def _require_saved(ctx, op: str) -> None:
 def _linear_act_backward(ctx, dy, _dpre):
     _require_saved(ctx, "linear_act_fwd")
     x, weight, pre = ctx.saved_tensors
-    dx, dweight, dbias = _linear_act_bwd_op(dy, x, weight, pre, ctx.has_bias, ctx.activation)
-    return dx, dweight, dbias if ctx.has_bias else None, None, None
+    needs = list(ctx.needs_input_grad[:2])
+    dx, dweight, dbias = _linear_act_bwd_op(dy, x, weight, pre, ctx.has_bias, ctx.activation, needs)
+    return _wanted(ctx, dx, dweight, dbias, None, None)
+
+
+def _wanted(ctx, *grads):
+    """grads, None where needs_input_grad says the input takes none (the op returned an empty tensor)."""
+    return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=True))
 
 
 _linear_act_fwd_op.register_autograd(_linear_act_backward, setup_context=_linear_act_setup_context)
@@ -1051,33 +1081,36 @@ def _(x, w_gate, w_up, activation, save_pre):
 @torch.library.custom_op("horse::gated_linear_bwd", mutates_args=())
 def _gated_linear_bwd_op(
     dy: torch.Tensor,
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
     gate: torch.Tensor,
     up: torch.Tensor,
     activation: str,
+    needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return gated_linear_bwd(dy, x, w_gate, w_up, gate, up, activation)
+    return gated_linear_bwd(dy, x, w_gate, w_up, gate, up, activation, needs)
 
 
 @_gated_linear_bwd_op.register_fake
-def _(dy, x, w_gate, w_up, gate, up, activation):
-    return tuple(_fake_weight_grads(x, w_gate, w_up))
+def _(dy, x, w_gate, w_up, gate, up, activation, needs):
+    return tuple(_fake_input_grads(dy, [w_gate, w_up], needs))
 
 
 def _gated_linear_setup_context(ctx, inputs, output):
     x, w_gate, w_up, activation, save_pre = inputs
     _y, gate, up = output
-    ctx.save_for_backward(x, w_gate, w_up, gate, up)
+    needs = ctx.needs_input_grad
+    ctx.save_for_backward(x if needs[1] or needs[2] else None, w_gate, w_up, gate, up)
     ctx.activation, ctx.save_pre = activation, save_pre
 
 
 def _gated_linear_backward(ctx, dy, _dgate, _dup):
     _require_saved(ctx, "gated_linear_fwd")
     x, w_gate, w_up, gate, up = ctx.saved_tensors
-    dx, dw_gate, dw_up = _gated_linear_bwd_op(dy, x, w_gate, w_up, gate, up, ctx.activation)
-    return dx, dw_gate, dw_up, None, None
+    needs = list(ctx.needs_input_grad[:3])
+    grads = _gated_linear_bwd_op(dy, x, w_gate, w_up, gate, up, ctx.activation, needs)
+    return _wanted(ctx, *grads, None, None)
 
 
 _gated_linear_fwd_op.register_autograd(_gated_linear_backward, setup_context=_gated_linear_setup_context)
@@ -1104,47 +1137,41 @@ def _(x, w_in, b_in, w_out, b_out, activation, save_pre):
 @torch.library.custom_op("horse::fused_mlp_bwd", mutates_args=())
 def _fused_mlp_bwd_op(
     dy: torch.Tensor,
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     w_in: torch.Tensor,
     w_out: torch.Tensor,
     pre: torch.Tensor,
     has_b_in: bool,
     has_b_out: bool,
     activation: str,
+    needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return fused_mlp_bwd(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation)
+    return fused_mlp_bwd(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation, needs)
 
 
 @_fused_mlp_bwd_op.register_fake
-def _(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation):
-    dx, dw_in, dw_out = _fake_weight_grads(x, w_in, w_out)
-    db_in = x.new_empty((w_in.shape[0],) if has_b_in else (0,))
-    db_out = x.new_empty((w_out.shape[0],) if has_b_out else (0,))
+def _(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation, needs):
+    dx, dw_in = _fake_input_grads(pre, [w_in], needs[:2])
+    db_in = dy.new_empty((w_in.shape[0],) if has_b_in else (0,))
+    dw_out = dy.new_empty(w_out.shape if needs[2] else (0,))
+    db_out = dy.new_empty((w_out.shape[0],) if has_b_out else (0,))
     return dx, dw_in, db_in, dw_out, db_out
 
 
 def _fused_mlp_setup_context(ctx, inputs, output):
     x, w_in, b_in, w_out, b_out, activation, save_pre = inputs
-    ctx.save_for_backward(x, w_in, w_out, output[1])
-    ctx.has_b_in, ctx.has_b_out = b_in is not None, b_out is not None
+    needs = ctx.needs_input_grad
+    ctx.save_for_backward(x if needs[1] else None, w_in, w_out, output[1])
+    ctx.has_b_in, ctx.has_b_out = b_in is not None and needs[2], b_out is not None and needs[4]
     ctx.activation, ctx.save_pre = activation, save_pre
 
 
 def _fused_mlp_backward(ctx, dy, _dpre):
     _require_saved(ctx, "fused_mlp_fwd")
     x, w_in, w_out, pre = ctx.saved_tensors
-    dx, dw_in, db_in, dw_out, db_out = _fused_mlp_bwd_op(
-        dy, x, w_in, w_out, pre, ctx.has_b_in, ctx.has_b_out, ctx.activation
-    )
-    return (
-        dx,
-        dw_in,
-        db_in if ctx.has_b_in else None,
-        dw_out,
-        db_out if ctx.has_b_out else None,
-        None,
-        None,
-    )
+    needs = [ctx.needs_input_grad[i] for i in (0, 1, 3)]
+    grads = _fused_mlp_bwd_op(dy, x, w_in, w_out, pre, ctx.has_b_in, ctx.has_b_out, ctx.activation, needs)
+    return _wanted(ctx, *grads, None, None)
 
 
 _fused_mlp_fwd_op.register_autograd(_fused_mlp_backward, setup_context=_fused_mlp_setup_context)
@@ -1178,27 +1205,33 @@ def _gated_mlp_bwd_op(
     gate: torch.Tensor,
     up: torch.Tensor,
     activation: str,
+    needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation)
+    return gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation, needs)
 
 
 @_gated_mlp_bwd_op.register_fake
-def _(dy, x, w_gate, w_up, w_down, gate, up, activation):
-    return tuple(_fake_weight_grads(x, w_gate, w_up, w_down))
+def _(dy, x, w_gate, w_up, w_down, gate, up, activation, needs):
+    return (
+        *_fake_input_grads(gate, [w_gate, w_up], needs[:3]),
+        dy.new_empty(w_down.shape if needs[3] else (0,)),
+    )
 
 
 def _gated_mlp_setup_context(ctx, inputs, output):
     x, w_gate, w_up, w_down, activation, save_pre = inputs
     _y, gate, up = output
-    ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up)
+    needs = ctx.needs_input_grad
+    ctx.save_for_backward(x if needs[1] or needs[2] else None, w_gate, w_up, w_down, gate, up)
     ctx.activation, ctx.save_pre = activation, save_pre
 
 
 def _gated_mlp_backward(ctx, dy, _dgate, _dup):
     _require_saved(ctx, "gated_mlp_fwd")
     x, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
-    grads = _gated_mlp_bwd_op(dy, x, w_gate, w_up, w_down, gate, up, ctx.activation)
-    return (*grads, None, None)
+    needs = list(ctx.needs_input_grad[:4])
+    grads = _gated_mlp_bwd_op(dy, x, w_gate, w_up, w_down, gate, up, ctx.activation, needs)
+    return _wanted(ctx, *grads, None, None)
 
 
 _gated_mlp_fwd_op.register_autograd(_gated_mlp_backward, setup_context=_gated_mlp_setup_context)

@@ -153,3 +153,18 @@ def record_launches(monkeypatch, execute: bool = True) -> list[tuple[str, tuple[
 
         monkeypatch.setattr(runtime, "launch", check_only)
     return launches
+
+
+def record_gemms(monkeypatch) -> list[str]:
+    """The names of the cuBLAS GEMMs (torch.matmul, torch.addmm) called from now on, in order: the
+    kernels' dx and dW products."""
+    gemms = []
+    for name in ("matmul", "addmm"):
+        gemm = getattr(torch, name)
+
+        def recording(*args, _gemm=gemm, _name=name, **kwargs):
+            gemms.append(_name)
+            return _gemm(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, recording)
+    return gemms

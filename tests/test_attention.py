@@ -664,3 +664,27 @@ def test_rows_past_2_31_elements_are_addressed_in_64_bits(use_tma, device, monke
     baseline = run_reference(q, k, v, dout, True, upcast=False)
     for name, value in ours.items():
         assert_close(name, value, truth[name], baseline[name])
+
+
+@pytest.mark.parametrize(
+    ("trained", "passes"),
+    [("q", ["_attn_bwd_preprocess_kernel", "_attn_bwd_dq_kernel"]),  # frozen k and v: no dk/dv pass
+     ("kv", ["_attn_bwd_preprocess_kernel", "_attn_bwd_dkdv_kernel"])],  # frozen q: no dq pass
+)  # fmt: skip
+def test_frozen_inputs_launch_no_pass_for_their_gradient(trained, passes, device, monkeypatch):
+    shape = Shape(2, 17, 17, 2, 2, 32)
+    q, k, v = make_qkv(shape, torch.float16, device)
+    out = kernels.flash_attention(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    full = dict(zip("qkv", torch.autograd.grad(out, (q, k, v), dout), strict=True))
+    leaves = {
+        name: t.detach().requires_grad_(name in trained) for name, t in zip("qkv", (q, k, v), strict=True)
+    }
+    out = kernels.flash_attention(*leaves.values(), causal=True)
+    launches = record_launches(monkeypatch)
+    out.backward(dout)
+    assert [name for name, _ in launches] == passes
+    for name, leaf in leaves.items():
+        assert (leaf.grad is not None) == (name in trained)
+        if name in trained:  # the same gradient as with every input trained, bit for bit
+            assert torch.equal(leaf.grad, full[name]), name

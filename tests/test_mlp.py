@@ -16,7 +16,14 @@ import zlib
 
 import pytest
 import torch
-from helpers import assert_close, device_has_tma, record_tma_choices, run_family_tables
+from helpers import (
+    assert_close,
+    device_has_tma,
+    record_gemms,
+    record_launches,
+    record_tma_choices,
+    run_family_tables,
+)
 from torch import nn
 
 import kernels
@@ -290,9 +297,9 @@ def test_elementwise_backward_in_bfloat16(activation, kind, device):
     pres = {w: torch.nn.functional.linear(t["x"].float(), t[w].float(), bias).bfloat16() for w in weights}
     dy, x = t["dy"], t["x"]
     if gated:
-        grads = mlp.gated_linear_bwd(dy, x, t["w_gate"], t["w_up"], *pres.values(), activation)
+        grads = mlp.gated_linear_bwd(dy, x, t["w_gate"], t["w_up"], *pres.values(), activation, [True] * 3)
     else:
-        grads = mlp.linear_act_bwd(dy, x, t["weight"], pres["weight"], True, activation)
+        grads = mlp.linear_act_bwd(dy, x, t["weight"], pres["weight"], True, activation, [True] * 2)
     ours = dict(zip(["dx"] + [f"d{w}" for w in weights] + ([] if gated else ["dbias"]), grads, strict=True))
 
     def graph(leaves, round_to):
@@ -655,3 +662,37 @@ def test_float16_pre_activations_past_65504_are_clamped_in_forward_and_backward(
     for name, value, truth in zip(("y", "dx", "dw", "dw_up"), ours, (h, *grads), strict=False):
         assert torch.isfinite(value).all(), f"{name}: {value}"
         torch.testing.assert_close(value.double(), truth, rtol=2e-3, atol=1e-2, msg=name)
+
+
+# (kind, the leaves that need a gradient, the Triton kernels and cuBLAS GEMMs its backward launches)
+FROZEN_CASES = [
+    ("linear_act", {"x"}, ["_act_bwd_kernel"], ["matmul"]),  # frozen weight (LoRA): dx only
+    ("linear_act", {"weight", "bias"}, ["_act_bwd_kernel"], ["matmul"]),  # input needs none: dW only
+    ("fused_mlp", {"x"}, ["_dh_act_bwd_kernel"], ["matmul"]),
+    ("fused_mlp", {"w_out"}, [], ["matmul"]),  # only the last layer trains: no dh GEMM
+    ("fused_gated_mlp", {"w_up"}, ["_dh_act_bwd_kernel"], ["matmul"]),
+    ("gated_linear", {"x"}, ["_act_bwd_kernel"], ["matmul", "addmm"]),
+]
+
+
+@pytest.mark.parametrize(("kind", "trained", "kernels_run", "gemms_run"), FROZEN_CASES, ids=str)
+def test_frozen_tensors_get_no_gradient_gemm_and_inputs_only_weights_need_are_not_saved(
+    kind, trained, kernels_run, gemms_run, device, monkeypatch
+):
+    sizes = (33, 16, 40) if kind in ("linear_act", "gated_linear") else (33, 16, 40, 8)
+    t = make_tensors(kind, sizes, torch.float16, device)
+    full = run(lambda leaves: call_ours(kind, leaves, "silu"), t)
+    leaves = {name: v.clone().requires_grad_(name in trained) for name, v in t.items() if name != "dy"}
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s) or s, lambda s: s):
+        y = call_ours(kind, leaves, "silu")
+    launches, gemms = record_launches(monkeypatch), record_gemms(monkeypatch)
+    y.backward(t["dy"])
+    assert [name for name, _ in launches] == kernels_run
+    assert gemms == gemms_run
+    for name, leaf in leaves.items():
+        assert (leaf.grad is not None) == (name in trained), name
+        if name in trained:  # the same gradient as with every leaf trained, bit for bit
+            assert torch.equal(leaf.grad, full[f"d{name}"]), name
+    x_saved = any(s is not None and s.data_ptr() == leaves["x"].data_ptr() for s in saved)
+    assert x_saved == bool(trained & {"weight", "w_in", "w_gate", "w_up"})
