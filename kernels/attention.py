@@ -762,7 +762,9 @@ BWD_DKDV_CONFIGS = {
         16: AttnConfig(64, 128, 8, 2),
         32: AttnConfig(64, 128, 8, 2),
         64: AttnConfig(32, 128, 8, 2),
-        128: AttnConfig(32, 128, 8, 2, tma=False),
+        # 2 stages spilled 8 bytes packed with the local mask (64-bit rows, flat grid; triton 3.6);
+        # 1 stage compiled at 226-235 registers, clean, in the local and causal masks.
+        128: AttnConfig(32, 128, 8, 1, tma=False),
         256: AttnConfig(16, 64, 8, 2, column_splits=2, tma=False),
     },
     "sm100": {
