@@ -116,6 +116,7 @@ class CompileResult:
     tma_loads: int
     target: str = ""  # the machine code's: "sm_90a" (as the PTX names it), "gfx942"
     error: str = ""  # why Triton could not compile it ("" when it did; the counts are then 0)
+    narrow_stride_products: tuple[str, ...] = ()  # see narrow_stride_products()
 
 
 def _signature(cfg: KernelConfig) -> tuple[dict, dict]:
@@ -136,6 +137,31 @@ def _signature(cfg: KernelConfig) -> tuple[dict, dict]:
             if name in ("N", "K") or name.startswith("stride"):
                 attrs[(index,)] = [["tt.divisibility", 16]]
     return signature, attrs
+
+
+_TTIR_OP = re.compile(r"^\s*(%[\w.#]+) = ([\w.]+) (.*?)(?: loc\(.*)?$")
+# Ops whose result holds its operand's values, reshaped: a stride stays a stride through them.
+_TTIR_VALUE_PRESERVING = {"tt.splat", "tt.broadcast", "tt.expand_dims"}
+
+
+def narrow_stride_products(ttir: str) -> tuple[str, ...]:
+    """The 32-bit multiplications by a stride argument in a kernel's TTIR, as "%result = ..." lines:
+    an offset ``index * stride`` in 32 bits wraps past 2**31 elements, into silent corruption or an
+    illegal address. A kernel multiplies its strides by 64-bit indices (``offs.to(tl.int64)``)."""
+    strides = set(re.findall(r"(%stride\w*): i32", ttir))
+    found = []
+    for line in ttir.splitlines():
+        match = _TTIR_OP.match(line)
+        if not match:
+            continue
+        result, op, rest = match.groups()
+        operands_text, _, result_type = rest.rpartition(" : ")
+        operands = set(re.findall(r"%[\w.#]+", operands_text))
+        if op in _TTIR_VALUE_PRESERVING and operands & strides:
+            strides.add(result)
+        elif op == "arith.muli" and operands & strides and re.search(r"\bi32\b|xi32>", result_type):
+            found.append(f"{result} = {op} {rest}")
+    return tuple(found)
 
 
 def parse_resource_usage(text: str) -> tuple[int, int]:
@@ -227,12 +253,14 @@ def compile_configs(configs: list[KernelConfig]) -> list[CompileResult]:
     report goes on and names it."""
     results: list[CompileResult | None] = [None] * len(configs)
     nvidia = []  # (index in configs, compiled kernel)
+    ttirs = {}  # index in configs -> its kernel's TTIR
     for i, cfg in enumerate(configs):
         try:
             kernel = compile_kernel(cfg)
         except Exception as error:
             results[i] = CompileResult(cfg, 0, 0, 0, 0, 0, 0, error=" ".join(str(error).split())[:200])
             continue
+        ttirs[i] = kernel.asm["ttir"]
         if ARCHS[cfg.arch].hip_target:
             results[i] = _read_amd(cfg, kernel)
         else:
@@ -240,6 +268,8 @@ def compile_configs(configs: list[KernelConfig]) -> list[CompileResult]:
     read = _read_nvidia([configs[i] for i, _ in nvidia], [kernel for _, kernel in nvidia])
     for (i, _), result in zip(nvidia, read, strict=True):
         results[i] = result
+    for i, ttir in ttirs.items():
+        results[i] = dataclasses.replace(results[i], narrow_stride_products=narrow_stride_products(ttir))
     return results
 
 
@@ -289,7 +319,7 @@ VERIFY_AT_LEAST = 60  # reused rows compiled afresh each run to check the file a
 ROW_READERS = (_signature, _options, compile_kernel, compile_configs, _read_amd, _read_nvidia,
                parse_resource_usage, count_sass, parse_amdgcn, machine_code, disassemble)  # fmt: skip
 ROW_FIELDS = ("registers", "spill_bytes", "shared_bytes", "tensor_core_instructions", "global_loads_128",
-              "tma_loads", "target")  # fmt: skip
+              "tma_loads", "target", "narrow_stride_products")  # fmt: skip
 
 
 @functools.cache
@@ -322,7 +352,15 @@ def row_key(cfg: KernelConfig) -> str:
 
 
 def row_values(r: CompileResult) -> list:
-    return [getattr(r, name) for name in ROW_FIELDS]
+    """r's fields as JSON holds them (tuples as lists)."""
+    values = (getattr(r, name) for name in ROW_FIELDS)
+    return [list(value) if isinstance(value, tuple) else value for value in values]
+
+
+def cached_result(cfg: KernelConfig, row: list) -> CompileResult:
+    """The CompileResult a cached row (:func:`row_values`) stands for."""
+    fields = dict(zip(ROW_FIELDS, row, strict=True))
+    return CompileResult(cfg, **fields | {"narrow_stride_products": tuple(fields["narrow_stride_products"])})
 
 
 def load_cache(path: str) -> dict[str, dict]:
@@ -385,7 +423,7 @@ def prove(configs: list[KernelConfig], keys: list[str], cached: dict, verify: in
     built = dict(zip(to_build, build([configs[i] for i in to_build]), strict=True))
     results, differ = [], []
     for i, (cfg, key) in enumerate(zip(configs, keys, strict=True)):
-        result = built.get(i) or CompileResult(cfg, *cached[key]["row"])
+        result = built.get(i) or cached_result(cfg, cached[key]["row"])
         if i in checked and (result.error or row_values(result) != cached[key]["row"]):
             fresh, row = result.error or row_values(result), cached[key]["row"]
             differ.append(f"{describe(cfg)}: cached row {row} but a fresh compile gives {fresh}")
@@ -705,6 +743,11 @@ def failures(results: list[CompileResult]) -> list[str]:
             bad.append(f"{name}: no tensor-core instructions")
         if (threads := c.num_warps * ARCHS[c.arch].warp_size) > runtime.MAX_THREADS:
             bad.append(f"{name}: {threads} threads a block (max {runtime.MAX_THREADS})")
+        if products := r.narrow_stride_products:
+            more = f" (and {len(products) - 1} more)" if len(products) > 1 else ""
+            bad.append(
+                f"{name}: a 32-bit stride product, which wraps past 2**31 elements: {products[0]}{more}"
+            )
     return bad
 
 

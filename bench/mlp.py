@@ -163,15 +163,15 @@ def eager_mlp(model: Model, t: dict) -> torch.Tensor:
 def _up(ops, model: Model, t: dict) -> torch.Tensor:
     """The up projection with its activation by ops: the kernels package or kernels.reference."""
     if model.gated:
-        return ops.gated_linear(t["x"], t["w_gate"], t["w_up"], model.activation)
-    return ops.linear_act(t["x"], t["w_in"], t["b_in"], model.activation)
+        return ops.gated_linear(t["x"], t["w_gate"], t["w_up"], activation=model.activation)
+    return ops.linear_act(t["x"], t["w_in"], t["b_in"], activation=model.activation)
 
 
 def _mlp(ops, model: Model, t: dict) -> torch.Tensor:
     """The whole MLP by ops: the kernels package or kernels.reference (the same signatures)."""
     if model.gated:
-        return ops.fused_gated_mlp(t["x"], t["w_gate"], t["w_up"], t["w_down"], model.activation)
-    return ops.fused_mlp(t["x"], t["w_in"], t["b_in"], t["w_out"], t["b_out"], model.activation)
+        return ops.fused_gated_mlp(t["x"], t["w_gate"], t["w_up"], t["w_down"], activation=model.activation)
+    return ops.fused_mlp(t["x"], t["w_in"], t["b_in"], t["w_out"], t["b_out"], activation=model.activation)
 
 
 # kernels is imported at call time, not at import: the CPU path sets TRITON_INTERPRET first.

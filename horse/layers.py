@@ -132,6 +132,7 @@ class FusedSelfAttention(nn.Module):
         self,
         d_model: int,
         n_heads: int,
+        *,
         n_kv_heads: int | None = None,
         bias: bool = True,
         causal: bool = True,
@@ -197,7 +198,15 @@ class FusedSelfAttention(nn.Module):
             positions = rows - cu_seqlens[document]
             q, k = self.rotary(q, positions=positions), self.rotary(k, positions=positions)
         y = kernels.flash_attention_varlen(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, self.causal, window_size=self.window_size
+            q,
+            k,
+            v,
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+            causal=self.causal,
+            window_size=self.window_size,
         )
         return self.c_proj(y.reshape(tokens, self.n_heads * self.head_dim))
 
@@ -232,6 +241,7 @@ class FusedMLP(nn.Module):
         self,
         d_model: int,
         hidden: int,
+        *,
         gated: bool = False,
         activation: str | None = None,
         bias: bool = True,

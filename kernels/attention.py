@@ -163,9 +163,10 @@ def _load_tile(
         mask = offs_c[None, :] < HEAD_DIM
         if MASK:
             mask = mask & (offs_s[:, None] < seqlen)
-        # 64-bit: batch * stride passes 2**31 on large inputs.
+        # 64-bit: batch * stride, and row * stride in a long sequence or a wide view, pass 2**31.
         base = X + b.to(tl.int64) * strides[0] + h.to(tl.int64) * strides[2]
-        tile = tl.load(base + offs_s[:, None] * strides[1] + offs_c[None, :], mask=mask, other=0.0)
+        rows = offs_s.to(tl.int64)[:, None] * strides[1]
+        tile = tl.load(base + rows + offs_c[None, :], mask=mask, other=0.0)
     return tile
 
 
@@ -183,9 +184,8 @@ def _store_tile(
         offs_c = col + tl.arange(0, BLOCK_C)
         mask = (offs_s[:, None] < seqlen) & (offs_c[None, :] < HEAD_DIM)
         base = X + b.to(tl.int64) * strides[0] + h.to(tl.int64) * strides[2]
-        tl.store(
-            base + offs_s[:, None] * strides[1] + offs_c[None, :], tile.to(X.dtype.element_ty), mask=mask
-        )
+        rows = offs_s.to(tl.int64)[:, None] * strides[1]
+        tl.store(base + rows + offs_c[None, :], tile.to(X.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -368,12 +368,14 @@ def _attn_bwd_preprocess_kernel(
     HAS_DLSE: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
-    # grid = (cdiv(seqlen_q, BLOCK_M), batch * heads)
-    batch_head = tl.program_id(1)
+    # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): batch x heads on axis 0, whose 2**31 - 1
+    # programs CUDA allows (65,535 on axis 1), a (batch, head)'s query blocks side by side.
+    m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    batch_head = tl.program_id(0) // m_blocks
     b = batch_head // heads
     h = batch_head % heads
+    start_m = tl.program_id(0) % m_blocks * BLOCK_M
     q_seq, seqlen_q = _sequence(CU_SEQLENS_Q, b, seqlen_q, VARLEN)
-    start_m = tl.program_id(0) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     o_strides = (stride_ob, stride_os, stride_oh)
     do_strides = (stride_dob, stride_dos, stride_doh)
@@ -483,17 +485,20 @@ def _attn_bwd_dkdv_kernel(
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
-    # grid = (cdiv(seqlen_k, BLOCK_N), batch * kv_heads, BLOCK_D // BLOCK_D_OUT): one key block, all
-    # query heads of its group, dk and dv columns [program_id(2) * BLOCK_D_OUT, + BLOCK_D_OUT).
-    start_n = tl.program_id(0) * BLOCK_N
-    batch_kv_head = tl.program_id(1)
+    # grid = (cdiv(seqlen_k, BLOCK_N) * batch * kv_heads, BLOCK_D // BLOCK_D_OUT): one key block, all
+    # query heads of its group, dk and dv columns [program_id(1) * BLOCK_D_OUT, + BLOCK_D_OUT). Batch x
+    # heads goes on axis 0 (2**31 - 1 programs; 65,535 on axis 1), a (batch, head)'s key blocks side
+    # by side, so the programs running together share its queries in L2.
+    n_blocks = tl.cdiv(seqlen_k, BLOCK_N)
+    start_n = tl.program_id(0) % n_blocks * BLOCK_N
+    batch_kv_head = tl.program_id(0) // n_blocks
     b = batch_kv_head // kv_heads
     kv_h = batch_kv_head % kv_heads
     q_seq, seqlen_q = _sequence(CU_SEQLENS_Q, b, seqlen_q, VARLEN)
     k_seq, seqlen_k = _sequence(CU_SEQLENS_K, b, seqlen_k, VARLEN)
     if VARLEN and start_n >= seqlen_k:  # the grid covers the longest sequence
         return
-    col = tl.program_id(2) * BLOCK_D_OUT
+    col = tl.program_id(1) * BLOCK_D_OUT
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k_strides = (stride_kb, stride_ks, stride_kh)
     v_strides = (stride_vb, stride_vs, stride_vh)
@@ -593,12 +598,13 @@ def _attn_bwd_dq_kernel(
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
-    # grid = (cdiv(seqlen_q, BLOCK_M), batch * heads)
-    m_block = tl.program_id(0)
+    # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): as the preprocess, batch x heads on axis 0.
+    m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    m_block = tl.program_id(0) % m_blocks
     if CAUSAL:  # the longest query blocks first, as in the forward
-        m_block = tl.num_programs(0) - 1 - m_block
+        m_block = m_blocks - 1 - m_block
     start_m = m_block * BLOCK_M
-    batch_head = tl.program_id(1)
+    batch_head = tl.program_id(0) // m_blocks
     b = batch_head // heads
     h = batch_head % heads
     kv_h = h // group_size
@@ -721,7 +727,10 @@ FWD_CONFIGS = {
         32: AttnConfig(128, 128, 8, 3, tma=False),
         64: AttnConfig(128, 64, 8, 3, tma=False),
         128: AttnConfig(128, 32, 8, 3, tma=False),
-        256: AttnConfig(64, 64, 8, 2, tma=False),
+        # With 64-bit row offsets (2**31-element views), 2 stages spilled 16-32 bytes at head dim
+        # 192 causal and local, padded and packed (triton 3.6); 1 stage is bench.tune --compile-only's
+        # first clean candidate, 128x32 spilled 216 bytes or more.
+        256: AttnConfig(64, 64, 8, 1, tma=False),
     },
     "sm86": {
         16: AttnConfig(128, 64, 8, 3, tma=False),
@@ -753,7 +762,9 @@ BWD_DKDV_CONFIGS = {
         16: AttnConfig(64, 128, 8, 2),
         32: AttnConfig(64, 128, 8, 2),
         64: AttnConfig(32, 128, 8, 2),
-        128: AttnConfig(32, 128, 8, 2, tma=False),
+        # 2 stages spilled 8 bytes packed with the local mask (64-bit rows, flat grid; triton 3.6);
+        # 1 stage compiled at 226-235 registers, clean, in the local and causal masks.
+        128: AttnConfig(32, 128, 8, 1, tma=False),
         256: AttnConfig(16, 64, 8, 2, column_splits=2, tma=False),
     },
     "sm100": {
@@ -940,7 +951,8 @@ def attention_fwd(
     if programs == 0:  # a packed batch of empty sequences
         return out, lse
     with runtime.device_guard(q):
-        _attn_fwd_kernel[(programs,)](
+        runtime.launch(
+            _attn_fwd_kernel, (programs,),
             q_tiles, k_tiles, v_tiles, out_tiles, lse, **_sequence_args(packed, lse),
             softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=window_left,
             window_right=window_right,
@@ -965,8 +977,11 @@ def attention_bwd(
     softmax_scale: float,
     window: tuple[int, int] = (-1, -1),
     packed: Packed | None = None,
+    needs: tuple[bool, bool] = (True, True),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of :func:`attention_fwd`; dlse is the gradient of lse, or None. Returns dq, dk, dv."""
+    """Backward of :func:`attention_fwd`; dlse is the gradient of lse, or None. Returns dq, dk, dv;
+    needs says whether dq and whether dk and dv are wanted: a pass nobody wants is not launched, its
+    gradients empty tensors (frozen inputs)."""
     batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim = _shape(q, k, packed)
     window_left, window_right, mask = _mask(causal, window, seqlen_q, seqlen_k)
     if dout.stride(-1) != 1:  # gradients can arrive expanded (stride 0) or transposed
@@ -975,49 +990,57 @@ def attention_bwd(
         dlse = dlse.contiguous()
     block_d = head_dim_block(head_dim)
     delta = runtime.empty(lse.shape, torch.float32, q.device)
-    dq = runtime.empty(q.shape, q.dtype, q.device)
-    dk = runtime.empty(k.shape, k.dtype, k.device)
-    dv = runtime.empty(v.shape, v.dtype, v.device)
-    if q.shape[0] == 0 or k.shape[0] == 0:  # a packed batch without queries or without keys
+    dq = runtime.empty(q.shape if needs[0] else (0,), q.dtype, q.device)
+    dk = runtime.empty(k.shape if needs[1] else (0,), k.dtype, k.device)
+    dv = runtime.empty(v.shape if needs[1] else (0,), v.dtype, v.device)
+    if q.shape[0] == 0 or k.shape[0] == 0 or not any(needs):  # nothing to compute
         return dq.zero_(), dk.zero_(), dv.zero_()
     group_size = heads // kv_heads
     dims = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "VARLEN": packed is not None}
     sequences, lse_strides = _sequence_args(packed, delta), _lse_stride_args(lse)
     windowed = {"window_left": window_left, "window_right": window_right}
     with runtime.device_guard(q):
-        _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * heads)](
+        grid = (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M) * batch * heads,)
+        runtime.launch(
+            _attn_bwd_preprocess_kernel, grid,
             out, dout, dlse if dlse is not None else delta, delta, sequences["CU_SEQLENS_Q"], seqlen_q, heads,
             **_stride_args(o=out, do=dout), **lse_strides,
             **dims, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=dlse is not None, num_warps=PREPROCESS_NUM_WARPS,
             **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
-        cfg = attn_config(BWD_DKDV_CONFIGS, head_dim, q.device)
-        tma = tma_usable(cfg, q, k, v, dout, dk, dv)
-        q_tiles, do_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout))
-        k_tiles, v_tiles, dk_tiles, dv_tiles = (
-            _operand(t, cfg.block_n, block_d, tma) for t in (k, v, dk, dv)
-        )
-        grid = (triton.cdiv(seqlen_k, cfg.block_n), batch * kv_heads, cfg.column_splits)
-        _attn_bwd_dkdv_kernel[grid](
-            q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dk_tiles, dv_tiles, **sequences,
-            softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
-            kv_heads=kv_heads, group_size=group_size,
-            **_stride_args(q=q, k=k, v=v, do=dout, dk=dk, dv=dv), **lse_strides,
-            **dims, BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            **mask, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
-        )  # fmt: skip
-        cfg = attn_config(BWD_DQ_CONFIGS, head_dim, q.device)
-        tma = tma_usable(cfg, q, k, v, dout, dq)
-        q_tiles, do_tiles, dq_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout, dq))
-        k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (k, v))
-        _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * heads)](
-            q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dq_tiles, **sequences,
-            softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
-            group_size=group_size,
-            **_stride_args(q=q, k=k, v=v, do=dout, dq=dq), **lse_strides,
-            **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
-        )  # fmt: skip
+        if needs[1]:
+            cfg = attn_config(BWD_DKDV_CONFIGS, head_dim, q.device)
+            tma = tma_usable(cfg, q, k, v, dout, dk, dv)
+            q_tiles, do_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout))
+            k_tiles, v_tiles, dk_tiles, dv_tiles = (
+                _operand(t, cfg.block_n, block_d, tma) for t in (k, v, dk, dv)
+            )
+            grid = (triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads, cfg.column_splits)
+            runtime.launch(
+                _attn_bwd_dkdv_kernel, grid,
+                q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dk_tiles, dv_tiles, **sequences,
+                softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
+                kv_heads=kv_heads, group_size=group_size,
+                **_stride_args(q=q, k=k, v=v, do=dout, dk=dk, dv=dv), **lse_strides,
+                **dims, BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                **mask, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **runtime.COMPILE_OPTIONS,
+            )  # fmt: skip
+        if needs[0]:
+            cfg = attn_config(BWD_DQ_CONFIGS, head_dim, q.device)
+            tma = tma_usable(cfg, q, k, v, dout, dq)
+            q_tiles, do_tiles, dq_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout, dq))
+            k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (k, v))
+            grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
+            runtime.launch(
+                _attn_bwd_dq_kernel, grid,
+                q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dq_tiles, **sequences,
+                softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
+                group_size=group_size,
+                **_stride_args(q=q, k=k, v=v, do=dout, dq=dq), **lse_strides,
+                **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
+            )  # fmt: skip
     return dq, dk, dv
 
 
@@ -1073,15 +1096,18 @@ def _attn_bwd_op(
     cu_seqlens_k: torch.Tensor | None,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = (window_left, window_right)
     packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return attention_bwd(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window, packed)
+    return attention_bwd(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window, packed, needs)
 
 
 @_attn_bwd_op.register_fake
-def _(dout, dlse, q, k, v, *_):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(dout, dlse, q, k, v, *args):
+    needs_dq, needs_dkdv = args[-1]
+    wanted = (needs_dq, needs_dkdv, needs_dkdv)
+    return tuple(t.new_empty(t.shape if need else (0,)) for t, need in zip((q, k, v), wanted, strict=True))
 
 
 def _setup_context(ctx, inputs, output):
@@ -1095,8 +1121,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = _attn_bwd_op(dout, dlse, q, k, v, out, lse, *ctx.mask_args, cu_q, cu_k, *ctx.max_seqlens)
-    return dq, dk, dv, *[None] * 8
+    # dq, and dk with dv (one pass), only where an input wants them (frozen inputs launch nothing).
+    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]]
+    grads = _attn_bwd_op(dout, dlse, q, k, v, out, lse, *ctx.mask_args, cu_q, cu_k, *ctx.max_seqlens, needs)
+    return *(g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=False)), *[None] * 8
 
 
 _attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -1202,6 +1230,7 @@ def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    *,
     causal: bool = False,
     softmax_scale: float | None = None,
     return_lse: bool = False,
@@ -1215,7 +1244,9 @@ def flash_attention(
     bottom-right corner (query i sees keys j <= i + seqlen_k - seqlen_q; a query that sees none
     gets zeros). window_size (left, right) is a sliding window, as flash-attn's: query i sees keys
     i + seqlen_k - seqlen_q - left to i + seqlen_k - seqlen_q + right, -1 for an unbounded side;
-    with causal the right side is 0. softmax_scale defaults to 1 / sqrt(head_dim).
+    with causal the right side is 0. softmax_scale defaults to 1 / sqrt(head_dim). Every argument
+    after v is keyword-only: flash-attn's fourth positional argument is dropout_p, which this
+    function does not take, so ``flash_attention(q, k, v, 0.1)`` raises rather than runs causal.
 
     Under torch.autocast the inputs are cast to its dtype first, as a matmul's would be.
 
@@ -1246,6 +1277,7 @@ def flash_attention_varlen(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    *,
     causal: bool = False,
     softmax_scale: float | None = None,
     return_lse: bool = False,

@@ -431,7 +431,8 @@ def norm_fwd(
     cfg = row_config(N, backward=False, dtype=x.dtype, arch=runtime.arch(x.device))
     residual_in = _dummy_if_none(residual, x)
     with runtime.device_guard(x):
-        _norm_fwd_kernel[(triton.cdiv(M, cfg.block_m),)](
+        runtime.launch(
+            _norm_fwd_kernel, (triton.cdiv(M, cfg.block_m),),
             x, residual_in, _dummy_if_none(weight, x), _dummy_if_none(bias, x), y,
             residual_out, mean, rstd,
             M, N, x.stride(0), residual_in.stride(0), eps,
@@ -480,7 +481,8 @@ def norm_bwd(
         dres = _dummy_if_none(dresidual_out, dy)
         with runtime.device_guard(x):
             if not cfg.row_in_registers:
-                _norm_bwd_row_coeffs_kernel[(M,)](
+                runtime.launch(
+                    _norm_bwd_row_coeffs_kernel, (M,),
                     dy, x, w, mean, rstd, coeffs[0], coeffs[1],
                     M, N, dy.stride(0), x.stride(0),
                     IS_RMS=rms, HAS_WEIGHT=weight is not None,
@@ -488,7 +490,8 @@ def norm_bwd(
                     num_warps=CHUNKED_BWD_ROW_COEFFS.num_warps, **runtime.COMPILE_OPTIONS,
                 )  # fmt: skip
             c1, c2 = (coeffs, coeffs) if cfg.row_in_registers else (coeffs[0], coeffs[1])
-            _norm_bwd_kernel[grid](
+            runtime.launch(
+                _norm_bwd_kernel, grid,
                 dy, dres, x, w, mean, rstd, c1, c2, dx, dw_partial, db_partial,
                 M, N, rows_per_program, dy.stride(0), dres.stride(0), x.stride(0),
                 IS_RMS=rms, HAS_DRESIDUAL=dresidual_out is not None,
@@ -497,10 +500,11 @@ def norm_bwd(
                 COEFFS_IN_TILE=cfg.row_in_registers, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
     param_dtype = weight.dtype if weight is not None else x.dtype
-    # Stage two of the reduction: a fixed-order sum over the programs' partial rows.
-    dweight = dw_partial.sum(0).to(param_dtype) if weight is not None else dw_partial
-    dbias = db_partial.sum(0).to(param_dtype) if has_bias else db_partial
-    return dx, dweight, dbias
+    # Stage two of the reduction: a fixed-order sum over the programs' partial rows. Without the
+    # parameter, an empty tensor of its dtype all the same (the fake kernel's).
+    dweight = dw_partial.sum(0) if weight is not None else dw_partial
+    dbias = db_partial.sum(0) if has_bias else db_partial
+    return dx, dweight.to(param_dtype), dbias.to(param_dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -41,6 +41,11 @@ PyTorch keeps pre and h (2·M·H; gated 4·M·H: gate, act(gate), up and h). ``b
 both costs: the forward with and without saving, and the bytes each implementation keeps.
 No grad needed (``torch.no_grad()`` or no input requiring one): nothing is saved or written.
 
+float16 overflow: a pre-activation (gate, up) past ±65,504 that feeds an activation is clamped to
+it, and both the output and the backward's act' are computed from the clamped value (a
+straight-through clamp), so they agree: stored as ±inf it gave a finite output (silu(-inf) = 0) and
+NaN gradients (act'(-inf) = inf x 0). With activation ``none`` the output is left as a matmul gives it.
+
 Operand tiles move by TMA on Hopper and newer (sm_90+): the GEMMs' x and weight tiles (dy and W_out
 in the backward's) come through tensor descriptors, whose loads read out-of-bounds rows and columns
 as zeros, so the K loop needs no masks. W_out is read as stored, in (K, N) tiles, since a descriptor
@@ -140,13 +145,22 @@ def _operand_offsets(offs_m, offs_n, offs_k, M, N, stride_xm, stride_xk, stride_
     """Offsets of the first (BLOCK_M, BLOCK_K) tile of x and (BLOCK_K, BLOCK_N) tile of Wᵀ.
 
     Rows and columns past the edges wrap around (offs % M), so loads need no row or column mask;
-    the stores drop those rows and columns. Offsets are int64: row * stride passes 2**31.
+    the stores drop those rows and columns. Offsets are int64: index * stride passes 2**31 (a row of a
+    large x, a column of a transposed one).
     """
     rows = (offs_m % M).to(tl.int64)
     cols = (offs_n % N).to(tl.int64)
+    offs_k = offs_k.to(tl.int64)
     x_offs = rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_offs = offs_k[:, None] * stride_wk + cols[None, :] * stride_wn
     return x_offs, w_offs
+
+
+@triton.jit
+def _k_steps(stride_xk, stride_wk, BLOCK_K: tl.constexpr):
+    """How far the x and Wᵀ pointers move per K step, in 64 bits: BLOCK_K times a column stride of
+    a transposed operand passes 2**31."""
+    return tl.cast(stride_xk, tl.int64) * BLOCK_K, tl.cast(stride_wk, tl.int64) * BLOCK_K
 
 
 @triton.jit
@@ -194,13 +208,14 @@ def _matmul_tile(
         )
         x_ptrs = X + x_offs
         w_ptrs = W + w_offs
+        x_step, w_step = _k_steps(stride_xk, stride_wk, BLOCK_K)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             k_mask = offs_k < K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
             acc = tl.dot(x, w, acc)
-            x_ptrs += BLOCK_K * stride_xk
-            w_ptrs += BLOCK_K * stride_wk
+            x_ptrs += x_step
+            w_ptrs += w_step
     return acc
 
 
@@ -230,6 +245,18 @@ def _subtile(acc, INDEX: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexp
 
 
 @triton.jit
+def _finite_in(z, OUT_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr):
+    """z clamped to float16's finite range (±65,504) when it is stored in float16 and feeds an
+    activation: a pre-activation stored as ±inf would give act' = inf x 0 = NaN in the backward
+    (silu at -inf) while the forward stayed finite. The forward computes act of the same clamped
+    value, so forward and backward agree (a straight-through clamp). Without an activation the
+    value is the output, left as a matmul gives it."""
+    if OUT_DTYPE == tl.float16 and ACTIVATION != "none":
+        z = tl.clamp(z, -65504.0, 65504.0)
+    return z
+
+
+@triton.jit
 def _fwd_epilogue(
     acc,
     B,
@@ -247,6 +274,7 @@ def _fwd_epilogue(
     col_mask = offs_n < N
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    acc = _finite_in(acc, Y.dtype.element_ty, ACTIVATION)
     mask = (offs_m < M)[:, None] & col_mask[None, :]
     out = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     if STORE_PRE:
@@ -297,6 +325,8 @@ def _gated_fwd_epilogue(
     acc_gate, acc_up, Y, GATE, UP, offs_m, offs_n, M, N, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr
 ):
     """Store y = act(gate) * up (and gate, up) for the tile at rows offs_m, columns offs_n."""
+    acc_gate = _finite_in(acc_gate, Y.dtype.element_ty, ACTIVATION)
+    acc_up = _finite_in(acc_up, Y.dtype.element_ty, ACTIVATION)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     if STORE_PRE:
@@ -351,6 +381,7 @@ def _gated_fwd_kernel(
         x_ptrs = X + x_offs
         wg_ptrs = WG + w_offs
         wu_ptrs = WU + w_offs
+        x_step, w_step = _k_steps(stride_xk, stride_wk, BLOCK_K)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             k_mask = offs_k < K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
@@ -358,9 +389,9 @@ def _gated_fwd_kernel(
             wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
             acc_gate = tl.dot(x, wg, acc_gate)
             acc_up = tl.dot(x, wu, acc_up)
-            x_ptrs += BLOCK_K * stride_xk
-            wg_ptrs += BLOCK_K * stride_wk
-            wu_ptrs += BLOCK_K * stride_wk
+            x_ptrs += x_step
+            wg_ptrs += w_step
+            wu_ptrs += w_step
     SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
     for i in tl.static_range(EPILOGUE_SPLIT):
         gate = _subtile(acc_gate, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
@@ -476,16 +507,18 @@ def _act_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    # grid = (cdiv(M, rows_per_program), cdiv(N, BLOCK_N)): each program a slab of rows, one column block.
-    pid_m = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # grid = (cdiv(N, BLOCK_N), cdiv(M, rows_per_program)): each program one column block, a slab of
+    # rows. Column blocks go on axis 0, which takes 2**31 - 1 programs (axis 1 only 65,535); the
+    # launcher keeps the slabs to a few per SM.
+    pid_m = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     row_start = pid_m * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
     for block_start in range(row_start, row_end, BLOCK_M):
         offs_m = block_start + tl.arange(0, BLOCK_M)
         mask = (offs_m < row_end)[:, None] & (offs_n < N)[None, :]
-        dh_ptrs = DH + offs_m.to(tl.int64)[:, None] * stride_dhm + offs_n[None, :] * stride_dhn
+        dh_ptrs = DH + offs_m.to(tl.int64)[:, None] * stride_dhm + offs_n.to(tl.int64)[None, :] * stride_dhn
         dh = tl.load(dh_ptrs, mask=mask, other=0.0).to(tl.float32)
         dpre = _act_bwd_tile(
             dh, PRE, UP, DPRE, DUP, DPRE, offs_m, offs_n, row_end, N, ACTIVATION, GATED, False
@@ -731,7 +764,8 @@ def _linear_act_fwd(
     x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
     w_tiles = runtime.tma_operand(weight, (cfg.block_n, cfg.block_k), tma)
     with runtime.device_guard(x):
-        _linear_act_fwd_kernel[_grid(cfg, M, N)](
+        runtime.launch(
+            _linear_act_fwd_kernel, _grid(cfg, M, N),
             x_tiles, w_tiles, bias if bias is not None else weight, y, pre, M, N, K,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
             ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre,
@@ -758,7 +792,8 @@ def _gated_fwd(
     x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
     wg_tiles, wu_tiles = (runtime.tma_operand(w, (cfg.block_n, cfg.block_k), tma) for w in (w_gate, w_up))
     with runtime.device_guard(x):
-        _gated_fwd_kernel[_grid(cfg, M, N)](
+        runtime.launch(
+            _gated_fwd_kernel, _grid(cfg, M, N),
             x_tiles, wg_tiles, wu_tiles, y, gate, up, M, N, K,
             x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
             ACTIVATION=activation, STORE_PRE=store_pre, **_launch_options(cfg, tma),
@@ -767,8 +802,9 @@ def _gated_fwd(
 
 
 def _db(partial: torch.Tensor, has_bias: bool, dtype: torch.dtype) -> torch.Tensor:
-    # Stage two of the bias gradient: a fixed-order sum over the row tiles' float32 partials.
-    return partial.sum(0).to(dtype) if has_bias else partial
+    # Stage two of the bias gradient: a fixed-order sum over the row tiles' float32 partials. Without
+    # a bias, an empty tensor of the parameters' dtype all the same (the fake kernel's).
+    return (partial.sum(0) if has_bias else partial).to(dtype)
 
 
 def _dh_act_bwd(
@@ -778,19 +814,21 @@ def _dh_act_bwd(
     up: torch.Tensor | None,
     activation: str,
     has_bias: bool,
+    need_h: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dh = dy W_out in a GEMM whose epilogue applies act' (and the gate's product rule).
 
     Returns (dpre, dup, h, db): dpre (M, N); dup (M, N) when gated (up given), else empty; h, the
-    hidden activation recomputed from pre (M, N), or pre itself for ``none``; db (N,) or empty.
+    hidden activation recomputed from pre (M, N), or pre itself for ``none`` (empty unless need_h:
+    only the gradient of W_out uses it); db (N,) or empty.
     """
     M, N = pre.shape
     K = dy.shape[1]
     gated = up is not None
-    store_h = gated or activation != "none"
+    store_h = need_h and (gated or activation != "none")
     dpre = runtime.empty((M, N), pre.dtype, pre.device)
     dup = runtime.empty((M, N) if gated else (0,), pre.dtype, pre.device)
-    h = runtime.empty((M, N), pre.dtype, pre.device) if store_h else pre
+    h = runtime.empty((M, N), pre.dtype, pre.device) if store_h else pre if need_h else pre[:0]
     cfg = gemm_config("gated_dh_bwd" if gated else "dh_bwd", M, N, pre.device)
     db_partial = runtime.empty(
         (triton.cdiv(M, cfg.block_m), N) if has_bias else (0,), torch.float32, pre.device
@@ -802,7 +840,8 @@ def _dh_act_bwd(
         dy_tiles = runtime.tma_operand(dy, (cfg.block_m, cfg.block_k), tma)
         w_tiles = runtime.tma_operand(w_out, (cfg.block_k, cfg.block_n), tma) if tma else w
         with runtime.device_guard(pre):
-            _dh_act_bwd_kernel[_grid(cfg, M, N)](
+            runtime.launch(
+                _dh_act_bwd_kernel, _grid(cfg, M, N),
                 dy_tiles, w_tiles, pre, up if gated else pre, dpre, dup, h, db_partial, M, N, K,
                 dy.stride(0), dy.stride(1), w.stride(0), w.stride(1),
                 ACTIVATION=activation, GATED=gated, STORE_H=store_h, HAS_BIAS=has_bias,
@@ -822,13 +861,14 @@ def _act_bwd(
     column_blocks = triton.cdiv(N, cfg.block_n)
     slabs = max(1, 4 * runtime.num_sms(pre.device) // max(1, column_blocks))
     rows_per_program = triton.cdiv(triton.cdiv(max(M, 1), slabs), cfg.block_m) * cfg.block_m
-    grid = (triton.cdiv(M, rows_per_program), column_blocks)
+    grid = (column_blocks, triton.cdiv(M, rows_per_program))
     dpre = runtime.empty((M, N), pre.dtype, pre.device)
     dup = runtime.empty((M, N) if gated else (0,), pre.dtype, pre.device)
-    db_partial = runtime.empty((grid[0], N) if has_bias else (0,), torch.float32, pre.device)
+    db_partial = runtime.empty((grid[1], N) if has_bias else (0,), torch.float32, pre.device)
     if M > 0 and N > 0:
         with runtime.device_guard(pre):
-            _act_bwd_kernel[grid](
+            runtime.launch(
+                _act_bwd_kernel, grid,
                 dh, pre, up if gated else pre, dpre, dup, db_partial, M, N, rows_per_program,
                 dh.stride(0), dh.stride(1),
                 ACTIVATION=activation, GATED=gated, HAS_BIAS=has_bias,
@@ -837,10 +877,17 @@ def _act_bwd(
     return dpre, dup, _db(db_partial, has_bias, pre.dtype)
 
 
-def _weight_grads(dpre: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dx: torch.Tensor | None):
-    """(dx + dpre W, dpreᵀ x): plain GEMMs, cuBLAS's (nothing to fuse; torch.matmul reads any strides)."""
-    dx = torch.matmul(dpre, weight) if dx is None else torch.addmm(dx, dpre, weight)
-    return dx, torch.matmul(dpre.t(), x)
+def _input_grads(dpres, x: torch.Tensor | None, weights, needs: list[bool]) -> list[torch.Tensor]:
+    """[dx = Σ dpre_i W_i, dW_i = dpre_iᵀ x ...] for the layers (dpre_i, W_i) that read x: plain GEMMs,
+    cuBLAS's (nothing to fuse; torch.matmul reads any strides). needs[0] says whether dx is wanted,
+    needs[1 + i] whether dW_i is: an input or a weight that needs no gradient (frozen weights,
+    LoRA) gets an empty tensor and no GEMM, and x is saved (not None) only when some dW_i is wanted."""
+    dx = dpres[0].new_empty((0,))  # a new empty tensor each: an op's outputs may not alias
+    if needs[0]:
+        for i, (dpre, weight) in enumerate(zip(dpres, weights, strict=True)):
+            dx = torch.matmul(dpre, weight) if i == 0 else torch.addmm(dx, dpre, weight)
+    pairs = zip(dpres, needs[1:], strict=True)
+    return [dx, *(torch.matmul(dpre.t(), x) if need else dpre.new_empty((0,)) for dpre, need in pairs)]
 
 
 def linear_act_fwd(x, weight, bias, activation: str, save_pre: bool):
@@ -848,14 +895,15 @@ def linear_act_fwd(x, weight, bias, activation: str, save_pre: bool):
     return _linear_act_fwd(x, weight, bias, activation, _stores_pre(activation, save_pre))
 
 
-def linear_act_bwd(dy, x, weight, pre, has_bias: bool, activation: str):
-    """Backward of :func:`linear_act_fwd`: (dx, dweight, dbias or an empty tensor)."""
+def linear_act_bwd(dy, x, weight, pre, has_bias: bool, activation: str, needs: list[bool]):
+    """Backward of :func:`linear_act_fwd`: (dx, dweight, dbias), each an empty tensor where not
+    wanted (needs: dx, dweight; has_bias: dbias); x may then be None (see :func:`_input_grads`)."""
     if activation == "none":
         dpre = dy
         db = dy.sum(0, dtype=torch.float32).to(dy.dtype) if has_bias else dy.new_empty((0,))
     else:
         dpre, _, db = _act_bwd(dy, pre, None, activation, has_bias)
-    dx, dw = _weight_grads(dpre, x, weight, None)
+    dx, dw = _input_grads([dpre], x, [weight], needs)
     return dx, dw, db
 
 
@@ -865,12 +913,10 @@ def gated_linear_fwd(x, w_gate, w_up, activation: str, save_pre: bool):
     return _gated_fwd(x, w_gate, w_up, activation, save_pre)
 
 
-def gated_linear_bwd(dy, x, w_gate, w_up, gate, up, activation: str):
-    """Backward of :func:`gated_linear_fwd`: (dx, dw_gate, dw_up)."""
+def gated_linear_bwd(dy, x, w_gate, w_up, gate, up, activation: str, needs: list[bool]):
+    """Backward of :func:`gated_linear_fwd`: (dx, dw_gate, dw_up), empty where needs says not wanted."""
     dgate, dup, _ = _act_bwd(dy, gate, up, activation, has_bias=False)
-    dx, dw_gate = _weight_grads(dgate, x, w_gate, None)
-    dx, dw_up = _weight_grads(dup, x, w_up, dx)
-    return dx, dw_gate, dw_up
+    return tuple(_input_grads([dgate, dup], x, [w_gate, w_up], needs))
 
 
 def _down_proj(h: torch.Tensor, w_out: torch.Tensor, b_out: torch.Tensor | None) -> torch.Tensor:
@@ -878,10 +924,11 @@ def _down_proj(h: torch.Tensor, w_out: torch.Tensor, b_out: torch.Tensor | None)
     return torch.matmul(h, w_out.t()) if b_out is None else torch.addmm(b_out, h, w_out.t())
 
 
-def _out_grads(dy: torch.Tensor, h: torch.Tensor, has_b_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dW_out = dyᵀ h, db_out = Σ_rows dy): cuBLAS, and one float32 reduction over dy."""
+def _out_grads(dy: torch.Tensor, h: torch.Tensor, has_b_out: bool, need_dw: bool):
+    """(dW_out = dyᵀ h or empty unless need_dw, db_out = Σ_rows dy or empty): cuBLAS, and one float32
+    reduction over dy."""
     db_out = dy.sum(0, dtype=torch.float32).to(dy.dtype) if has_b_out else dy.new_empty((0,))
-    return torch.matmul(dy.t(), h), db_out
+    return torch.matmul(dy.t(), h) if need_dw else dy.new_empty((0,)), db_out
 
 
 def fused_mlp_fwd(x, w_in, b_in, w_out, b_out, activation: str, save_pre: bool):
@@ -897,12 +944,18 @@ def fused_mlp_fwd(x, w_in, b_in, w_out, b_out, activation: str, save_pre: bool):
     return _down_proj(h, w_out, b_out), pre
 
 
-def fused_mlp_bwd(dy, x, w_in, w_out, pre, has_b_in: bool, has_b_out: bool, activation: str):
-    """Backward of :func:`fused_mlp_fwd`: (dx, dw_in, db_in, dw_out, db_out); absent biases get empty
-    tensors."""
-    dpre, _, h, db_in = _dh_act_bwd(dy, w_out, pre, None, activation, has_b_in)
-    dw_out, db_out = _out_grads(dy, h, has_b_out)
-    dx, dw_in = _weight_grads(dpre, x, w_in, None)
+def fused_mlp_bwd(
+    dy, x, w_in, w_out, pre, has_b_in: bool, has_b_out: bool, activation: str, needs: list[bool]
+):
+    """Backward of :func:`fused_mlp_fwd`: (dx, dw_in, db_in, dw_out, db_out); what needs (dx, dw_in,
+    dw_out) or has_b_in / has_b_out leave out is an empty tensor, and costs no GEMM."""
+    if needs[0] or needs[1] or has_b_in:
+        dpre, _, h, db_in = _dh_act_bwd(dy, w_out, pre, None, activation, has_b_in, need_h=needs[2])
+        dx, dw_in = _input_grads([dpre], x, [w_in], needs[:2])
+    else:  # only W_out and b_out train: no dh GEMM, h recomputed elementwise where dW_out needs it
+        dx, dw_in, db_in = (dy.new_empty((0,)) for _ in range(3))  # outputs may not alias
+        h = reference.apply_activation(pre.float(), activation).to(pre.dtype) if needs[2] else dx
+    dw_out, db_out = _out_grads(dy, h, has_b_out, needs[2])
     return dx, dw_in, db_in, dw_out, db_out
 
 
@@ -912,13 +965,18 @@ def gated_mlp_fwd(x, w_gate, w_up, w_down, activation: str, save_pre: bool):
     return _down_proj(h, w_down, None), gate, up
 
 
-def gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation: str):
-    """Backward of :func:`gated_mlp_fwd`: (dx, dw_gate, dw_up, dw_down)."""
-    dgate, dup, h, _ = _dh_act_bwd(dy, w_down, gate, up, activation, has_bias=False)
-    dw_down, _ = _out_grads(dy, h, has_b_out=False)
-    dx, dw_gate = _weight_grads(dgate, x, w_gate, None)
-    dx, dw_up = _weight_grads(dup, x, w_up, dx)
-    return dx, dw_gate, dw_up, dw_down
+def gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation: str, needs: list[bool]):
+    """Backward of :func:`gated_mlp_fwd`: (dx, dw_gate, dw_up, dw_down), empty where needs says not
+    wanted (no GEMM for it)."""
+    if any(needs[:3]):
+        dgate, dup, h, _ = _dh_act_bwd(dy, w_down, gate, up, activation, has_bias=False, need_h=needs[3])
+        grads = _input_grads([dgate, dup], x, [w_gate, w_up], needs[:3])
+    else:  # only W_down trains: no dh GEMM, h recomputed elementwise
+        grads = [dy.new_empty((0,)) for _ in range(3)]  # outputs may not alias
+        h = (reference.apply_activation(gate.float(), activation) * up.float()).to(gate.dtype)
+        h = h if needs[3] else grads[0]
+    dw_down, _ = _out_grads(dy, h, has_b_out=False, need_dw=needs[3])
+    return (*grads, dw_down)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -928,10 +986,6 @@ def gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation: str):
 
 def _fake_pre(x: torch.Tensor, n: int, saved: bool) -> torch.Tensor:
     return x.new_empty((x.shape[0], n) if saved else (0,))
-
-
-def _fake_weight_grads(*weights: torch.Tensor) -> list[torch.Tensor]:
-    return [w.new_empty(w.shape) for w in weights]
 
 
 @torch.library.custom_op("horse::linear_act_fwd", mutates_args=())
@@ -954,28 +1008,35 @@ def _(x, weight, bias, activation, save_pre):
 @torch.library.custom_op("horse::linear_act_bwd", mutates_args=())
 def _linear_act_bwd_op(
     dy: torch.Tensor,
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     weight: torch.Tensor,
     pre: torch.Tensor,
     has_bias: bool,
     activation: str,
+    needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return linear_act_bwd(dy, x, weight, pre, has_bias, activation)
+    return linear_act_bwd(dy, x, weight, pre, has_bias, activation, needs)
+
+
+def _fake_input_grads(dy: torch.Tensor, weights, needs: list[bool]) -> list[torch.Tensor]:
+    """The shapes :func:`_input_grads` returns: dx (M, K), each dW_i like W_i, empty where not needed."""
+    dx = dy.new_empty((dy.shape[0], weights[0].shape[1]) if needs[0] else (0,))
+    return [
+        dx,
+        *(dy.new_empty(w.shape if need else (0,)) for w, need in zip(weights, needs[1:], strict=True)),
+    ]
 
 
 @_linear_act_bwd_op.register_fake
-def _(dy, x, weight, pre, has_bias, activation):
-    return (
-        x.new_empty(x.shape),
-        weight.new_empty(weight.shape),
-        x.new_empty((weight.shape[0],) if has_bias else (0,)),
-    )
+def _(dy, x, weight, pre, has_bias, activation, needs):
+    return (*_fake_input_grads(dy, [weight], needs), dy.new_empty((weight.shape[0],) if has_bias else (0,)))
 
 
 def _linear_act_setup_context(ctx, inputs, output):
     x, weight, bias, activation, save_pre = inputs
-    ctx.save_for_backward(x, weight, output[1])
-    ctx.has_bias = bias is not None
+    # x only for the weight's gradient: with a frozen weight (LoRA, fine-tuning) it is not kept.
+    ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight, output[1])
+    ctx.has_bias = bias is not None and ctx.needs_input_grad[2]
     ctx.activation = activation
     ctx.save_pre = save_pre or activation == "none"
 
@@ -991,8 +1052,14 @@ def _require_saved(ctx, op: str) -> None:
 def _linear_act_backward(ctx, dy, _dpre):
     _require_saved(ctx, "linear_act_fwd")
     x, weight, pre = ctx.saved_tensors
-    dx, dweight, dbias = _linear_act_bwd_op(dy, x, weight, pre, ctx.has_bias, ctx.activation)
-    return dx, dweight, dbias if ctx.has_bias else None, None, None
+    needs = list(ctx.needs_input_grad[:2])
+    dx, dweight, dbias = _linear_act_bwd_op(dy, x, weight, pre, ctx.has_bias, ctx.activation, needs)
+    return _wanted(ctx, dx, dweight, dbias, None, None)
+
+
+def _wanted(ctx, *grads):
+    """grads, None where needs_input_grad says the input takes none (the op returned an empty tensor)."""
+    return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=True))
 
 
 _linear_act_fwd_op.register_autograd(_linear_act_backward, setup_context=_linear_act_setup_context)
@@ -1014,33 +1081,36 @@ def _(x, w_gate, w_up, activation, save_pre):
 @torch.library.custom_op("horse::gated_linear_bwd", mutates_args=())
 def _gated_linear_bwd_op(
     dy: torch.Tensor,
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
     gate: torch.Tensor,
     up: torch.Tensor,
     activation: str,
+    needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return gated_linear_bwd(dy, x, w_gate, w_up, gate, up, activation)
+    return gated_linear_bwd(dy, x, w_gate, w_up, gate, up, activation, needs)
 
 
 @_gated_linear_bwd_op.register_fake
-def _(dy, x, w_gate, w_up, gate, up, activation):
-    return tuple(_fake_weight_grads(x, w_gate, w_up))
+def _(dy, x, w_gate, w_up, gate, up, activation, needs):
+    return tuple(_fake_input_grads(dy, [w_gate, w_up], needs))
 
 
 def _gated_linear_setup_context(ctx, inputs, output):
     x, w_gate, w_up, activation, save_pre = inputs
     _y, gate, up = output
-    ctx.save_for_backward(x, w_gate, w_up, gate, up)
+    needs = ctx.needs_input_grad
+    ctx.save_for_backward(x if needs[1] or needs[2] else None, w_gate, w_up, gate, up)
     ctx.activation, ctx.save_pre = activation, save_pre
 
 
 def _gated_linear_backward(ctx, dy, _dgate, _dup):
     _require_saved(ctx, "gated_linear_fwd")
     x, w_gate, w_up, gate, up = ctx.saved_tensors
-    dx, dw_gate, dw_up = _gated_linear_bwd_op(dy, x, w_gate, w_up, gate, up, ctx.activation)
-    return dx, dw_gate, dw_up, None, None
+    needs = list(ctx.needs_input_grad[:3])
+    grads = _gated_linear_bwd_op(dy, x, w_gate, w_up, gate, up, ctx.activation, needs)
+    return _wanted(ctx, *grads, None, None)
 
 
 _gated_linear_fwd_op.register_autograd(_gated_linear_backward, setup_context=_gated_linear_setup_context)
@@ -1067,47 +1137,41 @@ def _(x, w_in, b_in, w_out, b_out, activation, save_pre):
 @torch.library.custom_op("horse::fused_mlp_bwd", mutates_args=())
 def _fused_mlp_bwd_op(
     dy: torch.Tensor,
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     w_in: torch.Tensor,
     w_out: torch.Tensor,
     pre: torch.Tensor,
     has_b_in: bool,
     has_b_out: bool,
     activation: str,
+    needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return fused_mlp_bwd(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation)
+    return fused_mlp_bwd(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation, needs)
 
 
 @_fused_mlp_bwd_op.register_fake
-def _(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation):
-    dx, dw_in, dw_out = _fake_weight_grads(x, w_in, w_out)
-    db_in = x.new_empty((w_in.shape[0],) if has_b_in else (0,))
-    db_out = x.new_empty((w_out.shape[0],) if has_b_out else (0,))
+def _(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation, needs):
+    dx, dw_in = _fake_input_grads(pre, [w_in], needs[:2])
+    db_in = dy.new_empty((w_in.shape[0],) if has_b_in else (0,))
+    dw_out = dy.new_empty(w_out.shape if needs[2] else (0,))
+    db_out = dy.new_empty((w_out.shape[0],) if has_b_out else (0,))
     return dx, dw_in, db_in, dw_out, db_out
 
 
 def _fused_mlp_setup_context(ctx, inputs, output):
     x, w_in, b_in, w_out, b_out, activation, save_pre = inputs
-    ctx.save_for_backward(x, w_in, w_out, output[1])
-    ctx.has_b_in, ctx.has_b_out = b_in is not None, b_out is not None
+    needs = ctx.needs_input_grad
+    ctx.save_for_backward(x if needs[1] else None, w_in, w_out, output[1])
+    ctx.has_b_in, ctx.has_b_out = b_in is not None and needs[2], b_out is not None and needs[4]
     ctx.activation, ctx.save_pre = activation, save_pre
 
 
 def _fused_mlp_backward(ctx, dy, _dpre):
     _require_saved(ctx, "fused_mlp_fwd")
     x, w_in, w_out, pre = ctx.saved_tensors
-    dx, dw_in, db_in, dw_out, db_out = _fused_mlp_bwd_op(
-        dy, x, w_in, w_out, pre, ctx.has_b_in, ctx.has_b_out, ctx.activation
-    )
-    return (
-        dx,
-        dw_in,
-        db_in if ctx.has_b_in else None,
-        dw_out,
-        db_out if ctx.has_b_out else None,
-        None,
-        None,
-    )
+    needs = [ctx.needs_input_grad[i] for i in (0, 1, 3)]
+    grads = _fused_mlp_bwd_op(dy, x, w_in, w_out, pre, ctx.has_b_in, ctx.has_b_out, ctx.activation, needs)
+    return _wanted(ctx, *grads, None, None)
 
 
 _fused_mlp_fwd_op.register_autograd(_fused_mlp_backward, setup_context=_fused_mlp_setup_context)
@@ -1141,27 +1205,33 @@ def _gated_mlp_bwd_op(
     gate: torch.Tensor,
     up: torch.Tensor,
     activation: str,
+    needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation)
+    return gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation, needs)
 
 
 @_gated_mlp_bwd_op.register_fake
-def _(dy, x, w_gate, w_up, w_down, gate, up, activation):
-    return tuple(_fake_weight_grads(x, w_gate, w_up, w_down))
+def _(dy, x, w_gate, w_up, w_down, gate, up, activation, needs):
+    return (
+        *_fake_input_grads(gate, [w_gate, w_up], needs[:3]),
+        dy.new_empty(w_down.shape if needs[3] else (0,)),
+    )
 
 
 def _gated_mlp_setup_context(ctx, inputs, output):
     x, w_gate, w_up, w_down, activation, save_pre = inputs
     _y, gate, up = output
-    ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up)
+    needs = ctx.needs_input_grad
+    ctx.save_for_backward(x if needs[1] or needs[2] else None, w_gate, w_up, w_down, gate, up)
     ctx.activation, ctx.save_pre = activation, save_pre
 
 
 def _gated_mlp_backward(ctx, dy, _dgate, _dup):
     _require_saved(ctx, "gated_mlp_fwd")
     x, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
-    grads = _gated_mlp_bwd_op(dy, x, w_gate, w_up, w_down, gate, up, ctx.activation)
-    return (*grads, None, None)
+    needs = list(ctx.needs_input_grad[:4])
+    grads = _gated_mlp_bwd_op(dy, x, w_gate, w_up, w_down, gate, up, ctx.activation, needs)
+    return _wanted(ctx, *grads, None, None)
 
 
 _gated_mlp_fwd_op.register_autograd(_gated_mlp_backward, setup_context=_gated_mlp_setup_context)
@@ -1244,6 +1314,7 @@ def linear_act(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    *,
     activation: str = "gelu_tanh",
 ) -> torch.Tensor:
     """``act(x @ weight.T + bias)`` in one GEMM, differentiable in x, weight and bias.
@@ -1262,7 +1333,7 @@ def linear_act(
 
 
 def gated_linear(
-    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str = "silu"
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *, activation: str = "silu"
 ) -> torch.Tensor:
     """``act(x @ w_gate.T) * (x @ w_up.T)`` in one kernel (SwiGLU with silu, GeGLU with gelu).
 
@@ -1285,6 +1356,7 @@ def fused_mlp(
     b_in: torch.Tensor | None,
     w_out: torch.Tensor,
     b_out: torch.Tensor | None,
+    *,
     activation: str = "gelu_tanh",
 ) -> torch.Tensor:
     """The GPT-2 MLP ``act(x @ w_in.T + b_in) @ w_out.T + b_out``, differentiable in every tensor.
@@ -1309,6 +1381,7 @@ def fused_gated_mlp(
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
     w_down: torch.Tensor,
+    *,
     activation: str = "silu",
 ) -> torch.Tensor:
     """The LLaMA MLP ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``, differentiable in every tensor.

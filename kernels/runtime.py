@@ -204,3 +204,34 @@ def tma_operand(t: torch.Tensor, block_shape: tuple[int, ...], tma: bool):
     """A kernel's operand: with tma, a descriptor of the whole of t whose loads are block_shape tiles
     (out-of-bounds elements read as zeros, stores drop them); otherwise t itself."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape)) if tma else t
+
+
+# CUDA's grid limits: 2**31 - 1 programs on axis 0, 65,535 on axes 1 and 2 (AMD's are looser). The
+# interpreter has none, so every launch checks them here and fails on the CPU where a GPU would.
+MAX_GRID = (2**31 - 1, 65535, 65535)
+
+# Called as hook(kernel, grid) before every launch: tests count launches through it.
+launch_hooks: list = []
+
+
+def check_grid(grid: tuple[int, ...], name: str = "kernel") -> tuple[int, ...]:
+    """grid, checked against CUDA's limits (:data:`MAX_GRID`); a clear error naming the axis."""
+    grid = tuple(int(n) for n in grid)
+    if not 1 <= len(grid) <= 3:
+        raise ValueError(f"{name}: a grid has 1 to 3 axes, got {grid}")
+    for axis, (programs, limit) in enumerate(zip(grid, MAX_GRID[: len(grid)], strict=True)):
+        if programs > limit:
+            raise ValueError(
+                f"{name}: grid {grid} has {programs:,} programs on axis {axis}, past CUDA's limit of "
+                f"{limit:,} there; the input is too large for this kernel"
+            )
+    return grid
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **kwargs):
+    """kernel[grid](*args, **kwargs), the one way the package launches a Triton kernel: the grid is
+    checked against CUDA's limits first, and :data:`launch_hooks` see every launch."""
+    grid = check_grid(grid, kernel.fn.__name__)
+    for hook in launch_hooks:
+        hook(kernel, grid)
+    return kernel[grid](*args, **kwargs)

@@ -182,3 +182,35 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def record_launches(monkeypatch, execute: bool = True) -> list[tuple[str, tuple[int, ...]]]:
+    """(kernel name, grid) of every Triton launch from now on, in order, as ``runtime.launch`` sees
+    them. With execute=False the grids are checked against CUDA's limits but no kernel runs (outputs
+    stay as allocated): walks the launchers at sizes the interpreter is too slow for."""
+    launches = []
+    if execute:
+        hook = lambda kernel, grid: launches.append((kernel.__name__, grid))  # noqa: E731
+        monkeypatch.setattr(runtime, "launch_hooks", [*runtime.launch_hooks, hook])
+    else:
+
+        def check_only(kernel, grid, *args, **kwargs):
+            launches.append((kernel.__name__, runtime.check_grid(grid, kernel.__name__)))
+
+        monkeypatch.setattr(runtime, "launch", check_only)
+    return launches
+
+
+def record_gemms(monkeypatch) -> list[str]:
+    """The names of the cuBLAS GEMMs (torch.matmul, torch.addmm) called from now on, in order: the
+    kernels' dx and dW products."""
+    gemms = []
+    for name in ("matmul", "addmm"):
+        gemm = getattr(torch, name)
+
+        def recording(*args, _gemm=gemm, _name=name, **kwargs):
+            gemms.append(_name)
+            return _gemm(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, recording)
+    return gemms

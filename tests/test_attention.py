@@ -7,7 +7,14 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import all_pairs, assert_close, device_has_tma, record_tma_choices, run_family_tables
+from helpers import (
+    all_pairs,
+    assert_close,
+    device_has_tma,
+    record_launches,
+    record_tma_choices,
+    run_family_tables,
+)
 
 import kernels
 from kernels import attention, reference, runtime
@@ -593,3 +600,100 @@ def test_gpu_pointer_loads_and_persistent_forward(shape, causal, mode, dtype, mo
             {d: dataclasses.replace(c, programs_per_sm=1) for d, c in table.items()},
         )
     check(shape, causal, dtype, "cuda")
+
+
+# Past 65,535 (batch x heads): CUDA's limit on grid axes 1 and 2. 4,097 packed documents x 16 heads,
+# or a padded batch of 2,049 x 32; tiny sequences keep them small.
+MANY_HEADS_PADDED = Shape(2049, 3, 3, 32, 32, 16)
+MANY_DOCS_PACKED = ([1, 2] * 2048 + [3], 16, 16, 16)
+
+
+def many_heads(packed: bool, dtype, device):
+    """(q, k, v, ours, reference): inputs of more than 65,535 (sequence, head) pairs, and a causal
+    attention over them, ours and the reference's (taking upcast)."""
+    if packed:
+        lengths, heads, kv_heads, head_dim = MANY_DOCS_PACKED
+        q, k, v, cu, _ = make_packed(lengths, lengths, heads, kv_heads, head_dim, dtype, device)
+        sequences = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": 3, "max_seqlen_k": 3}
+        ours = functools.partial(kernels.flash_attention_varlen, **sequences, causal=True)
+        ref = functools.partial(reference.attention_varlen, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+    else:
+        q, k, v = make_qkv(MANY_HEADS_PADDED, dtype, device)
+        ours = functools.partial(kernels.flash_attention, causal=True)
+        ref = functools.partial(reference.attention, causal=True)
+    return q, k, v, ours, ref
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_more_than_65535_heads_launch_within_cudas_grid_limits(packed, monkeypatch):
+    # The interpreter would take an hour over so many programs: check every launch's grid (the forward
+    # and the backward's three passes), run none. test_gpu_more_than_65535_heads runs them.
+    launches = record_launches(monkeypatch, execute=False)
+    q, k, v, ours, _ = many_heads(packed, torch.float16, "cpu")
+    ours(q, k, v).sum().backward()
+    kernel_names = [name for name, _ in launches]
+    assert kernel_names == [
+        "_attn_fwd_kernel", "_attn_bwd_preprocess_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"
+    ]  # fmt: skip
+    assert all(grid[0] > 65535 for _, grid in launches)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_gpu_more_than_65535_heads(packed):
+    q, k, v, ours, ref = many_heads(packed, torch.float16, "cuda")
+    out = ours(q, k, v)
+    dout = torch.randn_like(out)
+    results = {"ours": (out, *torch.autograd.grad(out, (q, k, v), dout))}
+    for upcast in (True, False):
+        leaves = [(t.detach().double() if upcast else t.detach().clone()).requires_grad_() for t in (q, k, v)]
+        ref_out, _ = ref(*leaves, upcast=upcast)
+        results[upcast] = (ref_out, *torch.autograd.grad(ref_out, leaves, dout.to(ref_out.dtype)))
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        assert_close(name, results["ours"][i], results[True][i], results[False][i])
+
+
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointer"])
+def test_rows_past_2_31_elements_are_addressed_in_64_bits(use_tma, device, monkeypatch):
+    # q's rows 2**30 elements apart (a view into a larger buffer): its third row starts past 2**31,
+    # where row * stride in 32 bits wraps. 4 GiB of address space; only the rows' pages are touched.
+    monkeypatch.setattr(attention, "USE_TMA", use_tma)
+    shape = Shape(1, 3, 5, 2, 2, 16)
+    q, k, v = make_qkv(shape, torch.float16, device)
+    row_stride = 2**30
+    buffer = torch.empty(2 * row_stride + shape.heads * shape.head_dim, dtype=torch.float16, device=device)
+    strides = (3 * row_stride, row_stride, shape.head_dim, 1)
+    q = buffer.as_strided(q.shape, strides).copy_(q.detach()).requires_grad_()
+    out = kernels.flash_attention(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    ours = dict(
+        zip(("out", "dq", "dk", "dv"), (out, *torch.autograd.grad(out, (q, k, v), dout)), strict=True)
+    )
+    truth = run_reference(q, k, v, dout, True, upcast=True)
+    baseline = run_reference(q, k, v, dout, True, upcast=False)
+    for name, value in ours.items():
+        assert_close(name, value, truth[name], baseline[name])
+
+
+@pytest.mark.parametrize(
+    ("trained", "passes"),
+    [("q", ["_attn_bwd_preprocess_kernel", "_attn_bwd_dq_kernel"]),  # frozen k and v: no dk/dv pass
+     ("kv", ["_attn_bwd_preprocess_kernel", "_attn_bwd_dkdv_kernel"])],  # frozen q: no dq pass
+)  # fmt: skip
+def test_frozen_inputs_launch_no_pass_for_their_gradient(trained, passes, device, monkeypatch):
+    shape = Shape(2, 17, 17, 2, 2, 32)
+    q, k, v = make_qkv(shape, torch.float16, device)
+    out = kernels.flash_attention(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    full = dict(zip("qkv", torch.autograd.grad(out, (q, k, v), dout), strict=True))
+    leaves = {
+        name: t.detach().requires_grad_(name in trained) for name, t in zip("qkv", (q, k, v), strict=True)
+    }
+    out = kernels.flash_attention(*leaves.values(), causal=True)
+    launches = record_launches(monkeypatch)
+    out.backward(dout)
+    assert [name for name, _ in launches] == passes
+    for name, leaf in leaves.items():
+        assert (leaf.grad is not None) == (name in trained)
+        if name in trained:  # the same gradient as with every input trained, bit for bit
+            assert torch.equal(leaf.grad, full[name]), name

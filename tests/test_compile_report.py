@@ -106,7 +106,9 @@ def test_a_config_triton_cannot_compile_is_a_failing_row_and_the_report_goes_on(
     def compile_kernel(cfg):
         if cfg is crashing:
             raise RuntimeError("PassManager::run failed\n  in TritonGPUHoistTMEMAlloc")
-        return SimpleNamespace(asm={"amdgcn": AMDGCN}, metadata=SimpleNamespace(shared=1024, arch="gfx942"))
+        return SimpleNamespace(
+            asm={"amdgcn": AMDGCN, "ttir": ""}, metadata=SimpleNamespace(shared=1024, arch="gfx942")
+        )
 
     monkeypatch.setattr(compile_report, "compile_kernel", compile_kernel)
     results = compile_report.compile_configs([crashing, built])
@@ -231,6 +233,12 @@ def test_cached_rows_are_reused_a_sample_is_verified_and_a_tampered_row_fails():
         compile_report.prove(configs, keys, tampered, 0, 0, _fake_build([])).results
     )
     assert spill.endswith("spills 8 bytes")
+    tampered["key5"]["row"][1] = 0
+    tampered["key5"]["row"][-1] = ["%9 = arith.muli %x, %stride_xm : i32"]  # narrow_stride_products
+    [narrow] = compile_report.failures(
+        compile_report.prove(configs, keys, tampered, 0, 0, _fake_build([])).results
+    )
+    assert "a 32-bit stride product" in narrow and "%9 = arith.muli" in narrow
 
     changed = ["changed0", *keys[1:]]
     built.clear()
@@ -496,3 +504,51 @@ def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_wi
                if isinstance(value, interpreted) and name.endswith("_kernel")}  # fmt: skip
     assert {name for name, _ in launches} == defined
     assert all(options == runtime.COMPILE_OPTIONS for _, options in launches), launches
+
+
+NARROW_TTIR = """
+  tt.func public @k(%X: !tt.ptr<f16> loc("X"(#loc)), %stride_xs: i32 {tt.divisibility = 16 : i32}) {
+    %offs = tt.make_range {end = 64 : i32, start = 0 : i32} : tensor<64xi32> loc(#loc1)
+    %offs_2 = tt.expand_dims %offs {axis = 1 : i32} : tensor<64xi32> -> tensor<64x1xi32> loc(#loc2)
+    %tile = tt.splat %stride_xs : i32 -> tensor<64x1xi32> loc(#loc3)
+    %tile_3 = arith.muli %offs_2, %tile : tensor<64x1xi32> loc(#loc4)
+    %rows = arith.extsi %offs_2 : tensor<64x1xi32> to tensor<64x1xi64> loc(#loc5)
+    %wide = arith.extsi %stride_xs : i32 to i64 loc(#loc6)
+    %wide_4 = tt.splat %wide : i64 -> tensor<64x1xi64> loc(#loc7)
+    %rows_5 = arith.muli %rows, %wide_4 : tensor<64x1xi64> loc(#loc8)
+    %start = arith.muli %offs_2, %offs_2 : tensor<64x1xi32> loc(#loc9)
+    %step = arith.muli %stride_xs, %c64_i32 : i32 loc(#loc10)
+"""
+
+
+def test_gate_fails_32_bit_stride_products():
+    products = compile_report.narrow_stride_products(NARROW_TTIR)
+    assert [p.split(" = ")[0] for p in products] == ["%tile_3", "%step"]  # not the 64-bit one
+    [narrow] = compile_report.failures([dataclasses.replace(_result(), narrow_stride_products=products)])
+    assert "a 32-bit stride product, which wraps past 2**31 elements: %tile_3 = arith.muli" in narrow
+    assert "(and 1 more)" in narrow
+
+
+WIDE_OFFSETS = """
+import json
+from bench import compile_report as cr
+
+configs = {}
+for c in cr.all_configs(["sm90"]):
+    if not c.descriptors and c.kernel.startswith(("attn", "mlp")):
+        configs.setdefault((c.kernel, c.constexprs.get("VARLEN")), c)
+print(json.dumps({f"{k} {v}": r.narrow_stride_products for (k, v), r in
+                  zip(configs, cr.compile_configs(list(configs.values())), strict=True)}))
+"""
+
+
+def test_the_pointer_paths_compile_no_32_bit_stride_product():
+    # Each attention pass (padded and packed) and MLP GEMM on its pointer path, built for sm_90.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "-c", WIDE_OFFSETS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert run.returncode == 0, run.stderr
+    products = json.loads(run.stdout)
+    assert len(products) == 14, sorted(products)
+    assert {kernel: found for kernel, found in products.items() if found} == {}

@@ -1,11 +1,15 @@
 """The drop-in norms of horse.layers against torch.nn.LayerNorm / torch.nn.RMSNorm."""
 
+import inspect
 import itertools
 
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional
 
+import kernels
+from horse import layers
 from horse.layers import FusedLayerNorm, FusedRMSNorm, replace_norms
 
 PAIRS = [
@@ -238,3 +242,67 @@ def test_rotary_offset_continues_the_positions():
     torch.testing.assert_close(rotary(x).double(), rope_reference(x), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="past max_seqlen 32"):
         rotary(x, offset=25)
+
+
+# The positional parameters of every public function of kernels and module of horse.layers, and
+# the positional parameters of what each replaces: a positional argument must mean there what it
+# means here. Every other argument is keyword-only.
+POSITIONAL = {
+    kernels.flash_attention: (["q", "k", "v"], None),  # flash_attn_func's fourth is dropout_p
+    kernels.flash_attention_varlen: (
+        ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"],
+        None,
+    ),  # flash_attn_varlen_func's eighth is dropout_p
+    kernels.layer_norm: (None, functional.layer_norm),
+    kernels.rms_norm: (None, functional.rms_norm),
+    kernels.add_layer_norm: (["input", "residual", "normalized_shape", "weight", "bias", "eps"], None),
+    kernels.add_rms_norm: (["input", "residual", "normalized_shape", "weight", "eps"], None),
+    kernels.linear_act: (["x", "weight", "bias"], None),  # F.linear's (input, weight, bias)
+    kernels.gated_linear: (["x", "w_gate", "w_up"], None),
+    kernels.fused_mlp: (["x", "w_in", "b_in", "w_out", "b_out"], None),
+    kernels.fused_gated_mlp: (["x", "w_gate", "w_up", "w_down"], None),
+    layers.FusedLayerNorm: (None, nn.LayerNorm),
+    layers.FusedRMSNorm: (None, nn.RMSNorm),
+    layers.FusedSelfAttention: (["d_model", "n_heads"], nn.MultiheadAttention),  # then dropout
+    layers.FusedMLP: (["d_model", "hidden"], None),
+    layers.RotaryEmbedding: (["head_dim", "max_seqlen", "base", "device"], None),  # as HF's (dim, max, base)
+}
+
+
+def _positional(fn) -> list[str]:
+    fn = fn.__init__ if isinstance(fn, type) else fn
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds]
+    return names[1:] if names[:1] == ["self"] else names
+
+
+def test_every_public_function_and_module_is_audited():
+    modules = {c for c in vars(layers).values() if isinstance(c, type) and issubclass(c, nn.Module)}
+    modules = {c for c in modules if c.__module__ == "horse.layers"}
+    assert set(POSITIONAL) == {getattr(kernels, name) for name in kernels.__all__} | modules
+
+
+@pytest.mark.parametrize("fn", list(POSITIONAL), ids=lambda fn: fn.__name__)
+def test_positional_arguments_mean_what_they_mean_in_what_they_replace(fn):
+    expected, replaced = POSITIONAL[fn]
+    ours = _positional(fn)
+    if expected is None:  # all of them, exactly as the replaced function's
+        expected = _positional(replaced)
+    assert ours == expected
+    if replaced is not None:  # as many as match the replaced function's, position by position
+        assert len(_positional(replaced)) >= len(ours)
+
+
+def test_a_positional_argument_past_those_raises():
+    q = torch.zeros(1, 4, 2, 16, dtype=torch.float16)
+    with pytest.raises(TypeError):
+        kernels.flash_attention(q, q, q, 0.1)  # flash-attn's dropout_p; was causal=True
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(TypeError):
+        kernels.flash_attention_varlen(q[0], q[0], q[0], cu, cu, 4, 4, 0.1)
+    with pytest.raises(TypeError):
+        kernels.linear_act(q, q[0, 0], None, "relu")
+    with pytest.raises(TypeError):
+        layers.FusedSelfAttention(64, 4, 0.1)  # nn.MultiheadAttention's dropout
+    with pytest.raises(TypeError):
+        layers.FusedMLP(64, 256, True)

@@ -16,7 +16,14 @@ import zlib
 
 import pytest
 import torch
-from helpers import assert_close, device_has_tma, record_tma_choices, run_family_tables
+from helpers import (
+    assert_close,
+    device_has_tma,
+    record_gemms,
+    record_launches,
+    record_tma_choices,
+    run_family_tables,
+)
 from torch import nn
 
 import kernels
@@ -93,12 +100,14 @@ def reference_graph(kind: str, t: dict, activation: str, round_to: torch.dtype |
 
 def call_ours(kind: str, t: dict, activation: str) -> torch.Tensor:
     if kind == "linear_act":
-        return kernels.linear_act(t["x"], t["weight"], t.get("bias"), activation)
+        return kernels.linear_act(t["x"], t["weight"], t.get("bias"), activation=activation)
     if kind == "gated_linear":
-        return kernels.gated_linear(t["x"], t["w_gate"], t["w_up"], activation)
+        return kernels.gated_linear(t["x"], t["w_gate"], t["w_up"], activation=activation)
     if kind == "fused_mlp":
-        return kernels.fused_mlp(t["x"], t["w_in"], t.get("b_in"), t["w_out"], t.get("b_out"), activation)
-    return kernels.fused_gated_mlp(t["x"], t["w_gate"], t["w_up"], t["w_down"], activation)
+        return kernels.fused_mlp(
+            t["x"], t["w_in"], t.get("b_in"), t["w_out"], t.get("b_out"), activation=activation
+        )
+    return kernels.fused_gated_mlp(t["x"], t["w_gate"], t["w_up"], t["w_down"], activation=activation)
 
 
 def make_tensors(kind: str, sizes: tuple, dtype, device, bias: bool = True, seed: int = 0) -> dict:
@@ -246,7 +255,7 @@ def test_unaligned_operands_take_the_pointer_path(device, monkeypatch):
 
     def outputs_and_grads(x):
         leaves = [v.detach().requires_grad_() for v in (x, t["w_gate"], t["w_up"], t["w_down"])]
-        y = kernels.fused_gated_mlp(*leaves, "silu")
+        y = kernels.fused_gated_mlp(*leaves, activation="silu")
         return [y, *torch.autograd.grad(y, leaves, t["dy"])]
 
     has_tma = device_has_tma(device)
@@ -288,9 +297,9 @@ def test_elementwise_backward_in_bfloat16(activation, kind, device):
     pres = {w: torch.nn.functional.linear(t["x"].float(), t[w].float(), bias).bfloat16() for w in weights}
     dy, x = t["dy"], t["x"]
     if gated:
-        grads = mlp.gated_linear_bwd(dy, x, t["w_gate"], t["w_up"], *pres.values(), activation)
+        grads = mlp.gated_linear_bwd(dy, x, t["w_gate"], t["w_up"], *pres.values(), activation, [True] * 3)
     else:
-        grads = mlp.linear_act_bwd(dy, x, t["weight"], pres["weight"], True, activation)
+        grads = mlp.linear_act_bwd(dy, x, t["weight"], pres["weight"], True, activation, [True] * 2)
     ours = dict(zip(["dx"] + [f"d{w}" for w in weights] + ([] if gated else ["dbias"]), grads, strict=True))
 
     def graph(leaves, round_to):
@@ -318,10 +327,12 @@ def test_leading_dims_strides_and_expanded_gradients_are_read_in_place(device):
 
     def outputs_and_grads(*tensors):
         leaves = [v.detach().requires_grad_() for v in tensors]  # detach keeps the strides
-        y = kernels.fused_mlp(leaves[0], leaves[1], t["b_in"], leaves[2], t["b_out"], "gelu_tanh")
+        y = kernels.fused_mlp(leaves[0], leaves[1], t["b_in"], leaves[2], t["b_out"], activation="gelu_tanh")
         y.sum().backward()
-        plain = [kernels.linear_act(tensors[0], tensors[1], t["b_in"], "silu")]
-        gated = [kernels.gated_linear(tensors[0], tensors[1], t["w_in"], "relu2")]  # w_up: other strides
+        plain = [kernels.linear_act(tensors[0], tensors[1], t["b_in"], activation="silu")]
+        gated = [
+            kernels.gated_linear(tensors[0], tensors[1], t["w_in"], activation="relu2")
+        ]  # w_up: other strides
         return [y, *(v.grad for v in leaves), *plain, *gated]
 
     strided = outputs_and_grads(x, w_in, w_out)
@@ -371,9 +382,9 @@ def test_empty_dimensions(sizes, device):
 def test_cpu_without_interpreter_uses_the_reference_and_takes_float32(monkeypatch):
     monkeypatch.setattr(runtime, "INTERPRET", False)
     t = make_tensors("fused_mlp", (5, 16, 32, 8), torch.float32, "cpu")
-    y = kernels.fused_mlp(t["x"], t["w_in"], t["b_in"], t["w_out"], t["b_out"], "relu2")
+    y = kernels.fused_mlp(t["x"], t["w_in"], t["b_in"], t["w_out"], t["b_out"], activation="relu2")
     assert torch.equal(y, reference.fused_mlp(t["x"], t["w_in"], t["b_in"], t["w_out"], t["b_out"], "relu2"))
-    half = kernels.linear_act(t["x"].half(), t["w_in"].half(), None, "silu")
+    half = kernels.linear_act(t["x"].half(), t["w_in"].half(), None, activation="silu")
     assert half.dtype == torch.float16
 
 
@@ -597,3 +608,91 @@ def test_fused_mlp_under_autocast_matches_nn_linear_and_trains_fp32_weights(gate
     for g, g_ref in zip(grads, grads_ref, strict=True):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g, g_ref, rtol=2e-2, atol=2e-2 * g_ref.abs().max().item())
+
+
+def past_2_31_elements(t: torch.Tensor) -> torch.Tensor:
+    """t (M, N) stored column-major in a buffer whose columns lie 2**30 elements apart: from the third
+    on they start past 2**31, where an index * stride in 32 bits wraps. The buffer takes 4 GiB of
+    address space per 2 columns; only the columns' pages are ever touched."""
+    M, N = t.shape
+    column_stride = 2**30
+    buffer = torch.empty((N - 1) * column_stride + M, dtype=t.dtype, device=t.device)
+    return buffer.as_strided((M, N), (1, column_stride)).copy_(t)
+
+
+def test_columns_past_2_31_elements_are_addressed_in_64_bits(device):
+    # A transposed x (the forward GEMM's k * stride_xk) and a transposed gradient (the elementwise
+    # backward's n * stride_dhn), each with a column past 2**31 elements.
+    tensors = make_tensors("linear_act", (5, 3, 3), torch.float16, device, seed=7)
+    x = past_2_31_elements(tensors["x"]).requires_grad_()
+    weight, bias = (tensors[name].clone().requires_grad_() for name in ("weight", "bias"))
+    y = kernels.linear_act(x, weight, bias, activation="gelu")
+    grads = torch.autograd.grad(y, (x, weight, bias), past_2_31_elements(tensors["dy"]))
+    ours = {"y": y.detach(), "dx": grads[0], "dweight": grads[1], "dbias": grads[2]}
+    truth = run(lambda t: reference_graph("linear_act", t, "gelu", None), tensors, torch.float64)
+    baseline = run(lambda t: reference_graph("linear_act", t, "gelu", torch.float16), tensors, torch.float32)
+    for name in truth:
+        assert_close(name, ours[name], truth[name], baseline[name].to(torch.float16))
+
+
+@pytest.mark.parametrize("kind", ["linear_act", "gated_linear"])
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_float16_pre_activations_past_65504_are_clamped_in_forward_and_backward(kind, activation, device):
+    # x Wᵀ = ±90,000 in two columns: past float16's largest finite value. Stored as ±inf, silu's
+    # derivative at -inf was inf x 0 = NaN under a finite output; clamped to ±65,504 (straight
+    # through) the output and the gradients are those of the clamped pre-activation, all finite.
+    x = torch.tensor([[0.75, 0.75], [0.5, -0.25]], dtype=torch.float16, device=device, requires_grad=True)
+    big = torch.tensor([[6e4, 6e4], [-6e4, -6e4], [0.5, 0.25]], dtype=torch.float16, device=device)
+    weights = [big.clone().requires_grad_()]
+    if kind == "gated_linear":  # a large gate, a moderate up projection: act(gate) * up stays finite
+        weights.append(torch.full_like(big, 0.001).requires_grad_())
+        y = kernels.gated_linear(x, *weights, activation=activation)
+    else:
+        y = kernels.linear_act(x, *weights, activation=activation)
+    dy = torch.ones_like(y)
+    ours = (y, *torch.autograd.grad(y, (x, *weights), dy))
+
+    leaves = [t.detach().double().requires_grad_() for t in (x, *weights)]
+    pre = [leaves[0] @ w.t() for w in leaves[1:]]
+    straight_through = [p.detach().clamp(-65504, 65504).requires_grad_() for p in pre]
+    h = reference.apply_activation(straight_through[0], activation)
+    h = h * straight_through[1] if kind == "gated_linear" else h
+    dpre = torch.autograd.grad(h, straight_through, dy.double())
+    grads = torch.autograd.grad(pre, leaves, dpre)
+    for name, value, truth in zip(("y", "dx", "dw", "dw_up"), ours, (h, *grads), strict=False):
+        assert torch.isfinite(value).all(), f"{name}: {value}"
+        torch.testing.assert_close(value.double(), truth, rtol=2e-3, atol=1e-2, msg=name)
+
+
+# (kind, the leaves that need a gradient, the Triton kernels and cuBLAS GEMMs its backward launches)
+FROZEN_CASES = [
+    ("linear_act", {"x"}, ["_act_bwd_kernel"], ["matmul"]),  # frozen weight (LoRA): dx only
+    ("linear_act", {"weight", "bias"}, ["_act_bwd_kernel"], ["matmul"]),  # input needs none: dW only
+    ("fused_mlp", {"x"}, ["_dh_act_bwd_kernel"], ["matmul"]),
+    ("fused_mlp", {"w_out"}, [], ["matmul"]),  # only the last layer trains: no dh GEMM
+    ("fused_gated_mlp", {"w_up"}, ["_dh_act_bwd_kernel"], ["matmul"]),
+    ("gated_linear", {"x"}, ["_act_bwd_kernel"], ["matmul", "addmm"]),
+]
+
+
+@pytest.mark.parametrize(("kind", "trained", "kernels_run", "gemms_run"), FROZEN_CASES, ids=str)
+def test_frozen_tensors_get_no_gradient_gemm_and_inputs_only_weights_need_are_not_saved(
+    kind, trained, kernels_run, gemms_run, device, monkeypatch
+):
+    sizes = (33, 16, 40) if kind in ("linear_act", "gated_linear") else (33, 16, 40, 8)
+    t = make_tensors(kind, sizes, torch.float16, device)
+    full = run(lambda leaves: call_ours(kind, leaves, "silu"), t)
+    leaves = {name: v.clone().requires_grad_(name in trained) for name, v in t.items() if name != "dy"}
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s) or s, lambda s: s):
+        y = call_ours(kind, leaves, "silu")
+    launches, gemms = record_launches(monkeypatch), record_gemms(monkeypatch)
+    y.backward(t["dy"])
+    assert [name for name, _ in launches] == kernels_run
+    assert gemms == gemms_run
+    for name, leaf in leaves.items():
+        assert (leaf.grad is not None) == (name in trained), name
+        if name in trained:  # the same gradient as with every leaf trained, bit for bit
+            assert torch.equal(leaf.grad, full[f"d{name}"]), name
+    x_saved = any(s is not None and s.data_ptr() == leaves["x"].data_ptr() for s in saved)
+    assert x_saved == bool(trained & {"weight", "w_in", "w_gate", "w_up"})

@@ -30,3 +30,19 @@ def test_setup_asks_for_the_triton_the_kernels_need():
     assert tuple(map(int, triton_floor)) == runtime.MIN_TRITON
     # PyTorch pins its Triton, and 2.9 is the first release that brings 3.5: a new floor moves both.
     assert runtime.MIN_TRITON == (3, 5) and '"torch>=2.9"' in setup
+
+
+def test_grids_past_cudas_limits_raise_naming_the_axis():
+    runtime.check_grid((2**31 - 1, 65535, 65535))
+    for grid, axis in (((2**31,), 0), ((1, 65536), 1), ((1, 1, 65536), 2)):
+        with pytest.raises(ValueError, match=rf"my_kernel: grid .* on axis {axis}, past CUDA's limit"):
+            runtime.check_grid(grid, "my_kernel")
+
+
+def test_every_kernel_launch_goes_through_the_grid_check():
+    # kernel[grid](...) anywhere in the package would skip runtime.launch and its check.
+    direct = re.compile(r"\b\w+\[[^\[\]]+\]\(")
+    for path in sorted(set((ROOT / "kernels").glob("*.py")) - {ROOT / "kernels" / "runtime.py"}):
+        code = "\n".join(line.split("#")[0] for line in path.read_text().splitlines())
+        assert not direct.findall(code), f"{path.name} launches a kernel without runtime.launch"
+    assert "runtime.launch(" in (ROOT / "kernels" / "attention.py").read_text()

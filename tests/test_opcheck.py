@@ -1,0 +1,109 @@
+"""torch.library.opcheck of every horse:: custom op: the fake kernel's outputs (shapes, dtypes,
+strides) against the real kernel's, the schema, the autograd registration and the op under
+torch.compile's tracing. Forward and backward ops, float16 and bfloat16, with and without bias."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.interpreter  # the real kernels, on the CPU
+
+OPS = torch.ops.horse
+DTYPES = [torch.float16, torch.bfloat16]
+M, K, N, D = 9, 16, 24, 8  # rows, in features, hidden, out features
+
+
+def _randn(*shape, dtype, requires_grad=True):
+    gen = torch.Generator().manual_seed(sum(shape))
+    return (torch.randn(*shape, generator=gen) * 0.5).to(dtype).requires_grad_(requires_grad)
+
+
+def _plain(args):
+    """args with every tensor detached: the backward ops' inputs, which need no gradient."""
+    return [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def norm_cases(dtype, bias):
+    x, residual, weight = _randn(M, N, dtype=dtype), _randn(M, N, dtype=dtype), _randn(N, dtype=dtype)
+    b = _randn(N, dtype=dtype) if bias else None
+    # LayerNorm with a residual; RMSNorm without a weight (its backward has no weight gradient).
+    cases = []
+    for args in ((x, weight, b, residual, 1e-5, False), (x, None, b, None, 1e-5, True)):
+        cases.append((OPS.norm_fwd, args))
+        x_, weight_, _, residual_, _, rms = _plain(args)
+        y, residual_out, mean, rstd = OPS.norm_fwd(*_plain(args))
+        h, dres = (residual_out, torch.ones_like(y)) if residual_ is not None else (x_, None)
+        cases.append((OPS.norm_bwd, (torch.ones_like(y), dres, h, weight_, mean, rstd, bias, rms)))
+    return cases
+
+
+def attention_cases(dtype, bias):
+    if bias:  # attention has no bias
+        return []
+    q, k, v = (_randn(2, 12, heads, 32, dtype=dtype) for heads in (4, 2, 2))
+    cu = torch.tensor([0, 5, 24], dtype=torch.int32)
+    padded = (q, k, v, True, 0.125, -1, -1, None, None, 0, 0)
+    packed = (q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), False, 0.125, 3, 2, cu, cu, 19, 19)
+    cases = []
+    for args in (padded, packed):
+        cases.append((OPS.flash_attn_fwd, args))
+        plain = _plain(args)
+        out, lse = OPS.flash_attn_fwd(*plain)
+        bwd = (torch.ones_like(out), torch.ones_like(lse), *plain[:3], out, lse, *plain[3:])
+        for needs in ([True, True], [False, True], [True, False]):  # frozen q; frozen k and v
+            cases.append((OPS.flash_attn_bwd, (*bwd, needs)))
+    return cases
+
+
+def mlp_cases(dtype, bias):
+    x, w_in, w_up, w_out = (_randn(*shape, dtype=dtype) for shape in ((M, K), (N, K), (N, K), (D, N)))
+    b_in, b_out = (_randn(N, dtype=dtype), _randn(D, dtype=dtype)) if bias else (None, None)
+    names = ("x", "w_in", "w_up", "w_out", "b_in", "b_out")
+    p = dict(zip(names, _plain((x, w_in, w_up, w_out, b_in, b_out)), strict=True))
+    cases = []
+    for activation in ("gelu_tanh", "none"):
+        cases.append((OPS.linear_act_fwd, (x, w_in, b_in, activation, True)))
+        y, pre = OPS.linear_act_fwd(p["x"], p["w_in"], p["b_in"], activation, True)
+        dy = torch.ones_like(y)
+        cases.append((OPS.linear_act_bwd, (dy, p["x"], p["w_in"], pre, bias, activation, [True, True])))
+        cases.append((OPS.linear_act_bwd, (dy, None, p["w_in"], pre, bias, activation, [True, False])))
+        cases.append((OPS.linear_act_bwd, (dy, p["x"], p["w_in"], pre, False, activation, [False, True])))
+        cases.append((OPS.fused_mlp_fwd, (x, w_in, b_in, w_out, b_out, activation, True)))
+        y, pre = OPS.fused_mlp_fwd(p["x"], p["w_in"], p["b_in"], p["w_out"], p["b_out"], activation, True)
+        bwd = (torch.ones_like(y), p["x"], p["w_in"], p["w_out"], pre, bias, bias, activation)
+        cases.append((OPS.fused_mlp_bwd, (*bwd, [True] * 3)))
+        frozen_in = (torch.ones_like(y), None, p["w_in"], p["w_out"], pre, False, bias, activation)
+        cases.append((OPS.fused_mlp_bwd, (*frozen_in, [True, False, False])))  # LoRA-style: only dx
+        cases.append((OPS.fused_mlp_bwd, (*frozen_in, [False, False, True])))  # only W_out trains
+    if bias:  # the gated forms have no biases
+        return cases
+    cases.append((OPS.gated_linear_fwd, (x, w_in, w_up, "silu", True)))
+    y, gate, up = OPS.gated_linear_fwd(p["x"], p["w_in"], p["w_up"], "silu", True)
+    bwd = (torch.ones_like(y), p["x"], p["w_in"], p["w_up"], gate, up, "silu")
+    cases.append((OPS.gated_linear_bwd, (*bwd, [True] * 3)))
+    cases.append((OPS.gated_linear_bwd, (*bwd, [False, True, False])))
+    cases.append((OPS.gated_mlp_fwd, (x, w_in, w_up, w_out, "silu", True)))
+    y, gate, up = OPS.gated_mlp_fwd(p["x"], p["w_in"], p["w_up"], p["w_out"], "silu", True)
+    bwd = (torch.ones_like(y), p["x"], p["w_in"], p["w_up"], p["w_out"], gate, up, "silu")
+    cases.append((OPS.gated_mlp_bwd, (*bwd, [True] * 4)))
+    cases.append((OPS.gated_mlp_bwd, (bwd[0], None, *bwd[2:], [True, False, False, False])))
+    cases.append((OPS.gated_mlp_bwd, (bwd[0], None, *bwd[2:], [False, False, False, True])))
+    return cases
+
+
+CASE_MAKERS = (norm_cases, attention_cases, mlp_cases)
+
+
+def test_every_registered_op_is_checked():
+    # A new op without a case here fails this test.
+    registered = {name for name in torch._C._dispatch_get_all_op_names() if name.startswith("horse::")}
+    checked = {op._qualified_op_name for make in CASE_MAKERS for dtype in DTYPES for bias in (False, True)
+               for op, _ in make(dtype, bias)}  # fmt: skip
+    assert checked == registered
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("make", CASE_MAKERS, ids=lambda make: make.__name__)
+def test_opcheck(make, dtype, bias):
+    for op, args in make(dtype, bias):
+        torch.library.opcheck(op.default, args)
