@@ -387,7 +387,7 @@ def linear_cross_entropy_chunks(
                     dw[v : v + dw_slice] += logits[:, v : v + dw_slice].T @ xc
             if bias is not None:
                 db += logits.sum(0, dtype=torch.float32)
-    return loss, dx, dw.to(weight.dtype), db.to(bias.dtype if bias is not None else db.dtype)
+    return loss, dx, dw.to(weight.dtype), db.to(x.dtype if bias is None else bias.dtype)
 
 
 def reduce_loss(loss: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str):
@@ -479,7 +479,7 @@ def _linear_grads_fake(x, weight, bias, with_grads: bool):
     return (
         x.new_empty(x.shape if with_grads else (0,)),
         weight.new_empty(weight.shape if with_grads else (0,)),
-        x.new_empty((0,)) if bias is None or not with_grads else bias.new_empty(bias.shape),
+        x.new_empty((0,)) if bias is None else bias.new_empty(bias.shape if with_grads else (0,)),
     )
 
 
