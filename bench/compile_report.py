@@ -360,6 +360,8 @@ def attention_pass_config(
     persistent = cfg.programs_per_sm > 0 and not packed
     if name == "attn_fwd":
         constexprs["PERSISTENT"] = persistent
+    if name in ("attn_fwd", "attn_bwd_dq"):
+        constexprs["INLINE_PTX"] = not ARCHS[arch].hip_target
     if name == "attn_bwd_dkdv":
         constexprs["BLOCK_D_OUT"] = block_d // cfg.column_splits
     descriptors = {}

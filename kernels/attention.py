@@ -134,6 +134,27 @@ def _visible(
 
 
 @triton.jit
+def _causal_scores(qk, offs_m, start_n, causal_offset, BLOCK_N: tl.constexpr, INLINE_PTX: tl.constexpr):
+    """qk (BLOCK_M, BLOCK_N) with -inf where key start_n + j lies past query offs_m's diagonal.
+    Keys past seqlen_k need no test: a query before seqlen_q sees none (j <= i + seqlen_k -
+    seqlen_q) and the rows past seqlen_q are never stored. The key index is the tile's column, the
+    row's limit one subtraction: one compare and one select per score. LLVM's SLP vectorizer packs
+    32 of the compares into a bit vector, spent as 70 extra instructions of bit juggling per
+    iteration; INLINE_PTX (NVIDIA) writes each pair as PTX it cannot pack (sm_90, head dim 128, the
+    forward's diagonal loop: 825 before the raw-score max, 693 plain, 625 with PTX)."""
+    last_key = (offs_m + (causal_offset - start_n))[:, None]
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    if INLINE_PTX:
+        qk = tl.inline_asm_elementwise(
+            "{ .reg .pred hidden; setp.gt.s32 hidden, $2, $3; selp.f32 $0, 0fFF800000, $1, hidden; }",
+            "=r,r,r,r", [qk, cols, last_key], dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        qk = tl.where(cols <= last_key, qk, float("-inf"))
+    return qk
+
+
+@triton.jit
 def _sequence(CU_SEQLENS, b, seqlen, VARLEN: tl.constexpr):
     """(seq, seqlen) of batch entry b. seq addresses its tiles: the batch index, or with VARLEN its
     first row in the packed tensor (cu_seqlens[b]; the launcher passes the row stride as the batch
@@ -193,19 +214,31 @@ def _attn_fwd_block(
     acc, l_i, m_i, q, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
     window_left, window_right, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, TMA: tl.constexpr,
+    INLINE_PTX: tl.constexpr,
 ):  # fmt: skip
     k = _load_tile(K, k_seq, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
-    qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-    if MASK:
+    qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N) raw scores
+    if MASK and CAUSAL:
+        qk = _causal_scores(qk, offs_m, start_n, seqlen_k - seqlen_q, BLOCK_N, INLINE_PTX)
+    elif MASK:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         visible = _visible(
             offs_m, offs_n, seqlen_k, seqlen_k - seqlen_q, window_left, window_right, CAUSAL, LOCAL
         )
         qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    # A row that has seen no visible key yet keeps m = -inf; subtract 0 there, not -inf (NaN).
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(qk - m_safe[:, None])
+    # The row max is taken on the raw scores and scaled per row (qk_scale > 0 keeps it the max):
+    # the scale then rides in the exponent's FFMA, qk * qk_scale - m, instead of an FMUL per score
+    # before the max (sm_90, head dim 128: 128 -> 66 FMUL per iteration, the tutorial's).
+    # FA4's lazy rescale (leave acc and m alone unless some row's max grew by over 2^8) was built
+    # and compiled: Triton's branch needs the max growth of the whole block, a reduction across
+    # warps through shared memory: 524 instructions per iteration against 488 (+3 BAR.SYNC, +3 LDS,
+    # +3 STS, +7 SHFL), to skip 64 FMULs when the branch is not taken; it stalls the warpgroups
+    # that otherwise overlap one's softmax with the other's wgmma. FA4 decides per warp; not here.
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+    m_safe = m_new
+    if MASK:  # a row that has seen no visible key yet keeps m = -inf: subtract 0 there, not -inf (NaN)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk * qk_scale - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = _load_tile(V, k_seq, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
@@ -219,6 +252,7 @@ def _attn_fwd_tile(
     window_right, heads, group_size, q_strides, k_strides, v_strides, o_strides, lse_strides, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
+    INLINE_PTX: tl.constexpr,
 ):  # fmt: skip
     """Output and lse of tile ``tile``: BLOCK_M queries of one (batch, head). Tiles go head-major,
     so the programs running together share their head's k and v in L2; causal ones go longest
@@ -248,6 +282,7 @@ def _attn_fwd_tile(
         acc, l_i, m_i = _attn_fwd_block(
             acc, l_i, m_i, q, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
             window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, LOCAL, TMA,
+            INLINE_PTX,
         )  # fmt: skip
     if LOCAL:
         masked_blocks, before = _local_masked_blocks(start, unmasked_start, unmasked_end, end, BLOCK_N)
@@ -256,14 +291,14 @@ def _attn_fwd_tile(
             acc, l_i, m_i = _attn_fwd_block(
                 acc, l_i, m_i, q, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
                 seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
-                LOCAL, TMA,
+                LOCAL, TMA, INLINE_PTX,
             )  # fmt: skip
     else:
         for start_n in range(unmasked_end, end, BLOCK_N):
             acc, l_i, m_i = _attn_fwd_block(
                 acc, l_i, m_i, q, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
                 seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
-                LOCAL, TMA,
+                LOCAL, TMA, INLINE_PTX,
             )  # fmt: skip
     # A query that sees no key: l = 0, so the output is 0 and lse = log 0 = -inf.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -316,6 +351,7 @@ def _attn_fwd_kernel(
     TMA: tl.constexpr,
     PERSISTENT: tl.constexpr,
     VARLEN: tl.constexpr,
+    INLINE_PTX: tl.constexpr,  # an NVIDIA target: the causal mask as PTX (see _causal_scores)
 ):
     # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): a program per tile; or with PERSISTENT
     # (programs,), program p taking tiles p, p + programs, ... The loop is a constexpr choice: it
@@ -336,12 +372,14 @@ def _attn_fwd_kernel(
                 Q, K, V, OUT, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, tile, m_blocks, seqlen_q, seqlen_k,
                 window_left, window_right, heads, group_size, q_strides, k_strides, v_strides, o_strides,
                 lse_strides, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, LOCAL, TMA, VARLEN,
+                INLINE_PTX,
             )  # fmt: skip
     else:
         _attn_fwd_tile(
             Q, K, V, OUT, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, tl.program_id(0), m_blocks, seqlen_q, seqlen_k,
             window_left, window_right, heads, group_size, q_strides, k_strides, v_strides, o_strides,
             lse_strides, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, LOCAL, TMA, VARLEN,
+            INLINE_PTX,
         )  # fmt: skip
 
 
@@ -535,11 +573,15 @@ def _attn_bwd_dq_block(
     dq, q, do, lse, delta, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
     window_left, window_right, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, TMA: tl.constexpr,
+    INLINE_PTX: tl.constexpr,
 ):  # fmt: skip
     k = _load_tile(K, k_seq, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
     v = _load_tile(V, k_seq, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
-    p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
-    if MASK:
+    qk = tl.dot(q, tl.trans(k))
+    if MASK and CAUSAL:
+        qk = _causal_scores(qk, offs_m, start_n, seqlen_k - seqlen_q, BLOCK_N, INLINE_PTX)
+    p = tl.math.exp2(qk * qk_scale - lse[:, None])
+    if MASK and not CAUSAL:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         visible = _visible(
             offs_m, offs_n, seqlen_k, seqlen_k - seqlen_q, window_left, window_right, CAUSAL, LOCAL
@@ -592,6 +634,7 @@ def _attn_bwd_dq_kernel(
     LOCAL: tl.constexpr,
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
+    INLINE_PTX: tl.constexpr,  # as in _attn_fwd_kernel
 ):
     # grid = (cdiv(seqlen_q, BLOCK_M), batch * heads)
     m_block = tl.program_id(0)
@@ -624,7 +667,7 @@ def _attn_bwd_dq_kernel(
         dq = _attn_bwd_dq_block(
             dq, q, do, lse, delta, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
             seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, LOCAL,
-            TMA,
+            TMA, INLINE_PTX,
         )  # fmt: skip
     if LOCAL:
         masked_blocks, before = _local_masked_blocks(start, unmasked_start, unmasked_end, end, BLOCK_N)
@@ -633,14 +676,14 @@ def _attn_bwd_dq_kernel(
             dq = _attn_bwd_dq_block(
                 dq, q, do, lse, delta, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
                 seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
-                LOCAL, TMA,
+                LOCAL, TMA, INLINE_PTX,
             )  # fmt: skip
     else:
         for start_n in range(unmasked_end, end, BLOCK_N):
             dq = _attn_bwd_dq_block(
                 dq, q, do, lse, delta, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
                 seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
-                LOCAL, TMA,
+                LOCAL, TMA, INLINE_PTX,
             )  # fmt: skip
     dq *= softmax_scale
     dq_strides = (stride_dqb, stride_dqs, stride_dqh)
@@ -873,6 +916,11 @@ def tma_usable(cfg: AttnConfig, *tensors: torch.Tensor) -> bool:
     return USE_TMA and cfg.tma and tensors[0].dim() == 4 and runtime.tma_compatible(*tensors)
 
 
+def inline_ptx(t: torch.Tensor) -> bool:
+    """Whether kernels on t's device may take inline PTX: an NVIDIA GPU, not the interpreter."""
+    return not runtime.INTERPRET and not runtime.arch(t.device).hip_target
+
+
 def _operand(t: torch.Tensor, block_s: int, block_d: int, tma: bool):
     """t, or a descriptor of it loading (block_s rows, block_d head-dim columns) of one (batch, head)."""
     return runtime.tma_operand(t, (1, block_s, 1, block_d), tma)
@@ -947,8 +995,8 @@ def attention_fwd(
             batch=batch, heads=heads, group_size=heads // kv_heads,
             **_stride_args(q=q, k=k, v=v, o=out), **_lse_stride_args(lse),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
-            PERSISTENT=persistent, VARLEN=packed is not None, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
+            PERSISTENT=persistent, VARLEN=packed is not None, INLINE_PTX=inline_ptx(q),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
     return out, lse
 
@@ -1015,7 +1063,7 @@ def attention_bwd(
             softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
             group_size=group_size,
             **_stride_args(q=q, k=k, v=v, do=dout, dq=dq), **lse_strides,
-            **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
+            **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma, INLINE_PTX=inline_ptx(q),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
     return dq, dk, dv
@@ -1175,6 +1223,15 @@ def _validate_sequences(q, k, packed: Packed) -> None:
             raise ValueError(f"{fn}: {max_name} is {longest} but a sequence has {lengths.max().item()} rows")
 
 
+def resolve_softmax_scale(softmax_scale: float | None, head_dim: int, fn: str) -> float:
+    """softmax_scale, 1 / sqrt(head_dim) by default. It must be positive: the kernels take the row
+    maximum of the raw scores and scale it, which a negative scale would turn into the minimum."""
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    if not scale > 0 or math.isinf(scale):
+        raise ValueError(f"{fn}: softmax_scale must be a finite number > 0, got {softmax_scale!r}")
+    return scale
+
+
 def normalize_mask(causal: bool, window_size, fn: str = "flash_attention") -> tuple[bool, tuple[int, int]]:
     """(causal, window) with the window validated and causal folded into it: causal is the right
     side at 0, a window of (-1, 0) is plain causal, and a returned window other than (-1, -1) is
@@ -1215,17 +1272,18 @@ def flash_attention(
     bottom-right corner (query i sees keys j <= i + seqlen_k - seqlen_q; a query that sees none
     gets zeros). window_size (left, right) is a sliding window, as flash-attn's: query i sees keys
     i + seqlen_k - seqlen_q - left to i + seqlen_k - seqlen_q + right, -1 for an unbounded side;
-    with causal the right side is 0. softmax_scale defaults to 1 / sqrt(head_dim).
+    with causal the right side is 0. softmax_scale (> 0) defaults to 1 / sqrt(head_dim).
 
     Under torch.autocast the inputs are cast to its dtype first, as a matmul's would be.
 
     Returns out (batch, seqlen_q, heads, head_dim) in q's dtype, or (out, lse) with return_lse,
     lse (batch, heads, seqlen_q) float32 the natural log-sum-exp of each row's scaled scores.
     """
+    fn = "flash_attention"
     q, k, v = runtime.autocast(q, k, v)
-    _validate(q, k, v, "flash_attention", packed=False)
+    _validate(q, k, v, fn, packed=False)
     causal, window = normalize_mask(causal, window_size)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1], fn)
     if runtime.runs_triton(q):
         if q.dtype not in SUPPORTED_DTYPES:
             raise TypeError(
@@ -1269,7 +1327,7 @@ def flash_attention_varlen(
     packed = Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _validate_sequences(q, k, packed)
     causal, window = normalize_mask(causal, window_size, fn)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1], fn)
     if runtime.runs_triton(q):
         if q.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{fn}: q, k and v must be float16 or bfloat16 on the Triton path, got {q.dtype}")

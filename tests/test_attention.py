@@ -437,6 +437,14 @@ BAD_INPUTS = [
         r"head_dim must be in \[1, 256\]",
     ),
     *[
+        (
+            lambda q, k, v, s=scale: kernels.flash_attention(q, k, v, softmax_scale=s),
+            ValueError,
+            "softmax_scale",
+        )
+        for scale in [-0.5, 0.0, float("nan")]
+    ],
+    *[
         (lambda q, k, v, w=window: kernels.flash_attention(q, k, v, window_size=w), ValueError, "window_size")
         for window in [(-2, 0), (3,), 4, (1.5, 2), (True, 0)]
     ],
