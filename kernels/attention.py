@@ -713,6 +713,124 @@ def _attn_bwd_dq_kernel(
     _store_tile(DQ, dq, q_seq, h, start_m, 0, dq_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
 
 
+@triton.jit
+def _attn_decode_kernel(
+    Q,  # (batch, seqlen_q, heads, head_dim)
+    K,  # (batch, seqlen_cache, kv_heads, head_dim): the cache, the new keys already appended
+    V,  # like K
+    O_SPLIT,  # (splits, batch, heads, seqlen_q, head_dim) float32: each split's normalized output
+    LSE_SPLIT,  # (splits, batch, heads, seqlen_q) float32: each split's lse, -inf where it saw no key
+    SEQLENS_K,  # (batch,) int32: the keys of each sequence, its cache's length after the append
+    softmax_scale,
+    seqlen_q,
+    keys_per_split,  # a multiple of BLOCK_N: no key block straddles two splits
+    window_left,
+    window_right,  # with LOCAL, as in _attn_fwd_kernel
+    kv_heads,
+    group_size,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
+    INLINE_PTX: tl.constexpr,
+):
+    # grid = (splits, batch * kv_heads, cdiv(group_size * seqlen_q, BLOCK_M)): keys
+    # [split * keys_per_split, + keys_per_split) of one sequence against BLOCK_M rows of its query
+    # heads sharing kv head kv_h, row r being query r % seqlen_q of head kv_h * group_size + r //
+    # seqlen_q: a GQA group's heads fill the tile that one decoded token would leave 1/16 full.
+    split = tl.program_id(0)
+    b = tl.program_id(1) // kv_heads
+    kv_h = tl.program_id(1) % kv_heads
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < group_size * seqlen_q
+    i = rows % seqlen_q
+    h = kv_h * group_size + rows // seqlen_q
+    seqlen_k = tl.load(SEQLENS_K + b)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_rows = Q + b.to(tl.int64) * stride_qb + i.to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
+    q = tl.load(
+        q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0
+    )
+    # Each row's position among the keys: the queries are the sequence's last seqlen_q tokens.
+    positions = i + seqlen_k - seqlen_q
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, seqlen_k)
+    if LOCAL:  # the window's first key block, for the first query
+        start = tl.maximum(start, tl.maximum(seqlen_k - seqlen_q - window_left, 0) // BLOCK_N * BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    qk_scale = softmax_scale * 1.4426950408889634
+    # The forward's block with the rows' positions as query indices (and seqlen_q = seqlen_k: the
+    # diagonal offset is 0); every block masked: the pass is bound by reading the cache.
+    for start_n in range(start, end, BLOCK_N):
+        acc, l_i, m_i = _attn_fwd_block(
+            acc, l_i, m_i, q, K, V, b, kv_h, positions, start_n, (stride_kb, stride_ks, stride_kh),
+            (stride_vb, stride_vs, stride_vh), seqlen_k, seqlen_k, window_left, window_right, qk_scale,
+            HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, LOCAL, False, INLINE_PTX,
+        )  # fmt: skip
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    has_key = l_i > 0.0
+    lse = tl.where(
+        has_key, (m_i + tl.math.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453, float("-inf")
+    )
+    # Row (split, b, h, i) of the (splits, batch, heads, seqlen_q) partial outputs.
+    batch = tl.num_programs(1) // kv_heads
+    split_row = ((split * batch + b).to(tl.int64) * (kv_heads * group_size) + h) * seqlen_q + i
+    tl.store(LSE_SPLIT + split_row, lse, mask=row_ok)
+    o_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    tl.store(O_SPLIT + split_row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=o_mask)
+
+
+@triton.jit
+def _attn_decode_reduce_kernel(
+    O_SPLIT,  # (splits, rows, head_dim) float32, rows = batch * heads * seqlen_q
+    LSE_SPLIT,  # (splits, rows) float32
+    OUT,  # (batch, seqlen_q, heads, head_dim)
+    splits,
+    rows,
+    heads,
+    seqlen_q,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    # grid = (rows,): out = sum_s exp(lse_s - lse) o_s, lse = log sum_s exp(lse_s), in split order
+    row = tl.program_id(0)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    lse_s = tl.load(LSE_SPLIT + offs_s.to(tl.int64) * rows + row, mask=offs_s < splits, other=float("-inf"))
+    m = tl.max(lse_s, axis=0)
+    weights = tl.math.exp(lse_s - tl.where(m == float("-inf"), 0.0, m))  # 0 for splits without keys
+    o_s = tl.load(
+        O_SPLIT + (offs_s.to(tl.int64) * rows + row)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=(offs_s[:, None] < splits) & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    total = tl.sum(weights, axis=0)
+    out = tl.sum(o_s * weights[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    i = row % seqlen_q
+    bh = row // seqlen_q
+    base = (
+        OUT + (bh // heads).to(tl.int64) * stride_ob + i.to(tl.int64) * stride_os + (bh % heads) * stride_oh
+    )
+    tl.store(base + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
@@ -889,6 +1007,17 @@ BWD_DQ_CONFIGS = {
         256: AttnConfig(128, 16, 8, 1, tma=False),
     },
 }
+# Decode (flash_attention_with_kvcache): BLOCK_M query rows (a GQA group's heads x the new tokens)
+# by BLOCK_N cached keys, pointer loads (the rows are gathered across heads), the same rule on every
+# family; a tile of 16 rows (the smallest tl.dot) when the group's rows fit in it.
+DECODE_CONFIGS = {
+    arch: {
+        block_d: AttnConfig(64, 32 if block_d == 256 else 64, 4, 2, tma=False)
+        for block_d in (16, 32, 64, 128, 256)
+    }
+    for arch in ("sm80", "sm86", "sm90", "sm100", "gfx942")
+}
+DECODE_REDUCE_NUM_WARPS = 4
 # Small, unequal tiles in the interpreter: quick there, and several blocks cross every boundary.
 INTERPRETER_BLOCKS = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1}
 PREPROCESS_BLOCK_M = 64
@@ -1022,6 +1151,57 @@ def attention_fwd(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
     return out, lse
+
+
+def decode_splits(programs: int, max_seqlen_k: int, block_n: int, num_sms: int) -> int:
+    """Splits of the keys for a decode launch of ``programs`` (sequence, kv head, row tile) tiles:
+    enough for two programs per SM, each split at least one key block."""
+    return max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seqlen_k, block_n)))
+
+
+def attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    window: tuple[int, int] = (-1, -1),
+) -> torch.Tensor:
+    """Attention of q (batch, seqlen_q, heads, head_dim) to the first seqlens_k[b] (int32 (batch,))
+    keys of the caches (batch, seqlen_cache, kv_heads, head_dim): split over the keys, each split's
+    partial output and lse reduced in a second pass. Returns out like q."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_cache, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group_size = heads // kv_heads
+    window_left, window_right, mask = _mask(causal, window, seqlen_q, seqlen_cache)
+    block_d = head_dim_block(head_dim)
+    cfg = attn_config(DECODE_CONFIGS, head_dim, q.device)
+    rows = group_size * seqlen_q
+    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(rows)))
+    row_tiles = triton.cdiv(rows, block_m)
+    splits = decode_splits(batch * kv_heads * row_tiles, seqlen_cache, cfg.block_n, runtime.num_sms(q.device))
+    keys_per_split = triton.cdiv(triton.cdiv(seqlen_cache, splits), cfg.block_n) * cfg.block_n
+    splits = triton.cdiv(seqlen_cache, keys_per_split)  # none left without keys by the rounding
+    out = runtime.empty(q.shape, q.dtype, q.device)
+    o_split = runtime.empty((splits, batch, heads, seqlen_q, head_dim), torch.float32, q.device)
+    lse_split = runtime.empty((splits, batch, heads, seqlen_q), torch.float32, q.device)
+    with runtime.device_guard(q):
+        _attn_decode_kernel[(splits, batch * kv_heads, row_tiles)](
+            q, k_cache, v_cache, o_split, lse_split, seqlens_k, softmax_scale=softmax_scale,
+            seqlen_q=seqlen_q, keys_per_split=keys_per_split, window_left=window_left,
+            window_right=window_right, kv_heads=kv_heads, group_size=group_size,
+            **_stride_args(q=q, k=k_cache, v=v_cache), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
+            BLOCK_N=cfg.block_n, **mask, INLINE_PTX=inline_ptx(q), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
+        )  # fmt: skip
+        _attn_decode_reduce_kernel[(batch * heads * seqlen_q,)](
+            o_split, lse_split, out, splits, batch * heads * seqlen_q, heads, seqlen_q,
+            **{f"stride_o{d}": st for d, st in zip("bsh", _strides(out), strict=True)},
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
+            num_warps=DECODE_REDUCE_NUM_WARPS, **runtime.COMPILE_OPTIONS,
+        )  # fmt: skip
+    return out
 
 
 def attention_bwd(
@@ -1362,3 +1542,93 @@ def flash_attention_varlen(
         )
         out = out.to(q.dtype)
     return (out, lse) if return_lse else out
+
+
+def flash_attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: int | torch.Tensor | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+) -> torch.Tensor:
+    """Attention of a few new queries to a KV cache, appending the new keys and values to it in
+    place first: flash-attn's ``flash_attn_with_kvcache``, for decoding.
+
+    q: (batch, seqlen_q, heads, head_dim); k_cache, v_cache: (batch, seqlen_cache, kv_heads,
+    head_dim), heads a multiple of kv_heads; cache_seqlens: the tokens already cached per sequence,
+    an int or an int32 tensor (batch,) (None: the whole cache). k, v (batch, seqlen_new, kv_heads,
+    head_dim), both or neither, are written to the caches at positions cache_seqlens[b] ..
+    cache_seqlens[b] + seqlen_new - 1; sequence b then attends to its first cache_seqlens[b] +
+    seqlen_new keys. causal and window_size align to each sequence's bottom-right corner, as in
+    :func:`flash_attention`: query i is at position i + seqlen_k - seqlen_q, so the new tokens see
+    the cache and the new tokens before them. float16 or bfloat16 (float32 only on the CPU reference
+    path), the caches in q's dtype; a unit stride in the last dimension. The keys are split among
+    programs (two per SM) and a GQA group's query heads share one tile; a second pass reduces the
+    splits. The lengths are trusted on a GPU (checked on the CPU). Returns out like q.
+    """
+    fn = "flash_attention_with_kvcache"
+    q = runtime.autocast(q)[0]
+    _validate(q, k_cache, v_cache, fn, packed=False)
+    batch, seqlen_q, _, head_dim = q.shape
+    seqlen_cache = k_cache.shape[1]
+    if (k is None) != (v is None):
+        raise ValueError(f"{fn}: k and v must be given together (the new keys and values), or neither")
+    seqlen_new = 0
+    if k is not None:
+        k, v = (t.to(q.dtype) for t in (k, v))
+        seqlen_new = k.shape[1]
+        if k.dim() != 4 or k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:
+            raise ValueError(
+                f"{fn}: k and v must be (batch, seqlen_new, kv_heads, head_dim) = ({batch}, *, "
+                f"{k_cache.shape[2]}, {head_dim}), got {list(k.shape)} and {list(v.shape)}"
+            )
+    if cache_seqlens is None:
+        cache_seqlens = seqlen_cache - seqlen_new
+    if isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,):
+            raise ValueError(
+                f"{fn}: cache_seqlens must be an int or an int32 tensor ({batch},), got "
+                f"{cache_seqlens.dtype} of shape {list(cache_seqlens.shape)}"
+            )
+        if cache_seqlens.device != q.device:
+            raise ValueError(f"{fn}: cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
+        lengths = cache_seqlens
+        if q.device.type == "cpu" and not torch.compiler.is_compiling():
+            if (cache_seqlens < 0).any() or (cache_seqlens + seqlen_new > seqlen_cache).any():
+                raise ValueError(
+                    f"{fn}: cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache's "
+                    f"length), got cache_seqlens {cache_seqlens.tolist()} and seqlen_new {seqlen_new}"
+                )
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= seqlen_cache - seqlen_new:
+            raise ValueError(
+                f"{fn}: cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache's "
+                f"length), got cache_seqlens {cache_seqlens} and seqlen_new {seqlen_new}"
+            )
+        lengths = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    else:
+        raise ValueError(f"{fn}: cache_seqlens must be an int or an int32 tensor, got {cache_seqlens!r}")
+    causal, window = normalize_mask(causal, window_size, fn)
+    scale = resolve_softmax_scale(softmax_scale, head_dim, fn)
+    if k is not None:
+        if isinstance(cache_seqlens, int):
+            k_cache[:, cache_seqlens : cache_seqlens + seqlen_new] = k
+            v_cache[:, cache_seqlens : cache_seqlens + seqlen_new] = v
+        else:  # each sequence's rows at its own length: one scatter per cache
+            rows = (lengths[:, None] + torch.arange(seqlen_new, device=q.device)).long()  # (batch, new)
+            sequences = torch.arange(batch, device=q.device)[:, None]
+            k_cache[sequences, rows] = k
+            v_cache[sequences, rows] = v
+        lengths = lengths + seqlen_new
+    if runtime.runs_triton(q):
+        if q.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{fn}: q and the caches must be float16 or bfloat16 on the Triton path, got {q.dtype}"
+            )
+        return attention_decode(q, k_cache, v_cache, lengths.to(torch.int32), causal, scale, window)
+    return reference.attention_kvcache(q, k_cache, v_cache, lengths, causal, scale, window).to(q.dtype)
