@@ -809,20 +809,34 @@ def _attn_decode_reduce_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    # grid = (rows,): out = sum_s exp(lse_s - lse) o_s, lse = log sum_s exp(lse_s), in split order
+    # grid = (rows,): out = sum_s exp(lse_s - lse) o_s, lse = log sum_s exp(lse_s), BLOCK_S splits
+    # at a time in split order: a pass for the largest lse, a pass for the weighted sum.
     row = tl.program_id(0)
-    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    lse_s = tl.load(LSE_SPLIT + offs_s.to(tl.int64) * rows + row, mask=offs_s < splits, other=float("-inf"))
-    m = tl.max(lse_s, axis=0)
-    weights = tl.math.exp(lse_s - tl.where(m == float("-inf"), 0.0, m))  # 0 for splits without keys
-    o_s = tl.load(
-        O_SPLIT + (offs_s.to(tl.int64) * rows + row)[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=(offs_s[:, None] < splits) & (offs_d[None, :] < HEAD_DIM),
-        other=0.0,
-    )
-    total = tl.sum(weights, axis=0)
-    out = tl.sum(o_s * weights[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    m = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for first in range(0, splits, BLOCK_S):
+        offs_s = first + tl.arange(0, BLOCK_S)
+        m = tl.maximum(
+            m,
+            tl.load(LSE_SPLIT + offs_s.to(tl.int64) * rows + row, mask=offs_s < splits, other=float("-inf")),
+        )
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no split saw a key: every weight is 0
+    total = tl.zeros([BLOCK_S], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for first in range(0, splits, BLOCK_S):
+        offs_s = first + tl.arange(0, BLOCK_S)
+        split_rows = offs_s.to(tl.int64) * rows + row
+        lse_s = tl.load(LSE_SPLIT + split_rows, mask=offs_s < splits, other=float("-inf"))
+        weights = tl.math.exp(lse_s - m_max)
+        o_s = tl.load(
+            O_SPLIT + split_rows[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=(offs_s[:, None] < splits) & (offs_d[None, :] < HEAD_DIM),
+            other=0.0,
+        )
+        total += weights
+        acc += tl.sum(o_s * weights[:, None], axis=0)
+    out = acc / tl.maximum(tl.sum(total, axis=0), 1e-30)
     i = row % seqlen_q
     bh = row // seqlen_q
     base = (
@@ -1018,6 +1032,10 @@ DECODE_CONFIGS = {
     for arch in ("sm80", "sm86", "sm90", "sm100", "gfx942")
 }
 DECODE_REDUCE_NUM_WARPS = 4
+DECODE_REDUCE_BLOCK_S = 16  # splits the reduce loads at a time: up to 2 per SM, 264 on an H200
+# Above this many new tokens a query tile fills without packing heads or splitting keys: a prompt
+# of equal-length sequences takes the prefill kernel (TMA, its tuned tiles) on the cache's rows.
+DECODE_MAX_SEQLEN_Q = 16
 # Small, unequal tiles in the interpreter: quick there, and several blocks cross every boundary.
 INTERPRETER_BLOCKS = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1}
 PREPROCESS_BLOCK_M = 64
@@ -1198,7 +1216,7 @@ def attention_decode(
         _attn_decode_reduce_kernel[(batch * heads * seqlen_q,)](
             o_split, lse_split, out, splits, batch * heads * seqlen_q, heads, seqlen_q,
             **{f"stride_o{d}": st for d, st in zip("bsh", _strides(out), strict=True)},
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=DECODE_REDUCE_BLOCK_S,
             num_warps=DECODE_REDUCE_NUM_WARPS, **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
     return out
@@ -1630,5 +1648,8 @@ def flash_attention_with_kvcache(
             raise TypeError(
                 f"{fn}: q and the caches must be float16 or bfloat16 on the Triton path, got {q.dtype}"
             )
-        return attention_decode(q, k_cache, v_cache, lengths.to(torch.int32), causal, scale, window)
+        if seqlen_q > DECODE_MAX_SEQLEN_Q and isinstance(cache_seqlens, int):  # a prompt: the prefill kernel
+            end = cache_seqlens + seqlen_new
+            return attention_fwd(q, k_cache[:, :end], v_cache[:, :end], causal, scale, window)[0]
+        return attention_decode(q, k_cache, v_cache, lengths, causal, scale, window)
     return reference.attention_kvcache(q, k_cache, v_cache, lengths, causal, scale, window).to(q.dtype)

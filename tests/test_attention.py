@@ -720,9 +720,14 @@ def test_kvcache_splits_the_keys_and_packs_the_group(device, monkeypatch):
         return decode(q, k_cache, *args)
 
     monkeypatch.setattr(attention, "attention_decode", spy)
+    monkeypatch.setattr(attention, "DECODE_REDUCE_BLOCK_S", 2)  # the reduce's loop over the splits
     q, k_cache, v_cache = make_qkv(Shape(1, 1, 400, 8, 1, 64), torch.float16, device, requires_grad=False)
-    kernels.flash_attention_with_kvcache(q, k_cache, v_cache, 300)
-    assert launches[0] > 1
+    out = kernels.flash_attention_with_kvcache(q, k_cache, v_cache, 300)
+    assert launches[0] > 2
+    lengths = torch.tensor([300])
+    truth = reference.attention_kvcache(*(t.double() for t in (q, k_cache, v_cache)), lengths)
+    baseline = reference.attention_kvcache(q, k_cache, v_cache, lengths).to(out.dtype)
+    assert_close("out", out, truth, baseline)
     assert attention.decode_splits(1, 4096, 64, 132) == 64  # 2 programs per SM at batch 1, MQA
 
 
