@@ -1024,14 +1024,17 @@ BWD_DQ_CONFIGS = {
 # Decode (flash_attention_with_kvcache): BLOCK_M query rows (a GQA group's heads x the new tokens)
 # by BLOCK_N cached keys, pointer loads (the rows are gathered across heads), the same rule on every
 # family; a tile of 16 rows (the smallest tl.dot) when the group's rows fit in it.
+# At head dim 256 a 64-row tile spilled 96 bytes with the window (sm_80, sm_86, sm_90): 16 rows.
 DECODE_CONFIGS = {
     arch: {
-        block_d: AttnConfig(64, 32 if block_d == 256 else 64, 4, 2, tma=False)
+        block_d: AttnConfig(16, 32, 4, 2, tma=False)
+        if block_d == 256
+        else AttnConfig(64, 64, 4, 2, tma=False)
         for block_d in (16, 32, 64, 128, 256)
     }
     for arch in ("sm80", "sm86", "sm90", "sm100", "gfx942")
 }
-DECODE_REDUCE_NUM_WARPS = 4
+DECODE_REDUCE_NUM_WARPS = 8  # at 4 the head-dim-256 reduce spilled 8 bytes on sm_80
 DECODE_REDUCE_BLOCK_S = 16  # splits the reduce loads at a time: up to 2 per SM, 264 on an H200
 # Above this many new tokens a query tile fills without packing heads or splitting keys: a prompt
 # of equal-length sequences takes the prefill kernel (TMA, its tuned tiles) on the cache's rows.
