@@ -541,10 +541,8 @@ def _attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     qk_scale = softmax_scale * 1.4426950408889634
     # Queries before the first that sees key start_n (causal or local), and after the last (local),
-    # contribute nothing. Causal: only the query blocks crossing the key block's diagonal, [lo,
-    # diagonal_end), take the mask; the rest run the non-causal block (sm_90, head dim 128: 363
-    # instructions per iteration there against 400 masked). A window keeps one masked loop: with
-    # a second one this pass spilled registers on sm_90 (264 bytes at head dim 64).
+    # contribute nothing. One loop with the mask on every block: separate masked and unmasked
+    # loops, as in the forward, spilled registers on sm_90 here (264 bytes at head dim 64).
     causal_offset = seqlen_k - seqlen_q
     lo = 0
     hi = seqlen_q
@@ -553,37 +551,16 @@ def _attn_bwd_dkdv_kernel(
         hi = tl.minimum(start_n + BLOCK_N - causal_offset + window_left, seqlen_q)
     elif CAUSAL:
         lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
-    # Query block start_m sees every key of the block once start_m >= start_n + BLOCK_N - 1 -
-    # causal_offset; the rows past seqlen_q need no mask (their lse loads as +inf: p = 0).
-    diagonal_end = lo
-    if CAUSAL:
-        first_unmasked = tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0)
-        diagonal_end = tl.minimum(tl.maximum(tl.cdiv(first_unmasked, BLOCK_M) * BLOCK_M, lo), hi)
     for g in range(group_size):
         h = kv_h * group_size + g
         row0 = q_seq.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h
-        q_strides = (stride_qb, stride_qs, stride_qh)
-        do_strides = (stride_dob, stride_dos, stride_doh)
-        if LOCAL:
-            for start_m in range(lo, hi, BLOCK_M):
-                dk, dv = _attn_bwd_dkdv_block(
-                    dk, dv, k, v, Q, DO, LSE + row0, DELTA + row0, q_seq, h, offs_n, start_m, col, q_strides,
-                    do_strides, seqlen_q, seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_M,
-                    BLOCK_D, BLOCK_D_OUT, True, LOCAL, TMA,
-                )  # fmt: skip
-        else:
-            for start_m in range(lo, diagonal_end, BLOCK_M):
-                dk, dv = _attn_bwd_dkdv_block(
-                    dk, dv, k, v, Q, DO, LSE + row0, DELTA + row0, q_seq, h, offs_n, start_m, col, q_strides,
-                    do_strides, seqlen_q, seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_M,
-                    BLOCK_D, BLOCK_D_OUT, True, LOCAL, TMA,
-                )  # fmt: skip
-            for start_m in range(diagonal_end, hi, BLOCK_M):
-                dk, dv = _attn_bwd_dkdv_block(
-                    dk, dv, k, v, Q, DO, LSE + row0, DELTA + row0, q_seq, h, offs_n, start_m, col, q_strides,
-                    do_strides, seqlen_q, seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_M,
-                    BLOCK_D, BLOCK_D_OUT, False, LOCAL, TMA,
-                )  # fmt: skip
+        for start_m in range(lo, hi, BLOCK_M):
+            dk, dv = _attn_bwd_dkdv_block(
+                dk, dv, k, v, Q, DO, LSE + row0, DELTA + row0, q_seq, h, offs_n, start_m, col,
+                (stride_qb, stride_qs, stride_qh), (stride_dob, stride_dos, stride_doh), seqlen_q, seqlen_k,
+                window_left, window_right, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D_OUT, CAUSAL or LOCAL,
+                LOCAL, TMA,
+            )  # fmt: skip
     dk *= softmax_scale
     dk_strides = (stride_dkb, stride_dks, stride_dkh)
     dv_strides = (stride_dvb, stride_dvs, stride_dvh)
