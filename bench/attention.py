@@ -47,6 +47,10 @@ WINDOW = 1024  # attention_window: each query sees itself and the WINDOW keys be
 WINDOW_SEQLENS = (4096, 16384)
 PACKED_LENGTHS = (4096, 512, 2048, 1024, 3072, 256, 1536, 2560, 1280)  # 16384 tokens in 9 documents
 EXTRA_HEAD_DIM = 128  # of both, with MODEL_DIM // EXTRA_HEAD_DIM heads
+# attention_decode: one new token per sequence against a KV cache (Llama-3-8B's attention: 32 query
+# heads, 8 kv heads, head dim 128), batch x cache length; bytes of the cache read per call.
+DECODE_HEADS, DECODE_KV_HEADS = 32, 8
+DECODE_SHAPES = ((1, 4096), (1, 16384), (16, 4096), (64, 1024))
 
 
 @dataclass(frozen=True)
@@ -333,7 +337,7 @@ def cases(quick: bool) -> list[suite.Case]:
                 _setup(direction, make_fn, shape, pointer_loads=name == "ours-pointer"),
                 checker if name == "ours" else None,
             ))  # fmt: skip
-    return out if quick else out + window_cases() + packed_cases()
+    return out if quick else out + window_cases() + packed_cases() + decode_cases()
 
 
 def window_cases() -> list[suite.Case]:
@@ -399,6 +403,91 @@ def packed_cases() -> list[suite.Case]:
     return out
 
 
+def decode_bytes(batch: int, cache: int, head_dim: int) -> int:
+    """What a decode step must move: the cached keys and values it reads (q and out are tiny)."""
+    return 2 * batch * cache * DECODE_KV_HEADS * head_dim * DTYPE.itemsize
+
+
+def check_decode(batch: int, cache: int, head_dim: int, device) -> tuple[dict, bool]:
+    """Ours against the float64 reference on the same cache (flash_attention_with_kvcache, seqlen_q 1)."""
+    import kernels
+    from kernels import reference
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, 1, DECODE_HEADS, head_dim, generator=gen).to(device, DTYPE)
+    k_cache, v_cache = (
+        torch.randn(batch, cache, DECODE_KV_HEADS, head_dim, generator=gen).to(device, DTYPE)
+        for _ in range(2)
+    )
+    lengths = torch.full((batch,), cache, dtype=torch.int32)
+    out = kernels.flash_attention_with_kvcache(q, k_cache, v_cache, causal=True)
+    truth = reference.attention_kvcache(*(t.double() for t in (q, k_cache, v_cache)), lengths, causal=True)
+    error = normalized_error(out, truth)
+    return {"out": error}, error <= TOLERANCE
+
+
+def _sdpa_gqa(q, k, v):
+    """SDPA with its own choice of backend, the kv heads shared by their query groups."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True
+    )
+    return out.transpose(1, 2)
+
+
+def _flash_attn_kvcache():
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except (ImportError, OSError) as error:
+        raise suite.UnavailableError(f"flash_attn does not import: {error}") from error
+    return lambda q, k_cache, v_cache: flash_attn_with_kvcache(q, k_cache, v_cache, causal=True)
+
+
+def decode_cases() -> list[suite.Case]:
+    """attention_decode: ours (split keys, the GQA group in one tile) against our prefill kernel on
+    the same cache (the gate of issue 25: >= 3x at seqlen_q = 1), SDPA (GQA) and
+    flash-attn's flash_attn_with_kvcache. Forward only; the cache is not appended to, so every
+    call does the same work."""
+    import kernels
+
+    device = torch.device("cuda")
+    head_dim = EXTRA_HEAD_DIM
+    impls = {
+        "ours": lambda: lambda q, k, v: kernels.flash_attention_with_kvcache(q, k, v, causal=True),
+        "ours-prefill": lambda: lambda q, k, v: kernels.flash_attention(q, k, v, causal=True),
+        "sdpa": lambda: _sdpa_gqa,
+        "flash-attn": _flash_attn_kvcache,
+    }
+    out = []
+    for batch, cache in DECODE_SHAPES:
+        params = {"batch": batch, "cache": cache, "heads": DECODE_HEADS, "kv_heads": DECODE_KV_HEADS,
+                  "head_dim": head_dim}  # fmt: skip
+        work = decode_bytes(batch, cache, head_dim)
+
+        def inputs(grad, batch=batch, cache=cache):
+            q = torch.randn(batch, 1, DECODE_HEADS, head_dim, dtype=DTYPE, device=device)
+            kv = (
+                torch.randn(batch, cache, DECODE_KV_HEADS, head_dim, dtype=DTYPE, device=device)
+                for _ in range(2)
+            )
+            return [q, *kv]
+
+        def setup(make_fn, inputs=inputs, work=work):
+            def build():
+                copies = timing.rotating_inputs(lambda: inputs(False), work, device)
+                fn = make_fn()
+                return suite.rotate(copies, lambda qkv: fn(*qkv), no_grad=True)
+
+            return build
+
+        checker = lambda b=batch, c=cache: check_decode(b, c, head_dim, "cuda")  # noqa: E731
+        for name, make_fn in impls.items():
+            out.append(suite.Case(
+                "attention_decode", params, "forward", name, work, "byte", setup(make_fn),
+                checker if name == "ours" else None,
+            ))  # fmt: skip
+    return out
+
+
 def interpreter_checks() -> list[tuple[str, dict, bool]]:
     """The correctness checks on tiny shapes, on the CPU (in Triton's interpreter when it is on)."""
     checks = [
@@ -417,6 +506,7 @@ def interpreter_checks() -> list[tuple[str, dict, bool]]:
     )
     lengths = (40, 1, 77, 0, 19)
     checks.append((f"attention_packed documents={lengths}", *check_packed(lengths, 2, 64, "cpu")))
+    checks.append(("attention_decode batch=2 cache=70", *check_decode(2, 70, 64, "cpu")))
     return checks
 
 

@@ -535,6 +535,8 @@ def attention_pass_config(
     persistent = cfg.programs_per_sm > 0 and not packed
     if name == "attn_fwd":
         constexprs["PERSISTENT"] = persistent
+    if name in ("attn_fwd", "attn_bwd_dq"):
+        constexprs["INLINE_PTX"] = not ARCHS[arch].hip_target
     if name == "attn_bwd_dkdv":
         constexprs["BLOCK_D_OUT"] = block_d // cfg.column_splits
     descriptors = {}
@@ -594,6 +596,59 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
     for table in ATTENTION_TABLES:
         for block_d, cfg in sorted(getattr(attention, table)[arch.name].items()):
             configs += attention_entry_configs(table, cfg, block_d, arch)
+    return configs + attention_decode_configs(arch)
+
+
+def attention_decode_configs(arch: runtime.Arch) -> list[KernelConfig]:
+    """The decode pass (kernels.attention.DECODE_CONFIGS) at each padded head dim, mask and dtype,
+    with a tile of 16 rows and of the entry's block_m (the launcher takes the smaller that holds a
+    GQA group's rows), and its reduce."""
+    from kernels import attention
+
+    configs = []
+    for (block_d, cfg), mask, dtype in itertools.product(
+        sorted(attention.DECODE_CONFIGS[arch.name].items()), reversed(ATTENTION_MASKS), TRITON_TYPES
+    ):
+        if dtype == torch.float32:
+            continue
+        ty = TRITON_TYPES[dtype]
+        head_dim = block_d * 3 // 4 if block_d > 16 else block_d  # padded: the masked head-dim columns
+        pointers = {"Q": ty, "K": ty, "V": ty, "O_SPLIT": "fp32", "LSE_SPLIT": "fp32", "SEQLENS_K": "i32"}
+        for block_m in dict.fromkeys((16, cfg.block_m)):
+            constexprs = {
+                "HEAD_DIM": head_dim,
+                "BLOCK_D": block_d,
+                "BLOCK_M": block_m,
+                "BLOCK_N": cfg.block_n,
+                **ATTENTION_MASKS[mask],
+                "INLINE_PTX": not arch.hip_target,
+            }
+            shape_class = f"d={head_dim}" + ("" if mask == "full" else f" {mask}")
+            fn = "kernels.attention._attn_decode_kernel"
+            configs.append(
+                KernelConfig(
+                    "attn_decode",
+                    shape_class,
+                    dtype,
+                    fn,
+                    pointers,
+                    constexprs,
+                    cfg.num_warps,
+                    cfg.num_stages,
+                    arch=arch.name,
+                    matmul=True,
+                )
+            )
+        if mask == "full":
+            constexprs = {
+                "HEAD_DIM": head_dim,
+                "BLOCK_D": block_d,
+                "BLOCK_S": attention.DECODE_REDUCE_BLOCK_S,
+            }
+            pointers = {"O_SPLIT": "fp32", "LSE_SPLIT": "fp32", "OUT": ty}
+            configs.append(KernelConfig("attn_decode_reduce", f"d={head_dim}", dtype,
+                                        "kernels.attention._attn_decode_reduce_kernel", pointers, constexprs,
+                                        attention.DECODE_REDUCE_NUM_WARPS, arch=arch.name))  # fmt: skip
     return configs
 
 

@@ -243,11 +243,17 @@ class KVCache:
         self.v: list[torch.Tensor | None] = [None] * config.n_layer
         self.length = 0  # tokens cached; GPT.forward advances it
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k, v (B, T, n_kv_heads, hd) of ``layer``; returns (B, length + T, n_kv_heads, hd) each."""
-        if self.k[layer] is None:  # allocated on first use: in the dtype autocast gives k and v
+    def buffers(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole (B, max_len, n_kv_heads, hd) buffers of ``layer``, allocated on first use like
+        k, v (B, T, n_kv_heads, hd): in the dtype autocast gives them."""
+        if self.k[layer] is None:
             shape = (k.shape[0], self.max_len, *k.shape[2:])
             self.k[layer], self.v[layer] = k.new_empty(shape), v.new_empty(shape)
+        return self.k[layer], self.v[layer]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v (B, T, n_kv_heads, hd) of ``layer``; returns (B, length + T, n_kv_heads, hd) each."""
+        self.buffers(layer, k, v)
         end = self.length + k.shape[1]
         self.k[layer][:, self.length : end] = k
         self.v[layer][:, self.length : end] = v
@@ -280,12 +286,18 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        if cache is not None:
-            k, v = cache.update(layer, k, v)  # (B, cached + T, n_kv_heads, hd)
-        if runs_half_kernels(self.backend, q):
-            window = (-1 if self.window is None else self.window, -1)
+        window = (-1 if self.window is None else self.window, -1)
+        if cache is not None and runs_half_kernels(self.backend, q):
+            # Appends k, v to the cache in place and decodes against it: keys split among programs.
+            k_cache, v_cache = cache.buffers(layer, k, v)  # (B, block_size, n_kv_heads, hd)
+            y = kernels.flash_attention_with_kvcache(
+                q, k_cache, v_cache, cache.length, k, v, causal=True, window_size=window
+            )  # (B, T, n_head, hd)
+        elif runs_half_kernels(self.backend, q):
             y = kernels.flash_attention(q, k, v, causal=True, window_size=window)  # (B, T, n_head, hd)
         else:
+            if cache is not None:
+                k, v = cache.update(layer, k, v)  # (B, cached + T, n_kv_heads, hd)
             y = causal_attention(q, k, v, self.window)
         return row_parallel_linear(self.c_proj, y.reshape(B, T, self.n_head * self.head_dim), self.parallel)
 

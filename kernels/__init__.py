@@ -6,7 +6,7 @@ interpreter (``TRITON_INTERPRET=1`` set before triton is imported) or as the flo
 through it without graph breaks.
 """
 
-from kernels.attention import flash_attention, flash_attention_varlen
+from kernels.attention import flash_attention, flash_attention_varlen, flash_attention_with_kvcache
 from kernels.cross_entropy import cross_entropy, linear_cross_entropy
 from kernels.layernorm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from kernels.mlp import fused_gated_mlp, fused_mlp, gated_linear, linear_act
@@ -17,6 +17,7 @@ __all__ = [
     "cross_entropy",
     "flash_attention",
     "flash_attention_varlen",
+    "flash_attention_with_kvcache",
     "fused_gated_mlp",
     "fused_mlp",
     "gated_linear",

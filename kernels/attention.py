@@ -134,6 +134,27 @@ def _visible(
 
 
 @triton.jit
+def _causal_scores(qk, offs_m, start_n, causal_offset, BLOCK_N: tl.constexpr, INLINE_PTX: tl.constexpr):
+    """qk (BLOCK_M, BLOCK_N) with -inf where key start_n + j lies past query offs_m's diagonal.
+    Keys past seqlen_k need no test: a query before seqlen_q sees none (j <= i + seqlen_k -
+    seqlen_q) and the rows past seqlen_q are never stored. The key index is the tile's column, the
+    row's limit one subtraction: one compare and one select per score. LLVM's SLP vectorizer packs
+    32 of the compares into a bit vector, spent as 70 extra instructions of bit juggling per
+    iteration; INLINE_PTX (NVIDIA) writes each pair as PTX it cannot pack (sm_90, head dim 128, the
+    forward's diagonal loop: 825 before the raw-score max, 693 plain, 625 with PTX)."""
+    last_key = (offs_m + (causal_offset - start_n))[:, None]
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    if INLINE_PTX:
+        qk = tl.inline_asm_elementwise(
+            "{ .reg .pred hidden; setp.gt.s32 hidden, $2, $3; selp.f32 $0, 0fFF800000, $1, hidden; }",
+            "=r,r,r,r", [qk, cols, last_key], dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        qk = tl.where(cols <= last_key, qk, float("-inf"))
+    return qk
+
+
+@triton.jit
 def _sequence(CU_SEQLENS, b, seqlen, VARLEN: tl.constexpr):
     """(seq, seqlen) of batch entry b. seq addresses its tiles: the batch index, or with VARLEN its
     first row in the packed tensor (cu_seqlens[b]; the launcher passes the row stride as the batch
@@ -193,19 +214,31 @@ def _attn_fwd_block(
     acc, l_i, m_i, q, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
     window_left, window_right, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, TMA: tl.constexpr,
+    INLINE_PTX: tl.constexpr,
 ):  # fmt: skip
     k = _load_tile(K, k_seq, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
-    qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-    if MASK:
+    qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N) raw scores
+    if MASK and CAUSAL:
+        qk = _causal_scores(qk, offs_m, start_n, seqlen_k - seqlen_q, BLOCK_N, INLINE_PTX)
+    elif MASK:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         visible = _visible(
             offs_m, offs_n, seqlen_k, seqlen_k - seqlen_q, window_left, window_right, CAUSAL, LOCAL
         )
         qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    # A row that has seen no visible key yet keeps m = -inf; subtract 0 there, not -inf (NaN).
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(qk - m_safe[:, None])
+    # The row max is taken on the raw scores and scaled per row (qk_scale > 0 keeps it the max):
+    # the scale then rides in the exponent's FFMA, qk * qk_scale - m, instead of an FMUL per score
+    # before the max (sm_90, head dim 128: 128 -> 66 FMUL per iteration, the tutorial's).
+    # FA4's lazy rescale (leave acc and m alone unless some row's max grew by over 2^8) was built
+    # and compiled: Triton's branch needs the max growth of the whole block, a reduction across
+    # warps through shared memory: 524 instructions per iteration against 488 (+3 BAR.SYNC, +3 LDS,
+    # +3 STS, +7 SHFL), to skip 64 FMULs when the branch is not taken; it stalls the warpgroups
+    # that otherwise overlap one's softmax with the other's wgmma. FA4 decides per warp; not here.
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+    m_safe = m_new
+    if MASK:  # a row that has seen no visible key yet keeps m = -inf: subtract 0 there, not -inf (NaN)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk * qk_scale - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = _load_tile(V, k_seq, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
@@ -219,6 +252,7 @@ def _attn_fwd_tile(
     window_right, heads, group_size, q_strides, k_strides, v_strides, o_strides, lse_strides, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
+    INLINE_PTX: tl.constexpr,
 ):  # fmt: skip
     """Output and lse of tile ``tile``: BLOCK_M queries of one (batch, head). Tiles go head-major,
     so the programs running together share their head's k and v in L2; causal ones go longest
@@ -248,6 +282,7 @@ def _attn_fwd_tile(
         acc, l_i, m_i = _attn_fwd_block(
             acc, l_i, m_i, q, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
             window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, LOCAL, TMA,
+            INLINE_PTX,
         )  # fmt: skip
     if LOCAL:
         masked_blocks, before = _local_masked_blocks(start, unmasked_start, unmasked_end, end, BLOCK_N)
@@ -256,14 +291,14 @@ def _attn_fwd_tile(
             acc, l_i, m_i = _attn_fwd_block(
                 acc, l_i, m_i, q, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
                 seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
-                LOCAL, TMA,
+                LOCAL, TMA, INLINE_PTX,
             )  # fmt: skip
     else:
         for start_n in range(unmasked_end, end, BLOCK_N):
             acc, l_i, m_i = _attn_fwd_block(
                 acc, l_i, m_i, q, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
                 seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
-                LOCAL, TMA,
+                LOCAL, TMA, INLINE_PTX,
             )  # fmt: skip
     # A query that sees no key: l = 0, so the output is 0 and lse = log 0 = -inf.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -316,6 +351,7 @@ def _attn_fwd_kernel(
     TMA: tl.constexpr,
     PERSISTENT: tl.constexpr,
     VARLEN: tl.constexpr,
+    INLINE_PTX: tl.constexpr,  # an NVIDIA target: the causal mask as PTX (see _causal_scores)
 ):
     # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): a program per tile; or with PERSISTENT
     # (programs,), program p taking tiles p, p + programs, ... The loop is a constexpr choice: it
@@ -336,12 +372,14 @@ def _attn_fwd_kernel(
                 Q, K, V, OUT, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, tile, m_blocks, seqlen_q, seqlen_k,
                 window_left, window_right, heads, group_size, q_strides, k_strides, v_strides, o_strides,
                 lse_strides, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, LOCAL, TMA, VARLEN,
+                INLINE_PTX,
             )  # fmt: skip
     else:
         _attn_fwd_tile(
             Q, K, V, OUT, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, tl.program_id(0), m_blocks, seqlen_q, seqlen_k,
             window_left, window_right, heads, group_size, q_strides, k_strides, v_strides, o_strides,
             lse_strides, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, LOCAL, TMA, VARLEN,
+            INLINE_PTX,
         )  # fmt: skip
 
 
@@ -540,11 +578,15 @@ def _attn_bwd_dq_block(
     dq, q, do, lse, delta, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
     window_left, window_right, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, TMA: tl.constexpr,
+    INLINE_PTX: tl.constexpr,
 ):  # fmt: skip
     k = _load_tile(K, k_seq, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
     v = _load_tile(V, k_seq, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
-    p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
-    if MASK:
+    qk = tl.dot(q, tl.trans(k))
+    if MASK and CAUSAL:
+        qk = _causal_scores(qk, offs_m, start_n, seqlen_k - seqlen_q, BLOCK_N, INLINE_PTX)
+    p = tl.math.exp2(qk * qk_scale - lse[:, None])
+    if MASK and not CAUSAL:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         visible = _visible(
             offs_m, offs_n, seqlen_k, seqlen_k - seqlen_q, window_left, window_right, CAUSAL, LOCAL
@@ -597,6 +639,7 @@ def _attn_bwd_dq_kernel(
     LOCAL: tl.constexpr,
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
+    INLINE_PTX: tl.constexpr,  # as in _attn_fwd_kernel
 ):
     # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): as the preprocess, batch x heads on axis 0.
     m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
@@ -630,7 +673,7 @@ def _attn_bwd_dq_kernel(
         dq = _attn_bwd_dq_block(
             dq, q, do, lse, delta, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
             seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, LOCAL,
-            TMA,
+            TMA, INLINE_PTX,
         )  # fmt: skip
     if LOCAL:
         masked_blocks, before = _local_masked_blocks(start, unmasked_start, unmasked_end, end, BLOCK_N)
@@ -639,18 +682,150 @@ def _attn_bwd_dq_kernel(
             dq = _attn_bwd_dq_block(
                 dq, q, do, lse, delta, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
                 seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
-                LOCAL, TMA,
+                LOCAL, TMA, INLINE_PTX,
             )  # fmt: skip
     else:
         for start_n in range(unmasked_end, end, BLOCK_N):
             dq = _attn_bwd_dq_block(
                 dq, q, do, lse, delta, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
                 seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
-                LOCAL, TMA,
+                LOCAL, TMA, INLINE_PTX,
             )  # fmt: skip
     dq *= softmax_scale
     dq_strides = (stride_dqb, stride_dqs, stride_dqh)
     _store_tile(DQ, dq, q_seq, h, start_m, 0, dq_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+
+
+@triton.jit
+def _attn_decode_kernel(
+    Q,  # (batch, seqlen_q, heads, head_dim)
+    K,  # (batch, seqlen_cache, kv_heads, head_dim): the cache, the new keys already appended
+    V,  # like K
+    O_SPLIT,  # (splits, batch, heads, seqlen_q, head_dim) float32: each split's normalized output
+    LSE_SPLIT,  # (splits, batch, heads, seqlen_q) float32: each split's lse, -inf where it saw no key
+    SEQLENS_K,  # (batch,) int32: the keys of each sequence, its cache's length after the append
+    softmax_scale,
+    seqlen_q,
+    keys_per_split,  # a multiple of BLOCK_N: no key block straddles two splits
+    window_left,
+    window_right,  # with LOCAL, as in _attn_fwd_kernel
+    kv_heads,
+    group_size,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
+    INLINE_PTX: tl.constexpr,
+):
+    # grid = (batch * kv_heads, splits, cdiv(group_size * seqlen_q, BLOCK_M)): keys
+    # [split * keys_per_split, + keys_per_split) of one sequence against BLOCK_M rows of its query
+    # heads sharing kv head kv_h, row r being query r % seqlen_q of head kv_h * group_size + r //
+    # seqlen_q: a GQA group's heads fill the tile that one decoded token would leave 1/16 full.
+    b = tl.program_id(0) // kv_heads  # batch x kv heads on axis 0: it may pass axis 1's 65,535
+    kv_h = tl.program_id(0) % kv_heads
+    split = tl.program_id(1)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < group_size * seqlen_q
+    i = rows % seqlen_q
+    h = kv_h * group_size + rows // seqlen_q
+    seqlen_k = tl.load(SEQLENS_K + b)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_rows = Q + b.to(tl.int64) * stride_qb + i.to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
+    q = tl.load(
+        q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0
+    )
+    # Each row's position among the keys: the queries are the sequence's last seqlen_q tokens.
+    positions = i + seqlen_k - seqlen_q
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, seqlen_k)
+    if LOCAL:  # the window's first key block, for the first query
+        start = tl.maximum(start, tl.maximum(seqlen_k - seqlen_q - window_left, 0) // BLOCK_N * BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    qk_scale = softmax_scale * 1.4426950408889634
+    # The forward's block with the rows' positions as query indices (and seqlen_q = seqlen_k: the
+    # diagonal offset is 0); every block masked: the pass is bound by reading the cache.
+    for start_n in range(start, end, BLOCK_N):
+        acc, l_i, m_i = _attn_fwd_block(
+            acc, l_i, m_i, q, K, V, b, kv_h, positions, start_n, (stride_kb, stride_ks, stride_kh),
+            (stride_vb, stride_vs, stride_vh), seqlen_k, seqlen_k, window_left, window_right, qk_scale,
+            HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, LOCAL, False, INLINE_PTX,
+        )  # fmt: skip
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    has_key = l_i > 0.0
+    lse = tl.where(
+        has_key, (m_i + tl.math.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453, float("-inf")
+    )
+    # Row (split, b, h, i) of the (splits, batch, heads, seqlen_q) partial outputs.
+    batch = tl.num_programs(0) // kv_heads
+    split_row = ((split * batch + b).to(tl.int64) * (kv_heads * group_size) + h) * seqlen_q + i
+    tl.store(LSE_SPLIT + split_row, lse, mask=row_ok)
+    o_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    tl.store(O_SPLIT + split_row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=o_mask)
+
+
+@triton.jit
+def _attn_decode_reduce_kernel(
+    O_SPLIT,  # (splits, rows, head_dim) float32, rows = batch * heads * seqlen_q
+    LSE_SPLIT,  # (splits, rows) float32
+    OUT,  # (batch, seqlen_q, heads, head_dim)
+    splits,
+    rows,
+    heads,
+    seqlen_q,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    # grid = (rows,): out = sum_s exp(lse_s - lse) o_s, lse = log sum_s exp(lse_s), BLOCK_S splits
+    # at a time in split order: a pass for the largest lse, a pass for the weighted sum.
+    row = tl.program_id(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for first in range(0, splits, BLOCK_S):
+        offs_s = first + tl.arange(0, BLOCK_S)
+        m = tl.maximum(
+            m,
+            tl.load(LSE_SPLIT + offs_s.to(tl.int64) * rows + row, mask=offs_s < splits, other=float("-inf")),
+        )
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no split saw a key: every weight is 0
+    total = tl.zeros([BLOCK_S], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for first in range(0, splits, BLOCK_S):
+        offs_s = first + tl.arange(0, BLOCK_S)
+        split_rows = offs_s.to(tl.int64) * rows + row
+        lse_s = tl.load(LSE_SPLIT + split_rows, mask=offs_s < splits, other=float("-inf"))
+        weights = tl.math.exp(lse_s - m_max)
+        o_s = tl.load(
+            O_SPLIT + split_rows[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=(offs_s[:, None] < splits) & (offs_d[None, :] < HEAD_DIM),
+            other=0.0,
+        )
+        total += weights
+        acc += tl.sum(o_s * weights[:, None], axis=0)
+    out = acc / tl.maximum(tl.sum(total, axis=0), 1e-30)
+    i = row % seqlen_q
+    bh = row // seqlen_q
+    base = (
+        OUT + (bh // heads).to(tl.int64) * stride_ob + i.to(tl.int64) * stride_os + (bh % heads) * stride_oh
+    )
+    tl.store(base + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -834,6 +1009,24 @@ BWD_DQ_CONFIGS = {
         256: AttnConfig(128, 16, 8, 1, tma=False),
     },
 }
+# Decode (flash_attention_with_kvcache): BLOCK_M query rows (a GQA group's heads x the new tokens)
+# by BLOCK_N cached keys, pointer loads (the rows are gathered across heads), the same rule on every
+# family; a tile of 16 rows (the smallest tl.dot) when the group's rows fit in it.
+# At head dim 256 a 64-row tile spilled 96 bytes with the window (sm_80, sm_86, sm_90): 16 rows.
+DECODE_CONFIGS = {
+    arch: {
+        block_d: AttnConfig(16, 32, 4, 2, tma=False)
+        if block_d == 256
+        else AttnConfig(64, 64, 4, 2, tma=False)
+        for block_d in (16, 32, 64, 128, 256)
+    }
+    for arch in ("sm80", "sm86", "sm90", "sm100", "gfx942")
+}
+DECODE_REDUCE_NUM_WARPS = 8  # at 4 the head-dim-256 reduce spilled 8 bytes on sm_80
+DECODE_REDUCE_BLOCK_S = 16  # splits the reduce loads at a time: up to 2 per SM, 264 on an H200
+# Above this many new tokens a query tile fills without packing heads or splitting keys: a prompt
+# of equal-length sequences takes the prefill kernel (TMA, its tuned tiles) on the cache's rows.
+DECODE_MAX_SEQLEN_Q = 16
 # Small, unequal tiles in the interpreter: quick there, and several blocks cross every boundary.
 INTERPRETER_BLOCKS = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1}
 PREPROCESS_BLOCK_M = 64
@@ -882,6 +1075,11 @@ def tma_usable(cfg: AttnConfig, *tensors: torch.Tensor) -> bool:
     :func:`runtime.tma_compatible` holds (odd head dims and unaligned views take the pointer path).
     Packed sequences never do: a tile's store would spill into the next sequence's rows."""
     return USE_TMA and cfg.tma and tensors[0].dim() == 4 and runtime.tma_compatible(*tensors)
+
+
+def inline_ptx(t: torch.Tensor) -> bool:
+    """Whether kernels on t's device may take inline PTX: an NVIDIA GPU, not the interpreter."""
+    return not runtime.INTERPRET and not runtime.arch(t.device).hip_target
 
 
 def _operand(t: torch.Tensor, block_s: int, block_d: int, tma: bool):
@@ -959,10 +1157,63 @@ def attention_fwd(
             batch=batch, heads=heads, group_size=heads // kv_heads,
             **_stride_args(q=q, k=k, v=v, o=out), **_lse_stride_args(lse),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
-            PERSISTENT=persistent, VARLEN=packed is not None, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
+            PERSISTENT=persistent, VARLEN=packed is not None, INLINE_PTX=inline_ptx(q),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
     return out, lse
+
+
+def decode_splits(programs: int, max_seqlen_k: int, block_n: int, num_sms: int) -> int:
+    """Splits of the keys for a decode launch of ``programs`` (sequence, kv head, row tile) tiles:
+    enough for two programs per SM, each split at least one key block."""
+    return max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seqlen_k, block_n)))
+
+
+def attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    window: tuple[int, int] = (-1, -1),
+) -> torch.Tensor:
+    """Attention of q (batch, seqlen_q, heads, head_dim) to the first seqlens_k[b] (int32 (batch,))
+    keys of the caches (batch, seqlen_cache, kv_heads, head_dim): split over the keys, each split's
+    partial output and lse reduced in a second pass. Returns out like q."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_cache, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group_size = heads // kv_heads
+    window_left, window_right, mask = _mask(causal, window, seqlen_q, seqlen_cache)
+    block_d = head_dim_block(head_dim)
+    cfg = attn_config(DECODE_CONFIGS, head_dim, q.device)
+    rows = group_size * seqlen_q
+    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(rows)))
+    row_tiles = triton.cdiv(rows, block_m)
+    splits = decode_splits(batch * kv_heads * row_tiles, seqlen_cache, cfg.block_n, runtime.num_sms(q.device))
+    keys_per_split = triton.cdiv(triton.cdiv(seqlen_cache, splits), cfg.block_n) * cfg.block_n
+    splits = triton.cdiv(seqlen_cache, keys_per_split)  # none left without keys by the rounding
+    out = runtime.empty(q.shape, q.dtype, q.device)
+    o_split = runtime.empty((splits, batch, heads, seqlen_q, head_dim), torch.float32, q.device)
+    lse_split = runtime.empty((splits, batch, heads, seqlen_q), torch.float32, q.device)
+    with runtime.device_guard(q):
+        runtime.launch(
+            _attn_decode_kernel, (batch * kv_heads, splits, row_tiles),
+            q, k_cache, v_cache, o_split, lse_split, seqlens_k, softmax_scale=softmax_scale,
+            seqlen_q=seqlen_q, keys_per_split=keys_per_split, window_left=window_left,
+            window_right=window_right, kv_heads=kv_heads, group_size=group_size,
+            **_stride_args(q=q, k=k_cache, v=v_cache), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
+            BLOCK_N=cfg.block_n, **mask, INLINE_PTX=inline_ptx(q), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
+        )  # fmt: skip
+        runtime.launch(
+            _attn_decode_reduce_kernel, (batch * heads * seqlen_q,),
+            o_split, lse_split, out, splits, batch * heads * seqlen_q, heads, seqlen_q,
+            **{f"stride_o{d}": st for d, st in zip("bsh", _strides(out), strict=True)},
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=DECODE_REDUCE_BLOCK_S,
+            num_warps=DECODE_REDUCE_NUM_WARPS, **runtime.COMPILE_OPTIONS,
+        )  # fmt: skip
+    return out
 
 
 def attention_bwd(
@@ -1038,7 +1289,7 @@ def attention_bwd(
                 softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
                 group_size=group_size,
                 **_stride_args(q=q, k=k, v=v, do=dout, dq=dq), **lse_strides,
-                **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
+                **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma, INLINE_PTX=inline_ptx(q),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
     return dq, dk, dv
@@ -1203,6 +1454,15 @@ def _validate_sequences(q, k, packed: Packed) -> None:
             raise ValueError(f"{fn}: {max_name} is {longest} but a sequence has {lengths.max().item()} rows")
 
 
+def resolve_softmax_scale(softmax_scale: float | None, head_dim: int, fn: str) -> float:
+    """softmax_scale, 1 / sqrt(head_dim) by default. It must be positive: the kernels take the row
+    maximum of the raw scores and scale it, which a negative scale would turn into the minimum."""
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    if not scale > 0 or math.isinf(scale):
+        raise ValueError(f"{fn}: softmax_scale must be a finite number > 0, got {softmax_scale!r}")
+    return scale
+
+
 def normalize_mask(causal: bool, window_size, fn: str = "flash_attention") -> tuple[bool, tuple[int, int]]:
     """(causal, window) with the window validated and causal folded into it: causal is the right
     side at 0, a window of (-1, 0) is plain causal, and a returned window other than (-1, -1) is
@@ -1244,7 +1504,7 @@ def flash_attention(
     bottom-right corner (query i sees keys j <= i + seqlen_k - seqlen_q; a query that sees none
     gets zeros). window_size (left, right) is a sliding window, as flash-attn's: query i sees keys
     i + seqlen_k - seqlen_q - left to i + seqlen_k - seqlen_q + right, -1 for an unbounded side;
-    with causal the right side is 0. softmax_scale defaults to 1 / sqrt(head_dim). Every argument
+    with causal the right side is 0. softmax_scale (> 0) defaults to 1 / sqrt(head_dim). Every argument
     after v is keyword-only: flash-attn's fourth positional argument is dropout_p, which this
     function does not take, so ``flash_attention(q, k, v, 0.1)`` raises rather than runs causal.
 
@@ -1253,10 +1513,11 @@ def flash_attention(
     Returns out (batch, seqlen_q, heads, head_dim) in q's dtype, or (out, lse) with return_lse,
     lse (batch, heads, seqlen_q) float32 the natural log-sum-exp of each row's scaled scores.
     """
+    fn = "flash_attention"
     q, k, v = runtime.autocast(q, k, v)
-    _validate(q, k, v, "flash_attention", packed=False)
+    _validate(q, k, v, fn, packed=False)
     causal, window = normalize_mask(causal, window_size)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1], fn)
     if runtime.runs_triton(q):
         if q.dtype not in SUPPORTED_DTYPES:
             raise TypeError(
@@ -1301,7 +1562,7 @@ def flash_attention_varlen(
     packed = Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _validate_sequences(q, k, packed)
     causal, window = normalize_mask(causal, window_size, fn)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1], fn)
     if runtime.runs_triton(q):
         if q.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{fn}: q, k and v must be float16 or bfloat16 on the Triton path, got {q.dtype}")
@@ -1313,3 +1574,96 @@ def flash_attention_varlen(
         )
         out = out.to(q.dtype)
     return (out, lse) if return_lse else out
+
+
+def flash_attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: int | torch.Tensor | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+) -> torch.Tensor:
+    """Attention of a few new queries to a KV cache, appending the new keys and values to it in
+    place first: flash-attn's ``flash_attn_with_kvcache``, for decoding.
+
+    q: (batch, seqlen_q, heads, head_dim); k_cache, v_cache: (batch, seqlen_cache, kv_heads,
+    head_dim), heads a multiple of kv_heads; cache_seqlens: the tokens already cached per sequence,
+    an int or an int32 tensor (batch,) (None: the whole cache). k, v (batch, seqlen_new, kv_heads,
+    head_dim), both or neither, are written to the caches at positions cache_seqlens[b] ..
+    cache_seqlens[b] + seqlen_new - 1; sequence b then attends to its first cache_seqlens[b] +
+    seqlen_new keys. causal and window_size align to each sequence's bottom-right corner, as in
+    :func:`flash_attention`: query i is at position i + seqlen_k - seqlen_q, so the new tokens see
+    the cache and the new tokens before them. float16 or bfloat16 (float32 only on the CPU reference
+    path), the caches in q's dtype; a unit stride in the last dimension. The keys are split among
+    programs (two per SM) and a GQA group's query heads share one tile; a second pass reduces the
+    splits. The lengths are trusted on a GPU (checked on the CPU). Returns out like q.
+    """
+    fn = "flash_attention_with_kvcache"
+    q = runtime.autocast(q)[0]
+    _validate(q, k_cache, v_cache, fn, packed=False)
+    batch, seqlen_q, _, head_dim = q.shape
+    seqlen_cache = k_cache.shape[1]
+    if (k is None) != (v is None):
+        raise ValueError(f"{fn}: k and v must be given together (the new keys and values), or neither")
+    seqlen_new = 0
+    if k is not None:
+        k, v = (t.to(q.dtype) for t in (k, v))
+        seqlen_new = k.shape[1]
+        if k.dim() != 4 or k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:
+            raise ValueError(
+                f"{fn}: k and v must be (batch, seqlen_new, kv_heads, head_dim) = ({batch}, *, "
+                f"{k_cache.shape[2]}, {head_dim}), got {list(k.shape)} and {list(v.shape)}"
+            )
+    if cache_seqlens is None:
+        cache_seqlens = seqlen_cache - seqlen_new
+    if isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,):
+            raise ValueError(
+                f"{fn}: cache_seqlens must be an int or an int32 tensor ({batch},), got "
+                f"{cache_seqlens.dtype} of shape {list(cache_seqlens.shape)}"
+            )
+        if cache_seqlens.device != q.device:
+            raise ValueError(f"{fn}: cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
+        lengths = cache_seqlens
+        if q.device.type == "cpu" and not torch.compiler.is_compiling():
+            if (cache_seqlens < 0).any() or (cache_seqlens + seqlen_new > seqlen_cache).any():
+                raise ValueError(
+                    f"{fn}: cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache's "
+                    f"length), got cache_seqlens {cache_seqlens.tolist()} and seqlen_new {seqlen_new}"
+                )
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= seqlen_cache - seqlen_new:
+            raise ValueError(
+                f"{fn}: cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache's "
+                f"length), got cache_seqlens {cache_seqlens} and seqlen_new {seqlen_new}"
+            )
+        lengths = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    else:
+        raise ValueError(f"{fn}: cache_seqlens must be an int or an int32 tensor, got {cache_seqlens!r}")
+    causal, window = normalize_mask(causal, window_size, fn)
+    scale = resolve_softmax_scale(softmax_scale, head_dim, fn)
+    if k is not None:
+        if isinstance(cache_seqlens, int):
+            k_cache[:, cache_seqlens : cache_seqlens + seqlen_new] = k
+            v_cache[:, cache_seqlens : cache_seqlens + seqlen_new] = v
+        else:  # each sequence's rows at its own length: one scatter per cache
+            rows = (lengths[:, None] + torch.arange(seqlen_new, device=q.device)).long()  # (batch, new)
+            sequences = torch.arange(batch, device=q.device)[:, None]
+            k_cache[sequences, rows] = k
+            v_cache[sequences, rows] = v
+        lengths = lengths + seqlen_new
+    if runtime.runs_triton(q):
+        if q.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{fn}: q and the caches must be float16 or bfloat16 on the Triton path, got {q.dtype}"
+            )
+        if seqlen_q > DECODE_MAX_SEQLEN_Q and isinstance(cache_seqlens, int):  # a prompt: the prefill kernel
+            end = cache_seqlens + seqlen_new
+            return attention_fwd(q, k_cache[:, :end], v_cache[:, :end], causal, scale, window)[0]
+        return attention_decode(q, k_cache, v_cache, lengths, causal, scale, window)
+    return reference.attention_kvcache(q, k_cache, v_cache, lengths, causal, scale, window).to(q.dtype)

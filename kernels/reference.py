@@ -113,6 +113,17 @@ def attention(
     return torch.einsum("bhqk,bkhd->bqhd", probs, v), lse
 
 
+def attention_kvcache(q, k_cache, v_cache, seqlens_k, causal=False, softmax_scale=None, window_size=(-1, -1)):
+    """:func:`attention` of each sequence b of q (batch, seqlen_q, heads, head_dim) to the first
+    seqlens_k[b] keys of the caches (batch, seqlen_cache, kv_heads, head_dim): out only."""
+    outs = [
+        attention(q[b : b + 1], k_cache[b : b + 1, :n], v_cache[b : b + 1, :n], causal, softmax_scale,
+                  window_size=window_size)[0]
+        for b, n in enumerate(torch.as_tensor(seqlens_k).tolist())
+    ]  # fmt: skip
+    return torch.cat(outs)
+
+
 def attention_varlen(
     q,
     k,

@@ -444,6 +444,14 @@ BAD_INPUTS = [
         r"head_dim must be in \[1, 256\]",
     ),
     *[
+        (
+            lambda q, k, v, s=scale: kernels.flash_attention(q, k, v, softmax_scale=s),
+            ValueError,
+            "softmax_scale",
+        )
+        for scale in [-0.5, 0.0, float("nan")]
+    ],
+    *[
         (lambda q, k, v, w=window: kernels.flash_attention(q, k, v, window_size=w), ValueError, "window_size")
         for window in [(-2, 0), (3,), 4, (1.5, 2), (True, 0)]
     ],
@@ -697,3 +705,152 @@ def test_frozen_inputs_launch_no_pass_for_their_gradient(trained, passes, device
         assert (leaf.grad is not None) == (name in trained)
         if name in trained:  # the same gradient as with every input trained, bit for bit
             assert torch.equal(leaf.grad, full[name]), name
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding against a KV cache (flash_attention_with_kvcache)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheCase:
+    batch: int
+    seqlen_q: int
+    seqlen_new: int  # new keys appended (0: none given)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    seqlen_cache: int
+    cached: tuple[int, ...]  # tokens in each sequence's cache before the append
+
+    def __str__(self):
+        return (
+            f"b{self.batch}-q{self.seqlen_q}-new{self.seqlen_new}-h{self.heads}/{self.kv_heads}kv-"
+            f"d{self.head_dim}-cache{self.seqlen_cache}-{'.'.join(map(str, self.cached))}"
+        )
+
+
+# One token and a few (2, 5, 16), GQA groups of 1, 3, 4 and 8 (a group's rows filling one tile
+# or two), MQA, padded head dims, empty caches, a cache filled to its end, and in the interpreter
+# (16-key blocks, 4 SMs) splits of the keys: 1 to 8.
+CACHE_CASES = [
+    CacheCase(1, 1, 1, 8, 1, 64, 70, (40,)),
+    CacheCase(3, 1, 1, 6, 2, 40, 37, (0, 17, 36)),
+    CacheCase(2, 5, 5, 4, 4, 32, 29, (24, 3)),
+    CacheCase(1, 9, 9, 4, 1, 24, 50, (11,)),
+    CacheCase(2, 16, 0, 3, 1, 64, 33, (33, 16)),
+    CacheCase(2, 2, 2, 2, 2, 128, 19, (0, 0)),
+    CacheCase(1, 3, 1, 2, 1, 256, 23, (7,)),
+]
+
+
+def sdpa_on_cache(q, k_cache, v_cache, lengths, causal, window, dtype):
+    """SDPA of each sequence's queries on its first lengths[b] cache rows, computed in dtype; rows
+    that see no key are zero."""
+    outs = []
+    for b, n in enumerate(lengths):
+        qb, kb, vb = (
+            t[b : b + 1, : n if t is not q else None].to(dtype).transpose(1, 2) for t in (q, k_cache, v_cache)
+        )
+        rows = torch.arange(q.shape[1])[:, None] + n - q.shape[1]
+        cols = torch.arange(n)[None, :]
+        visible = torch.ones(q.shape[1], n, dtype=torch.bool)
+        if causal:
+            visible &= cols <= rows
+        if window[0] >= 0:
+            visible &= cols >= rows - window[0]
+        if window[1] >= 0:
+            visible &= cols <= rows + window[1]
+        out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible, enable_gqa=True)
+        outs.append(torch.where(visible.any(-1)[:, None], out.nan_to_num(), 0.0).transpose(1, 2))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize(
+    "causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (6, -1))], ids=["causal", "full", "window6"]
+)
+@pytest.mark.parametrize("case", CACHE_CASES, ids=str)
+def test_kvcache_matches_sdpa_on_the_cache(case, causal, window, device):
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=torch.float16)
+
+    q = randn(case.batch, case.seqlen_q, case.heads, case.head_dim)
+    kv_shape = (case.batch, case.seqlen_cache, case.kv_heads, case.head_dim)
+    k_cache, v_cache = randn(*kv_shape), randn(*kv_shape)
+    new_shape = (case.batch, case.seqlen_new, case.kv_heads, case.head_dim)
+    k, v = (randn(*new_shape), randn(*new_shape)) if case.seqlen_new else (None, None)
+    before = k_cache.clone(), v_cache.clone()
+    cached = torch.tensor(case.cached, dtype=torch.int32, device=device)
+    out = kernels.flash_attention_with_kvcache(
+        q, k_cache, v_cache, cached, k, v, causal=causal, window_size=window
+    )
+    lengths = [n + case.seqlen_new for n in case.cached]
+    for cache, old, new in zip((k_cache, v_cache), before, (k, v), strict=True):
+        expected = old.clone()
+        for b, n in enumerate(case.cached):
+            if new is not None:
+                expected[b, n : n + case.seqlen_new] = new[b]
+        assert torch.equal(cache, expected), "the append wrote outside its rows, or not at all"
+    truth = sdpa_on_cache(q.cpu(), k_cache.cpu(), v_cache.cpu(), lengths, causal, window, torch.float64)
+    baseline = sdpa_on_cache(q.cpu(), k_cache.cpu(), v_cache.cpu(), lengths, causal, window, torch.float32)
+    assert_close("out", out.cpu(), truth, baseline.to(out.dtype))
+
+
+def test_kvcache_int_lengths_and_whole_cache_match_a_tensor_of_lengths(device):
+    q, k_cache, v_cache = make_qkv(Shape(2, 1, 21, 4, 2, 64), torch.float16, device, requires_grad=False)
+    k_new, v_new = (t[:, :1].clone() for t in (k_cache, v_cache))
+    whole = kernels.flash_attention_with_kvcache(q, k_cache, v_cache, causal=True)
+    lengths = torch.full((2,), 21, dtype=torch.int32, device=device)
+    torch.testing.assert_close(
+        whole, kernels.flash_attention_with_kvcache(q, k_cache, v_cache, lengths, causal=True)
+    )
+    by_int = kernels.flash_attention_with_kvcache(
+        q, k_cache.clone(), v_cache.clone(), 20, k_new, v_new, causal=True
+    )
+    caches = k_cache.clone(), v_cache.clone()
+    by_tensor = kernels.flash_attention_with_kvcache(q, *caches, lengths - 1, k_new, v_new, causal=True)
+    torch.testing.assert_close(by_int, by_tensor, rtol=0, atol=0)
+
+
+def test_kvcache_splits_the_keys_and_packs_the_group(device, monkeypatch):
+    # The cases above run split: record the launches of one of them.
+    launches = []
+    decode = attention.attention_decode
+
+    def spy(q, k_cache, *args):
+        cfg = attention.attn_config(attention.DECODE_CONFIGS, q.shape[-1], q.device)
+        launches.append(attention.decode_splits(k_cache.shape[2] * q.shape[0], k_cache.shape[1], cfg.block_n,
+                                                runtime.num_sms(q.device)))  # fmt: skip
+        return decode(q, k_cache, *args)
+
+    monkeypatch.setattr(attention, "attention_decode", spy)
+    monkeypatch.setattr(attention, "DECODE_REDUCE_BLOCK_S", 2)  # the reduce's loop over the splits
+    q, k_cache, v_cache = make_qkv(Shape(1, 1, 400, 8, 1, 64), torch.float16, device, requires_grad=False)
+    out = kernels.flash_attention_with_kvcache(q, k_cache, v_cache, 300)
+    assert launches[0] > 2
+    lengths = torch.tensor([300])
+    truth = reference.attention_kvcache(*(t.double() for t in (q, k_cache, v_cache)), lengths)
+    baseline = reference.attention_kvcache(q, k_cache, v_cache, lengths).to(out.dtype)
+    assert_close("out", out, truth, baseline)
+    assert attention.decode_splits(1, 4096, 64, 132) == 64  # 2 programs per SM at batch 1, MQA
+
+
+def test_kvcache_bad_input_is_named():
+    q = torch.randn(2, 1, 4, 16, dtype=torch.float16)
+    cache = torch.randn(2, 10, 2, 16, dtype=torch.float16)
+    new = torch.randn(2, 1, 2, 16, dtype=torch.float16)
+    fn = kernels.flash_attention_with_kvcache
+    with pytest.raises(ValueError, match="k and v must be given together"):
+        fn(q, cache, cache.clone(), 3, new)
+    with pytest.raises(ValueError, match=r"k and v must be \(batch, seqlen_new, kv_heads, head_dim\)"):
+        fn(q, cache, cache.clone(), 3, new[:, :, :1], new[:, :, :1])
+    with pytest.raises(ValueError, match="cache_seqlens must be an int or an int32 tensor"):
+        fn(q, cache, cache.clone(), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=r"cache_seqlens \+ seqlen_new must lie in \[0, 10\]"):
+        fn(q, cache, cache.clone(), 10, new, new.clone())
+    with pytest.raises(ValueError, match=r"cache_seqlens \+ seqlen_new must lie in \[0, 10\]"):
+        fn(q, cache, cache.clone(), torch.tensor([2, 11], dtype=torch.int32))
+    with pytest.raises(ValueError, match="must be a multiple of"):
+        fn(torch.randn(2, 1, 3, 16, dtype=torch.float16), cache, cache.clone())

@@ -152,6 +152,28 @@ def test_window_and_packed_cases_in_full_runs_only():
     assert not {c.kernel for c in attention.cases(quick=True)} - {"attention"}
 
 
+def test_decode_cases_read_the_cache_once():
+    decode = [c for c in attention.cases(quick=False) if c.kernel == "attention_decode"]
+    assert {c.implementation for c in decode} == {"ours", "ours-prefill", "sdpa", "flash-attn"}
+    assert len(decode) == len(attention.DECODE_SHAPES) * 4 and {c.direction for c in decode} == {"forward"}
+    assert all(c.check is not None for c in decode if c.implementation == "ours")
+    for c in decode:
+        p = c.params
+        assert c.unit == "byte" and c.work == 2 * p["batch"] * p["cache"] * p["kv_heads"] * p["head_dim"] * 2
+
+
+@pytest.mark.interpreter
+def test_check_decode_passes_ours_and_fails_a_wrong_result(monkeypatch):
+    import kernels
+
+    errors, ok = attention.check_decode(2, 70, 64, "cpu")
+    assert ok and set(errors) == {"out"}, errors
+    decode = kernels.flash_attention_with_kvcache
+    monkeypatch.setattr(kernels, "flash_attention_with_kvcache", lambda *a, **kw: 1.05 * decode(*a, **kw))
+    errors, ok = attention.check_decode(2, 70, 64, "cpu")
+    assert not ok and errors["out"] > attention.TOLERANCE
+
+
 def test_window_and_packed_flop_counts():
     # Seqlen 5, window 2: queries see 1, 2, 3, 3, 3 keys.
     assert attention.window_flops(2, 3, 5, 64, window=2) == 4 * 2 * 3 * 64 * 12
@@ -175,7 +197,7 @@ def test_check_packed_passes_ours_and_fails_a_wrong_result(monkeypatch):
 @pytest.mark.interpreter
 def test_interpreter_checks_pass():
     results = attention.interpreter_checks()
-    assert len(results) == 2 * len(attention.INTERPRETER_SHAPES) + 2
+    assert len(results) == 2 * len(attention.INTERPRETER_SHAPES) + 3
     assert all(ok for _, _, ok in results), results
 
 

@@ -552,3 +552,31 @@ def test_the_pointer_paths_compile_no_32_bit_stride_product():
     products = json.loads(run.stdout)
     assert len(products) == 14, sorted(products)
     assert {kernel: found for kernel, found in products.items() if found} == {}
+
+
+def test_sass_loops_finds_the_innermost_hgmma_loop_without_the_out_of_line_waits():
+    from bench import sass_loops
+
+    sass = "\n".join(
+        f"        /*{offset:04x}*/  {text} ;"
+        for offset, text in enumerate(
+            [
+                "MOV R1, c[0x0][0x28]",
+                "FMUL R2, R3, R4",  # 0x10: the loop's first instruction
+                "HGMMA.64x128x16.F32 R24, R212, gdesc[UR12], RZ, !UPT",
+                "@!P1 BRA 0x90",  # into the wait at the end
+                "FFMA R5, R6, R7, R8",
+                "MUFU.EX2 R9, R9",
+                "@P0 BRA 0x10",  # 0x60: the loop's backward branch
+                "EXIT",
+                "BRA 0x70",
+                "@!P1 BRA 0x90",  # 0x90: the out-of-line wait, branching back into the loop
+                "BRA 0x40",
+            ]
+        )
+        for offset in [offset * 16]
+    )
+    [loop] = sass_loops.main_loops(sass)
+    assert (loop.start, loop.end, len(loop.instructions)) == (0x10, 0x60, 6)
+    assert (loop.count("FMUL"), loop.count("FFMA"), loop.count("MUFU"), loop.count("HGMMA")) == (1, 1, 1, 1)
+    assert loop.tensor_flops(num_warps=8) == 2 * 2 * 64 * 128 * 16  # two warpgroups issue it

@@ -102,6 +102,28 @@ def test_kv_cache_matches_the_full_forward(variant):
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kv_cache_on_the_kernels_decodes_in_place_like_the_full_forward(variant, device, monkeypatch):
+    # fp16 on the triton backend: the cached steps run flash_attention_with_kvcache, whose in-place
+    # appends must leave the cache as the full forward's keys, and whose outputs match it.
+    config = VARIANTS[variant]
+    _, model = _pair(config, device)
+    model.eval()
+    with torch.no_grad():  # scores far from 0, so that attention depends on which keys are cached
+        for block in model.blocks:
+            block.attn.c_attn.weight.mul_(30)
+    calls = _count_calls(monkeypatch, ["flash_attention", "flash_attention_with_kvcache"])
+    idx = torch.randint(0, config.vocab_size, (2, 12), device=device)
+    with torch.no_grad(), torch.autocast(device, torch.float16):
+        full = model(idx)
+        cache = KVCache(config)
+        parts = [model(idx[:, :5], cache), model(idx[:, 5:9], cache)]
+        parts += [model(idx[:, i : i + 1], cache) for i in range(9, 12)]
+    assert calls == {"flash_attention": config.n_layer, "flash_attention_with_kvcache": 5 * config.n_layer}
+    error = (torch.cat(parts, dim=1).float() - full.float()).abs().max() / full.float().abs().max()
+    assert error < 1e-2, f"cached steps differ from the full forward by {error:.3g} of its largest logit"
+
+
 def test_causal_attention_matches_an_explicit_mask_with_gqa():
     torch.manual_seed(0)
     q = torch.randn(2, 3, 4, 8)  # the last 3 of 7 positions
