@@ -221,7 +221,8 @@ def cross_entropy_fwd(
     out = dlogits if write_grad else logits
     dloss = dloss if write_grad else loss
     with runtime.device_guard(logits):
-        _cross_entropy_kernel[(M,)](
+        runtime.launch(
+            _cross_entropy_kernel, (M,),
             logits, out, target, dloss, loss, lse,
             V, logits.stride(0), out.stride(0), dloss.stride(0) if dloss.dim() else 0, ignore_index,
             **_scalars(label_smoothing, z_loss), HAS_SMOOTHING=label_smoothing > 0, WRITE_GRAD=write_grad,
@@ -238,7 +239,8 @@ def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor, smoothing: b
         return stats
     cfg = row_config(V, runtime.arch(logits.device))
     with runtime.device_guard(logits):
-        _cross_entropy_stats_kernel[(M,)](
+        runtime.launch(
+            _cross_entropy_stats_kernel, (M,),
             logits, target, stats, M, V, logits.stride(0), HAS_SMOOTHING=smoothing,
             BLOCK_V=cfg.block_v, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
@@ -260,7 +262,8 @@ def cross_entropy_grad_(
         return
     cfg = row_config(V, runtime.arch(logits.device))
     with runtime.device_guard(logits):
-        _cross_entropy_grad_kernel[(M,)](
+        runtime.launch(
+            _cross_entropy_grad_kernel, (M,),
             logits, target, lse, scale, V, logits.stride(0), vocab, **_scalars(label_smoothing, z_loss),
             BLOCK_V=cfg.block_v, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
