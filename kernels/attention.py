@@ -821,10 +821,8 @@ def _attn_decode_reduce_kernel(
         acc += tl.sum(o_s * weights[:, None], axis=0)
     out = acc / tl.maximum(tl.sum(total, axis=0), 1e-30)
     i = row % seqlen_q
-    bh = row // seqlen_q
-    base = (
-        OUT + (bh // heads).to(tl.int64) * stride_ob + i.to(tl.int64) * stride_os + (bh % heads) * stride_oh
-    )
+    bh = (row // seqlen_q).to(tl.int64)
+    base = OUT + (bh // heads) * stride_ob + i.to(tl.int64) * stride_os + (bh % heads) * stride_oh
     tl.store(base + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 

@@ -500,7 +500,15 @@ def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_wi
     backward(kernels.gated_linear(x, w1, w2, activation="silu"))
     backward(kernels.fused_mlp(x, w1, None, w3.t().contiguous(), None, activation="gelu"))
     backward(kernels.fused_gated_mlp(x, w1, w2, w3.t().contiguous(), activation="silu"))
-    defined = {name for module in (attention, layernorm, mlp) for name, value in vars(module).items()
+    cache = torch.randn(1, 8, 2, 16, **f16)
+    kernels.flash_attention_with_kvcache(q[:, :1], cache, cache.clone(), cache_seqlens=3)  # decode
+    logits, target = torch.randn(5, 70, requires_grad=True), torch.randint(0, 70, (5,))
+    backward(kernels.cross_entropy(logits, target))
+    loss = sys.modules["kernels.cross_entropy"]  # the module, which kernels.cross_entropy hides
+    one_rank = loss.VocabShard(0, 70, all_reduce_max=lambda t: None, all_reduce_sum=lambda t: None)
+    xs, ws = torch.randn(5, 16), torch.randn(70, 16)
+    loss.linear_cross_entropy_chunks(xs, ws, None, target, torch.ones(5), -100, 0.0, 0.0, True, one_rank)
+    defined = {name for module in (attention, layernorm, mlp, loss) for name, value in vars(module).items()
                if isinstance(value, interpreted) and name.endswith("_kernel")}  # fmt: skip
     assert {name for name, _ in launches} == defined
     assert all(options == runtime.COMPILE_OPTIONS for _, options in launches), launches
@@ -543,14 +551,15 @@ print(json.dumps({f"{k} {v}": r.narrow_stride_products for (k, v), r in
 
 
 def test_the_pointer_paths_compile_no_32_bit_stride_product():
-    # Each attention pass (padded and packed) and MLP GEMM on its pointer path, built for sm_90.
+    # Each attention pass (padded and packed), the decode pass and its reduce, and each MLP GEMM on its
+    # pointer path, built for sm_90.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     run = subprocess.run(
         [sys.executable, "-c", WIDE_OFFSETS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
     )
     assert run.returncode == 0, run.stderr
     products = json.loads(run.stdout)
-    assert len(products) == 14, sorted(products)
+    assert len(products) == 16, sorted(products)
     assert {kernel: found for kernel, found in products.items() if found} == {}
 
 
