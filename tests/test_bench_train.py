@@ -148,18 +148,14 @@ def test_the_gpu_path_with_a_stand_in_gpu_writes_the_report(monkeypatch, tmp_pat
     assert all(math.isfinite(r["extra"]["loss"]) for r in report["results"])
 
 
-@pytest.mark.parametrize(
-    "error", [RuntimeError("inductor failed"), KeyboardInterrupt()], ids=lambda e: type(e).__name__
-)
-def test_a_backend_that_fails_or_is_interrupted_costs_only_its_result(error, monkeypatch, tmp_path, capsys):
-    # reference-compile raises as it is built: an error skips it and the next backend still runs; an
-    # interrupt (the device check's time limit sends SIGINT) ends the measuring. Either way the
-    # report keeps what was measured and the exit code says something is missing.
+def steps_on_a_stand_in_h200(monkeypatch, failing: str, error: BaseException) -> None:
+    """bench.train's steps run on the CPU, 10 ms each on a stand-in H200's clock; the failing
+    backend's raises error as it is built."""
     clock = stand_in_h200(monkeypatch)
     make_step = bench_train.make_step
 
     def make_step_on_the_cpu(cfg, config, backend, device):
-        if backend == "reference-compile":
+        if backend == failing:
             raise error
         step = make_step(cfg, config, backend, "cpu")
 
@@ -170,6 +166,16 @@ def test_a_backend_that_fails_or_is_interrupted_costs_only_its_result(error, mon
         return timed
 
     monkeypatch.setattr(bench_train, "make_step", make_step_on_the_cpu)
+
+
+@pytest.mark.parametrize(
+    "error", [RuntimeError("inductor failed"), KeyboardInterrupt()], ids=lambda e: type(e).__name__
+)
+def test_a_backend_that_fails_or_is_interrupted_costs_only_its_result(error, monkeypatch, tmp_path, capsys):
+    # reference-compile raises as it is built: an error skips it and the next backend still runs; an
+    # interrupt (the device check's time limit sends SIGINT) ends the measuring. Either way the
+    # report keeps what was measured and the exit code says something is missing.
+    steps_on_a_stand_in_h200(monkeypatch, failing="reference-compile", error=error)
     argv = ["--preset", "tiny", "--batch-size", "4", "--precision", "fp32", "--warmup", "0", "--steps", "2",
             "--backends", "triton", "reference-compile", "reference", "--out", str(tmp_path)]  # fmt: skip
     assert bench_train.gpu_main(*bench_train.parse_args(argv)) == 1
@@ -223,21 +229,9 @@ def test_the_bench_suite_runs_the_training_step():
 
 
 def test_triton_out_of_memory_is_broken_and_its_gate_not_measured(monkeypatch, tmp_path, capsys):
-    clock = stand_in_h200(monkeypatch)
-    make_step = bench_train.make_step
-
-    def make_step_on_the_cpu(cfg, config, backend, device):
-        if backend == "triton":
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
-        step = make_step(cfg, config, backend, "cpu")
-
-        def timed():
-            clock.now += 0.010
-            return step()
-
-        return timed
-
-    monkeypatch.setattr(bench_train, "make_step", make_step_on_the_cpu)
+    steps_on_a_stand_in_h200(
+        monkeypatch, failing="triton", error=torch.cuda.OutOfMemoryError("CUDA out of memory")
+    )
     argv = ["--preset", "tiny", "--batch-size", "4", "--precision", "fp32", "--warmup", "0", "--steps", "2",
             "--backends", "triton", "reference-compile", "--out", str(tmp_path)]  # fmt: skip
     assert bench_train.gpu_main(*bench_train.parse_args(argv)) == 1  # without --gate too
