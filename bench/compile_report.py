@@ -476,7 +476,8 @@ def _norm_kernel_configs(norm, shape_class, dtype, ty, flags, cfg, backward) -> 
         return [KernelConfig(f"{norm}_fwd", shape_class, dtype, fn, pointers, constexprs, cfg.num_warps)]
     pointers = dict.fromkeys(("DY", "DRESIDUAL_OUT", "X", "W", "DX"), ty)
     pointers.update(dict.fromkeys(("MEAN", "RSTD", "C1", "C2", "DW_PARTIAL", "DB_PARTIAL"), "fp32"))
-    constexprs = {**flags, "HAS_DRESIDUAL": True, **blocks, "COEFFS_IN_TILE": cfg.row_in_registers}
+    constexprs = {**flags, "HAS_DRESIDUAL": True, "HAS_DX": True, "HAS_DW": True, **blocks,
+                  "COEFFS_IN_TILE": cfg.row_in_registers}  # fmt: skip
     fn = "kernels.layernorm._norm_bwd_kernel"
     configs = [KernelConfig(f"{norm}_bwd", shape_class, dtype, fn, pointers, constexprs, cfg.num_warps)]
     if not cfg.row_in_registers:

@@ -289,7 +289,9 @@ def _norm_bwd_kernel(
     IS_RMS: tl.constexpr,
     HAS_DRESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,  # dbias wanted (the backward needs no bias otherwise)
+    HAS_DX: tl.constexpr,  # dx wanted: the input or the residual trains
+    HAS_DW: tl.constexpr,  # dweight wanted: a weight that trains (a frozen one only scales dx)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     COEFFS_IN_TILE: tl.constexpr,
@@ -322,26 +324,27 @@ def _norm_bwd_kernel(
             IS_RMS,
             HAS_WEIGHT,
         )
-        if COEFFS_IN_TILE:
-            c1 = tl.sum(x_hat * wdy, axis=1) / N
-            c2 = tl.sum(wdy, axis=1) / N
-        else:
-            c1 = tl.load(C1 + rows, mask=row_mask, other=0.0)
-            c2 = tl.load(C2 + rows, mask=row_mask, other=0.0)
-        if IS_RMS:
-            dx = (wdy - x_hat * c1[:, None]) * rstd[:, None]
-        else:
-            dx = (wdy - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
-        if HAS_DRESIDUAL:
-            dres_ptrs = DRESIDUAL_OUT + rows[:, None] * stride_dres_row + cols[None, :]
-            dx += tl.load(dres_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + rows[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        if HAS_WEIGHT:
+        if HAS_DX:
+            if COEFFS_IN_TILE:
+                c1 = tl.sum(x_hat * wdy, axis=1) / N
+                c2 = tl.sum(wdy, axis=1) / N
+            else:
+                c1 = tl.load(C1 + rows, mask=row_mask, other=0.0)
+                c2 = tl.load(C2 + rows, mask=row_mask, other=0.0)
+            if IS_RMS:
+                dx = (wdy - x_hat * c1[:, None]) * rstd[:, None]
+            else:
+                dx = (wdy - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
+            if HAS_DRESIDUAL:
+                dres_ptrs = DRESIDUAL_OUT + rows[:, None] * stride_dres_row + cols[None, :]
+                dx += tl.load(dres_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + rows[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_DW:
             dw_acc += tl.sum(dy * x_hat, axis=0)
         if HAS_BIAS:
             db_acc += tl.sum(dy, axis=0)
     partial = pid_m.to(tl.int64) * N + cols
-    if HAS_WEIGHT:
+    if HAS_DW:
         tl.store(DW_PARTIAL + partial, dw_acc, mask=col_mask)
     if HAS_BIAS:
         tl.store(DB_PARTIAL + partial, db_acc, mask=col_mask)
@@ -458,29 +461,33 @@ def norm_bwd(
     rstd: torch.Tensor,
     has_bias: bool,
     rms: bool,
+    needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`norm_fwd`; ``x`` is the normalised input (``residual_out`` if any).
 
     Returns ``(dx, dweight, dbias)``: dx (M, N) in x's dtype, also the gradient of the residual;
-    dweight and dbias (N,) in weight's dtype, or empty tensors where there is no such parameter.
+    dweight and dbias (N,) in weight's dtype. needs (dx, dweight, dbias) says which are wanted: one
+    not wanted, or without its parameter, is an empty tensor, neither computed nor stored.
     """
+    needs_dx, needs_dw, needs_db = needs[0], needs[1] and weight is not None, needs[2] and has_bias
     M, N = x.shape
     fp32 = torch.float32
     dy = _unit_column_stride(dy)
     if dresidual_out is not None:
         dresidual_out = _unit_column_stride(dresidual_out)
-    dx = runtime.empty((M, N), x.dtype, x.device)
+    dx = runtime.empty((M, N) if needs_dx else (0,), x.dtype, x.device)
     cfg = row_config(N, backward=True, dtype=x.dtype, arch=runtime.arch(x.device))
     rows_per_program = backward_rows_per_program(M, cfg, x.device) if M else 1
     grid = (triton.cdiv(M, rows_per_program), triton.cdiv(N, cfg.block_n))
-    dw_partial = runtime.empty((grid[0], N) if weight is not None else (0,), fp32, x.device)
-    db_partial = runtime.empty((grid[0], N) if has_bias else (0,), fp32, x.device)
+    dw_partial = runtime.empty((grid[0], N) if needs_dw else (0,), fp32, x.device)
+    db_partial = runtime.empty((grid[0], N) if needs_db else (0,), fp32, x.device)
     if M > 0:
-        coeffs = runtime.empty((0,) if cfg.row_in_registers else (2, M), fp32, x.device)
+        chunked_dx = needs_dx and not cfg.row_in_registers  # dx's row coefficients in a pass first
+        coeffs = runtime.empty((2, M) if chunked_dx else (0,), fp32, x.device)
         w = _dummy_if_none(weight, x)
         dres = _dummy_if_none(dresidual_out, dy)
         with runtime.device_guard(x):
-            if not cfg.row_in_registers:
+            if chunked_dx:
                 runtime.launch(
                     _norm_bwd_row_coeffs_kernel, (M,),
                     dy, x, w, mean, rstd, coeffs[0], coeffs[1],
@@ -489,21 +496,21 @@ def norm_bwd(
                     BLOCK_N=CHUNKED_BWD_ROW_COEFFS.block_n,
                     num_warps=CHUNKED_BWD_ROW_COEFFS.num_warps, **runtime.COMPILE_OPTIONS,
                 )  # fmt: skip
-            c1, c2 = (coeffs, coeffs) if cfg.row_in_registers else (coeffs[0], coeffs[1])
+            c1, c2 = (coeffs[0], coeffs[1]) if chunked_dx else (coeffs, coeffs)
             runtime.launch(
                 _norm_bwd_kernel, grid,
                 dy, dres, x, w, mean, rstd, c1, c2, dx, dw_partial, db_partial,
                 M, N, rows_per_program, dy.stride(0), dres.stride(0), x.stride(0),
                 IS_RMS=rms, HAS_DRESIDUAL=dresidual_out is not None,
-                HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
+                HAS_WEIGHT=weight is not None, HAS_BIAS=needs_db, HAS_DX=needs_dx, HAS_DW=needs_dw,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 COEFFS_IN_TILE=cfg.row_in_registers, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
     param_dtype = weight.dtype if weight is not None else x.dtype
     # Stage two of the reduction: a fixed-order sum over the programs' partial rows. Without the
     # parameter, an empty tensor of its dtype all the same (the fake kernel's).
-    dweight = dw_partial.sum(0) if weight is not None else dw_partial
-    dbias = db_partial.sum(0) if has_bias else db_partial
+    dweight = dw_partial.sum(0) if needs_dw else dw_partial
+    dbias = db_partial.sum(0) if needs_db else db_partial
     return dx, dweight.to(param_dtype), dbias.to(param_dtype)
 
 
@@ -545,18 +552,19 @@ def _norm_bwd_op(
     rstd: torch.Tensor,
     has_bias: bool,
     rms: bool,
+    needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return norm_bwd(dy, dresidual_out, x, weight, mean, rstd, has_bias, rms)
+    return norm_bwd(dy, dresidual_out, x, weight, mean, rstd, has_bias, rms, needs)
 
 
 @_norm_bwd_op.register_fake
-def _(dy, dresidual_out, x, weight, mean, rstd, has_bias, rms):
+def _(dy, dresidual_out, x, weight, mean, rstd, has_bias, rms, needs):
     N = x.shape[1]
     param_dtype = weight.dtype if weight is not None else x.dtype
     return (
-        x.new_empty(x.shape),
-        x.new_empty((N,) if weight is not None else (0,), dtype=param_dtype),
-        x.new_empty((N,) if has_bias else (0,), dtype=param_dtype),
+        x.new_empty(x.shape if needs[0] else (0,)),
+        x.new_empty((N,) if needs[1] and weight is not None else (0,), dtype=param_dtype),
+        x.new_empty((N,) if needs[2] and has_bias else (0,), dtype=param_dtype),
     )
 
 
@@ -572,12 +580,14 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy, dresidual_out, _dmean, _drstd):
     x, weight, mean, rstd = ctx.saved_tensors
     dres = dresidual_out if ctx.has_residual else None
-    dx, dweight, dbias = _norm_bwd_op(dy, dres, x, weight, mean, rstd, ctx.has_bias, ctx.rms)
+    needs_x, needs_weight, needs_bias, needs_residual = ctx.needs_input_grad[:4]
+    needs = [needs_x or needs_residual, needs_weight, needs_bias]  # x and the residual share dx
+    dx, dweight, dbias = _norm_bwd_op(dy, dres, x, weight, mean, rstd, ctx.has_bias, ctx.rms, needs)
     return (
-        dx,
-        dweight if weight is not None else None,
-        dbias if ctx.has_bias else None,
-        dx if ctx.has_residual else None,
+        dx if needs_x else None,
+        dweight if needs_weight else None,
+        dbias if needs_bias else None,
+        dx if needs_residual else None,
         None,
         None,
     )

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import all_pairs, assert_close
+from helpers import all_pairs, assert_close, record_launches
 
 import kernels
 from kernels import reference, runtime
@@ -229,6 +229,49 @@ def test_bad_input_is_named(call, error, message):
     w = torch.randn(16)
     with pytest.raises(error, match=message):
         call(x, w)
+
+
+@pytest.mark.parametrize("shape", [(33, 1000), (5, 20000)], ids=["tile", "chunked"])
+@pytest.mark.parametrize(
+    "trained",
+    [{"x"}, {"residual"}, {"weight", "bias"}, {"bias"}, {"x", "weight"}],
+    ids=lambda t: "+".join(sorted(t)),
+)
+def test_frozen_tensors_get_no_gradient_work(trained, shape, device, monkeypatch):
+    # Frozen parameters (fine-tuning) or inputs that need no gradient: the backward computes and
+    # stores nothing that only their gradient would use, and the others' gradients are unchanged.
+    M, N = shape
+    gen = torch.Generator().manual_seed(M + N)
+    t = {name: torch.randn(*size, generator=gen).to(device) for name, size in
+         (("x", (M, N)), ("residual", (M, N)), ("weight", (N,)), ("bias", (N,)), ("dy", (M, N)))}  # fmt: skip
+
+    def norm(leaves):
+        y, h = kernels.add_layer_norm(leaves["x"], leaves["residual"], (N,), leaves["weight"], leaves["bias"])
+        return y
+
+    full = {name: v.clone().requires_grad_() for name, v in t.items() if name != "dy"}
+    norm(full).backward(t["dy"])
+    leaves = {name: v.clone().requires_grad_(name in trained) for name, v in t.items() if name != "dy"}
+    y = norm(leaves)
+    allocations = []
+    empty = runtime.empty
+    monkeypatch.setattr(
+        runtime, "empty", lambda shape, *a: allocations.append(tuple(shape)) or empty(shape, *a)
+    )
+    launches = record_launches(monkeypatch)
+    y.backward(t["dy"])
+    needs_dx = bool(trained & {"x", "residual"})
+    chunked = N > 8192
+    assert [name for name, _ in launches] == ["_norm_bwd_row_coeffs_kernel"] * (needs_dx and chunked) + [
+        "_norm_bwd_kernel"
+    ]
+    assert ((M, N) in allocations) == needs_dx  # dx
+    partial_rows = [a for a in allocations if len(a) == 2 and a[1] == N and a != (M, N)]
+    assert len(partial_rows) == len(trained & {"weight", "bias"})  # dweight's and dbias's partial sums
+    for name, leaf in leaves.items():
+        assert (leaf.grad is not None) == (name in trained), name
+        if name in trained:  # the same gradient as with every leaf trained, bit for bit
+            assert torch.equal(leaf.grad, full[name].grad), name
 
 
 @pytest.mark.interpreter

@@ -32,7 +32,9 @@ def norm_cases(dtype, bias):
         x_, weight_, _, residual_, _, rms = _plain(args)
         y, residual_out, mean, rstd = OPS.norm_fwd(*_plain(args))
         h, dres = (residual_out, torch.ones_like(y)) if residual_ is not None else (x_, None)
-        cases.append((OPS.norm_bwd, (torch.ones_like(y), dres, h, weight_, mean, rstd, bias, rms)))
+        bwd = (torch.ones_like(y), dres, h, weight_, mean, rstd, bias, rms)
+        for needs in ([True] * 3, [False, True, True], [True, False, False]):  # frozen x; frozen w, b
+            cases.append((OPS.norm_bwd, (*bwd, needs)))
     return cases
 
 
