@@ -291,7 +291,7 @@ class CausalSelfAttention(nn.Module):
             # Appends k, v to the cache in place and decodes against it: keys split among programs.
             k_cache, v_cache = cache.buffers(layer, k, v)  # (B, block_size, n_kv_heads, hd)
             y = kernels.flash_attention_with_kvcache(
-                q, k_cache, v_cache, cache.length, k, v, causal=True, window_size=window
+                q, k_cache, v_cache, cache_seqlens=cache.length, k=k, v=v, causal=True, window_size=window
             )  # (B, T, n_head, hd)
         elif runs_half_kernels(self.backend, q):
             y = kernels.flash_attention(q, k, v, causal=True, window_size=window)  # (B, T, n_head, hd)

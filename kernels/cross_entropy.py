@@ -606,6 +606,7 @@ def _wants_grad(*tensors) -> bool:
 def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
+    *,
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
@@ -640,6 +641,7 @@ def linear_cross_entropy(
     weight: torch.Tensor,
     target: torch.Tensor,
     bias: torch.Tensor | None = None,
+    *,
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,

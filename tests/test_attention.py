@@ -784,7 +784,7 @@ def test_kvcache_matches_sdpa_on_the_cache(case, causal, window, device):
     before = k_cache.clone(), v_cache.clone()
     cached = torch.tensor(case.cached, dtype=torch.int32, device=device)
     out = kernels.flash_attention_with_kvcache(
-        q, k_cache, v_cache, cached, k, v, causal=causal, window_size=window
+        q, k_cache, v_cache, cache_seqlens=cached, k=k, v=v, causal=causal, window_size=window
     )
     lengths = [n + case.seqlen_new for n in case.cached]
     for cache, old, new in zip((k_cache, v_cache), before, (k, v), strict=True):
@@ -804,13 +804,15 @@ def test_kvcache_int_lengths_and_whole_cache_match_a_tensor_of_lengths(device):
     whole = kernels.flash_attention_with_kvcache(q, k_cache, v_cache, causal=True)
     lengths = torch.full((2,), 21, dtype=torch.int32, device=device)
     torch.testing.assert_close(
-        whole, kernels.flash_attention_with_kvcache(q, k_cache, v_cache, lengths, causal=True)
+        whole, kernels.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True)
     )
     by_int = kernels.flash_attention_with_kvcache(
-        q, k_cache.clone(), v_cache.clone(), 20, k_new, v_new, causal=True
+        q, k_cache.clone(), v_cache.clone(), cache_seqlens=20, k=k_new, v=v_new, causal=True
     )
     caches = k_cache.clone(), v_cache.clone()
-    by_tensor = kernels.flash_attention_with_kvcache(q, *caches, lengths - 1, k_new, v_new, causal=True)
+    by_tensor = kernels.flash_attention_with_kvcache(
+        q, *caches, cache_seqlens=lengths - 1, k=k_new, v=v_new, causal=True
+    )
     torch.testing.assert_close(by_int, by_tensor, rtol=0, atol=0)
 
 
@@ -828,7 +830,7 @@ def test_kvcache_splits_the_keys_and_packs_the_group(device, monkeypatch):
     monkeypatch.setattr(attention, "attention_decode", spy)
     monkeypatch.setattr(attention, "DECODE_REDUCE_BLOCK_S", 2)  # the reduce's loop over the splits
     q, k_cache, v_cache = make_qkv(Shape(1, 1, 400, 8, 1, 64), torch.float16, device, requires_grad=False)
-    out = kernels.flash_attention_with_kvcache(q, k_cache, v_cache, 300)
+    out = kernels.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=300)
     assert launches[0] > 2
     lengths = torch.tensor([300])
     truth = reference.attention_kvcache(*(t.double() for t in (q, k_cache, v_cache)), lengths)
@@ -843,14 +845,14 @@ def test_kvcache_bad_input_is_named():
     new = torch.randn(2, 1, 2, 16, dtype=torch.float16)
     fn = kernels.flash_attention_with_kvcache
     with pytest.raises(ValueError, match="k and v must be given together"):
-        fn(q, cache, cache.clone(), 3, new)
+        fn(q, cache, cache.clone(), cache_seqlens=3, k=new)
     with pytest.raises(ValueError, match=r"k and v must be \(batch, seqlen_new, kv_heads, head_dim\)"):
-        fn(q, cache, cache.clone(), 3, new[:, :, :1], new[:, :, :1])
+        fn(q, cache, cache.clone(), cache_seqlens=3, k=new[:, :, :1], v=new[:, :, :1])
     with pytest.raises(ValueError, match="cache_seqlens must be an int or an int32 tensor"):
-        fn(q, cache, cache.clone(), torch.tensor([1, 2]))
+        fn(q, cache, cache.clone(), cache_seqlens=torch.tensor([1, 2]))
     with pytest.raises(ValueError, match=r"cache_seqlens \+ seqlen_new must lie in \[0, 10\]"):
-        fn(q, cache, cache.clone(), 10, new, new.clone())
+        fn(q, cache, cache.clone(), cache_seqlens=10, k=new, v=new.clone())
     with pytest.raises(ValueError, match=r"cache_seqlens \+ seqlen_new must lie in \[0, 10\]"):
-        fn(q, cache, cache.clone(), torch.tensor([2, 11], dtype=torch.int32))
+        fn(q, cache, cache.clone(), cache_seqlens=torch.tensor([2, 11], dtype=torch.int32))
     with pytest.raises(ValueError, match="must be a multiple of"):
         fn(torch.randn(2, 1, 3, 16, dtype=torch.float16), cache, cache.clone())

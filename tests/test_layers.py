@@ -261,6 +261,9 @@ POSITIONAL = {
     kernels.gated_linear: (["x", "w_gate", "w_up"], None),
     kernels.fused_mlp: (["x", "w_in", "b_in", "w_out", "b_out"], None),
     kernels.fused_gated_mlp: (["x", "w_gate", "w_up", "w_down"], None),
+    kernels.flash_attention_with_kvcache: (["q", "k_cache", "v_cache"], None),  # flash-attn's fourth is k
+    kernels.cross_entropy: (["logits", "target"], None),  # F.cross_entropy's third is weight
+    kernels.linear_cross_entropy: (["x", "weight", "target", "bias"], None),  # as Liger's (fifth: ce_weight)
     layers.FusedLayerNorm: (None, nn.LayerNorm),
     layers.FusedRMSNorm: (None, nn.RMSNorm),
     layers.FusedSelfAttention: (["d_model", "n_heads"], nn.MultiheadAttention),  # then dropout

@@ -412,7 +412,8 @@ BAD_INPUTS = [
      r"w_out must have shape \[8, 32\] \(in_features = w_in's out_features"),
     (lambda t: MLP(t["x"], t["w_in"], None, t["w_out"], t["b_in"]), ValueError, r"b_out must have shape \[8"),
     (lambda t: GATED_MLP(t["x"], t["w_in"], t["w_in"], t["w_in"]), ValueError, r"w_down must have shape"),
-    (lambda t: GATED_MLP(t["x"], t["w_in"], t["w_in"], t["w_out"], "swish"), ValueError, "unknown activ"),
+    (lambda t: GATED_MLP(t["x"], t["w_in"], t["w_in"], t["w_out"], activation="swish"), ValueError,
+     "unknown activ"),
 ]  # fmt: skip
 
 
