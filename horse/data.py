@@ -399,7 +399,10 @@ def encode_pieces(
         return
     # apply_async over a bounded window, not imap: imap's feeder thread reads the whole input ahead
     # into memory whenever the workers are slower than the disk.
-    with multiprocessing.get_context("fork").Pool(workers, _start_worker, (tokenizer_path,)) as pool:
+    # spawn, not fork: a forked worker inherits locks held by the parent's threads (tqdm's monitor,
+    # the tokenizers library's pool), and a test run hung in the pool's shutdown.
+    pool = multiprocessing.get_context("spawn").Pool(workers, _start_worker, (tokenizer_path,))
+    try:
         window = collections.deque()
         for piece in pieces:
             window.append((piece, pool.apply_async(_encode_in_worker, (piece, text_field))))
@@ -408,6 +411,10 @@ def encode_pieces(
                 yield piece, *result.get()
         for piece, result in window:
             yield piece, *result.get()
+        pool.close()
+        pool.join()
+    finally:
+        pool.terminate()
 
 
 def prepare(
