@@ -298,7 +298,8 @@ def rank_step(
     random batch of (batch, seq) tokens.
     """
     from horse.loss_scale import LossScaler
-    from horse.train import TrainConfig, make_optimizer, train_step
+    from horse.optim import make_optimizer
+    from horse.train import TrainConfig, train_step
 
     torch.manual_seed(0)
     with torch.device(device):  # built whole on the device, then sliced to rank 0's shard

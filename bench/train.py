@@ -55,9 +55,11 @@ from pathlib import Path
 import torch
 
 from bench import suite, timing
+from horse.device import peak_flops
 from horse.loss_scale import LossScaler
 from horse.model import GPT, PRESETS, GPTConfig, flops_per_token, preset
-from horse.train import TrainConfig, make_optimizer, peak_flops, train_step
+from horse.optim import make_optimizer
+from horse.train import TrainConfig, train_step
 from kernels import runtime
 
 BACKENDS = ("triton", "reference-compile", "reference")

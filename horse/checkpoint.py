@@ -51,6 +51,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from horse.data import BPETokenizer
 from horse.model import GPTConfig
 from horse.parallel import Parallel, gather_state_dicts, shard, shard_spec, shard_state_dict, unshard
 
@@ -459,6 +460,40 @@ def load(
 # ----------------------------------------------------------------------------------------------
 # Export
 # ----------------------------------------------------------------------------------------------
+
+
+def save_run(out_dir, step, model, optimizer, scaler, loader, cfg, tokenizer, keep_last, parallel) -> Path:
+    """Save a training run's step: the model and optimizer (:func:`save`), and the loss scaler, the
+    RNGs, the data loader's place and the run's TrainConfig beside them."""
+    state = {
+        "step": step,
+        "scaler": scaler.state_dict(),
+        "rng": {
+            "torch": torch.get_rng_state(),
+            # This rank's device only: a resume may see fewer GPUs (the local one is LOCAL_RANK % count).
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else [],
+        },
+        "loader": loader.state_dict(),
+        "train_config": dataclasses.asdict(cfg),
+    }
+    tokenizer_file = tokenizer.path if isinstance(tokenizer, BPETokenizer) else None
+    return save(out_dir, step, model, optimizer, state, tokenizer.name, tokenizer_file, keep_last, parallel)
+
+
+def restore_run(ckpt: Path, model, optimizer, scaler, loader, parallel: Parallel) -> int:
+    """Load everything a checkpoint holds back into place, resharded to this run's tp size; returns
+    its step."""
+    state = load(ckpt, model, optimizer, parallel)
+    if scaler.is_enabled() and state["scaler"]:
+        scaler.load_state_dict(state["scaler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    cuda_rng = state["rng"]["cuda"]
+    if torch.cuda.is_available() and len(cuda_rng):
+        if isinstance(cuda_rng, list):  # written before: every device's, this rank's at its index
+            cuda_rng = cuda_rng[min(torch.cuda.current_device(), len(cuda_rng) - 1)]
+        torch.cuda.set_rng_state(cuda_rng)
+    loader.load_state_dict(state["loader"])
+    return state["step"]
 
 
 def export(ckpt: str | Path, out: str | Path) -> Path:

@@ -26,27 +26,25 @@ connect without it, none of 4 with it).
 
 Every field of TrainConfig below is a flag (``max_steps`` is ``--max-steps``), and so is every
 field of ``horse.model.GPTConfig``, overriding the preset's value (``--n-layer 6``,
-``--positions rotary``). The optimiser's settings, the tokens a step and the held-out tokens come
-from the preset's recipe (``horse.recipes``) unless a flag gives them. On a GPU the defaults are
-float16 and the Triton kernels; on a CPU, float32 and the plain-torch reference (the kernels would
-run in Triton's interpreter, far too slowly to train).
+``--positions rotary``): ``horse.cli`` makes them. The optimiser's settings, the tokens a step and
+the held-out tokens come from the preset's recipe (``horse.recipes``) unless a flag gives them. On
+a GPU the defaults are float16 and the Triton kernels; on a CPU, float32 and the plain-torch
+reference (the kernels would run in Triton's interpreter, far too slowly to train).
 
 Each step writes a line to OUT/metrics.jsonl; the console gets a progress bar and a log line
 every --log-interval steps (tokens/s of the whole job, MFU per GPU). Data, forward, backward and
 the optimizer step are NVTX ranges (see them with ``nsys profile``); --profile-steps N records a
-torch.profiler trace to OUT/trace.json.
+torch.profiler trace to OUT/trace.json (``horse.device``). The optimizer and its schedule live in
+``horse.optim``, the fp16 loss scaler in ``horse.loss_scale``, what a checkpoint holds in
+``horse.checkpoint``: this module keeps the config and the loop.
 """
 
-import argparse
 import contextlib
 import dataclasses
 import json
 import math
 import os
-import re
-import sys
 import time
-import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,8 +57,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from horse import checkpoint, hf, preemption, recipes
-from horse.data import BPETokenizer, HeldOut, Loader, load_dataset
+from horse import checkpoint, hf, optim, preemption, recipes
+from horse.data import HeldOut, Loader, load_dataset
+from horse.device import nvtx_range, peak_flops, pick_backend, pick_device, profiler
 from horse.generate import generate
 from horse.loss_scale import LossScaler
 from horse.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params, preset
@@ -69,17 +68,11 @@ from horse.parallel import (
     allreduce_sequence_parallel_grads,
     build_model,
     check_divisible,
-    global_grad_norm,
     init_from_env,
 )
 from kernels import runtime
 
 TINY = recipes.RECIPES["tiny"]  # TrainConfig's defaults; the command line takes the preset's recipe
-
-try:  # the nvtx package's ranges are the cheapest; torch.cuda.nvtx needs a CUDA build
-    import nvtx
-except ImportError:
-    nvtx = None
 
 
 @dataclass
@@ -189,136 +182,46 @@ class TrainConfig:
         for name in at_least_1.split() + ["seq_len", "max_tokens", "batch_tokens"]:
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"{_flag(name)} must be at least 1, got {value}")
+                raise ValueError(f"{flag(name)} must be at least 1, got {value}")
         at_least_0 = "warmup_steps weight_decay grad_clip ckpt_interval keep_last profile_steps sample_tokens"
         for name in at_least_0.split() + ["fail_at_step"]:
             if getattr(self, name) < 0:
-                raise ValueError(f"{_flag(name)} must be at least 0, got {getattr(self, name)}")
+                raise ValueError(f"{flag(name)} must be at least 0, got {getattr(self, name)}")
         for name in ("lr", "loss_scale", "min_loss_scale", "peak_tflops"):
             value = getattr(self, name)
             if value is not None and not value > 0:
-                raise ValueError(f"{_flag(name)} must be positive, got {value}")
+                raise ValueError(f"{flag(name)} must be positive, got {value}")
         if self.min_loss_scale > self.loss_scale:
             raise ValueError(f"--min-loss-scale {self.min_loss_scale} exceeds --loss-scale {self.loss_scale}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"--min-lr-ratio must be between 0 and 1, got {self.min_lr_ratio}")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"{_flag(name)} must be in [0, 1), got {getattr(self, name)}")
+                raise ValueError(f"{flag(name)} must be in [0, 1), got {getattr(self, name)}")
         if self.preset not in PRESETS:
             raise ValueError(f"--preset {self.preset!r} is unknown; choose from {', '.join(PRESETS)}")
         hints = typing.get_type_hints(TrainConfig)
         for name in ("decay", "precision", "backend", "device", "on_save_error"):
-            choices = _flag_kwargs(hints[name])["choices"]
+            choices = _choices(hints[name])
             if getattr(self, name) not in (*choices, None):
                 raise ValueError(
-                    f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}"
+                    f"{flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}"
                 )
         preemption.parse_signals(self.save_on_signal)
         if self.resume and not self.out_dir:
             raise ValueError("--resume needs --out-dir: the run to continue")
 
 
-# ----------------------------------------------------------------------------------------------
-# Flags from the dataclass fields, and the config file
-# ----------------------------------------------------------------------------------------------
-
-
-def _flag(name: str) -> str:
+def flag(name: str) -> str:
+    """The command-line flag of a config field: max_steps -> --max-steps."""
     return "--" + name.replace("_", "-")
 
 
-def integer(text: str) -> int:
-    """An int flag that also takes 1e9 (and, as int() does, 10_000_000)."""
-    with contextlib.suppress(ValueError):
-        return int(text)
-    value = float(text)
-    if not value.is_integer():
-        raise ValueError(text)
-    return int(value)
-
-
-def _flag_kwargs(hint) -> dict:
-    """argparse keywords for a field's type: int, float, str, bool, a Literal of choices, or X | None."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+def _choices(hint) -> tuple:
+    """The values a Literal field takes (of X in X | None)."""
+    while typing.get_origin(hint) is not Literal:
         (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) is Literal:
-        return {"choices": typing.get_args(hint)}
-    if hint is bool:
-        return {"action": argparse.BooleanOptionalAction}
-    return {"type": {int: integer, float: float, str: str}[hint]}
-
-
-def _docs(cls) -> dict[str, str]:
-    """Field descriptions from the ``name: text`` lines of a dataclass's docstring."""
-    return dict(re.findall(r"^ {4}(\w+): (.+)$", cls.__doc__, re.MULTILINE))
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m horse.train",
-        description=__doc__.split("\n\n")[0],
-        argument_default=argparse.SUPPRESS,  # so that only what was given overrides the config file
-    )
-    parser.add_argument("--config", metavar="JSON", help="flags from a JSON object keyed by field name")
-    for title, cls in (("training", TrainConfig), ("model (each overrides the preset's value)", GPTConfig)):
-        group = parser.add_argument_group(title)
-        docs, hints = _docs(cls), typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            default = f" (default {f.default!r})" if cls is TrainConfig and f.default is not None else ""
-            if cls is TrainConfig and f.name in recipes.FIELDS:
-                default = " (default: the preset's recipe)"
-            kwargs = _flag_kwargs(hints[f.name])
-            group.add_argument(_flag(f.name), dest=f.name, help=docs.get(f.name, "") + default, **kwargs)
-    return parser
-
-
-def _from_json(path: str, parser: argparse.ArgumentParser) -> dict:
-    try:
-        values = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        parser.error(f"--config {path}: {e}")
-    if not isinstance(values, dict):
-        parser.error(f"--config {path}: expected a JSON object of field names and values")
-    hints = typing.get_type_hints(TrainConfig) | typing.get_type_hints(GPTConfig)
-    for key, value in values.items():
-        if key not in hints:
-            parser.error(f"--config {path}: unknown field {key!r}")
-        kwargs = _flag_kwargs(hints[key])
-        ok = value is None if typing.get_origin(hints[key]) in (typing.Union, types.UnionType) else False
-        if "choices" in kwargs:
-            ok |= value in kwargs["choices"]
-        elif "action" in kwargs:
-            ok |= isinstance(value, bool)
-        else:
-            kind = kwargs["type"]
-            ok |= isinstance(value, (int, float) if kind is float else str if kind is str else int)
-            ok &= not isinstance(value, bool)
-        if not ok:
-            parser.error(f"--config {path}: {key} cannot be {value!r}")
-    return values
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
-    """(TrainConfig, model overrides) from defaults < the preset's recipe < the resumed run's
-    config.json < --config file < command line: ``--out-dir DIR --resume`` alone continues a run
-    with the flags it was started with."""
-    parser = build_parser()
-    given = vars(parser.parse_args(argv))
-    values = _from_json(given.pop("config"), parser) if "config" in given else {}
-    values |= given
-    saved = Path(values.get("out_dir", "")) / "config.json"
-    if values.get("resume") and values.get("out_dir") and saved.is_file():
-        run = json.loads(saved.read_text())
-        run["train"].pop("fail_at_step", None)  # a fault injected into one launch, not into the run
-        values = run["train"] | run["model"] | values
-    values = recipes.recipe_values(values.get("preset", TrainConfig.preset), values)
-    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    try:
-        cfg = TrainConfig(**{k: v for k, v in values.items() if k in train_fields})
-    except ValueError as e:
-        parser.error(str(e))
-    return cfg, {k: v for k, v in values.items() if k not in train_fields}
+    return typing.get_args(hint)
 
 
 def model_config(cfg: TrainConfig, overrides: dict, data_vocab: int) -> GPTConfig:
@@ -338,115 +241,6 @@ def model_config(cfg: TrainConfig, overrides: dict, data_vocab: int) -> GPTConfi
 # ----------------------------------------------------------------------------------------------
 # Pieces of the loop
 # ----------------------------------------------------------------------------------------------
-
-# Dense float16/bfloat16 tensor-core peaks, TFLOP/s; the first name contained in the device's wins.
-PEAK_TFLOPS = {
-    "GB300": 2500.0,
-    "B200": 2250.0,
-    "H200": 989.0,
-    "H100 PCIe": 756.0,
-    "H100 NVL": 835.0,
-    "H100": 989.0,
-    "A100": 312.0,
-    "MI325X": 1307.4,
-    "MI300X": 1307.4,
-    "MI300A": 980.6,
-}
-
-
-def pick_device(requested: str | None) -> str:
-    """The one asked for, else cuda where a GPU is visible; cuda asked for without one is an error."""
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is visible to this process")
-    return requested or ("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def pick_backend(requested: str | None, device: str) -> tuple[str, str]:
-    """(backend, why): the one asked for, else triton on a GPU the kernels have configs for and
-    reference elsewhere. triton asked for on a GPU without configs (compute capability below 8.0,
-    AMD GPUs other than gfx942) fails here, before anything is loaded, with the kernels' own error."""
-    reason = ""
-    if device == "cuda":
-        try:
-            runtime.arch(torch.device("cuda", torch.cuda.current_device()))
-        except RuntimeError as error:
-            if requested == "triton":
-                raise
-            reason = f" ({error})"
-    if requested:
-        return requested, ""
-    if device == "cuda":
-        return ("reference", reason) if reason else ("triton", "")
-    return (
-        "reference",
-        " (on the CPU: the Triton kernels would run only in Triton's interpreter, far too slowly to train)",
-    )
-
-
-def peak_flops(device: str, override_tflops: float | None) -> float | None:
-    if override_tflops is not None:
-        return override_tflops * 1e12
-    if device != "cuda":
-        return None
-    name = torch.cuda.get_device_name()
-    return next((tflops * 1e12 for key, tflops in PEAK_TFLOPS.items() if key in name), None)
-
-
-def nvtx_range(name: str):
-    """An NVTX range for Nsight Systems (the nvtx package, else torch's binding on a GPU), also
-    labelled in torch.profiler traces."""
-    stack = contextlib.ExitStack()
-    if nvtx is not None:
-        stack.enter_context(nvtx.annotate(name))
-    elif torch.cuda.is_available():
-        stack.enter_context(torch.cuda.nvtx.range(name))
-    stack.enter_context(torch.profiler.record_function(name))
-    return stack
-
-
-def lr_at(step: int, max_steps: int, cfg: TrainConfig) -> float:
-    """Learning rate of step (0-based): linear warm-up from 0, then decay to min_lr_ratio·lr at max_steps."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.decay == "constant":
-        return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - 1 - cfg.warmup_steps))
-    remaining = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.decay == "cosine" else 1 - progress
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * remaining)
-
-
-def make_optimizer(model: nn.Module, cfg: TrainConfig, device: str) -> torch.optim.AdamW:
-    """AdamW with weight decay on the matrices only; PyTorch's fused kernel on a GPU."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay = [p for p in model.parameters() if p.dim() >= 2 and id(p) not in embeddings]
-    no_decay = [p for p in model.parameters() if p.dim() < 2 or id(p) in embeddings]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device == "cuda")
-
-
-def optimizer_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: LossScaler,
-    grad_clip: float,
-    parallel: Parallel | None = None,
-) -> tuple[float, bool]:
-    """Unscale, clip and step; returns (gradient norm, skipped). The norm is the whole model's, each
-    parameter counted once over the tp ranks. With fp16 a step whose gradients hold an inf or NaN
-    (on any rank) is skipped (weights and AdamW's moments untouched)."""
-    parallel = parallel or Parallel()
-    scaler.unscale_(optimizer)
-    params = [(name, p) for name, p in model.named_parameters() if p.grad is not None]
-    grad_norm = global_grad_norm(params, parallel)
-    if grad_clip > 0:  # an inf norm zeroes (NaNs) the gradients of a step that is skipped anyway
-        torch.nn.utils.clip_grads_with_norm_([p for _, p in params], grad_clip, grad_norm)
-    # Read on the host before the optimizer is launched, next to the scaler's inf check, so that
-    # nothing waits for AdamW to finish before the next forward is queued.
-    grad_norm = grad_norm.item()
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, scaler.skipped
 
 
 def train_step(
@@ -483,7 +277,7 @@ def train_step(
         # Copied to the host ahead of optimizer_step's host read of the gradient norm, which waits
         # for it: reading the loss after the step would wait for AdamW before the next step is queued.
         loss = dp_mean(loss_sum, parallel).to("cpu", non_blocking=True)
-        grad_norm, skipped = optimizer_step(model, optimizer, scaler, cfg.grad_clip, parallel)
+        grad_norm, skipped = optim.optimizer_step(model, optimizer, scaler, cfg.grad_clip, parallel)
     return loss, grad_norm, skipped
 
 
@@ -520,55 +314,6 @@ def evaluate(model: GPT, held_out: HeldOut, autocast, parallel: Parallel) -> flo
     if parallel.dp_size > 1:  # each replica evaluated its own windows
         dist.all_reduce(total, group=parallel.dp_group)
     return (total[0] / total[1]).item()
-
-
-def save_checkpoint(
-    out_dir, step, model, optimizer, scaler, loader, cfg, tokenizer, keep_last, parallel
-) -> Path:
-    state = {
-        "step": step,
-        "scaler": scaler.state_dict(),
-        "rng": {
-            "torch": torch.get_rng_state(),
-            # This rank's device only: a resume may see fewer GPUs (the local one is LOCAL_RANK % count).
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else [],
-        },
-        "loader": loader.state_dict(),
-        "train_config": dataclasses.asdict(cfg),
-    }
-    tokenizer_file = tokenizer.path if isinstance(tokenizer, BPETokenizer) else None
-    return checkpoint.save(
-        out_dir, step, model, optimizer, state, tokenizer.name, tokenizer_file, keep_last, parallel
-    )
-
-
-def restore_checkpoint(ckpt: Path, model, optimizer, scaler, loader, parallel: Parallel) -> int:
-    """Load everything a checkpoint holds back into place, resharded to this run's tp size; returns
-    its step."""
-    state = checkpoint.load(ckpt, model, optimizer, parallel)
-    if scaler.is_enabled() and state["scaler"]:
-        scaler.load_state_dict(state["scaler"])
-    torch.set_rng_state(state["rng"]["torch"])
-    cuda_rng = state["rng"]["cuda"]
-    if torch.cuda.is_available() and len(cuda_rng):
-        if isinstance(cuda_rng, list):  # written before: every device's, this rank's at its index
-            cuda_rng = cuda_rng[min(torch.cuda.current_device(), len(cuda_rng) - 1)]
-        torch.cuda.set_rng_state(cuda_rng)
-    loader.load_state_dict(state["loader"])
-    return state["step"]
-
-
-def _profiler(cfg: TrainConfig, out_dir: Path, device: str):
-    if not cfg.profile_steps:
-        return contextlib.nullcontext()
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(
-        activities=activities,
-        schedule=torch.profiler.schedule(wait=1, warmup=1, active=cfg.profile_steps, repeat=1),
-        on_trace_ready=lambda prof: prof.export_chrome_trace(str(out_dir / "trace.json")),
-    )
 
 
 def _si(x: float) -> str:
@@ -647,7 +392,7 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     if parallel.dp_size > 1:  # gradients averaged over the replicas in buckets, during the backward
         device_ids = [torch.cuda.current_device()] if device == "cuda" else None
         loss_fn = DistributedDataParallel(LossOf(model, loss_fn), device_ids, process_group=parallel.dp_group)
-    optimizer = make_optimizer(model, cfg, device)
+    optimizer = optim.make_optimizer(model, cfg, device)
     scaler = LossScaler.from_config(cfg, precision == "fp16", parallel)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
     autocast = (lambda: torch.autocast(device, dtype)) if dtype else contextlib.nullcontext
@@ -658,7 +403,7 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     max_steps = math.ceil(cfg.max_tokens / tokens_per_step) if cfg.max_tokens else cfg.max_steps
     step = 0
     if ckpt is not None:
-        step = restore_checkpoint(ckpt, model, optimizer, scaler, train_loader, parallel)
+        step = checkpoint.restore_run(ckpt, model, optimizer, scaler, train_loader, parallel)
 
     flops_per_step = flops_per_token(config, seq_len) * tokens_per_step  # the whole model's
     peak = peak_flops(device, cfg.peak_tflops)
@@ -718,14 +463,14 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     )
     metrics_file = open(metrics_path, "a") if main_rank else contextlib.nullcontext()  # noqa: SIM115
     preempt = preemption.Preemption(preemption.parse_signals(cfg.save_on_signal), device)
-    with metrics_file as metrics, _profiler(cfg, out_dir, device) as profiler, preempt:
+    with metrics_file as metrics, profiler(cfg.profile_steps, out_dir, device) as trace, preempt:
         while step < max_steps:
             if step + 1 == cfg.fail_at_step and parallel.rank == failing_rank and restarts == 0:
                 raise RuntimeError(
                     f"--fail-at-step {cfg.fail_at_step}: injected failure on rank {failing_rank}"
                 )
             t0 = time.perf_counter()
-            lr = lr_at(step, max_steps, cfg)
+            lr = optim.lr_at(step, max_steps, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss, grad_norm, skipped = train_step(
@@ -780,7 +525,7 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
             if (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == max_steps or signum:
                 try:
                     with preempt.saving():  # where a second signal aborts
-                        last_ckpt = save_checkpoint(
+                        last_ckpt = checkpoint.save_run(
                             out_dir,
                             step,
                             model,
@@ -803,8 +548,8 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
                     f"{last_ckpt}; exiting {preemption.PREEMPTED} (continue with --resume)"
                 )
                 raise preemption.Preempted()
-            if profiler is not None:
-                profiler.step()
+            if trace is not None:
+                trace.step()
     bar.close()
 
     log(f"done: {step} steps in {time.perf_counter() - start_time:.0f} s; checkpoint {last_ckpt}")
@@ -823,13 +568,7 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     return records
 
 
-def main(argv: list[str] | None = None) -> None:
-    cfg, overrides = parse_args(argv)
-    try:
-        train(cfg, overrides)
-    except (ValueError, FileNotFoundError, ImportError, checkpoint.SaveError) as e:
-        sys.exit(f"horse.train: error: {e}")
-
-
 if __name__ == "__main__":
+    from horse.cli import main  # the command line builds on this module
+
     main()

@@ -25,7 +25,7 @@ import sys
 
 from safetensors import SafetensorError
 
-from horse import checkpoint, train
+from horse import checkpoint, cli, optim
 
 
 def _faults() -> dict[int, str]:
@@ -78,9 +78,9 @@ def main() -> None:
             no_space = f"{os.strerror(errno.ENOSPC)} (os error {errno.ENOSPC})"
             raise SafetensorError(f"Error while serializing: I/O error: {no_space}")
 
-    real_lr_at, real_optimizer_step, real_save_file = train.lr_at, train.optimizer_step, checkpoint.save_file
-    train.lr_at, train.optimizer_step, checkpoint.save_file = lr_at, optimizer_step, save_file
-    train.main(sys.argv[1:])
+    real_lr_at, real_optimizer_step, real_save_file = optim.lr_at, optim.optimizer_step, checkpoint.save_file
+    optim.lr_at, optim.optimizer_step, checkpoint.save_file = lr_at, optimizer_step, save_file
+    cli.main(sys.argv[1:])
 
 
 if __name__ == "__main__":

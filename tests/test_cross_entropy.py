@@ -338,7 +338,7 @@ def test_fused_loss_peak_memory_on_a_scaled_down_shape_that_runs(monkeypatch):
 
 
 def test_the_trainer_flag_turns_the_fused_loss_off():
-    from horse.train import parse_args
+    from horse.cli import parse_args
 
     assert parse_args([])[0].fused_loss is True
     assert parse_args(["--no-fused-loss"])[0].fused_loss is False

@@ -22,7 +22,7 @@ import pytest
 from filelock import FileLock
 from helpers import command_line_flags
 
-from horse import checkpoint, preemption, train
+from horse import checkpoint, cli, preemption, train
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "faulty_train.py"
@@ -192,7 +192,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumes(refer
     out = capsys.readouterr().out
     assert exit_.value.code == 1 and f"ckpt_{STEPS:07d}: DAMAGED: {truncated}" in out
     assert f"ckpt_{STEPS - INTERVAL:07d}: good (sizes and SHA-256 match)" in out
-    cfg, overrides = train.parse_args(["--out-dir", str(run), "--resume", "--strict-resume"])
+    cfg, overrides = cli.parse_args(["--out-dir", str(run), "--resume", "--strict-resume"])
     with pytest.raises(ValueError, match=rf"ckpt_{STEPS:07d} is damaged: {truncated} \(--strict-resume\)"):
         train.train(cfg, overrides)
     status, out = _launch(run, resume=True)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from horse import checkpoint, device, train
 from horse import parallel as horse_parallel
-from horse import train
 from horse.loss_scale import LossScaler
 from horse.parallel import Parallel
 from kernels import runtime
@@ -58,14 +58,14 @@ def test_a_rank_resumes_its_own_rng_on_a_node_with_fewer_gpus(monkeypatch):
     # Saved by the rank on GPU 1 of a 2-GPU node; resumed on a node that shows one GPU.
     cuda = StandInCUDA(monkeypatch, count=2, current=1)
     saved = {}
-    monkeypatch.setattr(train.checkpoint, "save", lambda *args: saved.setdefault("state", args[4]))
+    monkeypatch.setattr(checkpoint, "save", lambda *args: saved.setdefault("state", args[4]))
     loader = types.SimpleNamespace(state_dict=dict, load_state_dict=lambda state: None)
     tokenizer = types.SimpleNamespace(name="bytes")
     scaler = LossScaler(enabled=False)
-    train.save_checkpoint("out", 3, None, None, scaler, loader, train.TrainConfig(), tokenizer, 1, Parallel())
+    checkpoint.save_run("out", 3, None, None, scaler, loader, train.TrainConfig(), tokenizer, 1, Parallel())
     cuda.count, cuda.current = 1, 0
-    monkeypatch.setattr(train.checkpoint, "load", lambda *args: saved["state"])
-    assert train.restore_checkpoint("ckpt", None, None, scaler, loader, Parallel()) == 3
+    monkeypatch.setattr(checkpoint, "load", lambda *args: saved["state"])
+    assert checkpoint.restore_run("ckpt", None, None, scaler, loader, Parallel()) == 3
     assert cuda.restored == [(0, 1)]  # the saving rank's state, on this rank's (only) GPU
 
 
@@ -73,9 +73,9 @@ def test_a_checkpoint_with_every_devices_rng_restores_this_ranks(monkeypatch):
     cuda = StandInCUDA(monkeypatch, count=2, current=1)
     state = {"step": 7, "scaler": {}, "loader": {}, "rng": {"torch": torch.get_rng_state(),
              "cuda": [StandInCUDA.state_of(0), StandInCUDA.state_of(1)]}}  # fmt: skip
-    monkeypatch.setattr(train.checkpoint, "load", lambda *args: state)
+    monkeypatch.setattr(checkpoint, "load", lambda *args: state)
     loader = types.SimpleNamespace(load_state_dict=lambda state: None)
-    assert train.restore_checkpoint("ckpt", None, None, LossScaler(enabled=False), loader, Parallel()) == 7
+    assert checkpoint.restore_run("ckpt", None, None, LossScaler(enabled=False), loader, Parallel()) == 7
     assert cuda.restored == [(1, 1)]
 
 
@@ -102,10 +102,10 @@ def test_the_local_gpu_is_local_rank_modulo_the_visible_gpus_and_the_group_knows
 
 def test_nvtx_ranges_fall_back_to_torchs_without_the_nvtx_package(monkeypatch):
     opened = []
-    monkeypatch.setattr(train, "nvtx", None)  # the package is not installed
+    monkeypatch.setattr(device, "nvtx", None)  # the package is not installed
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda.nvtx, "range", lambda name: contextlib.nullcontext(opened.append(name)))
-    with train.nvtx_range("forward"):
+    with device.nvtx_range("forward"):
         pass
     assert opened == ["forward"]
 
@@ -137,7 +137,7 @@ def test_the_trainers_gpu_branches_run_and_resume_on_a_stand_in_gpu(monkeypatch,
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *device: "NVIDIA H200")
     monkeypatch.setattr(runtime, "arch", lambda device: runtime.SM90)
     ranges = []
-    monkeypatch.setattr(train, "nvtx", None)
+    monkeypatch.setattr(device, "nvtx", None)
     monkeypatch.setattr(torch.cuda.nvtx, "range", lambda name: contextlib.nullcontext(ranges.append(name)))
     small = {"n_layer": 1, "d_model": 32, "n_head": 2, "block_size": 16}
     cfg = train.TrainConfig(preset="tiny", backend="reference", batch_size=2, max_steps=2, eval_interval=2,

@@ -10,7 +10,7 @@ from helpers import assert_close
 from safetensors.torch import load_file, save_file
 
 import kernels
-from horse import checkpoint, generate, hf, train
+from horse import checkpoint, cli, generate, hf, train
 from horse.model import GPT, GPTConfig
 from horse.train import TrainConfig
 
@@ -278,7 +278,7 @@ def test_init_from_a_hf_folder_fine_tunes_its_weights(tmp_path, capsys):
     tuned = checkpoint.full_weights(checkpoint.latest(tmp_path / "run"))
     for name, t in GPT.from_pretrained(path).state_dict().items():
         torch.testing.assert_close(tuned[name], t, atol=1e-9, rtol=0)  # one step at lr 1e-12
-    train.train(*train.parse_args(["--out-dir", cfg.out_dir, "--resume", "--max-steps", "2"]))
+    train.train(*cli.parse_args(["--out-dir", cfg.out_dir, "--resume", "--max-steps", "2"]))
     assert checkpoint.latest(tmp_path / "run").name == "ckpt_0000002"  # resumed: the run's own weights
     train.train(TrainConfig(**(vars(cfg) | {"init_from": cfg.out_dir, "out_dir": f"{cfg.out_dir}2"})), {})
     again = checkpoint.full_weights(checkpoint.latest(tmp_path / "run2"))  # from a horse run this time

@@ -15,9 +15,11 @@ import pytest
 import torch
 from helpers import assert_close
 
-from horse import checkpoint, data, generate, recipes, train
+from horse import checkpoint, cli, data, device, generate, optim, recipes, train
+from horse.cli import parse_args
 from horse.model import GPT, GPTConfig
-from horse.train import TrainConfig, lr_at, optimizer_step, parse_args
+from horse.optim import lr_at, optimizer_step
+from horse.train import TrainConfig
 from kernels import runtime
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,26 +50,26 @@ def test_loss_falls_on_the_builtin_corpus(tmp_path, capsys):
 
 
 def test_backend_defaults_to_the_kernels_only_on_gpus_they_have_configs_for(monkeypatch):
-    assert train.pick_backend(None, "cpu")[0] == "reference"
-    assert train.pick_backend("triton", "cpu") == ("triton", "")
+    assert device.pick_backend(None, "cpu")[0] == "reference"
+    assert device.pick_backend("triton", "cpu") == ("triton", "")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(runtime, "arch", lambda device: runtime.SM80)
-    assert train.pick_backend(None, "cuda") == ("triton", "")
+    assert device.pick_backend(None, "cuda") == ("triton", "")
     monkeypatch.setattr(runtime, "arch", lambda device: runtime.arch_of_capability(7, 5, "Tesla T4"))
-    backend, why = train.pick_backend(None, "cuda")
+    backend, why = device.pick_backend(None, "cuda")
     assert backend == "reference" and "Tesla T4 is 7.5" in why
-    assert train.pick_backend("reference", "cuda") == ("reference", "")
+    assert device.pick_backend("reference", "cuda") == ("reference", "")
     with pytest.raises(RuntimeError, match=r"Tesla T4 is 7\.5"):
-        train.pick_backend("triton", "cuda")
+        device.pick_backend("triton", "cuda")
 
 
 def test_device_defaults_to_a_visible_gpu_and_cuda_without_one_is_an_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert train.pick_device(None) == "cpu" and train.pick_device("cpu") == "cpu"
+    assert device.pick_device(None) == "cpu" and device.pick_device("cpu") == "cpu"
     with pytest.raises(ValueError, match="--device cuda: no CUDA device is visible"):
-        train.pick_device("cuda")
+        device.pick_device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert train.pick_device(None) == "cuda" and train.pick_device("cpu") == "cpu"
+    assert device.pick_device(None) == "cuda" and device.pick_device("cpu") == "cpu"
 
 
 def test_resumed_run_repeats_the_uninterrupted_losses_exactly(tmp_path):
@@ -206,7 +208,7 @@ def test_learning_rate_schedule():
 
 def test_weight_decay_only_on_the_matrices():
     model = GPT(GPTConfig(**(SMALL | {"vocab_size": 256})))
-    decay, no_decay = train.make_optimizer(model, TrainConfig(weight_decay=0.1), "cpu").param_groups
+    decay, no_decay = optim.make_optimizer(model, TrainConfig(weight_decay=0.1), "cpu").param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     names = {id(p): n for n, p in model.named_parameters()}
     decayed = {names[id(p)] for p in decay["params"]}
@@ -219,10 +221,10 @@ def test_weight_decay_only_on_the_matrices():
 
 def test_peak_flops_by_device_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H100 PCIe")
-    assert train.peak_flops("cuda", None) == 756e12
+    assert device.peak_flops("cuda", None) == 756e12
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H200")
-    assert train.peak_flops("cuda", None) == 989e12
-    assert train.peak_flops("cpu", None) is None and train.peak_flops("cpu", 1.5) == 1.5e12
+    assert device.peak_flops("cuda", None) == 989e12
+    assert device.peak_flops("cpu", None) is None and device.peak_flops("cpu", 1.5) == 1.5e12
 
 
 def _command(*args: str) -> subprocess.CompletedProcess:
@@ -290,7 +292,7 @@ def test_presets_carry_their_recipe_and_flags_override_it(capsys):
 
 def test_a_gpt2_preset_without_data_says_what_to_prepare():
     with pytest.raises(SystemExit) as exit_:
-        train.main(["--preset", "gpt2-124m", "--device", "cpu"])
+        cli.main(["--preset", "gpt2-124m", "--device", "cpu"])
     err = str(exit_.value.code)  # sys.exit's message, printed to stderr
     assert "--preset gpt2-124m trains on text tokenised with a BPE tokenizer" in err
     assert "python -m horse.data prepare CORPUS... --tokenizer tokenizer.json --out data/NAME" in err

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from helpers import command_line_flags, free_port
 from safetensors.torch import load_file
 
-from horse import checkpoint, generate, train
+from horse import checkpoint, generate, optim, train
 from horse.model import GPT
 from horse.parallel import Parallel, init_from_env
 
@@ -140,7 +140,7 @@ def test_a_checkpoint_from_before_tensor_parallelism_loads_at_any_tp_size(tmp_pa
     def restored(parallel: Parallel) -> tuple[list[str], dict]:
         """(parameter names by optimizer position, the optimizer's state_dict) after loading ckpt."""
         model = GPT(config, "reference", parallel)
-        optimizer = train.make_optimizer(model, cfg, "cpu")
+        optimizer = optim.make_optimizer(model, cfg, "cpu")
         checkpoint.load(ckpt, model, optimizer, parallel)
         names = {id(p): name for name, p in model.named_parameters()}
         return [names[id(p)] for g in optimizer.param_groups for p in g["params"]], optimizer.state_dict()
@@ -206,7 +206,7 @@ def _inf_on_one_rank(parallel) -> None:
         scaler.scale(model.loss(idx, idx)).backward()
         if poison and parallel.rank == 1:
             model.blocks[0].mlp.c_fc.weight.grad[0, 0] = float("nan")
-        grad_norm, skipped = train.optimizer_step(model, optimizer, scaler, 1.0, parallel)
+        grad_norm, skipped = optim.optimizer_step(model, optimizer, scaler, 1.0, parallel)
         assert skipped == poison and scaler.get_scale() == 512.0
         assert math.isfinite(grad_norm) == (not poison or parallel.rank == 0)
         unchanged = all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
