@@ -83,7 +83,8 @@ def _replaceable(module: nn.Module) -> bool:
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (rotate-half form, as GPT-NeoX and LLaMA) on (batch, seqlen, heads,
     head_dim) tensors, or (tokens, heads, head_dim) ones with a position per token, for positions
-    below max_seqlen; the tables are float32 buffers, not saved."""
+    below max_seqlen. The tables are float32 buffers, not saved, and the rotation runs in float32
+    whatever the input's dtype (the result is cast back to it)."""
 
     def __init__(self, head_dim: int, max_seqlen: int, base: float = 10000.0, device=None):
         super().__init__()
@@ -100,20 +101,18 @@ class RotaryEmbedding(nn.Module):
     ) -> torch.Tensor:
         """x (batch, seqlen, heads, head_dim) at positions offset .. offset + seqlen - 1, or x
         (tokens, heads, head_dim) at ``positions`` (tokens,), each below max_seqlen."""
-        if positions is not None:
-            cos = self.cos[positions, None, :].to(x.dtype)
-            sin = self.sin[positions, None, :].to(x.dtype)
-        else:
+        if positions is None:
             end = offset + x.shape[1]
             if end > self.cos.shape[0]:
                 raise ValueError(
                     f"RotaryEmbedding: position {end - 1} is past max_seqlen {self.cos.shape[0]}"
                 )
-            cos = self.cos[offset:end, None, :].to(x.dtype)
-            sin = self.sin[offset:end, None, :].to(x.dtype)
+            positions = slice(offset, end)
+        cos, sin = self.cos[positions, None, :], self.sin[positions, None, :]  # (seqlen, 1, head_dim)
+        x32 = x.float()
         half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)  # pairs (i, i + head_dim / 2)
+        return (x32 * cos + rotated * sin).to(x.dtype)
 
 
 class FusedSelfAttention(nn.Module):
@@ -171,14 +170,20 @@ class FusedSelfAttention(nn.Module):
         documents that attend only within themselves, rotary positions restarting at each."""
         if cu_seqlens is not None:
             return self._packed_forward(x, cu_seqlens, max_seqlen)
-        batch, seqlen, _ = x.shape
-        qkv = self.c_attn(x).view(batch, seqlen, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)  # strided views
-        if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+        q, k, v = self.qkv(x)
         # (batch, seqlen, n_heads, head_dim)
         y = kernels.flash_attention(q, k, v, causal=self.causal, window_size=self.window_size)
-        return self.c_proj(y.reshape(batch, seqlen, self.n_heads * self.head_dim))
+        return self.c_proj(y.flatten(2))
+
+    def qkv(self, x: torch.Tensor, **position) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (..., n_heads, head_dim), k and v (..., n_kv_heads, head_dim): strided views of c_attn(x),
+        q and k rotated (``position``: RotaryEmbedding's offset or positions). x (..., d_model)."""
+        qkv = self.c_attn(x)
+        qkv = qkv.view(*qkv.shape[:-1], self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=-2)
+        if self.rotary is not None:
+            q, k = self.rotary(q, **position), self.rotary(k, **position)
+        return q, k, v
 
     def _packed_forward(
         self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None
@@ -188,15 +193,13 @@ class FusedSelfAttention(nn.Module):
                 "FusedSelfAttention: with cu_seqlens, x must be packed (total_tokens, d_model) and "
                 f"max_seqlen given, got x of shape {list(x.shape)} and max_seqlen {max_seqlen}"
             )
-        tokens = x.shape[0]
-        qkv = self.c_attn(x).view(tokens, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
+        positions = None
         if self.rotary is not None:
             # Each token's position in its document, without reading the offsets back from the GPU.
-            rows = torch.arange(tokens, device=x.device)
+            rows = torch.arange(x.shape[0], device=x.device)
             document = torch.searchsorted(cu_seqlens[1:], rows.to(cu_seqlens.dtype), right=True)
             positions = rows - cu_seqlens[document]
-            q, k = self.rotary(q, positions=positions), self.rotary(k, positions=positions)
+        q, k, v = self.qkv(x, positions=positions)  # (tokens, heads, head_dim)
         y = kernels.flash_attention_varlen(
             q,
             k,
@@ -208,7 +211,7 @@ class FusedSelfAttention(nn.Module):
             causal=self.causal,
             window_size=self.window_size,
         )
-        return self.c_proj(y.reshape(tokens, self.n_heads * self.head_dim))
+        return self.c_proj(y.flatten(1))
 
 
 def _fuse_separate_projections(module, state_dict, prefix, *args):
