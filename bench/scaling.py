@@ -10,7 +10,7 @@ between them (they sit on the critical path: each one's output is the next layer
            + the part of the node's data-parallel gradient all-reduce the backward does not hide
 
 Compute per rank. On a GPU it is measured (:func:`rank_step`): one whole training step of
-``GPT(config, "triton", Parallel(tp_size=tp))``, the very module a tp rank runs (n_head / tp heads,
+``parallelize(GPT(config, "triton"), Parallel(tp_size=tp))``, a tp rank's module (n_head / tp heads,
 hidden / tp MLP units, vocab / tp embedding rows and logits, the vocab-parallel cross entropy, the
 row-parallel bias adds), whose collectives are identities here because it has no process group;
 float16 autocast, loss scaling and ``horse.train.train_step`` (unscale, clip, fused AdamW) as
@@ -74,7 +74,7 @@ from dataclasses import dataclass
 import torch
 
 from horse.model import GPT, GPTConfig, preset
-from horse.parallel import Parallel, check_divisible
+from horse.parallel import Parallel, check_divisible, parallelize
 
 DEFAULT_PRESETS = ("gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b")
 TP_SIZES = (1, 2, 4, 8)
@@ -292,7 +292,7 @@ def rank_step(
     """A call that takes one training step of tp rank 0's shard, as horse.train takes it, on device,
     and the model it trains.
 
-    The model is ``GPT(config, "triton", Parallel(tp_size=tp))``: the shapes, kernels and
+    The model is ``parallelize(GPT(config, "triton"), Parallel(tp_size=tp))``: the shapes, kernels and
     vocab-parallel loss of a rank, its collectives identities (no process group), so the call is the
     rank's compute alone. ``horse.train.train_step`` in float16 with its loss scaler; one fixed
     random batch of (batch, seq) tokens.
@@ -303,7 +303,7 @@ def rank_step(
 
     torch.manual_seed(0)
     with torch.device(device):  # built whole on the device, then sliced to rank 0's shard
-        model = GPT(config, "triton", Parallel(tp_size=tp))
+        model = parallelize(GPT(config, "triton"), Parallel(tp_size=tp))
     cfg = TrainConfig(precision="fp16")
     optimizer = make_optimizer(model, cfg, device)
     scaler = LossScaler.from_config(cfg, enabled=True)

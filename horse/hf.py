@@ -12,7 +12,7 @@ The two architectures map onto GPTConfig as:
     GPT2LMHeadModel   learned positions, LayerNorm, GELU (tanh), biases, tied head. HF's Conv1D
                       stores weights (in, out): transposed to nn.Linear's (out, in).
     LlamaForCausalLM  rotary positions (rope_theta, HF's rotate-half pairs (i, i + hd/2), which
-                      horse.model.apply_rotary uses too), RMSNorm (rms_norm_eps), SwiGLU, grouped-
+                      horse.layers.RotaryEmbedding uses too), RMSNorm (rms_norm_eps), SwiGLU, grouped-
                       query attention, attention biases as attention_bias, head tied or not.
                       q_proj, k_proj and v_proj are stacked into c_attn's [q | k | v] rows.
 
@@ -31,7 +31,8 @@ from safetensors.torch import load_file, save_file
 
 from horse import checkpoint
 from horse.data import BPETokenizer, load_tokenizer
-from horse.model import GPT, GPTConfig, rotary_tables
+from horse.layers import RotaryEmbedding
+from horse.model import GPT, GPTConfig
 from horse.parallel import Parallel, shard_state_dict
 
 CONFIG, SAFETENSORS, SAFETENSORS_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
@@ -363,8 +364,9 @@ def from_pretrained(path: str | Path, backend: str = "reference") -> GPT:
     with torch.device("meta"):  # no random initialisation to overwrite, no second copy of the weights
         model = GPT(config, backend)
     model.load_state_dict(state, assign=True)
-    if config.positions == "rotary":  # derived from the config, not saved
-        model.rope_cos, model.rope_sin = rotary_tables(config)
+    if model.rotary is not None:  # derived from the config, not saved: made on the meta device above
+        tables = RotaryEmbedding(config.head_dim, config.block_size, config.rope_base)
+        model.rotary.cos, model.rotary.sin = tables.cos, tables.sin
     return model
 
 

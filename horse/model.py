@@ -15,11 +15,8 @@ Backend ``"reference"`` runs the same weights on plain torch modules (``nn.Layer
 ``nn.RMSNorm``, SDPA, nn.Linear, unfused adds). Parameter names are the same on both, so a state
 dict loads either way.
 
-Tensor parallelism (``GPT(config, backend, parallel)`` with ``parallel.tp_size > 1``, the machinery
-in ``horse.parallel``): each rank holds its slice of the embedding (vocabulary rows), of attention
-(heads) and of the MLP (hidden units) under the parameter names of tp=1, and returns its slice of
-the logits; ``GPT.loss`` is the whole model's loss on every rank. With sequence parallelism the
-residual stream and the norms run on (B, T / tp, C) chunks between the attention and MLP branches.
+The model is dense: ``horse.parallel.parallelize(model, parallel)`` makes it one rank's
+tensor-parallel shard afterwards, by a plan that swaps its layers for column- and row-parallel ones.
 
     python -m horse.model        # the presets: parameters and training FLOPs per token
 """
@@ -34,17 +31,8 @@ import torch.nn.functional as F  # noqa: N812 (the name every PyTorch reader kno
 from torch import nn
 
 import kernels
-from horse.layers import FusedLayerNorm, FusedRMSNorm
-from horse.parallel import (
-    Parallel,
-    column_parallel_input,
-    row_parallel_linear,
-    shard_parameters,
-    split_sequence,
-    vocab_parallel_cross_entropy,
-    vocab_parallel_embedding,
-    vocab_parallel_linear_cross_entropy,
-)
+from horse import head_loss
+from horse.layers import FusedLayerNorm, FusedRMSNorm, FusedSelfAttention, RotaryEmbedding
 
 BACKENDS = ("triton", "reference")
 
@@ -218,22 +206,6 @@ def causal_attention(
     return y.transpose(1, 2)  # (B, Tq, n_head, hd)
 
 
-def rotary_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (block_size, head_dim / 2) of RoPE's angles position · base^(-2i / head_dim)."""
-    inv_freq = config.rope_base ** (
-        -torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
-    )
-    angles = torch.outer(torch.arange(config.block_size, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x_i, x_{i + hd/2}) of x (B, T, heads, hd) by the angles of cos, sin (T, hd/2)."""
-    x1, x2 = x.float().chunk(2, dim=-1)  # (B, T, heads, hd/2) each
-    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hd/2): the same angle for every head
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
-
-
 class KVCache:
     """Keys and values of the tokens seen so far, so that generation feeds each new token alone."""
 
@@ -260,52 +232,39 @@ class KVCache:
         return self.k[layer][:, :end], self.v[layer][:, :end]
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig, backend: str, parallel: Parallel | None = None):
-        super().__init__()
-        self.backend, self.parallel = backend, parallel or Parallel()
-        # This rank's heads. Built whole, c_attn and c_proj are sliced to them by GPT (shard_parameters).
-        self.n_head = config.n_head // self.parallel.tp_size
-        self.n_kv_heads = config.kv_heads // self.parallel.tp_size
-        self.head_dim = config.head_dim
-        self.window = config.attn_window
-        # Names and the [q heads | k heads | v heads] layout of horse.layers.FusedSelfAttention.
-        qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_dim
-        self.c_attn = nn.Linear(config.d_model, qkv_width, bias=config.bias)
-        self.c_proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+class CausalSelfAttention(FusedSelfAttention):
+    """``horse.layers.FusedSelfAttention`` (its c_attn, c_proj and rotary, shared by every block) with
+    the model's two additions: a KV cache, and SDPA on the reference backend or outside half precision."""
 
-    def forward(self, x, rope, cache: KVCache | None, layer: int) -> torch.Tensor:
-        x = column_parallel_input(x, self.parallel)  # (B, T, C): the whole sequence on every tp rank
-        B, T, _ = x.shape
-        q, k, v = self.c_attn(x).split(
-            [self.n_head * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim],
-            dim=-1,
-        )
-        q = q.view(B, T, self.n_head, self.head_dim)  # (B, T, n_head, hd)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, n_kv_heads, hd)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim)
-        if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        window = (-1 if self.window is None else self.window, -1)
+    def __init__(self, config: GPTConfig, backend: str, rotary: RotaryEmbedding | None):
+        window = (-1 if config.attn_window is None else config.attn_window, -1)
+        d, heads, kv_heads = config.d_model, config.n_head, config.kv_heads
+        super().__init__(d, heads, n_kv_heads=kv_heads, bias=config.bias, window_size=window)
+        self.backend, self.rotary = backend, rotary
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        start = 0 if cache is None else cache.length
+        q, k, v = self.qkv(x, offset=start)  # (B, T, n_heads, hd), (B, T, n_kv_heads, hd) twice
         if cache is not None and runs_half_kernels(self.backend, q):
             # Appends k, v to the cache in place and decodes against it: keys split among programs.
             k_cache, v_cache = cache.buffers(layer, k, v)  # (B, block_size, n_kv_heads, hd)
             y = kernels.flash_attention_with_kvcache(
-                q, k_cache, v_cache, cache_seqlens=cache.length, k=k, v=v, causal=True, window_size=window
-            )  # (B, T, n_head, hd)
+                q, k_cache, v_cache, cache_seqlens=start, k=k, v=v, causal=True, window_size=self.window_size
+            )  # (B, T, n_heads, hd)
         elif runs_half_kernels(self.backend, q):
-            y = kernels.flash_attention(q, k, v, causal=True, window_size=window)  # (B, T, n_head, hd)
+            y = kernels.flash_attention(q, k, v, causal=True, window_size=self.window_size)
         else:
             if cache is not None:
                 k, v = cache.update(layer, k, v)  # (B, cached + T, n_kv_heads, hd)
-            y = causal_attention(q, k, v, self.window)
-        return row_parallel_linear(self.c_proj, y.reshape(B, T, self.n_head * self.head_dim), self.parallel)
+            window = self.window_size[0]
+            y = causal_attention(q, k, v, None if window < 0 else window)
+        return self.c_proj(y.flatten(2))  # (B, T, n_heads · hd) -> (B, T, C)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig, backend: str, parallel: Parallel | None = None):
+    def __init__(self, config: GPTConfig, backend: str):
         super().__init__()
-        self.backend, self.parallel = backend, parallel or Parallel()
+        self.backend = backend
         # The parameter names of horse.layers.FusedMLP: GPT-2's, or LLaMA's (no biases) for swiglu.
         self.swiglu = config.mlp == "swiglu"
         d, hidden = config.d_model, config.hidden
@@ -318,27 +277,15 @@ class MLP(nn.Module):
             self.c_proj = nn.Linear(hidden, d, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        half = runs_half_kernels(self.backend, x)
-        if half and self.parallel.tp_size == 1:
+        if runs_half_kernels(self.backend, x):
             if self.swiglu:
                 weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
                 return kernels.fused_gated_mlp(x, *weights, activation="silu")
             fc, proj = self.c_fc, self.c_proj
             return kernels.fused_mlp(x, fc.weight, fc.bias, proj.weight, proj.bias, activation="gelu_tanh")
-        # At tp > 1 the ranks' partial sums of the down projection are added before its bias, so
-        # the up projection (activation fused) and the down projection run as two calls.
-        x = column_parallel_input(x, self.parallel)  # (B, T, C): the whole sequence on every tp rank
-        if self.swiglu:  # (B, T, hidden / tp) inside
-            if half:
-                h = kernels.gated_linear(x, self.gate_proj.weight, self.up_proj.weight, activation="silu")
-            else:
-                h = F.silu(self.gate_proj(x)) * self.up_proj(x)
-            return row_parallel_linear(self.down_proj, h, self.parallel)
-        if half:
-            h = kernels.linear_act(x, self.c_fc.weight, self.c_fc.bias, activation="gelu_tanh")
-        else:
-            h = F.gelu(self.c_fc(x), approximate="tanh")
-        return row_parallel_linear(self.c_proj, h, self.parallel)
+        if self.swiglu:  # (B, T, hidden) inside
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
 
 
 def make_norm(config: GPTConfig, backend: str) -> nn.Module:
@@ -362,18 +309,17 @@ def add_norm(norm: nn.Module, x: torch.Tensor, h: torch.Tensor | None) -> tuple[
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig, backend: str, parallel: Parallel):
+    def __init__(self, config: GPTConfig, backend: str, rotary: RotaryEmbedding | None):
         super().__init__()
         self.norm_1 = make_norm(config, backend)
-        self.attn = CausalSelfAttention(config, backend, parallel)
+        self.attn = CausalSelfAttention(config, backend, rotary)
         self.norm_2 = make_norm(config, backend)
-        self.mlp = MLP(config, backend, parallel)
+        self.mlp = MLP(config, backend)
 
-    def forward(self, x, h, rope, cache: KVCache | None, layer: int):
-        """x (B, T, C): the previous branch output, not yet added to the stream h (B, T, C); both
-        (B, T / tp, C) under sequence parallelism."""
+    def forward(self, x, h, cache: KVCache | None, layer: int):
+        """x (B, T, C): the previous branch output, not yet added to the stream h (B, T, C)."""
         y, h = add_norm(self.norm_1, x, h)
-        y, h = add_norm(self.norm_2, self.attn(y, rope, cache, layer), h)
+        y, h = add_norm(self.norm_2, self.attn(y, cache, layer), h)
         return self.mlp(y), h
 
 
@@ -383,34 +329,19 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """The GPT; with ``parallel`` (tp_size > 1) this rank's tensor-parallel shard of it.
-
-    The shard is made from the whole model: built and initialised as at tp=1 (on the default
-    device, from the global RNG), then sliced (``horse.parallel.shard_parameters``), so that tp=1
-    and tp=N start identical from the same seed, at the cost of holding the whole model briefly.
-    ``horse.parallel.build_model`` does it from a given seed, on the CPU, then moves the shard.
-    """
-
-    def __init__(
-        self,
-        config: GPTConfig,
-        backend: str = "reference",
-        parallel: Parallel | None = None,
-        fused_loss: bool = True,
-    ):
+    def __init__(self, config: GPTConfig, backend: str = "reference", fused_loss: bool = True):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"GPT: backend must be one of {BACKENDS}, got {backend!r}")
-        self.config, self.backend, self.parallel = config, backend, parallel or Parallel()
+        self.config, self.backend = config, backend
         # GPT.loss: the LM head fused with the loss (no logits held), or logits then F.cross_entropy
         self.fused_loss = fused_loss
         self.wte = nn.Embedding(config.vocab_size, config.d_model)
         self.wpe = nn.Embedding(config.block_size, config.d_model) if config.positions == "learned" else None
-        if config.positions == "rotary":  # not persistent: derived from the config, not learned
-            cos, sin = rotary_tables(config)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
-        self.blocks = nn.ModuleList(Block(config, backend, self.parallel) for _ in range(config.n_layer))
+        self.rotary = None  # one table (float32, not saved: derived from the config) for every block
+        if config.positions == "rotary":
+            self.rotary = RotaryEmbedding(config.head_dim, config.block_size, config.rope_base)
+        self.blocks = nn.ModuleList(Block(config, backend, self.rotary) for _ in range(config.n_layer))
         self.norm_f = make_norm(config, backend)
         self.lm_head = None
         if not config.tie_embeddings:
@@ -421,8 +352,6 @@ class GPT(nn.Module):
             # 1/sqrt(number of residual adds), so the stream's variance does not grow with depth.
             if name.endswith(("c_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        if self.parallel.tp_size > 1:
-            shard_parameters(self, self.parallel)
 
     @classmethod
     def from_pretrained(cls, path: str, backend: str = "reference") -> "GPT":
@@ -441,70 +370,61 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """idx (B, T) token ids -> logits (B, T, vocab_size), at tp > 1 this rank's vocabulary
-        columns (B, T, vocab_size / tp). With a cache (tp=1 only), idx continues the cached
+        """idx (B, T) token ids -> logits (B, T, vocab_size). With a cache, idx continues the cached
         tokens, and its keys and values are appended to the cache."""
-        y = self.features(idx, cache)
-        head = self.head_weight  # (vocab_size / tp, C)
-        logits = F.linear(column_parallel_input(y, self.parallel), head)  # (B, T, vocab_size / tp)
-        used = self.config.vocab_used
-        if used is not None and used < self.config.vocab_size:
-            ids = torch.arange(head.shape[0], device=idx.device) + self.parallel.tp_rank * head.shape[0]
-            logits = logits.masked_fill(ids >= used, float("-inf"))  # the padding rows
-        return logits
+        return self.logits(self.features(idx, cache))
 
     @property
     def head_weight(self) -> torch.Tensor:
-        """The LM head (vocab_size / tp, C): the token embedding, or lm_head's own weight."""
+        """The LM head (vocab_size, C): the token embedding, or lm_head's own weight."""
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
+    def logits(self, y: torch.Tensor) -> torch.Tensor:
+        """The LM head: y (B, T, C) -> logits (B, T, vocab_size), the padding ids (vocab_used on) -inf."""
+        logits = F.linear(y, self.head_weight)
+        used = self.config.vocab_used
+        if used is not None and used < self.config.vocab_size:
+            ids = torch.arange(logits.shape[-1], device=y.device)
+            logits = logits.masked_fill(ids >= used, float("-inf"))  # the padding rows
+        return logits
+
+    def embed(self, idx: torch.Tensor, start: int) -> torch.Tensor:
+        """idx (B, T) at positions start .. start + T - 1 -> the stream's start (B, T, C)."""
+        x = self.wte(idx)  # (B, T, C)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(start, start + idx.shape[1], device=idx.device))  # (T, C) over B
+        return x
+
     def features(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """idx (B, T) -> the final norm's output (B, T, C), the LM head's input; (B, T / tp, C) under
-        sequence parallelism."""
-        B, T = idx.shape
-        if cache is not None and self.parallel.tp_size > 1:
-            raise ValueError(
-                "GPT: the KV cache (generation) runs at tp=1 only; gather the shards into a whole "
-                "model first (horse.parallel.gather_state_dicts)"
-            )
+        """idx (B, T) -> the final norm's output (B, T, C), the LM head's input."""
         start = cache.length if cache is not None else 0
-        if start + T > self.config.block_size:
+        if start + idx.shape[1] > self.config.block_size:
             raise ValueError(
-                f"GPT: {start + T} positions (cached {start} + input {T}) exceed "
+                f"GPT: {start + idx.shape[1]} positions (cached {start} + input {idx.shape[1]}) exceed "
                 f"block_size {self.config.block_size}"
             )
-        x = vocab_parallel_embedding(idx, self.wte.weight, self.parallel)  # (B, T, C): self.wte(idx) at tp=1
-        rope = None
-        if self.wpe is not None:
-            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))  # (T, C) broadcast over B
-        else:
-            rope = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # (T, hd/2) each
-        x = split_sequence(x, self.parallel)  # (B, T / tp, C) under sequence parallelism
-        h = None
+        x, h = self.embed(idx, start), None
         for layer, block in enumerate(self.blocks):
-            x, h = block(x, h, rope, cache, layer)
+            x, h = block(x, h, cache, layer)
         y, _ = add_norm(self.norm_f, x, h)
         if cache is not None:
-            cache.length += T
+            cache.length += idx.shape[1]
         return y
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of next-token prediction; idx, targets (B, T). At tp > 1 computed on
-        the vocabulary shards (never gathered), the same value on every tp rank. With fused_loss
-        (the default) the LM head and the loss run fused in row chunks and the logits never exist
-        whole: the Triton kernels on backend triton, their plain-PyTorch twins on reference."""
-        if self.fused_loss:
-            return vocab_parallel_linear_cross_entropy(
-                self.features(idx), self.head_weight, targets, self.parallel,
-                use_triton=self.backend == "triton", vocab_used=self.config.vocab_used,
-            )  # fmt: skip
-        logits = self(idx)
-        if self.parallel.tp_size > 1:
-            return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.parallel)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        """Mean cross-entropy of next-token prediction; idx, targets (B, T). With fused_loss (the
+        default) the LM head and the loss run fused in row chunks and the logits never exist whole
+        (``horse.head_loss``): the Triton kernels on backend triton, their plain-PyTorch twins on
+        reference."""
+        if not self.fused_loss:
+            return F.cross_entropy(self(idx).flatten(0, 1), targets.flatten())
+        head = self.head_weight[: self.config.vocab_used]  # the rows in use
+        y = self.features(idx).flatten(0, 1)  # (B·T, C)
+        use_triton = self.backend == "triton"
+        return head_loss.linear_cross_entropy(y, head, targets.flatten(), use_triton, fn="GPT.loss")
 
     def num_params(self) -> int:
-        """Parameters (this rank's, at tp > 1), a tied embedding / LM head counted once."""
+        """Parameters (a tensor-parallel rank's own), a tied embedding / LM head counted once."""
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len: int) -> int:
@@ -512,13 +432,13 @@ class GPT(nn.Module):
         matmul; N leaves out the position table, a lookup, and keeps the token embedding only when
         it is also the LM head) plus 12·n_layer·d_model·seq_len for attention's scores and weighted sum,
         seq_len capped at attn_window + 1 with a sliding window (the most keys a query sees).
-        At tp > 1 this rank's share: its parameters, its 1/tp of the heads."""
+        Counted from the layers, so a tensor-parallel rank's is its share: its parameters, its heads."""
         lookups = [self.wpe] + ([self.wte] if self.lm_head is not None else [])
         n = self.num_params() - sum(m.weight.numel() for m in lookups if m is not None)
         window = self.config.attn_window
         keys = seq_len if window is None else min(seq_len, window + 1)
-        attention = 12 * self.config.n_layer * self.config.d_model * keys // self.parallel.tp_size
-        return 6 * n + attention
+        width = sum(block.attn.n_heads * block.attn.head_dim for block in self.blocks)  # n_layer · d_model
+        return 6 * n + 12 * width * keys
 
 
 def num_params(config: GPTConfig) -> int:

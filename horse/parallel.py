@@ -11,10 +11,15 @@ position table and the biases added after a row-parallel projection are replicat
 shard is cut from the whole model initialised from one seed (``build_model``), so every tp size
 starts from the same weights.
 
-How a block runs on them: the whole input goes to every rank (``column_parallel_input``), each
-rank computes its heads and its slice of the MLP's hidden units, and the row-parallel projection
-that closes the branch sums the ranks' partial outputs (``row_parallel_linear``): one all-reduce
-per branch forward, one per branch backward. The conjugate pairs that do it, after Megatron:
+The model (``horse.model.GPT``) is dense; ``parallelize(model, parallel)`` makes it this rank's
+shard by a plan, Megatron's: the weights are sliced, and each projection that opens a branch
+(attention's c_attn, the MLP's c_fc or gate_proj and up_proj) becomes column-parallel, each that
+closes one (c_proj, down_proj) row-parallel, the token embedding vocabulary-parallel, and the
+GPT's head and loss work on vocabulary shards. The whole input goes to every rank
+(``column_parallel_input``), each rank computes its heads and its slice of the MLP's hidden units,
+and the row-parallel projection that closes the branch sums the ranks' partial outputs
+(``RowParallelLinear``): one all-reduce per branch forward, one per branch backward. The
+conjugate pairs that do it, after Megatron:
 
     copy_to_tp                   identity            | all-reduce         (column-parallel input)
     reduce_from_tp               all-reduce          | identity           (row-parallel output)
@@ -31,11 +36,9 @@ all-reduce of each chunk's row max and one of its sums, never materialising or g
 function takes its process group from the ``Parallel`` it is given; nothing is global.
 """
 
-from __future__ import annotations
-
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -43,20 +46,10 @@ import torch.nn.functional as F  # noqa: N812 (the name every PyTorch reader kno
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from kernels import runtime
-from kernels.cross_entropy import (
-    VocabShard,
-    check_options,
-    check_target,
-    linear_cross_entropy,
-    linear_cross_entropy_chunks,
-    row_weight,
-)
-
-if TYPE_CHECKING:  # horse.model imports this module
-    from collections.abc import Iterable
-
-    from horse.model import GPT, GPTConfig
+import kernels
+from horse import head_loss
+from horse.model import GPT, MLP, GPTConfig, KVCache, runs_half_kernels
+from kernels.cross_entropy import VocabShard
 
 
 @dataclass(frozen=True)
@@ -205,14 +198,8 @@ def gather_state_dicts(shards: list[dict], config: GPTConfig) -> dict:
     return {name: unshard([s[name] for s in shards], shard_spec(name, config)) for name in shards[0]}
 
 
-def shard_parameters(model: nn.Module, parallel: Parallel) -> None:
-    """Replace every tensor-parallel parameter of a GPT, initialised whole, by this rank's slice.
-
-    Initialising whole then slicing (Megatron's way) makes tp=1 and tp=N start from the same
-    weights for the same seed. The cost: each rank holds the whole model once, briefly, in float32
-    on the device it was built on (4 bytes a parameter: 6 GB for GPT-2 1.5B, per rank).
-    """
-    check_divisible(model.config, parallel.tp_size)
+def _shard_parameters(model: GPT, parallel: Parallel) -> None:
+    """Replace every tensor-parallel parameter of a GPT, initialised whole, by this rank's slice."""
     for name, p in list(model.named_parameters()):
         spec = shard_spec(name, model.config)
         if spec is None:
@@ -233,15 +220,13 @@ def build_model(
     size, the slices of the one model that tp=1 builds from that seed.
 
     The whole model is initialised in float32 on the CPU after ``torch.manual_seed(seed)`` (so the
-    weights depend on neither the device nor its RNG), sliced (``shard_parameters``) and then
+    weights depend on neither the device nor its RNG), sliced (``parallelize``) and then
     moved. The cost: every rank holds the whole model once, briefly, in host memory (4 bytes a
     parameter: 6 GB for GPT-2 1.5B, per rank, so 8 tp ranks of a node need 48 GB together).
     """
-    from horse.model import GPT  # here, not at the top: horse.model imports this module
-
     torch.manual_seed(seed)
     with torch.device("cpu"):
-        model = GPT(config, backend, parallel)
+        model = parallelize(GPT(config, backend), parallel)
     return model.to(device)
 
 
@@ -341,7 +326,7 @@ def scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
 
 
 # ----------------------------------------------------------------------------------------------
-# The tensor-parallel layers the GPT calls (identities, or the plain layer, at tp=1)
+# The tensor-parallel functions of the layers (identities, or the plain function, at tp=1)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -363,20 +348,6 @@ def column_parallel_input(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
     if parallel.sequence_parallel:
         return gather_from_sequence(x, parallel.tp_group)
     return copy_to_tp(x, parallel.tp_group)
-
-
-def row_parallel_linear(linear: nn.Linear, x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
-    """``linear(x)`` for a projection split by input columns: x (B, T, in/tp) -> (B, T, out), or
-    this rank's chunk (B, T/tp, out) under sequence parallelism. The ranks' partial products are
-    summed, then the replicated bias is added once."""
-    if parallel.tp_size == 1:
-        return linear(x)
-    y = F.linear(x, linear.weight)
-    if parallel.sequence_parallel:
-        y = reduce_scatter_to_sequence(y, parallel.tp_group)
-    else:
-        y = reduce_from_tp(y, parallel.tp_group)
-    return y if linear.bias is None else y + linear.bias.to(y.dtype)  # in the compute dtype, as nn.Linear
 
 
 def vocab_parallel_embedding(idx: torch.Tensor, weight: torch.Tensor, parallel: Parallel) -> torch.Tensor:
@@ -450,29 +421,6 @@ def _vocab_shard(start: int, vocab: int, group: dist.ProcessGroup | None) -> Voc
     )
 
 
-class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
-    """Mean cross entropy of x Wᵀ with W this rank's vocabulary rows, by the chunk loop of
-    kernels.cross_entropy (linear_cross_entropy_chunks). Its gradients (dx a partial sum over the
-    ranks' columns) are computed in the forward for a loss gradient of 1, then scaled by the real one."""
-
-    @staticmethod
-    def forward(ctx, x, weight, targets, shard, use_triton, ignore_index, label_smoothing, z_loss):
-        # x (N, C); weight (V_local, C); targets (N,) ids in [0, V) or ignore_index
-        dloss = row_weight(targets, ignore_index, "mean")
-        wants_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        rows, dx, dweight, _ = linear_cross_entropy_chunks(
-            x, weight, None, targets, dloss if wants_grad else None, ignore_index, label_smoothing, z_loss,
-            use_triton, shard,
-        )  # fmt: skip
-        ctx.save_for_backward(dx, dweight)
-        return rows.sum() * dloss
-
-    @staticmethod
-    def backward(ctx, dloss):
-        dx, dweight = ctx.saved_tensors
-        return (dx * dloss).to(dx.dtype), (dweight * dloss).to(dweight.dtype), *[None] * 6
-
-
 def vocab_parallel_linear_cross_entropy(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -489,7 +437,7 @@ def vocab_parallel_linear_cross_entropy(
     this rank's chunk (B, T/tp, C) under sequence parallelism; weight (V/tp, C), this rank's rows
     [rank·V/tp, (rank+1)·V/tp) of the head. Rows from vocab_used on (padding) are left out.
 
-    Fused (``kernels.cross_entropy``): rows in chunks, each chunk's logits computed, turned into the
+    Fused (``horse.head_loss``): rows in chunks, each chunk's logits computed, turned into the
     loss and their gradient, and consumed, on the Triton kernels (use_triton) or their plain-PyTorch
     twins; at tp > 1 one all-reduce of each chunk's row max and one of its sums. At tp=1 on Triton it
     is ``kernels.linear_cross_entropy``, a custom op that torch.compile traces whole.
@@ -499,19 +447,140 @@ def vocab_parallel_linear_cross_entropy(
     start = parallel.tp_rank * rows
     weight = weight[: max(0, min(rows, vocab - start))]  # this rank's columns in use
     x = column_parallel_input(x, parallel).flatten(0, 1)  # (B·T, C): the whole sequence on every rank
-    targets = targets.flatten()
-    use_triton = use_triton and runtime.runs_triton(x)
-    if parallel.tp_size == 1 and use_triton:
-        options = {"ignore_index": ignore_index, "label_smoothing": label_smoothing, "z_loss": z_loss}
-        return linear_cross_entropy(x, weight, targets, **options)
-    fn = "vocab_parallel_linear_cross_entropy"
-    check_options(fn, ignore_index, "mean", label_smoothing, z_loss)
-    check_target(fn, targets, tuple(x.shape[:1]), vocab, ignore_index, x.device)
     shard = _vocab_shard(start, vocab, parallel.tp_group) if parallel.tp_size > 1 else None
-    (x,) = runtime.autocast(x)
-    return _VocabParallelLinearCrossEntropy.apply(
-        x, weight, targets, shard, use_triton, ignore_index, label_smoothing, z_loss
-    )
+    return head_loss.linear_cross_entropy(
+        x, weight, targets.flatten(), use_triton, shard, ignore_index, label_smoothing, z_loss,
+        fn="vocab_parallel_linear_cross_entropy",
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan: the GPT's layers swapped for their tensor-parallel forms
+# ----------------------------------------------------------------------------------------------
+
+
+class ColumnParallelLinear(nn.Linear):
+    """nn.Linear split by output rows: this rank's rows of the output, from the whole input on every
+    rank (``column_parallel_input``: gathered from the sequence chunks under sequence parallelism)."""
+
+    parallel: Parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(column_parallel_input(x, self.parallel), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Linear):
+    """nn.Linear split by input columns: x (B, T, in/tp) -> (B, T, out), or this rank's chunk
+    (B, T/tp, out) under sequence parallelism. The ranks' partial products are summed, then the
+    replicated bias is added once."""
+
+    parallel: Parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.parallel.sequence_parallel:
+            y = reduce_scatter_to_sequence(y, self.parallel.tp_group)
+        else:
+            y = reduce_from_tp(y, self.parallel.tp_group)
+        return y if self.bias is None else y + self.bias.to(y.dtype)  # in the compute dtype, as nn.Linear
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """nn.Embedding split by vocabulary rows (``vocab_parallel_embedding``)."""
+
+    parallel: Parallel
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_embedding(idx, self.weight, self.parallel)
+
+
+class TensorParallelMLP(MLP):
+    """The MLP split by hidden units: the up projection (its activation fused, on the kernels in
+    half precision) on this rank's units of the whole input, then the row-parallel down projection.
+    Two calls where tp=1 runs the MLP as one: the ranks' partial sums are added before the bias."""
+
+    parallel: Parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = column_parallel_input(x, self.parallel)  # (B, T, C): the whole sequence on every tp rank
+        if not runs_half_kernels(self.backend, x):
+            return super().forward(x)  # on torch: the projections as swapped
+        if self.swiglu:  # (B, T, hidden / tp) inside
+            h = kernels.gated_linear(x, self.gate_proj.weight, self.up_proj.weight, activation="silu")
+            return self.down_proj(h)
+        return self.c_proj(kernels.linear_act(x, self.c_fc.weight, self.c_fc.bias, activation="gelu_tanh"))
+
+
+class TensorParallelGPT(GPT):
+    """A GPT that ``parallelize`` has made one tensor-parallel rank's shard: its logits are this
+    rank's vocabulary columns (B, T, vocab_size / tp), its loss the whole model's on every rank
+    (computed on the vocabulary shards, never gathered); under sequence parallelism the residual
+    stream and the norms run on (B, T / tp, C) chunks between the branches."""
+
+    parallel: Parallel
+
+    def embed(self, idx: torch.Tensor, start: int) -> torch.Tensor:
+        return split_sequence(super().embed(idx, start), self.parallel)  # (B, T / tp, C) under SP
+
+    def features(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        if cache is not None:
+            raise ValueError(
+                "GPT: the KV cache (generation) runs at tp=1 only; gather the shards into a whole "
+                "model first (horse.parallel.gather_state_dicts)"
+            )
+        return super().features(idx)
+
+    def logits(self, y: torch.Tensor) -> torch.Tensor:
+        head = self.head_weight  # (vocab_size / tp, C): this rank's ids [rank · rows, (rank + 1) · rows)
+        logits = F.linear(column_parallel_input(y, self.parallel), head)  # (B, T, vocab_size / tp)
+        used = self.config.vocab_used
+        if used is not None and used < self.config.vocab_size:
+            ids = torch.arange(head.shape[0], device=y.device) + self.parallel.tp_rank * head.shape[0]
+            logits = logits.masked_fill(ids >= used, float("-inf"))  # the padding rows
+        return logits
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not self.fused_loss:
+            return vocab_parallel_cross_entropy(self(idx).flatten(0, 1), targets.flatten(), self.parallel)
+        return vocab_parallel_linear_cross_entropy(
+            self.features(idx), self.head_weight, targets, self.parallel,
+            use_triton=self.backend == "triton", vocab_used=self.config.vocab_used,
+        )  # fmt: skip
+
+
+def _swap(module: nn.Module, cls: type[nn.Module], parallel: Parallel) -> None:
+    # The module keeps its parameters, buffers and hooks (and so its state-dict names); only its
+    # forward changes, to the tensor-parallel subclass's (as torch's fully_shard swaps classes).
+    module.__class__, module.parallel = cls, parallel
+
+
+def parallelize(model: GPT, parallel: Parallel) -> GPT:
+    """Make ``model``, a whole GPT, this rank's tensor-parallel shard in place, and return it;
+    at tp=1 it is returned as it is.
+
+    The plan: every split parameter (``shard_spec``) is replaced by this rank's slice under its own
+    name, so tp=1 state dicts load after ``shard_state_dict``; attention keeps n_head / tp query and
+    n_kv_heads / tp key/value heads, its c_attn column-parallel and c_proj row-parallel; the MLP is
+    :class:`TensorParallelMLP`, its down projection row-parallel; the token embedding is
+    vocabulary-parallel and the GPT a :class:`TensorParallelGPT`. Initialising whole then slicing
+    (Megatron's way) makes tp=1 and tp=N start from the same weights for the same seed, at the cost
+    of holding the whole model once, briefly (``build_model`` does it on the CPU).
+    """
+    tp = parallel.tp_size
+    if tp == 1:
+        return model
+    check_divisible(model.config, tp)
+    _shard_parameters(model, parallel)
+    _swap(model, TensorParallelGPT, parallel)
+    _swap(model.wte, VocabParallelEmbedding, parallel)
+    for block in model.blocks:
+        attn, mlp = block.attn, block.mlp
+        attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
+        _swap(attn.c_attn, ColumnParallelLinear, parallel)
+        _swap(attn.c_proj, RowParallelLinear, parallel)
+        _swap(mlp, TensorParallelMLP, parallel)
+        _swap(mlp.down_proj if mlp.swiglu else mlp.c_proj, RowParallelLinear, parallel)
+    return model
 
 
 # ----------------------------------------------------------------------------------------------

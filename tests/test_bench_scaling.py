@@ -10,7 +10,7 @@ import torch
 
 from bench import scaling
 from horse.model import GPT, GPTConfig, num_params, preset
-from horse.parallel import Parallel
+from horse.parallel import Parallel, parallelize
 
 # B·T = 16 tokens of width 32: one (B·T, d_model) float16 activation is 16·32·2 = 1024 bytes, the
 # cross entropy's (B·T,) float32 row max 64 bytes and its (2, B·T) sums 128.
@@ -90,7 +90,7 @@ def test_dp_allreduce_by_hand():
 )
 def test_local_params_count_what_a_rank_holds(config, tp):
     with torch.device("meta"):
-        rank = GPT(config, "reference", Parallel(tp_size=tp))
+        rank = parallelize(GPT(config, "reference"), Parallel(tp_size=tp))
     assert scaling.local_params(config, tp) == rank.num_params()
     if tp == 1:
         assert scaling.local_params(config, 1) == num_params(config)

@@ -27,6 +27,7 @@ from horse.parallel import (
     gather_state_dicts,
     global_grad_norm,
     init_from_env,
+    parallelize,
     reduce_from_tp,
     reduce_scatter_to_sequence,
     scatter_to_sequence,
@@ -92,7 +93,7 @@ def _whole_and_shard(config: GPTConfig, parallel: Parallel, backend: str = "refe
     with torch.no_grad():
         for p in whole.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=generator))
-    model = GPT(config, backend, parallel)
+    model = parallelize(GPT(config, backend), parallel)
     model.load_state_dict(shard_state_dict(whole.state_dict(), config, parallel.tp_rank, parallel.tp_size))
     return whole, model
 
@@ -140,7 +141,7 @@ def _check_model_matches_whole(parallel: Parallel) -> None:
             _assert_close(global_grad_norm(ddp_names, p), norm_ref, 1e-5, f"{case}: norm, DDP names")
 
     p = dataclasses.replace(parallel, sequence_parallel=True)
-    model = GPT(GPT2, parallel=p)
+    model = parallelize(GPT(GPT2), p)
     with pytest.raises(ValueError, match="must divide the sequence length 7"):
         model(torch.zeros(1, 7, dtype=torch.long))
     with pytest.raises(ValueError, match="tp=1 only"):
@@ -285,8 +286,8 @@ def test_tp_ranks_start_from_the_slices_of_the_tp1_model(config):
         replicated -= whole_model.wpe.weight.numel()  # a lookup, not a matmul
     flops = sum(m.flops_per_token(16) for m in models)
     assert flops == whole_model.flops_per_token(16) + 6 * (TP - 1) * replicated
-    attn = GPT(config, parallel=Parallel(tp_size=TP)).blocks[0].attn
-    assert (attn.n_head, attn.n_kv_heads) == (config.n_head // TP, config.kv_heads // TP)
+    attn = parallelize(GPT(config), Parallel(tp_size=TP)).blocks[0].attn
+    assert (attn.n_heads, attn.n_kv_heads) == (config.n_head // TP, config.kv_heads // TP)
     assert attn.c_attn.weight.shape == ((config.n_head + 2 * config.kv_heads) * config.head_dim // TP, 32)
     assert attn.c_proj.in_features == config.d_model // TP
     assert shards[0].keys() == whole.keys()
@@ -322,7 +323,7 @@ def test_divisibility_errors_name_the_field():
     with pytest.raises(ValueError, match="must divide n_kv_heads 2$"):
         check_divisible(LLAMA, 4)
     with pytest.raises(ValueError, match="must divide mlp_hidden 102$"):
-        GPT(dataclasses.replace(GPT2, mlp_hidden=102), parallel=Parallel(tp_size=4))
+        parallelize(GPT(dataclasses.replace(GPT2, mlp_hidden=102)), Parallel(tp_size=4))
     with pytest.raises(ValueError, match="--tp 3 must .* divide the world size 1"):
         init_from_env(tp=3)
 

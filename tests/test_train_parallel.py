@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from horse import checkpoint, generate, optim, train
 from horse.model import GPT
-from horse.parallel import Parallel, init_from_env
+from horse.parallel import Parallel, init_from_env, parallelize
 
 # Under pytest-xdist the multi-process tests run one after another in one worker: the module's runs
 # fixture is built once, and their ranks do not compete with each other for the two cores.
@@ -139,7 +139,7 @@ def test_a_checkpoint_from_before_tensor_parallelism_loads_at_any_tp_size(tmp_pa
 
     def restored(parallel: Parallel) -> tuple[list[str], dict]:
         """(parameter names by optimizer position, the optimizer's state_dict) after loading ckpt."""
-        model = GPT(config, "reference", parallel)
+        model = parallelize(GPT(config, "reference"), parallel)
         optimizer = optim.make_optimizer(model, cfg, "cpu")
         checkpoint.load(ckpt, model, optimizer, parallel)
         names = {id(p): name for name, p in model.named_parameters()}
@@ -219,7 +219,7 @@ def test_an_inf_gradient_on_one_rank_makes_every_rank_skip():
 
 def _shards_match_export(parallel, ckpt: Path, exported: Path) -> None:
     config, _ = checkpoint.read_metadata(ckpt)
-    model = GPT(config, "reference", parallel)
+    model = parallelize(GPT(config, "reference"), parallel)
     checkpoint.load_weights(ckpt, model, parallel)  # this rank's own file
     whole = GPT(config)
     whole.load_state_dict(load_file(exported))
