@@ -319,6 +319,26 @@ def newest_good(
     return None, []
 
 
+def resume_point(
+    out_dir: str | Path, resume: bool, config: GPTConfig, parallel: Parallel, strict: bool = False
+) -> tuple[Path | None, list[str]]:
+    """(the checkpoint a run in out_dir continues from, a warning for each damaged newer one). With
+    resume, the newest good one (:func:`newest_good`), checked against config; without, None, and
+    an error if out_dir holds checkpoints of an earlier run."""
+    if not resume:
+        ckpt = latest(out_dir)
+        if ckpt is not None:
+            raise ValueError(
+                f"--out-dir {out_dir} holds checkpoints of an earlier run ({ckpt.name}): pass --resume to "
+                "continue it, or choose another --out-dir"
+            )
+        return None, []
+    ckpt, warnings = newest_good(out_dir, parallel, strict)
+    if ckpt is not None:
+        check_config(ckpt, config)
+    return ckpt, warnings
+
+
 def latest(out_dir: str | Path) -> Path | None:
     """The newest complete checkpoint in out_dir, or None."""
     found = complete(out_dir)

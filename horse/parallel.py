@@ -37,7 +37,7 @@ function takes its process group from the ``Parallel`` it is given; nothing is g
 """
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 (the name every PyTorch reader knows)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
 
 import kernels
 from horse import head_loss
@@ -584,8 +585,36 @@ def parallelize(model: GPT, parallel: Parallel) -> GPT:
 
 
 # ----------------------------------------------------------------------------------------------
-# For the trainer: gradients after the backward
+# For the trainer: data parallelism, and gradients after the backward
 # ----------------------------------------------------------------------------------------------
+
+
+class _LossOf(nn.Module):
+    """model.loss (or loss, its compiled form) as a module's forward: DDP hooks the forward of the
+    module it wraps."""
+
+    def __init__(self, model: GPT, loss: Callable):
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss(idx, targets)
+
+
+def data_parallel(model: GPT, loss: Callable, parallel: Parallel) -> DistributedDataParallel:
+    """loss (model.loss or its compiled form) under DDP over the data-parallel group: the replicas'
+    gradients are averaged in buckets during the backward (``no_sync()`` skips that)."""
+    device_ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
+    return DistributedDataParallel(_LossOf(model, loss), device_ids, process_group=parallel.dp_group)
+
+
+def dp_mean(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
+    """The mean of x over the data-parallel replicas (each saw a different slice of the batch)."""
+    if parallel.dp_size > 1:
+        x = x.clone()
+        dist.all_reduce(x, group=parallel.dp_group)
+        x /= parallel.dp_size
+    return x
 
 
 def allreduce_sequence_parallel_grads(model: nn.Module, parallel: Parallel) -> None:

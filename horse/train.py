@@ -54,7 +54,6 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from horse import checkpoint, hf, optim, preemption, recipes
@@ -68,6 +67,8 @@ from horse.parallel import (
     allreduce_sequence_parallel_grads,
     build_model,
     check_divisible,
+    data_parallel,
+    dp_mean,
     init_from_env,
 )
 from kernels import runtime
@@ -254,12 +255,12 @@ def train_step(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> tuple[torch.Tensor, float, bool]:
     """One optimizer step of cfg.grad_accum micro-batches (next_batch() gives each (x, y)): forward
-    under autocast, scaled backward, then :func:`optimizer_step`. loss_fn is model.loss or its DDP
-    wrapper (:class:`LossOf`), whose gradients are all-reduced in the last micro-batch's backward
-    only. Returns (the mean loss over the data-parallel replicas, a CPU tensor; gradient norm;
-    skipped)."""
+    under autocast, scaled backward, then ``horse.optim.optimizer_step``. loss_fn is model.loss or
+    its DDP wrapper (``horse.parallel.data_parallel``), whose gradients are all-reduced in the last
+    micro-batch's backward only. Returns (the mean loss over the data-parallel replicas, a CPU
+    tensor; gradient norm; skipped)."""
     parallel = parallel or Parallel()
-    ddp = isinstance(loss_fn, DistributedDataParallel)
+    ddp = isinstance(loss_fn, nn.parallel.DistributedDataParallel)
     loss_sum = torch.zeros((), device=next(model.parameters()).device)
     for micro in range(cfg.grad_accum):
         last = micro == cfg.grad_accum - 1
@@ -279,27 +280,6 @@ def train_step(
         loss = dp_mean(loss_sum, parallel).to("cpu", non_blocking=True)
         grad_norm, skipped = optim.optimizer_step(model, optimizer, scaler, cfg.grad_clip, parallel)
     return loss, grad_norm, skipped
-
-
-class LossOf(nn.Module):
-    """model.loss (or loss, its compiled form) as a module's forward: DDP hooks the forward of the
-    module it wraps."""
-
-    def __init__(self, model: GPT, loss: Callable | None = None):
-        super().__init__()
-        self.model, self.loss = model, loss or model.loss
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss(idx, targets)
-
-
-def dp_mean(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
-    """The mean of x over the data-parallel replicas (each saw a different slice of the batch)."""
-    if parallel.dp_size > 1:
-        x = x.clone()
-        dist.all_reduce(x, group=parallel.dp_group)
-        x /= parallel.dp_size
-    return x
 
 
 @torch.no_grad()
@@ -367,18 +347,9 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     run_name = os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
     out_dir = Path(cfg.out_dir or f"runs/{cfg.preset}-{run_name}")
     resume = cfg.resume or restarts > 0
-    ckpt = checkpoint.latest(out_dir)
-    if ckpt is not None and not resume:
-        raise ValueError(
-            f"--out-dir {out_dir} holds checkpoints of an earlier run ({ckpt.name}): pass --resume to "
-            "continue it, or choose another --out-dir"
-        )
-    if resume:  # the newest checkpoint whose files match their manifest's sizes and checksums
-        ckpt, damaged = checkpoint.newest_good(out_dir, parallel, cfg.strict_resume)
-        for warning in damaged:
-            log(f"warning: {warning}")
-    if ckpt is not None:
-        checkpoint.check_config(ckpt, config)
+    ckpt, damaged = checkpoint.resume_point(out_dir, resume, config, parallel, cfg.strict_resume)
+    for warning in damaged:
+        log(f"warning: {warning}")
 
     # float32 master weights, autocast computes in fp16/bf16; at tp > 1 this rank's shard, cut from
     # the whole model initialised from the seed, so every tp size starts from the same weights.
@@ -390,8 +361,7 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
         recipes.checkpoint_blocks(model)
     loss_fn = recipes.compile_loss(model, parallel.tp_size == 1) if cfg.compile else model.loss
     if parallel.dp_size > 1:  # gradients averaged over the replicas in buckets, during the backward
-        device_ids = [torch.cuda.current_device()] if device == "cuda" else None
-        loss_fn = DistributedDataParallel(LossOf(model, loss_fn), device_ids, process_group=parallel.dp_group)
+        loss_fn = data_parallel(model, loss_fn, parallel)
     optimizer = optim.make_optimizer(model, cfg, device)
     scaler = LossScaler.from_config(cfg, precision == "fp16", parallel)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
