@@ -12,13 +12,13 @@ shard is cut from the whole model initialised from one seed (``build_model``), s
 starts from the same weights.
 
 The model (``horse.model.GPT``) is dense; ``parallelize(model, parallel)`` makes it this rank's
-shard by a plan, Megatron's: the weights are sliced, and each projection that opens a branch
-(attention's c_attn, the MLP's c_fc or gate_proj and up_proj) becomes column-parallel, each that
-closes one (c_proj, down_proj) row-parallel, the token embedding vocabulary-parallel, and the
-GPT's head and loss work on vocabulary shards. The whole input goes to every rank
-(``column_parallel_input``), each rank computes its heads and its slice of the MLP's hidden units,
-and the row-parallel projection that closes the branch sums the ranks' partial outputs
-(``RowParallelLinear``): one all-reduce per branch forward, one per branch backward. The
+shard by a plan, Megatron's: the weights are sliced; attention's c_attn becomes column-parallel
+and its c_proj row-parallel; the MLP takes its input whole once for its up projections (split by
+hidden units) and closes on a row-parallel down projection; the token embedding becomes
+vocabulary-parallel, and the GPT's head and loss work on vocabulary shards. The whole input goes
+to every rank (``column_parallel_input``), each rank computes its heads and its slice of the MLP's
+hidden units, and the row-parallel projection that closes the branch sums the ranks' partial
+outputs (``RowParallelLinear``): one all-reduce per branch forward, one per branch backward. The
 conjugate pairs that do it, after Megatron:
 
     copy_to_tp                   identity            | all-reduce         (column-parallel input)
