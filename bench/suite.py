@@ -16,7 +16,6 @@ results afterwards.
 import dataclasses
 import datetime
 import fnmatch
-import itertools
 import json
 import operator
 import re
@@ -104,21 +103,6 @@ class Result:
 
 class UnavailableError(Exception):
     """Raised by a baseline's setup that cannot run on this machine or shape; the case is skipped."""
-
-
-def rotate(copies: list, fn: Callable, no_grad: bool = False) -> Callable[[], object]:
-    """A zero-argument call of fn on the next of copies, cycling, so no call finds its inputs in
-    L2 from the call before (copies from timing.rotating_inputs)."""
-    counter = itertools.count()
-
-    def call():
-        item = copies[next(counter) % len(copies)]
-        if no_grad:
-            with torch.no_grad():
-                return fn(item)
-        return fn(item)
-
-    return call
 
 
 def compiled(fn, **options) -> Callable[[], Callable]:
