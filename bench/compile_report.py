@@ -50,6 +50,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
 
+from bench import report
 from kernels import layernorm, runtime
 from kernels.runtime import ARCHS
 
@@ -807,22 +808,8 @@ def failures(results: list[CompileResult]) -> list[str]:
     return bad
 
 
-COLUMNS = (
-    "arch",
-    "kernel",
-    "shape",
-    "dtype",
-    "blocks",
-    "warps",
-    "stages",
-    "regs",
-    "spill",
-    "smem",
-    "tc",
-    "ldg128",
-    "tma",
-    "target",
-)
+COLUMNS = ("arch", "kernel", "shape", "dtype", "blocks", "warps", "stages", "regs", "spill", "smem", "tc",
+           "ldg128", "tma", "target")  # fmt: skip
 
 
 def format_table(results: list[CompileResult]) -> str:
@@ -834,9 +821,7 @@ def format_table(results: list[CompileResult]) -> str:
             counts = ("-",) * (len(counts) - 1) + ("error",)
         return (c.arch, c.kernel, c.shape_class, c.dtype_name, c.blocks, c.num_warps, c.num_stages, *counts)
 
-    rows = [COLUMNS] + [cells(r) for r in results]
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(str(v).rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows)
+    return report.format_table([COLUMNS, *map(cells, results)], right=True)
 
 
 def capability_error(capability: int, family: str) -> str | None:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import timing
+from bench import report, timing
 
 GATES_FILE = Path(__file__).with_name("gates.toml")
 RESULTS_DIR = Path(__file__).with_name("results")
@@ -372,18 +372,8 @@ def compare(results: list[Result], previous: dict, expected: list[Case]) -> tupl
     return lines, failures
 
 
-TABLE_COLUMNS = (
-    "kernel",
-    "direction",
-    "shape",
-    "impl",
-    "ms",
-    "q1-q3 ms",
-    "rate",
-    "ceiling",
-    "vs best other",
-    "check",
-)
+TABLE_COLUMNS = ("kernel", "direction", "shape", "impl", "ms", "q1-q3 ms", "rate", "ceiling", "vs best other",
+                 "check")  # fmt: skip
 
 
 def format_table(results: list[Result]) -> str:
@@ -397,10 +387,7 @@ def format_table(results: list[Result]) -> str:
             "" if best_other is None else f"{best_other:.2f}x",
             "" if r.correct is None else ("ok" if r.correct else "WRONG"),
         ))  # fmt: skip
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(TABLE_COLUMNS))]
-    return "\n".join(
-        "  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows
-    )
+    return report.format_table(rows)
 
 
 def results_dir(gpu: str) -> Path:
@@ -412,7 +399,7 @@ def results_dir(gpu: str) -> Path:
 def write_json(
     path: Path, machine: dict, ceilings: dict, results: list[Result], verdicts: list[GateVerdict]
 ) -> None:
-    report = {
+    document = {
         "schema": "little-horse-bench/1",
         "machine": machine,
         "ceilings": ceilings,
@@ -423,7 +410,7 @@ def write_json(
             for v in verdicts
         ],
     }  # fmt: skip
-    path.write_text(json.dumps(report, indent=2))
+    path.write_text(json.dumps(document, indent=2))
 
 
 def plot(results: list[Result], out_dir: Path) -> list[Path]:

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from bench import suite, timing
+from bench import report, suite, timing
 from horse.loss_scale import LossScaler
 from horse.model import GPT, PRESETS, GPTConfig, flops_per_token, preset
 from horse.train import TrainConfig, make_optimizer, peak_flops, train_step
@@ -263,8 +263,7 @@ def format_table(results: list[suite.Result]) -> str:
             f"{x['peak_memory_bytes'] / 2**30:.2f}", str(x["skipped_steps"]),
             *("" if s is None else f"{s:.2f}x" for s in speedups),
         ))  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+    return report.format_table(rows)
 
 
 def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
