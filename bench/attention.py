@@ -24,6 +24,7 @@ SDPA's flash backend: causal on right-padded rows keeps every real row exact), a
 varlen. Their rates count the work the window or the documents need, whatever a baseline spends.
 """
 
+import contextlib
 import functools
 import itertools
 import sys
@@ -164,38 +165,27 @@ def check_packed(lengths, heads: int, head_dim: int, device) -> tuple[dict, bool
     )  # fmt: skip
 
 
-def _sdpa(backend_name: str, causal: bool):
+def _sdpa(backend_name: str | None = None, **options):
+    """scaled_dot_product_attention on our (batch, seqlen, heads, head_dim) layout (transposed views)
+    under sdpa_kernel(backend_name) (None: SDPA's own choice), with these keyword arguments."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = getattr(SDPBackend, backend_name)
 
     def attention(q, k, v):
         # SDPA's is_causal is aligned top-left, ours bottom-right: the same at equal lengths.
-        with sdpa_kernel(backend):
+        with sdpa_kernel(getattr(SDPBackend, backend_name)) if backend_name else contextlib.nullcontext():
             out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **options
             )
         return out.transpose(1, 2)
 
     return attention
 
 
-def _sdpa_window(shape: Shape, window: int):
-    """SDPA's efficient backend with the causal window as a boolean (seqlen, seqlen) mask."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    rows = torch.arange(shape.seqlen, device="cuda")[:, None]
-    cols = torch.arange(shape.seqlen, device="cuda")[None, :]
-    mask = (cols <= rows) & (cols >= rows - window)
-
-    def attention(q, k, v):
-        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
-            )
-        return out.transpose(1, 2)
-
-    return attention
+def _window_mask(seqlen: int, window: int) -> torch.Tensor:
+    """The causal window as a boolean (seqlen, seqlen) mask, on the GPU."""
+    rows = torch.arange(seqlen, device="cuda")[:, None]
+    cols = torch.arange(seqlen, device="cuda")[None, :]
+    return (cols <= rows) & (cols >= rows - window)
 
 
 def _compiled_explicit(shape: Shape, causal: bool):
@@ -211,22 +201,15 @@ def _compiled_explicit(shape: Shape, causal: bool):
     return torch.compile(lambda q, k, v: reference.attention(q, k, v, causal, upcast=False)[0], dynamic=False)
 
 
-def _flash_attn(causal: bool):
+def _flash_attn(name: str, **options):
+    """flash-attn's function ``name`` (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache)
+    called with these keyword arguments; UnavailableError where flash_attn does not import."""
     try:
-        from flash_attn import flash_attn_func
+        import flash_attn
     except (ImportError, OSError) as error:
         raise suite.UnavailableError(f"flash_attn does not import: {error}") from error
-    return lambda q, k, v: flash_attn_func(q, k, v, causal=causal)
-
-
-def _flash_attn_extra(kind: str, **kwargs):
-    """flash-attn's window (``func``) or varlen (``varlen``) call with these keyword arguments."""
-    try:
-        from flash_attn import flash_attn_func, flash_attn_varlen_func
-    except (ImportError, OSError) as error:
-        raise suite.UnavailableError(f"flash_attn does not import: {error}") from error
-    fn = flash_attn_func if kind == "func" else flash_attn_varlen_func
-    return lambda *args: fn(*args, **kwargs)
+    fn = getattr(flash_attn, name)
+    return lambda *args: fn(*args, **options)
 
 
 def implementations(shape: Shape, causal: bool, quick: bool = False) -> dict:
@@ -239,10 +222,10 @@ def implementations(shape: Shape, causal: bool, quick: bool = False) -> dict:
     for backend in SDPA_BACKENDS:
         if backend != "MATH" or shape.seqlen <= MATH_MAX_SEQLEN:
             name = "sdpa-" + backend.split("_")[0].lower()
-            impls[name] = lambda b=backend: _sdpa(b, causal)
+            impls[name] = lambda b=backend: _sdpa(b, is_causal=causal)
     if not quick:
         impls["compile"] = lambda: _compiled_explicit(shape, causal)
-    impls["flash-attn"] = lambda: _flash_attn(causal)
+    impls["flash-attn"] = lambda: _flash_attn("flash_attn_func", causal=causal)
     return impls
 
 
@@ -295,8 +278,10 @@ def window_cases() -> list[suite.Case]:
                 lambda q, k, v: kernels.flash_attention(q, k, v, causal=True, window_size=(WINDOW, -1))
             ),
             "ours-causal": lambda: lambda q, k, v: kernels.flash_attention(q, k, v, causal=True),
-            "sdpa-efficient-mask": lambda s=shape: _sdpa_window(s, WINDOW),
-            "flash-attn": lambda: _flash_attn_extra("func", causal=True, window_size=(WINDOW, 0)),
+            "sdpa-efficient-mask": lambda n=seqlen: _sdpa(
+                "EFFICIENT_ATTENTION", attn_mask=_window_mask(n, WINDOW)
+            ),
+            "flash-attn": lambda: _flash_attn("flash_attn_func", causal=True, window_size=(WINDOW, 0)),
         }
         checker = lambda s=shape: check(s, True, "cuda", window_size=(WINDOW, -1))  # noqa: E731
         for (name, make_fn), direction in itertools.product(impls.items(), DIRECTION_MULTIPLE):
@@ -327,8 +312,8 @@ def packed_cases() -> list[suite.Case]:
     impls = {  # name -> (make_fn, input shape, packed inputs)
         "ours": (lambda: lambda *a: kernels.flash_attention_varlen(*a, causal=True), packed, True),
         "ours-padded": (lambda: lambda q, k, v: kernels.flash_attention(q, k, v, causal=True), padded, False),
-        "sdpa-flash-padded": (lambda: _sdpa("FLASH_ATTENTION", True), padded, False),
-        "flash-attn": (lambda: _flash_attn_extra("varlen", causal=True), packed, True),
+        "sdpa-flash-padded": (lambda: _sdpa("FLASH_ATTENTION", is_causal=True), padded, False),
+        "flash-attn": (lambda: _flash_attn("flash_attn_varlen_func", causal=True), packed, True),
     }
     checker = lambda: check_packed(PACKED_LENGTHS, heads, EXTRA_HEAD_DIM, "cuda")  # noqa: E731
     out = []
@@ -368,22 +353,6 @@ def check_decode(batch: int, cache: int, head_dim: int, device) -> tuple[dict, b
     )  # fmt: skip
 
 
-def _sdpa_gqa(q, k, v):
-    """SDPA with its own choice of backend, the kv heads shared by their query groups."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True
-    )
-    return out.transpose(1, 2)
-
-
-def _flash_attn_kvcache():
-    try:
-        from flash_attn import flash_attn_with_kvcache
-    except (ImportError, OSError) as error:
-        raise suite.UnavailableError(f"flash_attn does not import: {error}") from error
-    return lambda q, k_cache, v_cache: flash_attn_with_kvcache(q, k_cache, v_cache, causal=True)
-
-
 def decode_cases() -> list[suite.Case]:
     """attention_decode: ours (split keys, the GQA group in one tile) against our prefill kernel on
     the same cache (the gate of issue 25: >= 3x at seqlen_q = 1), SDPA (GQA) and
@@ -396,8 +365,8 @@ def decode_cases() -> list[suite.Case]:
     impls = {
         "ours": lambda: lambda q, k, v: kernels.flash_attention_with_kvcache(q, k, v, causal=True),
         "ours-prefill": lambda: lambda q, k, v: kernels.flash_attention(q, k, v, causal=True),
-        "sdpa": lambda: _sdpa_gqa,
-        "flash-attn": _flash_attn_kvcache,
+        "sdpa": lambda: _sdpa(enable_gqa=True),  # SDPA's own backend, kv heads shared
+        "flash-attn": lambda: _flash_attn("flash_attn_with_kvcache", causal=True),
     }
     out = []
     for batch, cache in DECODE_SHAPES:

@@ -627,20 +627,9 @@ def attention_decode_configs(arch: runtime.Arch) -> list[KernelConfig]:
             }
             shape_class = f"d={head_dim}" + ("" if mask == "full" else f" {mask}")
             fn = "kernels.attention._attn_decode_kernel"
-            configs.append(
-                KernelConfig(
-                    "attn_decode",
-                    shape_class,
-                    dtype,
-                    fn,
-                    pointers,
-                    constexprs,
-                    cfg.num_warps,
-                    cfg.num_stages,
-                    arch=arch.name,
-                    matmul=True,
-                )
-            )
+            options = (cfg.num_warps, cfg.num_stages)
+            configs.append(KernelConfig("attn_decode", shape_class, dtype, fn, pointers, constexprs, *options,
+                                        arch=arch.name, matmul=True))  # fmt: skip
         if mask == "full":
             constexprs = {
                 "HEAD_DIM": head_dim,

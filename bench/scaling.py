@@ -184,15 +184,8 @@ def comm_bytes_per_gpu(config: GPTConfig, tp: int, batch: int, seq: int, sequenc
     )
 
 
-def comm_ms(
-    config: GPTConfig,
-    tp: int,
-    batch: int,
-    seq: int,
-    sequence_parallel: bool,
-    nvlink_gbps: float,
-    latency_us: float,
-) -> float:
+def comm_ms(config: GPTConfig, tp: int, batch: int, seq: int, sequence_parallel: bool, nvlink_gbps: float,
+            latency_us: float) -> float:  # fmt: skip
     """Time of one step's tp collectives: bytes over the per-direction bandwidth plus a latency each."""
     calls = sum(c.count for c in collectives(config, tp, batch, seq, sequence_parallel))
     seconds = comm_bytes_per_gpu(config, tp, batch, seq, sequence_parallel) / (nvlink_gbps * 1e9)
@@ -265,16 +258,8 @@ def memory_bytes_per_rank(config: GPTConfig, tp: int, batch: int, seq: int, sequ
     return norms + row_biases + loss + OPTIMIZER_BYTES_PER_PARAM * local_params(config, tp)
 
 
-def estimate_compute_ms(
-    config: GPTConfig,
-    tp: int,
-    batch: int,
-    seq: int,
-    sequence_parallel: bool,
-    peak_tflops: float,
-    efficiency: float,
-    hbm_gbps: float,
-) -> float:
+def estimate_compute_ms(config: GPTConfig, tp: int, batch: int, seq: int, sequence_parallel: bool,
+                        peak_tflops: float, efficiency: float, hbm_gbps: float) -> float:  # fmt: skip
     """Roofline compute time of one rank: FLOPs at efficiency × peak plus memory-bound bytes over HBM."""
     flops_s = flops_per_rank(config, tp, batch, seq) / (peak_tflops * 1e12 * efficiency)
     memory_s = memory_bytes_per_rank(config, tp, batch, seq, sequence_parallel) / (hbm_gbps * 1e9)
@@ -367,6 +352,7 @@ def predict(args: argparse.Namespace, measured: bool) -> list[Row]:
             except ValueError as error:
                 rows.append(Row(name, tp, reason=str(error)))
                 continue
+            shape = (config, tp, args.batch_size, args.seq_len, args.sequence_parallel)
             if measured:
                 try:
                     compute = measure_compute_ms(config, tp, args.batch_size, args.seq_len)
@@ -377,17 +363,7 @@ def predict(args: argparse.Namespace, measured: bool) -> list[Row]:
                     gc.collect()
                     torch.cuda.empty_cache()
             else:
-                compute = estimate_compute_ms(
-                    config,
-                    tp,
-                    args.batch_size,
-                    args.seq_len,
-                    args.sequence_parallel,
-                    args.peak_tflops,
-                    args.efficiency,
-                    args.hbm_gbps,
-                )
-            shape = (config, tp, args.batch_size, args.seq_len, args.sequence_parallel)
+                compute = estimate_compute_ms(*shape, args.peak_tflops, args.efficiency, args.hbm_gbps)
             comm = comm_ms(*shape, args.nvlink_gbps, args.latency_us)
             dp = dp_allreduce_ms(config, tp, args.nvlink_gbps, args.latency_us)
             rows.append(Row(name, tp, compute, comm, dp, comm_bytes_per_gpu(*shape)))

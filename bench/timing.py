@@ -195,13 +195,8 @@ def spin_ahead_ms(host_ms: float, calls: int = 1) -> float:
     return 2 * host_ms * calls + 0.1
 
 
-def time_gpu(
-    fn: Callable[[T], object],
-    inputs: Sequence[T],
-    warmup: int = 10,
-    repeats: int = 100,
-    batch: int = 20,
-) -> Timing:
+def time_gpu(fn: Callable[[T], object], inputs: Sequence[T], warmup: int = 10, repeats: int = 100,
+             batch: int = 20) -> Timing:  # fmt: skip
     """GPU time of ``fn(inputs[i])`` on the current CUDA device and stream, i cycling over inputs.
 
     ``warmup`` untimed calls, then ``repeats`` calls, each between its own pair of CUDA events,

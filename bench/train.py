@@ -135,16 +135,9 @@ def case_params(cfg: TrainConfig, config: GPTConfig) -> dict:
     }
 
 
-def step_result(
-    cfg: TrainConfig,
-    config: GPTConfig,
-    backend: str,
-    times_ms: list[float],
-    peak_memory_bytes: int,
-    skipped_steps: int,
-    loss: float,
-    peak: float | None,
-) -> suite.Result:
+def step_result(cfg: TrainConfig, config: GPTConfig, backend: str, times_ms: list[float],
+                peak_memory_bytes: int, skipped_steps: int, loss: float,
+                peak: float | None) -> suite.Result:  # fmt: skip
     """A backend's timed steps as a bench-suite result, the training metrics in ``extra``."""
     seq_len = cfg.seq_len or config.block_size
     tokens_per_step = cfg.batch_size * seq_len * cfg.grad_accum
@@ -179,13 +172,8 @@ def step_result(
 # ----------------------------------------------------------------------------------------------
 
 
-def time_steps(
-    step: Callable[[], tuple[torch.Tensor, bool]],
-    warmup: int,
-    steps: int,
-    seconds: float | None,
-    stop_at: float | None = None,
-) -> tuple[list[float], int, int, float]:
+def time_steps(step: Callable[[], tuple[torch.Tensor, bool]], warmup: int, steps: int, seconds: float | None,
+               stop_at: float | None = None) -> tuple[list[float], int, int, float]:  # fmt: skip
     """GPU times (ms) of up to ``steps`` steps after ``warmup`` untimed ones, stopping after
     ``seconds`` of timing or at ``stop_at`` (a ``time.perf_counter()``: warm-up included), whichever
     comes first, but after at least 2 steps; returns (times, peak memory in bytes, skipped steps,
@@ -216,15 +204,8 @@ def time_steps(
     return times, torch.cuda.max_memory_allocated(), skipped, loss.item()
 
 
-def measure(
-    cfg: TrainConfig,
-    config: GPTConfig,
-    backend: str,
-    warmup: int,
-    steps: int,
-    seconds: float | None,
-    stop_at: float | None = None,
-) -> suite.Result:
+def measure(cfg: TrainConfig, config: GPTConfig, backend: str, warmup: int, steps: int, seconds: float | None,
+            stop_at: float | None = None) -> suite.Result:  # fmt: skip
     """One backend's result on the current GPU; frees its model, optimizer and compiled graphs after."""
     step = None
     try:

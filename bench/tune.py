@@ -57,15 +57,11 @@ ATTENTION_PASSES = {  # --passes name: (compile report pass, table in kernels.at
 }
 # MLP GEMM shapes per (gemm, shape class): (model name in bench.mlp.MODELS, tokens).
 MLP_SHAPES = {
-    ("fwd", "large"): ("1.3B", 16384),
-    ("fwd", "medium"): ("124M", 1024),
-    ("gated_fwd", "large"): ("7B", 16384),
-    ("gated_fwd", "medium"): ("7B", 512),
-    ("dh_bwd", "large"): ("1.3B", 16384),
-    ("dh_bwd", "medium"): ("124M", 1024),
-    ("gated_dh_bwd", "large"): ("7B", 16384),
-    ("gated_dh_bwd", "medium"): ("7B", 512),
-}
+    ("fwd", "large"): ("1.3B", 16384), ("fwd", "medium"): ("124M", 1024),
+    ("gated_fwd", "large"): ("7B", 16384), ("gated_fwd", "medium"): ("7B", 512),
+    ("dh_bwd", "large"): ("1.3B", 16384), ("dh_bwd", "medium"): ("124M", 1024),
+    ("gated_dh_bwd", "large"): ("7B", 16384), ("gated_dh_bwd", "medium"): ("7B", 512),
+}  # fmt: skip
 MIN_GAIN = 0.02  # a neighbour must be this much faster to move: below it, timing noise decides
 TILE_RANGE = (16, 256)
 WARPS = (4, 8)
@@ -132,14 +128,9 @@ def neighbours(cfg, persistent: bool = False, tma: bool = True) -> list:
     return out
 
 
-def descend(
-    start,
-    measure: Callable[[object], Measurement],
-    deadline: float,
-    clock: Callable[[], float] = time.monotonic,
-    persistent: bool = False,
-    tma: bool = True,
-) -> tuple[object, list[Measurement]]:
+def descend(start, measure: Callable[[object], Measurement], deadline: float,
+            clock: Callable[[], float] = time.monotonic, persistent: bool = False,
+            tma: bool = True) -> tuple[object, list[Measurement]]:  # fmt: skip
     """Best-improvement descent from start over :func:`neighbours`, each config measured once,
     until no neighbour gains MIN_GAIN or the clock passes deadline. Returns (best, measurements)."""
     measured = {start: measure(start)}
@@ -345,15 +336,8 @@ def _mlp_calls(gemm: str, model, tokens: int) -> dict:
             torch.randn(tokens, model.hidden, dtype=t["x"].dtype, device=t["x"].device) for _ in range(2)
         )
         w_out = t["w_down"] if gated else t["w_out"]
-        call = functools.partial(
-            mlp._dh_act_bwd,
-            torch.randn_like(t["x"]),
-            w_out,
-            pre,
-            up if gated else None,
-            model.activation,
-            not gated,
-        )
+        call = functools.partial(mlp._dh_act_bwd, torch.randn_like(t["x"]), w_out, pre, up if gated else None,
+                                 model.activation, not gated)  # fmt: skip
     return {"gemm": (call, flops)}
 
 
@@ -479,13 +463,9 @@ def first_failure(configs: list, compile_batch: Callable[[list], list], batch: i
     return None
 
 
-def search_entries(
-    searches: list[EntrySearch],
-    compile_batch: Callable[[list], list],
-    batch: int = 2,
-    seconds: float = math.inf,
-    clock: Callable[[], float] = time.monotonic,
-) -> dict:
+def search_entries(searches: list[EntrySearch], compile_batch: Callable[[list], list], batch: int = 2,
+                   seconds: float = math.inf,
+                   clock: Callable[[], float] = time.monotonic) -> dict:  # fmt: skip
     """For each search the first candidate that compiles clean in every variant, with the reason
     each earlier candidate failed; stops at seconds. The report as a dict (null: none found)."""
     deadline = clock() + seconds
