@@ -252,15 +252,12 @@ def cases(quick: bool) -> list[suite.Case]:
     for shape, causal in itertools.product(shapes, (False, True)):
         params = {"seqlen": shape.seqlen, "head_dim": shape.head_dim, "causal": causal,
                   "batch": shape.batch, "heads": shape.heads}  # fmt: skip
-        checker = lambda s=shape, c=causal: check(s, c, "cuda")  # noqa: E731
-        for (name, make_fn), direction in itertools.product(
-            implementations(shape, causal, quick).items(), DIRECTION_MULTIPLE
-        ):
-            out.append(suite.Case(
-                "attention", params, direction, name, direction_flops(direction, shape, causal), "flop",
-                _setup(direction, make_fn, shape, pointer_loads=name == "ours-pointer"),
-                checker if name == "ours" else None,
-            ))  # fmt: skip
+        out += suite.family_cases(
+            "attention", params, implementations(shape, causal, quick), DIRECTION_MULTIPLE,
+            functools.partial(direction_flops, shape=shape, causal=causal), "flop",
+            lambda name, make_fn, d, s=shape: _setup(d, make_fn, s, pointer_loads=name == "ours-pointer"),
+            functools.partial(check, shape, causal, "cuda"),
+        )  # fmt: skip
     return out if quick else out + window_cases() + packed_cases() + decode_cases()
 
 
@@ -283,12 +280,12 @@ def window_cases() -> list[suite.Case]:
             ),
             "flash-attn": lambda: _flash_attn("flash_attn_func", causal=True, window_size=(WINDOW, 0)),
         }
-        checker = lambda s=shape: check(s, True, "cuda", window_size=(WINDOW, -1))  # noqa: E731
-        for (name, make_fn), direction in itertools.product(impls.items(), DIRECTION_MULTIPLE):
-            out.append(suite.Case(
-                "attention_window", params, direction, name, direction_flops(direction, shape, True, forward),
-                "flop", _setup(direction, make_fn, shape), checker if name == "ours" else None,
-            ))  # fmt: skip
+        out += suite.family_cases(
+            "attention_window", params, impls, DIRECTION_MULTIPLE,
+            functools.partial(direction_flops, shape=shape, causal=True, forward=forward), "flop",
+            lambda name, make_fn, d, s=shape: _setup(d, make_fn, s),
+            functools.partial(check, shape, True, "cuda", window_size=(WINDOW, -1)),
+        )  # fmt: skip
     return out
 
 
@@ -315,18 +312,17 @@ def packed_cases() -> list[suite.Case]:
         "sdpa-flash-padded": (lambda: _sdpa("FLASH_ATTENTION", is_causal=True), padded, False),
         "flash-attn": (lambda: _flash_attn("flash_attn_varlen_func", causal=True), packed, True),
     }
-    checker = lambda: check_packed(PACKED_LENGTHS, heads, EXTRA_HEAD_DIM, "cuda")  # noqa: E731
-    out = []
-    for (name, (make_fn, shape, is_packed)), direction in itertools.product(
-        impls.items(), DIRECTION_MULTIPLE
-    ):
+
+    def setup(name, impl, direction):
+        make_fn, shape, is_packed = impl
         inputs = {"make_inputs": packed_inputs, "extra": varlen_args} if is_packed else {}
-        setup = _setup(direction, make_fn, shape, **inputs)
-        out.append(suite.Case(
-            "attention_packed", params, direction, name, direction_flops(direction, shape, True, forward),
-            "flop", setup, checker if name == "ours" else None,
-        ))  # fmt: skip
-    return out
+        return _setup(direction, make_fn, shape, **inputs)
+
+    return suite.family_cases(
+        "attention_packed", params, impls, DIRECTION_MULTIPLE,
+        lambda d: direction_flops(d, packed, True, forward), "flop", setup,
+        functools.partial(check_packed, PACKED_LENGTHS, heads, EXTRA_HEAD_DIM, "cuda"),
+    )  # fmt: skip
 
 
 def decode_bytes(batch: int, cache: int, head_dim: int) -> int:
@@ -382,13 +378,11 @@ def decode_cases() -> list[suite.Case]:
             )
             return [q, *kv]
 
-        checker = lambda b=batch, c=cache: check_decode(b, c, head_dim, "cuda")  # noqa: E731
-        for name, make_fn in impls.items():
-            out.append(suite.Case(
-                "attention_decode", params, "forward", name, work, "byte",
-                timing.setup(make_fn, inputs, "forward", work),
-                checker if name == "ours" else None,
-            ))  # fmt: skip
+        out += suite.family_cases(
+            "attention_decode", params, impls, ["forward"], lambda d, w=work: w, "byte",
+            lambda name, make_fn, d, i=inputs, w=work: timing.setup(make_fn, i, d, w),
+            functools.partial(check_decode, batch, cache, head_dim, "cuda"),
+        )  # fmt: skip
     return out
 
 

@@ -121,17 +121,13 @@ def linear_cases(tokens: int, d_model: int, vocab: int, quick=False, device="cud
     }
     make_copy = functools.partial(make_inputs, tokens, d_model, vocab, device)
     read = (tokens + vocab) * d_model * DTYPE.itemsize  # x and W
-    out = []
-    for (name, make_fn), direction in itertools.product(implementations.items(), DIRECTIONS):
-        if quick and name == "compile" and direction == "forward":
-            continue
-        flops = linear_loss_flops(tokens, d_model, vocab, direction)
-        out.append(suite.Case(
-            "linear_cross_entropy", params, direction, name, flops, "flop",
-            timing.setup(make_fn, make_copy, direction, read, device),
-            functools.partial(check, tokens, d_model, vocab, device) if name == "ours" else None,
-        ))  # fmt: skip
-    return out
+    cases = suite.family_cases(
+        "linear_cross_entropy", params, implementations, DIRECTIONS,
+        functools.partial(linear_loss_flops, tokens, d_model, vocab), "flop",
+        lambda name, make_fn, d: timing.setup(make_fn, make_copy, d, read, device),
+        functools.partial(check, tokens, d_model, vocab, device),
+    )  # fmt: skip
+    return [c for c in cases if not (quick and c.implementation == "compile" and c.direction == "forward")]
 
 
 def cross_entropy_cases(tokens: int, vocab: int, device="cuda") -> list[suite.Case]:
@@ -147,11 +143,11 @@ def cross_entropy_cases(tokens: int, vocab: int, device="cuda") -> list[suite.Ca
         target = torch.randint(0, vocab, (tokens,), device=device)
         return {"logits": logits, "target": target}
 
-    return [
-        suite.Case("cross_entropy", params, direction, name, cross_entropy_bytes(tokens, vocab, 2, direction),
-                   "byte", timing.setup(make_fn, make_copy, direction, tokens * vocab * 2, device))
-        for (name, make_fn), direction in itertools.product(implementations.items(), DIRECTIONS)
-    ]  # fmt: skip
+    return suite.family_cases(
+        "cross_entropy", params, implementations, DIRECTIONS,
+        functools.partial(cross_entropy_bytes, tokens, vocab, DTYPE.itemsize), "byte",
+        lambda name, make_fn, d: timing.setup(make_fn, make_copy, d, tokens * vocab * DTYPE.itemsize, device),
+    )  # fmt: skip
 
 
 def cases(quick: bool) -> list[suite.Case]:

@@ -11,7 +11,6 @@ of that function. Rates are GB/s of the bytes that must move (:func:`forward_byt
 """
 
 import functools
-import itertools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -123,13 +122,14 @@ def cases(quick: bool) -> list[suite.Case]:
             "eager": lambda n=norm: n.eager,
             "compile": suite.compiled(norm.eager),
         }
-        for (rows, hidden), (name, make_fn) in itertools.product(shapes, implementations.items()):
-            params = {"rows": rows, "hidden": hidden}
-            checker = (lambda n=norm, r=rows, h=hidden: check(n, r, h, "cuda")) if name == "ours" else None
+        for rows, hidden in shapes:
             sizes = (rows, hidden, DTYPE.itemsize, DTYPE.itemsize, norm.has_bias)
-            for direction, work in (("forward", forward_bytes(*sizes)), ("backward", backward_bytes(*sizes))):
-                setup = _setup(make_fn, norm, rows, hidden, direction)
-                out.append(suite.Case(norm.name, params, direction, name, work, "byte", setup, checker))
+            out += suite.family_cases(
+                norm.name, {"rows": rows, "hidden": hidden}, implementations, ("forward", "backward"),
+                lambda d, s=sizes: (forward_bytes if d == "forward" else backward_bytes)(*s), "byte",
+                lambda name, make_fn, d, n=norm, r=rows, h=hidden: _setup(make_fn, n, r, h, d),
+                functools.partial(check, norm, rows, hidden, "cuda"),
+            )  # fmt: skip
     return out
 
 

@@ -16,6 +16,7 @@ results afterwards.
 import dataclasses
 import datetime
 import fnmatch
+import itertools
 import json
 import operator
 import re
@@ -60,6 +61,16 @@ class Case:
     @property
     def key(self) -> tuple:
         return _key(self)
+
+
+def family_cases(kernel: str, params: dict, implementations: dict, directions, work: Callable[[str], float],
+                 unit: str, setup: Callable, check: Callable | None = None) -> list[Case]:  # fmt: skip
+    """A case per implementation (name -> what setup builds it from) and direction, in that order:
+    work(direction) FLOPs or bytes, setup(name, implementation, direction), and check on ours alone."""
+    return [
+        Case(kernel, params, d, name, work(d), unit, setup(name, impl, d), check if name == "ours" else None)
+        for (name, impl), d in itertools.product(implementations.items(), directions)
+    ]
 
 
 def shape_text(params: dict) -> str:
