@@ -631,11 +631,8 @@ def attention_decode_configs(arch: runtime.Arch) -> list[KernelConfig]:
             configs.append(KernelConfig("attn_decode", shape_class, dtype, fn, pointers, constexprs, *options,
                                         arch=arch.name, matmul=True))  # fmt: skip
         if mask == "full":
-            constexprs = {
-                "HEAD_DIM": head_dim,
-                "BLOCK_D": block_d,
-                "BLOCK_S": attention.DECODE_REDUCE_BLOCK_S,
-            }
+            constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d,
+                          "BLOCK_S": attention.DECODE_REDUCE_BLOCK_S}  # fmt: skip
             pointers = {"O_SPLIT": "fp32", "LSE_SPLIT": "fp32", "OUT": ty}
             configs.append(KernelConfig("attn_decode_reduce", f"d={head_dim}", dtype,
                                         "kernels.attention._attn_decode_reduce_kernel", pointers, constexprs,
@@ -838,20 +835,14 @@ def main(argv: list[str] | None = None) -> int:
         "them: 87 (sm80), 89 or 120 (sm86), 103 (sm100)",
     )  # fmt: skip
     parser.add_argument(
-        "--update",
-        action="store_true",
-        help="rewrite --cache: this run's rows (only those whose key changed are compiled) over its rows "
-        "of unchanged code; stale keys dropped",
-    )
+        "--update", action="store_true", help="rewrite --cache: this run's rows (only those whose key "
+        "changed are compiled) over its rows of unchanged code; stale keys dropped",
+    )  # fmt: skip
     parser.add_argument("--rebuild", action="store_true", help="compile every config, reusing no cached row")
     parser.add_argument(
-        "--verify",
-        type=int,
-        default=VERIFY_AT_LEAST,
-        metavar="N",
-        help="compile N reused rows afresh, at least one per GPU family and kernel, and fail if one "
-        f"differs (default {VERIFY_AT_LEAST}; 0: none)",
-    )
+        "--verify", type=int, default=VERIFY_AT_LEAST, metavar="N", help="compile N reused rows afresh, at "
+        f"least one per GPU family and kernel, and fail if one differs (default {VERIFY_AT_LEAST}; 0: none)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="which reused rows --verify picks (default 0)")
     parser.add_argument("--cache", default=CACHE_FILE, help="the rows already proven (default: %(default)s)")
     args = parser.parse_args(argv)

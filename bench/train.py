@@ -296,12 +296,9 @@ def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
             f"peak memory {x['peak_memory_bytes'] / 2**30:.2f} GiB"
         )
     # A gate of ours never passes for lack of a result: "not measured" where triton got none.
-    expected = [
-        suite.Case(
-            KERNEL, case_params(cfg, config), "forward+backward", IMPLEMENTATIONS[b], 0.0, "flop", None
-        )
-        for b in args.backends
-    ]
+    implementations = {IMPLEMENTATIONS[b]: b for b in args.backends}
+    expected = suite.family_cases(KERNEL, case_params(cfg, config), implementations, ["forward+backward"],
+                                  lambda d: 0.0, "flop", lambda *_: None)  # fmt: skip
     verdicts = suite.evaluate_gates(results, suite.load_gates(), expected)
     out = args.out or suite.results_dir(machine["gpu"])
     out.mkdir(parents=True, exist_ok=True)
@@ -362,13 +359,11 @@ def cases(quick: bool) -> list[suite.Case]:
     for name, batch in SUITE_CASES[:1] if quick else SUITE_CASES:
         cfg, config = TrainConfig(preset=name, batch_size=batch, precision="fp16"), preset(name)
         work = flops_per_token(config, config.block_size) * batch * config.block_size
-        for backend in BACKENDS:
-            result.append(
-                suite.Case(
-                    KERNEL, case_params(cfg, config), "forward+backward", IMPLEMENTATIONS[backend], work,
-                    "flop", setup=functools.partial(make_step, cfg, config, backend, "cuda"),
-                )
-            )  # fmt: skip
+        result += suite.family_cases(
+            KERNEL, case_params(cfg, config), {IMPLEMENTATIONS[b]: b for b in BACKENDS}, ["forward+backward"],
+            lambda d, w=work: w, "flop",
+            lambda name, b, d, c=cfg, m=config: functools.partial(make_step, c, m, b, "cuda"),
+        )  # fmt: skip
     return result
 
 
@@ -402,11 +397,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, TrainConfig, GPTConfig]:
         "--seconds", type=float, help="stop timing after this, shared equally by the backends"
     )
     parser.add_argument(
-        "--deadline",
-        type=float,
-        help="stop timing by this many seconds after the start, warm-up and compilation included: "
-        "each backend stops at its share of what is left (after 2 timed steps at least)",
-    )
+        "--deadline", type=float, help="stop timing by this many seconds after the start, warm-up and "
+        "compilation included: each backend stops at its share of what is left (after 2 timed steps at "
+        "least)",
+    )  # fmt: skip
     parser.add_argument(
         "--peak-tflops", type=float, help="dense fp16/bf16 peak for MFU; default: by GPU name"
     )

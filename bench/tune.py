@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bench.report import format_table
 from kernels import runtime
 
 ATTENTION_PASSES = {  # --passes name: (compile report pass, table in kernels.attention)
@@ -494,9 +495,8 @@ def format_search(title: str, result: dict) -> str:
     """The start, the first clean candidate against the table's entry, and every rejection."""
     clean = _short(result["clean"]) if result["clean"] else "none"
     same = " (the table's)" if result["clean"] == result["table"] else f", table {_short(result['table'])}"
-    lines = [f"== {title}: from {_short(result['start'])}, first clean {clean}{same}"]
-    lines += [f"  {_short(r['config']):34s} {r['reason']}" for r in result["rejected"]]
-    return "\n".join(lines)
+    rows = [(_short(r["config"]), r["reason"]) for r in result["rejected"]]
+    return _section(f"== {title}: from {_short(result['start'])}, first clean {clean}{same}", rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -529,14 +529,20 @@ def tune(targets: list[Target], seconds: float, make_measure=gpu_measure) -> dic
 
 def format_target(title: str, table_cfg, best, measurements: list[Measurement]) -> str:
     """The table's entry, the best found, and every measurement, fastest first."""
-    lines = [
-        f"== {title}: table {_short(dataclasses.asdict(table_cfg))}, best {_short(dataclasses.asdict(best))}"
-    ]
+    rows = []
     for m in sorted(measurements, key=lambda m: m.total_ms):
         times = " ".join(f"{mode} {ms:.3f} ms {m.tflops[mode]:.0f} TFLOP/s" for mode, ms in m.ms.items())
         status = "ok" if m.correct else ("WRONG" if m.correct is False else "not compiled")
-        lines.append(f"  {_short(m.config):34s} {status:12s} {times}  {m.note}".rstrip())
-    return "\n".join(lines)
+        rows.append((_short(m.config), status, times, m.note))
+    title = (
+        f"== {title}: table {_short(dataclasses.asdict(table_cfg))}, best {_short(dataclasses.asdict(best))}"
+    )
+    return _section(title, rows)
+
+
+def _section(title: str, rows: list[tuple]) -> str:
+    """A title line, then the rows as an indented table (bench.report.format_table)."""
+    return "\n".join([title, *("  " + line for line in format_table(rows).splitlines())])
 
 
 def _short(c: dict) -> str:
