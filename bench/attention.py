@@ -24,13 +24,15 @@ SDPA's flash backend: causal on right-padded rows keeps every real row exact), a
 varlen. Their rates count the work the window or the documents need, whatever a baseline spends.
 """
 
+import contextlib
+import functools
 import itertools
 import sys
 from dataclasses import dataclass
 
 import torch
 
-from bench import suite, timing
+from bench import correctness, suite, timing
 
 TOKENS = 16384  # batch · seqlen
 MODEL_DIM = 2048  # heads · head_dim
@@ -38,7 +40,8 @@ SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128)
 QUICK_SHAPES = ((4096, 128), (16384, 128))  # (seqlen, head_dim), where the gates apply
 DTYPE = torch.float16
-TOLERANCE = 1e-2  # on normalized_error; ours measured <= 7e-4 in the interpreter
+NAMES = ("out", "dq", "dk", "dv")  # what the check compares
+TOLERANCE = 1e-2  # on bench.correctness.normalized_error, floor 0; ours measured <= 7e-4 in the interpreter
 MATH_MAX_SEQLEN = 4096
 REFERENCE_SCORE_ELEMENTS = 2**30  # the float32 check's S×S matrices, about 4 GiB each
 EXPLICIT_MATRICES = 4  # S×S matrices the compiled explicit attention holds at once, at least
@@ -109,14 +112,6 @@ def direction_flops(direction: str, shape: Shape, causal: bool, forward: int | N
     return numerator * forward // denominator
 
 
-def normalized_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Largest ``|actual - expected|`` over the largest ``|expected|``: relative to the tensor's
-    scale, since attention outputs and gradients shrink as sequences grow. NaN gives NaN (fails)."""
-    difference = (actual.float() - expected.float()).abs().max().item()
-    scale = expected.float().abs().max().item()
-    return difference / scale if scale > 0 else difference
-
-
 def checked_batch_heads(shape: Shape, max_score_elements: int) -> tuple[int, int]:
     """(batch, heads) of the leading block the float32 reference checks: as many (batch, head)
     pairs as keep seqlen² · pairs within max_score_elements, at least one, heads first."""
@@ -131,41 +126,22 @@ def make_qkv(shape: Shape, device, requires_grad: bool = False) -> list[torch.Te
 
 
 def check(shape: Shape, causal: bool, device, attention=None, window_size=(-1, -1)) -> tuple[dict, bool]:
-    """out, dq, dk, dv of ours (or ``attention``) for a random dout against the float32 reference,
-    outputs NaN-poisoned. Ours runs on the whole shape and must be finite everywhere; the
-    reference on the leading block of :func:`checked_batch_heads` (every pair is independent)."""
+    """out, dq, dk, dv of ours (or ``attention``) for a random dout against the float32 reference
+    (:func:`bench.correctness.check`). Ours runs on the whole shape and must be finite everywhere;
+    the reference on the leading block of :func:`checked_batch_heads` (every pair is independent)."""
     import kernels
-    from kernels import reference, runtime
+    from kernels import reference
 
     attention = attention or (
         lambda q, k, v: kernels.flash_attention(q, k, v, causal=causal, window_size=window_size)
     )
     torch.manual_seed(0)
-    qkv = make_qkv(shape, device, requires_grad=True)
-    dout = torch.randn_like(qkv[0])
-    with runtime.poison_outputs():
-        out = attention(*qkv)
-        ours = (out, *torch.autograd.grad(out, qkv, dout))
     batch, heads = checked_batch_heads(shape, REFERENCE_SCORE_ELEMENTS)
-
-    def block(t):
-        return t.detach()[:batch, :, :heads]
-
-    exact = [block(t).float().requires_grad_() for t in qkv]
-    out_exact, _ = reference.attention(*exact, causal=causal, window_size=window_size)
-    truths = (out_exact, *torch.autograd.grad(out_exact, exact, block(dout).float()))
-    return _verdict(ours, truths, block)
-
-
-def _verdict(ours, truths, block) -> tuple[dict, bool]:
-    """Normalized errors of out, dq, dk, dv (the block of ours the truths cover), and whether all of
-    ours is finite and within TOLERANCE."""
-    errors = {
-        name: normalized_error(block(actual), truth)
-        for name, actual, truth in zip(("out", "dq", "dk", "dv"), ours, truths, strict=True)
-    }
-    finite = all(bool(torch.isfinite(t).all()) for t in ours)
-    return errors, finite and all(e <= TOLERANCE for e in errors.values())
+    return correctness.check(
+        attention, lambda *qkv: reference.attention(*qkv, causal=causal, window_size=window_size)[0],
+        make_qkv(shape, device, requires_grad=True), NAMES, TOLERANCE, floor=0.0,
+        crop=lambda t: t.detach()[:batch, :, :heads],
+    )  # fmt: skip
 
 
 def offsets(lengths, device) -> torch.Tensor:
@@ -177,54 +153,39 @@ def check_packed(lengths, heads: int, head_dim: int, device) -> tuple[dict, bool
     """:func:`check` for flash_attention_varlen (causal) on documents of these lengths packed; the
     reference runs each document of the first two heads on its own."""
     import kernels
-    from kernels import reference, runtime
+    from kernels import reference
 
     torch.manual_seed(0)
-    qkv = make_qkv(Shape(1, sum(lengths), heads, head_dim), device, requires_grad=True)
-    qkv = [t[0].detach().requires_grad_() for t in qkv]
-    dout = torch.randn_like(qkv[0])
+    qkv = [t[0].detach().requires_grad_() for t in make_qkv(Shape(1, sum(lengths), heads, head_dim), device)]
     cu = offsets(lengths, device)
-    with runtime.poison_outputs():
-        out = kernels.flash_attention_varlen(*qkv, cu, cu, max(lengths), max(lengths), causal=True)
-        ours = (out, *torch.autograd.grad(out, qkv, dout))
-    exact = [t.detach()[:, :2].float().requires_grad_() for t in qkv]
-    out_exact, _ = reference.attention_varlen(*exact, cu, cu, causal=True)
-    truths = (out_exact, *torch.autograd.grad(out_exact, exact, dout[:, :2].float()))
-    return _verdict(ours, truths, lambda t: t.detach()[:, :2])
+    return correctness.check(
+        lambda *a: kernels.flash_attention_varlen(*a, cu, cu, max(lengths), max(lengths), causal=True),
+        lambda *a: reference.attention_varlen(*a, cu, cu, causal=True)[0],
+        qkv, NAMES, TOLERANCE, floor=0.0, crop=lambda t: t.detach()[:, :2],
+    )  # fmt: skip
 
 
-def _sdpa(backend_name: str, causal: bool):
+def _sdpa(backend_name: str | None = None, **options):
+    """scaled_dot_product_attention on our (batch, seqlen, heads, head_dim) layout (transposed views)
+    under sdpa_kernel(backend_name) (None: SDPA's own choice), with these keyword arguments."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = getattr(SDPBackend, backend_name)
 
     def attention(q, k, v):
         # SDPA's is_causal is aligned top-left, ours bottom-right: the same at equal lengths.
-        with sdpa_kernel(backend):
+        with sdpa_kernel(getattr(SDPBackend, backend_name)) if backend_name else contextlib.nullcontext():
             out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **options
             )
         return out.transpose(1, 2)
 
     return attention
 
 
-def _sdpa_window(shape: Shape, window: int):
-    """SDPA's efficient backend with the causal window as a boolean (seqlen, seqlen) mask."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    rows = torch.arange(shape.seqlen, device="cuda")[:, None]
-    cols = torch.arange(shape.seqlen, device="cuda")[None, :]
-    mask = (cols <= rows) & (cols >= rows - window)
-
-    def attention(q, k, v):
-        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
-            )
-        return out.transpose(1, 2)
-
-    return attention
+def _window_mask(seqlen: int, window: int) -> torch.Tensor:
+    """The causal window as a boolean (seqlen, seqlen) mask, on the GPU."""
+    rows = torch.arange(seqlen, device="cuda")[:, None]
+    cols = torch.arange(seqlen, device="cuda")[None, :]
+    return (cols <= rows) & (cols >= rows - window)
 
 
 def _compiled_explicit(shape: Shape, causal: bool):
@@ -240,22 +201,15 @@ def _compiled_explicit(shape: Shape, causal: bool):
     return torch.compile(lambda q, k, v: reference.attention(q, k, v, causal, upcast=False)[0], dynamic=False)
 
 
-def _flash_attn(causal: bool):
+def _flash_attn(name: str, **options):
+    """flash-attn's function ``name`` (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache)
+    called with these keyword arguments; UnavailableError where flash_attn does not import."""
     try:
-        from flash_attn import flash_attn_func
+        import flash_attn
     except (ImportError, OSError) as error:
         raise suite.UnavailableError(f"flash_attn does not import: {error}") from error
-    return lambda q, k, v: flash_attn_func(q, k, v, causal=causal)
-
-
-def _flash_attn_extra(kind: str, **kwargs):
-    """flash-attn's window (``func``) or varlen (``varlen``) call with these keyword arguments."""
-    try:
-        from flash_attn import flash_attn_func, flash_attn_varlen_func
-    except (ImportError, OSError) as error:
-        raise suite.UnavailableError(f"flash_attn does not import: {error}") from error
-    fn = flash_attn_func if kind == "func" else flash_attn_varlen_func
-    return lambda *args: fn(*args, **kwargs)
+    fn = getattr(flash_attn, name)
+    return lambda *args: fn(*args, **options)
 
 
 def implementations(shape: Shape, causal: bool, quick: bool = False) -> dict:
@@ -268,56 +222,26 @@ def implementations(shape: Shape, causal: bool, quick: bool = False) -> dict:
     for backend in SDPA_BACKENDS:
         if backend != "MATH" or shape.seqlen <= MATH_MAX_SEQLEN:
             name = "sdpa-" + backend.split("_")[0].lower()
-            impls[name] = lambda b=backend: _sdpa(b, causal)
+            impls[name] = lambda b=backend: _sdpa(b, is_causal=causal)
     if not quick:
         impls["compile"] = lambda: _compiled_explicit(shape, causal)
-    impls["flash-attn"] = lambda: _flash_attn(causal)
+    impls["flash-attn"] = lambda: _flash_attn("flash_attn_func", causal=causal)
     return impls
 
 
-def _without_tma(call):
-    """call with every attention pass on pointer loads, the backward included: the switch is read
-    at each launch, so it wraps the timed call, not fn."""
-    import kernels.attention
-
-    def timed():
-        kernels.attention.USE_TMA = False
-        try:
-            return call()
-        finally:
-            kernels.attention.USE_TMA = True
-
-    return timed
-
-
 def _setup(direction: str, make_fn, shape: Shape, pointer_loads=False, make_inputs=None, extra=tuple):
-    """The setup of a timed call of make_fn()(q, k, v, *extra()) on inputs of ``shape`` (or from
-    ``make_inputs(requires_grad)``: q, k, v of any layout); extra is built at setup, on the GPU."""
+    """The setup (:func:`bench.timing.setup`) of make_fn()(q, k, v, *extra()) on inputs of ``shape``
+    (or from ``make_inputs(requires_grad)``: q, k, v of any layout); extra is built at setup, on the
+    GPU. A call reads q, k, v forward, and out and dout as well backward."""
 
-    def setup():
-        device = torch.device("cuda")
-        inputs = make_inputs or (lambda grad: make_qkv(shape, device, requires_grad=grad))
-        call = _timed_call(direction, make_fn(), inputs, shape.numel * DTYPE.itemsize, extra())
-        return _without_tma(call) if pointer_loads else call
+    def make_call():
+        fn, args = make_fn(), extra()
+        return lambda q, k, v: fn(q, k, v, *args)
 
-    return setup
-
-
-def _timed_call(direction: str, fn, make_inputs, tensor_bytes: int, extra=()):
-    device = torch.device("cuda")
-    if direction == "forward":
-        copies = timing.rotating_inputs(lambda: make_inputs(False), 3 * tensor_bytes, device)
-        return suite.rotate(copies, lambda qkv: fn(*qkv, *extra), no_grad=True)
-
-    def inputs():
-        qkv = make_inputs(True)
-        out = fn(*qkv, *extra) if direction == "backward" else None
-        return qkv, out, torch.randn(qkv[0].shape, dtype=DTYPE, device=device)
-
-    copies = timing.rotating_inputs(inputs, 5 * tensor_bytes, device)  # q, k, v, out, dout
-    if direction == "backward":
-        return suite.rotate(copies, lambda c: torch.autograd.grad(c[1], c[0], c[2], retain_graph=True))
-    return suite.rotate(copies, lambda c: torch.autograd.grad(fn(*c[0], *extra), c[0], c[2]))
+    make_inputs = make_inputs or functools.partial(make_qkv, shape, "cuda")
+    read = (3 if direction == "forward" else 5) * shape.numel * DTYPE.itemsize
+    tma_off = "kernels.attention" if pointer_loads else None
+    return timing.setup(make_call, make_inputs, direction, read, tma_off=tma_off)
 
 
 def cases(quick: bool) -> list[suite.Case]:
@@ -328,15 +252,12 @@ def cases(quick: bool) -> list[suite.Case]:
     for shape, causal in itertools.product(shapes, (False, True)):
         params = {"seqlen": shape.seqlen, "head_dim": shape.head_dim, "causal": causal,
                   "batch": shape.batch, "heads": shape.heads}  # fmt: skip
-        checker = lambda s=shape, c=causal: check(s, c, "cuda")  # noqa: E731
-        for (name, make_fn), direction in itertools.product(
-            implementations(shape, causal, quick).items(), DIRECTION_MULTIPLE
-        ):
-            out.append(suite.Case(
-                "attention", params, direction, name, direction_flops(direction, shape, causal), "flop",
-                _setup(direction, make_fn, shape, pointer_loads=name == "ours-pointer"),
-                checker if name == "ours" else None,
-            ))  # fmt: skip
+        out += suite.family_cases(
+            "attention", params, implementations(shape, causal, quick), DIRECTION_MULTIPLE,
+            functools.partial(direction_flops, shape=shape, causal=causal), "flop",
+            lambda name, make_fn, d, s=shape: _setup(d, make_fn, s, pointer_loads=name == "ours-pointer"),
+            functools.partial(check, shape, causal, "cuda"),
+        )  # fmt: skip
     return out if quick else out + window_cases() + packed_cases() + decode_cases()
 
 
@@ -354,15 +275,17 @@ def window_cases() -> list[suite.Case]:
                 lambda q, k, v: kernels.flash_attention(q, k, v, causal=True, window_size=(WINDOW, -1))
             ),
             "ours-causal": lambda: lambda q, k, v: kernels.flash_attention(q, k, v, causal=True),
-            "sdpa-efficient-mask": lambda s=shape: _sdpa_window(s, WINDOW),
-            "flash-attn": lambda: _flash_attn_extra("func", causal=True, window_size=(WINDOW, 0)),
+            "sdpa-efficient-mask": lambda n=seqlen: _sdpa(
+                "EFFICIENT_ATTENTION", attn_mask=_window_mask(n, WINDOW)
+            ),
+            "flash-attn": lambda: _flash_attn("flash_attn_func", causal=True, window_size=(WINDOW, 0)),
         }
-        checker = lambda s=shape: check(s, True, "cuda", window_size=(WINDOW, -1))  # noqa: E731
-        for (name, make_fn), direction in itertools.product(impls.items(), DIRECTION_MULTIPLE):
-            out.append(suite.Case(
-                "attention_window", params, direction, name, direction_flops(direction, shape, True, forward),
-                "flop", _setup(direction, make_fn, shape), checker if name == "ours" else None,
-            ))  # fmt: skip
+        out += suite.family_cases(
+            "attention_window", params, impls, DIRECTION_MULTIPLE,
+            functools.partial(direction_flops, shape=shape, causal=True, forward=forward), "flop",
+            lambda name, make_fn, d, s=shape: _setup(d, make_fn, s),
+            functools.partial(check, shape, True, "cuda", window_size=(WINDOW, -1)),
+        )  # fmt: skip
     return out
 
 
@@ -386,21 +309,20 @@ def packed_cases() -> list[suite.Case]:
     impls = {  # name -> (make_fn, input shape, packed inputs)
         "ours": (lambda: lambda *a: kernels.flash_attention_varlen(*a, causal=True), packed, True),
         "ours-padded": (lambda: lambda q, k, v: kernels.flash_attention(q, k, v, causal=True), padded, False),
-        "sdpa-flash-padded": (lambda: _sdpa("FLASH_ATTENTION", True), padded, False),
-        "flash-attn": (lambda: _flash_attn_extra("varlen", causal=True), packed, True),
+        "sdpa-flash-padded": (lambda: _sdpa("FLASH_ATTENTION", is_causal=True), padded, False),
+        "flash-attn": (lambda: _flash_attn("flash_attn_varlen_func", causal=True), packed, True),
     }
-    checker = lambda: check_packed(PACKED_LENGTHS, heads, EXTRA_HEAD_DIM, "cuda")  # noqa: E731
-    out = []
-    for (name, (make_fn, shape, is_packed)), direction in itertools.product(
-        impls.items(), DIRECTION_MULTIPLE
-    ):
+
+    def setup(name, impl, direction):
+        make_fn, shape, is_packed = impl
         inputs = {"make_inputs": packed_inputs, "extra": varlen_args} if is_packed else {}
-        setup = _setup(direction, make_fn, shape, **inputs)
-        out.append(suite.Case(
-            "attention_packed", params, direction, name, direction_flops(direction, shape, True, forward),
-            "flop", setup, checker if name == "ours" else None,
-        ))  # fmt: skip
-    return out
+        return _setup(direction, make_fn, shape, **inputs)
+
+    return suite.family_cases(
+        "attention_packed", params, impls, DIRECTION_MULTIPLE,
+        lambda d: direction_flops(d, packed, True, forward), "flop", setup,
+        functools.partial(check_packed, PACKED_LENGTHS, heads, EXTRA_HEAD_DIM, "cuda"),
+    )  # fmt: skip
 
 
 def decode_bytes(batch: int, cache: int, head_dim: int) -> int:
@@ -420,26 +342,11 @@ def check_decode(batch: int, cache: int, head_dim: int, device) -> tuple[dict, b
         for _ in range(2)
     )
     lengths = torch.full((batch,), cache, dtype=torch.int32)
-    out = kernels.flash_attention_with_kvcache(q, k_cache, v_cache, causal=True)
-    truth = reference.attention_kvcache(*(t.double() for t in (q, k_cache, v_cache)), lengths, causal=True)
-    error = normalized_error(out, truth)
-    return {"out": error}, error <= TOLERANCE
-
-
-def _sdpa_gqa(q, k, v):
-    """SDPA with its own choice of backend, the kv heads shared by their query groups."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True
-    )
-    return out.transpose(1, 2)
-
-
-def _flash_attn_kvcache():
-    try:
-        from flash_attn import flash_attn_with_kvcache
-    except (ImportError, OSError) as error:
-        raise suite.UnavailableError(f"flash_attn does not import: {error}") from error
-    return lambda q, k_cache, v_cache: flash_attn_with_kvcache(q, k_cache, v_cache, causal=True)
+    return correctness.check(
+        lambda *qkv: kernels.flash_attention_with_kvcache(*qkv, causal=True),
+        lambda *qkv: reference.attention_kvcache(*qkv, lengths, causal=True),
+        [q, k_cache, v_cache], ["out"], TOLERANCE, floor=0.0, exact_dtype=torch.float64,
+    )  # fmt: skip
 
 
 def decode_cases() -> list[suite.Case]:
@@ -454,8 +361,8 @@ def decode_cases() -> list[suite.Case]:
     impls = {
         "ours": lambda: lambda q, k, v: kernels.flash_attention_with_kvcache(q, k, v, causal=True),
         "ours-prefill": lambda: lambda q, k, v: kernels.flash_attention(q, k, v, causal=True),
-        "sdpa": lambda: _sdpa_gqa,
-        "flash-attn": _flash_attn_kvcache,
+        "sdpa": lambda: _sdpa(enable_gqa=True),  # SDPA's own backend, kv heads shared
+        "flash-attn": lambda: _flash_attn("flash_attn_with_kvcache", causal=True),
     }
     out = []
     for batch, cache in DECODE_SHAPES:
@@ -463,7 +370,7 @@ def decode_cases() -> list[suite.Case]:
                   "head_dim": head_dim}  # fmt: skip
         work = decode_bytes(batch, cache, head_dim)
 
-        def inputs(grad, batch=batch, cache=cache):
+        def inputs(requires_grad, batch=batch, cache=cache):
             q = torch.randn(batch, 1, DECODE_HEADS, head_dim, dtype=DTYPE, device=device)
             kv = (
                 torch.randn(batch, cache, DECODE_KV_HEADS, head_dim, dtype=DTYPE, device=device)
@@ -471,20 +378,11 @@ def decode_cases() -> list[suite.Case]:
             )
             return [q, *kv]
 
-        def setup(make_fn, inputs=inputs, work=work):
-            def build():
-                copies = timing.rotating_inputs(lambda: inputs(False), work, device)
-                fn = make_fn()
-                return suite.rotate(copies, lambda qkv: fn(*qkv), no_grad=True)
-
-            return build
-
-        checker = lambda b=batch, c=cache: check_decode(b, c, head_dim, "cuda")  # noqa: E731
-        for name, make_fn in impls.items():
-            out.append(suite.Case(
-                "attention_decode", params, "forward", name, work, "byte", setup(make_fn),
-                checker if name == "ours" else None,
-            ))  # fmt: skip
+        out += suite.family_cases(
+            "attention_decode", params, impls, ["forward"], lambda d, w=work: w, "byte",
+            lambda name, make_fn, d, i=inputs, w=work: timing.setup(make_fn, i, d, w),
+            functools.partial(check_decode, batch, cache, head_dim, "cuda"),
+        )  # fmt: skip
     return out
 
 

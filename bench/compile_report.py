@@ -50,6 +50,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
 
+from bench import report
 from kernels import layernorm, runtime
 from kernels.runtime import ARCHS
 
@@ -626,26 +627,12 @@ def attention_decode_configs(arch: runtime.Arch) -> list[KernelConfig]:
             }
             shape_class = f"d={head_dim}" + ("" if mask == "full" else f" {mask}")
             fn = "kernels.attention._attn_decode_kernel"
-            configs.append(
-                KernelConfig(
-                    "attn_decode",
-                    shape_class,
-                    dtype,
-                    fn,
-                    pointers,
-                    constexprs,
-                    cfg.num_warps,
-                    cfg.num_stages,
-                    arch=arch.name,
-                    matmul=True,
-                )
-            )
+            options = (cfg.num_warps, cfg.num_stages)
+            configs.append(KernelConfig("attn_decode", shape_class, dtype, fn, pointers, constexprs, *options,
+                                        arch=arch.name, matmul=True))  # fmt: skip
         if mask == "full":
-            constexprs = {
-                "HEAD_DIM": head_dim,
-                "BLOCK_D": block_d,
-                "BLOCK_S": attention.DECODE_REDUCE_BLOCK_S,
-            }
+            constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d,
+                          "BLOCK_S": attention.DECODE_REDUCE_BLOCK_S}  # fmt: skip
             pointers = {"O_SPLIT": "fp32", "LSE_SPLIT": "fp32", "OUT": ty}
             configs.append(KernelConfig("attn_decode_reduce", f"d={head_dim}", dtype,
                                         "kernels.attention._attn_decode_reduce_kernel", pointers, constexprs,
@@ -807,22 +794,8 @@ def failures(results: list[CompileResult]) -> list[str]:
     return bad
 
 
-COLUMNS = (
-    "arch",
-    "kernel",
-    "shape",
-    "dtype",
-    "blocks",
-    "warps",
-    "stages",
-    "regs",
-    "spill",
-    "smem",
-    "tc",
-    "ldg128",
-    "tma",
-    "target",
-)
+COLUMNS = ("arch", "kernel", "shape", "dtype", "blocks", "warps", "stages", "regs", "spill", "smem", "tc",
+           "ldg128", "tma", "target")  # fmt: skip
 
 
 def format_table(results: list[CompileResult]) -> str:
@@ -834,9 +807,7 @@ def format_table(results: list[CompileResult]) -> str:
             counts = ("-",) * (len(counts) - 1) + ("error",)
         return (c.arch, c.kernel, c.shape_class, c.dtype_name, c.blocks, c.num_warps, c.num_stages, *counts)
 
-    rows = [COLUMNS] + [cells(r) for r in results]
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(str(v).rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows)
+    return report.format_table([COLUMNS, *map(cells, results)], right=True)
 
 
 def capability_error(capability: int, family: str) -> str | None:
@@ -864,20 +835,14 @@ def main(argv: list[str] | None = None) -> int:
         "them: 87 (sm80), 89 or 120 (sm86), 103 (sm100)",
     )  # fmt: skip
     parser.add_argument(
-        "--update",
-        action="store_true",
-        help="rewrite --cache: this run's rows (only those whose key changed are compiled) over its rows "
-        "of unchanged code; stale keys dropped",
-    )
+        "--update", action="store_true", help="rewrite --cache: this run's rows (only those whose key "
+        "changed are compiled) over its rows of unchanged code; stale keys dropped",
+    )  # fmt: skip
     parser.add_argument("--rebuild", action="store_true", help="compile every config, reusing no cached row")
     parser.add_argument(
-        "--verify",
-        type=int,
-        default=VERIFY_AT_LEAST,
-        metavar="N",
-        help="compile N reused rows afresh, at least one per GPU family and kernel, and fail if one "
-        f"differs (default {VERIFY_AT_LEAST}; 0: none)",
-    )
+        "--verify", type=int, default=VERIFY_AT_LEAST, metavar="N", help="compile N reused rows afresh, at "
+        f"least one per GPU family and kernel, and fail if one differs (default {VERIFY_AT_LEAST}; 0: none)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="which reused rows --verify picks (default 0)")
     parser.add_argument("--cache", default=CACHE_FILE, help="the rows already proven (default: %(default)s)")
     args = parser.parse_args(argv)

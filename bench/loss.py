@@ -27,7 +27,7 @@ import sys
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from bench import suite, timing
+from bench import correctness, suite, timing
 
 DTYPE = torch.float16
 TOKENS = (8192, 16384)
@@ -38,7 +38,7 @@ CROSS_ENTROPY_SHAPES = ((16384, 50304), (8192, 128256))  # (tokens, vocab)
 INTERPRETER_SHAPES = ((67, 48, 1000), (5, 16, 7))
 DIRECTIONS = ("forward", "forward+backward")  # ours does the backward's work in the forward
 IGNORED = -100
-# Largest normalized error (see normalized_error) allowed against the float32 reference.
+# Largest normalized error (bench.correctness.normalized_error) allowed against the float32 reference.
 TOLERANCE = 2e-2
 
 
@@ -52,12 +52,6 @@ def cross_entropy_bytes(tokens: int, vocab: int, element_bytes: int, direction: 
     """Bytes that must move: read the logits; forward+backward also writes their gradient (targets
     and per-row results, 8-12 bytes a row, are not counted)."""
     return tokens * vocab * element_bytes * {"forward": 1, "forward+backward": 2}[direction]
-
-
-def normalized_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Largest ``|actual - expected|`` over ``max(1, largest |expected|)``; NaN gives NaN (a failure)."""
-    difference = (actual.float() - expected.float()).abs().max().item()
-    return difference / max(1.0, expected.float().abs().max().item())
 
 
 def make_inputs(tokens: int, d_model: int, vocab: int, device, requires_grad: bool = False) -> dict:
@@ -100,43 +94,19 @@ def ours_cross_entropy(t: dict) -> torch.Tensor:
 
 
 def check(tokens: int, d_model: int, vocab: int, device) -> tuple[dict, bool]:
-    """Ours's loss, dx and dW against the float32 reference, every output buffer NaN-poisoned. The
+    """Ours's loss, dx and dW against the float32 reference (:func:`bench.correctness.check`). The
     loss is summed here, not averaged, so that each token's dx is O(1), as normalized_error expects."""
     import kernels
-    from kernels import reference, runtime
+    from kernels import reference
 
     torch.manual_seed(0)
     t = make_inputs(tokens, d_model, vocab, device, requires_grad=True)
     options = {"ignore_index": IGNORED, "reduction": "sum"}
-    with runtime.poison_outputs():
-        loss = kernels.linear_cross_entropy(t["x"], t["w"], t["target"], **options)
-        dx, dw = torch.autograd.grad(loss, [t["x"], t["w"]])
-    x, w = (t[k].detach().float().requires_grad_() for k in ("x", "w"))
-    loss_exact = reference.linear_cross_entropy(x, w, t["target"], **options)
-    dx_exact, dw_exact = torch.autograd.grad(loss_exact, [x, w])
-    errors = {
-        "loss": normalized_error(loss, loss_exact),
-        "dx": normalized_error(dx, dx_exact),
-        "dw": normalized_error(dw, dw_exact),
-    }
-    return errors, all(error <= TOLERANCE for error in errors.values())
-
-
-def _timed_call(fn, make_copy, bytes_per_copy: int, direction: str, device):
-    """forward: fn(tensors) under no_grad; forward+backward: fn and the gradients of its float inputs."""
-    copies = timing.rotating_inputs(make_copy, bytes_per_copy, torch.device(device))
-    if direction == "forward":
-        return suite.rotate(copies, fn, no_grad=True)
-
-    def forward_backward(t):
-        inputs = [v for v in t.values() if v.is_floating_point()]
-        return torch.autograd.grad(fn(t), inputs)
-
-    return suite.rotate(copies, forward_backward)
-
-
-def _setup(make_fn, make_copy, bytes_per_copy: int, direction: str, device="cuda"):
-    return lambda: _timed_call(make_fn(), make_copy, bytes_per_copy, direction, device)
+    return correctness.check(
+        lambda x, w: kernels.linear_cross_entropy(x, w, t["target"], **options),
+        lambda x, w: reference.linear_cross_entropy(x, w, t["target"], **options),
+        [t["x"], t["w"]], ("loss", "dx", "dw"), TOLERANCE,
+    )  # fmt: skip
 
 
 def linear_cases(tokens: int, d_model: int, vocab: int, quick=False, device="cuda") -> list[suite.Case]:
@@ -151,18 +121,13 @@ def linear_cases(tokens: int, d_model: int, vocab: int, quick=False, device="cud
     }
     make_copy = functools.partial(make_inputs, tokens, d_model, vocab, device)
     read = (tokens + vocab) * d_model * DTYPE.itemsize  # x and W
-    out = []
-    for (name, make_fn), direction in itertools.product(implementations.items(), DIRECTIONS):
-        if quick and name == "compile" and direction == "forward":
-            continue
-        flops = linear_loss_flops(tokens, d_model, vocab, direction)
-        copy = functools.partial(make_copy, requires_grad=direction != "forward")
-        out.append(suite.Case(
-            "linear_cross_entropy", params, direction, name, flops, "flop",
-            _setup(make_fn, copy, read, direction, device),
-            functools.partial(check, tokens, d_model, vocab, device) if name == "ours" else None,
-        ))  # fmt: skip
-    return out
+    cases = suite.family_cases(
+        "linear_cross_entropy", params, implementations, DIRECTIONS,
+        functools.partial(linear_loss_flops, tokens, d_model, vocab), "flop",
+        lambda name, make_fn, d: timing.setup(make_fn, make_copy, d, read, device),
+        functools.partial(check, tokens, d_model, vocab, device),
+    )  # fmt: skip
+    return [c for c in cases if not (quick and c.implementation == "compile" and c.direction == "forward")]
 
 
 def cross_entropy_cases(tokens: int, vocab: int, device="cuda") -> list[suite.Case]:
@@ -178,13 +143,11 @@ def cross_entropy_cases(tokens: int, vocab: int, device="cuda") -> list[suite.Ca
         target = torch.randint(0, vocab, (tokens,), device=device)
         return {"logits": logits, "target": target}
 
-    out = []
-    for (name, make_fn), direction in itertools.product(implementations.items(), DIRECTIONS):
-        work = cross_entropy_bytes(tokens, vocab, DTYPE.itemsize, direction)
-        setup = _setup(make_fn, functools.partial(make_copy, direction != "forward"), tokens * vocab * 2,
-                       direction, device)  # fmt: skip
-        out.append(suite.Case("cross_entropy", params, direction, name, work, "byte", setup))
-    return out
+    return suite.family_cases(
+        "cross_entropy", params, implementations, DIRECTIONS,
+        functools.partial(cross_entropy_bytes, tokens, vocab, DTYPE.itemsize), "byte",
+        lambda name, make_fn, d: timing.setup(make_fn, make_copy, d, tokens * vocab * DTYPE.itemsize, device),
+    )  # fmt: skip
 
 
 def cases(quick: bool) -> list[suite.Case]:

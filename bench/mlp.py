@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
-from bench import suite, timing
+from bench import correctness, suite, timing
 
 DTYPE = torch.float16
 TOKENS = (8192, 16384, 32768)
-# Largest normalized error (see normalized_error) allowed against the float32 reference.
+# Largest normalized error (bench.correctness.normalized_error) allowed against the float32 reference.
 TOLERANCE = 2e-2
 
 
@@ -94,12 +94,6 @@ def mlp_flops(model: Model, tokens: int, direction: str) -> int:
     per forward GEMM, twice the forward; forward+backward three times the forward."""
     forward = up_projection_flops(model, tokens) + gemm_flops(tokens, model.d_model, model.hidden)
     return forward * {"forward": 1, "backward": 2, "forward+backward": 3}[direction]
-
-
-def normalized_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Largest ``|actual - expected|`` over ``max(1, largest |expected|)``; NaN in actual gives NaN."""
-    difference = (actual.float() - expected.float()).abs().max().item()
-    return difference / max(1.0, expected.float().abs().max().item())
 
 
 def saved_activation_bytes(fn: Callable[[dict], torch.Tensor], tensors: dict) -> int:
@@ -202,29 +196,17 @@ def _up_inputs(model: Model) -> list[str]:
 
 def check(model: Model, tokens: int, device, whole_mlp: bool) -> tuple[dict, bool]:
     """Output and every gradient of ours (the MLP, or the up projection alone) for a random dy,
-    against the float32 reference (TF32 off), with NaN-poisoned output buffers."""
-    from kernels import runtime
-
+    against the float32 reference (:func:`bench.correctness.check`)."""
     torch.manual_seed(0)
     tensors = make_inputs(model, tokens, device, requires_grad=True)
     if not whole_mlp:
         tensors = {name: tensors[name] for name in _up_inputs(model)}
     ours, reference = (ours_mlp, reference_mlp) if whole_mlp else (ours_up, reference_up)
-    with runtime.poison_outputs():
-        y = ours(model, tensors)
-        dy = torch.randn_like(y)
-        grads = torch.autograd.grad(y, list(tensors.values()), dy)
-    exact = {name: t.detach().float().requires_grad_() for name, t in tensors.items()}
-    tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
-    try:
-        y_exact = reference(model, exact)
-        grads_exact = torch.autograd.grad(y_exact, list(exact.values()), dy.float())
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-    errors = {"y": normalized_error(y, y_exact)}
-    for name, actual, expected in zip(tensors, grads, grads_exact, strict=True):
-        errors[f"d{name}"] = normalized_error(actual, expected)
-    return errors, all(error <= TOLERANCE for error in errors.values())
+    return correctness.check(
+        lambda *ts: ours(model, dict(zip(tensors, ts, strict=True))),
+        lambda *ts: reference(model, dict(zip(tensors, ts, strict=True))),
+        list(tensors.values()), ["y", *(f"d{name}" for name in tensors)], TOLERANCE,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,66 +220,20 @@ def _input_bytes(model: Model, tokens: int) -> int:
     return (2 * tokens * model.d_model + weights) * DTYPE.itemsize
 
 
-def _setup(
-    make_fn,
-    model: Model,
-    tokens: int,
-    direction: str,
-    grad: bool = False,
-    concat: bool = False,
-    device="cuda",
-    pointer_loads: bool = False,
-):
-    """A setup building rotated inputs on the device and returning the call to time; with
-    pointer_loads, ours's GEMMs run with TMA off for the whole call (ours-pointer)."""
+def _setup(make_fn, model: Model, tokens: int, direction: str, grad: bool = False, concat: bool = False,
+           device="cuda", pointer_loads: bool = False):  # fmt: skip
+    """A setup (:func:`bench.timing.setup`) of fn(tensors); with concat, the gated up projection's
+    weights as one (the bare-GEMM baseline: one GEMM, N = 2·hidden); with pointer_loads, ours's GEMMs
+    with TMA off for the whole call (ours-pointer)."""
 
-    def setup():
-        call = _timed_call(make_fn(), model, tokens, direction, grad, concat, device)
-        return _without_tma(call) if pointer_loads else call
-
-    return setup
-
-
-def _timed_call(fn, model: Model, tokens: int, direction: str, grad: bool, concat: bool, device):
-    """forward: fn(tensors), under no_grad unless grad; backward: autograd.grad on a graph built once
-    per copy; forward+backward: both in each call."""
-    requires_grad = grad or direction != "forward"
-
-    def make_copy():
+    def make_copy(requires_grad: bool) -> dict:
         tensors = make_inputs(model, tokens, device, requires_grad)
-        if concat:  # the bare-GEMM baseline of the gated up projection: one GEMM, N = 2·hidden
-            tensors = {"x": tensors["x"], "w": torch.cat([tensors["w_gate"], tensors["w_up"]])}
-        if direction != "backward":
-            return tensors
-        y = fn(tensors)
-        return y, list(tensors.values()), torch.randn_like(y)
+        return (
+            {"x": tensors["x"], "w": torch.cat([tensors["w_gate"], tensors["w_up"]])} if concat else tensors
+        )
 
-    copies = timing.rotating_inputs(make_copy, _input_bytes(model, tokens), torch.device(device))
-    if direction == "forward":
-        return suite.rotate(copies, fn, no_grad=not grad)
-    if direction == "backward":
-        return suite.rotate(copies, lambda g: torch.autograd.grad(g[0], g[1], g[2], retain_graph=True))
-
-    def forward_backward(tensors):
-        y = fn(tensors)
-        return torch.autograd.grad(y, list(tensors.values()), torch.ones_like(y))
-
-    return suite.rotate(copies, forward_backward)
-
-
-def _without_tma(call):
-    """call with every GEMM of ours on pointer loads, the backward's included: the switch is read at
-    each launch, so it wraps the timed call, not fn."""
-    kernels_mlp = importlib.import_module("kernels.mlp")
-
-    def timed():
-        previous, kernels_mlp.USE_TMA = kernels_mlp.USE_TMA, False
-        try:
-            return call()
-        finally:
-            kernels_mlp.USE_TMA = previous
-
-    return timed
+    tma_off = "kernels.mlp" if pointer_loads else None
+    return timing.setup(make_fn, make_copy, direction, _input_bytes(model, tokens), device, grad, tma_off)
 
 
 def _bind(fn, model: Model):

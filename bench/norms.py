@@ -10,14 +10,14 @@ of that function. Rates are GB/s of the bytes that must move (:func:`forward_byt
 :func:`backward_bytes`), and gates.toml holds ours to fractions of the measured copy bandwidth.
 """
 
-import itertools
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from bench import suite, timing
+from bench import correctness, suite, timing
 
 LAYER_NORM_EPS = 1e-5
 RMS_NORM_EPS = 1e-6  # passed explicitly, so that every implementation uses the same eps
@@ -27,7 +27,7 @@ QUICK_SHAPES = ((16384, 4096),)  # where the gates apply
 # A tile held in registers, and rows longer than 16,384: the chunked forward and backward.
 INTERPRETER_SHAPES = ((64, 1000), (8, 20000))
 DTYPE = torch.float16
-# Largest normalized error (see normalized_error) allowed against the float32 reference.
+# Largest normalized error (bench.correctness.normalized_error) allowed against the float32 reference.
 TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 5e-2, torch.float32: 1e-3}
 
 
@@ -84,13 +84,6 @@ def backward_bytes(
     return 3 * rows * hidden * element_bytes + parameter_vectors * hidden * weight_element_bytes
 
 
-def normalized_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Largest ``|actual - expected|`` over ``max(1, largest |expected|)``: absolute on outputs of
-    O(1) (y, dx), relative on sums over rows (dweight, dbias). NaN in actual gives NaN, which fails."""
-    difference = (actual.float() - expected.float()).abs().max().item()
-    return difference / max(1.0, expected.float().abs().max().item())
-
-
 def make_inputs(
     norm: Norm, rows: int, hidden: int, device, requires_grad: bool = False
 ) -> list[torch.Tensor]:
@@ -105,53 +98,19 @@ def make_inputs(
 
 
 def check(norm: Norm, rows: int, hidden: int, device) -> tuple[dict, bool]:
-    """Output and gradients of ours for a random dy against the float32 reference, with every
-    output buffer NaN-poisoned so an unwritten element fails."""
-    from kernels import runtime
-
+    """Output and gradients of ours for a random dy against the float32 reference
+    (:func:`bench.correctness.check`)."""
     torch.manual_seed(0)
     tensors = make_inputs(norm, rows, hidden, device, requires_grad=True)
-    dy = torch.randn(rows, hidden, dtype=DTYPE, device=device)
-    with runtime.poison_outputs():
-        y = norm.ours(*tensors)
-        grads = torch.autograd.grad(y, tensors, dy)
-    exact = [t.detach().float().requires_grad_() for t in tensors]
-    y_exact = norm.reference(*exact)
-    grads_exact = torch.autograd.grad(y_exact, exact, dy.float())
     names = ("y", "dx", "dweight", "dbias")[: 1 + len(tensors)]
-    errors = {
-        name: normalized_error(actual, expected)
-        for name, actual, expected in zip(names, (y, *grads), (y_exact, *grads_exact), strict=True)
-    }
-    return errors, all(error <= TOLERANCE[DTYPE] for error in errors.values())
+    return correctness.check(norm.ours, norm.reference, tensors, names, TOLERANCE[DTYPE])
 
 
-def _forward_setup(make_fn, norm: Norm, rows: int, hidden: int):
-    def setup():
-        fn = make_fn()
-        device = torch.device("cuda")
-        copies = timing.rotating_inputs(
-            lambda: make_inputs(norm, rows, hidden, device), rows * hidden * 2, device
-        )
-        return suite.rotate(copies, lambda tensors: fn(*tensors), no_grad=True)
-
-    return setup
-
-
-def _backward_setup(make_fn, norm: Norm, rows: int, hidden: int):
-    def setup():
-        fn = make_fn()
-        device = torch.device("cuda")
-
-        def graph():
-            tensors = make_inputs(norm, rows, hidden, device, requires_grad=True)
-            y = fn(*tensors)
-            return y, tensors, torch.randn_like(y)
-
-        copies = timing.rotating_inputs(graph, 2 * rows * hidden * 2, device)  # x and dy are read
-        return suite.rotate(copies, lambda g: torch.autograd.grad(g[0], g[1], g[2], retain_graph=True))
-
-    return setup
+def _setup(make_fn, norm: Norm, rows: int, hidden: int, direction: str):
+    """forward reads x; backward x and dy (the parameters are small)."""
+    make_copy = functools.partial(make_inputs, norm, rows, hidden, "cuda")
+    read = (1 if direction == "forward" else 2) * rows * hidden * DTYPE.itemsize
+    return timing.setup(make_fn, make_copy, direction, read)
 
 
 def cases(quick: bool) -> list[suite.Case]:
@@ -163,18 +122,14 @@ def cases(quick: bool) -> list[suite.Case]:
             "eager": lambda n=norm: n.eager,
             "compile": suite.compiled(norm.eager),
         }
-        for (rows, hidden), (name, make_fn) in itertools.product(shapes, implementations.items()):
-            params = {"rows": rows, "hidden": hidden}
-            checker = (lambda n=norm, r=rows, h=hidden: check(n, r, h, "cuda")) if name == "ours" else None
+        for rows, hidden in shapes:
             sizes = (rows, hidden, DTYPE.itemsize, DTYPE.itemsize, norm.has_bias)
-            out.append(suite.Case(
-                norm.name, params, "forward", name, forward_bytes(*sizes), "byte",
-                _forward_setup(make_fn, norm, rows, hidden), checker,
-            ))  # fmt: skip
-            out.append(suite.Case(
-                norm.name, params, "backward", name, backward_bytes(*sizes), "byte",
-                _backward_setup(make_fn, norm, rows, hidden), checker,
-            ))  # fmt: skip
+            out += suite.family_cases(
+                norm.name, {"rows": rows, "hidden": hidden}, implementations, ("forward", "backward"),
+                lambda d, s=sizes: (forward_bytes if d == "forward" else backward_bytes)(*s), "byte",
+                lambda name, make_fn, d, n=norm, r=rows, h=hidden: _setup(make_fn, n, r, h, d),
+                functools.partial(check, norm, rows, hidden, "cuda"),
+            )  # fmt: skip
     return out
 
 

@@ -73,6 +73,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bench import report
 from horse.model import GPT, GPTConfig, preset
 from horse.parallel import Parallel, check_divisible, parallelize
 
@@ -107,7 +108,7 @@ LOSS_BYTES_PER_LOGIT = 36
 # At tp > 1 (horse.parallel's vocab-parallel cross entropy): amax (2), cast (6), shift (8),
 # exp (8), sum (4), divide (8); backward: scatter_add (8), times dloss (8), cast back (6).
 VOCAB_PARALLEL_LOSS_BYTES_PER_LOGIT = 58
-# Per parameter, horse.train.optimizer_step: unscale reads and writes the gradient (8), the norm
+# Per parameter, horse.optim.optimizer_step: unscale reads and writes the gradient (8), the norm
 # reads it (4), clipping reads and writes it (8), AdamW reads param, grad and both moments (16)
 # and writes param and both moments (12).
 OPTIMIZER_BYTES_PER_PARAM = 48
@@ -184,15 +185,8 @@ def comm_bytes_per_gpu(config: GPTConfig, tp: int, batch: int, seq: int, sequenc
     )
 
 
-def comm_ms(
-    config: GPTConfig,
-    tp: int,
-    batch: int,
-    seq: int,
-    sequence_parallel: bool,
-    nvlink_gbps: float,
-    latency_us: float,
-) -> float:
+def comm_ms(config: GPTConfig, tp: int, batch: int, seq: int, sequence_parallel: bool, nvlink_gbps: float,
+            latency_us: float) -> float:  # fmt: skip
     """Time of one step's tp collectives: bytes over the per-direction bandwidth plus a latency each."""
     calls = sum(c.count for c in collectives(config, tp, batch, seq, sequence_parallel))
     seconds = comm_bytes_per_gpu(config, tp, batch, seq, sequence_parallel) / (nvlink_gbps * 1e9)
@@ -265,16 +259,8 @@ def memory_bytes_per_rank(config: GPTConfig, tp: int, batch: int, seq: int, sequ
     return norms + row_biases + loss + OPTIMIZER_BYTES_PER_PARAM * local_params(config, tp)
 
 
-def estimate_compute_ms(
-    config: GPTConfig,
-    tp: int,
-    batch: int,
-    seq: int,
-    sequence_parallel: bool,
-    peak_tflops: float,
-    efficiency: float,
-    hbm_gbps: float,
-) -> float:
+def estimate_compute_ms(config: GPTConfig, tp: int, batch: int, seq: int, sequence_parallel: bool,
+                        peak_tflops: float, efficiency: float, hbm_gbps: float) -> float:  # fmt: skip
     """Roofline compute time of one rank: FLOPs at efficiency × peak plus memory-bound bytes over HBM."""
     flops_s = flops_per_rank(config, tp, batch, seq) / (peak_tflops * 1e12 * efficiency)
     memory_s = memory_bytes_per_rank(config, tp, batch, seq, sequence_parallel) / (hbm_gbps * 1e9)
@@ -368,6 +354,7 @@ def predict(args: argparse.Namespace, measured: bool) -> list[Row]:
             except ValueError as error:
                 rows.append(Row(name, tp, reason=str(error)))
                 continue
+            shape = (config, tp, args.batch_size, args.seq_len, args.sequence_parallel)
             if measured:
                 try:
                     compute = measure_compute_ms(config, tp, args.batch_size, args.seq_len)
@@ -378,17 +365,7 @@ def predict(args: argparse.Namespace, measured: bool) -> list[Row]:
                     gc.collect()
                     torch.cuda.empty_cache()
             else:
-                compute = estimate_compute_ms(
-                    config,
-                    tp,
-                    args.batch_size,
-                    args.seq_len,
-                    args.sequence_parallel,
-                    args.peak_tflops,
-                    args.efficiency,
-                    args.hbm_gbps,
-                )
-            shape = (config, tp, args.batch_size, args.seq_len, args.sequence_parallel)
+                compute = estimate_compute_ms(*shape, args.peak_tflops, args.efficiency, args.hbm_gbps)
             comm = comm_ms(*shape, args.nvlink_gbps, args.latency_us)
             dp = dp_allreduce_ms(config, tp, args.nvlink_gbps, args.latency_us)
             rows.append(Row(name, tp, compute, comm, dp, comm_bytes_per_gpu(*shape)))
@@ -415,23 +392,22 @@ def row_dicts(rows: list[Row], tokens_per_step: int) -> list[dict]:
 
 
 def format_table(entries: list[dict], title: str) -> str:
-    header = (
-        f"{'preset':<10} {'tp':>2} {'compute ms':>10} {'tp comm ms':>10} {'dp ms':>6} {'step ms':>8} "
-        f"{'tok/s/GPU':>10} {'tok/s/group':>11} {'tok/s/node':>11} {'eff':>6} {'comm %':>6}"
-    )
-    lines = [title, header, "-" * len(header)]
+    """The rows of row_dicts under their title, numbers right-aligned; a row that cannot be predicted
+    says why after its preset and tp."""
+    rows = [("preset", "tp", "compute ms", "tp comm ms", "dp ms", "step ms", "tok/s/GPU", "tok/s/group",
+             "tok/s/node", "eff", "comm %")]  # fmt: skip
     for e in entries:
-        if e["reason"]:
-            lines.append(f"{e['preset']:<10} {e['tp']:>2} n/a: {e['reason']}")
-            continue
-        efficiency = f"{100 * e['efficiency']:5.1f}%" if e["efficiency"] is not None else "   n/a"
-        lines.append(
-            f"{e['preset']:<10} {e['tp']:>2} {e['compute_ms']:>10.2f} {e['comm_ms']:>10.2f} "
-            f"{e['dp_ms']:>6.2f} {e['step_ms']:>8.2f} {e['tokens_per_s_per_gpu']:>10,.0f} "
-            f"{e['tokens_per_s_per_tp_group']:>11,.0f} {e['tokens_per_s_per_node']:>11,.0f} "
-            f"{efficiency} {100 * e['comm_fraction']:5.1f}%"
-        )
-    return "\n".join(lines)
+        rows.append((e["preset"], e["tp"]) if e["reason"] else (
+            e["preset"], e["tp"], f"{e['compute_ms']:.2f}", f"{e['comm_ms']:.2f}", f"{e['dp_ms']:.2f}",
+            f"{e['step_ms']:.2f}", f"{e['tokens_per_s_per_gpu']:,.0f}",
+            f"{e['tokens_per_s_per_tp_group']:,.0f}", f"{e['tokens_per_s_per_node']:,.0f}",
+            "n/a" if e["efficiency"] is None else f"{e['efficiency']:.1%}", f"{e['comm_fraction']:.1%}",
+        ))  # fmt: skip
+    header, *lines = report.format_table(rows, right=True).splitlines()
+    lines = [
+        line + (f" n/a: {e['reason']}" if e["reason"] else "") for line, e in zip(lines, entries, strict=True)
+    ]
+    return "\n".join([title, header, "-" * len(header), *lines])
 
 
 def best_node_line(entries: list[dict]) -> str:
@@ -458,12 +434,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument(
-        "--nvlink-gbps",
-        type=float,
-        default=NVLINK_GBPS,
-        help="NVLink bandwidth per GPU per direction, GB/s (default: NVLink 4 line rate, 450; NCCL's "
-        "effective ring bandwidth is ~370)",
-    )
+        "--nvlink-gbps", type=float, default=NVLINK_GBPS, help="NVLink bandwidth per GPU per direction, GB/s "
+        "(default: NVLink 4 line rate, 450; NCCL's effective ring bandwidth is ~370)",
+    )  # fmt: skip
     parser.add_argument("--latency-us", type=float, default=LATENCY_US, help="per collective")
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="roofline peak (no GPU)")
     parser.add_argument("--efficiency", type=float, default=EFFICIENCY, help="roofline fraction of peak")

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import timing
+from bench import report, timing
 
 GATES_FILE = Path(__file__).with_name("gates.toml")
 RESULTS_DIR = Path(__file__).with_name("results")
@@ -61,6 +61,16 @@ class Case:
     @property
     def key(self) -> tuple:
         return _key(self)
+
+
+def family_cases(kernel: str, params: dict, implementations: dict, directions, work: Callable[[str], float],
+                 unit: str, setup: Callable, check: Callable | None = None) -> list[Case]:  # fmt: skip
+    """A case per implementation (name -> what setup builds it from) and direction, in that order:
+    work(direction) FLOPs or bytes, setup(name, implementation, direction), and check on ours alone."""
+    return [
+        Case(kernel, params, d, name, work(d), unit, setup(name, impl, d), check if name == "ours" else None)
+        for (name, impl), d in itertools.product(implementations.items(), directions)
+    ]
 
 
 def shape_text(params: dict) -> str:
@@ -104,21 +114,6 @@ class Result:
 
 class UnavailableError(Exception):
     """Raised by a baseline's setup that cannot run on this machine or shape; the case is skipped."""
-
-
-def rotate(copies: list, fn: Callable, no_grad: bool = False) -> Callable[[], object]:
-    """A zero-argument call of fn on the next of copies, cycling, so no call finds its inputs in
-    L2 from the call before (copies from timing.rotating_inputs)."""
-    counter = itertools.count()
-
-    def call():
-        item = copies[next(counter) % len(copies)]
-        if no_grad:
-            with torch.no_grad():
-                return fn(item)
-        return fn(item)
-
-    return call
 
 
 def compiled(fn, **options) -> Callable[[], Callable]:
@@ -388,18 +383,8 @@ def compare(results: list[Result], previous: dict, expected: list[Case]) -> tupl
     return lines, failures
 
 
-TABLE_COLUMNS = (
-    "kernel",
-    "direction",
-    "shape",
-    "impl",
-    "ms",
-    "q1-q3 ms",
-    "rate",
-    "ceiling",
-    "vs best other",
-    "check",
-)
+TABLE_COLUMNS = ("kernel", "direction", "shape", "impl", "ms", "q1-q3 ms", "rate", "ceiling", "vs best other",
+                 "check")  # fmt: skip
 
 
 def format_table(results: list[Result]) -> str:
@@ -413,10 +398,7 @@ def format_table(results: list[Result]) -> str:
             "" if best_other is None else f"{best_other:.2f}x",
             "" if r.correct is None else ("ok" if r.correct else "WRONG"),
         ))  # fmt: skip
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(TABLE_COLUMNS))]
-    return "\n".join(
-        "  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows
-    )
+    return report.format_table(rows)
 
 
 def results_dir(gpu: str) -> Path:
@@ -428,7 +410,7 @@ def results_dir(gpu: str) -> Path:
 def write_json(
     path: Path, machine: dict, ceilings: dict, results: list[Result], verdicts: list[GateVerdict]
 ) -> None:
-    report = {
+    document = {
         "schema": "little-horse-bench/1",
         "machine": machine,
         "ceilings": ceilings,
@@ -439,7 +421,7 @@ def write_json(
             for v in verdicts
         ],
     }  # fmt: skip
-    path.write_text(json.dumps(report, indent=2))
+    path.write_text(json.dumps(document, indent=2))
 
 
 def plot(results: list[Result], out_dir: Path) -> list[Path]:

@@ -17,6 +17,8 @@ Throughputs are in decimal units: GB/s = 1e9 bytes per second, TFLOP/s = 1e12 FL
 """
 
 import functools
+import importlib
+import itertools
 import statistics
 import subprocess
 import time
@@ -82,6 +84,81 @@ def rotating_inputs(make_copy: Callable[[], T], bytes_per_copy: int, device: tor
     return [make_copy() for _ in range(rotation_copies(bytes_per_copy, l2_cache_bytes(device), budget))]
 
 
+def rotate(copies: list, fn: Callable, no_grad: bool = False) -> Callable[[], object]:
+    """A zero-argument call of fn on the next of copies, cycling, so no call finds its inputs in
+    L2 from the call before (copies from :func:`rotating_inputs`)."""
+    counter = itertools.count()
+
+    def call():
+        item = copies[next(counter) % len(copies)]
+        if no_grad:
+            with torch.no_grad():
+                return fn(item)
+        return fn(item)
+
+    return call
+
+
+def timed_call(fn: Callable, make_inputs: Callable, direction: str, bytes_per_copy: int, device="cuda",
+               grad: bool = False) -> Callable[[], object]:  # fmt: skip
+    """The call a benchmark times: one direction of fn on rotated copies of its inputs.
+
+    ``make_inputs(requires_grad)`` builds one copy: a list of tensors, passed as ``fn(*inputs)``, or
+    a dict, passed whole; ``bytes_per_copy`` is what one call reads of it. forward: fn under
+    no_grad, unless grad (a forward that saves for its backward); backward: ``autograd.grad`` of an
+    output built once per copy w.r.t. the inputs that require grad, its graph retained;
+    forward+backward: both in each call. The cotangent is random, made with each copy (none for a
+    scalar output)."""
+
+    def run(inputs):
+        return fn(inputs) if isinstance(inputs, dict) else fn(*inputs)
+
+    device = torch.device(device)
+    if direction == "forward":
+        copies = rotating_inputs(lambda: make_inputs(grad), bytes_per_copy, device)
+        return rotate(copies, run, no_grad=not grad)
+
+    def make_copy():
+        inputs = make_inputs(True)
+        leaves = [t for t in (inputs.values() if isinstance(inputs, dict) else inputs) if t.requires_grad]
+        out = run(inputs)  # forward+backward: only for the cotangent's shape
+        dout = torch.randn_like(out) if out.ndim else None
+        return inputs, leaves, (out if direction == "backward" else None), dout
+
+    copies = rotating_inputs(make_copy, bytes_per_copy, device)
+    if direction == "backward":
+        return rotate(copies, lambda c: torch.autograd.grad(c[2], c[1], c[3], retain_graph=True))
+    return rotate(copies, lambda c: torch.autograd.grad(run(c[0]), c[1], c[3]))
+
+
+def without_tma(call: Callable[[], T], module: str) -> Callable[[], T]:
+    """call with the TMA switch of kernels module ``module`` (its USE_TMA) off: every launch on
+    pointer loads, the backward's included. The switch is read at each launch, so it wraps the timed
+    call, not fn (the ours-pointer cases)."""
+    kernels_module = importlib.import_module(module)
+
+    def timed():
+        previous, kernels_module.USE_TMA = kernels_module.USE_TMA, False
+        try:
+            return call()
+        finally:
+            kernels_module.USE_TMA = previous
+
+    return timed
+
+
+def setup(make_fn: Callable[[], Callable], make_inputs: Callable, direction: str, bytes_per_copy: int,
+          device="cuda", grad: bool = False, tma_off: str | None = None) -> Callable:  # fmt: skip
+    """A case's setup (``suite.Case.setup``): on the device, fn = make_fn() and its :func:`timed_call`,
+    with tma_off (a kernels module) :func:`without_tma`."""
+
+    def build():
+        call = timed_call(make_fn(), make_inputs, direction, bytes_per_copy, device, grad)
+        return without_tma(call, tma_off) if tma_off else call
+
+    return build
+
+
 @functools.cache
 def _spin_cycles_per_ms(device_index: int) -> float:
     """GPU clock cycles per millisecond of ``torch.cuda._sleep``, measured with events once."""
@@ -118,13 +195,8 @@ def spin_ahead_ms(host_ms: float, calls: int = 1) -> float:
     return 2 * host_ms * calls + 0.1
 
 
-def time_gpu(
-    fn: Callable[[T], object],
-    inputs: Sequence[T],
-    warmup: int = 10,
-    repeats: int = 100,
-    batch: int = 20,
-) -> Timing:
+def time_gpu(fn: Callable[[T], object], inputs: Sequence[T], warmup: int = 10, repeats: int = 100,
+             batch: int = 20) -> Timing:  # fmt: skip
     """GPU time of ``fn(inputs[i])`` on the current CUDA device and stream, i cycling over inputs.
 
     ``warmup`` untimed calls, then ``repeats`` calls, each between its own pair of CUDA events,
@@ -172,35 +244,23 @@ def matmul_tflops(device: torch.device, size: int = 8192, dtype: torch.dtype = t
     return 2 * size**3 / (measured.median_ms * 1e-3) / 1e12
 
 
-def git_commit() -> str | None:
-    """``git rev-parse HEAD`` of this checkout, or None outside a git repository with commits."""
+def _first_line(command: list[str], cwd: Path | None = None) -> str | None:
+    """The first line of a command's output, or None where it fails or prints nothing."""
     try:
-        result = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        )
+        result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return result.stdout.strip()
+    return result.stdout.splitlines()[0].strip() if result.stdout.strip() else None
+
+
+def git_commit() -> str | None:
+    """``git rev-parse HEAD`` of this checkout, or None outside a git repository with commits."""
+    return _first_line(["git", "rev-parse", "HEAD"], Path(__file__).resolve().parent)
 
 
 def _nvidia_driver_version() -> str | None:
     # The kernel-module driver version (e.g. 550.54.15); torch only knows the CUDA driver API level.
-    try:
-        result = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return result.stdout.splitlines()[0].strip() if result.stdout.strip() else None
+    return _first_line(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
 
 
 def machine_info(device: torch.device | None = None) -> dict:

@@ -9,7 +9,7 @@ against the reference model under torch.compile.
 A step is one optimizer step as ``horse.train`` takes it, by its own ``train_step``:
 ``--grad-accum`` micro-batches of forward and backward under ``torch.autocast`` (in fp16 the loss
 scaled by its LossScaler), then unscale, clip the gradient norm to 1.0, PyTorch's fused AdamW from
-``horse.train.make_optimizer`` on the float32 master weights, zero the gradients. Every step reads
+``horse.optim.make_optimizer`` on the float32 master weights, zero the gradients. Every step reads
 one fixed random batch made on the GPU beforehand: data loading is not measured. The backends run
 the same weights, from one seed:
 
@@ -29,7 +29,7 @@ synchronizes once, as the trainer's does (it reads the gradient norm), so the ev
 time the GPU waits for the host to launch kernels, as in training. Reported per backend: the median
 step time and its quartiles; tokens/s = tokens per step / median step time; TFLOP/s and MFU from the
 training FLOPs per token ``6·N + 12·L·d_model·T`` (``GPT.flops_per_token``) over the GPU's dense
-fp16/bf16 peak (``horse.train.peak_flops``, ``--peak-tflops`` for other GPUs), and as a fraction of
+fp16/bf16 peak (``horse.device.peak_flops``, ``--peak-tflops`` for other GPUs), and as a fraction of
 the float16 matmul throughput measured here; peak memory (``torch.cuda.max_memory_allocated`` over
 the timed steps: weights, gradients, AdamW state, activations); steps the loss scaler skipped; and
 the speedup of triton over each other backend. Writes ``train.json`` (machine, results, gate
@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from bench import suite, timing
+from bench import report, suite, timing
 from horse.device import peak_flops
 from horse.loss_scale import LossScaler
 from horse.model import GPT, PRESETS, GPTConfig, flops_per_token, preset
@@ -137,16 +137,9 @@ def case_params(cfg: TrainConfig, config: GPTConfig) -> dict:
     }
 
 
-def step_result(
-    cfg: TrainConfig,
-    config: GPTConfig,
-    backend: str,
-    times_ms: list[float],
-    peak_memory_bytes: int,
-    skipped_steps: int,
-    loss: float,
-    peak: float | None,
-) -> suite.Result:
+def step_result(cfg: TrainConfig, config: GPTConfig, backend: str, times_ms: list[float],
+                peak_memory_bytes: int, skipped_steps: int, loss: float,
+                peak: float | None) -> suite.Result:  # fmt: skip
     """A backend's timed steps as a bench-suite result, the training metrics in ``extra``."""
     seq_len = cfg.seq_len or config.block_size
     tokens_per_step = cfg.batch_size * seq_len * cfg.grad_accum
@@ -181,13 +174,8 @@ def step_result(
 # ----------------------------------------------------------------------------------------------
 
 
-def time_steps(
-    step: Callable[[], tuple[torch.Tensor, bool]],
-    warmup: int,
-    steps: int,
-    seconds: float | None,
-    stop_at: float | None = None,
-) -> tuple[list[float], int, int, float]:
+def time_steps(step: Callable[[], tuple[torch.Tensor, bool]], warmup: int, steps: int, seconds: float | None,
+               stop_at: float | None = None) -> tuple[list[float], int, int, float]:  # fmt: skip
     """GPU times (ms) of up to ``steps`` steps after ``warmup`` untimed ones, stopping after
     ``seconds`` of timing or at ``stop_at`` (a ``time.perf_counter()``: warm-up included), whichever
     comes first, but after at least 2 steps; returns (times, peak memory in bytes, skipped steps,
@@ -218,15 +206,8 @@ def time_steps(
     return times, torch.cuda.max_memory_allocated(), skipped, loss.item()
 
 
-def measure(
-    cfg: TrainConfig,
-    config: GPTConfig,
-    backend: str,
-    warmup: int,
-    steps: int,
-    seconds: float | None,
-    stop_at: float | None = None,
-) -> suite.Result:
+def measure(cfg: TrainConfig, config: GPTConfig, backend: str, warmup: int, steps: int, seconds: float | None,
+            stop_at: float | None = None) -> suite.Result:  # fmt: skip
     """One backend's result on the current GPU; frees its model, optimizer and compiled graphs after."""
     step = None
     try:
@@ -265,8 +246,7 @@ def format_table(results: list[suite.Result]) -> str:
             f"{x['peak_memory_bytes'] / 2**30:.2f}", str(x["skipped_steps"]),
             *("" if s is None else f"{s:.2f}x" for s in speedups),
         ))  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+    return report.format_table(rows)
 
 
 def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
@@ -318,12 +298,9 @@ def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
             f"peak memory {x['peak_memory_bytes'] / 2**30:.2f} GiB"
         )
     # A gate of ours never passes for lack of a result: "not measured" where triton got none.
-    expected = [
-        suite.Case(
-            KERNEL, case_params(cfg, config), "forward+backward", IMPLEMENTATIONS[b], 0.0, "flop", None
-        )
-        for b in args.backends
-    ]
+    implementations = {IMPLEMENTATIONS[b]: b for b in args.backends}
+    expected = suite.family_cases(KERNEL, case_params(cfg, config), implementations, ["forward+backward"],
+                                  lambda d: 0.0, "flop", lambda *_: None)  # fmt: skip
     verdicts = suite.evaluate_gates(results, suite.load_gates(), expected)
     out = args.out or suite.results_dir(machine["gpu"])
     out.mkdir(parents=True, exist_ok=True)
@@ -384,13 +361,11 @@ def cases(quick: bool) -> list[suite.Case]:
     for name, batch in SUITE_CASES[:1] if quick else SUITE_CASES:
         cfg, config = TrainConfig(preset=name, batch_size=batch, precision="fp16"), preset(name)
         work = flops_per_token(config, config.block_size) * batch * config.block_size
-        for backend in BACKENDS:
-            result.append(
-                suite.Case(
-                    KERNEL, case_params(cfg, config), "forward+backward", IMPLEMENTATIONS[backend], work,
-                    "flop", setup=functools.partial(make_step, cfg, config, backend, "cuda"),
-                )
-            )  # fmt: skip
+        result += suite.family_cases(
+            KERNEL, case_params(cfg, config), {IMPLEMENTATIONS[b]: b for b in BACKENDS}, ["forward+backward"],
+            lambda d, w=work: w, "flop",
+            lambda name, b, d, c=cfg, m=config: functools.partial(make_step, c, m, b, "cuda"),
+        )  # fmt: skip
     return result
 
 
@@ -424,11 +399,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, TrainConfig, GPTConfig]:
         "--seconds", type=float, help="stop timing after this, shared equally by the backends"
     )
     parser.add_argument(
-        "--deadline",
-        type=float,
-        help="stop timing by this many seconds after the start, warm-up and compilation included: "
-        "each backend stops at its share of what is left (after 2 timed steps at least)",
-    )
+        "--deadline", type=float, help="stop timing by this many seconds after the start, warm-up and "
+        "compilation included: each backend stops at its share of what is left (after 2 timed steps at "
+        "least)",
+    )  # fmt: skip
     parser.add_argument(
         "--peak-tflops", type=float, help="dense fp16/bf16 peak for MFU; default: by GPU name"
     )

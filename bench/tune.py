@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bench.report import format_table
 from kernels import runtime
 
 ATTENTION_PASSES = {  # --passes name: (compile report pass, table in kernels.attention)
@@ -57,15 +58,11 @@ ATTENTION_PASSES = {  # --passes name: (compile report pass, table in kernels.at
 }
 # MLP GEMM shapes per (gemm, shape class): (model name in bench.mlp.MODELS, tokens).
 MLP_SHAPES = {
-    ("fwd", "large"): ("1.3B", 16384),
-    ("fwd", "medium"): ("124M", 1024),
-    ("gated_fwd", "large"): ("7B", 16384),
-    ("gated_fwd", "medium"): ("7B", 512),
-    ("dh_bwd", "large"): ("1.3B", 16384),
-    ("dh_bwd", "medium"): ("124M", 1024),
-    ("gated_dh_bwd", "large"): ("7B", 16384),
-    ("gated_dh_bwd", "medium"): ("7B", 512),
-}
+    ("fwd", "large"): ("1.3B", 16384), ("fwd", "medium"): ("124M", 1024),
+    ("gated_fwd", "large"): ("7B", 16384), ("gated_fwd", "medium"): ("7B", 512),
+    ("dh_bwd", "large"): ("1.3B", 16384), ("dh_bwd", "medium"): ("124M", 1024),
+    ("gated_dh_bwd", "large"): ("7B", 16384), ("gated_dh_bwd", "medium"): ("7B", 512),
+}  # fmt: skip
 MIN_GAIN = 0.02  # a neighbour must be this much faster to move: below it, timing noise decides
 TILE_RANGE = (16, 256)
 WARPS = (4, 8)
@@ -132,14 +129,9 @@ def neighbours(cfg, persistent: bool = False, tma: bool = True) -> list:
     return out
 
 
-def descend(
-    start,
-    measure: Callable[[object], Measurement],
-    deadline: float,
-    clock: Callable[[], float] = time.monotonic,
-    persistent: bool = False,
-    tma: bool = True,
-) -> tuple[object, list[Measurement]]:
+def descend(start, measure: Callable[[object], Measurement], deadline: float,
+            clock: Callable[[], float] = time.monotonic, persistent: bool = False,
+            tma: bool = True) -> tuple[object, list[Measurement]]:  # fmt: skip
     """Best-improvement descent from start over :func:`neighbours`, each config measured once,
     until no neighbour gains MIN_GAIN or the clock passes deadline. Returns (best, measurements)."""
     measured = {start: measure(start)}
@@ -345,15 +337,8 @@ def _mlp_calls(gemm: str, model, tokens: int) -> dict:
             torch.randn(tokens, model.hidden, dtype=t["x"].dtype, device=t["x"].device) for _ in range(2)
         )
         w_out = t["w_down"] if gated else t["w_out"]
-        call = functools.partial(
-            mlp._dh_act_bwd,
-            torch.randn_like(t["x"]),
-            w_out,
-            pre,
-            up if gated else None,
-            model.activation,
-            not gated,
-        )
+        call = functools.partial(mlp._dh_act_bwd, torch.randn_like(t["x"]), w_out, pre, up if gated else None,
+                                 model.activation, not gated)  # fmt: skip
     return {"gemm": (call, flops)}
 
 
@@ -479,13 +464,9 @@ def first_failure(configs: list, compile_batch: Callable[[list], list], batch: i
     return None
 
 
-def search_entries(
-    searches: list[EntrySearch],
-    compile_batch: Callable[[list], list],
-    batch: int = 2,
-    seconds: float = math.inf,
-    clock: Callable[[], float] = time.monotonic,
-) -> dict:
+def search_entries(searches: list[EntrySearch], compile_batch: Callable[[list], list], batch: int = 2,
+                   seconds: float = math.inf,
+                   clock: Callable[[], float] = time.monotonic) -> dict:  # fmt: skip
     """For each search the first candidate that compiles clean in every variant, with the reason
     each earlier candidate failed; stops at seconds. The report as a dict (null: none found)."""
     deadline = clock() + seconds
@@ -514,9 +495,8 @@ def format_search(title: str, result: dict) -> str:
     """The start, the first clean candidate against the table's entry, and every rejection."""
     clean = _short(result["clean"]) if result["clean"] else "none"
     same = " (the table's)" if result["clean"] == result["table"] else f", table {_short(result['table'])}"
-    lines = [f"== {title}: from {_short(result['start'])}, first clean {clean}{same}"]
-    lines += [f"  {_short(r['config']):34s} {r['reason']}" for r in result["rejected"]]
-    return "\n".join(lines)
+    rows = [(_short(r["config"]), r["reason"]) for r in result["rejected"]]
+    return _section(f"== {title}: from {_short(result['start'])}, first clean {clean}{same}", rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -549,14 +529,20 @@ def tune(targets: list[Target], seconds: float, make_measure=gpu_measure) -> dic
 
 def format_target(title: str, table_cfg, best, measurements: list[Measurement]) -> str:
     """The table's entry, the best found, and every measurement, fastest first."""
-    lines = [
-        f"== {title}: table {_short(dataclasses.asdict(table_cfg))}, best {_short(dataclasses.asdict(best))}"
-    ]
+    rows = []
     for m in sorted(measurements, key=lambda m: m.total_ms):
         times = " ".join(f"{mode} {ms:.3f} ms {m.tflops[mode]:.0f} TFLOP/s" for mode, ms in m.ms.items())
         status = "ok" if m.correct else ("WRONG" if m.correct is False else "not compiled")
-        lines.append(f"  {_short(m.config):34s} {status:12s} {times}  {m.note}".rstrip())
-    return "\n".join(lines)
+        rows.append((_short(m.config), status, times, m.note))
+    title = (
+        f"== {title}: table {_short(dataclasses.asdict(table_cfg))}, best {_short(dataclasses.asdict(best))}"
+    )
+    return _section(title, rows)
+
+
+def _section(title: str, rows: list[tuple]) -> str:
+    """A title line, then the rows as an indented table (bench.report.format_table)."""
+    return "\n".join([title, *("  " + line for line in format_table(rows).splitlines())])
 
 
 def _short(c: dict) -> str:

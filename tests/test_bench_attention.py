@@ -1,9 +1,11 @@
 """CPU tests of the attention benchmark: FLOP counts, shapes, its correctness check and its cases."""
 
+import functools
+
 import pytest
 import torch
 
-from bench import attention
+from bench import attention, correctness, timing
 from kernels import reference
 
 
@@ -64,11 +66,10 @@ def test_reference_checks_at_least_one_pair():
 
 def test_normalized_error_is_relative_to_the_largest_value():
     expected = torch.tensor([0.01, -0.02])
-    assert attention.normalized_error(torch.tensor([0.01, -0.0198]), expected) == pytest.approx(
-        0.01, rel=1e-3
-    )
-    assert attention.normalized_error(torch.tensor([0.01, float("nan")]), expected) != 0.0  # NaN
-    assert not attention.normalized_error(torch.tensor([float("nan"), 0.0]), expected) <= 1.0
+    error = functools.partial(correctness.normalized_error, floor=0.0)  # attention's: no absolute floor
+    assert error(torch.tensor([0.01, -0.0198]), expected) == pytest.approx(0.01, rel=1e-3)
+    assert error(torch.tensor([0.01, float("nan")]), expected) != 0.0  # NaN
+    assert not error(torch.tensor([float("nan"), 0.0]), expected) <= 1.0
 
 
 def _half_precision_reference(causal):
@@ -205,12 +206,10 @@ def test_ours_pointer_times_every_pass_without_tma(monkeypatch):
     import kernels.attention
 
     seen = []
-    call = attention._without_tma(lambda: seen.append(kernels.attention.USE_TMA))
+    call = timing.without_tma(lambda: seen.append(kernels.attention.USE_TMA), "kernels.attention")
     call()
     assert seen == [False] and kernels.attention.USE_TMA is True
     [case] = [c for c in attention.cases(quick=True) if c.implementation == "ours-pointer"][:1]
-    monkeypatch.setattr(
-        attention, "_timed_call", lambda *args: lambda: seen.append(kernels.attention.USE_TMA)
-    )
+    monkeypatch.setattr(timing, "timed_call", lambda *args: lambda: seen.append(kernels.attention.USE_TMA))
     case.setup()()
     assert seen == [False, False] and kernels.attention.USE_TMA is True

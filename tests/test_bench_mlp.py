@@ -4,7 +4,7 @@ check and its cases. Timing needs a GPU and is never asserted on."""
 import pytest
 import torch
 
-from bench import mlp, suite
+from bench import mlp, suite, timing
 
 GPT2 = mlp.Model("tiny", 48, 80, gated=False)
 LLAMA = mlp.Model("tiny", 40, 100, gated=True)
@@ -111,12 +111,12 @@ def test_ours_pointer_times_every_gemm_without_tma(monkeypatch):
     import kernels.mlp
 
     seen = []
-    call = mlp._without_tma(lambda: seen.append(kernels.mlp.USE_TMA))
+    call = timing.without_tma(lambda: seen.append(kernels.mlp.USE_TMA), "kernels.mlp")
     call()
     assert seen == [False] and kernels.mlp.USE_TMA is True
     pointer = [c for c in mlp.cases(quick=True) if c.implementation == "ours-pointer"]
     assert {c.direction for c in pointer} == {"forward", *suite.DIRECTIONS}
-    monkeypatch.setattr(mlp, "_timed_call", lambda *args: lambda: seen.append(kernels.mlp.USE_TMA))
+    monkeypatch.setattr(timing, "timed_call", lambda *args: lambda: seen.append(kernels.mlp.USE_TMA))
     for case in pointer:
         case.setup()()
     assert seen == [False] * (1 + len(pointer)) and kernels.mlp.USE_TMA is True

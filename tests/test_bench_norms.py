@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bench import norms, timing
+from bench import correctness, norms, timing
 
 MIB = 2**20
 
@@ -57,9 +57,11 @@ def test_rotation_copies_span_two_l2_caches_within_the_budget(bytes_per_copy, bu
 
 def test_normalized_error_is_absolute_on_small_outputs_and_relative_on_large_ones():
     expected = torch.tensor([0.5, -1.0])
-    assert norms.normalized_error(torch.tensor([0.5, -0.99]), expected) == pytest.approx(0.01)
-    assert norms.normalized_error(100 * torch.tensor([0.5, -0.99]), 100 * expected) == pytest.approx(0.01)
-    assert norms.normalized_error(torch.tensor([float("nan"), 1.0]), expected) != 0.0
+    assert correctness.normalized_error(torch.tensor([0.5, -0.99]), expected) == pytest.approx(0.01)
+    assert correctness.normalized_error(100 * torch.tensor([0.5, -0.99]), 100 * expected) == pytest.approx(
+        0.01
+    )
+    assert correctness.normalized_error(torch.tensor([float("nan"), 1.0]), expected) != 0.0
 
 
 def _off_by_5_percent(fn):

@@ -201,7 +201,7 @@ def test_event_stamps_subtract_to_gpu_seconds():
 
 def test_rotate_cycles_through_the_copies():
     seen = []
-    call = suite.rotate([1, 2, 3], seen.append)
+    call = timing.rotate([1, 2, 3], seen.append)
     for _ in range(5):
         call()
     assert seen == [1, 2, 3, 1, 2]
