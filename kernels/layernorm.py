@@ -191,26 +191,26 @@ def _norm_fwd_kernel(
 
 
 @triton.jit
-def _bwd_tile(
-    DY,
-    X,
-    w,
-    mean,
-    rstd,
-    rows,
-    cols,
-    row_mask,
-    col_mask,
-    stride_dy_row,
-    stride_x_row,
-    IS_RMS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
+def _load_rows(
+    DY, X, MEAN, RSTD, rows, cols, row_mask, col_mask, stride_dy_row, stride_x_row, IS_RMS: tl.constexpr
 ):
-    """dy, x_hat = (h - mean) * rstd and w * dy for a (BLOCK_M, BLOCK_N) tile, float32; w is the
-    tile's (BLOCK_N,) weight in float32, mean and rstd its rows' (BLOCK_M,) statistics."""
+    """dy and h of a (BLOCK_M, BLOCK_N) tile as stored, and the rows' mean and rstd."""
     mask = row_mask[:, None] & col_mask[None, :]
-    dy = tl.load(DY + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    if IS_RMS:
+        mean = rstd  # unused
+    else:
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+    return dy, x, mean, rstd
+
+
+@triton.jit
+def _bwd_tile(dy, x, w, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """dy, x_hat = (h - mean) * rstd and w * dy in float32, from a tile's dy and h as loaded."""
+    dy = dy.to(tl.float32)
+    x = x.to(tl.float32)
     if IS_RMS:
         x_hat = x * rstd[:, None]
     else:
@@ -275,20 +275,32 @@ def _norm_bwd_kernel(
     row_end = tl.minimum(row_start + rows_per_program, M)
     # Columns outside this program's block: the sweep walks them in chunks, skipping the block.
     other_cols = N - tl.minimum(BLOCK_N, N - col_start)
+    if not ROW_IN_TILE:
+        # The row loop pipelined by hand: the next tile is loaded while this one is worked on.
+        # Triton's pipeliner leaves loads that feed no tl.dot alone (num_stages 3 compiled to the
+        # same code as 1). The row in registers has no room for a second tile (a float32 row of
+        # 8192 spilled 40-56 bytes on sm_80-sm_90 with it).
+        first_rows = row_start + tl.arange(0, BLOCK_M)
+        next_tile = _load_rows(
+            DY, X, MEAN, RSTD, first_rows.to(tl.int64), cols, first_rows < row_end, col_mask,
+            stride_dy_row, stride_x_row, IS_RMS,
+        )  # fmt: skip
     for block_start in range(row_start, row_end, BLOCK_M):
         rows = block_start + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
         rows = rows.to(tl.int64)
         mask = row_mask[:, None] & col_mask[None, :]
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-        if IS_RMS:
-            mean = rstd  # unused
+        if ROW_IN_TILE:
+            dy, x, mean, rstd = _load_rows(
+                DY, X, MEAN, RSTD, rows, cols, row_mask, col_mask, stride_dy_row, stride_x_row, IS_RMS
+            )
         else:
-            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-        dy, x_hat, wdy = _bwd_tile(
-            DY, X, w, mean, rstd, rows, cols, row_mask, col_mask, stride_dy_row, stride_x_row,
-            IS_RMS, HAS_WEIGHT,
-        )  # fmt: skip
+            dy, x, mean, rstd = next_tile
+            next_tile = _load_rows(
+                DY, X, MEAN, RSTD, rows + BLOCK_M, cols, rows + BLOCK_M < row_end, col_mask,
+                stride_dy_row, stride_x_row, IS_RMS,
+            )  # fmt: skip
+        dy, x_hat, wdy = _bwd_tile(dy, x, w, mean, rstd, mask, IS_RMS, HAS_WEIGHT)
         # Before the sweep, so that dy is dead across it.
         if HAS_DW:
             dw_acc += tl.sum(dy * x_hat, axis=0)
@@ -304,10 +316,14 @@ def _norm_bwd_kernel(
                     )
                     sweep_mask = sweep_cols < N
                     w_other = _load_weight(W, sweep_cols, sweep_mask, HAS_WEIGHT)
-                    _, x_hat_other, wdy_other = _bwd_tile(
-                        DY, X, w_other, mean, rstd, rows, sweep_cols, row_mask, sweep_mask,
-                        stride_dy_row, stride_x_row, IS_RMS, HAS_WEIGHT,
+                    dy_other, x_other, _, _ = _load_rows(
+                        DY, X, MEAN, RSTD, rows, sweep_cols, row_mask, sweep_mask, stride_dy_row,
+                        stride_x_row, IS_RMS,
                     )  # fmt: skip
+                    other_mask = row_mask[:, None] & sweep_mask[None, :]
+                    _, x_hat_other, wdy_other = _bwd_tile(
+                        dy_other, x_other, w_other, mean, rstd, other_mask, IS_RMS, HAS_WEIGHT
+                    )
                     sum_xhat_wdy += tl.sum(x_hat_other * wdy_other, axis=1)
                     sum_wdy += tl.sum(wdy_other, axis=1)
             c1 = sum_xhat_wdy / N
@@ -361,8 +377,6 @@ CHUNKED_FWD = RowConfig(block_m=1, block_n=4096, num_warps=8, row_in_registers=F
 # replaced moved 10 (dy and h read twice, M·N·4 bytes apart); the SMs read 4·(N / 4096) + 2 = 18
 # from L2. Blocks of 8192 at 16 warps (two sweeps fewer) spilled 8-48 bytes on sm_80-sm_100 with
 # the sweep's chunk and the weight held as well; 4096 at 16 warps holds 98-113 registers on NVIDIA.
-# num_stages 3 compiled to the same code as 1 (no shared-memory buffers): Triton's pipeliner leaves
-# these loads, which feed no tl.dot, alone.
 BWD_SPLIT_ROW = RowConfig(block_m=1, block_n=4096, num_warps=16, row_in_registers=False)
 BWD_SWEEP_BLOCK_N = 2048
 
