@@ -301,11 +301,6 @@ def _norm_bwd_kernel(
                 stride_dy_row, stride_x_row, IS_RMS,
             )  # fmt: skip
         dy, x_hat, wdy = _bwd_tile(dy, x, w, mean, rstd, mask, IS_RMS, HAS_WEIGHT)
-        # Before the sweep, so that dy is dead across it.
-        if HAS_DW:
-            dw_acc += tl.sum(dy * x_hat, axis=0)
-        if HAS_BIAS:
-            db_acc += tl.sum(dy, axis=0)
         if HAS_DX:
             sum_xhat_wdy = tl.sum(x_hat * wdy, axis=1)
             sum_wdy = tl.sum(wdy, axis=1)
@@ -336,6 +331,10 @@ def _norm_bwd_kernel(
                 dres_ptrs = DRESIDUAL_OUT + rows[:, None] * stride_dres_row + cols[None, :]
                 dx += tl.load(dres_ptrs, mask=mask, other=0.0).to(tl.float32)
             tl.store(DX + rows[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_DW:
+            dw_acc += tl.sum(dy * x_hat, axis=0)
+        if HAS_BIAS:
+            db_acc += tl.sum(dy, axis=0)
     partial = pid_m.to(tl.int64) * N + cols
     if HAS_DW:
         tl.store(DW_PARTIAL + partial, dw_acc, mask=col_mask)
