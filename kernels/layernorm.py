@@ -373,9 +373,11 @@ CHUNKED_FWD = RowConfig(block_m=1, block_n=4096, num_warps=8, row_in_registers=F
 # its row to dx's row sums by a sweep over the other blocks in chunks of BWD_SWEEP_BLOCK_N, reading
 # them as their own programs, launched beside it, read them: from L2. Per element of a 16,384-column
 # fp16 row, DRAM moves 6 bytes (dy and h read, dx written once), where the coefficient pass this
-# replaced moved 10 (dy and h read twice, M·N·4 bytes apart); the SMs read 4·(N / 4096) + 2 = 18
-# from L2. Blocks of 8192 at 16 warps (two sweeps fewer) spilled 8-48 bytes on sm_80-sm_100 with
-# the sweep's chunk and the weight held as well; 4096 at 16 warps holds 98-113 registers on NVIDIA.
+# replaced moved 10 (dy and h read twice, M·N·4 bytes apart); 4·(N / 4096) + 2 = 18 pass between
+# the SMs and L2. Blocks of 8192 at 16 warps (half the sweep's reads) spilled 8-48 bytes on
+# sm_80-sm_100, with the sweep's chunk and the weight held too; 4096 at 16 warps, with the next row
+# prefetched, holds 105-119 registers on NVIDIA (was 104 at 8 warps for the 4x1024 chunked tile
+# on sm_90, and 75 for its coefficient pass), 56-72 VGPRs on gfx942, no spills anywhere.
 BWD_SPLIT_ROW = RowConfig(block_m=1, block_n=4096, num_warps=16, row_in_registers=False)
 BWD_SWEEP_BLOCK_N = 2048
 
