@@ -452,7 +452,10 @@ def norm_fwd(
 def backward_rows_per_program(M: int, N: int, cfg: RowConfig, device: torch.device) -> int:
     """Rows in each program's slab: enough programs, counting a row's column blocks, to fill the
     GPU, and a whole number of tiles. The partial sums take a row of N per slab."""
-    programs = runtime.num_sms(device) * max(1, 32 // cfg.num_warps)
+    # A split row's 16-warp programs hold 105-119 registers a thread: one fits an SM (two would take
+    # 2·512·105 > 65,536), so one wave of them, all resident at once, every slab's blocks in step.
+    programs_per_sm = max(1, 32 // cfg.num_warps) if cfg.row_in_registers else 1
+    programs = runtime.num_sms(device) * programs_per_sm
     slabs = max(1, programs // triton.cdiv(N, cfg.block_n))
     return triton.cdiv(triton.cdiv(M, slabs), cfg.block_m) * cfg.block_m
 
