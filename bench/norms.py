@@ -87,7 +87,7 @@ def backward_bytes(
     pass between the SMs and L2, 18 bytes at 16,384 fp16). Before, a coefficient pass
     read dy and x for every row first, then the main pass read them again, M·N·2·element_bytes
     later: 5·element_bytes (10 in fp16) from DRAM. The float32 partial sums add 8 bytes a column per
-    slab (2·SMs / blocks slabs; was 4·SMs slabs of every column block), counted in neither figure.
+    slab (SMs / blocks slabs; was 4·SMs slabs of every column block), counted in neither figure.
     """
     parameter_vectors = 3 if has_bias else 2
     return 3 * rows * hidden * element_bytes + parameter_vectors * hidden * weight_element_bytes
