@@ -476,18 +476,14 @@ def _norm_kernel_configs(norm, shape_class, dtype, ty, flags, cfg, backward) -> 
         fn = "kernels.layernorm._norm_fwd_kernel"
         return [KernelConfig(f"{norm}_fwd", shape_class, dtype, fn, pointers, constexprs, cfg.num_warps)]
     pointers = dict.fromkeys(("DY", "DRESIDUAL_OUT", "X", "W", "DX"), ty)
-    pointers.update(dict.fromkeys(("MEAN", "RSTD", "C1", "C2", "DW_PARTIAL", "DB_PARTIAL"), "fp32"))
+    pointers.update(dict.fromkeys(("MEAN", "RSTD", "DW_PARTIAL", "DB_PARTIAL"), "fp32"))
     constexprs = {**flags, "HAS_DRESIDUAL": True, "HAS_DX": True, "HAS_DW": True, **blocks,
-                  "COEFFS_IN_TILE": cfg.row_in_registers}  # fmt: skip
+                  "ROW_IN_TILE": cfg.row_in_registers,
+                  "SWEEP_BLOCK_N": layernorm.BWD_SWEEP_BLOCK_N}  # fmt: skip
     fn = "kernels.layernorm._norm_bwd_kernel"
-    configs = [KernelConfig(f"{norm}_bwd", shape_class, dtype, fn, pointers, constexprs, cfg.num_warps)]
-    if not cfg.row_in_registers:
-        coeffs = layernorm.CHUNKED_BWD_ROW_COEFFS
-        constexprs = {"IS_RMS": flags["IS_RMS"], "HAS_WEIGHT": True, "BLOCK_N": coeffs.block_n}
-        fn = "kernels.layernorm._norm_bwd_row_coeffs_kernel"
-        name = f"{norm}_bwd_row_coeffs"
-        configs.append(KernelConfig(name, shape_class, dtype, fn, pointers, constexprs, coeffs.num_warps))
-    return configs
+    # The row split into column blocks, each sweeping the others: its own name, one config a dtype.
+    name = f"{norm}_bwd" if cfg.row_in_registers else f"{norm}_bwd_split_row"
+    return [KernelConfig(name, shape_class, dtype, fn, pointers, constexprs, cfg.num_warps)]
 
 
 # Attention passes: kernel, the arguments tiled along the queries and along the keys (their TMA

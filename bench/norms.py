@@ -79,6 +79,15 @@ def backward_bytes(
     """Bytes a norm's backward must move: read x and dy, write dx; read weight, write dweight (and dbias).
 
     3·rows·hidden·element_bytes + (3 if has_bias else 2)·hidden·weight_element_bytes.
+
+    What ours moves from DRAM per element, derived from its loads and stores: 3·element_bytes (6 in
+    fp16) at every width. Rows of up to 8,192 are one tile a program; longer ones are split into
+    column blocks of 4,096 whose programs run side by side, each reading its own block and sweeping
+    the others, which their owners read at the same moment (L2 hits: (2·blocks + 1)·element_bytes
+    pass between the SMs and L2, 18 bytes at 16,384 fp16). Before, a coefficient pass
+    read dy and x for every row first, then the main pass read them again, M·N·2·element_bytes
+    later: 5·element_bytes (10 in fp16) from DRAM. The float32 partial sums add 8 bytes a column per
+    slab (SMs / blocks slabs; was 4·SMs slabs of every column block), counted in neither figure.
     """
     parameter_vectors = 3 if has_bias else 2
     return 3 * rows * hidden * element_bytes + parameter_vectors * hidden * weight_element_bytes

@@ -15,8 +15,9 @@ read twice in chunks, their mean and variance merged chunk by chunk (Chan's para
 Backward: dx in one pass over dy and h; dweight and dbias as per-program float32 partial sums
 over a contiguous slab of rows, then one final sum over programs. The programs and their slabs
 depend only on the shape and the device, never on timing, so gradients are bit-identical run to
-run (no atomics). Rows longer than 8,192 elements first compute the two per-row coefficients of dx
-in a separate pass, then split the row into column chunks.
+run (no atomics). Rows longer than 8,192 elements are split into column blocks of 4,096, one
+program each, launched side by side; each adds the rest of its row to the row sums dx needs by
+reading the other blocks as their own programs read them (from L2), so dy and h leave DRAM once.
 """
 
 import math
@@ -190,81 +191,45 @@ def _norm_fwd_kernel(
 
 
 @triton.jit
-def _load_bwd_tile(
-    DY,
-    X,
-    W,
-    MEAN,
-    RSTD,
-    rows,
-    cols,
-    row_mask,
-    col_mask,
-    stride_dy_row,
-    stride_x_row,
-    IS_RMS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
+def _load_rows(
+    DY, X, MEAN, RSTD, rows, cols, row_mask, col_mask, stride_dy_row, stride_x_row, IS_RMS: tl.constexpr
 ):
-    """dy, x_hat = (h - mean) * rstd, w * dy and rstd for a (BLOCK_M, BLOCK_N) tile, float32."""
+    """dy and h of a (BLOCK_M, BLOCK_N) tile as stored, and the rows' mean and rstd."""
     mask = row_mask[:, None] & col_mask[None, :]
-    dy = tl.load(DY + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
     rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
     if IS_RMS:
-        x_hat = x * rstd[:, None]
+        mean = rstd  # unused
     else:
         mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-        x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-    if HAS_WEIGHT:
-        wdy = dy * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    else:
-        wdy = dy
-    return dy, x_hat, wdy, rstd
+    return dy, x, mean, rstd
 
 
 @triton.jit
-def _norm_bwd_row_coeffs_kernel(
-    DY,  # (M, N), row stride stride_dy_row
-    X,  # (M, N), row stride stride_x_row: the normalised input h
-    W,  # (N,)
-    MEAN,  # (M,) float32
-    RSTD,  # (M,) float32
-    C1,  # (M,) float32: mean(x_hat * w * dy) per row
-    C2,  # (M,) float32: mean(w * dy) per row
-    M,
-    N,
-    stride_dy_row,
-    stride_x_row,
-    IS_RMS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    # grid = (M,): one row per program, for rows too long for _norm_bwd_kernel to hold.
-    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
-    row_mask = rows < M
-    sum_xhat_wdy = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-    sum_wdy = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        _, x_hat, wdy, _ = _load_bwd_tile(
-            DY,
-            X,
-            W,
-            MEAN,
-            RSTD,
-            rows,
-            cols,
-            row_mask,
-            cols < N,
-            stride_dy_row,
-            stride_x_row,
-            IS_RMS,
-            HAS_WEIGHT,
-        )
-        sum_xhat_wdy += x_hat * wdy
-        sum_wdy += wdy
-    tl.store(C1 + rows, tl.sum(sum_xhat_wdy, axis=1) / N, mask=row_mask)
-    tl.store(C2 + rows, tl.sum(sum_wdy, axis=1) / N, mask=row_mask)
+def _bwd_tile(dy, x, w, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """dy, x_hat = (h - mean) * rstd and w * dy in float32, from a tile's dy and h as loaded."""
+    dy = dy.to(tl.float32)
+    x = x.to(tl.float32)
+    if IS_RMS:
+        x_hat = x * rstd[:, None]
+    else:
+        x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    if HAS_WEIGHT:
+        wdy = dy * w[None, :]
+    else:
+        wdy = dy
+    return dy, x_hat, wdy
+
+
+@triton.jit
+def _load_weight(W, cols, col_mask, HAS_WEIGHT: tl.constexpr):
+    """The (BLOCK_N,) weight in float32; ones without a weight (then never read: HAS_WEIGHT)."""
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    else:
+        w = tl.full(cols.shape, 1.0, tl.float32)
+    return w
 
 
 @triton.jit
@@ -275,8 +240,6 @@ def _norm_bwd_kernel(
     W,  # (N,)
     MEAN,  # (M,) float32
     RSTD,  # (M,) float32
-    C1,  # (M,) float32, read unless COEFFS_IN_TILE
-    C2,  # (M,) float32, read unless COEFFS_IN_TILE
     DX,  # (M, N) contiguous
     DW_PARTIAL,  # (cdiv(M, rows_per_program), N) float32: this program's sum over its rows
     DB_PARTIAL,  # (cdiv(M, rows_per_program), N) float32
@@ -294,43 +257,72 @@ def _norm_bwd_kernel(
     HAS_DW: tl.constexpr,  # dweight wanted: a weight that trains (a frozen one only scales dx)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    COEFFS_IN_TILE: tl.constexpr,
+    ROW_IN_TILE: tl.constexpr,  # BLOCK_N >= N; else the row spans several column blocks
+    SWEEP_BLOCK_N: tl.constexpr,  # chunk of the sweep over the other column blocks; divides BLOCK_N
 ):
-    # grid = (cdiv(M, rows_per_program), cdiv(N, BLOCK_N)); with COEFFS_IN_TILE, BLOCK_N >= N.
-    pid_m = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # grid = (cdiv(N, BLOCK_N), cdiv(M, rows_per_program)). A slab's column blocks are neighbours in
+    # launch order: they run side by side and walk the same rows in step, so the sweep's reads of a
+    # row's other blocks come from L2, where their owners' reads have just put them.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    col_start = pid_n * BLOCK_N
+    cols = col_start + tl.arange(0, BLOCK_N)
     col_mask = cols < N
+    w = _load_weight(W, cols, col_mask, HAS_WEIGHT)  # once per program, not once per row
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     row_start = pid_m * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
+    # Columns outside this program's block: the sweep walks them in chunks, skipping the block.
+    other_cols = N - tl.minimum(BLOCK_N, N - col_start)
+    if not ROW_IN_TILE:
+        # The row loop pipelined by hand: the next tile is loaded while this one is worked on.
+        # Triton's pipeliner leaves loads that feed no tl.dot alone (num_stages 3 compiled to the
+        # same code as 1). The row in registers has no room for a second tile (a float32 row of
+        # 8192 spilled 40-56 bytes on sm_80-sm_90 with it).
+        first_rows = row_start + tl.arange(0, BLOCK_M)
+        next_tile = _load_rows(
+            DY, X, MEAN, RSTD, first_rows.to(tl.int64), cols, first_rows < row_end, col_mask,
+            stride_dy_row, stride_x_row, IS_RMS,
+        )  # fmt: skip
     for block_start in range(row_start, row_end, BLOCK_M):
         rows = block_start + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
         rows = rows.to(tl.int64)
         mask = row_mask[:, None] & col_mask[None, :]
-        dy, x_hat, wdy, rstd = _load_bwd_tile(
-            DY,
-            X,
-            W,
-            MEAN,
-            RSTD,
-            rows,
-            cols,
-            row_mask,
-            col_mask,
-            stride_dy_row,
-            stride_x_row,
-            IS_RMS,
-            HAS_WEIGHT,
-        )
+        if ROW_IN_TILE:
+            dy, x, mean, rstd = _load_rows(
+                DY, X, MEAN, RSTD, rows, cols, row_mask, col_mask, stride_dy_row, stride_x_row, IS_RMS
+            )
+        else:
+            dy, x, mean, rstd = next_tile
+            next_tile = _load_rows(
+                DY, X, MEAN, RSTD, rows + BLOCK_M, cols, rows + BLOCK_M < row_end, col_mask,
+                stride_dy_row, stride_x_row, IS_RMS,
+            )  # fmt: skip
+        dy, x_hat, wdy = _bwd_tile(dy, x, w, mean, rstd, mask, IS_RMS, HAS_WEIGHT)
         if HAS_DX:
-            if COEFFS_IN_TILE:
-                c1 = tl.sum(x_hat * wdy, axis=1) / N
-                c2 = tl.sum(wdy, axis=1) / N
-            else:
-                c1 = tl.load(C1 + rows, mask=row_mask, other=0.0)
-                c2 = tl.load(C2 + rows, mask=row_mask, other=0.0)
+            sum_xhat_wdy = tl.sum(x_hat * wdy, axis=1)
+            sum_wdy = tl.sum(wdy, axis=1)
+            if not ROW_IN_TILE:
+                for start in range(0, other_cols, SWEEP_BLOCK_N):
+                    sweep_cols = tl.where(start < col_start, start, start + BLOCK_N) + tl.arange(
+                        0, SWEEP_BLOCK_N
+                    )
+                    sweep_mask = sweep_cols < N
+                    w_other = _load_weight(W, sweep_cols, sweep_mask, HAS_WEIGHT)
+                    dy_other, x_other, _, _ = _load_rows(
+                        DY, X, MEAN, RSTD, rows, sweep_cols, row_mask, sweep_mask, stride_dy_row,
+                        stride_x_row, IS_RMS,
+                    )  # fmt: skip
+                    other_mask = row_mask[:, None] & sweep_mask[None, :]
+                    _, x_hat_other, wdy_other = _bwd_tile(
+                        dy_other, x_other, w_other, mean, rstd, other_mask, IS_RMS, HAS_WEIGHT
+                    )
+                    sum_xhat_wdy += tl.sum(x_hat_other * wdy_other, axis=1)
+                    sum_wdy += tl.sum(wdy_other, axis=1)
+            c1 = sum_xhat_wdy / N
+            c2 = sum_wdy / N
             if IS_RMS:
                 dx = (wdy - x_hat * c1[:, None]) * rstd[:, None]
             else:
@@ -367,7 +359,9 @@ class RowConfig:
 
 # Longest rows held whole in registers; the backward holds five float32 values per element.
 # Both limits are the largest sizes that compile with no spills for sm_90 (bench.compile_report;
-# the other GPU families compile clean there too).
+# the other GPU families compile clean there too). A 16,384-element backward row held whole spilled
+# on sm_90 in fp16 (152-360 bytes at 16 and 32 warps, even holding dy and x as 16-bit and the
+# weight once: dweight's and dbias's float32 sums alone take 32 registers a thread at 32 warps).
 FWD_MAX_ROW_IN_REGISTERS = 16384
 BWD_MAX_ROW_IN_REGISTERS = 8192
 # Short rows are packed several to a program, up to a tile of this many elements. At 4096 the
@@ -375,8 +369,17 @@ BWD_MAX_ROW_IN_REGISTERS = 8192
 FWD_TILE_ELEMENTS = 4096
 BWD_TILE_ELEMENTS = 2048
 CHUNKED_FWD = RowConfig(block_m=1, block_n=4096, num_warps=8, row_in_registers=False)
-CHUNKED_BWD = RowConfig(block_m=4, block_n=1024, num_warps=8, row_in_registers=False)
-CHUNKED_BWD_ROW_COEFFS = RowConfig(block_m=1, block_n=4096, num_warps=8, row_in_registers=False)
+# Longer backward rows are split into column blocks, one program each; a program adds the rest of
+# its row to dx's row sums by a sweep over the other blocks in chunks of BWD_SWEEP_BLOCK_N, reading
+# them as their own programs, launched beside it, read them: from L2. Per element of a 16,384-column
+# fp16 row, DRAM moves 6 bytes (dy and h read, dx written once), where the coefficient pass this
+# replaced moved 10 (dy and h read twice, M·N·4 bytes apart); 4·(N / 4096) + 2 = 18 pass between
+# the SMs and L2. Blocks of 8192 at 16 warps (half the sweep's reads) spilled 8-48 bytes on
+# sm_80-sm_100, with the sweep's chunk and the weight held too; 4096 at 16 warps, with the next row
+# prefetched, holds 105-119 registers on NVIDIA (was 104 at 8 warps for the 4x1024 chunked tile
+# on sm_90, and 75 for its coefficient pass), 56-72 VGPRs on gfx942, no spills anywhere.
+BWD_SPLIT_ROW = RowConfig(block_m=1, block_n=4096, num_warps=16, row_in_registers=False)
+BWD_SWEEP_BLOCK_N = 2048
 
 
 def row_config(n: int, backward: bool, dtype: torch.dtype, arch: runtime.Arch) -> RowConfig:
@@ -384,7 +387,7 @@ def row_config(n: int, backward: bool, dtype: torch.dtype, arch: runtime.Arch) -
     thread (16 in the backward on NVIDIA GPUs before sm_90), at most 1024 threads a program."""
     block_n = triton.next_power_of_2(n)
     if block_n > (BWD_MAX_ROW_IN_REGISTERS if backward else FWD_MAX_ROW_IN_REGISTERS):
-        return CHUNKED_BWD if backward else CHUNKED_FWD
+        return BWD_SPLIT_ROW if backward else CHUNKED_FWD
     block_m = max(1, min(64, (BWD_TILE_ELEMENTS if backward else FWD_TILE_ELEMENTS) // block_n))
     # The backward's 8192-element row spilled 8 bytes at 32 warps (64 registers a thread) with 16-bit
     # inputs on triton 3.9, and at 16 warps in float32 on 3.6: 16-bit inputs stop at 16 warps.
@@ -446,10 +449,15 @@ def norm_fwd(
     return y, residual_out, mean, rstd
 
 
-def backward_rows_per_program(M: int, cfg: RowConfig, device: torch.device) -> int:
-    """Rows in each program's slab: enough programs to fill the GPU, a whole number of tiles."""
-    programs = runtime.num_sms(device) * max(1, 32 // cfg.num_warps)
-    return triton.cdiv(triton.cdiv(M, programs), cfg.block_m) * cfg.block_m
+def backward_rows_per_program(M: int, N: int, cfg: RowConfig, device: torch.device) -> int:
+    """Rows in each program's slab: enough programs, counting a row's column blocks, to fill the
+    GPU, and a whole number of tiles. The partial sums take a row of N per slab."""
+    # A split row's 16-warp programs hold 105-119 registers a thread: one fits an SM (two would take
+    # 2·512·105 > 65,536), so one wave of them, all resident at once, every slab's blocks in step.
+    programs_per_sm = max(1, 32 // cfg.num_warps) if cfg.row_in_registers else 1
+    programs = runtime.num_sms(device) * programs_per_sm
+    slabs = max(1, programs // triton.cdiv(N, cfg.block_n))
+    return triton.cdiv(triton.cdiv(M, slabs), cfg.block_m) * cfg.block_m
 
 
 def norm_bwd(
@@ -477,34 +485,21 @@ def norm_bwd(
         dresidual_out = _unit_column_stride(dresidual_out)
     dx = runtime.empty((M, N) if needs_dx else (0,), x.dtype, x.device)
     cfg = row_config(N, backward=True, dtype=x.dtype, arch=runtime.arch(x.device))
-    rows_per_program = backward_rows_per_program(M, cfg, x.device) if M else 1
-    grid = (triton.cdiv(M, rows_per_program), triton.cdiv(N, cfg.block_n))
-    dw_partial = runtime.empty((grid[0], N) if needs_dw else (0,), fp32, x.device)
-    db_partial = runtime.empty((grid[0], N) if needs_db else (0,), fp32, x.device)
+    rows_per_program = backward_rows_per_program(M, N, cfg, x.device) if M else 1
+    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, rows_per_program))
+    dw_partial = runtime.empty((grid[1], N) if needs_dw else (0,), fp32, x.device)
+    db_partial = runtime.empty((grid[1], N) if needs_db else (0,), fp32, x.device)
     if M > 0:
-        chunked_dx = needs_dx and not cfg.row_in_registers  # dx's row coefficients in a pass first
-        coeffs = runtime.empty((2, M) if chunked_dx else (0,), fp32, x.device)
-        w = _dummy_if_none(weight, x)
         dres = _dummy_if_none(dresidual_out, dy)
         with runtime.device_guard(x):
-            if chunked_dx:
-                runtime.launch(
-                    _norm_bwd_row_coeffs_kernel, (M,),
-                    dy, x, w, mean, rstd, coeffs[0], coeffs[1],
-                    M, N, dy.stride(0), x.stride(0),
-                    IS_RMS=rms, HAS_WEIGHT=weight is not None,
-                    BLOCK_N=CHUNKED_BWD_ROW_COEFFS.block_n,
-                    num_warps=CHUNKED_BWD_ROW_COEFFS.num_warps, **runtime.COMPILE_OPTIONS,
-                )  # fmt: skip
-            c1, c2 = (coeffs[0], coeffs[1]) if chunked_dx else (coeffs, coeffs)
             runtime.launch(
                 _norm_bwd_kernel, grid,
-                dy, dres, x, w, mean, rstd, c1, c2, dx, dw_partial, db_partial,
+                dy, dres, x, _dummy_if_none(weight, x), mean, rstd, dx, dw_partial, db_partial,
                 M, N, rows_per_program, dy.stride(0), dres.stride(0), x.stride(0),
                 IS_RMS=rms, HAS_DRESIDUAL=dresidual_out is not None,
                 HAS_WEIGHT=weight is not None, HAS_BIAS=needs_db, HAS_DX=needs_dx, HAS_DW=needs_dw,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                COEFFS_IN_TILE=cfg.row_in_registers, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ROW_IN_TILE=cfg.row_in_registers,
+                SWEEP_BLOCK_N=BWD_SWEEP_BLOCK_N, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
     param_dtype = weight.dtype if weight is not None else x.dtype
     # Stage two of the reduction: a fixed-order sum over the programs' partial rows. Without the

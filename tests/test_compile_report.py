@@ -319,10 +319,10 @@ def test_real_compile_of_one_kernel_for_three_gpu_families_then_its_rows_from_th
 
     def report(*args):
         command = [sys.executable, "-m", "bench.compile_report", "--arch", "sm90", "sm86", "gfx942"]
-        command += ["--filter", "rms_norm_bwd_row_coeffs", "--jobs", "2", "--cache", str(cache), *args]
+        command += ["--filter", "rms_norm_bwd_split_row", "--jobs", "2", "--cache", str(cache), *args]
         run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         lines = [line for line in run.stdout.splitlines() if not line.startswith("FAIL ")]
-        return run, [line.split() for line in lines if " rms_norm_bwd_row_coeffs " in line]  # the table's
+        return run, [line.split() for line in lines if " rms_norm_bwd_split_row " in line]  # the table's
 
     run, rows = report("--update")
     assert run.returncode == 0, run.stdout + run.stderr
@@ -347,7 +347,7 @@ def test_real_compile_of_one_kernel_for_three_gpu_families_then_its_rows_from_th
     assert "0 built (key new or changed), 9 reused" in again.stdout
     assert "3 of them re-verified" in again.stdout
     [differ] = [line for line in again.stdout.splitlines() if line.startswith("FAIL ")]
-    assert differ.startswith("FAIL sm90 rms_norm_bwd_row_coeffs") and "but a fresh compile gives" in differ
+    assert differ.startswith("FAIL sm90 rms_norm_bwd_split_row") and "but a fresh compile gives" in differ
     assert [row for row in cached_rows if row[0] != "sm90"] == [row for row in rows if row[0] != "sm90"]
     assert json.loads(cache.read_text()) == written  # read, never written without --update
 
@@ -383,13 +383,13 @@ def test_capability_builds_a_familys_entries_for_another_gpu_that_takes_them():
 
     def report(*args):
         command = [sys.executable, "-m", "bench.compile_report", "--rebuild", "--filter",
-                   "rms_norm_bwd_row_coeffs", *args]  # fmt: skip
+                   "rms_norm_bwd_split_row", *args]  # fmt: skip
         return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
     run = report("--arch", "sm86", "--capability", "120")  # an RTX 5090 takes the sm86 entries
     assert run.returncode == 0, run.stdout + run.stderr
     assert "3 configs for sm_120 " in run.stdout and "sm86 (RTX" in run.stdout
-    rows = [line.split() for line in run.stdout.splitlines() if " rms_norm_bwd_row_coeffs " in line]
+    rows = [line.split() for line in run.stdout.splitlines() if " rms_norm_bwd_split_row " in line]
     assert len(rows) == 3 and all(row[0] == "sm86" and row[-1] == "sm_120a" for row in rows), rows
     for args, message in (
         (("--arch", "sm90", "--capability", "120"), "takes sm86's entries, not sm90's"),
@@ -426,7 +426,7 @@ SASS_AGREEMENT = """
 import json, subprocess, tempfile
 from bench import compile_report as cr
 
-wanted = [("sm90", "mlp_fwd"), ("sm90", "rms_norm_bwd_row_coeffs"), ("sm80", "mlp_fwd"),
+wanted = [("sm90", "mlp_fwd"), ("sm90", "rms_norm_bwd_split_row"), ("sm80", "mlp_fwd"),
           ("sm90", "attn_bwd_preprocess")]
 configs = []
 for arch, kernel in wanted:

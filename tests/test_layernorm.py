@@ -4,10 +4,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import triton
 from helpers import all_pairs, assert_close, record_launches
 
 import kernels
-from kernels import reference, runtime
+from kernels import layernorm, reference, runtime
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Rows 1..4099; hidden sizes from 1 past the register-resident limits (16384 forward, 8192
@@ -181,6 +182,33 @@ def test_strided_inputs_are_read_right(n, device):
     torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
 
 
+# Rows past the backward's 8,192 held in registers: split into column blocks of 4,096, each program
+# sweeping the others for the row sums. One block and a ragged one (8193), a ragged last block
+# among four (16411), whole blocks (16384); one row and several.
+WIDE_SHAPES = [(1, 8193), (3, 8193), (1, 16384), (2, 16411)]
+
+
+@pytest.mark.parametrize("shape", WIDE_SHAPES, ids=str)
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_split_rows_match_reference(rms, residual, shape, device):
+    check_case(make_case(rms, shape, torch.float16, device, residual=residual, seed=shape[1]))
+
+
+def test_split_rows_launch_a_program_per_column_block(monkeypatch):
+    # On an H200's 132 SMs: a slab's column blocks side by side in launch order (axis 0), one program
+    # an SM in all, so the partial sums take a row per slab (26 here, where each of the 5 blocks
+    # once launched 4 per SM: 528 rows of partial sums).
+    M, N = 1000, 16411
+    monkeypatch.setattr(runtime, "num_sms", lambda device: 132)
+    launches = record_launches(monkeypatch, execute=False)
+    x, dy = torch.zeros(M, N, dtype=torch.float16), torch.zeros(M, N, dtype=torch.float16)
+    w, stats = torch.ones(N, dtype=torch.float16), torch.ones(M)
+    _, dweight, _ = layernorm.norm_bwd(dy, None, x, w, stats, stats, True, False, [True, True, True])
+    assert launches == [("_norm_bwd_kernel", (5, 26))] and dweight.shape == (N,)
+    assert triton.cdiv(N, layernorm.BWD_SPLIT_ROW.block_n) == 5
+
+
 @pytest.mark.parametrize("shape", [(1031, 1000), (5, 20000)], ids=["tile", "chunked"])
 def test_backward_is_deterministic(shape, device):
     case = make_case(False, shape, torch.float16, device, residual=True)
@@ -261,10 +289,7 @@ def test_frozen_tensors_get_no_gradient_work(trained, shape, device, monkeypatch
     launches = record_launches(monkeypatch)
     y.backward(t["dy"])
     needs_dx = bool(trained & {"x", "residual"})
-    chunked = N > 8192
-    assert [name for name, _ in launches] == ["_norm_bwd_row_coeffs_kernel"] * (needs_dx and chunked) + [
-        "_norm_bwd_kernel"
-    ]
+    assert [name for name, _ in launches] == ["_norm_bwd_kernel"]
     assert ((M, N) in allocations) == needs_dx  # dx
     partial_rows = [a for a in allocations if len(a) == 2 and a[1] == N and a != (M, N)]
     assert len(partial_rows) == len(trained & {"weight", "bias"})  # dweight's and dbias's partial sums
