@@ -680,6 +680,8 @@ def mlp_gemm_config(
     constexprs = {"ACTIVATION": activation, **flags, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "EPILOGUE_SPLIT": cfg.epilogue_split,
                   "TMA": tma}  # fmt: skip
+    if table in ("fwd", "gated_fwd"):  # the forward epilogues' gelu_tanh takes tanh.approx on NVIDIA
+        constexprs["INLINE_PTX"] = not ARCHS[arch].hip_target
     descriptors = {a: tuple(dims[d] for d in block) for a, block in tiles.items()} if tma else {}
     shape = f"{shape_class}/{activation}{' tma' if tma else ''}"
     fn = f"kernels.mlp.{kernel}"

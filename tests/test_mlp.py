@@ -703,3 +703,83 @@ def test_frozen_tensors_get_no_gradient_gemm_and_inputs_only_weights_need_are_no
             assert torch.equal(leaf.grad, full[f"d{name}"]), name
     x_saved = any(s is not None and s.data_ptr() == leaves["x"].data_ptr() for s in saved)
     assert x_saved == bool(trained & {"weight", "w_in", "w_gate", "w_up"})
+
+
+# tanh.approx.f32's largest relative error (PTX ISA): the forward epilogues' gelu_tanh on NVIDIA GPUs.
+TANH_APPROX_ERROR = 2**-10.987
+
+
+def _gelu_tanh_with_tanh_error(z: torch.Tensor, relative_error: float):
+    """(gelu_tanh, its derivative) in float64 with tanh(u) off by relative_error: the worst case of
+    the forward epilogue's tanh.approx, modelled (the interpreter cannot run PTX)."""
+    tanh = torch.tanh(0.7978845608028654 * (z + 0.044715 * z**3)) * (1 + relative_error)
+    s = 0.5 * (1 + tanh)
+    return z * s, s + z * s * (1 - s) * 1.5957691216057308 * (1 + 0.134145 * z * z)
+
+
+def test_gelu_tanh_by_tanh_approx_stays_within_float16_tolerance_in_the_forward_only():
+    # Pre-activations over [-6, 6]. Worst-case tanh.approx error moves gelu_tanh by 2.46e-4 |z| at
+    # most (measured here: 1.48e-3 at z = -6), within the suite's float16 rule; the derivative, whose
+    # s (1 - s) z^3 terms multiply it (1.35e-2 at z = -6, 8.3e-3 at z = -5), is not: the backward
+    # keeps the exp2 form (kernels.mlp._act_fwd).
+    z = torch.linspace(-6, 6, 120001, dtype=torch.float64)
+    truth, truth_grad = _gelu_tanh_with_tanh_error(z, 0.0)
+    for sign in (1, -1):
+        y, grad = _gelu_tanh_with_tanh_error(z, sign * TANH_APPROX_ERROR)
+        assert (y - truth).abs().max().item() == pytest.approx(1.478e-3, rel=1e-2)
+        assert ((y - truth).abs() <= 2.4636e-4 * z.abs() + 1e-12).all()
+        assert_close("y", y.half(), truth, truth.half())
+        with pytest.raises(AssertionError, match="outside 2 x PyTorch's error"):
+            assert_close("dpre", grad.half(), truth_grad, truth_grad.half())
+
+
+GELU_TANH_SASS = """
+import collections, json, re, sys
+from bench import compile_report as cr, sass_loops
+from kernels import mlp
+
+counts = {}
+for table in ("fwd", "gated_fwd", "dh_bwd"):
+    cfg = mlp.GEMM_CONFIGS["sm90"][table]["small"]
+    for inline_ptx in (True, False) if table != "dh_bwd" else (None,):
+        kc = cr.mlp_gemm_config(table, "small", cfg, mlp.SUPPORTED_DTYPES[0], "gelu_tanh", True)
+        if inline_ptx is not None:
+            kc.constexprs["INLINE_PTX"] = inline_ptx
+        mufu = collections.Counter(re.findall(r"MUFU\\.(\\w+)", sass_loops.sass_of(kc)))
+        elements = cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
+        counts[f"{table} {inline_ptx}"] = [dict(mufu), elements]
+print(json.dumps(counts))
+"""
+
+
+def test_gelu_tanh_epilogue_takes_one_mufu_an_element_in_sm90_sass():
+    """The sm_90 SASS of the small forward GEMMs with gelu_tanh (AOT compiles, no GPU): with
+    INLINE_PTX one MUFU.TANH an element of the tile and no EX2; the exp2 form (the interpreter's
+    path, and the backward's) an EX2 and an RCP an element. Two RCP outside the epilogue either way."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(root)}
+    run_ = subprocess.run([sys.executable, "-c", GELU_TANH_SASS], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert run_.returncode == 0, run_.stdout + run_.stderr
+    counts = json.loads(run_.stdout.splitlines()[-1])
+    for table in ("fwd", "gated_fwd"):
+        (mufu, elements), (portable, _) = counts[f"{table} True"], counts[f"{table} False"]
+        assert mufu == {"TANH": elements, "RCP": 2}, (table, mufu)
+        assert portable == {"EX2": elements, "RCP": elements + 2}, (table, portable)
+    mufu, elements = counts["dh_bwd None"]
+    assert mufu == {"EX2": elements, "RCP": elements + 2}, mufu
+
+
+@pytest.mark.gpu
+def test_gpu_gelu_tanh_over_wide_pre_activations():
+    # tanh.approx on the GPU against the float64 truth: pre-activations up to ±8 (x = the identity
+    # on 16 columns, scaled), forward and backward, float16.
+    x = torch.linspace(-8, 8, 16 * 1024, device="cuda").reshape(1024, 16).half()
+    t = {"x": x, "weight": torch.eye(16, device="cuda").half(), "dy": torch.ones_like(x)}
+    check("linear_act", t, "gelu_tanh")
