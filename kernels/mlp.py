@@ -432,12 +432,15 @@ def _act_bwd_tile(
     offs_n,
     M,
     N,
+    stride_dpre,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     STORE_H: tl.constexpr,
 ):
     """Given dh, the float32 gradient of the hidden activation h on one tile, store dpre (and, gated,
     dup) and, when STORE_H, h itself; return dpre in float32 with rows past M zeroed (for db).
+    DPRE and DUP have rows stride_dpre apart (2N gated: the halves of one [dgate | dup] buffer, so
+    the weight gradients are one GEMM); the other tensors are (M, N) contiguous.
 
     Plain: h = act(pre), dpre = dh act'(pre). Gated, with PRE the gate and UP the up projection:
     h = act(gate) up, dgate = dh up act'(gate), dup = dh act(gate).
@@ -445,17 +448,18 @@ def _act_bwd_tile(
     row_mask = offs_m < M
     mask = row_mask[:, None] & (offs_n < N)[None, :]
     tile = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    grad_tile = offs_m.to(tl.int64)[:, None] * stride_dpre + offs_n[None, :]
     pre = tl.load(PRE + tile, mask=mask, other=0.0).to(tl.float32)
     act, act_grad = _act_fwd_and_grad(pre, ACTIVATION)
     if GATED:
         up = tl.load(UP + tile, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DUP + tile, (dh * act).to(DUP.dtype.element_ty), mask=mask)
+        tl.store(DUP + grad_tile, (dh * act).to(DUP.dtype.element_ty), mask=mask)
         dpre = dh * up * act_grad
         h = act * up
     else:
         dpre = dh * act_grad
         h = act
-    tl.store(DPRE + tile, dpre.to(DPRE.dtype.element_ty), mask=mask)
+    tl.store(DPRE + grad_tile, dpre.to(DPRE.dtype.element_ty), mask=mask)
     if STORE_H:
         tl.store(H + tile, h.to(H.dtype.element_ty), mask=mask)
     return tl.where(row_mask[:, None], dpre, 0.0)
@@ -469,8 +473,8 @@ def _dh_act_bwd_kernel(
     # a descriptor of W_out (K, N) as stored, blocks (BLOCK_K, BLOCK_N)
     PRE,  # (M, N) contiguous: the saved pre-activation (the gate when GATED)
     UP,  # (M, N) contiguous: the saved up projection; read when GATED
-    DPRE,  # (M, N) contiguous: gradient of PRE
-    DUP,  # (M, N) contiguous: gradient of UP; written when GATED
+    DPRE,  # (M, N), row stride stride_dpre: gradient of PRE
+    DUP,  # (M, N), row stride stride_dpre: gradient of UP; written when GATED
     H,  # (M, N) contiguous: the hidden activation, recomputed from PRE; written when STORE_H
     DB_PARTIAL,  # (cdiv(M, BLOCK_M), N) float32: column sums of dpre per row tile; when HAS_BIAS
     M,
@@ -480,6 +484,7 @@ def _dh_act_bwd_kernel(
     stride_dyk,
     stride_wn,
     stride_wk,
+    stride_dpre,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     STORE_H: tl.constexpr,
@@ -502,7 +507,9 @@ def _dh_act_bwd_kernel(
     for i in tl.static_range(EPILOGUE_SPLIT):
         sub = _subtile(dh, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
         offs_sub = pid_n * BLOCK_N + i * SUB_N + tl.arange(0, SUB_N)
-        dpre = _act_bwd_tile(sub, PRE, UP, DPRE, DUP, H, offs_m, offs_sub, M, N, ACTIVATION, GATED, STORE_H)
+        dpre = _act_bwd_tile(
+            sub, PRE, UP, DPRE, DUP, H, offs_m, offs_sub, M, N, stride_dpre, ACTIVATION, GATED, STORE_H
+        )
         if HAS_BIAS:
             db_ptrs = DB_PARTIAL + pid_m.to(tl.int64) * N + offs_sub
             tl.store(db_ptrs, tl.sum(dpre, axis=0), mask=offs_sub < N)
@@ -513,14 +520,15 @@ def _act_bwd_kernel(
     DH,  # (M, N): gradient of the hidden activation, strides (stride_dhm, stride_dhn)
     PRE,  # (M, N) contiguous: the saved pre-activation (the gate when GATED)
     UP,  # (M, N) contiguous: the saved up projection; read when GATED
-    DPRE,  # (M, N) contiguous
-    DUP,  # (M, N) contiguous; written when GATED
+    DPRE,  # (M, N), row stride stride_dpre
+    DUP,  # (M, N), row stride stride_dpre; written when GATED
     DB_PARTIAL,  # (cdiv(M, rows_per_program), N) float32: column sums of dpre per slab; when HAS_BIAS
     M,
     N,
     rows_per_program,
     stride_dhm,
     stride_dhn,
+    stride_dpre,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -541,7 +549,7 @@ def _act_bwd_kernel(
         dh_ptrs = DH + offs_m.to(tl.int64)[:, None] * stride_dhm + offs_n.to(tl.int64)[None, :] * stride_dhn
         dh = tl.load(dh_ptrs, mask=mask, other=0.0).to(tl.float32)
         dpre = _act_bwd_tile(
-            dh, PRE, UP, DPRE, DUP, DPRE, offs_m, offs_n, row_end, N, ACTIVATION, GATED, False
+            dh, PRE, UP, DPRE, DUP, DPRE, offs_m, offs_n, row_end, N, stride_dpre, ACTIVATION, GATED, False
         )
         if HAS_BIAS:
             db_acc += tl.sum(dpre, axis=0)
@@ -589,6 +597,13 @@ class GemmConfig:
 # forward holds two accumulators, so its tiles are half as wide. The epilogue split keeps the
 # activation's temporaries within the registers the accumulator leaves: unsplit, a 128 x 256
 # forward with gelu spilled 224 bytes and the backward 2136, a 128 x 128 gated backward 1000.
+# gelu_tanh by tanh.approx in the forward epilogues (issue 25; sm_90 SASS, fp16, TMA, before ->
+# after): MUFU an element of the tile 2 (EX2 + RCP) -> 1 (TANH) in fwd and gated_fwd, every class;
+# kernel instructions fwd large 3312 -> 2288, medium 1888 -> 1368, small 1144 -> 888, gated_fwd
+# 2088 -> 1568, 2120 -> 1608, 1336 -> 1080; main loop per K step unchanged (87, 83, 81; 122, 123,
+# 120); registers (pointer / TMA) fwd large 220/169 -> 190/167, medium 136/104 -> 142/104, small
+# 72/58 -> 72/58, gated large 190/160 -> 184/160, medium 242/168 -> 204/172, small 128/96 ->
+# 122/96; no spills before or after.
 GEMM_CONFIGS = {
     "sm90": {
         "fwd": {
@@ -827,6 +842,18 @@ def _db(partial: torch.Tensor, has_bias: bool, dtype: torch.dtype) -> torch.Tens
     return (partial.sum(0) if has_bias else partial).to(dtype)
 
 
+def _pre_grads(M: int, N: int, gated: bool, like: torch.Tensor):
+    """(dpre, dpre's rows, dup's rows, their row stride): where the backward kernels write the
+    gradient of the pre-activation. Gated, dpre is one (M, 2N) buffer [dgate | dup] whose halves
+    the kernels write, so that dW_gate and dW_up are one GEMM (:func:`_gated_input_grads`);
+    otherwise (M, N), and dup's rows an empty tensor."""
+    if not gated:
+        dpre = runtime.empty((M, N), like.dtype, like.device)
+        return dpre, dpre, runtime.empty((0,), like.dtype, like.device), N
+    dpre = runtime.empty((M, 2 * N), like.dtype, like.device)
+    return dpre, dpre[:, :N], dpre[:, N:], 2 * N
+
+
 def _dh_act_bwd(
     dy: torch.Tensor,
     w_out: torch.Tensor,
@@ -835,19 +862,18 @@ def _dh_act_bwd(
     activation: str,
     has_bias: bool,
     need_h: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dh = dy W_out in a GEMM whose epilogue applies act' (and the gate's product rule).
 
-    Returns (dpre, dup, h, db): dpre (M, N); dup (M, N) when gated (up given), else empty; h, the
-    hidden activation recomputed from pre (M, N), or pre itself for ``none`` (empty unless need_h:
-    only the gradient of W_out uses it); db (N,) or empty.
+    Returns (dpre, h, db): dpre (M, N), or gated (up given) (M, 2N), [dgate | dup]; h, the hidden
+    activation recomputed from pre (M, N), or pre itself for ``none`` (empty unless need_h: only
+    the gradient of W_out uses it); db (N,) or empty.
     """
     M, N = pre.shape
     K = dy.shape[1]
     gated = up is not None
     store_h = need_h and (gated or activation != "none")
-    dpre = runtime.empty((M, N), pre.dtype, pre.device)
-    dup = runtime.empty((M, N) if gated else (0,), pre.dtype, pre.device)
+    dpre, dpre_rows, dup_rows, stride_dpre = _pre_grads(M, N, gated, pre)
     h = runtime.empty((M, N), pre.dtype, pre.device) if store_h else pre if need_h else pre[:0]
     cfg = gemm_config("gated_dh_bwd" if gated else "dh_bwd", M, N, pre.device)
     db_partial = runtime.empty(
@@ -862,18 +888,19 @@ def _dh_act_bwd(
         with runtime.device_guard(pre):
             runtime.launch(
                 _dh_act_bwd_kernel, _grid(cfg, M, N),
-                dy_tiles, w_tiles, pre, up if gated else pre, dpre, dup, h, db_partial, M, N, K,
-                dy.stride(0), dy.stride(1), w.stride(0), w.stride(1),
+                dy_tiles, w_tiles, pre, up if gated else pre, dpre_rows, dup_rows, h, db_partial, M, N, K,
+                dy.stride(0), dy.stride(1), w.stride(0), w.stride(1), stride_dpre,
                 ACTIVATION=activation, GATED=gated, STORE_H=store_h, HAS_BIAS=has_bias,
                 **_launch_options(cfg, tma),
             )  # fmt: skip
-    return dpre, dup, h, _db(db_partial, has_bias, pre.dtype)
+    return dpre, h, _db(db_partial, has_bias, pre.dtype)
 
 
 def _act_bwd(
     dh: torch.Tensor, pre: torch.Tensor, up: torch.Tensor | None, activation: str, has_bias: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The elementwise backward of act (or of act(gate) ⊙ up): (dpre, dup or empty, db or empty)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The elementwise backward of act (or of act(gate) ⊙ up): (dpre, db or empty), dpre as
+    :func:`_pre_grads` lays it out."""
     M, N = pre.shape
     gated = up is not None
     cfg = ACT_BWD_CONFIG
@@ -882,19 +909,18 @@ def _act_bwd(
     slabs = max(1, 4 * runtime.num_sms(pre.device) // max(1, column_blocks))
     rows_per_program = triton.cdiv(triton.cdiv(max(M, 1), slabs), cfg.block_m) * cfg.block_m
     grid = (column_blocks, triton.cdiv(M, rows_per_program))
-    dpre = runtime.empty((M, N), pre.dtype, pre.device)
-    dup = runtime.empty((M, N) if gated else (0,), pre.dtype, pre.device)
+    dpre, dpre_rows, dup_rows, stride_dpre = _pre_grads(M, N, gated, pre)
     db_partial = runtime.empty((grid[1], N) if has_bias else (0,), torch.float32, pre.device)
     if M > 0 and N > 0:
         with runtime.device_guard(pre):
             runtime.launch(
                 _act_bwd_kernel, grid,
-                dh, pre, up if gated else pre, dpre, dup, db_partial, M, N, rows_per_program,
-                dh.stride(0), dh.stride(1),
+                dh, pre, up if gated else pre, dpre_rows, dup_rows, db_partial, M, N, rows_per_program,
+                dh.stride(0), dh.stride(1), stride_dpre,
                 ACTIVATION=activation, GATED=gated, HAS_BIAS=has_bias,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
-    return dpre, dup, _db(db_partial, has_bias, pre.dtype)
+    return dpre, _db(db_partial, has_bias, pre.dtype)
 
 
 def _input_grads(dpres, x: torch.Tensor | None, weights, needs: list[bool]) -> list[torch.Tensor]:
@@ -910,6 +936,27 @@ def _input_grads(dpres, x: torch.Tensor | None, weights, needs: list[bool]) -> l
     return [dx, *(torch.matmul(dpre.t(), x) if need else dpre.new_empty((0,)) for dpre, need in pairs)]
 
 
+def _gated_input_grads(dgate_up: torch.Tensor, x, w_gate, w_up, needs: list[bool]):
+    """(dx, dW_gate|up) from dgate_up (M, 2N) = [dgate | dup]: dx = dgate W_gate + dup W_up, two
+    cuBLAS GEMMs reading the halves in place; with both weights training, [dW_gate; dW_up] =
+    [dgate | dup]ᵀ x in ONE GEMM of 2N rows, returned stacked (2N, K) (an op's outputs may not
+    alias, so :func:`_split_gate_up` splits it outside the op); with one, that weight's (N, K); with
+    neither, an empty tensor. One GEMM of 2N rows instead of two of N: half the launches and a
+    single pass over x, the tiles of both halves in one grid."""
+    N = w_gate.shape[0]
+    dgate, dup = dgate_up[:, :N], dgate_up[:, N:]
+    dx = _input_grads([dgate, dup], x, [w_gate, w_up], [needs[0], False, False])[0]
+    rows = dgate_up if needs[1] and needs[2] else dgate if needs[1] else dup if needs[2] else None
+    return dx, dgate_up.new_empty((0,)) if rows is None else torch.matmul(rows.t(), x)
+
+
+def _split_gate_up(dw_gate_up: torch.Tensor, needs: list[bool]) -> tuple:
+    """(dW_gate, dW_up) from :func:`_gated_input_grads`' result; None where needs says no gradient."""
+    if needs[0] and needs[1]:
+        return tuple(dw_gate_up.tensor_split(2))  # two empty halves when N = 0
+    return (dw_gate_up, None) if needs[0] else (None, dw_gate_up if needs[1] else None)
+
+
 def linear_act_fwd(x, weight, bias, activation: str, save_pre: bool):
     """Forward of :func:`linear_act` on validated (M, K) input: (y, pre or an empty tensor)."""
     return _linear_act_fwd(x, weight, bias, activation, _stores_pre(activation, save_pre))
@@ -922,7 +969,7 @@ def linear_act_bwd(dy, x, weight, pre, has_bias: bool, activation: str, needs: l
         dpre = dy
         db = dy.sum(0, dtype=torch.float32).to(dy.dtype) if has_bias else dy.new_empty((0,))
     else:
-        dpre, _, db = _act_bwd(dy, pre, None, activation, has_bias)
+        dpre, db = _act_bwd(dy, pre, None, activation, has_bias)
     dx, dw = _input_grads([dpre], x, [weight], needs)
     return dx, dw, db
 
@@ -934,9 +981,10 @@ def gated_linear_fwd(x, w_gate, w_up, activation: str, save_pre: bool):
 
 
 def gated_linear_bwd(dy, x, w_gate, w_up, gate, up, activation: str, needs: list[bool]):
-    """Backward of :func:`gated_linear_fwd`: (dx, dw_gate, dw_up), empty where needs says not wanted."""
-    dgate, dup, _ = _act_bwd(dy, gate, up, activation, has_bias=False)
-    return tuple(_input_grads([dgate, dup], x, [w_gate, w_up], needs))
+    """Backward of :func:`gated_linear_fwd`: (dx, dw_gate|up) as :func:`_gated_input_grads` returns
+    them, empty where needs (dx, dw_gate, dw_up) says not wanted."""
+    dgate_up, _ = _act_bwd(dy, gate, up, activation, has_bias=False)
+    return _gated_input_grads(dgate_up, x, w_gate, w_up, needs)
 
 
 def _down_proj(h: torch.Tensor, w_out: torch.Tensor, b_out: torch.Tensor | None) -> torch.Tensor:
@@ -970,7 +1018,7 @@ def fused_mlp_bwd(
     """Backward of :func:`fused_mlp_fwd`: (dx, dw_in, db_in, dw_out, db_out); what needs (dx, dw_in,
     dw_out) or has_b_in / has_b_out leave out is an empty tensor, and costs no GEMM."""
     if needs[0] or needs[1] or has_b_in:
-        dpre, _, h, db_in = _dh_act_bwd(dy, w_out, pre, None, activation, has_b_in, need_h=needs[2])
+        dpre, h, db_in = _dh_act_bwd(dy, w_out, pre, None, activation, has_b_in, need_h=needs[2])
         dx, dw_in = _input_grads([dpre], x, [w_in], needs[:2])
     else:  # only W_out and b_out train: no dh GEMM, h recomputed elementwise where dW_out needs it
         dx, dw_in, db_in = (dy.new_empty((0,)) for _ in range(3))  # outputs may not alias
@@ -986,13 +1034,13 @@ def gated_mlp_fwd(x, w_gate, w_up, w_down, activation: str, save_pre: bool):
 
 
 def gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation: str, needs: list[bool]):
-    """Backward of :func:`gated_mlp_fwd`: (dx, dw_gate, dw_up, dw_down), empty where needs says not
-    wanted (no GEMM for it)."""
+    """Backward of :func:`gated_mlp_fwd`: (dx, dw_gate|up as :func:`_gated_input_grads` returns it,
+    dw_down), empty where needs (dx, dw_gate, dw_up, dw_down) says not wanted (no GEMM for it)."""
     if any(needs[:3]):
-        dgate, dup, h, _ = _dh_act_bwd(dy, w_down, gate, up, activation, has_bias=False, need_h=needs[3])
-        grads = _input_grads([dgate, dup], x, [w_gate, w_up], needs[:3])
+        dgate_up, h, _ = _dh_act_bwd(dy, w_down, gate, up, activation, has_bias=False, need_h=needs[3])
+        grads = _gated_input_grads(dgate_up, x, w_gate, w_up, needs[:3])
     else:  # only W_down trains: no dh GEMM, h recomputed elementwise
-        grads = [dy.new_empty((0,)) for _ in range(3)]  # outputs may not alias
+        grads = [dy.new_empty((0,)) for _ in range(2)]  # outputs may not alias
         h = (reference.apply_activation(gate.float(), activation) * up.float()).to(gate.dtype)
         h = h if needs[3] else grads[0]
     dw_down, _ = _out_grads(dy, h, has_b_out=False, need_dw=needs[3])
@@ -1036,6 +1084,13 @@ def _linear_act_bwd_op(
     needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return linear_act_bwd(dy, x, weight, pre, has_bias, activation, needs)
+
+
+def _fake_gated_input_grads(dy: torch.Tensor, w_gate: torch.Tensor, needs: list[bool]) -> list[torch.Tensor]:
+    """The shapes :func:`_gated_input_grads` returns: dx (M, K); dW_gate|up (2N, K), (N, K) or empty."""
+    N, K = w_gate.shape
+    dx = dy.new_empty((dy.shape[0], K) if needs[0] else (0,))
+    return [dx, dy.new_empty((N * (needs[1] + needs[2]), K) if needs[1] or needs[2] else (0,))]
 
 
 def _fake_input_grads(dy: torch.Tensor, weights, needs: list[bool]) -> list[torch.Tensor]:
@@ -1108,13 +1163,13 @@ def _gated_linear_bwd_op(
     up: torch.Tensor,
     activation: str,
     needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     return gated_linear_bwd(dy, x, w_gate, w_up, gate, up, activation, needs)
 
 
 @_gated_linear_bwd_op.register_fake
 def _(dy, x, w_gate, w_up, gate, up, activation, needs):
-    return tuple(_fake_input_grads(dy, [w_gate, w_up], needs))
+    return tuple(_fake_gated_input_grads(dy, w_gate, needs))
 
 
 def _gated_linear_setup_context(ctx, inputs, output):
@@ -1129,8 +1184,8 @@ def _gated_linear_backward(ctx, dy, _dgate, _dup):
     _require_saved(ctx, "gated_linear_fwd")
     x, w_gate, w_up, gate, up = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:3])
-    grads = _gated_linear_bwd_op(dy, x, w_gate, w_up, gate, up, ctx.activation, needs)
-    return _wanted(ctx, *grads, None, None)
+    dx, dw_gate_up = _gated_linear_bwd_op(dy, x, w_gate, w_up, gate, up, ctx.activation, needs)
+    return _wanted(ctx, dx, *_split_gate_up(dw_gate_up, needs[1:]), None, None)
 
 
 _gated_linear_fwd_op.register_autograd(_gated_linear_backward, setup_context=_gated_linear_setup_context)
@@ -1226,14 +1281,14 @@ def _gated_mlp_bwd_op(
     up: torch.Tensor,
     activation: str,
     needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation, needs)
 
 
 @_gated_mlp_bwd_op.register_fake
 def _(dy, x, w_gate, w_up, w_down, gate, up, activation, needs):
     return (
-        *_fake_input_grads(gate, [w_gate, w_up], needs[:3]),
+        *_fake_gated_input_grads(gate, w_gate, needs[:3]),
         dy.new_empty(w_down.shape if needs[3] else (0,)),
     )
 
@@ -1250,8 +1305,8 @@ def _gated_mlp_backward(ctx, dy, _dgate, _dup):
     _require_saved(ctx, "gated_mlp_fwd")
     x, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:4])
-    grads = _gated_mlp_bwd_op(dy, x, w_gate, w_up, w_down, gate, up, ctx.activation, needs)
-    return _wanted(ctx, *grads, None, None)
+    dx, dw_gate_up, dw_down = _gated_mlp_bwd_op(dy, x, w_gate, w_up, w_down, gate, up, ctx.activation, needs)
+    return _wanted(ctx, dx, *_split_gate_up(dw_gate_up, needs[1:3]), dw_down, None, None)
 
 
 _gated_mlp_fwd_op.register_autograd(_gated_mlp_backward, setup_context=_gated_mlp_setup_context)

@@ -297,7 +297,10 @@ def test_elementwise_backward_in_bfloat16(activation, kind, device):
     pres = {w: torch.nn.functional.linear(t["x"].float(), t[w].float(), bias).bfloat16() for w in weights}
     dy, x = t["dy"], t["x"]
     if gated:
-        grads = mlp.gated_linear_bwd(dy, x, t["w_gate"], t["w_up"], *pres.values(), activation, [True] * 3)
+        dx, dw_gate_up = mlp.gated_linear_bwd(
+            dy, x, t["w_gate"], t["w_up"], *pres.values(), activation, [True] * 3
+        )
+        grads = (dx, *dw_gate_up.tensor_split(2))  # one GEMM's (2N, K): [dW_gate; dW_up]
     else:
         grads = mlp.linear_act_bwd(dy, x, t["weight"], pres["weight"], True, activation, [True] * 2)
     ours = dict(zip(["dx"] + [f"d{w}" for w in weights] + ([] if gated else ["dbias"]), grads, strict=True))
@@ -673,6 +676,15 @@ FROZEN_CASES = [
     ("fused_mlp", {"w_out"}, [], ["matmul"]),  # only the last layer trains: no dh GEMM
     ("fused_gated_mlp", {"w_up"}, ["_dh_act_bwd_kernel"], ["matmul"]),
     ("gated_linear", {"x"}, ["_act_bwd_kernel"], ["matmul", "addmm"]),
+    # dW_gate and dW_up as ONE GEMM over [dgate | dup] (2N rows), whether or not dx is wanted
+    ("gated_linear", {"w_gate", "w_up"}, ["_act_bwd_kernel"], ["matmul"]),
+    (
+        "fused_gated_mlp",
+        {"x", "w_gate", "w_up", "w_down"},
+        ["_dh_act_bwd_kernel"],
+        ["matmul", "addmm", "matmul", "matmul"],
+    ),  # dx (two), dW_gate|up, dW_down
+    ("fused_gated_mlp", {"w_gate", "w_down"}, ["_dh_act_bwd_kernel"], ["matmul", "matmul"]),
 ]
 
 
