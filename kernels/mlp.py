@@ -18,7 +18,10 @@ On CPU tensors without the interpreter, every function runs the float32 referenc
 Forward: one tiled GEMM per projection with act in the epilogue. Tiles go in grouped order
 (GROUP_M row tiles share each weight column tile while it is in L2). The gated kernel makes one
 pass over x with two accumulators, so x W_gateᵀ and x W_upᵀ reach memory only when the backward
-needs them. The
+needs them. Decode-sized M (at most 64 rows) with fewer output tiles than SMs splits the K loop
+over programs (:func:`split_k`: at least one program an SM) and a second kernel adds the float32
+partials in a fixed order and runs the same epilogue (repeatable: no atomics). gelu_tanh in these
+epilogues is tanh.approx on NVIDIA GPUs (one MUFU an element; see ``_act_fwd``). The
 down projection is a bare ``torch.matmul`` (cuBLAS, bias in its epilogue): it has nothing to fuse.
 
 Backward: dpre = dh ⊙ act'(pre); dx = dpre W; dW = dpreᵀ x; db = Σ_rows dpre. In the MLPs the
@@ -27,7 +30,9 @@ GEMM that produces dh = dy W_out (K = out_features) is ours, with dpre computed 
 summed there as per-row-tile float32 partials (no atomics: bit-identical run to run). In
 linear_act / gated_linear, dh arrives from outside, so an elementwise kernel computes dpre and the
 db partials. dx and dW are ``torch.matmul``: a plain GEMM with nothing to fuse, where cuBLAS is
-the fastest there is.
+the fastest there is. Gated, dgate and dup are the halves of one (M, 2N) buffer, so dW_gate and
+dW_up are ONE GEMM of 2N rows, [dgate | dup]ᵀ x, when both train (the custom ops return it
+stacked; the autograd binding splits it).
 
 Saved, not recomputed: the forward's epilogue writes the pre-activation (gate and up for the gated
 form) in the input dtype, and the backward reads it. Cost: M·N elements kept per layer (2·M·N
@@ -180,6 +185,31 @@ def _k_steps(stride_xk, stride_wk, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _k_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """(first, last + 1) of the K steps this program sums: all of them, or with SPLIT_K the share
+    of split tl.program_id(1) of tl.num_programs(1), as even as integers allow (none empty: the
+    launcher makes no more splits than K steps)."""
+    steps = tl.cdiv(K, BLOCK_K)
+    k_first = 0
+    k_last = steps
+    if SPLIT_K:
+        split = tl.program_id(1)
+        splits = tl.num_programs(1)
+        k_first = split * steps // splits
+        k_last = (split + 1) * steps // splits
+    return k_first, k_last
+
+
+@triton.jit
+def _store_partial(acc, PARTIAL, slab, offs_m, offs_n, M, N):
+    """acc, a float32 (BLOCK_M, BLOCK_N) tile at rows offs_m, columns offs_n, into slab `slab` of the
+    split-K partial sums PARTIAL (slabs, M, N)."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    out = (slab * M).to(tl.int64) * N + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(PARTIAL + out, acc, mask=mask)
+
+
+@triton.jit
 def _matmul_tile(
     X,
     W,
@@ -192,13 +222,16 @@ def _matmul_tile(
     stride_xk,
     stride_wn,
     stride_wk,
+    k_first,
+    k_last,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TMA: tl.constexpr,
     W_KN: tl.constexpr,
 ):
-    """The (BLOCK_M, BLOCK_N) float32 tile (pid_m, pid_n) of x Wᵀ.
+    """The (BLOCK_M, BLOCK_N) float32 tile (pid_m, pid_n) of x Wᵀ, summed over K steps k_first to
+    k_last - 1 (of BLOCK_K each; :func:`_k_range`).
 
     With TMA, X is a descriptor of x (M, K) and W one of W (N, K), or with W_KN of Wᵀ (K, N) as
     stored (a descriptor needs a unit stride in its last dimension); their loads read elements past
@@ -208,7 +241,7 @@ def _matmul_tile(
     if TMA:
         start_m = pid_m * BLOCK_M
         start_n = pid_n * BLOCK_N
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        for k in range(k_first, k_last):
             x = X.load([start_m, k * BLOCK_K])
             if W_KN:
                 w = W.load([k * BLOCK_K, start_n])
@@ -222,10 +255,10 @@ def _matmul_tile(
         x_offs, w_offs = _operand_offsets(
             offs_m, offs_n, offs_k, M, N, stride_xm, stride_xk, stride_wn, stride_wk
         )
-        x_ptrs = X + x_offs
-        w_ptrs = W + w_offs
         x_step, w_step = _k_steps(stride_xk, stride_wk, BLOCK_K)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        x_ptrs = X + x_offs + k_first * x_step
+        w_ptrs = W + w_offs + k_first * w_step
+        for k in range(k_first, k_last):
             k_mask = offs_k < K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
@@ -306,6 +339,7 @@ def _linear_act_fwd_kernel(
     B,  # (N,); read when HAS_BIAS
     Y,  # (M, N) contiguous: act(x Wᵀ + b)
     PRE,  # (M, N) contiguous: x Wᵀ + b; written when STORE_PRE
+    PARTIAL,  # (splits, M, N) float32: with SPLIT_K, each split's sum over its K steps
     M,
     N,
     K,
@@ -316,6 +350,7 @@ def _linear_act_fwd_kernel(
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     STORE_PRE: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # store partial sums; _split_k_epilogue_kernel adds them and runs the epilogue
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -324,18 +359,23 @@ def _linear_act_fwd_kernel(
     TMA: tl.constexpr,
     INLINE_PTX: tl.constexpr,  # an NVIDIA GPU, not the interpreter: gelu_tanh by tanh.approx (_act_fwd)
 ):
-    # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)
+    # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits): splits > 1 only with SPLIT_K
     pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_first, k_last = _k_range(K, BLOCK_K, SPLIT_K)
     acc = _matmul_tile(
-        X, W, pid_m, pid_n, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K,
-        TMA, False,
+        X, W, pid_m, pid_n, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, k_first, k_last, BLOCK_M,
+        BLOCK_N, BLOCK_K, TMA, False,
     )  # fmt: skip
-    SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
-    for i in tl.static_range(EPILOGUE_SPLIT):
-        sub = _subtile(acc, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
-        offs_sub = pid_n * BLOCK_N + i * SUB_N + tl.arange(0, SUB_N)
-        _fwd_epilogue(sub, B, Y, PRE, offs_m, offs_sub, M, N, ACTIVATION, HAS_BIAS, STORE_PRE, INLINE_PTX)
+    if SPLIT_K:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _store_partial(acc, PARTIAL, tl.program_id(1), offs_m, offs_n, M, N)
+    else:
+        SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+        for i in tl.static_range(EPILOGUE_SPLIT):
+            sub = _subtile(acc, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+            offs_sub = pid_n * BLOCK_N + i * SUB_N + tl.arange(0, SUB_N)
+            _fwd_epilogue(sub, B, Y, PRE, offs_m, offs_sub, M, N, ACTIVATION, HAS_BIAS, STORE_PRE, INLINE_PTX)
 
 
 @triton.jit
@@ -363,6 +403,7 @@ def _gated_fwd_kernel(
     Y,  # (M, N) contiguous: act(x W_gateᵀ) * (x W_upᵀ)
     GATE,  # (M, N) contiguous: x W_gateᵀ; written when STORE_PRE
     UP,  # (M, N) contiguous: x W_upᵀ; written when STORE_PRE
+    PARTIAL,  # (2 splits, M, N) float32: with SPLIT_K, slabs 2s and 2s + 1 hold split s's gate and up
     M,
     N,
     K,
@@ -372,6 +413,7 @@ def _gated_fwd_kernel(
     stride_wk,
     ACTIVATION: tl.constexpr,
     STORE_PRE: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # as in _linear_act_fwd_kernel
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -380,15 +422,16 @@ def _gated_fwd_kernel(
     TMA: tl.constexpr,
     INLINE_PTX: tl.constexpr,  # as in _linear_act_fwd_kernel
 ):
-    # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),): one pass over x, two accumulators.
+    # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits): one pass over x, two accumulators.
     pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_first, k_last = _k_range(K, BLOCK_K, SPLIT_K)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA:  # as in _matmul_tile: out-of-bounds elements load as zeros
         start_m = pid_m * BLOCK_M
         start_n = pid_n * BLOCK_N
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        for k in range(k_first, k_last):
             x = X.load([start_m, k * BLOCK_K])
             acc_gate = tl.dot(x, tl.trans(WG.load([start_n, k * BLOCK_K])), acc_gate)
             acc_up = tl.dot(x, tl.trans(WU.load([start_n, k * BLOCK_K])), acc_up)
@@ -398,11 +441,11 @@ def _gated_fwd_kernel(
         x_offs, w_offs = _operand_offsets(
             offs_m, offs_n, offs_k, M, N, stride_xm, stride_xk, stride_wn, stride_wk
         )
-        x_ptrs = X + x_offs
-        wg_ptrs = WG + w_offs
-        wu_ptrs = WU + w_offs
         x_step, w_step = _k_steps(stride_xk, stride_wk, BLOCK_K)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        x_ptrs = X + x_offs + k_first * x_step
+        wg_ptrs = WG + w_offs + k_first * w_step
+        wu_ptrs = WU + w_offs + k_first * w_step
+        for k in range(k_first, k_last):
             k_mask = offs_k < K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
@@ -412,12 +455,58 @@ def _gated_fwd_kernel(
             x_ptrs += x_step
             wg_ptrs += w_step
             wu_ptrs += w_step
-    SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
-    for i in tl.static_range(EPILOGUE_SPLIT):
-        gate = _subtile(acc_gate, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
-        up = _subtile(acc_up, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
-        offs_sub = pid_n * BLOCK_N + i * SUB_N + tl.arange(0, SUB_N)
-        _gated_fwd_epilogue(gate, up, Y, GATE, UP, offs_m, offs_sub, M, N, ACTIVATION, STORE_PRE, INLINE_PTX)
+    if SPLIT_K:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _store_partial(acc_gate, PARTIAL, 2 * tl.program_id(1), offs_m, offs_n, M, N)
+        _store_partial(acc_up, PARTIAL, 2 * tl.program_id(1) + 1, offs_m, offs_n, M, N)
+    else:
+        SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+        for i in tl.static_range(EPILOGUE_SPLIT):
+            gate = _subtile(acc_gate, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+            up = _subtile(acc_up, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+            offs_sub = pid_n * BLOCK_N + i * SUB_N + tl.arange(0, SUB_N)
+            _gated_fwd_epilogue(
+                gate, up, Y, GATE, UP, offs_m, offs_sub, M, N, ACTIVATION, STORE_PRE, INLINE_PTX
+            )
+
+
+@triton.jit
+def _split_k_epilogue_kernel(
+    PARTIAL,  # (splits, M, N) float32, or gated (2 splits, M, N): the GEMM kernels' split-K partials
+    B,  # (N,); read when HAS_BIAS
+    Y,  # (M, N) contiguous: act(pre), or gated act(gate) * up
+    PRE,  # (M, N) contiguous: the pre-activation (the gate when GATED); written when STORE_PRE
+    UP,  # (M, N) contiguous: the up projection; written when GATED and STORE_PRE
+    M,
+    N,
+    splits,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INLINE_PTX: tl.constexpr,  # as in _linear_act_fwd_kernel
+):
+    # grid = (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)): the partials summed in split order, the same sum
+    # run to run (no atomics), then the forward GEMMs' own epilogue.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tile = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    slab = tl.cast(M, tl.int64) * N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for split in range(0, splits):
+        if GATED:
+            acc += tl.load(PARTIAL + 2 * split * slab + tile, mask=mask, other=0.0)
+            acc_up += tl.load(PARTIAL + (2 * split + 1) * slab + tile, mask=mask, other=0.0)
+        else:
+            acc += tl.load(PARTIAL + split * slab + tile, mask=mask, other=0.0)
+    if GATED:
+        _gated_fwd_epilogue(acc, acc_up, Y, PRE, UP, offs_m, offs_n, M, N, ACTIVATION, STORE_PRE, INLINE_PTX)
+    else:
+        _fwd_epilogue(acc, B, Y, PRE, offs_m, offs_n, M, N, ACTIVATION, HAS_BIAS, STORE_PRE, INLINE_PTX)
 
 
 @triton.jit
@@ -500,8 +589,8 @@ def _dh_act_bwd_kernel(
     pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dh = _matmul_tile(
-        DY, W, pid_m, pid_n, M, N, K, stride_dym, stride_dyk, stride_wn, stride_wk, BLOCK_M, BLOCK_N,
-        BLOCK_K, TMA, True,
+        DY, W, pid_m, pid_n, M, N, K, stride_dym, stride_dyk, stride_wn, stride_wk, 0, tl.cdiv(K, BLOCK_K),
+        BLOCK_M, BLOCK_N, BLOCK_K, TMA, True,
     )  # fmt: skip
     SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
     for i in tl.static_range(EPILOGUE_SPLIT):
@@ -754,8 +843,41 @@ def gemm_config(kernel: str, M: int, N: int, device: torch.device) -> GemmConfig
     return dataclasses.replace(cfg, **INTERPRETER_GEMM_BLOCKS) if runtime.INTERPRET else cfg
 
 
-def _grid(cfg: GemmConfig, M: int, N: int) -> tuple[int]:
-    return (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+def _grid(cfg: GemmConfig, M: int, N: int, splits: int = 1) -> tuple[int, ...]:
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    return (tiles,) if splits == 1 else (tiles, splits)
+
+
+def split_k(cfg: GemmConfig, M: int, N: int, K: int, device: torch.device) -> int:
+    """How many programs share each output tile's K loop in a forward GEMM (1: no split).
+
+    Decode-sized M (at most SMALL_ROWS rows) gives too few output tiles to occupy the GPU: GPT-2
+    124M's up projection at M <= 64 is 48 tiles of 64 x 64 for 132 SMs. Its K loop is then split
+    until at least one program runs per SM (runtime.num_sms: the device's count; a fixed stand-in
+    in the interpreter), with at least one K step a split; the partial sums (float32, M x N a split)
+    are added in split order by _split_k_epilogue_kernel, which runs the epilogue: repeatable, no
+    atomics. GPT-2 124M at M = 1: 48 programs -> 144 (3 splits of 4 K steps each).
+    """
+    tiles = _grid(cfg, M, N)[0]
+    sms = runtime.num_sms(device)
+    if M > SMALL_ROWS or tiles >= sms:
+        return 1
+    return max(1, min(triton.cdiv(sms, tiles), triton.cdiv(K, cfg.block_k)))
+
+
+def _split_k_epilogue(
+    partial: torch.Tensor, cfg: GemmConfig, bias, y, pre, up, activation: str, store_pre: bool, gated: bool
+) -> None:
+    """Launch _split_k_epilogue_kernel over y's (M, N) in the GEMM's own tiles."""
+    M, N = y.shape
+    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))
+    runtime.launch(
+        _split_k_epilogue_kernel, grid,
+        partial, bias if bias is not None else y, y, pre, up, M, N, partial.shape[0] // (2 if gated else 1),
+        ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre, GATED=gated,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INLINE_PTX=inline_ptx(y), num_warps=cfg.num_warps,
+        **runtime.COMPILE_OPTIONS,
+    )  # fmt: skip
 
 
 def _launch_options(cfg: GemmConfig, tma: bool) -> dict:
@@ -798,14 +920,18 @@ def _linear_act_fwd(
     tma = tma_usable(cfg, x, weight)
     x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
     w_tiles = runtime.tma_operand(weight, (cfg.block_n, cfg.block_k), tma)
+    splits = split_k(cfg, M, N, K, x.device)
+    partial = runtime.empty((splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
     with runtime.device_guard(x):
         runtime.launch(
-            _linear_act_fwd_kernel, _grid(cfg, M, N),
-            x_tiles, w_tiles, bias if bias is not None else weight, y, pre, M, N, K,
+            _linear_act_fwd_kernel, _grid(cfg, M, N, splits),
+            x_tiles, w_tiles, bias if bias is not None else weight, y, pre, partial, M, N, K,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-            ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre, INLINE_PTX=inline_ptx(x),
-            **_launch_options(cfg, tma),
+            ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre, SPLIT_K=splits > 1,
+            INLINE_PTX=inline_ptx(x), **_launch_options(cfg, tma),
         )  # fmt: skip
+        if splits > 1:
+            _split_k_epilogue(partial, cfg, bias, y, pre, pre, activation, store_pre, gated=False)
     return y, pre
 
 
@@ -826,13 +952,18 @@ def _gated_fwd(
     tma = tma_usable(cfg, x, w_gate, w_up)
     x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
     wg_tiles, wu_tiles = (runtime.tma_operand(w, (cfg.block_n, cfg.block_k), tma) for w in (w_gate, w_up))
+    splits = split_k(cfg, M, N, K, x.device)
+    partial = runtime.empty((2 * splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
     with runtime.device_guard(x):
         runtime.launch(
-            _gated_fwd_kernel, _grid(cfg, M, N),
-            x_tiles, wg_tiles, wu_tiles, y, gate, up, M, N, K,
+            _gated_fwd_kernel, _grid(cfg, M, N, splits),
+            x_tiles, wg_tiles, wu_tiles, y, gate, up, partial, M, N, K,
             x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
-            ACTIVATION=activation, STORE_PRE=store_pre, INLINE_PTX=inline_ptx(x), **_launch_options(cfg, tma),
+            ACTIVATION=activation, STORE_PRE=store_pre, SPLIT_K=splits > 1, INLINE_PTX=inline_ptx(x),
+            **_launch_options(cfg, tma),
         )  # fmt: skip
+        if splits > 1:
+            _split_k_epilogue(partial, cfg, None, y, gate, up, activation, store_pre, gated=True)
     return y, gate, up
 
 

@@ -16,6 +16,7 @@ import zlib
 
 import pytest
 import torch
+import triton
 from helpers import (
     assert_close,
     device_has_tma,
@@ -795,3 +796,37 @@ def test_gpu_gelu_tanh_over_wide_pre_activations():
     x = torch.linspace(-8, 8, 16 * 1024, device="cuda").reshape(1024, 16).half()
     t = {"x": x, "weight": torch.eye(16, device="cuda").half(), "dy": torch.ones_like(x)}
     check("linear_act", t, "gelu_tanh")
+
+
+@pytest.mark.parametrize("kind", ["linear_act", "gated_linear"])
+@pytest.mark.parametrize("M", [1, 7, 64])
+def test_decode_rows_split_k_and_match_reference(M, kind, device, monkeypatch):
+    # M <= 64 with one column tile: too few programs for the interpreter's stand-in SM count (4), so
+    # the forward splits its K loop (K = 257: 9 uneven steps of 32) and a second kernel adds the
+    # partials and runs the epilogue; output and gradients against the float64 truth.
+    sms = runtime.num_sms(torch.device(device))
+    launches = record_launches(monkeypatch)
+    check(kind, make_tensors(kind, (M, 257, 33), torch.float16, device, seed=M), "gelu_tanh")
+    tiles = triton.cdiv(M, mlp.gemm_config("fwd", M, 33, torch.device(device)).block_m)
+    splits = triton.cdiv(sms, tiles)
+    forward = "_linear_act_fwd_kernel" if kind == "linear_act" else "_gated_fwd_kernel"
+    assert launches[:2] == [(forward, (tiles, splits)), ("_split_k_epilogue_kernel", (1, tiles))]
+    assert tiles * splits >= sms
+    x = make_tensors(kind, (M, 257, 33), torch.float16, device, seed=M)
+    first, again = (run(lambda t: call_ours(kind, t, "gelu_tanh"), x) for _ in range(2))
+    assert all(torch.equal(first[name], again[name]) for name in first)  # a fixed summation order
+
+
+def test_split_k_fills_an_h200_at_decode_sizes_only():
+    # The launcher's rule on the sm90 table with an H200's 132 SMs (no GPU needed): GPT-2 124M's up
+    # projection at M = 1 is 48 tiles of 64 x 64, split 3 ways (K = 768, 12 steps) -> 144 programs;
+    # LLaMA 7B's gated one (172 tiles), 65 rows and a one-step K stay unsplit.
+    cfg, gated = mlp.GEMM_CONFIGS["sm90"]["fwd"]["small"], mlp.GEMM_CONFIGS["sm90"]["gated_fwd"]["small"]
+    h200 = torch.device("cpu")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runtime, "num_sms", lambda device: 132)
+        assert mlp.split_k(cfg, 1, 3072, 768, h200) == 3 and 48 * 3 >= 132
+        assert mlp.split_k(cfg, 64, 1024, 4096, h200) == 9  # 16 tiles, 64 K steps
+        assert mlp.split_k(cfg, 64, 1024, 64, h200) == 1  # one K step: nothing to split
+        assert mlp.split_k(gated, 1, 11008, 4096, h200) == 1
+        assert mlp.split_k(cfg, 65, 3072, 768, h200) == 1
