@@ -17,6 +17,8 @@ float16. Cases:
   ``torch.compile`` of eager. cuBLASLt has no SiLU or gated epilogue, so for the gated (SwiGLU)
   models the bare concatenated GEMM (matmul) stands in for a fused cuBLAS epilogue: a GEMM whose
   epilogue costs nothing, the bound such an epilogue would approach.
+* decode: the same up projection forward at 1, 16 and 64 tokens (split-K in ours), against
+  matmul, addmm-gelu and eager.
 * ``mlp`` (``mlp_gated`` for 7B), forward, backward and forward+backward of the whole MLP:
   ``kernels.fused_mlp`` / ``kernels.fused_gated_mlp`` against ours-pointer (its GEMMs, the
   backward's included, with TMA off), eager and compile. Backward is ``torch.autograd.grad`` of y
@@ -42,6 +44,10 @@ from bench import suite, timing
 
 DTYPE = torch.float16
 TOKENS = (8192, 16384, 32768)
+# Decode-sized batches (M <= 64: kernels.mlp.split_k splits the K loop there), the up projection
+# forward only, in the full run.
+DECODE_TOKENS = (1, 16, 64)
+DECODE_BASELINES = ("matmul", "addmm-gelu", "eager")
 # Largest normalized error (see normalized_error) allowed against the float32 reference.
 TOLERANCE = 2e-2
 
@@ -367,9 +373,19 @@ def model_cases(model: Model, tokens: int, quick: bool = False, device="cuda") -
     return out
 
 
+def decode_cases(model: Model, tokens: int, device="cuda") -> list[suite.Case]:
+    """The up projection forward at a decode-sized batch: ours (split-K) and the GEMM baselines."""
+    up = [c for c in model_cases(model, tokens, quick=True, device=device) if c.kernel == model.gemm_kernel]
+    return [c for c in up if c.implementation in ("ours", *DECODE_BASELINES)]
+
+
 def cases(quick: bool) -> list[suite.Case]:
     shapes = QUICK_CASES if quick else tuple(itertools.product(MODELS, TOKENS))
-    return [case for model, tokens in shapes for case in model_cases(model, tokens, quick)]
+    out = [case for model, tokens in shapes for case in model_cases(model, tokens, quick)]
+    if not quick:
+        out += [case for model, tokens in itertools.product(MODELS, DECODE_TOKENS)
+                for case in decode_cases(model, tokens)]  # fmt: skip
+    return out
 
 
 def interpreter_checks() -> list[tuple[str, dict, bool]]:

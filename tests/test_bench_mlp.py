@@ -56,6 +56,17 @@ def test_cases_cover_every_model_direction_and_baseline():
     kernels = {c.kernel for c in cases}
     assert kernels == {"linear_act", "gated_linear", "mlp", "mlp_gated"}
     shapes = len(mlp.MODELS) * len(mlp.TOKENS)
+    decode = [c for c in cases if c.params["tokens"] in mlp.DECODE_TOKENS]
+    cases = [c for c in cases if c not in decode]
+    gelu_tanh_models = sum(m.activation == "gelu_tanh" for m in mlp.MODELS)
+    # decode-sized batches: the up projection forward, ours and the GEMM baselines (gated: no addmm-gelu)
+    assert len(decode) == len(mlp.DECODE_TOKENS) * (
+        4 * len(mlp.MODELS) - (len(mlp.MODELS) - gelu_tanh_models)
+    )
+    assert {c.implementation for c in decode} == {"ours", "matmul", "addmm-gelu", "eager"}
+    assert {c.direction for c in decode} == {"forward"} and all(
+        c.kernel.endswith(("linear", "act")) for c in decode
+    )
     up = [c for c in cases if c.kernel.endswith("linear") or c.kernel == "linear_act"]
     assert {c.implementation for c in up} == {
         "ours",
@@ -67,7 +78,7 @@ def test_cases_cover_every_model_direction_and_baseline():
         "compile",
     }
     # cuBLASLt's fused GELU epilogue only where the activation is gelu_tanh (the GPT-2 models).
-    gelu_tanh_shapes = sum(m.activation == "gelu_tanh" for m in mlp.MODELS) * len(mlp.TOKENS)
+    gelu_tanh_shapes = gelu_tanh_models * len(mlp.TOKENS)
     assert {c.kernel for c in up if c.implementation == "addmm-gelu"} == {"linear_act"}
     assert len(up) == 6 * shapes + gelu_tanh_shapes and {c.direction for c in up} == {"forward"}
     whole = [c for c in cases if c.kernel.startswith("mlp")]
@@ -80,6 +91,7 @@ def test_cases_cover_every_model_direction_and_baseline():
     quick = mlp.cases(quick=True)
     compiled = [c for c in quick if c.implementation == "compile"]  # each case compiles afresh
     assert len(quick) < len(cases) and len(compiled) == len(mlp.QUICK_CASES)
+    assert not any(c.params["tokens"] in mlp.DECODE_TOKENS for c in quick)
     assert all(c.kernel.startswith("mlp") and c.direction == "forward+backward" for c in compiled)
 
 
@@ -145,3 +157,19 @@ def test_ours_pointer_times_every_gemm_without_tma(monkeypatch):
     for case in pointer:
         case.setup()()
     assert seen == [False] * (1 + len(pointer)) and kernels.mlp.USE_TMA is True
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("model", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_decode_cases_run_and_check(model, monkeypatch):
+    # One token: ours takes the split-K path (kernels.mlp.split_k) and its check passes.
+    monkeypatch.setattr(
+        mlp.timing, "rotating_inputs", lambda make_copy, bytes_per_copy, device: [make_copy()]
+    )
+    cases = mlp.decode_cases(model, 1, device="cpu")
+    cublaslt = [] if model.gated else ["addmm-gelu"]
+    assert [c.implementation for c in cases] == ["ours", "matmul", "eager", *cublaslt]
+    for case in cases:
+        assert case.setup()().shape[0] == 1, case.id
+    errors, ok = cases[0].check()
+    assert ok, errors
