@@ -693,6 +693,14 @@ class GemmConfig:
 # 120); registers (pointer / TMA) fwd large 220/169 -> 190/167, medium 136/104 -> 142/104, small
 # 72/58 -> 72/58, gated large 190/160 -> 184/160, medium 242/168 -> 204/172, small 128/96 ->
 # 122/96; no spills before or after.
+# Split-K at decode sizes (issue 25; the small entries of fwd and gated_fwd, sm_90, fp16, TMA):
+# programs for GPT-2 124M's up projection at M <= 64 48 -> 144 (3 splits, then a 48-program
+# epilogue pass); the split variant's main loop 82 instructions a K step (81 unsplit; gated 120
+# both), registers fwd 58 (as unsplit), gated 108 (96 unsplit), no spills; the epilogue kernel
+# 64 registers (gated 128), no spills.
+# The gated backward writes [dgate | dup] into one buffer (dW_gate and dW_up: 2 cuBLAS GEMMs ->
+# 1 of 2N rows): gated_dh_bwd registers (pointer / TMA) large 128/132 -> 136/134, medium
+# 128/126 -> 135/136, small 78/76 -> 88/87; dh_bwd within 3 of before; no spills.
 GEMM_CONFIGS = {
     "sm90": {
         "fwd": {
