@@ -705,8 +705,8 @@ def mlp_entry_configs(table: str, shape_class: str, cfg, arch: runtime.Arch) -> 
     split_modes = (False, True) if table in ("fwd", "gated_fwd") and shape_class == "small" else (False,)
     return [
         mlp_gemm_config(table, shape_class, cfg, dtype, activation, tma, arch.name, split)
-        for dtype, activation, tma, split in itertools.product(
-            mlp.SUPPORTED_DTYPES, ("gelu", "gelu_tanh"), tma_modes, split_modes
+        for split, dtype, activation, tma in itertools.product(
+            split_modes, mlp.SUPPORTED_DTYPES, ("gelu", "gelu_tanh"), tma_modes
         )
     ]
 

@@ -560,7 +560,7 @@ def test_the_pointer_paths_compile_no_32_bit_stride_product():
     )
     assert run.returncode == 0, run.stderr
     products = json.loads(run.stdout)
-    assert len(products) == 16, sorted(products)
+    assert len(products) == 18, sorted(products)  # with the MLP's two split-K epilogues
     assert {kernel: found for kernel, found in products.items() if found} == {}
 
 
