@@ -730,7 +730,7 @@ def mlp_configs(arch: runtime.Arch) -> list[KernelConfig]:
             name = "mlp_gated_split_k_epilogue" if gated else "mlp_split_k_epilogue"
             fn = "kernels.mlp._split_k_epilogue_kernel"
             configs.append(KernelConfig(name, f"small/{activation}", dtype, fn, pointers, constexprs,
-                                        cfg.num_warps, arch=arch.name))  # fmt: skip
+                                        mlp.SPLIT_K_EPILOGUE_WARPS, arch=arch.name))  # fmt: skip
     row = mlp.ACT_BWD_CONFIG
     for dtype, gated in itertools.product(mlp.SUPPORTED_DTYPES, (False, True)):
         pointers = dict.fromkeys(MLP_POINTERS, TRITON_TYPES[dtype]) | {"DB_PARTIAL": "fp32"}

@@ -697,7 +697,7 @@ class GemmConfig:
 # programs for GPT-2 124M's up projection at M <= 64 48 -> 144 (3 splits, then a 48-program
 # epilogue pass); the split variant's main loop 82 instructions a K step (81 unsplit; gated 120
 # both), registers fwd 58 (as unsplit), gated 108 (96 unsplit), no spills; the epilogue kernel
-# 64 registers (gated 128), no spills.
+# (SPLIT_K_EPILOGUE_WARPS) 48 registers (gated 58-64), no spills.
 # The gated backward writes [dgate | dup] into one buffer (dW_gate and dW_up: 2 cuBLAS GEMMs ->
 # 1 of 2N rows): gated_dh_bwd registers (pointer / TMA) large 128/132 -> 136/134, medium
 # 128/126 -> 135/136, small 78/76 -> 88/87; dh_bwd within 3 of before; no spills.
@@ -824,6 +824,9 @@ INTERPRETER_GEMM_BLOCKS = {"block_m": 32, "block_n": 64, "block_k": 32, "group_m
 # 132 SMs (256 tiles); below, smaller tiles keep more SMs busy.
 LARGE_OUTPUTS = 2**23
 SMALL_ROWS = 64
+# The split-K epilogue (elementwise, in the small GEMM entry's tiles) on 8 warps: on 4, sm100's
+# fwd tile spilled 8 bytes with gelu_tanh in bfloat16.
+SPLIT_K_EPILOGUE_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -885,7 +888,7 @@ def _split_k_epilogue(
         _split_k_epilogue_kernel, grid,
         partial, bias if bias is not None else y, y, pre, up, M, N, partial.shape[0] // (2 if gated else 1),
         ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre, GATED=gated,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INLINE_PTX=inline_ptx(y), num_warps=cfg.num_warps,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INLINE_PTX=inline_ptx(y), num_warps=SPLIT_K_EPILOGUE_WARPS,
         **runtime.COMPILE_OPTIONS,
     )  # fmt: skip
 
