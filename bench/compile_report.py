@@ -653,18 +653,22 @@ MLP_POINTERS = ("X", "W", "B", "Y", "PRE", "WG", "WU", "GATE", "UP", "DY", "DH",
 
 
 def mlp_gemm_config(
-    table: str, shape_class: str, cfg, dtype: torch.dtype, activation: str, tma: bool, arch: str = "sm90"
-):
+    table: str, shape_class: str, cfg, dtype: torch.dtype, activation: str, tma: bool, arch: str = "sm90",
+    split_k: bool = False,
+):  # fmt: skip
     """The KernelConfig of MLP GEMM ``table`` (a key of MLP_GEMMS) run with the kernels.mlp.GemmConfig
-    ``cfg`` and activation, pointer or TMA loads, for GPU family arch."""
+    ``cfg`` and activation, pointer or TMA loads, for GPU family arch; split_k: a forward's split-K
+    variant (partial sums stored, no epilogue)."""
     kernel, flags, tiles = MLP_GEMMS[table]
-    pointers = dict.fromkeys(MLP_POINTERS, TRITON_TYPES[dtype]) | {"DB_PARTIAL": "fp32"}
+    pointers = dict.fromkeys(MLP_POINTERS, TRITON_TYPES[dtype]) | {"DB_PARTIAL": "fp32", "PARTIAL": "fp32"}
     dims = {"m": cfg.block_m, "n": cfg.block_n, "k": cfg.block_k}
     constexprs = {"ACTIVATION": activation, **flags, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "EPILOGUE_SPLIT": cfg.epilogue_split,
                   "TMA": tma}  # fmt: skip
+    if table in ("fwd", "gated_fwd"):  # the forward epilogues' gelu_tanh takes tanh.approx on NVIDIA
+        constexprs |= {"INLINE_PTX": not ARCHS[arch].hip_target, "SPLIT_K": split_k}
     descriptors = {a: tuple(dims[d] for d in block) for a, block in tiles.items()} if tma else {}
-    shape = f"{shape_class}/{activation}{' tma' if tma else ''}"
+    shape = f"{shape_class}/{activation}{' tma' if tma else ''}{' split-k' if split_k else ''}"
     fn = f"kernels.mlp.{kernel}"
     options = (cfg.num_warps, cfg.num_stages)
     return KernelConfig(
@@ -676,14 +680,16 @@ def mlp_entry_configs(table: str, shape_class: str, cfg, arch: runtime.Arch) -> 
     """Every KernelConfig that entry cfg of kernels.mlp.GEMM_CONFIGS[arch][table] at shape_class
     compiles to on arch: in both dtypes, for the two activations with the heaviest epilogues (gelu's
     erf and gelu_tanh), with pointer loads (always selectable: USE_TMA off, unaligned inputs) and,
-    on sm_90+ where cfg.tma, TMA loads."""
+    on sm_90+ where cfg.tma, TMA loads; a forward's small entry (decode-sized M) also in its
+    split-K variant (kernels.mlp.split_k)."""
     from kernels import mlp
 
     tma_modes = (False, True) if cfg.tma and arch.tma else (False,)
+    split_modes = (False, True) if table in ("fwd", "gated_fwd") and shape_class == "small" else (False,)
     return [
-        mlp_gemm_config(table, shape_class, cfg, dtype, activation, tma, arch.name)
-        for dtype, activation, tma in itertools.product(
-            mlp.SUPPORTED_DTYPES, ("gelu", "gelu_tanh"), tma_modes
+        mlp_gemm_config(table, shape_class, cfg, dtype, activation, tma, arch.name, split)
+        for split, dtype, activation, tma in itertools.product(
+            split_modes, mlp.SUPPORTED_DTYPES, ("gelu", "gelu_tanh"), tma_modes
         )
     ]
 
@@ -697,6 +703,17 @@ def mlp_configs(arch: runtime.Arch) -> list[KernelConfig]:
     for table, entries in mlp.GEMM_CONFIGS[arch.name].items():
         for shape_class, cfg in entries.items():
             configs += mlp_entry_configs(table, shape_class, cfg, arch)
+    for table, gated in (("fwd", False), ("gated_fwd", True)):  # the split-K epilogue, in the small tiles
+        cfg = mlp.GEMM_CONFIGS[arch.name][table]["small"]
+        for dtype, activation in itertools.product(mlp.SUPPORTED_DTYPES, ("gelu", "gelu_tanh")):
+            pointers = dict.fromkeys(MLP_POINTERS, TRITON_TYPES[dtype]) | {"PARTIAL": "fp32"}
+            constexprs = {"ACTIVATION": activation, "HAS_BIAS": not gated, "STORE_PRE": True, "GATED": gated,
+                          "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                          "INLINE_PTX": not arch.hip_target}  # fmt: skip
+            name = "mlp_gated_split_k_epilogue" if gated else "mlp_split_k_epilogue"
+            fn = "kernels.mlp._split_k_epilogue_kernel"
+            configs.append(KernelConfig(name, f"small/{activation}", dtype, fn, pointers, constexprs,
+                                        mlp.SPLIT_K_EPILOGUE_WARPS, arch=arch.name))  # fmt: skip
     row = mlp.ACT_BWD_CONFIG
     for dtype, gated in itertools.product(mlp.SUPPORTED_DTYPES, (False, True)):
         pointers = dict.fromkeys(MLP_POINTERS, TRITON_TYPES[dtype]) | {"DB_PARTIAL": "fp32"}

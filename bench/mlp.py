@@ -10,8 +10,15 @@ float16. Cases:
   epilogue. ours: without grad (nothing saved); ours+save: with grad, so it also writes the
   pre-activation the backward reads (the time cost of saving it); ours-pointer: ours with TMA off
   (``kernels.mlp.USE_TMA = False``, pointer loads), what TMA brings; matmul: ``torch.matmul`` of
-  the same GEMM alone (for 7B one GEMM against the concatenated gate and up weights); eager:
-  ``F.linear`` then the activation, a separate kernel; compile: ``torch.compile`` of eager.
+  the same GEMM alone (for 7B one GEMM against the concatenated gate and up weights); addmm-gelu
+  (gelu_tanh models only): ``torch._addmm_activation(b, x, Wᵀ, use_gelu=True)``, cuBLASLt's GEMM
+  with bias and tanh-approximate GELU in its epilogue, the same work as ours without saving;
+  eager: ``F.linear`` then the activation, a separate kernel (matmul + activation); compile:
+  ``torch.compile`` of eager. cuBLASLt has no SiLU or gated epilogue, so for the gated (SwiGLU)
+  models the bare concatenated GEMM (matmul) stands in for a fused cuBLAS epilogue: a GEMM whose
+  epilogue costs nothing, the bound such an epilogue would approach.
+* decode: the same up projection forward at 1, 16 and 64 tokens (split-K in ours), against
+  matmul, addmm-gelu and eager.
 * ``mlp`` (``mlp_gated`` for 7B), forward, backward and forward+backward of the whole MLP:
   ``kernels.fused_mlp`` / ``kernels.fused_gated_mlp`` against ours-pointer (its GEMMs, the
   backward's included, with TMA off), eager and compile. Backward is ``torch.autograd.grad`` of y
@@ -37,6 +44,10 @@ from bench import correctness, suite, timing
 
 DTYPE = torch.float16
 TOKENS = (8192, 16384, 32768)
+# Decode-sized batches (M <= 64: kernels.mlp.split_k splits the K loop there), the up projection
+# forward only, in the full run.
+DECODE_TOKENS = (1, 16, 64)
+DECODE_BASELINES = ("matmul", "addmm-gelu", "eager")
 # Largest normalized error (bench.correctness.normalized_error) allowed against the float32 reference.
 TOLERANCE = 2e-2
 
@@ -154,6 +165,16 @@ def eager_mlp(model: Model, t: dict) -> torch.Tensor:
     return torch.nn.functional.linear(eager_up(model, t), t["w_out"], t["b_out"])
 
 
+def addmm_gelu(model: Model, t: dict) -> torch.Tensor:
+    """cuBLASLt's fused epilogue: act(x W_inᵀ + b_in) in one library GEMM. use_gelu=True is the
+    tanh-approximate GELU on CUDA (CUBLASLT_EPILOGUE_GELU_BIAS), so it stands in only where the
+    model's activation is gelu_tanh. On the CPU torch computes the erf GELU instead (5e-4 from the
+    tanh form at most, measured over [-4, 4] in float64): the same work, for the CPU tests."""
+    if model.activation != "gelu_tanh":
+        raise ValueError(f"addmm-gelu computes gelu_tanh, not {model.activation} ({model.name})")
+    return torch._addmm_activation(t["b_in"], t["x"], t["w_in"].t(), use_gelu=True)
+
+
 def _up(ops, model: Model, t: dict) -> torch.Tensor:
     """The up projection with its activation by ops: the kernels package or kernels.reference."""
     if model.gated:
@@ -258,6 +279,8 @@ def model_cases(model: Model, tokens: int, quick: bool = False, device="cuda") -
         "matmul": (lambda: _matmul, {"concat": model.gated}),
         "eager": (_bind(eager_up, model), {}),
     }
+    if model.activation == "gelu_tanh":  # gated models: matmul stands in (see the module docstring)
+        up["addmm-gelu"] = (_bind(addmm_gelu, model), {})
     whole = {
         "ours": _bind(ours_mlp, model),
         "ours-pointer": _bind(ours_mlp, model),
@@ -286,9 +309,19 @@ def model_cases(model: Model, tokens: int, quick: bool = False, device="cuda") -
     return out
 
 
+def decode_cases(model: Model, tokens: int, device="cuda") -> list[suite.Case]:
+    """The up projection forward at a decode-sized batch: ours (split-K) and the GEMM baselines."""
+    up = [c for c in model_cases(model, tokens, quick=True, device=device) if c.kernel == model.gemm_kernel]
+    return [c for c in up if c.implementation in ("ours", *DECODE_BASELINES)]
+
+
 def cases(quick: bool) -> list[suite.Case]:
     shapes = QUICK_CASES if quick else tuple(itertools.product(MODELS, TOKENS))
-    return [case for model, tokens in shapes for case in model_cases(model, tokens, quick)]
+    out = [case for model, tokens in shapes for case in model_cases(model, tokens, quick)]
+    if not quick:
+        out += [case for model, tokens in itertools.product(MODELS, DECODE_TOKENS)
+                for case in decode_cases(model, tokens)]  # fmt: skip
+    return out
 
 
 def interpreter_checks() -> list[tuple[str, dict, bool]]:

@@ -18,7 +18,10 @@ On CPU tensors without the interpreter, every function runs the float32 referenc
 Forward: one tiled GEMM per projection with act in the epilogue. Tiles go in grouped order
 (GROUP_M row tiles share each weight column tile while it is in L2). The gated kernel makes one
 pass over x with two accumulators, so x W_gateᵀ and x W_upᵀ reach memory only when the backward
-needs them. The
+needs them. Decode-sized M (at most 64 rows) with fewer output tiles than SMs splits the K loop
+over programs (:func:`split_k`: at least one program an SM) and a second kernel adds the float32
+partials in a fixed order and runs the same epilogue (repeatable: no atomics). gelu_tanh in these
+epilogues is tanh.approx on NVIDIA GPUs (one MUFU an element; see ``_act_fwd``). The
 down projection is a bare ``torch.matmul`` (cuBLAS, bias in its epilogue): it has nothing to fuse.
 
 Backward: dpre = dh ⊙ act'(pre); dx = dpre W; dW = dpreᵀ x; db = Σ_rows dpre. In the MLPs the
@@ -27,7 +30,9 @@ GEMM that produces dh = dy W_out (K = out_features) is ours, with dpre computed 
 summed there as per-row-tile float32 partials (no atomics: bit-identical run to run). In
 linear_act / gated_linear, dh arrives from outside, so an elementwise kernel computes dpre and the
 db partials. dx and dW are ``torch.matmul``: a plain GEMM with nothing to fuse, where cuBLAS is
-the fastest there is.
+the fastest there is. Gated, dgate and dup are the halves of one (M, 2N) buffer, so dW_gate and
+dW_up are ONE GEMM of 2N rows, [dgate | dup]ᵀ x, when both train (the custom ops return it
+stacked; the autograd binding splits it).
 
 Saved, not recomputed: the forward's epilogue writes the pre-activation (gate and up for the gated
 form) in the input dtype, and the backward reads it. Cost: M·N elements kept per layer (2·M·N
@@ -65,6 +70,7 @@ import triton
 import triton.language as tl
 
 from kernels import reference, runtime
+from kernels.attention import inline_ptx
 
 ACTIVATIONS = ("none", "relu", "relu2", "gelu", "gelu_tanh", "silu")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -80,8 +86,17 @@ USE_TMA = True
 
 
 @triton.jit
-def _act_fwd(z, ACTIVATION: tl.constexpr):
-    """act(z) for a float32 tile."""
+def _act_fwd(z, ACTIVATION: tl.constexpr, INLINE_PTX: tl.constexpr):
+    """act(z) for a float32 tile in the forward GEMMs' epilogues.
+
+    gelu_tanh is 0.5 z (1 + tanh(u)) = z sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3). INLINE_PTX
+    (an NVIDIA GPU, sm_75+; not the interpreter, which cannot run PTX) takes tanh.approx.f32: one
+    MUFU.TANH an element where tl.sigmoid's exp2 and reciprocal are two (MUFU.EX2 + MUFU.RCP; see
+    GEMM_CONFIGS). Its relative error, 2^-10.987 at most (PTX ISA), moves gelu_tanh by 2.4e-4 |z|
+    at most (tests/test_mlp.py models the worst case), below the float16 output's tolerance. The
+    backward keeps the exp2 form: act' = s + z s (1 - s) c (1 + 3 · 0.044715 z^2) multiplies an
+    error in s by up to 34 at z = -5 (0.8 % of act' there, worst case), past float16 tolerance.
+    """
     if ACTIVATION == "relu":
         z = tl.maximum(z, 0.0)
     elif ACTIVATION == "relu2":
@@ -90,8 +105,14 @@ def _act_fwd(z, ACTIVATION: tl.constexpr):
     elif ACTIVATION == "gelu":
         z = 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
     elif ACTIVATION == "gelu_tanh":
-        # 0.5 z (1 + tanh(u)) = z sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3)
-        z = z * tl.sigmoid(1.5957691216057308 * (z + 0.044715 * z * z * z))
+        if INLINE_PTX:
+            u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+            tanh = tl.inline_asm_elementwise(
+                "tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32, is_pure=True, pack=1
+            )
+            z = 0.5 * z * (1.0 + tanh)
+        else:
+            z = z * tl.sigmoid(1.5957691216057308 * (z + 0.044715 * z * z * z))
     elif ACTIVATION == "silu":
         z = z * tl.sigmoid(z)
     return z
@@ -164,6 +185,31 @@ def _k_steps(stride_xk, stride_wk, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _k_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """(first, last + 1) of the K steps this program sums: all of them, or with SPLIT_K the share
+    of split tl.program_id(1) of tl.num_programs(1), as even as integers allow (none empty: the
+    launcher makes no more splits than K steps)."""
+    steps = tl.cdiv(K, BLOCK_K)
+    k_first = 0
+    k_last = steps
+    if SPLIT_K:
+        split = tl.program_id(1)
+        splits = tl.num_programs(1)
+        k_first = split * steps // splits
+        k_last = (split + 1) * steps // splits
+    return k_first, k_last
+
+
+@triton.jit
+def _store_partial(acc, PARTIAL, slab, offs_m, offs_n, M, N):
+    """acc, a float32 (BLOCK_M, BLOCK_N) tile at rows offs_m, columns offs_n, into slab `slab` of the
+    split-K partial sums PARTIAL (slabs, M, N)."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    out = (slab * M).to(tl.int64) * N + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(PARTIAL + out, acc, mask=mask)
+
+
+@triton.jit
 def _matmul_tile(
     X,
     W,
@@ -176,13 +222,16 @@ def _matmul_tile(
     stride_xk,
     stride_wn,
     stride_wk,
+    k_first,
+    k_last,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TMA: tl.constexpr,
     W_KN: tl.constexpr,
 ):
-    """The (BLOCK_M, BLOCK_N) float32 tile (pid_m, pid_n) of x Wᵀ.
+    """The (BLOCK_M, BLOCK_N) float32 tile (pid_m, pid_n) of x Wᵀ, summed over K steps k_first to
+    k_last - 1 (of BLOCK_K each; :func:`_k_range`).
 
     With TMA, X is a descriptor of x (M, K) and W one of W (N, K), or with W_KN of Wᵀ (K, N) as
     stored (a descriptor needs a unit stride in its last dimension); their loads read elements past
@@ -192,7 +241,7 @@ def _matmul_tile(
     if TMA:
         start_m = pid_m * BLOCK_M
         start_n = pid_n * BLOCK_N
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        for k in range(k_first, k_last):
             x = X.load([start_m, k * BLOCK_K])
             if W_KN:
                 w = W.load([k * BLOCK_K, start_n])
@@ -206,10 +255,10 @@ def _matmul_tile(
         x_offs, w_offs = _operand_offsets(
             offs_m, offs_n, offs_k, M, N, stride_xm, stride_xk, stride_wn, stride_wk
         )
-        x_ptrs = X + x_offs
-        w_ptrs = W + w_offs
         x_step, w_step = _k_steps(stride_xk, stride_wk, BLOCK_K)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        x_ptrs = X + x_offs + k_first * x_step
+        w_ptrs = W + w_offs + k_first * w_step
+        for k in range(k_first, k_last):
             k_mask = offs_k < K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
@@ -269,6 +318,7 @@ def _fwd_epilogue(
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     STORE_PRE: tl.constexpr,
+    INLINE_PTX: tl.constexpr,
 ):
     """Store y = act(acc + b) (and pre = acc + b) for the tile at rows offs_m, columns offs_n."""
     col_mask = offs_n < N
@@ -279,7 +329,7 @@ def _fwd_epilogue(
     out = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     if STORE_PRE:
         tl.store(PRE + out, acc.to(PRE.dtype.element_ty), mask=mask)
-    tl.store(Y + out, _act_fwd(acc, ACTIVATION).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + out, _act_fwd(acc, ACTIVATION, INLINE_PTX).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -289,6 +339,7 @@ def _linear_act_fwd_kernel(
     B,  # (N,); read when HAS_BIAS
     Y,  # (M, N) contiguous: act(x Wᵀ + b)
     PRE,  # (M, N) contiguous: x Wᵀ + b; written when STORE_PRE
+    PARTIAL,  # (splits, M, N) float32: with SPLIT_K, each split's sum over its K steps
     M,
     N,
     K,
@@ -299,31 +350,39 @@ def _linear_act_fwd_kernel(
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     STORE_PRE: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # store partial sums; _split_k_epilogue_kernel adds them and runs the epilogue
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
     TMA: tl.constexpr,
+    INLINE_PTX: tl.constexpr,  # an NVIDIA GPU, not the interpreter: gelu_tanh by tanh.approx (_act_fwd)
 ):
-    # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)
+    # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits): splits > 1 only with SPLIT_K
     pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_first, k_last = _k_range(K, BLOCK_K, SPLIT_K)
     acc = _matmul_tile(
-        X, W, pid_m, pid_n, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K,
-        TMA, False,
+        X, W, pid_m, pid_n, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, k_first, k_last, BLOCK_M,
+        BLOCK_N, BLOCK_K, TMA, False,
     )  # fmt: skip
-    SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
-    for i in tl.static_range(EPILOGUE_SPLIT):
-        sub = _subtile(acc, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
-        offs_sub = pid_n * BLOCK_N + i * SUB_N + tl.arange(0, SUB_N)
-        _fwd_epilogue(sub, B, Y, PRE, offs_m, offs_sub, M, N, ACTIVATION, HAS_BIAS, STORE_PRE)
+    if SPLIT_K:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _store_partial(acc, PARTIAL, tl.program_id(1), offs_m, offs_n, M, N)
+    else:
+        SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+        for i in tl.static_range(EPILOGUE_SPLIT):
+            sub = _subtile(acc, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+            offs_sub = pid_n * BLOCK_N + i * SUB_N + tl.arange(0, SUB_N)
+            _fwd_epilogue(sub, B, Y, PRE, offs_m, offs_sub, M, N, ACTIVATION, HAS_BIAS, STORE_PRE, INLINE_PTX)
 
 
 @triton.jit
 def _gated_fwd_epilogue(
-    acc_gate, acc_up, Y, GATE, UP, offs_m, offs_n, M, N, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr
-):
+    acc_gate, acc_up, Y, GATE, UP, offs_m, offs_n, M, N, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr,
+    INLINE_PTX: tl.constexpr,
+):  # fmt: skip
     """Store y = act(gate) * up (and gate, up) for the tile at rows offs_m, columns offs_n."""
     acc_gate = _finite_in(acc_gate, Y.dtype.element_ty, ACTIVATION)
     acc_up = _finite_in(acc_up, Y.dtype.element_ty, ACTIVATION)
@@ -332,7 +391,7 @@ def _gated_fwd_epilogue(
     if STORE_PRE:
         tl.store(GATE + out, acc_gate.to(GATE.dtype.element_ty), mask=mask)
         tl.store(UP + out, acc_up.to(UP.dtype.element_ty), mask=mask)
-    y = _act_fwd(acc_gate, ACTIVATION) * acc_up
+    y = _act_fwd(acc_gate, ACTIVATION, INLINE_PTX) * acc_up
     tl.store(Y + out, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -344,6 +403,7 @@ def _gated_fwd_kernel(
     Y,  # (M, N) contiguous: act(x W_gateᵀ) * (x W_upᵀ)
     GATE,  # (M, N) contiguous: x W_gateᵀ; written when STORE_PRE
     UP,  # (M, N) contiguous: x W_upᵀ; written when STORE_PRE
+    PARTIAL,  # (2 splits, M, N) float32: with SPLIT_K, slabs 2s and 2s + 1 hold split s's gate and up
     M,
     N,
     K,
@@ -353,22 +413,25 @@ def _gated_fwd_kernel(
     stride_wk,
     ACTIVATION: tl.constexpr,
     STORE_PRE: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # as in _linear_act_fwd_kernel
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
     TMA: tl.constexpr,
+    INLINE_PTX: tl.constexpr,  # as in _linear_act_fwd_kernel
 ):
-    # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),): one pass over x, two accumulators.
+    # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits): one pass over x, two accumulators.
     pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_first, k_last = _k_range(K, BLOCK_K, SPLIT_K)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA:  # as in _matmul_tile: out-of-bounds elements load as zeros
         start_m = pid_m * BLOCK_M
         start_n = pid_n * BLOCK_N
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        for k in range(k_first, k_last):
             x = X.load([start_m, k * BLOCK_K])
             acc_gate = tl.dot(x, tl.trans(WG.load([start_n, k * BLOCK_K])), acc_gate)
             acc_up = tl.dot(x, tl.trans(WU.load([start_n, k * BLOCK_K])), acc_up)
@@ -378,11 +441,11 @@ def _gated_fwd_kernel(
         x_offs, w_offs = _operand_offsets(
             offs_m, offs_n, offs_k, M, N, stride_xm, stride_xk, stride_wn, stride_wk
         )
-        x_ptrs = X + x_offs
-        wg_ptrs = WG + w_offs
-        wu_ptrs = WU + w_offs
         x_step, w_step = _k_steps(stride_xk, stride_wk, BLOCK_K)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        x_ptrs = X + x_offs + k_first * x_step
+        wg_ptrs = WG + w_offs + k_first * w_step
+        wu_ptrs = WU + w_offs + k_first * w_step
+        for k in range(k_first, k_last):
             k_mask = offs_k < K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
@@ -392,12 +455,58 @@ def _gated_fwd_kernel(
             x_ptrs += x_step
             wg_ptrs += w_step
             wu_ptrs += w_step
-    SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
-    for i in tl.static_range(EPILOGUE_SPLIT):
-        gate = _subtile(acc_gate, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
-        up = _subtile(acc_up, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
-        offs_sub = pid_n * BLOCK_N + i * SUB_N + tl.arange(0, SUB_N)
-        _gated_fwd_epilogue(gate, up, Y, GATE, UP, offs_m, offs_sub, M, N, ACTIVATION, STORE_PRE)
+    if SPLIT_K:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _store_partial(acc_gate, PARTIAL, 2 * tl.program_id(1), offs_m, offs_n, M, N)
+        _store_partial(acc_up, PARTIAL, 2 * tl.program_id(1) + 1, offs_m, offs_n, M, N)
+    else:
+        SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+        for i in tl.static_range(EPILOGUE_SPLIT):
+            gate = _subtile(acc_gate, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+            up = _subtile(acc_up, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+            offs_sub = pid_n * BLOCK_N + i * SUB_N + tl.arange(0, SUB_N)
+            _gated_fwd_epilogue(
+                gate, up, Y, GATE, UP, offs_m, offs_sub, M, N, ACTIVATION, STORE_PRE, INLINE_PTX
+            )
+
+
+@triton.jit
+def _split_k_epilogue_kernel(
+    PARTIAL,  # (splits, M, N) float32, or gated (2 splits, M, N): the GEMM kernels' split-K partials
+    B,  # (N,); read when HAS_BIAS
+    Y,  # (M, N) contiguous: act(pre), or gated act(gate) * up
+    PRE,  # (M, N) contiguous: the pre-activation (the gate when GATED); written when STORE_PRE
+    UP,  # (M, N) contiguous: the up projection; written when GATED and STORE_PRE
+    M,
+    N,
+    splits,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INLINE_PTX: tl.constexpr,  # as in _linear_act_fwd_kernel
+):
+    # grid = (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)): the partials summed in split order, the same sum
+    # run to run (no atomics), then the forward GEMMs' own epilogue.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tile = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    slab = tl.cast(M, tl.int64) * N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for split in range(0, splits):
+        if GATED:
+            acc += tl.load(PARTIAL + 2 * split * slab + tile, mask=mask, other=0.0)
+            acc_up += tl.load(PARTIAL + (2 * split + 1) * slab + tile, mask=mask, other=0.0)
+        else:
+            acc += tl.load(PARTIAL + split * slab + tile, mask=mask, other=0.0)
+    if GATED:
+        _gated_fwd_epilogue(acc, acc_up, Y, PRE, UP, offs_m, offs_n, M, N, ACTIVATION, STORE_PRE, INLINE_PTX)
+    else:
+        _fwd_epilogue(acc, B, Y, PRE, offs_m, offs_n, M, N, ACTIVATION, HAS_BIAS, STORE_PRE, INLINE_PTX)
 
 
 @triton.jit
@@ -412,12 +521,15 @@ def _act_bwd_tile(
     offs_n,
     M,
     N,
+    stride_dpre,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     STORE_H: tl.constexpr,
 ):
     """Given dh, the float32 gradient of the hidden activation h on one tile, store dpre (and, gated,
     dup) and, when STORE_H, h itself; return dpre in float32 with rows past M zeroed (for db).
+    DPRE and DUP have rows stride_dpre apart (2N gated: the halves of one [dgate | dup] buffer, so
+    the weight gradients are one GEMM); the other tensors are (M, N) contiguous.
 
     Plain: h = act(pre), dpre = dh act'(pre). Gated, with PRE the gate and UP the up projection:
     h = act(gate) up, dgate = dh up act'(gate), dup = dh act(gate).
@@ -425,17 +537,18 @@ def _act_bwd_tile(
     row_mask = offs_m < M
     mask = row_mask[:, None] & (offs_n < N)[None, :]
     tile = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    grad_tile = offs_m.to(tl.int64)[:, None] * stride_dpre + offs_n[None, :]
     pre = tl.load(PRE + tile, mask=mask, other=0.0).to(tl.float32)
     act, act_grad = _act_fwd_and_grad(pre, ACTIVATION)
     if GATED:
         up = tl.load(UP + tile, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DUP + tile, (dh * act).to(DUP.dtype.element_ty), mask=mask)
+        tl.store(DUP + grad_tile, (dh * act).to(DUP.dtype.element_ty), mask=mask)
         dpre = dh * up * act_grad
         h = act * up
     else:
         dpre = dh * act_grad
         h = act
-    tl.store(DPRE + tile, dpre.to(DPRE.dtype.element_ty), mask=mask)
+    tl.store(DPRE + grad_tile, dpre.to(DPRE.dtype.element_ty), mask=mask)
     if STORE_H:
         tl.store(H + tile, h.to(H.dtype.element_ty), mask=mask)
     return tl.where(row_mask[:, None], dpre, 0.0)
@@ -449,8 +562,8 @@ def _dh_act_bwd_kernel(
     # a descriptor of W_out (K, N) as stored, blocks (BLOCK_K, BLOCK_N)
     PRE,  # (M, N) contiguous: the saved pre-activation (the gate when GATED)
     UP,  # (M, N) contiguous: the saved up projection; read when GATED
-    DPRE,  # (M, N) contiguous: gradient of PRE
-    DUP,  # (M, N) contiguous: gradient of UP; written when GATED
+    DPRE,  # (M, N), row stride stride_dpre: gradient of PRE
+    DUP,  # (M, N), row stride stride_dpre: gradient of UP; written when GATED
     H,  # (M, N) contiguous: the hidden activation, recomputed from PRE; written when STORE_H
     DB_PARTIAL,  # (cdiv(M, BLOCK_M), N) float32: column sums of dpre per row tile; when HAS_BIAS
     M,
@@ -460,6 +573,7 @@ def _dh_act_bwd_kernel(
     stride_dyk,
     stride_wn,
     stride_wk,
+    stride_dpre,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     STORE_H: tl.constexpr,
@@ -475,14 +589,16 @@ def _dh_act_bwd_kernel(
     pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dh = _matmul_tile(
-        DY, W, pid_m, pid_n, M, N, K, stride_dym, stride_dyk, stride_wn, stride_wk, BLOCK_M, BLOCK_N,
-        BLOCK_K, TMA, True,
+        DY, W, pid_m, pid_n, M, N, K, stride_dym, stride_dyk, stride_wn, stride_wk, 0, tl.cdiv(K, BLOCK_K),
+        BLOCK_M, BLOCK_N, BLOCK_K, TMA, True,
     )  # fmt: skip
     SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
     for i in tl.static_range(EPILOGUE_SPLIT):
         sub = _subtile(dh, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
         offs_sub = pid_n * BLOCK_N + i * SUB_N + tl.arange(0, SUB_N)
-        dpre = _act_bwd_tile(sub, PRE, UP, DPRE, DUP, H, offs_m, offs_sub, M, N, ACTIVATION, GATED, STORE_H)
+        dpre = _act_bwd_tile(
+            sub, PRE, UP, DPRE, DUP, H, offs_m, offs_sub, M, N, stride_dpre, ACTIVATION, GATED, STORE_H
+        )
         if HAS_BIAS:
             db_ptrs = DB_PARTIAL + pid_m.to(tl.int64) * N + offs_sub
             tl.store(db_ptrs, tl.sum(dpre, axis=0), mask=offs_sub < N)
@@ -493,14 +609,15 @@ def _act_bwd_kernel(
     DH,  # (M, N): gradient of the hidden activation, strides (stride_dhm, stride_dhn)
     PRE,  # (M, N) contiguous: the saved pre-activation (the gate when GATED)
     UP,  # (M, N) contiguous: the saved up projection; read when GATED
-    DPRE,  # (M, N) contiguous
-    DUP,  # (M, N) contiguous; written when GATED
+    DPRE,  # (M, N), row stride stride_dpre
+    DUP,  # (M, N), row stride stride_dpre; written when GATED
     DB_PARTIAL,  # (cdiv(M, rows_per_program), N) float32: column sums of dpre per slab; when HAS_BIAS
     M,
     N,
     rows_per_program,
     stride_dhm,
     stride_dhn,
+    stride_dpre,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -521,7 +638,7 @@ def _act_bwd_kernel(
         dh_ptrs = DH + offs_m.to(tl.int64)[:, None] * stride_dhm + offs_n.to(tl.int64)[None, :] * stride_dhn
         dh = tl.load(dh_ptrs, mask=mask, other=0.0).to(tl.float32)
         dpre = _act_bwd_tile(
-            dh, PRE, UP, DPRE, DUP, DPRE, offs_m, offs_n, row_end, N, ACTIVATION, GATED, False
+            dh, PRE, UP, DPRE, DUP, DPRE, offs_m, offs_n, row_end, N, stride_dpre, ACTIVATION, GATED, False
         )
         if HAS_BIAS:
             db_acc += tl.sum(dpre, axis=0)
@@ -569,6 +686,21 @@ class GemmConfig:
 # forward holds two accumulators, so its tiles are half as wide. The epilogue split keeps the
 # activation's temporaries within the registers the accumulator leaves: unsplit, a 128 x 256
 # forward with gelu spilled 224 bytes and the backward 2136, a 128 x 128 gated backward 1000.
+# gelu_tanh by tanh.approx in the forward epilogues (issue 25; sm_90 SASS, fp16, TMA, before ->
+# after): MUFU an element of the tile 2 (EX2 + RCP) -> 1 (TANH) in fwd and gated_fwd, every class;
+# kernel instructions fwd large 3312 -> 2288, medium 1888 -> 1368, small 1144 -> 888, gated_fwd
+# 2088 -> 1568, 2120 -> 1608, 1336 -> 1080; main loop per K step unchanged (87, 83, 81; 122, 123,
+# 120); registers (pointer / TMA) fwd large 220/169 -> 190/167, medium 136/104 -> 142/104, small
+# 72/58 -> 72/58, gated large 190/160 -> 184/160, medium 242/168 -> 204/172, small 128/96 ->
+# 122/96; no spills before or after.
+# Split-K at decode sizes (issue 25; the small entries of fwd and gated_fwd, sm_90, fp16, TMA):
+# programs for GPT-2 124M's up projection at M <= 64 48 -> 144 (3 splits, then a 48-program
+# epilogue pass); the split variant's main loop 82 instructions a K step (81 unsplit; gated 120
+# both), registers fwd 58 (as unsplit), gated 108 (96 unsplit), no spills; the epilogue kernel
+# (SPLIT_K_EPILOGUE_WARPS) 48 registers (gated 58-64), no spills.
+# The gated backward writes [dgate | dup] into one buffer (dW_gate and dW_up: 2 cuBLAS GEMMs ->
+# 1 of 2N rows): gated_dh_bwd registers (pointer / TMA) large 128/132 -> 136/134, medium
+# 128/126 -> 135/136, small 78/76 -> 88/87; dh_bwd within 3 of before; no spills.
 GEMM_CONFIGS = {
     "sm90": {
         "fwd": {
@@ -651,7 +783,9 @@ GEMM_CONFIGS = {
             # block_k 64 at 2 stages (as deep a pipeline) spilled 16 bytes with gelu_tanh on triton 3.9
             "large": GemmConfig(128, 256, 32, 8, 8, 4, epilogue_split=4, tma=False),
             "medium": GemmConfig(128, 128, 64, 8, 8, 3, epilogue_split=2, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
+            # unsplit, gelu in fp16 spilled 8 bytes (168 registers) once the dpre row stride and the K
+            # range were arguments (issue 25); split in two, 125 and no spill
+            "small": GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=2, tma=False),
         },
         "gated_dh_bwd": {
             "large": GemmConfig(128, 128, 64, 8, 8, 3, epilogue_split=2, tma=False),
@@ -690,6 +824,9 @@ INTERPRETER_GEMM_BLOCKS = {"block_m": 32, "block_n": 64, "block_k": 32, "group_m
 # 132 SMs (256 tiles); below, smaller tiles keep more SMs busy.
 LARGE_OUTPUTS = 2**23
 SMALL_ROWS = 64
+# The split-K epilogue (elementwise, in the small GEMM entry's tiles) on 8 warps: on 4, sm100's
+# fwd tile spilled 8 bytes with gelu_tanh in bfloat16.
+SPLIT_K_EPILOGUE_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -719,8 +856,41 @@ def gemm_config(kernel: str, M: int, N: int, device: torch.device) -> GemmConfig
     return dataclasses.replace(cfg, **INTERPRETER_GEMM_BLOCKS) if runtime.INTERPRET else cfg
 
 
-def _grid(cfg: GemmConfig, M: int, N: int) -> tuple[int]:
-    return (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+def _grid(cfg: GemmConfig, M: int, N: int, splits: int = 1) -> tuple[int, ...]:
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    return (tiles,) if splits == 1 else (tiles, splits)
+
+
+def split_k(cfg: GemmConfig, M: int, N: int, K: int, device: torch.device) -> int:
+    """How many programs share each output tile's K loop in a forward GEMM (1: no split).
+
+    Decode-sized M (at most SMALL_ROWS rows) gives too few output tiles to occupy the GPU: GPT-2
+    124M's up projection at M <= 64 is 48 tiles of 64 x 64 for 132 SMs. Its K loop is then split
+    until at least one program runs per SM (runtime.num_sms: the device's count; a fixed stand-in
+    in the interpreter), with at least one K step a split; the partial sums (float32, M x N a split)
+    are added in split order by _split_k_epilogue_kernel, which runs the epilogue: repeatable, no
+    atomics. GPT-2 124M at M = 1: 48 programs -> 144 (3 splits of 4 K steps each).
+    """
+    tiles = _grid(cfg, M, N)[0]
+    sms = runtime.num_sms(device)
+    if M > SMALL_ROWS or tiles >= sms:
+        return 1
+    return max(1, min(triton.cdiv(sms, tiles), triton.cdiv(K, cfg.block_k)))
+
+
+def _split_k_epilogue(
+    partial: torch.Tensor, cfg: GemmConfig, bias, y, pre, up, activation: str, store_pre: bool, gated: bool
+) -> None:
+    """Launch _split_k_epilogue_kernel over y's (M, N) in the GEMM's own tiles."""
+    M, N = y.shape
+    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))
+    runtime.launch(
+        _split_k_epilogue_kernel, grid,
+        partial, bias if bias is not None else y, y, pre, up, M, N, partial.shape[0] // (2 if gated else 1),
+        ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre, GATED=gated,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INLINE_PTX=inline_ptx(y), num_warps=SPLIT_K_EPILOGUE_WARPS,
+        **runtime.COMPILE_OPTIONS,
+    )  # fmt: skip
 
 
 def _launch_options(cfg: GemmConfig, tma: bool) -> dict:
@@ -763,14 +933,18 @@ def _linear_act_fwd(
     tma = tma_usable(cfg, x, weight)
     x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
     w_tiles = runtime.tma_operand(weight, (cfg.block_n, cfg.block_k), tma)
+    splits = split_k(cfg, M, N, K, x.device)
+    partial = runtime.empty((splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
     with runtime.device_guard(x):
         runtime.launch(
-            _linear_act_fwd_kernel, _grid(cfg, M, N),
-            x_tiles, w_tiles, bias if bias is not None else weight, y, pre, M, N, K,
+            _linear_act_fwd_kernel, _grid(cfg, M, N, splits),
+            x_tiles, w_tiles, bias if bias is not None else weight, y, pre, partial, M, N, K,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-            ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre,
-            **_launch_options(cfg, tma),
+            ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre, SPLIT_K=splits > 1,
+            INLINE_PTX=inline_ptx(x), **_launch_options(cfg, tma),
         )  # fmt: skip
+        if splits > 1:
+            _split_k_epilogue(partial, cfg, bias, y, pre, pre, activation, store_pre, gated=False)
     return y, pre
 
 
@@ -791,13 +965,18 @@ def _gated_fwd(
     tma = tma_usable(cfg, x, w_gate, w_up)
     x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
     wg_tiles, wu_tiles = (runtime.tma_operand(w, (cfg.block_n, cfg.block_k), tma) for w in (w_gate, w_up))
+    splits = split_k(cfg, M, N, K, x.device)
+    partial = runtime.empty((2 * splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
     with runtime.device_guard(x):
         runtime.launch(
-            _gated_fwd_kernel, _grid(cfg, M, N),
-            x_tiles, wg_tiles, wu_tiles, y, gate, up, M, N, K,
+            _gated_fwd_kernel, _grid(cfg, M, N, splits),
+            x_tiles, wg_tiles, wu_tiles, y, gate, up, partial, M, N, K,
             x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
-            ACTIVATION=activation, STORE_PRE=store_pre, **_launch_options(cfg, tma),
+            ACTIVATION=activation, STORE_PRE=store_pre, SPLIT_K=splits > 1, INLINE_PTX=inline_ptx(x),
+            **_launch_options(cfg, tma),
         )  # fmt: skip
+        if splits > 1:
+            _split_k_epilogue(partial, cfg, None, y, gate, up, activation, store_pre, gated=True)
     return y, gate, up
 
 
@@ -805,6 +984,18 @@ def _db(partial: torch.Tensor, has_bias: bool, dtype: torch.dtype) -> torch.Tens
     # Stage two of the bias gradient: a fixed-order sum over the row tiles' float32 partials. Without
     # a bias, an empty tensor of the parameters' dtype all the same (the fake kernel's).
     return (partial.sum(0) if has_bias else partial).to(dtype)
+
+
+def _pre_grads(M: int, N: int, gated: bool, like: torch.Tensor):
+    """(dpre, dpre's rows, dup's rows, their row stride): where the backward kernels write the
+    gradient of the pre-activation. Gated, dpre is one (M, 2N) buffer [dgate | dup] whose halves
+    the kernels write, so that dW_gate and dW_up are one GEMM (:func:`_gated_input_grads`);
+    otherwise (M, N), and dup's rows an empty tensor."""
+    if not gated:
+        dpre = runtime.empty((M, N), like.dtype, like.device)
+        return dpre, dpre, runtime.empty((0,), like.dtype, like.device), N
+    dpre = runtime.empty((M, 2 * N), like.dtype, like.device)
+    return dpre, dpre[:, :N], dpre[:, N:], 2 * N
 
 
 def _dh_act_bwd(
@@ -815,19 +1006,18 @@ def _dh_act_bwd(
     activation: str,
     has_bias: bool,
     need_h: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dh = dy W_out in a GEMM whose epilogue applies act' (and the gate's product rule).
 
-    Returns (dpre, dup, h, db): dpre (M, N); dup (M, N) when gated (up given), else empty; h, the
-    hidden activation recomputed from pre (M, N), or pre itself for ``none`` (empty unless need_h:
-    only the gradient of W_out uses it); db (N,) or empty.
+    Returns (dpre, h, db): dpre (M, N), or gated (up given) (M, 2N), [dgate | dup]; h, the hidden
+    activation recomputed from pre (M, N), or pre itself for ``none`` (empty unless need_h: only
+    the gradient of W_out uses it); db (N,) or empty.
     """
     M, N = pre.shape
     K = dy.shape[1]
     gated = up is not None
     store_h = need_h and (gated or activation != "none")
-    dpre = runtime.empty((M, N), pre.dtype, pre.device)
-    dup = runtime.empty((M, N) if gated else (0,), pre.dtype, pre.device)
+    dpre, dpre_rows, dup_rows, stride_dpre = _pre_grads(M, N, gated, pre)
     h = runtime.empty((M, N), pre.dtype, pre.device) if store_h else pre if need_h else pre[:0]
     cfg = gemm_config("gated_dh_bwd" if gated else "dh_bwd", M, N, pre.device)
     db_partial = runtime.empty(
@@ -842,18 +1032,19 @@ def _dh_act_bwd(
         with runtime.device_guard(pre):
             runtime.launch(
                 _dh_act_bwd_kernel, _grid(cfg, M, N),
-                dy_tiles, w_tiles, pre, up if gated else pre, dpre, dup, h, db_partial, M, N, K,
-                dy.stride(0), dy.stride(1), w.stride(0), w.stride(1),
+                dy_tiles, w_tiles, pre, up if gated else pre, dpre_rows, dup_rows, h, db_partial, M, N, K,
+                dy.stride(0), dy.stride(1), w.stride(0), w.stride(1), stride_dpre,
                 ACTIVATION=activation, GATED=gated, STORE_H=store_h, HAS_BIAS=has_bias,
                 **_launch_options(cfg, tma),
             )  # fmt: skip
-    return dpre, dup, h, _db(db_partial, has_bias, pre.dtype)
+    return dpre, h, _db(db_partial, has_bias, pre.dtype)
 
 
 def _act_bwd(
     dh: torch.Tensor, pre: torch.Tensor, up: torch.Tensor | None, activation: str, has_bias: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The elementwise backward of act (or of act(gate) ⊙ up): (dpre, dup or empty, db or empty)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The elementwise backward of act (or of act(gate) ⊙ up): (dpre, db or empty), dpre as
+    :func:`_pre_grads` lays it out."""
     M, N = pre.shape
     gated = up is not None
     cfg = ACT_BWD_CONFIG
@@ -862,19 +1053,18 @@ def _act_bwd(
     slabs = max(1, 4 * runtime.num_sms(pre.device) // max(1, column_blocks))
     rows_per_program = triton.cdiv(triton.cdiv(max(M, 1), slabs), cfg.block_m) * cfg.block_m
     grid = (column_blocks, triton.cdiv(M, rows_per_program))
-    dpre = runtime.empty((M, N), pre.dtype, pre.device)
-    dup = runtime.empty((M, N) if gated else (0,), pre.dtype, pre.device)
+    dpre, dpre_rows, dup_rows, stride_dpre = _pre_grads(M, N, gated, pre)
     db_partial = runtime.empty((grid[1], N) if has_bias else (0,), torch.float32, pre.device)
     if M > 0 and N > 0:
         with runtime.device_guard(pre):
             runtime.launch(
                 _act_bwd_kernel, grid,
-                dh, pre, up if gated else pre, dpre, dup, db_partial, M, N, rows_per_program,
-                dh.stride(0), dh.stride(1),
+                dh, pre, up if gated else pre, dpre_rows, dup_rows, db_partial, M, N, rows_per_program,
+                dh.stride(0), dh.stride(1), stride_dpre,
                 ACTIVATION=activation, GATED=gated, HAS_BIAS=has_bias,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
-    return dpre, dup, _db(db_partial, has_bias, pre.dtype)
+    return dpre, _db(db_partial, has_bias, pre.dtype)
 
 
 def _input_grads(dpres, x: torch.Tensor | None, weights, needs: list[bool]) -> list[torch.Tensor]:
@@ -890,6 +1080,27 @@ def _input_grads(dpres, x: torch.Tensor | None, weights, needs: list[bool]) -> l
     return [dx, *(torch.matmul(dpre.t(), x) if need else dpre.new_empty((0,)) for dpre, need in pairs)]
 
 
+def _gated_input_grads(dgate_up: torch.Tensor, x, w_gate, w_up, needs: list[bool]):
+    """(dx, dW_gate|up) from dgate_up (M, 2N) = [dgate | dup]: dx = dgate W_gate + dup W_up, two
+    cuBLAS GEMMs reading the halves in place; with both weights training, [dW_gate; dW_up] =
+    [dgate | dup]ᵀ x in ONE GEMM of 2N rows, returned stacked (2N, K) (an op's outputs may not
+    alias, so :func:`_split_gate_up` splits it outside the op); with one, that weight's (N, K); with
+    neither, an empty tensor. One GEMM of 2N rows instead of two of N: half the launches and a
+    single pass over x, the tiles of both halves in one grid."""
+    N = w_gate.shape[0]
+    dgate, dup = dgate_up[:, :N], dgate_up[:, N:]
+    dx = _input_grads([dgate, dup], x, [w_gate, w_up], [needs[0], False, False])[0]
+    rows = dgate_up if needs[1] and needs[2] else dgate if needs[1] else dup if needs[2] else None
+    return dx, dgate_up.new_empty((0,)) if rows is None else torch.matmul(rows.t(), x)
+
+
+def _split_gate_up(dw_gate_up: torch.Tensor, needs: list[bool]) -> tuple:
+    """(dW_gate, dW_up) from :func:`_gated_input_grads`' result; None where needs says no gradient."""
+    if needs[0] and needs[1]:
+        return tuple(dw_gate_up.tensor_split(2))  # two empty halves when N = 0
+    return (dw_gate_up, None) if needs[0] else (None, dw_gate_up if needs[1] else None)
+
+
 def linear_act_fwd(x, weight, bias, activation: str, save_pre: bool):
     """Forward of :func:`linear_act` on validated (M, K) input: (y, pre or an empty tensor)."""
     return _linear_act_fwd(x, weight, bias, activation, _stores_pre(activation, save_pre))
@@ -902,7 +1113,7 @@ def linear_act_bwd(dy, x, weight, pre, has_bias: bool, activation: str, needs: l
         dpre = dy
         db = dy.sum(0, dtype=torch.float32).to(dy.dtype) if has_bias else dy.new_empty((0,))
     else:
-        dpre, _, db = _act_bwd(dy, pre, None, activation, has_bias)
+        dpre, db = _act_bwd(dy, pre, None, activation, has_bias)
     dx, dw = _input_grads([dpre], x, [weight], needs)
     return dx, dw, db
 
@@ -914,9 +1125,10 @@ def gated_linear_fwd(x, w_gate, w_up, activation: str, save_pre: bool):
 
 
 def gated_linear_bwd(dy, x, w_gate, w_up, gate, up, activation: str, needs: list[bool]):
-    """Backward of :func:`gated_linear_fwd`: (dx, dw_gate, dw_up), empty where needs says not wanted."""
-    dgate, dup, _ = _act_bwd(dy, gate, up, activation, has_bias=False)
-    return tuple(_input_grads([dgate, dup], x, [w_gate, w_up], needs))
+    """Backward of :func:`gated_linear_fwd`: (dx, dw_gate|up) as :func:`_gated_input_grads` returns
+    them, empty where needs (dx, dw_gate, dw_up) says not wanted."""
+    dgate_up, _ = _act_bwd(dy, gate, up, activation, has_bias=False)
+    return _gated_input_grads(dgate_up, x, w_gate, w_up, needs)
 
 
 def _down_proj(h: torch.Tensor, w_out: torch.Tensor, b_out: torch.Tensor | None) -> torch.Tensor:
@@ -950,7 +1162,7 @@ def fused_mlp_bwd(
     """Backward of :func:`fused_mlp_fwd`: (dx, dw_in, db_in, dw_out, db_out); what needs (dx, dw_in,
     dw_out) or has_b_in / has_b_out leave out is an empty tensor, and costs no GEMM."""
     if needs[0] or needs[1] or has_b_in:
-        dpre, _, h, db_in = _dh_act_bwd(dy, w_out, pre, None, activation, has_b_in, need_h=needs[2])
+        dpre, h, db_in = _dh_act_bwd(dy, w_out, pre, None, activation, has_b_in, need_h=needs[2])
         dx, dw_in = _input_grads([dpre], x, [w_in], needs[:2])
     else:  # only W_out and b_out train: no dh GEMM, h recomputed elementwise where dW_out needs it
         dx, dw_in, db_in = (dy.new_empty((0,)) for _ in range(3))  # outputs may not alias
@@ -966,13 +1178,13 @@ def gated_mlp_fwd(x, w_gate, w_up, w_down, activation: str, save_pre: bool):
 
 
 def gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation: str, needs: list[bool]):
-    """Backward of :func:`gated_mlp_fwd`: (dx, dw_gate, dw_up, dw_down), empty where needs says not
-    wanted (no GEMM for it)."""
+    """Backward of :func:`gated_mlp_fwd`: (dx, dw_gate|up as :func:`_gated_input_grads` returns it,
+    dw_down), empty where needs (dx, dw_gate, dw_up, dw_down) says not wanted (no GEMM for it)."""
     if any(needs[:3]):
-        dgate, dup, h, _ = _dh_act_bwd(dy, w_down, gate, up, activation, has_bias=False, need_h=needs[3])
-        grads = _input_grads([dgate, dup], x, [w_gate, w_up], needs[:3])
+        dgate_up, h, _ = _dh_act_bwd(dy, w_down, gate, up, activation, has_bias=False, need_h=needs[3])
+        grads = _gated_input_grads(dgate_up, x, w_gate, w_up, needs[:3])
     else:  # only W_down trains: no dh GEMM, h recomputed elementwise
-        grads = [dy.new_empty((0,)) for _ in range(3)]  # outputs may not alias
+        grads = [dy.new_empty((0,)) for _ in range(2)]  # outputs may not alias
         h = (reference.apply_activation(gate.float(), activation) * up.float()).to(gate.dtype)
         h = h if needs[3] else grads[0]
     dw_down, _ = _out_grads(dy, h, has_b_out=False, need_dw=needs[3])
@@ -1016,6 +1228,13 @@ def _linear_act_bwd_op(
     needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return linear_act_bwd(dy, x, weight, pre, has_bias, activation, needs)
+
+
+def _fake_gated_input_grads(dy: torch.Tensor, w_gate: torch.Tensor, needs: list[bool]) -> list[torch.Tensor]:
+    """The shapes :func:`_gated_input_grads` returns: dx (M, K); dW_gate|up (2N, K), (N, K) or empty."""
+    N, K = w_gate.shape
+    dx = dy.new_empty((dy.shape[0], K) if needs[0] else (0,))
+    return [dx, dy.new_empty((N * (needs[1] + needs[2]), K) if needs[1] or needs[2] else (0,))]
 
 
 def _fake_input_grads(dy: torch.Tensor, weights, needs: list[bool]) -> list[torch.Tensor]:
@@ -1088,13 +1307,13 @@ def _gated_linear_bwd_op(
     up: torch.Tensor,
     activation: str,
     needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     return gated_linear_bwd(dy, x, w_gate, w_up, gate, up, activation, needs)
 
 
 @_gated_linear_bwd_op.register_fake
 def _(dy, x, w_gate, w_up, gate, up, activation, needs):
-    return tuple(_fake_input_grads(dy, [w_gate, w_up], needs))
+    return tuple(_fake_gated_input_grads(dy, w_gate, needs))
 
 
 def _gated_linear_setup_context(ctx, inputs, output):
@@ -1109,8 +1328,8 @@ def _gated_linear_backward(ctx, dy, _dgate, _dup):
     _require_saved(ctx, "gated_linear_fwd")
     x, w_gate, w_up, gate, up = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:3])
-    grads = _gated_linear_bwd_op(dy, x, w_gate, w_up, gate, up, ctx.activation, needs)
-    return _wanted(ctx, *grads, None, None)
+    dx, dw_gate_up = _gated_linear_bwd_op(dy, x, w_gate, w_up, gate, up, ctx.activation, needs)
+    return _wanted(ctx, dx, *_split_gate_up(dw_gate_up, needs[1:]), None, None)
 
 
 _gated_linear_fwd_op.register_autograd(_gated_linear_backward, setup_context=_gated_linear_setup_context)
@@ -1206,14 +1425,14 @@ def _gated_mlp_bwd_op(
     up: torch.Tensor,
     activation: str,
     needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation, needs)
 
 
 @_gated_mlp_bwd_op.register_fake
 def _(dy, x, w_gate, w_up, w_down, gate, up, activation, needs):
     return (
-        *_fake_input_grads(gate, [w_gate, w_up], needs[:3]),
+        *_fake_gated_input_grads(gate, w_gate, needs[:3]),
         dy.new_empty(w_down.shape if needs[3] else (0,)),
     )
 
@@ -1230,8 +1449,8 @@ def _gated_mlp_backward(ctx, dy, _dgate, _dup):
     _require_saved(ctx, "gated_mlp_fwd")
     x, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:4])
-    grads = _gated_mlp_bwd_op(dy, x, w_gate, w_up, w_down, gate, up, ctx.activation, needs)
-    return _wanted(ctx, *grads, None, None)
+    dx, dw_gate_up, dw_down = _gated_mlp_bwd_op(dy, x, w_gate, w_up, w_down, gate, up, ctx.activation, needs)
+    return _wanted(ctx, dx, *_split_gate_up(dw_gate_up, needs[1:3]), dw_down, None, None)
 
 
 _gated_mlp_fwd_op.register_autograd(_gated_mlp_backward, setup_context=_gated_mlp_setup_context)

@@ -56,16 +56,31 @@ def test_cases_cover_every_model_direction_and_baseline():
     kernels = {c.kernel for c in cases}
     assert kernels == {"linear_act", "gated_linear", "mlp", "mlp_gated"}
     shapes = len(mlp.MODELS) * len(mlp.TOKENS)
+    decode = [c for c in cases if c.params["tokens"] in mlp.DECODE_TOKENS]
+    cases = [c for c in cases if c not in decode]
+    gelu_tanh_models = sum(m.activation == "gelu_tanh" for m in mlp.MODELS)
+    # decode-sized batches: the up projection forward, ours and the GEMM baselines (gated: no addmm-gelu)
+    assert len(decode) == len(mlp.DECODE_TOKENS) * (
+        4 * len(mlp.MODELS) - (len(mlp.MODELS) - gelu_tanh_models)
+    )
+    assert {c.implementation for c in decode} == {"ours", "matmul", "addmm-gelu", "eager"}
+    assert {c.direction for c in decode} == {"forward"} and all(
+        c.kernel.endswith(("linear", "act")) for c in decode
+    )
     up = [c for c in cases if c.kernel.endswith("linear") or c.kernel == "linear_act"]
     assert {c.implementation for c in up} == {
         "ours",
         "ours+save",
         "ours-pointer",
         "matmul",
+        "addmm-gelu",
         "eager",
         "compile",
     }
-    assert len(up) == 6 * shapes and {c.direction for c in up} == {"forward"}
+    # cuBLASLt's fused GELU epilogue only where the activation is gelu_tanh (the GPT-2 models).
+    gelu_tanh_shapes = gelu_tanh_models * len(mlp.TOKENS)
+    assert {c.kernel for c in up if c.implementation == "addmm-gelu"} == {"linear_act"}
+    assert len(up) == 6 * shapes + gelu_tanh_shapes and {c.direction for c in up} == {"forward"}
     whole = [c for c in cases if c.kernel.startswith("mlp")]
     assert {c.implementation for c in whole} == {"ours", "ours-pointer", "eager", "compile"}
     assert len(whole) == 4 * len(suite.DIRECTIONS) * shapes
@@ -76,6 +91,7 @@ def test_cases_cover_every_model_direction_and_baseline():
     quick = mlp.cases(quick=True)
     compiled = [c for c in quick if c.implementation == "compile"]  # each case compiles afresh
     assert len(quick) < len(cases) and len(compiled) == len(mlp.QUICK_CASES)
+    assert not any(c.params["tokens"] in mlp.DECODE_TOKENS for c in quick)
     assert all(c.kernel.startswith("mlp") and c.direction == "forward+backward" for c in compiled)
 
 
@@ -89,9 +105,14 @@ def test_every_timed_call_runs_and_checks(model, monkeypatch):
     )
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
     cases = mlp.model_cases(model, 33, device="cpu")
-    assert len(cases) == 6 + 4 * len(suite.DIRECTIONS)
+    assert len(cases) == 6 + (not model.gated) + 4 * len(suite.DIRECTIONS)
     for case in cases:
         result = case.setup()()
+        if case.implementation == "addmm-gelu":  # cuBLASLt's fused epilogue (torch's on the CPU)
+            torch.manual_seed(0)
+            tensors = mlp.make_inputs(model, 33, "cpu")
+            expected = mlp.reference_up(model, {k: t.float() for k, t in tensors.items()})
+            assert mlp.normalized_error(mlp.addmm_gelu(model, tensors), expected) < 2e-3
         if case.direction == "forward":
             width = model.hidden * (2 if case.implementation == "matmul" and model.gated else 1)
             expected = (
@@ -107,6 +128,22 @@ def test_every_timed_call_runs_and_checks(model, monkeypatch):
             assert ok, (case.id, errors)
 
 
+def test_addmm_gelu_is_tanh_gelu_with_bias_and_refuses_other_activations():
+    # torch._addmm_activation on the CPU: bias and GELU (erf there, tanh on CUDA: 5e-4 apart at
+    # most), within 4.8e-4 (measured, normalized) of the float32 reference of linear_act(gelu_tanh),
+    # and far from the bias-free result; the gated model's silu has no cuBLASLt epilogue.
+    torch.manual_seed(0)
+    tensors = mlp.make_inputs(GPT2, 33, "cpu")
+    exact = {k: t.float() for k, t in tensors.items()}
+    got = mlp.addmm_gelu(GPT2, tensors)
+    assert got.dtype == mlp.DTYPE and got.shape == (33, GPT2.hidden)
+    assert mlp.normalized_error(got, mlp.reference_up(GPT2, exact)) < 1e-3
+    no_bias = torch.nn.functional.gelu(exact["x"] @ exact["w_in"].t(), approximate="tanh")
+    assert mlp.normalized_error(got, no_bias) > 1e-2
+    with pytest.raises(ValueError, match="silu"):
+        mlp.addmm_gelu(LLAMA, mlp.make_inputs(LLAMA, 3, "cpu"))
+
+
 def test_ours_pointer_times_every_gemm_without_tma(monkeypatch):
     import kernels.mlp
 
@@ -120,3 +157,19 @@ def test_ours_pointer_times_every_gemm_without_tma(monkeypatch):
     for case in pointer:
         case.setup()()
     assert seen == [False] * (1 + len(pointer)) and kernels.mlp.USE_TMA is True
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("model", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_decode_cases_run_and_check(model, monkeypatch):
+    # One token: ours takes the split-K path (kernels.mlp.split_k) and its check passes.
+    monkeypatch.setattr(
+        mlp.timing, "rotating_inputs", lambda make_copy, bytes_per_copy, device: [make_copy()]
+    )
+    cases = mlp.decode_cases(model, 1, device="cpu")
+    cublaslt = [] if model.gated else ["addmm-gelu"]
+    assert [c.implementation for c in cases] == ["ours", "matmul", "eager", *cublaslt]
+    for case in cases:
+        assert case.setup()().shape[0] == 1, case.id
+    errors, ok = cases[0].check()
+    assert ok, errors
