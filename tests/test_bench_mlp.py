@@ -4,7 +4,7 @@ check and its cases. Timing needs a GPU and is never asserted on."""
 import pytest
 import torch
 
-from bench import mlp, suite, timing
+from bench import correctness, mlp, suite, timing
 
 GPT2 = mlp.Model("tiny", 48, 80, gated=False)
 LLAMA = mlp.Model("tiny", 40, 100, gated=True)
@@ -112,7 +112,7 @@ def test_every_timed_call_runs_and_checks(model, monkeypatch):
             torch.manual_seed(0)
             tensors = mlp.make_inputs(model, 33, "cpu")
             expected = mlp.reference_up(model, {k: t.float() for k, t in tensors.items()})
-            assert mlp.normalized_error(mlp.addmm_gelu(model, tensors), expected) < 2e-3
+            assert correctness.normalized_error(mlp.addmm_gelu(model, tensors), expected) < 2e-3
         if case.direction == "forward":
             width = model.hidden * (2 if case.implementation == "matmul" and model.gated else 1)
             expected = (
@@ -137,9 +137,9 @@ def test_addmm_gelu_is_tanh_gelu_with_bias_and_refuses_other_activations():
     exact = {k: t.float() for k, t in tensors.items()}
     got = mlp.addmm_gelu(GPT2, tensors)
     assert got.dtype == mlp.DTYPE and got.shape == (33, GPT2.hidden)
-    assert mlp.normalized_error(got, mlp.reference_up(GPT2, exact)) < 1e-3
+    assert correctness.normalized_error(got, mlp.reference_up(GPT2, exact)) < 1e-3
     no_bias = torch.nn.functional.gelu(exact["x"] @ exact["w_in"].t(), approximate="tanh")
-    assert mlp.normalized_error(got, no_bias) > 1e-2
+    assert correctness.normalized_error(got, no_bias) > 1e-2
     with pytest.raises(ValueError, match="silu"):
         mlp.addmm_gelu(LLAMA, mlp.make_inputs(LLAMA, 3, "cpu"))
 
