@@ -26,10 +26,12 @@ Every gradient element is written by exactly one program in a fixed order: no at
 gradients are bit-identical run to run.
 
 Tiles move by TMA on Hopper and newer (sm_90+): tensor descriptors over the whole 4-D tensors, whose
-loads read out-of-bounds rows and head-dim columns as zeros and whose stores drop them. Inputs whose
-start or (batch, seqlen, heads) strides are not multiples of 16 bytes, other GPUs, the table entries
-whose TMA variant spilled registers, and ``USE_TMA = False`` take masked pointer loads instead; one
-kernel per pass serves both (the ``TMA`` constexpr).
+loads read out-of-bounds rows and head-dim columns as zeros and whose stores drop them; a packed
+batch's forward builds one per sequence on the device, bounded by the sequence (its backward takes
+pointers). Inputs whose start or (batch, seqlen, heads) strides are not multiples of 16 bytes,
+other GPUs, the table entries whose TMA variant spilled registers, and ``USE_TMA = False`` take
+masked pointer loads instead, some entries at a smaller key block (``pointer_block_n``); one kernel
+per pass serves both (the ``TMA`` constexpr).
 Causal forward and dq passes run their longest query blocks first, so the tail is short ones; the
 forward can also run persistent (``programs_per_sm`` in its table), off until measured faster.
 
