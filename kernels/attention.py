@@ -17,21 +17,19 @@ query) blocks inside the window.
 
 Packed batches (:func:`flash_attention_varlen`, flash-attn's varlen layout): q (total_q, heads,
 head_dim) and k, v (total_k, kv_heads, head_dim) hold the sequences one after another, sequence b in
-rows cu_seqlens[b]:cu_seqlens[b + 1]; the same kernels address a sequence by its first row instead
-of its batch index, the grid covers the longest sequence and tiles past a shorter one return at once.
+rows cu_seqlens[b]:cu_seqlens[b + 1]; the kernels address a sequence by its first row (the forward's
+TMA descriptors, built on the device, by its rows alone; the backward takes pointers), the grid
+covers the longest sequence and tiles past a shorter one return at once.
 
 Backward: a preprocess (delta = rowsum(dO·O) - dlse), a pass per key block that accumulates dk and
 dv over every query block and every query head of its group, and a pass per query block for dq.
 Every gradient element is written by exactly one program in a fixed order: no atomics, so the
 gradients are bit-identical run to run.
 
-Tiles move by TMA on Hopper and newer (sm_90+): tensor descriptors over the whole 4-D tensors, whose
-loads read out-of-bounds rows and head-dim columns as zeros and whose stores drop them; a packed
-batch's forward builds one per sequence on the device, bounded by the sequence (its backward takes
-pointers). Inputs whose start or (batch, seqlen, heads) strides are not multiples of 16 bytes,
-other GPUs, the table entries whose TMA variant spilled registers, and ``USE_TMA = False`` take
-masked pointer loads instead, some entries at a smaller key block (``pointer_block_n``); one kernel
-per pass serves both (the ``TMA`` constexpr).
+Tiles move by TMA on Hopper and newer (sm_90+): descriptors whose loads read out-of-bounds rows and
+head-dim columns as zeros and whose stores drop them. Unaligned inputs (start or strides not
+multiples of 16 bytes), other GPUs, ``USE_TMA = False`` and table entries whose TMA tile spilled take
+masked pointer loads (some at a smaller key block: ``pointer_block_n``); one kernel serves both.
 Causal forward and dq passes run their longest query blocks first, so the tail is short ones; the
 forward can also run persistent (``programs_per_sm`` in its table), off until measured faster.
 
@@ -212,26 +210,6 @@ def _store_tile(
 
 
 @triton.jit
-def _sequence_descriptor(
-    X, first_row, seqlen, heads, strides, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    """A TMA descriptor, built on the device, of one sequence of a packed (total, heads, head_dim)
-    tensor: its rows [first_row, + seqlen) as a (1, seqlen, heads, HEAD_DIM) tensor that
-    :func:`_load_tile` and :func:`_store_tile` address as sequence 0. Bounded by the sequence, its
-    loads past the end read zeros and its stores there are dropped, so a tile never touches the next
-    sequence's rows (a descriptor of the whole packed tensor would). strides are X's (row, row,
-    head) strides, as :func:`_strides` gives a packed tensor's; the launch needs Triton's allocator
-    for the descriptors' global memory (runtime.launch_building_descriptors)."""
-    return tl.make_tensor_descriptor(
-        X + first_row.to(tl.int64) * strides[1],
-        shape=[1, seqlen, heads, HEAD_DIM],
-        strides=[strides[0], strides[1], strides[2], 1],
-        block_shape=[1, BLOCK_S, 1, BLOCK_C],
-    )
-
-
-@triton.jit
 def _attn_fwd_block(
     acc, l_i, m_i, q, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
     window_left, window_right, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -293,7 +271,7 @@ def _attn_fwd_tile(
     if VARLEN:
         if start_m >= seqlen_q:  # the grid covers the longest sequence
             return
-        if TMA:
+        if TMA:  # descriptors of this sequence's rows alone (_sequence_descriptor): no tile reaches the next
             Q = _sequence_descriptor(Q, q_seq, seqlen_q, heads, q_strides, HEAD_DIM, BLOCK_M, BLOCK_D)
             OUT = _sequence_descriptor(OUT, q_seq, seqlen_q, heads, o_strides, HEAD_DIM, BLOCK_M, BLOCK_D)
             kv_heads = heads // group_size
@@ -359,20 +337,11 @@ def _attn_fwd_kernel(
     batch,
     heads,
     group_size,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_ob,
-    stride_os,
-    stride_oh,
-    stride_lse_b,
-    stride_lse_h,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lse_b, stride_lse_h,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -383,7 +352,7 @@ def _attn_fwd_kernel(
     PERSISTENT: tl.constexpr,
     VARLEN: tl.constexpr,
     INLINE_PTX: tl.constexpr,  # an NVIDIA target: the causal mask as PTX (see _causal_scores)
-):
+):  # fmt: skip
     # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): a program per tile; or with PERSISTENT
     # (programs,), program p taking tiles p, p + programs, ... The loop is a constexpr choice: it
     # raises registers, and with the table's tiles only TMA at head dims 64 and 128 compiled without
@@ -855,6 +824,26 @@ def _attn_decode_reduce_kernel(
     bh = (row // seqlen_q).to(tl.int64)
     base = OUT + (bh // heads) * stride_ob + i.to(tl.int64) * stride_os + (bh % heads) * stride_oh
     tl.store(base + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def _sequence_descriptor(
+    X, first_row, seqlen, heads, strides, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """A TMA descriptor, built on the device, of one sequence of a packed (total, heads, head_dim)
+    tensor: its rows [first_row, + seqlen) as a (1, seqlen, heads, HEAD_DIM) tensor that
+    :func:`_load_tile` and :func:`_store_tile` address as sequence 0. Bounded by the sequence, its
+    loads past the end read zeros and its stores there are dropped, so a tile never touches the next
+    sequence's rows (a descriptor of the whole packed tensor would). strides are X's (row, row,
+    head) strides, as :func:`_strides` gives a packed tensor's; the launch needs Triton's allocator
+    for the descriptors' global memory (runtime.launch_building_descriptors)."""
+    return tl.make_tensor_descriptor(
+        X + first_row.to(tl.int64) * strides[1],
+        shape=[1, seqlen, heads, HEAD_DIM],
+        strides=[strides[0], strides[1], strides[2], 1],
+        block_shape=[1, BLOCK_S, 1, BLOCK_C],
+    )
 
 
 # ----------------------------------------------------------------------------------------------
