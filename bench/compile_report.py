@@ -516,8 +516,8 @@ def attention_pass_config(
 ):  # fmt: skip
     """The KernelConfig of attention pass ``name`` (a key of ATTENTION_PASSES) run with the
     kernels.attention.AttnConfig ``cfg`` at ``head_dim``, mask a key of ATTENTION_MASKS, pointer or
-    TMA loads, on a padded batch or a packed one (flash_attention_varlen: pointers, a program per
-    tile), for GPU family arch."""
+    TMA loads, on a padded batch or a packed one (flash_attention_varlen: a program per tile; the
+    forward's TMA descriptors built on the device), for GPU family arch."""
     from kernels import attention
 
     kernel, by_query, by_key = ATTENTION_PASSES[name]
@@ -538,7 +538,7 @@ def attention_pass_config(
     if name == "attn_bwd_dkdv":
         constexprs["BLOCK_D_OUT"] = block_d // cfg.column_splits
     descriptors = {}
-    if tma:
+    if tma and not packed:  # a packed batch's descriptors are built on the device, one per sequence
         descriptors = {a: (1, cfg.block_m, 1, block_d) for a in by_query}
         descriptors |= {a: (1, cfg.block_n, 1, block_d) for a in by_key}
     flags = ((mask, mask != "full"), ("tma", tma), ("persistent", persistent), ("varlen", packed))
@@ -556,7 +556,8 @@ def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -
     block_d compiles to on arch: the local mask first (the most live values: a search stops at the
     first failure), then causal and full; a power-of-two head dim and a padded one (3/4 of the
     block); both dtypes; on the table's batches, padded ones with pointer loads (always selectable:
-    USE_TMA off, unaligned inputs) and, on sm_90+ where cfg.tma, TMA loads; packed ones with pointers."""
+    USE_TMA off, unaligned inputs) and, on sm_90+ where cfg.tma, TMA loads; packed ones likewise in
+    the forward, with pointers in the backward. The pointer configs take cfg.loads(False)'s tile."""
     name, batches = ATTENTION_TABLES[table]
     tma_modes = (False, True) if cfg.tma and arch.tma else (False,)
     configs = []
@@ -564,8 +565,9 @@ def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -
     for mask, head_dim, dtype, packed in itertools.product(
         reversed(ATTENTION_MASKS), head_dims, (torch.float16, torch.bfloat16), batches
     ):
-        for tma in (False,) if packed else tma_modes:
-            configs.append(attention_pass_config(name, cfg, head_dim, dtype, mask, tma, packed, arch.name))
+        for tma in (False,) if packed and name != "attn_fwd" else tma_modes:
+            loads = cfg.loads(tma)
+            configs.append(attention_pass_config(name, loads, head_dim, dtype, mask, tma, packed, arch.name))
     return configs
 
 

@@ -9,10 +9,11 @@ instructions (HGMMA). For each main loop, in code order: instructions per iterat
 included, as the anchors count), HGMMA, FMUL, FFMA, MUFU, and instructions per MFLOP of tensor work
 (instructions x warps / MFLOP, the wgmma shapes giving the FLOPs). The config is the table entry of
 ``kernels.attention``'s sm90 table for the pass and head dim, compiled as ``bench.compile_report``
-compiles it (fp16, padded batch); needs no GPU.
+compiles it (fp16, padded batch; with --pointer, the entry's pointer tile); needs no GPU.
 """
 
 import argparse
+import collections
 import re
 from dataclasses import dataclass
 
@@ -34,6 +35,12 @@ class Loop:
         """Instructions whose opcode (predicate stripped) is opcode or opcode.<modifiers>."""
         pattern = re.compile(rf"^(?:@!?U?P\w+\s+)?{re.escape(opcode)}(?:\.|\s|$)")
         return sum(bool(pattern.match(i)) for i in self.instructions)
+
+    def wgmma_shapes(self) -> str:
+        """The HGMMA shapes of one iteration with their counts, as "8x 64x64x16, 4x 64x256x16"."""
+        shapes = collections.Counter(re.search(r"HGMMA\.(\d+x\d+x\d+)", i).group(1) for i in self.instructions
+                                     if "HGMMA" in i)  # fmt: skip
+        return ", ".join(f"{n}x {shape}" for shape, n in shapes.items())
 
     def tensor_flops(self, num_warps: int) -> int:
         """FLOPs of the wgmma in one iteration: each HGMMA.MxNxK is issued by one warpgroup."""
@@ -71,13 +78,14 @@ def main_loops(sass: str) -> list[Loop]:
 
 
 def describe(loops: list[Loop], num_warps: int) -> str:
-    rows = ["loop (bytes)        instr  HGMMA  FMUL  FFMA  MUFU  instr/MF"]
+    rows = ["loop (bytes)        instr  HGMMA  FMUL  FFMA  MUFU  instr/MF  wgmma shapes"]
     for loop in loops:
         mflop = loop.tensor_flops(num_warps) / 1e6
         per_mf = len(loop.instructions) * num_warps / mflop
         rows.append(
             f"{loop.start:#07x}-{loop.end:#07x}  {len(loop.instructions):5d}  {loop.count('HGMMA'):5d}  "
-            f"{loop.count('FMUL'):4d}  {loop.count('FFMA'):4d}  {loop.count('MUFU'):4d}  {per_mf:8.0f}"
+            f"{loop.count('FMUL'):4d}  {loop.count('FFMA'):4d}  {loop.count('MUFU'):4d}  {per_mf:8.0f}  "
+            f"{loop.wgmma_shapes()}"
         )
     return "\n".join(rows)
 
@@ -98,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pointer", action="store_true", help="pointer loads even where the entry takes TMA")
     args = parser.parse_args(argv)
     table = next(t for t, (name, _) in compile_report.ATTENTION_TABLES.items() if name == args.kernel)
-    cfg = getattr(attention, table)["sm90"][attention.head_dim_block(args.head_dim)]
-    tma = cfg.tma and not args.pointer
+    entry = getattr(attention, table)["sm90"][attention.head_dim_block(args.head_dim)]
+    tma = entry.tma and not args.pointer
+    cfg = entry.loads(tma)
     config = compile_report.attention_pass_config(
         args.kernel, cfg, args.head_dim, torch.float16, args.mask, tma
     )

@@ -222,7 +222,9 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
                 f"attention {name} d={head_dim} ({arch})", getattr(attention, table_name)[arch],
                 attention.head_dim_block(head_dim),
                 lambda cfg, p=pass_name, d=head_dim: [
-                    compile_report.attention_pass_config(p, cfg, d, torch.float16, mask, cfg.tma, arch=arch)
+                    compile_report.attention_pass_config(
+                        p, cfg.loads(cfg.tma), d, torch.float16, mask, cfg.tma, arch=arch
+                    )
                     for mask in compile_report.ATTENTION_MASKS
                 ],
                 lambda s=check_shape: all(bench_attention.check(s, c, DEVICE)[1] for c in (False, True)),
@@ -230,13 +232,14 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
                 persistent=name == "fwd", tma=tma,
             ))  # fmt: skip
             if name == "fwd":  # packed documents have a table of their own
-                targets.append(_packed_forward_target(shape, arch))
+                targets.append(_packed_forward_target(shape, arch, tma))
     return targets
 
 
-def _packed_forward_target(shape, arch: str) -> Target:
+def _packed_forward_target(shape, arch: str, tma: bool) -> Target:
     """The PACKED_FWD_CONFIGS entry at shape's head dim, timed on the bench's documents (causal,
-    as packed documents are trained), checked on three ragged ones; pointer loads, no persistence."""
+    as packed documents are trained), checked on three ragged ones; TMA (tma: the family has it,
+    descriptors built on the device per sequence) or pointer loads, no persistence."""
     from bench import attention as bench_attention
     from bench import compile_report
     from kernels import attention
@@ -246,11 +249,13 @@ def _packed_forward_target(shape, arch: str) -> Target:
         f"attention fwd packed d={shape.head_dim} ({arch})", attention.PACKED_FWD_CONFIGS[arch],
         attention.head_dim_block(shape.head_dim),
         lambda cfg, d=shape.head_dim: [
-            compile_report.attention_pass_config("attn_fwd", cfg, d, torch.float16, mask, False, True, arch)
+            compile_report.attention_pass_config(
+                "attn_fwd", cfg.loads(cfg.tma), d, torch.float16, mask, cfg.tma, True, arch
+            )
             for mask in compile_report.ATTENTION_MASKS
         ],
         lambda d=shape.head_dim: bench_attention.check_packed(check_lengths, 2, d, DEVICE)[1],
-        lambda: _packed_forward_calls(shape.heads, shape.head_dim), tma=False,
+        lambda: _packed_forward_calls(shape.heads, shape.head_dim), tma=tma,
     )  # fmt: skip
 
 

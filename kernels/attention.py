@@ -17,19 +17,19 @@ query) blocks inside the window.
 
 Packed batches (:func:`flash_attention_varlen`, flash-attn's varlen layout): q (total_q, heads,
 head_dim) and k, v (total_k, kv_heads, head_dim) hold the sequences one after another, sequence b in
-rows cu_seqlens[b]:cu_seqlens[b + 1]; the same kernels address a sequence by its first row instead
-of its batch index, the grid covers the longest sequence and tiles past a shorter one return at once.
+rows cu_seqlens[b]:cu_seqlens[b + 1]; the kernels address a sequence by its first row (the forward's
+TMA descriptors, built on the device, by its rows alone; the backward takes pointers), the grid
+covers the longest sequence and tiles past a shorter one return at once.
 
 Backward: a preprocess (delta = rowsum(dO·O) - dlse), a pass per key block that accumulates dk and
 dv over every query block and every query head of its group, and a pass per query block for dq.
 Every gradient element is written by exactly one program in a fixed order: no atomics, so the
 gradients are bit-identical run to run.
 
-Tiles move by TMA on Hopper and newer (sm_90+): tensor descriptors over the whole 4-D tensors, whose
-loads read out-of-bounds rows and head-dim columns as zeros and whose stores drop them. Inputs whose
-start or (batch, seqlen, heads) strides are not multiples of 16 bytes, other GPUs, the table entries
-whose TMA variant spilled registers, and ``USE_TMA = False`` take masked pointer loads instead; one
-kernel per pass serves both (the ``TMA`` constexpr).
+Tiles move by TMA on Hopper and newer (sm_90+): descriptors whose loads read out-of-bounds rows and
+head-dim columns as zeros and whose stores drop them. Unaligned inputs (start or strides not
+multiples of 16 bytes), other GPUs, ``USE_TMA = False`` and table entries whose TMA tile spilled take
+masked pointer loads (some at a smaller key block: ``pointer_block_n``); one kernel serves both.
 Causal forward and dq passes run their longest query blocks first, so the tail is short ones; the
 forward can also run persistent (``programs_per_sm`` in its table), off until measured faster.
 
@@ -267,11 +267,20 @@ def _attn_fwd_tile(
     kv_h = h // group_size
     q_seq, seqlen_q = _sequence(CU_SEQLENS_Q, b, seqlen_q, VARLEN)
     k_seq, seqlen_k = _sequence(CU_SEQLENS_K, b, seqlen_k, VARLEN)
+    q_tiles_seq = q_seq  # the sequence index of the Q and OUT tiles: 0 in a sequence's own descriptor
     if VARLEN:
         if start_m >= seqlen_q:  # the grid covers the longest sequence
             return
+        if TMA:  # descriptors of this sequence's rows alone (_sequence_descriptor): no tile reaches the next
+            Q = _sequence_descriptor(Q, q_seq, seqlen_q, heads, q_strides, HEAD_DIM, BLOCK_M, BLOCK_D)
+            OUT = _sequence_descriptor(OUT, q_seq, seqlen_q, heads, o_strides, HEAD_DIM, BLOCK_M, BLOCK_D)
+            kv_heads = heads // group_size
+            K = _sequence_descriptor(K, k_seq, seqlen_k, kv_heads, k_strides, HEAD_DIM, BLOCK_N, BLOCK_D)
+            V = _sequence_descriptor(V, k_seq, seqlen_k, kv_heads, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D)
+            q_tiles_seq = 0
+            k_seq = 0
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = _load_tile(Q, q_seq, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
+    q = _load_tile(Q, q_tiles_seq, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -303,7 +312,7 @@ def _attn_fwd_tile(
     # A query that sees no key: l = 0, so the output is 0 and lse = log 0 = -inf.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-    _store_tile(OUT, out, q_seq, h, start_m, 0, o_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+    _store_tile(OUT, out, q_tiles_seq, h, start_m, 0, o_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
     if VARLEN:
         lse_row = q_seq.to(tl.int64) * lse_strides[0] + h.to(tl.int64) * lse_strides[1]
     else:  # the same offset, in fewer registers: the strided sum spilled at head dim 128 on triton 3.9
@@ -328,20 +337,11 @@ def _attn_fwd_kernel(
     batch,
     heads,
     group_size,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_ob,
-    stride_os,
-    stride_oh,
-    stride_lse_b,
-    stride_lse_h,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lse_b, stride_lse_h,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -352,7 +352,7 @@ def _attn_fwd_kernel(
     PERSISTENT: tl.constexpr,
     VARLEN: tl.constexpr,
     INLINE_PTX: tl.constexpr,  # an NVIDIA target: the causal mask as PTX (see _causal_scores)
-):
+):  # fmt: skip
     # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): a program per tile; or with PERSISTENT
     # (programs,), program p taking tiles p, p + programs, ... The loop is a constexpr choice: it
     # raises registers, and with the table's tiles only TMA at head dims 64 and 128 compiled without
@@ -826,6 +826,26 @@ def _attn_decode_reduce_kernel(
     tl.store(base + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
+@triton.jit
+def _sequence_descriptor(
+    X, first_row, seqlen, heads, strides, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """A TMA descriptor, built on the device, of one sequence of a packed (total, heads, head_dim)
+    tensor: its rows [first_row, + seqlen) as a (1, seqlen, heads, HEAD_DIM) tensor that
+    :func:`_load_tile` and :func:`_store_tile` address as sequence 0. Bounded by the sequence, its
+    loads past the end read zeros and its stores there are dropped, so a tile never touches the next
+    sequence's rows (a descriptor of the whole packed tensor would). strides are X's (row, row,
+    head) strides, as :func:`_strides` gives a packed tensor's; the launch needs Triton's allocator
+    for the descriptors' global memory (runtime.launch_building_descriptors)."""
+    return tl.make_tensor_descriptor(
+        X + first_row.to(tl.int64) * strides[1],
+        shape=[1, seqlen, heads, HEAD_DIM],
+        strides=[strides[0], strides[1], strides[2], 1],
+        block_shape=[1, BLOCK_S, 1, BLOCK_C],
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
@@ -843,6 +863,14 @@ class AttnConfig:
     tma: bool = True  # q/k/v/o tiles by TMA (tensor descriptors) where the GPU and strides allow
     # Forward: 0 launches a program per tile; n > 0 launches n per SM, each looping over tiles.
     programs_per_sm: int = 0
+    # The key block when tiles move by pointers (0: block_n), for entries whose TMA tile spills there.
+    pointer_block_n: int = 0
+
+    def loads(self, tma: bool) -> "AttnConfig":
+        """The config a launch takes with TMA loads (tma) or with pointers."""
+        if tma or not self.pointer_block_n:
+            return self
+        return dataclasses.replace(self, block_n=self.pointer_block_n, pointer_block_n=0)
 
 
 # Per GPU family (runtime.arch), pass and padded head dim. Every entry compiles for its family's
@@ -856,10 +884,11 @@ class AttnConfig:
 # attention on such a GPU refines them). On sm_80 the 128x64 forward tile spilled 24 bytes at head
 # dim 128; the dk/dv pass spilled hundreds of bytes on sm_100 at sm_90's tiles.
 #
-# sm_90: clean on triton 3.6 and 3.9 but for one: the packed head-dim-128 forward, hence
-# PACKED_FWD_CONFIGS below. TMA took fewer registers in most entries (221 against 255 in the
-# head-dim-128 forward) and less shared memory (197 against 229 KB there); which is faster is for
-# the bench to measure ("ours" against "ours-pointer").
+# sm_90: clean on triton 3.6 and 3.9, but the forward's TMA tiles at head dims 128 and 256, checked
+# on 3.6 only (the one at hand when they were set); those entries take smaller key blocks with
+# pointers (pointer_block_n), whose larger tiles spilled. TMA took fewer registers in most entries
+# (221 against 255 in the 128x128 head-dim-128 forward) and less shared memory (197 against 229 KB
+# there); which is faster is for the bench to measure ("ours" against "ours-pointer").
 #
 # sm_80, sm_86, sm_100: clean on triton 3.6 (CI's) and 3.9 alike. Where a tile spilled 8-16 bytes on
 # one of them (the sm_80 and sm_86 head-dim-16 forwards at 128x128: 3 stages on 3.6, 2 on 3.9; the
@@ -882,12 +911,19 @@ FWD_CONFIGS = {
         16: AttnConfig(128, 64, 4, 3),
         32: AttnConfig(128, 64, 4, 3),
         64: AttnConfig(128, 64, 4, 3),
-        # 128x128 spilled 8 bytes (head dim 128) and 48 (96) with pointers and a window once the
-        # offsets went 64-bit; 128x64 is clean on every path (172-217 registers).
-        128: AttnConfig(128, 64, 8, 3),
-        # 128x64 spilled 8-48 bytes on triton 3.9 (TMA, and pointers at head dim 192 causal), 64x64
-        # with pointers; 128x32 with pointers is the one tile tried that compiles clean on 3.6 and 3.9.
-        256: AttnConfig(128, 32, 8, 2, tma=False),
+        # 128x128 by TMA, as the tutorial: clean at 221-255 registers, 192 KiB (triton 3.6; padded and
+        # packed, every mask). Pointers keep 128x64: 128x128 spilled 8 bytes (head dim 128) and 48 (96)
+        # there with a window once the offsets went 64-bit. bench.sass_loops, non-causal loop: 128x64
+        # took 336 instructions, 66 FMUL, 12 HGMMA per 64 keys (641 per MFLOP); 128x128 takes 488, 66,
+        # 16x 64x128x16 per 128 keys (465 per MFLOP; the tutorial 491, 66: 468); causal diagonal 625.
+        128: AttnConfig(128, 128, 8, 3, pointer_block_n=64),
+        # 128x64 by TMA, K and V through shared memory as FA3's 128x80 (which fills it; Triton's
+        # tiles are powers of two): bench.sass_loops, non-causal loop, 16x 64x64x16 + 4x 64x256x16
+        # HGMMA, 442 instructions (422 per MFLOP), where the 128x32 pointer tile issued 16x 64x32x16
+        # + 2x 64x256x16 in 376 (717 per MFLOP); 250-255 registers, no spill, 128 KiB (triton 3.6).
+        # Pointers keep 128x32: 128x64 spilled 8-48 bytes there (head dims 192, 256 local), as it
+        # did on triton 3.9 with TMA and at 192 causal with pointers.
+        256: AttnConfig(128, 64, 8, 2, pointer_block_n=32),
     },
     "sm100": {
         # With TMA the causal head-dim-16 forward spilled 8 bytes on triton 3.9 (clean on 3.6).
@@ -922,12 +958,11 @@ FWD_CONFIGS = {
         256: AttnConfig(128, 32, 4, 3, tma=False),
     },
 }
-# Packed batches take pointer loads, and on sm_90 at head dim 128 a forward tile of their own: the
-# padded table's 128x128 pointer tile runs at 255 registers and spilled 16 bytes packed on triton
-# 3.9, where 128x64 compiled at 180-234 registers in every mask. The backward passes share the
+# Packed batches' forward: the padded entries, TMA descriptors built on the device per sequence (the
+# 128x128 head-dim-128 tile compiles as the padded one: 221-255 registers, no spill; its pointer
+# tile, 128x64, is the one the packed batches took before at 180-234). The backward passes share the
 # padded tables. A dict of its own per family: tuning one table (bench.tune) never edits the other.
 PACKED_FWD_CONFIGS = {arch: dict(table) for arch, table in FWD_CONFIGS.items()}
-PACKED_FWD_CONFIGS["sm90"][128] = AttnConfig(128, 64, 8, 3, tma=False)
 # block_n is the key block each program owns (dk, dv accumulate there); block_m the query step.
 BWD_DKDV_CONFIGS = {
     # At head dim 256 no tile held dk and dv whole without spilling (808 bytes at 64x64, 8 warps),
@@ -1030,7 +1065,7 @@ DECODE_REDUCE_BLOCK_S = 16  # splits the reduce loads at a time: up to 2 per SM,
 # of equal-length sequences takes the prefill kernel (TMA, its tuned tiles) on the cache's rows.
 DECODE_MAX_SEQLEN_Q = 16
 # Small, unequal tiles in the interpreter: quick there, and several blocks cross every boundary.
-INTERPRETER_BLOCKS = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1}
+INTERPRETER_BLOCKS = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1, "pointer_block_n": 0}
 PREPROCESS_BLOCK_M = 64
 # At 4 warps the 64 x 128 tiles of o and dO spilled 8-32 bytes on sm_100 (at 48-56 registers).
 PREPROCESS_NUM_WARPS = 8
@@ -1072,11 +1107,14 @@ def _lse_stride_args(lse: torch.Tensor) -> dict:
     return {"stride_lse_b": stride_b, "stride_lse_h": stride_h}
 
 
-def tma_usable(cfg: AttnConfig, *tensors: torch.Tensor) -> bool:
+def tma_usable(cfg: AttnConfig, *tensors: torch.Tensor, sequence_descriptors: bool = False) -> bool:
     """Whether a pass with cfg moves its tiles by TMA: ``USE_TMA`` and the table entry allow it and
     :func:`runtime.tma_compatible` holds (odd head dims and unaligned views take the pointer path).
-    Packed sequences never do: a tile's store would spill into the next sequence's rows."""
-    return USE_TMA and cfg.tma and tensors[0].dim() == 4 and runtime.tma_compatible(*tensors)
+    Packed sequences only where the pass builds a descriptor per sequence on the device
+    (sequence_descriptors, see _sequence_descriptor): a descriptor of the whole packed tensor would
+    let a tile's store spill into the next sequence's rows."""
+    packed_ok = tensors[0].dim() == 4 or sequence_descriptors
+    return USE_TMA and cfg.tma and packed_ok and runtime.tma_compatible(*tensors)
 
 
 def inline_ptx(t: torch.Tensor) -> bool:
@@ -1142,16 +1180,20 @@ def attention_fwd(
     lse = runtime.empty(lse_shape, torch.float32, q.device)
     cfg = attn_config(FWD_CONFIGS if packed is None else PACKED_FWD_CONFIGS, head_dim, q.device)
     block_d = head_dim_block(head_dim)
-    tma = tma_usable(cfg, q, k, v, out)
-    q_tiles, out_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, out))
-    k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (k, v))
+    tma = tma_usable(cfg, q, k, v, out, sequence_descriptors=True)
+    cfg = cfg.loads(tma)
+    # A packed batch's kernel builds its descriptors on the device, bounded by each sequence.
+    host_tma = tma and packed is None
+    q_tiles, out_tiles = (_operand(t, cfg.block_m, block_d, host_tma) for t in (q, out))
+    k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, host_tma) for t in (k, v))
+    launch = runtime.launch if packed is None or not tma else runtime.launch_building_descriptors
     tiles = triton.cdiv(seqlen_q, cfg.block_m) * batch * heads
     persistent = cfg.programs_per_sm > 0 and packed is None
     programs = min(tiles, cfg.programs_per_sm * runtime.num_sms(q.device)) if persistent else tiles
     if programs == 0:  # a packed batch of empty sequences
         return out, lse
     with runtime.device_guard(q):
-        runtime.launch(
+        launch(
             _attn_fwd_kernel, (programs,),
             q_tiles, k_tiles, v_tiles, out_tiles, lse, **_sequence_args(packed, lse),
             softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=window_left,

@@ -11,6 +11,7 @@ the compile report builds each family's entries for that family's own target.
 """
 
 import contextlib
+import contextvars
 import functools
 import os
 import re
@@ -235,3 +236,22 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs):
     for hook in launch_hooks:
         hook(kernel, grid)
     return kernel[grid](*args, **kwargs)
+
+
+def _descriptor_memory(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the tensor descriptors a kernel builds on the device, on the launch's device
+    (the current one inside :func:`device_guard`); torch's allocator aligns to 512 bytes."""
+    return torch.empty(size, dtype=torch.int8, device="cpu" if INTERPRET else "cuda")
+
+
+def launch_building_descriptors(kernel, grid: tuple[int, ...], *args, **kwargs):
+    """:func:`launch` for a kernel that builds tensor descriptors on the device
+    (``tl.make_tensor_descriptor``): Triton asks its allocator (``triton.set_allocator``) for their
+    memory at launch, and has none by default. Ours is set in a copy of the caller's context, so
+    an allocator the caller set is left as it was."""
+
+    def run():
+        triton.set_allocator(_descriptor_memory)
+        return launch(kernel, grid, *args, **kwargs)
+
+    return contextvars.copy_context().run(run)

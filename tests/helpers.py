@@ -69,8 +69,8 @@ def record_tma_choices(monkeypatch, module) -> list:
     choices = []
     decide = module.tma_usable
 
-    def recording(cfg, *tensors):
-        choices.append(decide(cfg, *tensors))
+    def recording(cfg, *tensors, **options):
+        choices.append(decide(cfg, *tensors, **options))
         return choices[-1]
 
     monkeypatch.setattr(module, "tma_usable", recording)

@@ -288,6 +288,18 @@ def test_varlen_equals_padded_batches_of_its_sequences(device):
     torch.testing.assert_close(packed_lse, dense_lse.transpose(0, 1).flatten(1), **exact)
 
 
+# The packed forward by TMA, its descriptors built on the device and bounded by each sequence, and
+# by pointers: lengths 1, ragged ones and a long one, unequal query and key lengths, GQA.
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointer"])
+def test_varlen_forward_by_tma_and_by_pointers_matches_reference(use_tma, causal, device, monkeypatch):
+    monkeypatch.setattr(attention, "USE_TMA", use_tma)
+    choices = record_tma_choices(monkeypatch, attention)
+    case = ([1, 45, 130, 2], [3, 45, 150, 1], 2, 1, 64)
+    check_varlen(case, causal, (-1, -1), torch.float16, device)
+    assert choices[0] == (use_tma and device_has_tma(device)), "the forward's choice of loads"
+
+
 def test_varlen_bad_input_is_named():
     q = torch.randn(10, 4, 16, dtype=torch.float16)
     k = torch.randn(10, 2, 16, dtype=torch.float16)

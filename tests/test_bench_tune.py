@@ -201,7 +201,7 @@ def test_compile_filter_passes_the_tables_and_rejects_shared_memory_over_budget(
     attention_entry, too_big, gemm_entry, packed_entry, packed_variants = run.stdout.splitlines()
     for entry in (attention_entry, gemm_entry, packed_entry):
         assert entry.startswith("(True, 'registers "), entry
-    assert packed_variants == str(["d=128 causal varlen", "d=128 local varlen", "d=128 varlen"])
+    assert packed_variants == str(["d=128 causal tma varlen", "d=128 local tma varlen", "d=128 tma varlen"])
     assert too_big.startswith("(False, ") and "shared memory" in too_big
 
 

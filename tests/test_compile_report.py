@@ -411,8 +411,16 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
     assert {c.constexprs["HEAD_DIM"] for c in padded} == {128, 96} and sum(
         bool(c.descriptors) for c in padded
     ) == 12
+    # A packed batch's forward builds its descriptors on the device: TMA configs without descriptor
+    # arguments.
     packed = compile_report.attention_entry_configs("PACKED_FWD_CONFIGS", cfg, 128, runtime.SM90)
-    assert len(packed) == 12 and all(c.constexprs["VARLEN"] and not c.descriptors for c in packed)
+    assert len(packed) == 24 and all(c.constexprs["VARLEN"] and not c.descriptors for c in packed)
+    assert sum(c.constexprs["TMA"] for c in packed) == 12
+    # An entry with a pointer key block of its own compiles its pointer configs at that block.
+    split = compile_report.attention_entry_configs(
+        "FWD_CONFIGS", dataclasses.replace(cfg, pointer_block_n=32), 128, runtime.SM90
+    )
+    assert {(c.constexprs["TMA"], c.constexprs["BLOCK_N"]) for c in split} == {(True, 64), (False, 32)}
     bwd = compile_report.attention_entry_configs("BWD_DQ_CONFIGS", cfg, 128, runtime.SM80)
     assert len(bwd) == 24 and not any(c.descriptors for c in bwd)  # padded and packed, no TMA on sm_80
     gemm = mlp.GemmConfig(128, 128, 64, 8, 8, 4)

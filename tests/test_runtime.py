@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from kernels import runtime
 
@@ -46,3 +47,32 @@ def test_every_kernel_launch_goes_through_the_grid_check():
         code = "\n".join(line.split("#")[0] for line in path.read_text().splitlines())
         assert not direct.findall(code), f"{path.name} launches a kernel without runtime.launch"
     assert "runtime.launch(" in (ROOT / "kernels" / "attention.py").read_text()
+
+
+def test_a_launch_building_descriptors_has_an_allocator_and_leaves_the_callers():
+    # Triton asks its allocator for the memory of descriptors built on the device; it has none by
+    # default, and one the caller set must stay theirs after our launch.
+    import contextvars
+    from types import SimpleNamespace
+
+    import triton
+    from triton.runtime import _allocation
+
+    seen = []
+
+    class Kernel:
+        fn = SimpleNamespace(__name__="kernel")
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(_allocation._allocator.get()(256, 128, None))
+
+    def callers(size, alignment, stream):
+        raise AssertionError("the caller's allocator was asked")
+
+    def run():
+        triton.set_allocator(callers)
+        runtime.launch_building_descriptors(Kernel(), (4,))
+        assert _allocation._allocator.get() is callers
+
+    contextvars.copy_context().run(run)  # the test's own allocator stays out of later tests
+    assert seen[0].dtype == torch.int8 and seen[0].numel() == 256
