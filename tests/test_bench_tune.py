@@ -107,9 +107,9 @@ def test_targets_point_at_the_tables_and_shapes_of_their_class():
 
     fwd, packed, dq = tune.attention_targets(["fwd", "bwd_dq"], [64], seqlen=4096)
     assert fwd.table is attention.FWD_CONFIGS["sm90"] and fwd.key == 64 and fwd.persistent and fwd.tma
-    # Packed batches take pointers and a program per tile: neither TMA nor persistence to toggle.
+    # Packed batches load by TMA through per-sequence descriptors, a program per tile: no persistence.
     assert packed.table is attention.PACKED_FWD_CONFIGS["sm90"] and packed.key == 64
-    assert not packed.persistent and not packed.tma
+    assert not packed.persistent and packed.tma
     assert dq.table is attention.BWD_DQ_CONFIGS["sm90"] and not dq.persistent
     targets = tune.mlp_targets(["fwd", "gated_fwd", "dh_bwd", "gated_dh_bwd"], ["large", "medium"])
     assert len(targets) == 8  # each (gemm, class) shape checked to fall in its class
