@@ -1117,11 +1117,6 @@ def tma_usable(cfg: AttnConfig, *tensors: torch.Tensor, sequence_descriptors: bo
     return USE_TMA and cfg.tma and packed_ok and runtime.tma_compatible(*tensors)
 
 
-def inline_ptx(t: torch.Tensor) -> bool:
-    """Whether kernels on t's device may take inline PTX: an NVIDIA GPU, not the interpreter."""
-    return not runtime.INTERPRET and not runtime.arch(t.device).hip_target
-
-
 def _operand(t: torch.Tensor, block_s: int, block_d: int, tma: bool):
     """t, or a descriptor of it loading (block_s rows, block_d head-dim columns) of one (batch, head)."""
     return runtime.tma_operand(t, (1, block_s, 1, block_d), tma)
@@ -1201,7 +1196,7 @@ def attention_fwd(
             batch=batch, heads=heads, group_size=heads // kv_heads,
             **_stride_args(q=q, k=k, v=v, o=out), **_lse_stride_args(lse),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
-            PERSISTENT=persistent, VARLEN=packed is not None, INLINE_PTX=inline_ptx(q),
+            PERSISTENT=persistent, VARLEN=packed is not None, INLINE_PTX=runtime.inline_ptx(q),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
     return out, lse
@@ -1247,7 +1242,7 @@ def attention_decode(
             seqlen_q=seqlen_q, keys_per_split=keys_per_split, window_left=window_left,
             window_right=window_right, kv_heads=kv_heads, group_size=group_size,
             **_stride_args(q=q, k=k_cache, v=v_cache), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
-            BLOCK_N=cfg.block_n, **mask, INLINE_PTX=inline_ptx(q), num_warps=cfg.num_warps,
+            BLOCK_N=cfg.block_n, **mask, INLINE_PTX=runtime.inline_ptx(q), num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
         runtime.launch(
@@ -1333,8 +1328,9 @@ def attention_bwd(
                 softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
                 group_size=group_size,
                 **_stride_args(q=q, k=k, v=v, do=dout, dq=dq), **lse_strides,
-                **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma, INLINE_PTX=inline_ptx(q),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
+                **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
+                INLINE_PTX=runtime.inline_ptx(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
     return dq, dk, dv
 

@@ -70,7 +70,7 @@ import triton
 import triton.language as tl
 
 from kernels import reference, runtime
-from kernels.attention import inline_ptx
+from kernels.runtime import inline_ptx
 
 ACTIVATIONS = ("none", "relu", "relu2", "gelu", "gelu_tanh", "silu")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)

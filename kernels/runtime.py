@@ -186,6 +186,11 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
+def inline_ptx(t: torch.Tensor) -> bool:
+    """Whether kernels on t's device may take inline PTX: an NVIDIA GPU, not the interpreter."""
+    return not INTERPRET and not arch(t.device).hip_target
+
+
 def tma_compatible(*tensors: torch.Tensor) -> bool:
     """Whether TMA (tensor descriptors) can address every tensor: an NVIDIA GPU of sm_90 or newer
     (the interpreter emulates one) and, per tensor, no zero size, a unit last stride, a 16-byte
