@@ -20,10 +20,10 @@ head_dim) and k, v (total_k, kv_heads, head_dim) hold the sequences one after an
 rows cu_seqlens[b]:cu_seqlens[b + 1]; the same kernels address a sequence by its first row instead
 of its batch index, the grid covers the longest sequence and tiles past a shorter one return at once.
 
-Backward: a preprocess (delta = rowsum(dO·O) - dlse), a pass per key block that accumulates dk and
-dv over every query block and every query head of its group, and a pass per query block for dq.
-Every gradient element is written by exactly one program in a fixed order: no atomics, so the
-gradients are bit-identical run to run.
+Backward: a preprocess (delta = rowsum(dO·O) - dlse; lse in log2 units), a pass per key block that
+accumulates dk and dv over every query block and query head of its group (under 2 programs per SM,
+GQA/MQA split a group's heads over programs, float32 partials summed in a fixed order), a pass per
+query block for dq. No atomics: the gradients are bit-identical run to run.
 
 Tiles move by TMA on Hopper and newer (sm_90+): tensor descriptors over the whole 4-D tensors, whose
 loads read out-of-bounds rows and head-dim columns as zeros and whose stores drop them. Inputs whose
