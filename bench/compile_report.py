@@ -512,20 +512,23 @@ ATTENTION_MASKS = {
 
 def attention_pass_config(
     name: str, cfg, head_dim: int, dtype: torch.dtype, mask: str, tma: bool, packed: bool = False,
-    arch: str = "sm90",
+    arch: str = "sm90", head_split: bool = False,
 ):  # fmt: skip
     """The KernelConfig of attention pass ``name`` (a key of ATTENTION_PASSES) run with the
     kernels.attention.AttnConfig ``cfg`` at ``head_dim``, mask a key of ATTENTION_MASKS, pointer or
     TMA loads, on a padded batch or a packed one (flash_attention_varlen: a program per tile; the
-    forward's TMA descriptors built on the device), for GPU family arch."""
+    forward's TMA descriptors built on the device), for GPU family arch; with head_split, the dk/dv
+    pass writing float32 partials (a GQA group's query heads split over programs)."""
     from kernels import attention
 
     kernel, by_query, by_key = ATTENTION_PASSES[name]
     block_d = attention.head_dim_block(head_dim)
     ty = TRITON_TYPES[dtype]
     pointers = dict.fromkeys(("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"), ty)
-    pointers.update(dict.fromkeys(("LSE", "DLSE", "DELTA"), "fp32"))
+    pointers.update(dict.fromkeys(("LSE", "LSE_LOG2", "DLSE", "DELTA"), "fp32"))
     pointers.update(dict.fromkeys(("CU_SEQLENS_Q", "CU_SEQLENS_K"), "i32" if packed else "fp32"))
+    if head_split:
+        pointers.update(DK="fp32", DV="fp32")
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   **ATTENTION_MASKS[mask], "TMA": tma, "VARLEN": packed}  # fmt: skip
     if packed:
@@ -533,7 +536,7 @@ def attention_pass_config(
     persistent = cfg.programs_per_sm > 0 and not packed
     if name == "attn_fwd":
         constexprs["PERSISTENT"] = persistent
-    if name in ("attn_fwd", "attn_bwd_dq"):
+    if name in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"):
         constexprs["INLINE_PTX"] = not ARCHS[arch].hip_target
     if name == "attn_bwd_dkdv":
         constexprs["BLOCK_D_OUT"] = block_d // cfg.column_splits
@@ -541,7 +544,8 @@ def attention_pass_config(
     if tma and not packed:  # a packed batch's descriptors are built on the device, one per sequence
         descriptors = {a: (1, cfg.block_m, 1, block_d) for a in by_query}
         descriptors |= {a: (1, cfg.block_n, 1, block_d) for a in by_key}
-    flags = ((mask, mask != "full"), ("tma", tma), ("persistent", persistent), ("varlen", packed))
+    flags = ((mask, mask != "full"), ("tma", tma), ("persistent", persistent), ("varlen", packed),
+             ("head split", head_split))  # fmt: skip
     modes = [mode for mode, on in flags if on]
     shape_class = " ".join([f"d={head_dim}", *modes])
     fn = f"kernels.attention.{kernel}"
@@ -568,6 +572,13 @@ def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -
         for tma in (False,) if packed and name != "attn_fwd" else tma_modes:
             loads = cfg.loads(tma)
             configs.append(attention_pass_config(name, loads, head_dim, dtype, mask, tma, packed, arch.name))
+    if name == "attn_bwd_dkdv":  # float32 partials (GQA head splits): the store differs, not the loop
+        for mask, packed in itertools.product(reversed(ATTENTION_MASKS), batches):
+            for tma in (False,) if packed else tma_modes:
+                loads = cfg.loads(tma)
+                configs.append(attention_pass_config(
+                    name, loads, block_d, torch.float16, mask, tma, packed, arch.name, head_split=True
+                ))  # fmt: skip
     return configs
 
 
@@ -582,7 +593,7 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
     ):
         ty = TRITON_TYPES[dtype]
         for head_dim in dict.fromkeys((block_d, block_d * 3 // 4)):
-            pointers = {"OUT": ty, "DO": ty, "DLSE": "fp32", "DELTA": "fp32"}
+            pointers = {"OUT": ty, "DO": ty, **dict.fromkeys(("LSE", "DLSE", "DELTA", "LSE_LOG2"), "fp32")}
             pointers["CU_SEQLENS_Q"] = "i32" if packed else "fp32"
             constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "HAS_DLSE": True, "VARLEN": packed,
                           "BLOCK_M": attention.PREPROCESS_BLOCK_M}  # fmt: skip

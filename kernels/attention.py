@@ -21,10 +21,10 @@ rows cu_seqlens[b]:cu_seqlens[b + 1]; the kernels address a sequence by its firs
 TMA descriptors, built on the device, by its rows alone; the backward takes pointers), the grid
 covers the longest sequence and tiles past a shorter one return at once.
 
-Backward: a preprocess (delta = rowsum(dO·O) - dlse), a pass per key block that accumulates dk and
-dv over every query block and every query head of its group, and a pass per query block for dq.
-Every gradient element is written by exactly one program in a fixed order: no atomics, so the
-gradients are bit-identical run to run.
+Backward: a preprocess (delta = rowsum(dO·O) - dlse; lse in log2 units), a pass per key block that
+accumulates dk and dv over every query block and query head of its group (under 2 programs per SM,
+GQA/MQA split a group's heads over programs, float32 partials summed in a fixed order), a pass per
+query block for dq. No atomics: the gradients are bit-identical run to run.
 
 Tiles move by TMA on Hopper and newer (sm_90+): descriptors whose loads read out-of-bounds rows and
 head-dim columns as zeros and whose stores drop them. Unaligned inputs (start or strides not
@@ -387,8 +387,10 @@ def _attn_fwd_kernel(
 def _attn_bwd_preprocess_kernel(
     OUT,  # (batch, seqlen_q, heads, head_dim)
     DO,  # (batch, seqlen_q, heads, head_dim)
+    LSE,  # (batch, heads, seqlen_q) float32, natural log, from the forward
     DLSE,  # (batch, heads, seqlen_q) float32; read when HAS_DLSE
-    DELTA,  # (batch, heads, seqlen_q) float32: rowsum(dO * O) - dlse; DLSE and DELTA laid out as LSE
+    DELTA,  # (batch, heads, seqlen_q) float32: rowsum(dO * O) - dlse
+    LSE_LOG2,  # (batch, heads, seqlen_q) float32: lse in log2 units, +inf where lse = -inf
     CU_SEQLENS_Q,  # as in _attn_fwd_kernel
     seqlen_q,
     heads,
@@ -425,6 +427,11 @@ def _attn_bwd_preprocess_kernel(
         # d lse_i / d s_ij = p_ij, which folds into ds = p * (dp - delta) as a shift of delta.
         delta -= tl.load(DLSE + row, mask=offs_m < seqlen_q, other=0.0)
     tl.store(DELTA + row, delta, mask=offs_m < seqlen_q)
+    # Converted once here, not in every (key block, query block) step of the dk/dv pass: there the
+    # conversion cost 24 of 291 instructions per iteration (sm_90, head dim 128).
+    lse = tl.load(LSE + row, mask=offs_m < seqlen_q, other=0.0)
+    lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(LSE_LOG2 + row, lse_log2, mask=offs_m < seqlen_q)
 
 
 @triton.jit
@@ -437,31 +444,73 @@ def _load_row_stats(LSE, DELTA, offs_m, seqlen_q):
 
 
 @triton.jit
+def _causal_scores_t(qk_t, offs_n, start_m, causal_offset, BLOCK_M: tl.constexpr, INLINE_PTX: tl.constexpr):
+    """:func:`_causal_scores` of the transposed scores (keys offs_n x queries start_m + j): -inf
+    where query j comes before key i's first visible query, one compare and one select per score,
+    in PTX that LLVM cannot pack into bit vectors (sm_90, head dim 128, the dk/dv loop: 291
+    instructions per iteration, 327 with tl.where on p)."""
+    first_query = (offs_n - (causal_offset + start_m))[:, None]
+    cols = tl.arange(0, BLOCK_M)[None, :]
+    if INLINE_PTX:
+        qk_t = tl.inline_asm_elementwise(
+            "{ .reg .pred hidden; setp.lt.s32 hidden, $2, $3; selp.f32 $0, 0fFF800000, $1, hidden; }",
+            "=r,r,r,r", [qk_t, cols, first_query], dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        qk_t = tl.where(cols >= first_query, qk_t, float("-inf"))
+    return qk_t
+
+
+@triton.jit
+def _load_query_tile(
+    X, b, h, start_m, col, strides, seqlen, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """:func:`_load_tile` of the query block at start_m, rows masked. Pointer loads move the block's
+    first row into the base pointer, so that the per-row offsets are the same in every block (sm_90,
+    head dim 128: 5 instructions fewer per iteration)."""
+    if TMA:
+        tile = _load_tile(X, b, h, start_m, col, strides, seqlen, HEAD_DIM, BLOCK_S, BLOCK_C, True, TMA)
+    else:
+        X += tl.cast(start_m, tl.int64) * strides[1]
+        tile = _load_tile(X, b, h, 0, col, strides, seqlen - start_m, HEAD_DIM, BLOCK_S, BLOCK_C, True, TMA)
+    return tile
+
+
+@triton.jit
 def _attn_bwd_dkdv_block(
-    dk, dv, k, v, Q, DO, LSE, DELTA, q_seq, h, offs_n, start_m, col, q_strides, do_strides, seqlen_q,
+    dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, q_seq, h, offs_n, start_m, col, q_strides, do_strides, seqlen_q,
     seqlen_k, window_left, window_right, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_D_OUT: tl.constexpr, MASK: tl.constexpr, LOCAL: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, INLINE_PTX: tl.constexpr,
 ):  # fmt: skip
     # Works on the transposed scores (keys x queries) so dk and dv accumulate in (BLOCK_N, head-dim
     # columns [col, + BLOCK_D_OUT)): all of them, or a slice, q and dO then read twice.
-    q = _load_tile(Q, q_seq, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
-    do = _load_tile(DO, q_seq, h, start_m, 0, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
+    q = _load_query_tile(Q, q_seq, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+    do = _load_query_tile(DO, q_seq, h, start_m, 0, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
     if BLOCK_D_OUT < BLOCK_D:
         tl.static_assert(not TMA, "a descriptor loads whole rows of the head dim")
-        q_out = _load_tile(
-            Q, q_seq, h, start_m, col, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D_OUT, True, TMA
+        q_out = _load_query_tile(
+            Q, q_seq, h, start_m, col, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D_OUT, TMA
         )
-        do_out = _load_tile(
-            DO, q_seq, h, start_m, col, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D_OUT, True, TMA
+        do_out = _load_query_tile(
+            DO, q_seq, h, start_m, col, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D_OUT, TMA
         )
     else:
         q_out = q
         do_out = do
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    lse, delta = _load_row_stats(LSE, DELTA, offs_m, seqlen_q)
-    p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
-    if MASK:  # causal or local; keys past seqlen_k are dropped by the store
+    # lse in log2 units (+inf where a row sees no key: p = 0), addressed from the block's first row as
+    # in _load_query_tile (16 IMAD.WIDE fewer per iteration). Rows past seqlen_q load 0: q and dO
+    # load as zeros there, so p dO and ds q vanish.
+    rows = tl.arange(0, BLOCK_M)
+    lse = tl.load(LSE_LOG2 + start_m + rows, mask=rows < seqlen_q - start_m, other=0.0)
+    delta = tl.load(DELTA + start_m + rows, mask=rows < seqlen_q - start_m, other=0.0)
+    qk_t = tl.dot(k, tl.trans(q))  # (BLOCK_N, BLOCK_M)
+    if MASK and not LOCAL:  # causal; keys past seqlen_k are dropped by the store
+        qk_t = _causal_scores_t(qk_t, offs_n, start_m, seqlen_k - seqlen_q, BLOCK_M, INLINE_PTX)
+    p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
+    if MASK and LOCAL:
+        offs_m = start_m + tl.arange(0, BLOCK_M)
         visible = _in_window(
             offs_m[None, :], offs_n[:, None], seqlen_k - seqlen_q, window_left, window_right, LOCAL
         )
@@ -479,12 +528,12 @@ def _attn_bwd_dkdv_kernel(
     K,
     V,
     DO,  # as in the forward; DO like Q
-    LSE,
-    DELTA,  # (batch, heads, seqlen_q) float32
+    LSE_LOG2,
+    DELTA,  # (batch, heads, seqlen_q) float32, from _attn_bwd_preprocess_kernel; LSE_LOG2 likewise
     DK,
-    DV,  # like K, V; Q, K, V, DO, DK, DV are TMA descriptors with TMA
+    DV,  # like K, V, or float32 partials of head_splits such stacked on the batch (rows, packed) axis
     CU_SEQLENS_Q,
-    CU_SEQLENS_K,  # as in _attn_fwd_kernel
+    CU_SEQLENS_K,  # as in _attn_fwd_kernel; Q, K, V, DO, DK, DV are TMA descriptors with TMA
     softmax_scale,
     seqlen_q,
     seqlen_k,
@@ -493,6 +542,8 @@ def _attn_bwd_dkdv_kernel(
     heads,
     kv_heads,
     group_size,
+    heads_per_split,  # query heads of a group per program: group_size, or fewer with head splits
+    split_seqs,  # with head splits, how far apart the splits' partials lie: batch (packed: total keys)
     stride_qb,
     stride_qs,
     stride_qh,
@@ -522,11 +573,15 @@ def _attn_bwd_dkdv_kernel(
     LOCAL: tl.constexpr,
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
+    INLINE_PTX: tl.constexpr,  # as in _attn_fwd_kernel
 ):
-    # grid = (cdiv(seqlen_k, BLOCK_N) * batch * kv_heads, BLOCK_D // BLOCK_D_OUT): one key block, all
-    # query heads of its group, dk and dv columns [program_id(1) * BLOCK_D_OUT, + BLOCK_D_OUT). Batch x
-    # heads goes on axis 0 (2**31 - 1 programs; 65,535 on axis 1), a (batch, head)'s key blocks side
-    # by side, so the programs running together share its queries in L2.
+    # grid = (cdiv(seqlen_k, BLOCK_N) * batch * kv_heads, head_splits * BLOCK_D // BLOCK_D_OUT): one
+    # key block, query heads [split * heads_per_split, + heads_per_split) of its group, dk and dv
+    # columns [column * BLOCK_D_OUT, + BLOCK_D_OUT). Batch x heads goes on axis 0 (2**31 - 1
+    # programs; 65,535 on axis 1), a (batch, head)'s key blocks side by side, so the programs running
+    # together share its queries in L2. With head splits (GQA/MQA grids too small for the GPU), each
+    # split writes its partial dk and dv to its own slice of DK and DV (seq), summed afterwards
+    # in a fixed order: no atomics.
     n_blocks = tl.cdiv(seqlen_k, BLOCK_N)
     start_n = tl.program_id(0) % n_blocks * BLOCK_N
     batch_kv_head = tl.program_id(0) // n_blocks
@@ -536,7 +591,11 @@ def _attn_bwd_dkdv_kernel(
     k_seq, seqlen_k = _sequence(CU_SEQLENS_K, b, seqlen_k, VARLEN)
     if VARLEN and start_n >= seqlen_k:  # the grid covers the longest sequence
         return
-    col = tl.program_id(1) * BLOCK_D_OUT
+    columns = BLOCK_D // BLOCK_D_OUT
+    col = tl.program_id(1) % columns * BLOCK_D_OUT
+    split = tl.program_id(1) // columns
+    first_head = split * heads_per_split
+    last_head = tl.minimum(first_head + heads_per_split, group_size)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k_strides = (stride_kb, stride_ks, stride_kh)
     v_strides = (stride_vb, stride_vs, stride_vh)
@@ -546,8 +605,12 @@ def _attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     qk_scale = softmax_scale * 1.4426950408889634
     # Queries before the first that sees key start_n (causal or local), and after the last (local),
-    # contribute nothing. One loop with the mask on every block: separate masked and unmasked
-    # loops, as in the forward, spilled registers on sm_90 here (264 bytes at head dim 64).
+    # contribute nothing. One loop with the mask on every block. A causal split (the query blocks
+    # crossing the diagonal masked, the rest without) spilled 8-264 bytes on sm_90 at this table's
+    # tiles with a tl.where mask; with the PTX mask it still spilled 32 bytes at head dim 128 (no
+    # clean tile of BLOCK_M 32 found), where its loops ran 298 (diagonal) and 283 instructions per
+    # iteration against 291 for this one loop (non-causal: 262). Two loops with a window spilled too
+    # (264 bytes at head dim 64).
     causal_offset = seqlen_k - seqlen_q
     lo = 0
     hi = seqlen_q
@@ -556,21 +619,23 @@ def _attn_bwd_dkdv_kernel(
         hi = tl.minimum(start_n + BLOCK_N - causal_offset + window_left, seqlen_q)
     elif CAUSAL:
         lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
-    for g in range(group_size):
+    q_strides = (stride_qb, stride_qs, stride_qh)
+    do_strides = (stride_dob, stride_dos, stride_doh)
+    for g in range(first_head, last_head):
         h = kv_h * group_size + g
         row0 = q_seq.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h
         for start_m in range(lo, hi, BLOCK_M):
             dk, dv = _attn_bwd_dkdv_block(
-                dk, dv, k, v, Q, DO, LSE + row0, DELTA + row0, q_seq, h, offs_n, start_m, col,
-                (stride_qb, stride_qs, stride_qh), (stride_dob, stride_dos, stride_doh), seqlen_q, seqlen_k,
-                window_left, window_right, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D_OUT, CAUSAL or LOCAL,
-                LOCAL, TMA,
+                dk, dv, k, v, Q, DO, LSE_LOG2 + row0, DELTA + row0, q_seq, h, offs_n, start_m, col, q_strides,
+                do_strides, seqlen_q, seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_M,
+                BLOCK_D, BLOCK_D_OUT, CAUSAL or LOCAL, LOCAL, TMA, INLINE_PTX,
             )  # fmt: skip
     dk *= softmax_scale
     dk_strides = (stride_dkb, stride_dks, stride_dkh)
     dv_strides = (stride_dvb, stride_dvs, stride_dvh)
-    _store_tile(DK, dk, k_seq, kv_h, start_n, col, dk_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA)
-    _store_tile(DV, dv, k_seq, kv_h, start_n, col, dv_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA)
+    seq = k_seq + split * split_seqs
+    _store_tile(DK, dk, seq, kv_h, start_n, col, dk_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA)
+    _store_tile(DV, dv, seq, kv_h, start_n, col, dv_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA)
 
 
 @triton.jit
@@ -971,6 +1036,10 @@ BWD_DKDV_CONFIGS = {
     "sm90": {
         16: AttnConfig(64, 128, 8, 2),
         32: AttnConfig(64, 128, 8, 2),
+        # Per iteration (python -m bench.sass_loops attn_bwd_dkdv, fp16) after lse in log2 units from
+        # the preprocess, block-relative query rows and the causal mask in PTX, before -> after:
+        # 64 (TMA): full 327 -> 266, causal 369 -> 301; 128: full 291 -> 261 (555 -> 498 per MFLOP),
+        # causal 329 -> 291 (628 -> 555), local 369 -> 341.
         64: AttnConfig(32, 128, 8, 2),
         # 2 stages spilled 8 bytes packed with the local mask (64-bit rows, flat grid; triton 3.6);
         # 1 stage compiled at 226-235 registers, clean, in the local and causal masks.
@@ -1067,6 +1136,7 @@ DECODE_MAX_SEQLEN_Q = 16
 # Small, unequal tiles in the interpreter: quick there, and several blocks cross every boundary.
 INTERPRETER_BLOCKS = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1, "pointer_block_n": 0}
 PREPROCESS_BLOCK_M = 64
+INTERPRETER_NUM_SMS = 132  # an H200's: see bwd_num_sms
 # At 4 warps the 64 x 128 tiles of o and dO spilled 8-32 bytes on sm_100 (at 48-56 registers).
 PREPROCESS_NUM_WARPS = 8
 
@@ -1255,6 +1325,22 @@ def attention_decode(
     return out
 
 
+def bwd_num_sms(device: torch.device) -> int:
+    """SMs the dk/dv pass fills: the GPU's, or an H200's in the interpreter (its tests then split
+    query heads as on a GPU)."""
+    return runtime.num_sms(device) if device.type == "cuda" else INTERPRETER_NUM_SMS
+
+
+def dkdv_head_splits(programs: int, group_size: int, num_sms: int) -> tuple[int, int]:
+    """(heads_per_split, splits): a GQA group's query heads shared among splits programs per key
+    block, at least enough for two programs per SM when ``programs`` (batch x kv heads x key
+    blocks) are fewer and the group has the heads, none without a head (MQA with 16 heads, batch 1,
+    4K keys on an H200: 32 programs at head dim 128, 16 splits of one head, 512 programs)."""
+    wanted = max(1, min(group_size, triton.cdiv(2 * num_sms, programs)))
+    heads_per_split = group_size // wanted
+    return heads_per_split, triton.cdiv(group_size, heads_per_split)
+
+
 def attention_bwd(
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
@@ -1279,7 +1365,8 @@ def attention_bwd(
     if dlse is not None:
         dlse = dlse.contiguous()
     block_d = head_dim_block(head_dim)
-    delta = runtime.empty(lse.shape, torch.float32, q.device)
+    # The kernels address both with lse's strides (lse, from the forward, is contiguous).
+    delta, lse_log2 = (runtime.empty(lse.shape, torch.float32, q.device) for _ in range(2))
     dq = runtime.empty(q.shape if needs[0] else (0,), q.dtype, q.device)
     dk = runtime.empty(k.shape if needs[1] else (0,), k.dtype, k.device)
     dv = runtime.empty(v.shape if needs[1] else (0,), v.dtype, v.device)
@@ -1293,29 +1380,39 @@ def attention_bwd(
         grid = (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M) * batch * heads,)
         runtime.launch(
             _attn_bwd_preprocess_kernel, grid,
-            out, dout, dlse if dlse is not None else delta, delta, sequences["CU_SEQLENS_Q"], seqlen_q, heads,
+            out, dout, lse, dlse if dlse is not None else delta, delta, lse_log2, sequences["CU_SEQLENS_Q"],
+            seqlen_q, heads,
             **_stride_args(o=out, do=dout), **lse_strides,
             **dims, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=dlse is not None, num_warps=PREPROCESS_NUM_WARPS,
             **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
         if needs[1]:
             cfg = attn_config(BWD_DKDV_CONFIGS, head_dim, q.device)
-            tma = tma_usable(cfg, q, k, v, dout, dk, dv)
+            programs = triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads
+            heads_per_split, splits = dkdv_head_splits(programs, group_size, bwd_num_sms(q.device))
+            # Split: float32 partials (splits, *k.shape), the splits stacked on the first axis.
+            dk_out, dv_out = dk, dv
+            if splits > 1:
+                partial_shape = (splits * k.shape[0], *k.shape[1:])
+                dk_out, dv_out = (runtime.empty(partial_shape, torch.float32, k.device) for _ in range(2))
+            tma = tma_usable(cfg, q, k, v, dout, dk_out, dv_out)
             q_tiles, do_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout))
             k_tiles, v_tiles, dk_tiles, dv_tiles = (
-                _operand(t, cfg.block_n, block_d, tma) for t in (k, v, dk, dv)
+                _operand(t, cfg.block_n, block_d, tma) for t in (k, v, dk_out, dv_out)
             )
-            grid = (triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads, cfg.column_splits)
             runtime.launch(
-                _attn_bwd_dkdv_kernel, grid,
-                q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dk_tiles, dv_tiles, **sequences,
+                _attn_bwd_dkdv_kernel, (programs, splits * cfg.column_splits),
+                q_tiles, k_tiles, v_tiles, do_tiles, lse_log2, delta, dk_tiles, dv_tiles, **sequences,
                 softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
-                kv_heads=kv_heads, group_size=group_size,
-                **_stride_args(q=q, k=k, v=v, do=dout, dk=dk, dv=dv), **lse_strides,
-                **dims, BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                **mask, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                **runtime.COMPILE_OPTIONS,
+                kv_heads=kv_heads, group_size=group_size, heads_per_split=heads_per_split,
+                split_seqs=k.shape[0], **_stride_args(q=q, k=k, v=v, do=dout, dk=dk_out, dv=dv_out),
+                **lse_strides, **dims, BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n, **mask, TMA=tma, INLINE_PTX=runtime.inline_ptx(q),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
+            if splits > 1:  # torch's sum over the splits: the same order every run
+                dk.copy_(dk_out.view(splits, *k.shape).sum(0))
+                dv.copy_(dv_out.view(splits, *v.shape).sum(0))
         if needs[0]:
             cfg = attn_config(BWD_DQ_CONFIGS, head_dim, q.device)
             tma = tma_usable(cfg, q, k, v, dout, dq)

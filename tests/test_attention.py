@@ -379,6 +379,76 @@ def test_backward_is_deterministic(device):
         assert torch.equal(first, again), f"{name} changed between identical runs"
 
 
+def dkdv_grids(launches) -> list[tuple[int, ...]]:
+    return [grid for name, grid in launches if name == "_attn_bwd_dkdv_kernel"]
+
+
+# GQA and MQA at awkward sizes: groups of 3, 5 and 7 query heads (splits of unequal heads), a prime
+# key count (a ragged key block), causal rows that see no key, a padded head dim.
+HEAD_SPLIT_CASES = [
+    (Shape(1, 37, 53, 6, 2, 64), True),
+    (Shape(2, 29, 17, 5, 1, 40), False),
+    (Shape(2, 20, 11, 7, 1, 32), True),
+]
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "whole-group"])
+@pytest.mark.parametrize(("shape", "causal"), HEAD_SPLIT_CASES, ids=str)
+def test_gqa_dkdv_split_over_query_heads_matches_reference(shape, causal, split, device, monkeypatch):
+    # Few key blocks: the dk/dv pass shares each group's query heads among programs (132 SMs stand in
+    # for a GPU's in the interpreter); one SM makes the grid large enough without a split.
+    if not split:
+        monkeypatch.setattr(attention, "INTERPRETER_NUM_SMS", 1)
+    launches = record_launches(monkeypatch)
+    check(shape, causal, torch.float16, device)
+    (grid,) = dkdv_grids(launches)
+    group_size = shape.heads // shape.kv_heads
+    assert (grid[1] == group_size) if split else (grid[1] == 1), grid
+
+
+def test_gqa_dkdv_split_is_deterministic(device):
+    shape = Shape(1, 45, 45, 6, 1, 64)
+    results = []
+    for _ in range(2):
+        q, k, v = make_qkv(shape, torch.float16, device)
+        out = kernels.flash_attention(q, k, v, causal=True)
+        out.backward(torch.ones_like(out))
+        results.append([k.grad, v.grad])
+    for name, first, again in zip(("dk", "dv"), *results, strict=True):
+        assert torch.equal(first, again), f"{name} changed between identical runs"
+
+
+def test_varlen_gqa_dkdv_split_matches_reference(device, monkeypatch):
+    lengths_q, lengths_k = [9, 30, 1], [20, 13, 40]
+    q, k, v, cu_q, cu_k = make_packed(lengths_q, lengths_k, 6, 2, 32, torch.float16, device)
+    launches = record_launches(monkeypatch)
+    out = kernels.flash_attention_varlen(q, k, v, cu_q, cu_k, 30, 40, causal=True)
+    dout = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), dout)
+    assert dkdv_grids(launches)[0][1] == 3
+    results = []
+    for upcast in (True, False):
+        leaves = [(t.detach().double() if upcast else t.detach().clone()).requires_grad_() for t in (q, k, v)]
+        ref_out, _ = reference.attention_varlen(*leaves, cu_q, cu_k, True, upcast=upcast)
+        results.append(torch.autograd.grad(ref_out, leaves, dout.to(ref_out.dtype)))
+    for name, got, truth, baseline in zip(("dq", "dk", "dv"), ours, *results, strict=True):
+        assert_close(name, got, truth, baseline)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_mqa_dkdv_launches_two_programs_per_sm(head_dim, monkeypatch):
+    # MQA, batch 1, 4K keys on an H200 (132 SMs) at the sm90 table's tiles: 32 key blocks of 128 at
+    # head dim 128 alone would leave 100 SMs idle. Grids only (the interpreter is too slow here).
+    monkeypatch.setattr(attention, "INTERPRETER_BLOCKS", {})
+    launches = record_launches(monkeypatch, execute=False)
+    q, k, v = make_qkv(Shape(1, 4096, 4096, 16, 1, head_dim), torch.float16, "cpu")
+    kernels.flash_attention(q, k, v, causal=True).sum().backward()
+    (grid,) = dkdv_grids(launches)
+    assert grid[0] * grid[1] >= 2 * 132, grid
+    # 128: 32 key blocks want 9 splits, the 16 heads give 16 of one; 256: 64 want 5, get 6 of 3 or fewer.
+    assert grid == {128: (32, 16), 256: (64, 6 * 2)}[head_dim], grid
+
+
 def test_strided_inputs_are_read_in_place(device):
     shape = Shape(2, 33, 33, 4, 4, 64)
     qkv = torch.randn(2, 33, 3, 4, 64, dtype=torch.float16, device=device, requires_grad=True)

@@ -430,6 +430,17 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
         "BWD_DKDV_CONFIGS", attention.BWD_DKDV_CONFIGS["sm86"][64], 64, runtime.SM86))  # fmt: skip
 
 
+def test_dkdv_entries_compile_with_float32_partials_for_gqa_head_splits():
+    from kernels import attention
+
+    cfg = attention.AttnConfig(32, 128, 8, 2, tma=True)
+    configs = compile_report.attention_entry_configs("BWD_DKDV_CONFIGS", cfg, 64, runtime.SM90)
+    split = [c for c in configs if "head split" in c.shape_class]
+    assert len(configs) == 36 + 9 and len(split) == 9  # masks x (TMA, pointers, packed)
+    assert all(c.pointer_types["DK"] == c.pointer_types["DV"] == "fp32" for c in split)
+    assert all(c.pointer_types["DK"] == "fp16" or c in split for c in configs if c.dtype == torch.float16)
+
+
 SASS_AGREEMENT = """
 import json, subprocess, tempfile
 from bench import compile_report as cr
