@@ -1441,7 +1441,31 @@ def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Packed | 
     return None if cu_seqlens_q is None else Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
-@torch.library.custom_op("horse::flash_attn_fwd", mutates_args=())
+def _attn_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, cu_seqlens_q, *_):
+    if cu_seqlens_q is None:
+        batch, seqlen_q, heads, _ = q.shape
+        return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, window_left, window_right, cu_q, cu_k, max_q, max_k = inputs
+    out, lse = output
+    # O(seqlen) tensors only: the scores are recomputed in the backward, never saved.
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.mask_args = (causal, softmax_scale, window_left, window_right)
+    ctx.max_seqlens = (max_q, max_k)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    # dq, and dk with dv (one pass), only where an input wants them (frozen inputs launch nothing).
+    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]]
+    grads = _attn_bwd_op(dout, dlse, q, k, v, out, lse, *ctx.mask_args, cu_q, cu_k, *ctx.max_seqlens, needs)
+    return *(g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=False)), *[None] * 8
+
+
+@runtime.custom_op("flash_attn_fwd", _attn_fwd_fake, _backward, _setup_context)
 def _attn_fwd_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1459,15 +1483,13 @@ def _attn_fwd_op(
     return attention_fwd(q, k, v, causal, softmax_scale, (window_left, window_right), packed)
 
 
-@_attn_fwd_op.register_fake
-def _(q, k, v, causal, softmax_scale, window_left, window_right, cu_seqlens_q, *_):
-    if cu_seqlens_q is None:
-        batch, seqlen_q, heads, _ = q.shape
-        return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+def _attn_bwd_fake(dout, dlse, q, k, v, *args):
+    needs_dq, needs_dkdv = args[-1]
+    wanted = (needs_dq, needs_dkdv, needs_dkdv)
+    return tuple(t.new_empty(t.shape if need else (0,)) for t, need in zip((q, k, v), wanted, strict=True))
 
 
-@torch.library.custom_op("horse::flash_attn_bwd", mutates_args=())
+@runtime.custom_op("flash_attn_bwd", _attn_bwd_fake)
 def _attn_bwd_op(
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
@@ -1489,33 +1511,6 @@ def _attn_bwd_op(
     window = (window_left, window_right)
     packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return attention_bwd(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window, packed, needs)
-
-
-@_attn_bwd_op.register_fake
-def _(dout, dlse, q, k, v, *args):
-    needs_dq, needs_dkdv = args[-1]
-    wanted = (needs_dq, needs_dkdv, needs_dkdv)
-    return tuple(t.new_empty(t.shape if need else (0,)) for t, need in zip((q, k, v), wanted, strict=True))
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, window_left, window_right, cu_q, cu_k, max_q, max_k = inputs
-    out, lse = output
-    # O(seqlen) tensors only: the scores are recomputed in the backward, never saved.
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.mask_args = (causal, softmax_scale, window_left, window_right)
-    ctx.max_seqlens = (max_q, max_k)
-
-
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    # dq, and dk with dv (one pass), only where an input wants them (frozen inputs launch nothing).
-    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]]
-    grads = _attn_bwd_op(dout, dlse, q, k, v, out, lse, *ctx.mask_args, cu_q, cu_k, *ctx.max_seqlens, needs)
-    return *(g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=False)), *[None] * 8
-
-
-_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -414,7 +414,23 @@ def row_weight(target: torch.Tensor, ignore_index: int, reduction: str) -> torch
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("horse::cross_entropy_fwd", mutates_args=())
+def _cross_entropy_fake(logits, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad):
+    loss = logits.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32)
+    return loss, logits.new_empty(logits.shape if compute_grad else (0,))
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.per_row = inputs[3] == "none"
+
+
+def _cross_entropy_backward(ctx, dloss, _ddlogits):
+    (dlogits,) = ctx.saved_tensors
+    scale = dloss[:, None] if ctx.per_row else dloss
+    return (dlogits * scale).to(dlogits.dtype), None, None, None, None, None, None
+
+
+@runtime.custom_op("cross_entropy_fwd", _cross_entropy_fake, _cross_entropy_backward, _cross_entropy_setup)
 def _cross_entropy_fwd_op(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -437,47 +453,6 @@ def _cross_entropy_fwd_op(
     return reduce_loss(loss, target, ignore_index, reduction)[0], dlogits
 
 
-@_cross_entropy_fwd_op.register_fake
-def _(logits, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad):
-    loss = logits.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32)
-    return loss, logits.new_empty(logits.shape if compute_grad else (0,))
-
-
-def _cross_entropy_setup(ctx, inputs, output):
-    ctx.save_for_backward(output[1])
-    ctx.per_row = inputs[3] == "none"
-
-
-def _cross_entropy_backward(ctx, dloss, _ddlogits):
-    (dlogits,) = ctx.saved_tensors
-    scale = dloss[:, None] if ctx.per_row else dloss
-    return (dlogits * scale).to(dlogits.dtype), None, None, None, None, None, None
-
-
-_cross_entropy_fwd_op.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
-
-
-@torch.library.custom_op("horse::linear_cross_entropy_fwd", mutates_args=())
-def _linear_cross_entropy_fwd_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    compute_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # "none": the gradient needs the incoming per-row gradient; the backward runs the chunks again
-    in_forward = compute_grad and reduction != "none"
-    dloss = row_weight(target, ignore_index, reduction) if in_forward else None
-    loss, dx, dw, db = linear_cross_entropy_chunks(
-        x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss, runtime.runs_triton(x)
-    )
-    return reduce_loss(loss, target, ignore_index, reduction)[0], dx, dw, db
-
-
 def _linear_grads_fake(x, weight, bias, with_grads: bool):
     return (
         x.new_empty(x.shape if with_grads else (0,)),
@@ -486,33 +461,9 @@ def _linear_grads_fake(x, weight, bias, with_grads: bool):
     )
 
 
-@_linear_cross_entropy_fwd_op.register_fake
-def _(x, weight, bias, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad):
+def _linear_fwd_fake(x, weight, bias, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad):
     loss = x.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32)
     return loss, *_linear_grads_fake(x, weight, bias, compute_grad and reduction != "none")
-
-
-@torch.library.custom_op("horse::linear_cross_entropy_bwd", mutates_args=())
-def _linear_cross_entropy_bwd_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    dloss: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, dx, dw, db = linear_cross_entropy_chunks(
-        x, weight, bias, target, dloss.contiguous(), ignore_index, label_smoothing, z_loss,
-        runtime.runs_triton(x),
-    )  # fmt: skip
-    return dx, dw, db
-
-
-@_linear_cross_entropy_bwd_op.register_fake
-def _(x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss):
-    return _linear_grads_fake(x, weight, bias, True)
 
 
 def _linear_setup(ctx, inputs, output):
@@ -536,7 +487,47 @@ def _linear_backward(ctx, dloss, _ddx, _ddw, _ddb):
     return dx, dw, db if ctx.has_bias else None, None, None, None, None, None, None
 
 
-_linear_cross_entropy_fwd_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+@runtime.custom_op("linear_cross_entropy_fwd", _linear_fwd_fake, _linear_backward, _linear_setup)
+def _linear_cross_entropy_fwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # "none": the gradient needs the incoming per-row gradient; the backward runs the chunks again
+    in_forward = compute_grad and reduction != "none"
+    dloss = row_weight(target, ignore_index, reduction) if in_forward else None
+    loss, dx, dw, db = linear_cross_entropy_chunks(
+        x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss, runtime.runs_triton(x)
+    )
+    return reduce_loss(loss, target, ignore_index, reduction)[0], dx, dw, db
+
+
+def _linear_bwd_fake(x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss):
+    return _linear_grads_fake(x, weight, bias, True)
+
+
+@runtime.custom_op("linear_cross_entropy_bwd", _linear_bwd_fake)
+def _linear_cross_entropy_bwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    dloss: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, dx, dw, db = linear_cross_entropy_chunks(
+        x, weight, bias, target, dloss.contiguous(), ignore_index, label_smoothing, z_loss,
+        runtime.runs_triton(x),
+    )  # fmt: skip
+    return dx, dw, db
 
 
 # ----------------------------------------------------------------------------------------------

@@ -260,3 +260,18 @@ def launch_building_descriptors(kernel, grid: tuple[int, ...], *args, **kwargs):
         return launch(kernel, grid, *args, **kwargs)
 
     return contextvars.copy_context().run(run)
+
+
+def custom_op(name: str, fake, backward=None, setup_context=None):
+    """Decorator: the function as the PyTorch custom op ``horse::<name>`` (it mutates no input),
+    with its fake (the outputs' shapes and dtypes, for torch.compile and meta tensors) and, given a
+    backward, its autograd. Every kernel family registers its ops through this one helper."""
+
+    def register(fn):
+        op = torch.library.custom_op(f"horse::{name}", fn, mutates_args=())
+        op.register_fake(fake)
+        if backward is not None:
+            op.register_autograd(backward, setup_context=setup_context)
+        return op
+
+    return register
