@@ -669,15 +669,12 @@ class GemmConfig:
 # every entry: the same element size, tensor-core instruction shapes and shared-memory footprint;
 # the compile report builds each entry in both dtypes for its family's target, with pointer loads
 # and on sm_90+ where tma is set with TMA loads, and every one lowers to tensor-core instructions
-# with no spills, for every activation (python -m bench.compile_report --filter mlp). Only the
-# sm_90 entries are chosen for speed. The others were picked by compiling candidate tiles (block_m
-# 64 or 128, block_n 64 up to sm_90's, block_k 32 or 64, 4 or 8 warps, 4 to 2 stages, epilogue
-# split 1 to 4) from sm_90's tile and the deepest pipeline down and keeping one that compiles clean
-# for the family (python -m bench.tune mlp --compile-only --arch FAMILY --start-from sm90 runs this
-# search); none is measured yet (python -m bench.tune mlp on such a GPU refines them). The
-# gated forward's 128 x 128 tile spilled 128-184 bytes on sm_80 and sm_86 at every split tried.
-# On gfx942 (AMD MI300X; 64 KiB of LDS, 512 registers a lane with the AGPRs) sm_90's tiles fit
-# at one or two stages fewer, and most epilogues unsplit.
+# with no spills, for every activation (python -m bench.compile_report --filter mlp: its output is
+# the record of how each builds). The sm_90 entries, here, are chosen for speed. The other families'
+# (kernels/configs/mlp.json) are the first candidates, from sm_90's tile and the deepest pipeline
+# down, that compile clean there on triton 3.6 and 3.9 (python -m bench.tune mlp --compile-only
+# --arch FAMILY --start-from sm90); none is measured yet (python -m bench.tune mlp on such a GPU
+# refines them).
 #
 # sm_90: TMA took fewer registers in the forwards (170 against 223 in the large gelu_tanh one, 174
 # against 242 in the medium gated one), about as many in the backwards, and 24-64 bytes more
@@ -724,97 +721,7 @@ GEMM_CONFIGS = {
             "small": GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=2),
         },
     },
-    "sm100": {
-        "fwd": {
-            "large": GemmConfig(128, 256, 64, 8, 8, 4, epilogue_split=2),
-            "medium": GemmConfig(128, 128, 64, 8, 8, 4),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4),
-        },
-        "gated_fwd": {
-            "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2),
-            "medium": GemmConfig(64, 128, 64, 8, 8, 4),
-            "small": GemmConfig(64, 64, 64, 8, 8, 4),  # 4 warps: gelu_tanh spilled 8 bytes on triton 3.9
-        },
-        "dh_bwd": {
-            "large": GemmConfig(128, 256, 64, 8, 8, 4, epilogue_split=4),
-            "medium": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4),
-        },
-        "gated_dh_bwd": {
-            "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2),
-            "medium": GemmConfig(64, 128, 64, 8, 8, 4),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4),
-        },
-    },
-    "sm80": {
-        "fwd": {
-            "large": GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4, tma=False),
-            "medium": GemmConfig(128, 128, 64, 8, 8, 4, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
-        },
-        "gated_fwd": {
-            "large": GemmConfig(128, 64, 64, 8, 8, 4, tma=False),
-            "medium": GemmConfig(64, 128, 64, 8, 8, 4, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
-        },
-        "dh_bwd": {
-            "large": GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4, tma=False),
-            "medium": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
-        },
-        "gated_dh_bwd": {
-            "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2, tma=False),
-            "medium": GemmConfig(64, 128, 64, 8, 8, 4, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
-        },
-    },
-    "sm86": {
-        "fwd": {
-            "large": GemmConfig(128, 256, 64, 8, 8, 2, epilogue_split=4, tma=False),
-            "medium": GemmConfig(128, 128, 64, 8, 8, 3, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
-        },
-        "gated_fwd": {
-            "large": GemmConfig(128, 64, 64, 8, 8, 3, tma=False),
-            "medium": GemmConfig(64, 128, 64, 8, 8, 2, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
-        },
-        "dh_bwd": {
-            # block_k 64 at 2 stages (as deep a pipeline) spilled 16 bytes with gelu_tanh on triton 3.9
-            "large": GemmConfig(128, 256, 32, 8, 8, 4, epilogue_split=4, tma=False),
-            "medium": GemmConfig(128, 128, 64, 8, 8, 3, epilogue_split=2, tma=False),
-            # unsplit, gelu in fp16 spilled 8 bytes (168 registers) once the dpre row stride and the K
-            # range were arguments (issue 25); split in two, 125 and no spill
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=2, tma=False),
-        },
-        "gated_dh_bwd": {
-            "large": GemmConfig(128, 128, 64, 8, 8, 3, epilogue_split=2, tma=False),
-            "medium": GemmConfig(64, 128, 64, 8, 8, 4, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
-        },
-    },
-    "gfx942": {
-        "fwd": {
-            "large": GemmConfig(128, 256, 64, 8, 8, 2, tma=False),
-            "medium": GemmConfig(128, 128, 64, 8, 8, 3, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
-        },
-        "gated_fwd": {
-            "large": GemmConfig(128, 128, 64, 8, 8, 2, tma=False),
-            "medium": GemmConfig(64, 128, 64, 8, 4, 2, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 3, tma=False),
-        },
-        "dh_bwd": {
-            "large": GemmConfig(128, 256, 64, 8, 8, 2, epilogue_split=2, tma=False),
-            "medium": GemmConfig(128, 128, 64, 8, 8, 3, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=2, tma=False),
-        },
-        "gated_dh_bwd": {
-            "large": GemmConfig(128, 128, 64, 8, 8, 3, epilogue_split=2, tma=False),
-            "medium": GemmConfig(64, 128, 64, 8, 4, 3, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=2, tma=False),
-        },
-    },
+    **runtime.load_configs("mlp", GemmConfig)["GEMM_CONFIGS"],
 }
 # Small, unequal tiles in the interpreter: quick there, several tiles cross every edge, and the
 # epilogue runs split, so the CPU tests run the subtile code too.
