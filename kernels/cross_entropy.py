@@ -298,17 +298,10 @@ def chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype, device: torch.device
     return max(1, min(n_rows, budget // (vocab * dtype.itemsize)))
 
 
-def _chunk_loss_(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    dloss: torch.Tensor | None,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    use_triton: bool,
-    shard: VocabShard | None,
-) -> torch.Tensor:
-    """Loss (C,) of a chunk of logits (C, V_local); with dloss the gradient replaces the logits."""
+def _chunk_loss_(logits, target, dloss, options: tuple, use_triton: bool, shard: VocabShard | None):
+    """Loss (C,) of a chunk of logits (C, V_local) with its targets (C,); with dloss the gradient
+    replaces the logits. options: (ignore_index, label_smoothing, z_loss)."""
+    ignore_index, label_smoothing, z_loss = options
     if use_triton and shard is None:
         return cross_entropy_fwd(logits, target, dloss, logits, ignore_index, label_smoothing, z_loss)[0]
     start, vocab = (0, logits.shape[1]) if shard is None else (shard.start, shard.vocab)
@@ -378,9 +371,8 @@ def linear_cross_entropy_chunks(
         else:
             torch.addmm(b, xc, w.T, out=logits)
         dloss_c = None if dloss is None else dloss[start:end]
-        loss[start:end] = _chunk_loss_(
-            logits, target[start:end], dloss_c, ignore_index, label_smoothing, z_loss, use_triton, shard
-        )
+        options = (ignore_index, label_smoothing, z_loss)
+        loss[start:end] = _chunk_loss_(logits, target[start:end], dloss_c, options, use_triton, shard)
         if grad:
             torch.mm(logits, w, out=dx[start:end])
             if dw.dtype == logits.dtype:
@@ -448,8 +440,8 @@ def _cross_entropy_fwd_op(
         )
     else:
         dlogits = logits.clone() if compute_grad else logits.new_empty((0,))
-        loss = _chunk_loss_(dlogits if compute_grad else logits, target, dloss, ignore_index,
-                            label_smoothing, z_loss, use_triton=False, shard=None)  # fmt: skip
+        options = (ignore_index, label_smoothing, z_loss)
+        loss = _chunk_loss_(dlogits if compute_grad else logits, target, dloss, options, False, None)
     return reduce_loss(loss, target, ignore_index, reduction)[0], dlogits
 
 
