@@ -563,12 +563,7 @@ def check_target(fn: str, target: torch.Tensor, rows: tuple[int, ...], vocab: in
 
 
 def _check_float(fn: str, name: str, t: torch.Tensor, device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{fn}: {name} must be float16, bfloat16 or float32, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{fn}: {name} is on {t.device} but the input is on {device}")
+    runtime.check_tensor(fn, name, t, device, SUPPORTED_DTYPES, "float16, bfloat16 or float32")
 
 
 def _check_vocab(fn: str, name: str, vocab: int) -> None:

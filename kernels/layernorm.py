@@ -592,12 +592,7 @@ def _norm_bwd_op(
 
 
 def _check_tensor(fn: str, name: str, t: torch.Tensor, ref: torch.Tensor) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{fn}: {name} must be float16, bfloat16 or float32, got {t.dtype}")
-    if t.device != ref.device:
-        raise ValueError(f"{fn}: {name} is on {t.device} but input is on {ref.device}")
+    runtime.check_tensor(fn, name, t, ref.device, SUPPORTED_DTYPES, "float16, bfloat16 or float32")
 
 
 def _normalized_size(fn: str, x: torch.Tensor, normalized_shape) -> tuple[tuple[int, ...], int]:

@@ -1351,14 +1351,9 @@ def _gated_mlp_bwd_op(
 
 
 def _check_tensor(fn: str, name: str, t, x: torch.Tensor, dim: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in REFERENCE_DTYPES:
-        raise TypeError(f"{fn}: {name} must be float16 or bfloat16 (float32 off the GPU), got {t.dtype}")
+    runtime.check_tensor(fn, name, t, x.device, REFERENCE_DTYPES, "float16 or bfloat16 (float32 off the GPU)")
     if t.dtype != x.dtype:
         raise TypeError(f"{fn}: {name} is {t.dtype} but input is {x.dtype}; all tensors must share a dtype")
-    if t.device != x.device:
-        raise ValueError(f"{fn}: {name} is on {t.device} but input is on {x.device}")
     if t.dim() != dim:
         raise ValueError(f"{fn}: {name} must have {dim} dimension(s), got shape {list(t.shape)}")
 

@@ -264,6 +264,17 @@ def launch_building_descriptors(kernel, grid: tuple[int, ...], *args, **kwargs):
     return contextvars.copy_context().run(run)
 
 
+def check_tensor(fn: str, name: str, t, device: torch.device, dtypes: tuple, allowed: str) -> None:
+    """Raise an error naming fn and the argument unless t is a tensor on device of one of dtypes
+    (``allowed`` says them in words)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{fn}: {name} must be {allowed}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{fn}: {name} is on {t.device} but input is on {device}")
+
+
 def custom_op(name: str, fake, backward=None, setup_context=None):
     """Decorator: the function as the PyTorch custom op ``horse::<name>`` (it mutates no input),
     with its fake (the outputs' shapes and dtypes, for torch.compile and meta tensors) and, given a
