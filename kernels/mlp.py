@@ -147,10 +147,9 @@ def _act_fwd_and_grad(z, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of this program: column-major within groups of GROUP_M row tiles, so the
-    programs running together share a few weight tiles (L2 reuse) instead of sweeping all of W."""
-    pid = tl.program_id(0)
+def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of output tile pid: column-major within groups of GROUP_M row tiles, so the
+    tiles running together share a few weight tiles (L2 reuse) instead of sweeping all of W."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     tiles_per_group = GROUP_M * num_pid_n
@@ -321,15 +320,12 @@ def _fwd_epilogue(
     INLINE_PTX: tl.constexpr,
 ):
     """Store y = act(acc + b) (and pre = acc + b) for the tile at rows offs_m, columns offs_n."""
-    col_mask = offs_n < N
-    if HAS_BIAS:
-        acc += tl.load(B + offs_n, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    acc = _finite_in(acc, Y.dtype.element_ty, ACTIVATION)
-    mask = (offs_m < M)[:, None] & col_mask[None, :]
+    pre, y = _fwd_values(acc, B, offs_n, N, Y.dtype.element_ty, ACTIVATION, HAS_BIAS, INLINE_PTX)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     if STORE_PRE:
-        tl.store(PRE + out, acc.to(PRE.dtype.element_ty), mask=mask)
-    tl.store(Y + out, _act_fwd(acc, ACTIVATION, INLINE_PTX).to(Y.dtype.element_ty), mask=mask)
+        tl.store(PRE + out, pre, mask=mask)
+    tl.store(Y + out, y, mask=mask)
 
 
 @triton.jit
@@ -360,7 +356,7 @@ def _linear_act_fwd_kernel(
     INLINE_PTX: tl.constexpr,  # an NVIDIA GPU, not the interpreter: gelu_tanh by tanh.approx (_act_fwd)
 ):
     # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits): splits > 1 only with SPLIT_K
-    pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     k_first, k_last = _k_range(K, BLOCK_K, SPLIT_K)
     acc = _matmul_tile(
@@ -384,15 +380,13 @@ def _gated_fwd_epilogue(
     INLINE_PTX: tl.constexpr,
 ):  # fmt: skip
     """Store y = act(gate) * up (and gate, up) for the tile at rows offs_m, columns offs_n."""
-    acc_gate = _finite_in(acc_gate, Y.dtype.element_ty, ACTIVATION)
-    acc_up = _finite_in(acc_up, Y.dtype.element_ty, ACTIVATION)
+    gate, up, y = _gated_fwd_values(acc_gate, acc_up, Y.dtype.element_ty, ACTIVATION, INLINE_PTX)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     if STORE_PRE:
-        tl.store(GATE + out, acc_gate.to(GATE.dtype.element_ty), mask=mask)
-        tl.store(UP + out, acc_up.to(UP.dtype.element_ty), mask=mask)
-    y = _act_fwd(acc_gate, ACTIVATION, INLINE_PTX) * acc_up
-    tl.store(Y + out, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(GATE + out, gate, mask=mask)
+        tl.store(UP + out, up, mask=mask)
+    tl.store(Y + out, y, mask=mask)
 
 
 @triton.jit
@@ -423,7 +417,7 @@ def _gated_fwd_kernel(
     INLINE_PTX: tl.constexpr,  # as in _linear_act_fwd_kernel
 ):
     # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits): one pass over x, two accumulators.
-    pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     k_first, k_last = _k_range(K, BLOCK_K, SPLIT_K)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -512,8 +506,8 @@ def _split_k_epilogue_kernel(
 @triton.jit
 def _act_bwd_tile(
     dh,
-    PRE,
-    UP,
+    pre,
+    up,
     DPRE,
     DUP,
     H,
@@ -526,22 +520,22 @@ def _act_bwd_tile(
     GATED: tl.constexpr,
     STORE_H: tl.constexpr,
 ):
-    """Given dh, the float32 gradient of the hidden activation h on one tile, store dpre (and, gated,
-    dup) and, when STORE_H, h itself; return dpre in float32 with rows past M zeroed (for db).
-    DPRE and DUP have rows stride_dpre apart (2N gated: the halves of one [dgate | dup] buffer, so
-    the weight gradients are one GEMM); the other tensors are (M, N) contiguous.
+    """Given dh, the float32 gradient of the hidden activation h on one tile, and the saved pre (and,
+    gated, up) tiles as :func:`_load_saved` loads them, store dpre (and, gated, dup) and, when
+    STORE_H, h itself; return dpre in float32 with rows past M zeroed (for db). DPRE and DUP have
+    rows stride_dpre apart (2N gated: the halves of one [dgate | dup] buffer, so the weight
+    gradients are one GEMM); H is (M, N) contiguous.
 
-    Plain: h = act(pre), dpre = dh act'(pre). Gated, with PRE the gate and UP the up projection:
+    Plain: h = act(pre), dpre = dh act'(pre). Gated, with pre the gate and up the up projection:
     h = act(gate) up, dgate = dh up act'(gate), dup = dh act(gate).
     """
     row_mask = offs_m < M
     mask = row_mask[:, None] & (offs_n < N)[None, :]
     tile = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     grad_tile = offs_m.to(tl.int64)[:, None] * stride_dpre + offs_n[None, :]
-    pre = tl.load(PRE + tile, mask=mask, other=0.0).to(tl.float32)
-    act, act_grad = _act_fwd_and_grad(pre, ACTIVATION)
+    act, act_grad = _act_fwd_and_grad(pre.to(tl.float32), ACTIVATION)
     if GATED:
-        up = tl.load(UP + tile, mask=mask, other=0.0).to(tl.float32)
+        up = up.to(tl.float32)
         tl.store(DUP + grad_tile, (dh * act).to(DUP.dtype.element_ty), mask=mask)
         dpre = dh * up * act_grad
         h = act * up
@@ -586,18 +580,24 @@ def _dh_act_bwd_kernel(
     TMA: tl.constexpr,
 ):
     # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),): dh = dy W_out never reaches memory.
-    pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+    # The first subtile's saved pre (and up) is loaded before the K loop, so its latency hides under
+    # the GEMM instead of following the last wgmma; the later subtiles' loads overlap the earlier
+    # subtiles' epilogue math. All of them at once would hold the whole tile in registers.
+    pre, up = _load_saved(PRE, UP, offs_m, pid_n * BLOCK_N + tl.arange(0, SUB_N), M, N, GATED)
     dh = _matmul_tile(
         DY, W, pid_m, pid_n, M, N, K, stride_dym, stride_dyk, stride_wn, stride_wk, 0, tl.cdiv(K, BLOCK_K),
         BLOCK_M, BLOCK_N, BLOCK_K, TMA, True,
     )  # fmt: skip
-    SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
     for i in tl.static_range(EPILOGUE_SPLIT):
         sub = _subtile(dh, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
         offs_sub = pid_n * BLOCK_N + i * SUB_N + tl.arange(0, SUB_N)
+        if i > 0:
+            pre, up = _load_saved(PRE, UP, offs_m, offs_sub, M, N, GATED)
         dpre = _act_bwd_tile(
-            sub, PRE, UP, DPRE, DUP, H, offs_m, offs_sub, M, N, stride_dpre, ACTIVATION, GATED, STORE_H
+            sub, pre, up, DPRE, DUP, H, offs_m, offs_sub, M, N, stride_dpre, ACTIVATION, GATED, STORE_H
         )
         if HAS_BIAS:
             db_ptrs = DB_PARTIAL + pid_m.to(tl.int64) * N + offs_sub
@@ -637,13 +637,135 @@ def _act_bwd_kernel(
         mask = (offs_m < row_end)[:, None] & (offs_n < N)[None, :]
         dh_ptrs = DH + offs_m.to(tl.int64)[:, None] * stride_dhm + offs_n.to(tl.int64)[None, :] * stride_dhn
         dh = tl.load(dh_ptrs, mask=mask, other=0.0).to(tl.float32)
+        pre, up = _load_saved(PRE, UP, offs_m, offs_n, row_end, N, GATED)
         dpre = _act_bwd_tile(
-            dh, PRE, UP, DPRE, DUP, DPRE, offs_m, offs_n, row_end, N, stride_dpre, ACTIVATION, GATED, False
+            dh, pre, up, DPRE, DUP, DPRE, offs_m, offs_n, row_end, N, stride_dpre, ACTIVATION, GATED, False
         )
         if HAS_BIAS:
             db_acc += tl.sum(dpre, axis=0)
     if HAS_BIAS:
         tl.store(DB_PARTIAL + pid_m.to(tl.int64) * N + offs_n, db_acc, mask=offs_n < N)
+
+
+@triton.jit
+def _linear_act_fwd_persistent_kernel(
+    X,  # descriptor of x (M, K), (BLOCK_M, BLOCK_K) blocks
+    W,  # descriptor of W (N, K), (BLOCK_N, BLOCK_K) blocks
+    B,  # (N,); read when HAS_BIAS
+    Y,  # descriptor of y (M, N) contiguous, (BLOCK_M, BLOCK_N // EPILOGUE_SPLIT) blocks: act(x Wᵀ + b)
+    PRE,  # descriptor like Y's of pre (M, N), x Wᵀ + b; written when STORE_PRE
+    M,
+    N,
+    K,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
+    INLINE_PTX: tl.constexpr,  # as in _linear_act_fwd_kernel
+):
+    # grid = (min(tiles, SMs),): program p walks output tiles p, p + grid, ... in grouped order. The
+    # tile and K loops are flattened into one pipelined loop, so the next tile's first TMA loads are
+    # in flight during this tile's epilogue, whose subtiles leave by TMA stores (async: the next
+    # subtile's math runs while one is written).
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+        pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        start_m = pid_m * BLOCK_M
+        start_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, k_steps):  # out-of-bounds elements load as zeros: no masks
+            acc = tl.dot(X.load([start_m, k * BLOCK_K]), tl.trans(W.load([start_n, k * BLOCK_K])), acc)
+        for i in tl.static_range(EPILOGUE_SPLIT):
+            sub = _subtile(acc, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+            offs_sub = start_n + i * SUB_N + tl.arange(0, SUB_N)
+            pre, y = _fwd_values(sub, B, offs_sub, N, Y.dtype, ACTIVATION, HAS_BIAS, INLINE_PTX)
+            if STORE_PRE:  # the stores drop rows and columns past the edges
+                PRE.store([start_m, start_n + i * SUB_N], pre)
+            Y.store([start_m, start_n + i * SUB_N], y)
+
+
+@triton.jit
+def _gated_fwd_persistent_kernel(
+    X,  # descriptor of x (M, K), (BLOCK_M, BLOCK_K) blocks
+    WG,  # descriptor of W_gate (N, K), (BLOCK_N, BLOCK_K) blocks
+    WU,  # descriptor of W_up (N, K), like WG's
+    Y,  # descriptor of y (M, N) contiguous, (BLOCK_M, BLOCK_N // EPILOGUE_SPLIT) blocks
+    GATE,  # descriptor like Y's of x W_gateᵀ (M, N); written when STORE_PRE
+    UP,  # descriptor like Y's of x W_upᵀ (M, N); written when STORE_PRE
+    M,
+    N,
+    K,
+    ACTIVATION: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
+    INLINE_PTX: tl.constexpr,  # as in _linear_act_fwd_kernel
+):
+    # grid = (min(tiles, SMs),): as _linear_act_fwd_persistent_kernel, with two accumulators.
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+        pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        start_m = pid_m * BLOCK_M
+        start_n = pid_n * BLOCK_N
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, k_steps):
+            x = X.load([start_m, k * BLOCK_K])
+            acc_gate = tl.dot(x, tl.trans(WG.load([start_n, k * BLOCK_K])), acc_gate)
+            acc_up = tl.dot(x, tl.trans(WU.load([start_n, k * BLOCK_K])), acc_up)
+        for i in tl.static_range(EPILOGUE_SPLIT):
+            gate = _subtile(acc_gate, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+            up = _subtile(acc_up, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+            gate, up, y = _gated_fwd_values(gate, up, Y.dtype, ACTIVATION, INLINE_PTX)
+            if STORE_PRE:
+                GATE.store([start_m, start_n + i * SUB_N], gate)
+                UP.store([start_m, start_n + i * SUB_N], up)
+            Y.store([start_m, start_n + i * SUB_N], y)
+
+
+@triton.jit
+def _fwd_values(acc, B, offs_n, N, OUT_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+                INLINE_PTX: tl.constexpr):  # fmt: skip
+    """(pre, y) in OUT_DTYPE of a forward tile at columns offs_n: pre = acc + b, y = act(pre)."""
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    acc = _finite_in(acc, OUT_DTYPE, ACTIVATION)
+    return acc.to(OUT_DTYPE), _act_fwd(acc, ACTIVATION, INLINE_PTX).to(OUT_DTYPE)
+
+
+@triton.jit
+def _gated_fwd_values(acc_gate, acc_up, OUT_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr,
+                      INLINE_PTX: tl.constexpr):  # fmt: skip
+    """(gate, up, y = act(gate) * up) in OUT_DTYPE of a gated forward tile."""
+    acc_gate = _finite_in(acc_gate, OUT_DTYPE, ACTIVATION)
+    acc_up = _finite_in(acc_up, OUT_DTYPE, ACTIVATION)
+    y = _act_fwd(acc_gate, ACTIVATION, INLINE_PTX) * acc_up
+    return acc_gate.to(OUT_DTYPE), acc_up.to(OUT_DTYPE), y.to(OUT_DTYPE)
+
+
+@triton.jit
+def _load_saved(PRE, UP, offs_m, offs_n, M, N, GATED: tl.constexpr):
+    """The saved pre (the gate when GATED) and up tiles at rows offs_m, columns offs_n of the (M, N)
+    contiguous PRE and UP, in their stored dtype (half the registers of float32); up is pre when not
+    GATED (UP is not read)."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tile = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    pre = tl.load(PRE + tile, mask=mask, other=0.0)
+    up = pre
+    if GATED:
+        up = tl.load(UP + tile, mask=mask, other=0.0)
+    return pre, up
 
 
 # ----------------------------------------------------------------------------------------------
@@ -663,6 +785,9 @@ class GemmConfig:
     num_stages: int
     epilogue_split: int = 1  # the epilogue runs on 1, 2 or 4 column subtiles, one after another
     tma: bool = True  # x, weight and dy tiles by TMA (tensor descriptors) where the GPU and strides allow
+    # A forward's persistent kernel (one program an SM walking the tiles, epilogue stored by TMA) where
+    # its operands and outputs take TMA (:func:`_persistent`); the tiled kernel otherwise.
+    persistent: bool = False
 
 
 # Per GPU family (runtime.arch), kernel and shape class (see shape_class). float16 and bfloat16 share
@@ -704,13 +829,13 @@ class GemmConfig:
 GEMM_CONFIGS = {
     "sm90": {
         "fwd": {
-            "large": GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4),
-            "medium": GemmConfig(128, 128, 64, 8, 8, 4),
+            "large": GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4, persistent=True),
+            "medium": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2, persistent=True),
             "small": GemmConfig(64, 64, 64, 8, 4, 4),
         },
         "gated_fwd": {
-            "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=4),
-            "medium": GemmConfig(64, 128, 64, 8, 4, 4, epilogue_split=2),
+            "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=4, persistent=True),
+            "medium": GemmConfig(64, 128, 64, 8, 4, 4, epilogue_split=2, persistent=True),
             "small": GemmConfig(64, 64, 64, 8, 4, 4),
         },
         "dh_bwd": {
@@ -893,18 +1018,39 @@ def _split_k_epilogue(
     )  # fmt: skip
 
 
-def _launch_options(cfg: GemmConfig, tma: bool) -> dict:
+def _launch_options(cfg: GemmConfig, tma: bool | None) -> dict:
+    """The constexprs and options of a GEMM launch; tma None for the persistent kernels (TMA only)."""
     return {
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
         "BLOCK_K": cfg.block_k,
         "GROUP_M": cfg.group_m,
         "EPILOGUE_SPLIT": cfg.epilogue_split,
-        "TMA": tma,
+        **({} if tma is None else {"TMA": tma}),
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
         **runtime.COMPILE_OPTIONS,
     }
+
+
+def _persistent(cfg: GemmConfig, tma: bool, splits: int, y: torch.Tensor) -> bool:
+    """Whether a forward runs its persistent kernel: the entry says so, the operands take TMA, the K
+    loop is not split, and the outputs (y's shape, all contiguous) take TMA stores: rows of a
+    multiple of 16 bytes."""
+    return cfg.persistent and tma and splits == 1 and runtime.tma_compatible(y)
+
+
+def _persistent_grid(cfg: GemmConfig, M: int, N: int, device: torch.device) -> tuple[int]:
+    """One program an SM (runtime.num_sms: the interpreter's stand-in is 4), or one a tile if fewer."""
+    return (min(_grid(cfg, M, N)[0], runtime.num_sms(device)),)
+
+
+def _output_tiles(cfg: GemmConfig, *outputs: torch.Tensor) -> list:
+    """Descriptors of (M, N) outputs for the persistent kernels' epilogue subtiles; an empty output
+    (pre not saved) gets the first one's, which the kernel does not write."""
+    block = (cfg.block_m, cfg.block_n // cfg.epilogue_split)
+    tiles = [runtime.tma_operand(t, block, True) if t.numel() else None for t in outputs]
+    return [t if t is not None else tiles[0] for t in tiles]
 
 
 def tma_usable(cfg: GemmConfig, *operands: torch.Tensor) -> bool:
@@ -934,6 +1080,15 @@ def _linear_act_fwd(
     x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
     w_tiles = runtime.tma_operand(weight, (cfg.block_n, cfg.block_k), tma)
     splits = split_k(cfg, M, N, K, x.device)
+    if _persistent(cfg, tma, splits, y):
+        with runtime.device_guard(x):
+            runtime.launch(
+                _linear_act_fwd_persistent_kernel, _persistent_grid(cfg, M, N, x.device),
+                x_tiles, w_tiles, bias if bias is not None else weight, *_output_tiles(cfg, y, pre), M, N, K,
+                ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre,
+                INLINE_PTX=inline_ptx(x), **_launch_options(cfg, None),
+            )  # fmt: skip
+        return y, pre
     partial = runtime.empty((splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
     with runtime.device_guard(x):
         runtime.launch(
@@ -966,6 +1121,15 @@ def _gated_fwd(
     x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
     wg_tiles, wu_tiles = (runtime.tma_operand(w, (cfg.block_n, cfg.block_k), tma) for w in (w_gate, w_up))
     splits = split_k(cfg, M, N, K, x.device)
+    if _persistent(cfg, tma, splits, y):
+        with runtime.device_guard(x):
+            runtime.launch(
+                _gated_fwd_persistent_kernel, _persistent_grid(cfg, M, N, x.device),
+                x_tiles, wg_tiles, wu_tiles, *_output_tiles(cfg, y, gate, up), M, N, K,
+                ACTIVATION=activation, STORE_PRE=store_pre, INLINE_PTX=inline_ptx(x),
+                **_launch_options(cfg, None),
+            )  # fmt: skip
+        return y, gate, up
     partial = runtime.empty((2 * splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
     with runtime.device_guard(x):
         runtime.launch(
