@@ -830,3 +830,29 @@ def test_split_k_fills_an_h200_at_decode_sizes_only():
         assert mlp.split_k(cfg, 64, 1024, 64, h200) == 1  # one K step: nothing to split
         assert mlp.split_k(gated, 1, 11008, 4096, h200) == 1
         assert mlp.split_k(cfg, 65, 3072, 768, h200) == 1
+
+
+# (M, K, N) past the small class: K a multiple of 8 (TMA operands), none a tile multiple; every one more
+# output tiles than the interpreter's stand-in SM count (4), so each program walks several tiles. N
+# = 65 has rows of 130 bytes, no TMA store: the tiled kernel runs.
+PERSISTENT_SHAPES = [(1, 40, 264), (100, 264, 72), (257, 24, 136), (100, 40, 65)]
+
+
+@pytest.mark.parametrize("sizes", PERSISTENT_SHAPES, ids=_id)
+@pytest.mark.parametrize("kind", ["linear_act", "gated_linear"])
+def test_persistent_forward_walks_several_tiles_per_program(kind, sizes, device, monkeypatch):
+    monkeypatch.setattr(mlp, "SMALL_ROWS", 0)  # M = 1 takes the medium (persistent) entry too
+    launches = record_launches(monkeypatch)
+    check(kind, make_tensors(kind, sizes, torch.float16, device, seed=_seed(kind, sizes)), "gelu_tanh")
+    M, _, N = sizes
+    table = "fwd" if kind == "linear_act" else "gated_fwd"
+    cfg = mlp.gemm_config(table, M, N, torch.device(device))
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    sms = runtime.num_sms(torch.device(device))
+    tiled = "_linear_act_fwd_kernel" if kind == "linear_act" else "_gated_fwd_kernel"
+    if cfg.persistent and N % 8 == 0:
+        assert launches[0] == (tiled.replace("_kernel", "_persistent_kernel"), (min(tiles, sms),))
+    else:
+        assert launches[0] == (tiled, (tiles,))
+    if device == "cpu":  # the interpreter's small tiles take the sm90 entries' persistence
+        assert cfg.persistent and tiles > sms
