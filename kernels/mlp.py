@@ -826,6 +826,27 @@ class GemmConfig:
 # The gated backward writes [dgate | dup] into one buffer (dW_gate and dW_up: 2 cuBLAS GEMMs ->
 # 1 of 2N rows): gated_dh_bwd registers (pointer / TMA) large 128/132 -> 136/134, medium
 # 128/126 -> 135/136, small 78/76 -> 88/87; dh_bwd within 3 of before; no spills.
+# Persistent forwards (issue 25; sm_90 SASS, fp16, gelu_tanh, tiled TMA kernel -> persistent):
+# programs on an H200's 132 SMs, GPT-2 at M = 8192 tokens: fwd large (128 x 256) 124M (N = 3072) 768
+# tiles -> 132 programs of 5-6 tiles, 350M (N = 4096) 1024 -> 132 of 7-8; gated large (128 x 128)
+# at the same shapes 1536 / 2048 -> 132 of 11-12 / 15-16; one program resident an SM before and
+# after. TMA stores (UTMASTG) in the epilogue 0 -> one per output subtile (fwd large 8: y and pre
+# in 4 quarters; medium 4; gated large 12, medium 6), each copy twice in the SASS (the flattened
+# loop's pipelined and remainder versions); plain STG 32/16/24/24 -> 0. wgmma shapes unchanged
+# (4x 64x256x16, 4x 64x128x16, 8x 64x128x16 a K step). The flattened loop (tile and K loops as one,
+# the epilogue under a branch) takes per K step fwd large 87 -> 166 instructions, medium 83 -> 168,
+# gated large 122 -> 216, medium 123 -> 217 (the next tile's coordinates and predicates ride
+# along; unflattened the K loop was 89, 85, 127, 130, with the next tile's loads only after the
+# epilogue). Registers 167 -> 185, 104 -> 120, 160 -> 172, 172 -> 165; shared memory (KiB) 144 ->
+# 160, 128 -> 144, 192 -> 200, 160 -> 168 (the epilogue's staging buffer); no spills. The medium
+# fwd entry's epilogue is split in two for its subtiled stores: tiled kernel registers (pointer /
+# TMA) 142/104 -> 114/90. Which kernel is faster is for bench.mlp on an H200 to say.
+# dh backward (issue 25): the first epilogue subtile's saved pre (and up) is loaded before the K
+# loop: in the sm_90 SASS its LDG.E.128 now precede the HGMMA loop and the last wgmma wait
+# (WARPGROUP.DEPBAR.LE gsb0, 0x0), where before the first LDG came after it. Registers (TMA) dh
+# large 254 -> 254, medium 142 -> 150, small 70 -> 80; gated large 134 -> 136, medium 136 -> 136,
+# small 87 -> 104; K loop (large/medium/small) 86/83/81 -> 87/84/82 instructions, gated 83/84/81 ->
+# 84/85/82; no spills.
 GEMM_CONFIGS = {
     "sm90": {
         "fwd": {
