@@ -706,7 +706,8 @@ def mlp_entry_configs(table: str, shape_class: str, cfg, arch: runtime.Arch) -> 
     compiles to on arch: in both dtypes, for the two activations with the heaviest epilogues (gelu's
     erf and gelu_tanh), with pointer loads (always selectable: USE_TMA off, unaligned inputs) and,
     on sm_90+ where cfg.tma, TMA loads; a forward's small entry (decode-sized M) also in its
-    split-K variant (kernels.mlp.split_k)."""
+    split-K variant (kernels.mlp.split_k), and a forward entry with cfg.persistent also as the
+    persistent kernel (TMA loads and stores)."""
     from kernels import mlp
 
     tma_modes = (False, True) if cfg.tma and arch.tma else (False,)

@@ -51,14 +51,14 @@ it, and both the output and the backward's act' are computed from the clamped va
 straight-through clamp), so they agree: stored as ±inf it gave a finite output (silu(-inf) = 0) and
 NaN gradients (act'(-inf) = inf x 0). With activation ``none`` the output is left as a matmul gives it.
 
-Operand tiles move by TMA on Hopper and newer (sm_90+): the GEMMs' x and weight tiles (dy and W_out
-in the backward's) come through tensor descriptors, whose loads read out-of-bounds rows and columns
-as zeros, so the K loop needs no masks. W_out is read as stored, in (K, N) tiles, since a descriptor
-needs its unit stride last. Operands whose start or row stride is not a multiple of 16 bytes (K not
-a multiple of 8, unaligned views), transposed weights, other GPUs and ``USE_TMA = False`` take
-pointer loads instead; one kernel serves both (the ``TMA`` constexpr). Epilogues store by pointers.
-The GEMM tiles come from a table with an entry per GPU family (``kernels.runtime.ARCHS``), each
-compiled clean for its family's target in the compile report.
+Operand tiles move by TMA on Hopper and newer (sm_90+): x and weight tiles (dy and W_out in the backward's)
+come through tensor descriptors, whose loads read out-of-bounds elements as zeros (no masks in the K loop);
+W_out is read as stored, in (K, N) tiles (a descriptor needs its unit stride last). Operands whose start or
+row stride is not a multiple of 16 bytes, transposed weights, other GPUs and ``USE_TMA = False`` take pointer
+loads (one kernel serves both: the ``TMA`` constexpr). sm_90's large and medium forwards run persistent
+(``GemmConfig.persistent``): one program an SM walks the tiles in grouped order and the epilogue subtiles
+leave by TMA stores while the next tile's loads are in flight; other epilogues store by pointers. The GEMM
+tiles come from a table with an entry per GPU family (``kernels.runtime.ARCHS``), clean in the compile report.
 """
 
 import dataclasses
