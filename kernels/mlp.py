@@ -320,12 +320,12 @@ def _fwd_epilogue(
     INLINE_PTX: tl.constexpr,
 ):
     """Store y = act(acc + b) (and pre = acc + b) for the tile at rows offs_m, columns offs_n."""
-    pre, y = _fwd_values(acc, B, offs_n, N, Y.dtype.element_ty, ACTIVATION, HAS_BIAS, INLINE_PTX)
+    acc = _pre_activation(acc, B, offs_n, N, Y.dtype.element_ty, ACTIVATION, HAS_BIAS)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     if STORE_PRE:
-        tl.store(PRE + out, pre, mask=mask)
-    tl.store(Y + out, y, mask=mask)
+        tl.store(PRE + out, acc.to(PRE.dtype.element_ty), mask=mask)
+    tl.store(Y + out, _act_fwd(acc, ACTIVATION, INLINE_PTX).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -380,13 +380,15 @@ def _gated_fwd_epilogue(
     INLINE_PTX: tl.constexpr,
 ):  # fmt: skip
     """Store y = act(gate) * up (and gate, up) for the tile at rows offs_m, columns offs_n."""
-    gate, up, y = _gated_fwd_values(acc_gate, acc_up, Y.dtype.element_ty, ACTIVATION, INLINE_PTX)
+    acc_gate = _finite_in(acc_gate, Y.dtype.element_ty, ACTIVATION)
+    acc_up = _finite_in(acc_up, Y.dtype.element_ty, ACTIVATION)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     if STORE_PRE:
-        tl.store(GATE + out, gate, mask=mask)
-        tl.store(UP + out, up, mask=mask)
-    tl.store(Y + out, y, mask=mask)
+        tl.store(GATE + out, acc_gate.to(GATE.dtype.element_ty), mask=mask)
+        tl.store(UP + out, acc_up.to(UP.dtype.element_ty), mask=mask)
+    y = _act_fwd(acc_gate, ACTIVATION, INLINE_PTX) * acc_up
+    tl.store(Y + out, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -583,10 +585,11 @@ def _dh_act_bwd_kernel(
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
-    # The first subtile's saved pre (and up) is loaded before the K loop, so its latency hides under
-    # the GEMM instead of following the last wgmma; the later subtiles' loads overlap the earlier
-    # subtiles' epilogue math. All of them at once would hold the whole tile in registers.
-    pre, up = _load_saved(PRE, UP, offs_m, pid_n * BLOCK_N + tl.arange(0, SUB_N), M, N, GATED)
+    # The saved pre (and up) is loaded after the K loop. Loaded before it (issue 25), the first
+    # subtile's LDGs did precede the last wgmma wait in the sm_90 SASS, but Triton then computed that
+    # subtile's act twice, in the load's layout for h's store and in the MMA's for dpre (dh small:
+    # MUFU.EX2 32 -> 48 a thread; large: 4672 -> 5392 instructions): extra work on every tile to hide
+    # one load's latency, not taken without a GPU measurement.
     dh = _matmul_tile(
         DY, W, pid_m, pid_n, M, N, K, stride_dym, stride_dyk, stride_wn, stride_wk, 0, tl.cdiv(K, BLOCK_K),
         BLOCK_M, BLOCK_N, BLOCK_K, TMA, True,
@@ -594,8 +597,7 @@ def _dh_act_bwd_kernel(
     for i in tl.static_range(EPILOGUE_SPLIT):
         sub = _subtile(dh, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
         offs_sub = pid_n * BLOCK_N + i * SUB_N + tl.arange(0, SUB_N)
-        if i > 0:
-            pre, up = _load_saved(PRE, UP, offs_m, offs_sub, M, N, GATED)
+        pre, up = _load_saved(PRE, UP, offs_m, offs_sub, M, N, GATED)
         dpre = _act_bwd_tile(
             sub, pre, up, DPRE, DUP, H, offs_m, offs_sub, M, N, stride_dpre, ACTIVATION, GATED, STORE_H
         )
@@ -684,10 +686,10 @@ def _linear_act_fwd_persistent_kernel(
         for i in tl.static_range(EPILOGUE_SPLIT):
             sub = _subtile(acc, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
             offs_sub = start_n + i * SUB_N + tl.arange(0, SUB_N)
-            pre, y = _fwd_values(sub, B, offs_sub, N, Y.dtype, ACTIVATION, HAS_BIAS, INLINE_PTX)
+            pre = _pre_activation(sub, B, offs_sub, N, Y.dtype, ACTIVATION, HAS_BIAS)
             if STORE_PRE:  # the stores drop rows and columns past the edges
-                PRE.store([start_m, start_n + i * SUB_N], pre)
-            Y.store([start_m, start_n + i * SUB_N], y)
+                PRE.store([start_m, start_n + i * SUB_N], pre.to(Y.dtype))
+            Y.store([start_m, start_n + i * SUB_N], _act_fwd(pre, ACTIVATION, INLINE_PTX).to(Y.dtype))
 
 
 @triton.jit
@@ -727,31 +729,21 @@ def _gated_fwd_persistent_kernel(
         for i in tl.static_range(EPILOGUE_SPLIT):
             gate = _subtile(acc_gate, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
             up = _subtile(acc_up, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
-            gate, up, y = _gated_fwd_values(gate, up, Y.dtype, ACTIVATION, INLINE_PTX)
+            gate = _finite_in(gate, Y.dtype, ACTIVATION)
+            up = _finite_in(up, Y.dtype, ACTIVATION)
             if STORE_PRE:
-                GATE.store([start_m, start_n + i * SUB_N], gate)
-                UP.store([start_m, start_n + i * SUB_N], up)
-            Y.store([start_m, start_n + i * SUB_N], y)
+                GATE.store([start_m, start_n + i * SUB_N], gate.to(Y.dtype))
+                UP.store([start_m, start_n + i * SUB_N], up.to(Y.dtype))
+            Y.store([start_m, start_n + i * SUB_N], (_act_fwd(gate, ACTIVATION, INLINE_PTX) * up).to(Y.dtype))
 
 
 @triton.jit
-def _fwd_values(acc, B, offs_n, N, OUT_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
-                INLINE_PTX: tl.constexpr):  # fmt: skip
-    """(pre, y) in OUT_DTYPE of a forward tile at columns offs_n: pre = acc + b, y = act(pre)."""
+def _pre_activation(acc, B, offs_n, N, OUT_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):  # fmt: skip
+    """acc + b for a forward tile at columns offs_n, clamped as :func:`_finite_in` says (float32)."""
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    acc = _finite_in(acc, OUT_DTYPE, ACTIVATION)
-    return acc.to(OUT_DTYPE), _act_fwd(acc, ACTIVATION, INLINE_PTX).to(OUT_DTYPE)
-
-
-@triton.jit
-def _gated_fwd_values(acc_gate, acc_up, OUT_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr,
-                      INLINE_PTX: tl.constexpr):  # fmt: skip
-    """(gate, up, y = act(gate) * up) in OUT_DTYPE of a gated forward tile."""
-    acc_gate = _finite_in(acc_gate, OUT_DTYPE, ACTIVATION)
-    acc_up = _finite_in(acc_up, OUT_DTYPE, ACTIVATION)
-    y = _act_fwd(acc_gate, ACTIVATION, INLINE_PTX) * acc_up
-    return acc_gate.to(OUT_DTYPE), acc_up.to(OUT_DTYPE), y.to(OUT_DTYPE)
+    return _finite_in(acc, OUT_DTYPE, ACTIVATION)
 
 
 @triton.jit
@@ -837,16 +829,15 @@ class GemmConfig:
 # the epilogue under a branch) takes per K step fwd large 87 -> 166 instructions, medium 83 -> 168,
 # gated large 122 -> 216, medium 123 -> 217 (the next tile's coordinates and predicates ride
 # along; unflattened the K loop was 89, 85, 127, 130, with the next tile's loads only after the
-# epilogue). Registers 167 -> 185, 104 -> 120, 160 -> 172, 172 -> 165; shared memory (KiB) 144 ->
+# epilogue). Registers 167 -> 186, 104 -> 119, 160 -> 176, 172 -> 166; shared memory (KiB) 144 ->
 # 160, 128 -> 144, 192 -> 200, 160 -> 168 (the epilogue's staging buffer); no spills. The medium
 # fwd entry's epilogue is split in two for its subtiled stores: tiled kernel registers (pointer /
-# TMA) 142/104 -> 114/90. Which kernel is faster is for bench.mlp on an H200 to say.
-# dh backward (issue 25): the first epilogue subtile's saved pre (and up) is loaded before the K
-# loop: in the sm_90 SASS its LDG.E.128 now precede the HGMMA loop and the last wgmma wait
-# (WARPGROUP.DEPBAR.LE gsb0, 0x0), where before the first LDG came after it. Registers (TMA) dh
-# large 254 -> 254, medium 142 -> 150, small 70 -> 80; gated large 134 -> 136, medium 136 -> 136,
-# small 87 -> 104; K loop (large/medium/small) 86/83/81 -> 87/84/82 instructions, gated 83/84/81 ->
-# 84/85/82; no spills.
+# TMA) 142/104 -> 116/101. Which kernel is faster is for bench.mlp on an H200 to say.
+# dh backward (issue 25): loading the first subtile's saved pre (and up) before the K loop put its
+# LDG.E.128 ahead of the HGMMA loop and the last wgmma wait in the sm_90 SASS (after it before),
+# but Triton's layout pass then computed that subtile's act twice (see _dh_act_bwd_kernel), and the
+# large entries spilled 56-120 bytes on sm_90 (gelu, TMA and pointer), 8-104 on sm_80 and sm_86,
+# 248 on gfx942. Not kept: the load stays after the loop.
 GEMM_CONFIGS = {
     "sm90": {
         "fwd": {
