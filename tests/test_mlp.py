@@ -856,3 +856,17 @@ def test_persistent_forward_walks_several_tiles_per_program(kind, sizes, device,
         assert launches[0] == (tiled, (tiles,))
     if device == "cpu":  # the interpreter's small tiles take the sm90 entries' persistence
         assert cfg.persistent and tiles > sms
+
+
+@pytest.mark.parametrize("d_model,hidden", [(768, 3072), (1024, 4096)], ids=["124M", "350M"])
+def test_gpt2_up_projections_run_the_persistent_kernel_one_program_an_h200_sm(d_model, hidden, monkeypatch):
+    # The bench's GPT-2 cases (bench.mlp, 8192 tokens) on sm90's table with an H200's 132 SMs: the
+    # launcher is walked, no kernel runs (too large for the interpreter).
+    run_family_tables(monkeypatch, "sm90", mlp, "INTERPRETER_GEMM_BLOCKS", "gemm_config")
+    monkeypatch.setattr(runtime, "num_sms", lambda device: 132)
+    launches = record_launches(monkeypatch, execute=False)
+    x, w = torch.empty(8192, d_model, dtype=torch.float16), torch.empty(hidden, d_model, dtype=torch.float16)
+    kernels.linear_act(x, w, torch.empty(hidden, dtype=torch.float16))
+    kernels.gated_linear(x, w, w)
+    persistent = ["_linear_act_fwd_persistent_kernel", "_gated_fwd_persistent_kernel"]
+    assert launches == [(name, (132,)) for name in persistent]
