@@ -689,23 +689,35 @@ MLP_GEMMS = {
 MLP_POINTERS = ("X", "W", "B", "Y", "PRE", "WG", "WU", "GATE", "UP", "DY", "DH", "DPRE", "DUP", "H")
 
 
+# The forwards' persistent kernels (TMA only): their output descriptors, in epilogue subtiles ("s").
+MLP_PERSISTENT = {
+    "fwd": ("_linear_act_fwd_persistent_kernel", {"Y": "ms", "PRE": "ms"}),
+    "gated_fwd": ("_gated_fwd_persistent_kernel", {"Y": "ms", "GATE": "ms", "UP": "ms"}),
+}
+
+
 def mlp_gemm_config(
     table: str, shape_class: str, cfg, dtype: torch.dtype, activation: str, tma: bool, arch: str = "sm90",
-    split_k: bool = False,
+    split_k: bool = False, persistent: bool = False,
 ):  # fmt: skip
     """The KernelConfig of MLP GEMM ``table`` (a key of MLP_GEMMS) run with the kernels.mlp.GemmConfig
     ``cfg`` and activation, pointer or TMA loads, for GPU family arch; split_k: a forward's split-K
-    variant (partial sums stored, no epilogue)."""
+    variant (partial sums stored, no epilogue); persistent: a forward's persistent kernel (TMA)."""
     kernel, flags, tiles = MLP_GEMMS[table]
     pointers = dict.fromkeys(MLP_POINTERS, TRITON_TYPES[dtype]) | {"DB_PARTIAL": "fp32", "PARTIAL": "fp32"}
-    dims = {"m": cfg.block_m, "n": cfg.block_n, "k": cfg.block_k}
+    dims = {"m": cfg.block_m, "n": cfg.block_n, "k": cfg.block_k, "s": cfg.block_n // cfg.epilogue_split}
     constexprs = {"ACTIVATION": activation, **flags, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "EPILOGUE_SPLIT": cfg.epilogue_split,
                   "TMA": tma}  # fmt: skip
     if table in ("fwd", "gated_fwd"):  # the forward epilogues' gelu_tanh takes tanh.approx on NVIDIA
         constexprs |= {"INLINE_PTX": not ARCHS[arch].hip_target, "SPLIT_K": split_k}
+    if persistent:
+        kernel, outputs = MLP_PERSISTENT[table]
+        tiles = tiles | outputs
+        constexprs = {k: v for k, v in constexprs.items() if not k.startswith(("TMA", "SPLIT_K", "stride"))}
     descriptors = {a: tuple(dims[d] for d in block) for a, block in tiles.items()} if tma else {}
-    shape = f"{shape_class}/{activation}{' tma' if tma else ''}{' split-k' if split_k else ''}"
+    kind = " persistent" if persistent else " tma" if tma else ""
+    shape = f"{shape_class}/{activation}{kind}{' split-k' if split_k else ''}"
     fn = f"kernels.mlp.{kernel}"
     options = (cfg.num_warps, cfg.num_stages)
     return KernelConfig(
@@ -718,17 +730,24 @@ def mlp_entry_configs(table: str, shape_class: str, cfg, arch: runtime.Arch) -> 
     compiles to on arch: in both dtypes, for the two activations with the heaviest epilogues (gelu's
     erf and gelu_tanh), with pointer loads (always selectable: USE_TMA off, unaligned inputs) and,
     on sm_90+ where cfg.tma, TMA loads; a forward's small entry (decode-sized M) also in its
-    split-K variant (kernels.mlp.split_k)."""
+    split-K variant (kernels.mlp.split_k), and a forward entry with cfg.persistent also as the
+    persistent kernel (TMA loads and stores)."""
     from kernels import mlp
 
     tma_modes = (False, True) if cfg.tma and arch.tma else (False,)
     split_modes = (False, True) if table in ("fwd", "gated_fwd") and shape_class == "small" else (False,)
-    return [
+    configs = [
         mlp_gemm_config(table, shape_class, cfg, dtype, activation, tma, arch.name, split)
         for split, dtype, activation, tma in itertools.product(
             split_modes, mlp.SUPPORTED_DTYPES, ("gelu", "gelu_tanh"), tma_modes
         )
     ]
+    if cfg.persistent and arch.tma:  # its tiled TMA and pointer kernels stay selectable (mlp._persistent)
+        configs += [
+            mlp_gemm_config(table, shape_class, cfg, dtype, activation, True, arch.name, persistent=True)
+            for dtype, activation in itertools.product(mlp.SUPPORTED_DTYPES, ("gelu", "gelu_tanh"))
+        ]
+    return configs
 
 
 def mlp_configs(arch: runtime.Arch) -> list[KernelConfig]:

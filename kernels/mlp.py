@@ -51,14 +51,14 @@ it, and both the output and the backward's act' are computed from the clamped va
 straight-through clamp), so they agree: stored as ±inf it gave a finite output (silu(-inf) = 0) and
 NaN gradients (act'(-inf) = inf x 0). With activation ``none`` the output is left as a matmul gives it.
 
-Operand tiles move by TMA on Hopper and newer (sm_90+): the GEMMs' x and weight tiles (dy and W_out
-in the backward's) come through tensor descriptors, whose loads read out-of-bounds rows and columns
-as zeros, so the K loop needs no masks. W_out is read as stored, in (K, N) tiles, since a descriptor
-needs its unit stride last. Operands whose start or row stride is not a multiple of 16 bytes (K not
-a multiple of 8, unaligned views), transposed weights, other GPUs and ``USE_TMA = False`` take
-pointer loads instead; one kernel serves both (the ``TMA`` constexpr). Epilogues store by pointers.
-The GEMM tiles come from a table with an entry per GPU family (``kernels.runtime.ARCHS``), each
-compiled clean for its family's target in the compile report.
+Operand tiles move by TMA on Hopper and newer (sm_90+): x and weight tiles (dy and W_out in the backward's)
+come through tensor descriptors, whose loads read out-of-bounds elements as zeros (no masks in the K loop);
+W_out is read as stored, in (K, N) tiles (a descriptor needs its unit stride last). Operands whose start or
+row stride is not a multiple of 16 bytes, transposed weights, other GPUs and ``USE_TMA = False`` take pointer
+loads (one kernel serves both: the ``TMA`` constexpr). sm_90's large and medium forwards run persistent
+(``GemmConfig.persistent``): one program an SM walks the tiles in grouped order and the epilogue subtiles
+leave by TMA stores while the next tile's loads are in flight; other epilogues store by pointers. The GEMM
+tiles come from a table with an entry per GPU family (``kernels.runtime.ARCHS``), clean in the compile report.
 """
 
 import dataclasses
@@ -147,10 +147,9 @@ def _act_fwd_and_grad(z, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of this program: column-major within groups of GROUP_M row tiles, so the
-    programs running together share a few weight tiles (L2 reuse) instead of sweeping all of W."""
-    pid = tl.program_id(0)
+def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of output tile pid: column-major within groups of GROUP_M row tiles, so the
+    tiles running together share a few weight tiles (L2 reuse) instead of sweeping all of W."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     tiles_per_group = GROUP_M * num_pid_n
@@ -321,11 +320,8 @@ def _fwd_epilogue(
     INLINE_PTX: tl.constexpr,
 ):
     """Store y = act(acc + b) (and pre = acc + b) for the tile at rows offs_m, columns offs_n."""
-    col_mask = offs_n < N
-    if HAS_BIAS:
-        acc += tl.load(B + offs_n, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    acc = _finite_in(acc, Y.dtype.element_ty, ACTIVATION)
-    mask = (offs_m < M)[:, None] & col_mask[None, :]
+    acc = _pre_activation(acc, B, offs_n, N, Y.dtype.element_ty, ACTIVATION, HAS_BIAS)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     if STORE_PRE:
         tl.store(PRE + out, acc.to(PRE.dtype.element_ty), mask=mask)
@@ -360,7 +356,7 @@ def _linear_act_fwd_kernel(
     INLINE_PTX: tl.constexpr,  # an NVIDIA GPU, not the interpreter: gelu_tanh by tanh.approx (_act_fwd)
 ):
     # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits): splits > 1 only with SPLIT_K
-    pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     k_first, k_last = _k_range(K, BLOCK_K, SPLIT_K)
     acc = _matmul_tile(
@@ -423,7 +419,7 @@ def _gated_fwd_kernel(
     INLINE_PTX: tl.constexpr,  # as in _linear_act_fwd_kernel
 ):
     # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits): one pass over x, two accumulators.
-    pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     k_first, k_last = _k_range(K, BLOCK_K, SPLIT_K)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -512,8 +508,8 @@ def _split_k_epilogue_kernel(
 @triton.jit
 def _act_bwd_tile(
     dh,
-    PRE,
-    UP,
+    pre,
+    up,
     DPRE,
     DUP,
     H,
@@ -526,22 +522,22 @@ def _act_bwd_tile(
     GATED: tl.constexpr,
     STORE_H: tl.constexpr,
 ):
-    """Given dh, the float32 gradient of the hidden activation h on one tile, store dpre (and, gated,
-    dup) and, when STORE_H, h itself; return dpre in float32 with rows past M zeroed (for db).
-    DPRE and DUP have rows stride_dpre apart (2N gated: the halves of one [dgate | dup] buffer, so
-    the weight gradients are one GEMM); the other tensors are (M, N) contiguous.
+    """Given dh, the float32 gradient of the hidden activation h on one tile, and the saved pre (and,
+    gated, up) tiles as :func:`_load_saved` loads them, store dpre (and, gated, dup) and, when
+    STORE_H, h itself; return dpre in float32 with rows past M zeroed (for db). DPRE and DUP have
+    rows stride_dpre apart (2N gated: the halves of one [dgate | dup] buffer, so the weight
+    gradients are one GEMM); H is (M, N) contiguous.
 
-    Plain: h = act(pre), dpre = dh act'(pre). Gated, with PRE the gate and UP the up projection:
+    Plain: h = act(pre), dpre = dh act'(pre). Gated, with pre the gate and up the up projection:
     h = act(gate) up, dgate = dh up act'(gate), dup = dh act(gate).
     """
     row_mask = offs_m < M
     mask = row_mask[:, None] & (offs_n < N)[None, :]
     tile = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     grad_tile = offs_m.to(tl.int64)[:, None] * stride_dpre + offs_n[None, :]
-    pre = tl.load(PRE + tile, mask=mask, other=0.0).to(tl.float32)
-    act, act_grad = _act_fwd_and_grad(pre, ACTIVATION)
+    act, act_grad = _act_fwd_and_grad(pre.to(tl.float32), ACTIVATION)
     if GATED:
-        up = tl.load(UP + tile, mask=mask, other=0.0).to(tl.float32)
+        up = up.to(tl.float32)
         tl.store(DUP + grad_tile, (dh * act).to(DUP.dtype.element_ty), mask=mask)
         dpre = dh * up * act_grad
         h = act * up
@@ -586,18 +582,24 @@ def _dh_act_bwd_kernel(
     TMA: tl.constexpr,
 ):
     # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),): dh = dy W_out never reaches memory.
-    pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+    # The saved pre (and up) is loaded after the K loop. Loaded before it (issue 25), the first
+    # subtile's LDGs did precede the last wgmma wait in the sm_90 SASS, but Triton then computed that
+    # subtile's act twice, in the load's layout for h's store and in the MMA's for dpre (dh small:
+    # MUFU.EX2 32 -> 48 a thread; large: 4672 -> 5392 instructions): extra work on every tile to hide
+    # one load's latency, not taken without a GPU measurement.
     dh = _matmul_tile(
         DY, W, pid_m, pid_n, M, N, K, stride_dym, stride_dyk, stride_wn, stride_wk, 0, tl.cdiv(K, BLOCK_K),
         BLOCK_M, BLOCK_N, BLOCK_K, TMA, True,
     )  # fmt: skip
-    SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
     for i in tl.static_range(EPILOGUE_SPLIT):
         sub = _subtile(dh, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
         offs_sub = pid_n * BLOCK_N + i * SUB_N + tl.arange(0, SUB_N)
+        pre, up = _load_saved(PRE, UP, offs_m, offs_sub, M, N, GATED)
         dpre = _act_bwd_tile(
-            sub, PRE, UP, DPRE, DUP, H, offs_m, offs_sub, M, N, stride_dpre, ACTIVATION, GATED, STORE_H
+            sub, pre, up, DPRE, DUP, H, offs_m, offs_sub, M, N, stride_dpre, ACTIVATION, GATED, STORE_H
         )
         if HAS_BIAS:
             db_ptrs = DB_PARTIAL + pid_m.to(tl.int64) * N + offs_sub
@@ -637,13 +639,125 @@ def _act_bwd_kernel(
         mask = (offs_m < row_end)[:, None] & (offs_n < N)[None, :]
         dh_ptrs = DH + offs_m.to(tl.int64)[:, None] * stride_dhm + offs_n.to(tl.int64)[None, :] * stride_dhn
         dh = tl.load(dh_ptrs, mask=mask, other=0.0).to(tl.float32)
+        pre, up = _load_saved(PRE, UP, offs_m, offs_n, row_end, N, GATED)
         dpre = _act_bwd_tile(
-            dh, PRE, UP, DPRE, DUP, DPRE, offs_m, offs_n, row_end, N, stride_dpre, ACTIVATION, GATED, False
+            dh, pre, up, DPRE, DUP, DPRE, offs_m, offs_n, row_end, N, stride_dpre, ACTIVATION, GATED, False
         )
         if HAS_BIAS:
             db_acc += tl.sum(dpre, axis=0)
     if HAS_BIAS:
         tl.store(DB_PARTIAL + pid_m.to(tl.int64) * N + offs_n, db_acc, mask=offs_n < N)
+
+
+@triton.jit
+def _linear_act_fwd_persistent_kernel(
+    X,  # descriptor of x (M, K), (BLOCK_M, BLOCK_K) blocks
+    W,  # descriptor of W (N, K), (BLOCK_N, BLOCK_K) blocks
+    B,  # (N,); read when HAS_BIAS
+    Y,  # descriptor of y (M, N) contiguous, (BLOCK_M, BLOCK_N // EPILOGUE_SPLIT) blocks: act(x Wᵀ + b)
+    PRE,  # descriptor like Y's of pre (M, N), x Wᵀ + b; written when STORE_PRE
+    M,
+    N,
+    K,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
+    INLINE_PTX: tl.constexpr,  # as in _linear_act_fwd_kernel
+):
+    # grid = (min(tiles, SMs),): program p walks output tiles p, p + grid, ... in grouped order. The
+    # tile and K loops are flattened into one pipelined loop, so the next tile's first TMA loads are
+    # in flight during this tile's epilogue, whose subtiles leave by TMA stores (async: the next
+    # subtile's math runs while one is written).
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+        pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        start_m = pid_m * BLOCK_M
+        start_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, k_steps):  # out-of-bounds elements load as zeros: no masks
+            acc = tl.dot(X.load([start_m, k * BLOCK_K]), tl.trans(W.load([start_n, k * BLOCK_K])), acc)
+        for i in tl.static_range(EPILOGUE_SPLIT):
+            sub = _subtile(acc, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+            offs_sub = start_n + i * SUB_N + tl.arange(0, SUB_N)
+            pre = _pre_activation(sub, B, offs_sub, N, Y.dtype, ACTIVATION, HAS_BIAS)
+            if STORE_PRE:  # the stores drop rows and columns past the edges
+                PRE.store([start_m, start_n + i * SUB_N], pre.to(Y.dtype))
+            Y.store([start_m, start_n + i * SUB_N], _act_fwd(pre, ACTIVATION, INLINE_PTX).to(Y.dtype))
+
+
+@triton.jit
+def _gated_fwd_persistent_kernel(
+    X,  # descriptor of x (M, K), (BLOCK_M, BLOCK_K) blocks
+    WG,  # descriptor of W_gate (N, K), (BLOCK_N, BLOCK_K) blocks
+    WU,  # descriptor of W_up (N, K), like WG's
+    Y,  # descriptor of y (M, N) contiguous, (BLOCK_M, BLOCK_N // EPILOGUE_SPLIT) blocks
+    GATE,  # descriptor like Y's of x W_gateᵀ (M, N); written when STORE_PRE
+    UP,  # descriptor like Y's of x W_upᵀ (M, N); written when STORE_PRE
+    M,
+    N,
+    K,
+    ACTIVATION: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
+    INLINE_PTX: tl.constexpr,  # as in _linear_act_fwd_kernel
+):
+    # grid = (min(tiles, SMs),): as _linear_act_fwd_persistent_kernel, with two accumulators.
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+        pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        start_m = pid_m * BLOCK_M
+        start_n = pid_n * BLOCK_N
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, k_steps):
+            x = X.load([start_m, k * BLOCK_K])
+            acc_gate = tl.dot(x, tl.trans(WG.load([start_n, k * BLOCK_K])), acc_gate)
+            acc_up = tl.dot(x, tl.trans(WU.load([start_n, k * BLOCK_K])), acc_up)
+        for i in tl.static_range(EPILOGUE_SPLIT):
+            gate = _subtile(acc_gate, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+            up = _subtile(acc_up, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+            gate = _finite_in(gate, Y.dtype, ACTIVATION)
+            up = _finite_in(up, Y.dtype, ACTIVATION)
+            if STORE_PRE:
+                GATE.store([start_m, start_n + i * SUB_N], gate.to(Y.dtype))
+                UP.store([start_m, start_n + i * SUB_N], up.to(Y.dtype))
+            Y.store([start_m, start_n + i * SUB_N], (_act_fwd(gate, ACTIVATION, INLINE_PTX) * up).to(Y.dtype))
+
+
+@triton.jit
+def _pre_activation(acc, B, offs_n, N, OUT_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):  # fmt: skip
+    """acc + b for a forward tile at columns offs_n, clamped as :func:`_finite_in` says (float32)."""
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    return _finite_in(acc, OUT_DTYPE, ACTIVATION)
+
+
+@triton.jit
+def _load_saved(PRE, UP, offs_m, offs_n, M, N, GATED: tl.constexpr):
+    """The saved pre (the gate when GATED) and up tiles at rows offs_m, columns offs_n of the (M, N)
+    contiguous PRE and UP, in their stored dtype (half the registers of float32); up is pre when not
+    GATED (UP is not read)."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tile = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    pre = tl.load(PRE + tile, mask=mask, other=0.0)
+    up = pre
+    if GATED:
+        up = tl.load(UP + tile, mask=mask, other=0.0)
+    return pre, up
 
 
 # ----------------------------------------------------------------------------------------------
@@ -663,6 +777,9 @@ class GemmConfig:
     num_stages: int
     epilogue_split: int = 1  # the epilogue runs on 1, 2 or 4 column subtiles, one after another
     tma: bool = True  # x, weight and dy tiles by TMA (tensor descriptors) where the GPU and strides allow
+    # A forward's persistent kernel (one program an SM walking the tiles, epilogue stored by TMA) where
+    # its operands and outputs take TMA (:func:`_persistent`); the tiled kernel otherwise.
+    persistent: bool = False
 
 
 # Per GPU family (runtime.arch), kernel and shape class (see shape_class). float16 and bfloat16 share
@@ -698,16 +815,36 @@ class GemmConfig:
 # The gated backward writes [dgate | dup] into one buffer (dW_gate and dW_up: 2 cuBLAS GEMMs ->
 # 1 of 2N rows): gated_dh_bwd registers (pointer / TMA) large 128/132 -> 136/134, medium
 # 128/126 -> 135/136, small 78/76 -> 88/87; dh_bwd within 3 of before; no spills.
+# Persistent forwards (issue 25; sm_90 SASS, fp16, gelu_tanh, tiled TMA kernel -> persistent):
+# programs on an H200's 132 SMs, GPT-2 at M = 8192 tokens: fwd large (128 x 256) 124M (N = 3072) 768
+# tiles -> 132 programs of 5-6 tiles, 350M (N = 4096) 1024 -> 132 of 7-8; gated large (128 x 128)
+# at the same shapes 1536 / 2048 -> 132 of 11-12 / 15-16; one program resident an SM before and
+# after. TMA stores (UTMASTG) in the epilogue 0 -> one per output subtile (fwd large 8: y and pre
+# in 4 quarters; medium 4; gated large 12, medium 6), each copy twice in the SASS (the flattened
+# loop's pipelined and remainder versions); plain STG 32/16/24/24 -> 0. wgmma shapes unchanged
+# (4x 64x256x16, 4x 64x128x16, 8x 64x128x16 a K step). The flattened loop (tile and K loops as one,
+# the epilogue under a branch) takes per K step fwd large 87 -> 166 instructions, medium 83 -> 168,
+# gated large 122 -> 216, medium 123 -> 217 (the next tile's coordinates and predicates ride
+# along; unflattened the K loop was 89, 85, 127, 130, with the next tile's loads only after the
+# epilogue). Registers 167 -> 186, 104 -> 119, 160 -> 176, 172 -> 166; shared memory (KiB) 144 ->
+# 160, 128 -> 144, 192 -> 200, 160 -> 168 (the epilogue's staging buffer); no spills. The medium
+# fwd entry's epilogue is split in two for its subtiled stores: tiled kernel registers (pointer /
+# TMA) 142/104 -> 116/101. Which kernel is faster is for bench.mlp on an H200 to say.
+# dh backward (issue 25): loading the first subtile's saved pre (and up) before the K loop put its
+# LDG.E.128 ahead of the HGMMA loop and the last wgmma wait in the sm_90 SASS (after it before),
+# but Triton's layout pass then computed that subtile's act twice (see _dh_act_bwd_kernel), and the
+# large entries spilled 56-120 bytes on sm_90 (gelu, TMA and pointer), 8-104 on sm_80 and sm_86,
+# 248 on gfx942. Not kept: the load stays after the loop.
 GEMM_CONFIGS = {
     "sm90": {
         "fwd": {
-            "large": GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4),
-            "medium": GemmConfig(128, 128, 64, 8, 8, 4),
+            "large": GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4, persistent=True),
+            "medium": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2, persistent=True),
             "small": GemmConfig(64, 64, 64, 8, 4, 4),
         },
         "gated_fwd": {
-            "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=4),
-            "medium": GemmConfig(64, 128, 64, 8, 4, 4, epilogue_split=2),
+            "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=4, persistent=True),
+            "medium": GemmConfig(64, 128, 64, 8, 4, 4, epilogue_split=2, persistent=True),
             "small": GemmConfig(64, 64, 64, 8, 4, 4),
         },
         "dh_bwd": {
@@ -800,18 +937,39 @@ def _split_k_epilogue(
     )  # fmt: skip
 
 
-def _launch_options(cfg: GemmConfig, tma: bool) -> dict:
+def _launch_options(cfg: GemmConfig, tma: bool | None) -> dict:
+    """The constexprs and options of a GEMM launch; tma None for the persistent kernels (TMA only)."""
     return {
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
         "BLOCK_K": cfg.block_k,
         "GROUP_M": cfg.group_m,
         "EPILOGUE_SPLIT": cfg.epilogue_split,
-        "TMA": tma,
+        **({} if tma is None else {"TMA": tma}),
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
         **runtime.COMPILE_OPTIONS,
     }
+
+
+def _persistent(cfg: GemmConfig, tma: bool, splits: int, y: torch.Tensor) -> bool:
+    """Whether a forward runs its persistent kernel: the entry says so, the operands take TMA, the K
+    loop is not split, and the outputs (y's shape, all contiguous) take TMA stores: rows of a
+    multiple of 16 bytes."""
+    return cfg.persistent and tma and splits == 1 and runtime.tma_compatible(y)
+
+
+def _persistent_grid(cfg: GemmConfig, M: int, N: int, device: torch.device) -> tuple[int]:
+    """One program an SM (runtime.num_sms: the interpreter's stand-in is 4), or one a tile if fewer."""
+    return (min(_grid(cfg, M, N)[0], runtime.num_sms(device)),)
+
+
+def _output_tiles(cfg: GemmConfig, *outputs: torch.Tensor) -> list:
+    """Descriptors of (M, N) outputs for the persistent kernels' epilogue subtiles; an empty output
+    (pre not saved) gets the first one's, which the kernel does not write."""
+    block = (cfg.block_m, cfg.block_n // cfg.epilogue_split)
+    tiles = [runtime.tma_operand(t, block, True) if t.numel() else None for t in outputs]
+    return [t if t is not None else tiles[0] for t in tiles]
 
 
 def tma_usable(cfg: GemmConfig, *operands: torch.Tensor) -> bool:
@@ -841,6 +999,15 @@ def _linear_act_fwd(
     x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
     w_tiles = runtime.tma_operand(weight, (cfg.block_n, cfg.block_k), tma)
     splits = split_k(cfg, M, N, K, x.device)
+    if _persistent(cfg, tma, splits, y):
+        with runtime.device_guard(x):
+            runtime.launch(
+                _linear_act_fwd_persistent_kernel, _persistent_grid(cfg, M, N, x.device),
+                x_tiles, w_tiles, bias if bias is not None else weight, *_output_tiles(cfg, y, pre), M, N, K,
+                ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre,
+                INLINE_PTX=inline_ptx(x), **_launch_options(cfg, None),
+            )  # fmt: skip
+        return y, pre
     partial = runtime.empty((splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
     with runtime.device_guard(x):
         runtime.launch(
@@ -873,6 +1040,15 @@ def _gated_fwd(
     x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
     wg_tiles, wu_tiles = (runtime.tma_operand(w, (cfg.block_n, cfg.block_k), tma) for w in (w_gate, w_up))
     splits = split_k(cfg, M, N, K, x.device)
+    if _persistent(cfg, tma, splits, y):
+        with runtime.device_guard(x):
+            runtime.launch(
+                _gated_fwd_persistent_kernel, _persistent_grid(cfg, M, N, x.device),
+                x_tiles, wg_tiles, wu_tiles, *_output_tiles(cfg, y, gate, up), M, N, K,
+                ACTIVATION=activation, STORE_PRE=store_pre, INLINE_PTX=inline_ptx(x),
+                **_launch_options(cfg, None),
+            )  # fmt: skip
+        return y, gate, up
     partial = runtime.empty((2 * splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
     with runtime.device_guard(x):
         runtime.launch(

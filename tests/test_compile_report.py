@@ -524,6 +524,9 @@ def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_wi
     backward(kernels.linear_act(x, w1, None, activation="gelu"))
     backward(kernels.linear_act(x[:1, :].repeat(1, 3), w1.repeat(1, 3), None))  # K = 96: split-K
     backward(kernels.gated_linear(x, w1, w2, activation="silu"))
+    rows = x.detach().repeat(4, 1)  # M = 80, past the small class: the persistent forwards
+    backward(kernels.linear_act(rows, w1, None, activation="gelu"))
+    backward(kernels.gated_linear(rows, w1, w2, activation="silu"))
     backward(kernels.fused_mlp(x, w1, None, w3.t().contiguous(), None, activation="gelu"))
     backward(kernels.fused_gated_mlp(x, w1, w2, w3.t().contiguous(), activation="silu"))
     cache = torch.randn(1, 8, 2, 16, **f16)

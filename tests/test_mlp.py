@@ -830,3 +830,43 @@ def test_split_k_fills_an_h200_at_decode_sizes_only():
         assert mlp.split_k(cfg, 64, 1024, 64, h200) == 1  # one K step: nothing to split
         assert mlp.split_k(gated, 1, 11008, 4096, h200) == 1
         assert mlp.split_k(cfg, 65, 3072, 768, h200) == 1
+
+
+# (M, K, N) past the small class: K a multiple of 8 (TMA operands), none a tile multiple; every one more
+# output tiles than the interpreter's stand-in SM count (4), so each program walks several tiles. N
+# = 65 has rows of 130 bytes, no TMA store: the tiled kernel runs.
+PERSISTENT_SHAPES = [(1, 40, 264), (100, 264, 72), (257, 24, 136), (100, 40, 65)]
+
+
+@pytest.mark.parametrize("sizes", PERSISTENT_SHAPES, ids=_id)
+@pytest.mark.parametrize("kind", ["linear_act", "gated_linear"])
+def test_persistent_forward_walks_several_tiles_per_program(kind, sizes, device, monkeypatch):
+    monkeypatch.setattr(mlp, "SMALL_ROWS", 0)  # M = 1 takes the medium (persistent) entry too
+    launches = record_launches(monkeypatch)
+    check(kind, make_tensors(kind, sizes, torch.float16, device, seed=_seed(kind, sizes)), "gelu_tanh")
+    M, _, N = sizes
+    table = "fwd" if kind == "linear_act" else "gated_fwd"
+    cfg = mlp.gemm_config(table, M, N, torch.device(device))
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    sms = runtime.num_sms(torch.device(device))
+    tiled = "_linear_act_fwd_kernel" if kind == "linear_act" else "_gated_fwd_kernel"
+    if cfg.persistent and N % 8 == 0:
+        assert launches[0] == (tiled.replace("_kernel", "_persistent_kernel"), (min(tiles, sms),))
+    else:
+        assert launches[0] == (tiled, (tiles,))
+    if device == "cpu":  # the interpreter's small tiles take the sm90 entries' persistence
+        assert cfg.persistent and tiles > sms
+
+
+@pytest.mark.parametrize("d_model,hidden", [(768, 3072), (1024, 4096)], ids=["124M", "350M"])
+def test_gpt2_up_projections_run_the_persistent_kernel_one_program_an_h200_sm(d_model, hidden, monkeypatch):
+    # The bench's GPT-2 cases (bench.mlp, 8192 tokens) on sm90's table with an H200's 132 SMs: the
+    # launcher is walked, no kernel runs (too large for the interpreter).
+    run_family_tables(monkeypatch, "sm90", mlp, "INTERPRETER_GEMM_BLOCKS", "gemm_config")
+    monkeypatch.setattr(runtime, "num_sms", lambda device: 132)
+    launches = record_launches(monkeypatch, execute=False)
+    x, w = torch.empty(8192, d_model, dtype=torch.float16), torch.empty(hidden, d_model, dtype=torch.float16)
+    kernels.linear_act(x, w, torch.empty(hidden, dtype=torch.float16))
+    kernels.gated_linear(x, w, w)
+    persistent = ["_linear_act_fwd_persistent_kernel", "_gated_fwd_persistent_kernel"]
+    assert launches == [(name, (132,)) for name in persistent]
