@@ -28,6 +28,8 @@ Shards are memory-mapped when loaded, after the header has been checked against 
 and meta.json, so a truncated, foreign or mismatched file is an error, never garbage tokens.
 """
 
+from __future__ import annotations
+
 import argparse
 import collections
 import glob
@@ -42,10 +44,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    # Imported where a tensor is made: prepare's spawned workers would each spend ~2 CPU-seconds
+    # importing torch, which tokenising never uses.
+    import torch
 
 MAGIC = b"HORSETOK"
 VERSION = 1
@@ -552,6 +559,8 @@ def load_dataset(data: str | Path | None = None) -> tuple[Split, Split, ByteToke
 
 
 def _rows_to_tensor(split: Split, rows: list[np.ndarray]) -> torch.Tensor:
+    import torch
+
     tokens = np.stack(rows).astype(np.int64)
     if tokens.max() >= split.vocab_size:
         raise ValueError(
@@ -588,6 +597,8 @@ class Loader:
             raise ValueError(f"Loader: dp_rank {dp_rank} must be in [0, dp_size {dp_size})")
         self.split, self.batch_size, self.seq_len, self.seed = split, batch_size, seq_len, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        import torch
+
         self.device = torch.device(device)
         self.position = 0
         # A window needs seq_len + 1 tokens; shard i offers len - seq_len starts.
@@ -651,6 +662,8 @@ class HeldOut:
                 f"--eval-tokens {tokens:,}: {split.name} holds {len(starts):,} windows of seq_len {seq_len}, "
                 f"{len(starts) * seq_len:,} tokens; ask for at most that"
             )
+        import torch
+
         self.split, self.seq_len, self.batch_size, self.device = (
             split,
             seq_len,

@@ -113,8 +113,9 @@ def stand_in_h200(monkeypatch) -> FakeClock:
 
 
 def test_the_gpu_path_with_a_stand_in_gpu_writes_the_report(monkeypatch, tmp_path, capsys):
-    # gpu_main() whole, with the tiny model's real steps on the CPU and a fake clock:
-    # each triton step takes 10 ms of it, each reference-compile step 15 ms.
+    # gpu_main() whole, with the tiny model's real steps on the CPU and a fake clock: each triton
+    # step takes 2.5 ms of it, each reference-compile step 3.75 ms. One sequence a step: the triton
+    # steps run in the interpreter, where 4 took ~4x as long.
     clock = stand_in_h200(monkeypatch)
     make_step = bench_train.make_step
 
@@ -122,17 +123,17 @@ def test_the_gpu_path_with_a_stand_in_gpu_writes_the_report(monkeypatch, tmp_pat
         step = make_step(cfg, config, backend, "cpu")
 
         def timed():
-            clock.now += 0.010 if backend == "triton" else 0.015
+            clock.now += 0.0025 if backend == "triton" else 0.00375
             return step()
 
         return timed
 
     monkeypatch.setattr(bench_train, "make_step", make_step_on_the_cpu)
-    argv = ["--preset", "tiny", "--batch-size", "4", "--precision", "fp32", "--warmup", "0", "--steps", "2",
+    argv = ["--preset", "tiny", "--batch-size", "1", "--precision", "fp32", "--warmup", "0", "--steps", "2",
             "--out", str(tmp_path), "--gate"]  # fmt: skip
     assert bench_train.gpu_main(*bench_train.parse_args(argv)) == 0
     out = capsys.readouterr().out
-    assert "train_step tiny fp32 triton: 25,600 tokens/s, MFU 0.1%" in out  # 256 tokens in 10 ms
+    assert "train_step tiny fp32 triton: 25,600 tokens/s, MFU 0.1%" in out  # 64 tokens in 2.5 ms
     assert "PASS train_step forward+backward" in out
     report = json.loads((tmp_path / "train.json").read_text())
     assert report["machine"]["gpu"] == "NVIDIA H200" and "git_commit" in report["machine"]
@@ -176,7 +177,7 @@ def test_a_backend_that_fails_or_is_interrupted_costs_only_its_result(error, mon
     # interrupt (the device check's time limit sends SIGINT) ends the measuring. Either way the
     # report keeps what was measured and the exit code says something is missing.
     steps_on_a_stand_in_h200(monkeypatch, failing="reference-compile", error=error)
-    argv = ["--preset", "tiny", "--batch-size", "4", "--precision", "fp32", "--warmup", "0", "--steps", "2",
+    argv = ["--preset", "tiny", "--batch-size", "1", "--precision", "fp32", "--warmup", "0", "--steps", "2",
             "--backends", "triton", "reference-compile", "reference", "--out", str(tmp_path)]  # fmt: skip
     assert bench_train.gpu_main(*bench_train.parse_args(argv)) == 1
     out = capsys.readouterr()
@@ -232,12 +233,12 @@ def test_triton_out_of_memory_is_broken_and_its_gate_not_measured(monkeypatch, t
     steps_on_a_stand_in_h200(
         monkeypatch, failing="triton", error=torch.cuda.OutOfMemoryError("CUDA out of memory")
     )
-    argv = ["--preset", "tiny", "--batch-size", "4", "--precision", "fp32", "--warmup", "0", "--steps", "2",
+    argv = ["--preset", "tiny", "--batch-size", "1", "--precision", "fp32", "--warmup", "0", "--steps", "2",
             "--backends", "triton", "reference-compile", "--out", str(tmp_path)]  # fmt: skip
     assert bench_train.gpu_main(*bench_train.parse_args(argv)) == 1  # without --gate too
     out = capsys.readouterr().out
     assert "triton: out of memory" in out and "no result from triton" in out
     assert (
-        "FAIL train_step forward+backward [layers=4 d_model=256 batch=4 seq_len=64 grad_accum=1]: "
+        "FAIL train_step forward+backward [layers=4 d_model=256 batch=1 seq_len=64 grad_accum=1]: "
         "not measured (ours)" in out
     )

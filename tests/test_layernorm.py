@@ -209,7 +209,9 @@ def test_split_rows_launch_a_program_per_column_block(monkeypatch):
     assert triton.cdiv(N, layernorm.BWD_SPLIT_ROW.block_n) == 5
 
 
-@pytest.mark.parametrize("shape", [(1031, 1000), (5, 20000)], ids=["tile", "chunked"])
+# 259 rows: slabs of several 2-row tiles, a ragged last one; at this size (not at 131) dweight's bits
+# do change when the slabs do (num_sms 3 for 4), so a run-to-run change of order would show.
+@pytest.mark.parametrize("shape", [(259, 1000), (5, 20000)], ids=["tile", "chunked"])
 def test_backward_is_deterministic(shape, device):
     case = make_case(False, shape, torch.float16, device, residual=True)
     first, again = run_kernel(case), run_kernel(case)
