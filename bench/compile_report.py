@@ -338,16 +338,40 @@ def toolchain(target: GPUTarget) -> str:
     return f"triton {triton.__version__} {make_backend(target).hash()}"
 
 
+@functools.cache
+def source_key(fn) -> str:
+    """Triton's cache key of the jit function fn (its source, the source of the jit functions it
+    calls, the constexpr globals it reads) with every jit function's first line taken as line 0.
+    Where a function sits in its file decides only the line numbers of its debug information, never
+    its registers, spills or instructions: a kernel added above others leaves their rows standing."""
+    jit_functions = {
+        id(f): f
+        for module in list(sys.modules.values())
+        for f in list(getattr(module, "__dict__", {}).values())
+        if issubclass(type(f), triton.runtime.jit.JITFunction)  # type(): no deprecated attribute warns
+    }
+    jit_functions[id(fn)] = fn
+    saved = [(f, f.starting_line_number, f.hash) for f in jit_functions.values()]
+    try:
+        for f, _, _ in saved:
+            f.starting_line_number, f.hash = 0, None
+        return fn.cache_key
+    finally:
+        for f, line, key in saved:
+            f.starting_line_number, f.hash = line, key
+
+
 def row_key(cfg: KernelConfig) -> str:
-    """What decides cfg's compiled code and its row, hashed: the kernel's Triton cache key (its
-    source, the source of the jit functions it calls, the constexpr globals it reads, its first
-    line), the signature with its alignment attributes, the constexprs, the compile options, the
-    target and its toolchain, the environment variables Triton's own cache keys on, and the code
-    that reads a row from the compiled kernel (reader_hash)."""
+    """What decides cfg's compiled code and its row, hashed: the kernel's source key (its source,
+    the source of the jit functions it calls, the constexpr globals it reads), the signature with
+    its alignment attributes, the constexprs, the compile options, the target and its toolchain,
+    the environment variables Triton's own cache keys on, and the code that reads a row from the
+    compiled kernel (reader_hash)."""
     signature, attrs = _signature(cfg)
     target = cfg.gpu_target
     environment = sorted(get_cache_invalidating_env_vars().items())
-    code = (cfg.fn.cache_key, signature, attrs, sorted(cfg.constexprs.items()), sorted(_options(cfg).items()))
+    options = sorted(_options(cfg).items())
+    code = (source_key(cfg.fn), signature, attrs, sorted(cfg.constexprs.items()), options)
     parts = (*code, repr(target), toolchain(target), environment, reader_hash())
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
@@ -886,9 +910,12 @@ def main(argv: list[str] | None = None) -> int:
     keys = [row_key(c) for c in configs]
     cached = load_cache(args.cache)
     jobs = max(1, args.jobs)
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        proof = prove(configs, keys, {} if args.rebuild else cached, args.verify, args.seed,
-                      functools.partial(compile_in_pool, pool, workers=jobs))  # fmt: skip
+    # An empty Triton cache: a row re-verified from Triton's on-disk cache would not be a fresh compile.
+    with tempfile.TemporaryDirectory(prefix="compile-report-") as triton_cache:
+        os.environ["TRITON_CACHE_DIR"] = triton_cache
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            proof = prove(configs, keys, {} if args.rebuild else cached, args.verify, args.seed,
+                          functools.partial(compile_in_pool, pool, workers=jobs))  # fmt: skip
     results = proof.results
     print(format_table(results))
     bad = proof.differ + failures(results)

@@ -127,7 +127,7 @@ def test_gate_fails_a_matmul_kernel_without_tensor_cores():
     assert compile_report.failures([_result(matmul=True, tensor_cores=16)]) == []
 
 
-KEYED_KERNEL = """
+KEYED_KERNEL = """{above}
 import triton.language as tl
 from triton.runtime.jit import JITFunction  # not triton.jit: the tests run in the interpreter
 
@@ -144,9 +144,11 @@ def _kernel(X, Y, N, BLOCK_N: tl.constexpr):
 """
 
 
-def _keyed_module(tmp_path, monkeypatch, name: str, factor: int = 2, compare: str = "<") -> KernelConfig:
+def _keyed_module(
+    tmp_path, monkeypatch, name: str, factor: int = 2, compare: str = "<", above: str = ""
+) -> KernelConfig:
     path = tmp_path / f"{name}.py"
-    path.write_text(KEYED_KERNEL.format(factor=factor, compare=compare))
+    path.write_text(KEYED_KERNEL.format(factor=factor, compare=compare, above=above))
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, name, module)
@@ -161,6 +163,10 @@ def test_a_rows_key_changes_with_the_code_config_target_toolchain_and_reader(tmp
     cfg = _keyed_module(tmp_path, monkeypatch, "keyed_a")
     key = compile_report.row_key(cfg)
     assert compile_report.row_key(_keyed_module(tmp_path, monkeypatch, "keyed_same")) == key  # by content
+    # Lines added above the kernels (another kernel) move them in the file, not in their code.
+    moved = _keyed_module(tmp_path, monkeypatch, "keyed_moved", above="\n# a comment\n\n")
+    assert moved.fn.starting_line_number != cfg.fn.starting_line_number
+    assert compile_report.row_key(moved) == key
     changed = {
         "a called jit function's source": _keyed_module(tmp_path, monkeypatch, "keyed_helper", factor=3),
         "the kernel's source": _keyed_module(tmp_path, monkeypatch, "keyed_body", compare="<="),
