@@ -1042,11 +1042,20 @@ BWD_DKDV_CONFIGS = {
         # causal 329 -> 291 (628 -> 555), local 369 -> 341.
         # Causal, the mask behind a uniform branch (only query blocks crossing the diagonal), the loop's
         # two paths (diagonal / off-diagonal, against non-causal): 128: 291 -> 286 / 253 (261); 64: 301
-        # -> 303 / 269 (266); 32: 476 -> 478 / 412 (409); 16: 473 -> 475 / 409 (406). Same registers.
+        # -> 303 / 269 (266); 32: 476 -> 478 / 412 (409); 16: 473 -> 475 / 409 (406). Registers: 128
+        # causal 244-254 -> 245-255, clean; two loops instead (masked, then unmasked) spilled 32-64 bytes.
         64: AttnConfig(32, 128, 8, 2),
         # 2 stages spilled 8 bytes packed with the local mask (64-bit rows, flat grid; triton 3.6);
         # 1 stage compiled at 226-235 registers, clean, in the local and causal masks.
         128: AttnConfig(32, 128, 8, 1, tma=False),
+        # Kept (issue 25's wgmma N >= 64 without the column split not reached): its loop issues 64x
+        # 64x8x16 + 2x 64x64x16, 437 instructions (1,334 per MFLOP). Tried on triton 3.6 (sm_90, fp16),
+        # spill bytes (smallest wgmma N, instructions per MFLOP): 64x64 8 warps 456-656 (N 32, 474-614),
+        # 128x64 888-1,320 (N 64, 381-570), 16 warps 656-1,416; column split: 64x64 at 4 warps
+        # 1,016-1,352, 8 warps 344-560, 32x64 16-328. Scores by query (FA3's P and dS through shared
+        # memory): 128x64 264-320 (N 64, 329-401 per MFLOP), 64x64 336-440. Triton holds the wgmma A
+        # operand in registers (K and V loaded once, or q and dO by LDSM: 64 registers each) where FA3
+        # reads it from shared memory, and dk, dv take 128 more.
         256: AttnConfig(16, 64, 8, 2, column_splits=2, tma=False),
     },
     "sm100": {
