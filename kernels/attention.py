@@ -1067,7 +1067,9 @@ BWD_DKDV_CONFIGS = {
     },
     "sm80": {
         16: AttnConfig(32, 128, 4, 3, tma=False),
-        32: AttnConfig(64, 128, 8, 2, tma=False),
+        # 2 stages spilled 16-32 bytes causal once the mask went behind a branch; 1 stage: 252-253
+        # registers, clean (sm_80, sm_87).
+        32: AttnConfig(64, 128, 8, 1, tma=False),
         64: AttnConfig(16, 128, 8, 3, tma=False),
         128: AttnConfig(32, 64, 8, 3, tma=False),
         256: AttnConfig(16, 64, 8, 3, column_splits=2, tma=False),
@@ -1075,9 +1077,13 @@ BWD_DKDV_CONFIGS = {
     "sm86": {
         16: AttnConfig(32, 128, 8, 2, tma=False),
         32: AttnConfig(32, 128, 4, 1, tma=False),
-        64: AttnConfig(32, 128, 8, 1, tma=False),
+        # With the causal mask behind a branch, 32x128 spilled 16 bytes causal packed (sm_86), 32x64 8-16
+        # on sm_120, 64x64 24; 16x128: 190-196 registers, clean on sm_86, sm_89, sm_120.
+        64: AttnConfig(16, 128, 8, 1, tma=False),
         128: AttnConfig(64, 64, 8, 1, tma=False),
-        256: AttnConfig(32, 32, 8, 3, tma=False),
+        # 3 stages needed 102,912 bytes of shared memory causal with the branch (101,376 here); 2 stages
+        # 69,888, 226-238 registers, clean on sm_86, sm_89, sm_120.
+        256: AttnConfig(32, 32, 8, 2, tma=False),
     },
     "gfx942": {
         16: AttnConfig(64, 128, 8, 1, tma=False),
