@@ -7,7 +7,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=["kernels", "horse", "bench"],
-    package_data={"bench": ["gates.toml"], "horse": ["corpus/*.txt"]},  # horse: the trainer's built-in corpus
+    # horse: the trainer's built-in corpus; kernels: the config tables of the families not measured yet
+    package_data={"bench": ["gates.toml"], "horse": ["corpus/*.txt"], "kernels": ["configs/*.json"]},
     python_requires=">=3.11",  # tomllib (bench gates)
     # Loose ranges: a user's CUDA build of PyTorch brings its own Triton, and we keep both.
     # safetensors: the trainer's checkpoints; tqdm: its progress bar.

@@ -87,9 +87,7 @@ def gpu_main(args, pytest_args) -> int:
 
     device = torch.device("cuda", torch.cuda.current_device())
     start = time.perf_counter()
-    machine = timing.machine_info(device)
-    versions = f"CUDA {machine['cuda_runtime']}  torch {machine['torch']}  triton {machine['triton']}"
-    print(f"{machine['gpu']}  {versions}")
+    machine = timing.announce_machine(device)
     ceilings = {
         "copy_gbps": timing.copy_bandwidth_gbps(device),
         "matmul_tflops": timing.matmul_tflops(device),

@@ -189,21 +189,14 @@ def _mlp(ops, model: Model, t: dict) -> torch.Tensor:
     return ops.fused_mlp(t["x"], t["w_in"], t["b_in"], t["w_out"], t["b_out"], activation=model.activation)
 
 
-# kernels is imported at call time, not at import: the CPU path sets TRITON_INTERPRET first.
-def ours_up(model: Model, t: dict) -> torch.Tensor:
-    return _up(importlib.import_module("kernels"), model, t)
+def _on(ops: str, fn):
+    """fn(model, t) on the module ops, imported at call time, not at import: the CPU path sets
+    TRITON_INTERPRET first."""
+    return lambda model, t: fn(importlib.import_module(ops), model, t)
 
 
-def ours_mlp(model: Model, t: dict) -> torch.Tensor:
-    return _mlp(importlib.import_module("kernels"), model, t)
-
-
-def reference_up(model: Model, t: dict) -> torch.Tensor:
-    return _up(importlib.import_module("kernels.reference"), model, t)
-
-
-def reference_mlp(model: Model, t: dict) -> torch.Tensor:
-    return _mlp(importlib.import_module("kernels.reference"), model, t)
+ours_up, ours_mlp = _on("kernels", _up), _on("kernels", _mlp)
+reference_up, reference_mlp = _on("kernels.reference", _up), _on("kernels.reference", _mlp)
 
 
 def _up_inputs(model: Model) -> list[str]:

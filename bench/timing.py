@@ -285,6 +285,14 @@ def machine_info(device: torch.device | None = None) -> dict:
     return info
 
 
+def announce_machine(device: torch.device) -> dict:
+    """machine_info(device), its GPU and versions printed as a bench's first line."""
+    machine = machine_info(device)
+    versions = f"CUDA {machine['cuda_runtime']}  torch {machine['torch']}  triton {machine['triton']}"
+    print(f"{machine['gpu']}  {versions}")
+    return machine
+
+
 class EventStamp(float):
     """What :func:`cuda_event_timer` returns: a float (0.0) carrying a recorded CUDA event.
 

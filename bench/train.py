@@ -251,9 +251,7 @@ def format_table(results: list[suite.Result]) -> str:
 
 def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
-    machine = timing.machine_info(device)
-    versions = f"CUDA {machine['cuda_runtime']}  torch {machine['torch']}  triton {machine['triton']}"
-    print(f"{machine['gpu']}  {versions}")
+    machine = timing.announce_machine(device)
     ceilings = {"matmul_tflops": timing.matmul_tflops(device)}
     peak = peak_flops("cuda", cfg.peak_tflops)
     peak_text = "unknown (--peak-tflops)" if peak is None else f"{peak / 1e12:.0f} TFLOP/s"

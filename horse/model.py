@@ -15,7 +15,7 @@ Backend ``"reference"`` runs the same weights on plain torch modules (``nn.Layer
 ``nn.RMSNorm``, SDPA, nn.Linear, unfused adds). Parameter names are the same on both, so a state
 dict loads either way.
 
-The model is dense: ``horse.parallel.parallelize(model, parallel)`` makes it one rank's
+The model is dense: ``horse.parallel.parallelize(model, mesh)`` makes it one rank's
 tensor-parallel shard afterwards, by a plan that swaps its layers for column- and row-parallel ones.
 
     python -m horse.model        # the presets: parameters and training FLOPs per token

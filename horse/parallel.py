@@ -11,7 +11,7 @@ position table and the biases added after a row-parallel projection are replicat
 shard is cut from the whole model initialised from one seed (``build_model``), so every tp size
 starts from the same weights.
 
-The model (``horse.model.GPT``) is dense; ``parallelize(model, parallel)`` makes it this rank's
+The model (``horse.model.GPT``) is dense; ``parallelize(model, mesh)`` makes it this rank's
 shard by a plan, Megatron's: the weights are sliced; attention's c_attn becomes column-parallel
 and its c_proj row-parallel; the MLP takes its input whole once for its up projections (split by
 hidden units) and closes on a row-parallel down projection; the token embedding becomes
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 (the name every PyTorch reader knows)
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 import kernels
@@ -555,9 +555,11 @@ def _swap(module: nn.Module, cls: type[nn.Module], parallel: Parallel) -> None:
     module.__class__, module.parallel = cls, parallel
 
 
-def parallelize(model: GPT, parallel: Parallel) -> GPT:
+def parallelize(model: GPT, mesh: Parallel | DeviceMesh) -> GPT:
     """Make ``model``, a whole GPT, this rank's tensor-parallel shard in place, and return it;
-    at tp=1 it is returned as it is.
+    at tp=1 it is returned as it is. ``mesh``: where this rank sits, a :class:`Parallel`, or a
+    torch ``DeviceMesh`` whose "tp" dimension (or only dimension) splits the layers (no sequence
+    parallelism: a mesh does not say it).
 
     The plan: every split parameter (``shard_spec``) is replaced by this rank's slice under its own
     name, so tp=1 state dicts load after ``shard_state_dict``; attention keeps n_head / tp query and
@@ -567,6 +569,10 @@ def parallelize(model: GPT, parallel: Parallel) -> GPT:
     (Megatron's way) makes tp=1 and tp=N start from the same weights for the same seed, at the cost
     of holding the whole model once, briefly (``build_model`` does it on the CPU).
     """
+    parallel = mesh
+    if isinstance(mesh, DeviceMesh):
+        tp_mesh = mesh["tp"] if mesh.ndim > 1 else mesh
+        parallel = Parallel(tp_mesh.get_local_rank(), tp_mesh.size(), tp_group=tp_mesh.get_group())
     tp = parallel.tp_size
     if tp == 1:
         return model

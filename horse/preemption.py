@@ -18,6 +18,7 @@ send the signal to the workers themselves).
 """
 
 import contextlib
+import os
 import signal
 import sys
 
@@ -104,3 +105,15 @@ class Preemption:
             yield
         finally:
             self.in_save = False
+
+
+def restart_store_warning() -> str | None:
+    """A warning for a torchrun launch that restarts its workers (--max-restarts) while sharing its
+    rendezvous store with them: the restarted workers can read the failed ones' stale addresses."""
+    shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shared_store and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        return (
+            "warning: restarts may fail to reconnect while torchrun shares its rendezvous store with the "
+            "workers: launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch/pytorch#135712)"
+        )
+    return None

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from horse import checkpoint, hf, optim, preemption, recipes
+from horse import checkpoint, hf, optim, preemption, recipes, run_log
 from horse.data import HeldOut, Loader, load_dataset
 from horse.device import nvtx_range, peak_flops, pick_backend, pick_device, profiler
 from horse.generate import generate
@@ -296,12 +296,6 @@ def evaluate(model: GPT, held_out: HeldOut, autocast, parallel: Parallel) -> flo
     return (total[0] / total[1]).item()
 
 
-def _si(x: float) -> str:
-    return next(
-        f"{x / s:.1f}{u}" for s, u in ((1e9, "G"), (1e6, "M"), (1e3, "K"), (1, "")) if x >= s or s == 1
-    )
-
-
 # ----------------------------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------------------------
@@ -403,30 +397,14 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
         f"{parallel.dp_size} = {tokens_per_step:,} tokens per step, {max_steps} steps"
     )
     log(f"out {out_dir}" + (f" | resumed from {ckpt.name}" if ckpt is not None else ""))
-    shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    if shared_store and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
-        log(
-            "warning: restarts may fail to reconnect while torchrun shares its rendezvous store with the "
-            "workers: launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch/pytorch#135712)"
-        )
+    if warning := preemption.restart_store_warning():
+        log(warning)
 
-    metrics_path = out_dir / "metrics.jsonl"
-    if main_rank:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(
-            json.dumps({"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(config)}, indent=1)
-            + "\n"
-        )
-        kept = []
-        if ckpt is not None and metrics_path.exists():  # drop what the interrupted run logged after it
-            for line in metrics_path.read_text().splitlines():
-                with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError):
-                    if json.loads(line)["step"] <= step:
-                        kept.append(line + "\n")
-        metrics_path.write_text("".join(kept))
+    metrics_path = run_log.start(out_dir, cfg, config, step if ckpt else None) if main_rank else None
 
     records = []
     last_ckpt = ckpt
+    saved = (model, optimizer, scaler, train_loader, cfg, tokenizer, cfg.keep_last, parallel)  # by save_run
     failing_rank = min(1, parallel.world_size - 1)
     bar = tqdm(
         total=max_steps, initial=step, unit="step", disable=None if main_rank else True, dynamic_ncols=True
@@ -472,19 +450,7 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
             if main_rank and (
                 step % cfg.log_interval == 0 or step == max_steps or "val_loss" in record or skipped
             ):
-                line = (
-                    f"step {step:>{len(str(max_steps))}}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
-                    f"grad norm {grad_norm:.3f} | {_si(record['tokens_per_s'])} tok/s"
-                )
-                if record["loss_scale"] is not None:
-                    line += f" | scale {record['loss_scale']:g}"
-                if skipped:
-                    line += " (step skipped: inf/NaN gradients)"
-                if record["mfu"] is not None:
-                    line += f" | MFU {100 * record['mfu']:.1f}%"
-                if "val_loss" in record:
-                    line += f" | val loss {record['val_loss']:.4f}"
-                tqdm.write(line)
+                tqdm.write(run_log.line(record, max_steps))
             if main_rank:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
@@ -495,18 +461,7 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
             if (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == max_steps or signum:
                 try:
                     with preempt.saving():  # where a second signal aborts
-                        last_ckpt = checkpoint.save_run(
-                            out_dir,
-                            step,
-                            model,
-                            optimizer,
-                            scaler,
-                            train_loader,
-                            cfg,
-                            tokenizer,
-                            cfg.keep_last,
-                            parallel,
-                        )
+                        last_ckpt = checkpoint.save_run(out_dir, step, *saved)
                 except checkpoint.SaveError as e:
                     if cfg.on_save_error == "stop" or step == max_steps or signum:
                         raise

@@ -939,38 +939,21 @@ class AttnConfig:
 
 
 # Per GPU family (runtime.arch), pass and padded head dim. Every entry compiles for its family's
-# target (sm_80, sm_86, sm_90, sm_100, gfx942) with tensor-core instructions, no spills and within its shared
-# memory, in both dtypes and every mask (full, causal, local), with pointer loads, on packed batches,
-# and on sm_90 and sm_100 where tma is set with TMA loads (python -m bench.compile_report --filter
-# attn). Only the sm_90 entries are chosen for speed. The others were picked by compiling candidate
-# tiles (block_m and block_n 16 to 128, 4 or 8 warps, 3 to 1 stages) from the largest down and
-# keeping one that compiles clean for the family (python -m bench.tune attention --compile-only
-# --arch FAMILY --start-from sm90 runs this search); none is measured yet (python -m bench.tune
-# attention on such a GPU refines them). On sm_80 the 128x64 forward tile spilled 24 bytes at head
-# dim 128; the dk/dv pass spilled hundreds of bytes on sm_100 at sm_90's tiles.
+# target with tensor-core instructions, no spills and within its shared memory, in both dtypes and
+# every mask, with pointer loads, on packed batches, and on sm_90 and sm_100 where tma is set with
+# TMA loads: python -m bench.compile_report --filter attn builds them all, and its output is the
+# record of how each builds. The sm_90 entries, here, are chosen for speed. The other families'
+# (kernels/configs/attention.json) are the first candidates, from sm_90's tile down, that compile
+# clean there on triton 3.6 and 3.9 (python -m bench.tune attention --compile-only --arch FAMILY
+# --start-from sm90; sm86's also for sm_89 and sm_120 with --capability 86 89 120); none is
+# measured yet (python -m bench.tune attention on such a GPU refines them).
 #
 # sm_90: clean on triton 3.6 and 3.9, but the forward's TMA tiles at head dims 128 and 256, checked
-# on 3.6 only (the one at hand when they were set); those entries take smaller key blocks with
-# pointers (pointer_block_n), whose larger tiles spilled. TMA took fewer registers in most entries
-# (221 against 255 in the 128x128 head-dim-128 forward) and less shared memory (197 against 229 KB
-# there); which is faster is for the bench to measure ("ours" against "ours-pointer").
-#
-# sm_80, sm_86, sm_100: clean on triton 3.6 (CI's) and 3.9 alike. Where a tile spilled 8-16 bytes on
-# one of them (the sm_80 and sm_86 head-dim-16 forwards at 128x128: 3 stages on 3.6, 2 on 3.9; the
-# sm_86 dq pass at 256; the sm_100 packed local dk/dv pass at 128), the entry is the first candidate
-# of bench.tune --compile-only that compiled clean on both.
-#
-# The sm86 entries are clean on each GPU that takes them: sm_86, sm_89 (Ada) and sm_120 (consumer
-# Blackwell), searched with --capability 86 89 120. The backward's tiles before spilled 8-48 bytes
-# on sm_120 at head dims 16 and 32 (dk/dv at 16; dq at 16 and 32).
-#
-# gfx942 (AMD MI300X, MI325X): pointer loads, 64 KiB of LDS, wavefronts of 64 threads (4 warps are
-# 256). Searched from sm_90's entries (--arch gfx942 --start-from sm90, triton 3.6); sm_80's tiles
-# had spilled or overflowed the LDS in 190 of their 400 configs there. With 512 registers a lane
-# (the AGPRs included) the dk/dv pass holds dk and dv whole at head dim 256: no column split. Three
-# first finds spilled 8-36 bytes on triton 3.9 (the forward at 256 at 8 warps, dk/dv at 32 at 8
-# warps, dq at 256 at 2 stages); their entries are candidates clean on both (dq at 256 with 4 warps
-# and 3 stages spilled 508 bytes on 3.6).
+# on 3.6 only; those entries take smaller key blocks with pointers (pointer_block_n), whose larger
+# tiles spilled. TMA took fewer registers in most entries (221 against 255 in the 128x128
+# head-dim-128 forward) and less shared memory (197 against 229 KB there); which is faster is for
+# the bench to measure ("ours" against "ours-pointer").
+_TABLES = runtime.load_configs("attention", AttnConfig)
 FWD_CONFIGS = {
     "sm90": {
         16: AttnConfig(128, 64, 4, 3),
@@ -990,38 +973,7 @@ FWD_CONFIGS = {
         # did on triton 3.9 with TMA and at 192 causal with pointers.
         256: AttnConfig(128, 64, 8, 2, pointer_block_n=32),
     },
-    "sm100": {
-        # With TMA the causal head-dim-16 forward spilled 8 bytes on triton 3.9 (clean on 3.6).
-        16: AttnConfig(128, 128, 8, 3, tma=False),
-        32: AttnConfig(128, 128, 8, 3),
-        64: AttnConfig(128, 128, 8, 3),
-        128: AttnConfig(128, 64, 8, 3, tma=False),
-        256: AttnConfig(128, 32, 8, 2),
-    },
-    "sm80": {
-        16: AttnConfig(128, 64, 8, 3, tma=False),
-        32: AttnConfig(128, 128, 8, 3, tma=False),
-        64: AttnConfig(128, 64, 8, 3, tma=False),
-        128: AttnConfig(128, 32, 8, 3, tma=False),
-        # With 64-bit row offsets (2**31-element views), 2 stages spilled 16-32 bytes at head dim
-        # 192 causal and local, padded and packed (triton 3.6); 1 stage is bench.tune --compile-only's
-        # first clean candidate, 128x32 spilled 216 bytes or more.
-        256: AttnConfig(64, 64, 8, 1, tma=False),
-    },
-    "sm86": {
-        16: AttnConfig(128, 64, 8, 3, tma=False),
-        32: AttnConfig(128, 128, 8, 3, tma=False),
-        64: AttnConfig(128, 64, 8, 3, tma=False),
-        128: AttnConfig(128, 32, 8, 3, tma=False),
-        256: AttnConfig(64, 32, 8, 2, tma=False),
-    },
-    "gfx942": {
-        16: AttnConfig(128, 64, 4, 3, tma=False),
-        32: AttnConfig(128, 64, 4, 3, tma=False),
-        64: AttnConfig(128, 64, 4, 3, tma=False),
-        128: AttnConfig(128, 128, 4, 2, tma=False),
-        256: AttnConfig(128, 32, 4, 3, tma=False),
-    },
+    **_TABLES["FWD_CONFIGS"],
 }
 # Packed batches' forward: the padded entries, TMA descriptors built on the device per sequence (the
 # 128x128 head-dim-128 tile compiles as the padded one: 221-255 registers, no spill; its pointer
@@ -1058,40 +1010,7 @@ BWD_DKDV_CONFIGS = {
         # reads it from shared memory, and dk, dv take 128 more.
         256: AttnConfig(16, 64, 8, 2, column_splits=2, tma=False),
     },
-    "sm100": {
-        16: AttnConfig(32, 128, 8, 3, tma=False),
-        32: AttnConfig(32, 128, 8, 3, tma=False),
-        64: AttnConfig(32, 128, 8, 3),
-        128: AttnConfig(16, 128, 8, 1),
-        256: AttnConfig(32, 32, 8, 3, tma=False),
-    },
-    "sm80": {
-        16: AttnConfig(32, 128, 4, 3, tma=False),
-        # 2 stages spilled 16-32 bytes causal once the mask went behind a branch; 1 stage: 252-253
-        # registers, clean (sm_80, sm_87).
-        32: AttnConfig(64, 128, 8, 1, tma=False),
-        64: AttnConfig(16, 128, 8, 3, tma=False),
-        128: AttnConfig(32, 64, 8, 3, tma=False),
-        256: AttnConfig(16, 64, 8, 3, column_splits=2, tma=False),
-    },
-    "sm86": {
-        16: AttnConfig(32, 128, 8, 2, tma=False),
-        32: AttnConfig(32, 128, 4, 1, tma=False),
-        # With the causal mask behind a branch, 32x128 spilled 16 bytes causal packed (sm_86), 32x64 8-16
-        # on sm_120, 64x64 24; 16x128: 190-196 registers, clean on sm_86, sm_89, sm_120.
-        64: AttnConfig(16, 128, 8, 1, tma=False),
-        128: AttnConfig(64, 64, 8, 1, tma=False),
-        # 3 stages needed 102,912 bytes of shared memory causal with the branch (101,376 here); 2 stages
-        # 69,888, 226-238 registers, clean on sm_86, sm_89, sm_120.
-        256: AttnConfig(32, 32, 8, 2, tma=False),
-    },
-    "gfx942": {
-        16: AttnConfig(64, 128, 8, 1, tma=False),
-        32: AttnConfig(64, 128, 4, 1, tma=False),
-        64: AttnConfig(32, 128, 8, 1, tma=False),
-        128: AttnConfig(32, 128, 4, 1, tma=False),
-        256: AttnConfig(16, 64, 4, 1, tma=False),
-    },
+    **_TABLES["BWD_DKDV_CONFIGS"],
 }
 BWD_DQ_CONFIGS = {
     # At 256 the TMA variant compiles clean on triton 3.6 (250 registers) but spilled 544 bytes on 3.9.
@@ -1102,36 +1021,7 @@ BWD_DQ_CONFIGS = {
         128: AttnConfig(128, 64, 8, 2),
         256: AttnConfig(64, 32, 8, 2, tma=False),
     },
-    "sm100": {
-        16: AttnConfig(128, 128, 8, 3),
-        32: AttnConfig(128, 128, 8, 3),
-        64: AttnConfig(128, 128, 8, 3),
-        128: AttnConfig(128, 32, 8, 3),
-        256: AttnConfig(128, 16, 8, 3, tma=False),
-    },
-    "sm80": {
-        16: AttnConfig(128, 128, 8, 3, tma=False),
-        # 4 warps spilled 8 bytes on packed batches once the causal mask went to inline PTX.
-        32: AttnConfig(128, 32, 8, 2, tma=False),
-        64: AttnConfig(128, 64, 8, 3, tma=False),
-        128: AttnConfig(128, 32, 8, 3, tma=False),
-        256: AttnConfig(64, 32, 8, 3, tma=False),
-    },
-    "sm86": {
-        16: AttnConfig(128, 128, 8, 2, tma=False),
-        32: AttnConfig(128, 32, 8, 3, tma=False),
-        # 4 warps spilled 8 bytes with a window once the causal mask went to inline PTX.
-        64: AttnConfig(128, 32, 8, 1, tma=False),
-        128: AttnConfig(128, 32, 8, 2, tma=False),
-        256: AttnConfig(64, 16, 8, 3, tma=False),
-    },
-    "gfx942": {
-        16: AttnConfig(128, 64, 8, 3, tma=False),
-        32: AttnConfig(128, 64, 8, 3, tma=False),
-        64: AttnConfig(128, 64, 8, 1, tma=False),
-        128: AttnConfig(128, 64, 4, 1, tma=False),
-        256: AttnConfig(128, 16, 8, 1, tma=False),
-    },
+    **_TABLES["BWD_DQ_CONFIGS"],
 }
 # Decode (flash_attention_with_kvcache): BLOCK_M query rows (a GQA group's heads x the new tokens)
 # by BLOCK_N cached keys, pointer loads (the rows are gathered across heads), the same rule on every
@@ -1459,7 +1349,31 @@ def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Packed | 
     return None if cu_seqlens_q is None else Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
-@torch.library.custom_op("horse::flash_attn_fwd", mutates_args=())
+def _attn_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, cu_seqlens_q, *_):
+    if cu_seqlens_q is None:
+        batch, seqlen_q, heads, _ = q.shape
+        return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, window_left, window_right, cu_q, cu_k, max_q, max_k = inputs
+    out, lse = output
+    # O(seqlen) tensors only: the scores are recomputed in the backward, never saved.
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.mask_args = (causal, softmax_scale, window_left, window_right)
+    ctx.max_seqlens = (max_q, max_k)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    # dq, and dk with dv (one pass), only where an input wants them (frozen inputs launch nothing).
+    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]]
+    grads = _attn_bwd_op(dout, dlse, q, k, v, out, lse, *ctx.mask_args, cu_q, cu_k, *ctx.max_seqlens, needs)
+    return *(g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=False)), *[None] * 8
+
+
+@runtime.custom_op("flash_attn_fwd", _attn_fwd_fake, _backward, _setup_context)
 def _attn_fwd_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1477,15 +1391,13 @@ def _attn_fwd_op(
     return attention_fwd(q, k, v, causal, softmax_scale, (window_left, window_right), packed)
 
 
-@_attn_fwd_op.register_fake
-def _(q, k, v, causal, softmax_scale, window_left, window_right, cu_seqlens_q, *_):
-    if cu_seqlens_q is None:
-        batch, seqlen_q, heads, _ = q.shape
-        return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+def _attn_bwd_fake(dout, dlse, q, k, v, *args):
+    needs_dq, needs_dkdv = args[-1]
+    wanted = (needs_dq, needs_dkdv, needs_dkdv)
+    return tuple(t.new_empty(t.shape if need else (0,)) for t, need in zip((q, k, v), wanted, strict=True))
 
 
-@torch.library.custom_op("horse::flash_attn_bwd", mutates_args=())
+@runtime.custom_op("flash_attn_bwd", _attn_bwd_fake)
 def _attn_bwd_op(
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
@@ -1507,33 +1419,6 @@ def _attn_bwd_op(
     window = (window_left, window_right)
     packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return attention_bwd(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window, packed, needs)
-
-
-@_attn_bwd_op.register_fake
-def _(dout, dlse, q, k, v, *args):
-    needs_dq, needs_dkdv = args[-1]
-    wanted = (needs_dq, needs_dkdv, needs_dkdv)
-    return tuple(t.new_empty(t.shape if need else (0,)) for t, need in zip((q, k, v), wanted, strict=True))
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, window_left, window_right, cu_q, cu_k, max_q, max_k = inputs
-    out, lse = output
-    # O(seqlen) tensors only: the scores are recomputed in the backward, never saved.
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.mask_args = (causal, softmax_scale, window_left, window_right)
-    ctx.max_seqlens = (max_q, max_k)
-
-
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    # dq, and dk with dv (one pass), only where an input wants them (frozen inputs launch nothing).
-    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]]
-    grads = _attn_bwd_op(dout, dlse, q, k, v, out, lse, *ctx.mask_args, cu_q, cu_k, *ctx.max_seqlens, needs)
-    return *(g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=False)), *[None] * 8
-
-
-_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -298,17 +298,10 @@ def chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype, device: torch.device
     return max(1, min(n_rows, budget // (vocab * dtype.itemsize)))
 
 
-def _chunk_loss_(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    dloss: torch.Tensor | None,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    use_triton: bool,
-    shard: VocabShard | None,
-) -> torch.Tensor:
-    """Loss (C,) of a chunk of logits (C, V_local); with dloss the gradient replaces the logits."""
+def _chunk_loss_(logits, target, dloss, options: tuple, use_triton: bool, shard: VocabShard | None):
+    """Loss (C,) of a chunk of logits (C, V_local) with its targets (C,); with dloss the gradient
+    replaces the logits. options: (ignore_index, label_smoothing, z_loss)."""
+    ignore_index, label_smoothing, z_loss = options
     if use_triton and shard is None:
         return cross_entropy_fwd(logits, target, dloss, logits, ignore_index, label_smoothing, z_loss)[0]
     start, vocab = (0, logits.shape[1]) if shard is None else (shard.start, shard.vocab)
@@ -378,9 +371,8 @@ def linear_cross_entropy_chunks(
         else:
             torch.addmm(b, xc, w.T, out=logits)
         dloss_c = None if dloss is None else dloss[start:end]
-        loss[start:end] = _chunk_loss_(
-            logits, target[start:end], dloss_c, ignore_index, label_smoothing, z_loss, use_triton, shard
-        )
+        options = (ignore_index, label_smoothing, z_loss)
+        loss[start:end] = _chunk_loss_(logits, target[start:end], dloss_c, options, use_triton, shard)
         if grad:
             torch.mm(logits, w, out=dx[start:end])
             if dw.dtype == logits.dtype:
@@ -414,7 +406,23 @@ def row_weight(target: torch.Tensor, ignore_index: int, reduction: str) -> torch
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("horse::cross_entropy_fwd", mutates_args=())
+def _cross_entropy_fake(logits, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad):
+    loss = logits.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32)
+    return loss, logits.new_empty(logits.shape if compute_grad else (0,))
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.per_row = inputs[3] == "none"
+
+
+def _cross_entropy_backward(ctx, dloss, _ddlogits):
+    (dlogits,) = ctx.saved_tensors
+    scale = dloss[:, None] if ctx.per_row else dloss
+    return (dlogits * scale).to(dlogits.dtype), None, None, None, None, None, None
+
+
+@runtime.custom_op("cross_entropy_fwd", _cross_entropy_fake, _cross_entropy_backward, _cross_entropy_setup)
 def _cross_entropy_fwd_op(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -432,50 +440,9 @@ def _cross_entropy_fwd_op(
         )
     else:
         dlogits = logits.clone() if compute_grad else logits.new_empty((0,))
-        loss = _chunk_loss_(dlogits if compute_grad else logits, target, dloss, ignore_index,
-                            label_smoothing, z_loss, use_triton=False, shard=None)  # fmt: skip
+        options = (ignore_index, label_smoothing, z_loss)
+        loss = _chunk_loss_(dlogits if compute_grad else logits, target, dloss, options, False, None)
     return reduce_loss(loss, target, ignore_index, reduction)[0], dlogits
-
-
-@_cross_entropy_fwd_op.register_fake
-def _(logits, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad):
-    loss = logits.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32)
-    return loss, logits.new_empty(logits.shape if compute_grad else (0,))
-
-
-def _cross_entropy_setup(ctx, inputs, output):
-    ctx.save_for_backward(output[1])
-    ctx.per_row = inputs[3] == "none"
-
-
-def _cross_entropy_backward(ctx, dloss, _ddlogits):
-    (dlogits,) = ctx.saved_tensors
-    scale = dloss[:, None] if ctx.per_row else dloss
-    return (dlogits * scale).to(dlogits.dtype), None, None, None, None, None, None
-
-
-_cross_entropy_fwd_op.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
-
-
-@torch.library.custom_op("horse::linear_cross_entropy_fwd", mutates_args=())
-def _linear_cross_entropy_fwd_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    compute_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # "none": the gradient needs the incoming per-row gradient; the backward runs the chunks again
-    in_forward = compute_grad and reduction != "none"
-    dloss = row_weight(target, ignore_index, reduction) if in_forward else None
-    loss, dx, dw, db = linear_cross_entropy_chunks(
-        x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss, runtime.runs_triton(x)
-    )
-    return reduce_loss(loss, target, ignore_index, reduction)[0], dx, dw, db
 
 
 def _linear_grads_fake(x, weight, bias, with_grads: bool):
@@ -486,33 +453,9 @@ def _linear_grads_fake(x, weight, bias, with_grads: bool):
     )
 
 
-@_linear_cross_entropy_fwd_op.register_fake
-def _(x, weight, bias, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad):
+def _linear_fwd_fake(x, weight, bias, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad):
     loss = x.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32)
     return loss, *_linear_grads_fake(x, weight, bias, compute_grad and reduction != "none")
-
-
-@torch.library.custom_op("horse::linear_cross_entropy_bwd", mutates_args=())
-def _linear_cross_entropy_bwd_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    dloss: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, dx, dw, db = linear_cross_entropy_chunks(
-        x, weight, bias, target, dloss.contiguous(), ignore_index, label_smoothing, z_loss,
-        runtime.runs_triton(x),
-    )  # fmt: skip
-    return dx, dw, db
-
-
-@_linear_cross_entropy_bwd_op.register_fake
-def _(x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss):
-    return _linear_grads_fake(x, weight, bias, True)
 
 
 def _linear_setup(ctx, inputs, output):
@@ -536,7 +479,47 @@ def _linear_backward(ctx, dloss, _ddx, _ddw, _ddb):
     return dx, dw, db if ctx.has_bias else None, None, None, None, None, None, None
 
 
-_linear_cross_entropy_fwd_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+@runtime.custom_op("linear_cross_entropy_fwd", _linear_fwd_fake, _linear_backward, _linear_setup)
+def _linear_cross_entropy_fwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # "none": the gradient needs the incoming per-row gradient; the backward runs the chunks again
+    in_forward = compute_grad and reduction != "none"
+    dloss = row_weight(target, ignore_index, reduction) if in_forward else None
+    loss, dx, dw, db = linear_cross_entropy_chunks(
+        x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss, runtime.runs_triton(x)
+    )
+    return reduce_loss(loss, target, ignore_index, reduction)[0], dx, dw, db
+
+
+def _linear_bwd_fake(x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss):
+    return _linear_grads_fake(x, weight, bias, True)
+
+
+@runtime.custom_op("linear_cross_entropy_bwd", _linear_bwd_fake)
+def _linear_cross_entropy_bwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    dloss: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, dx, dw, db = linear_cross_entropy_chunks(
+        x, weight, bias, target, dloss.contiguous(), ignore_index, label_smoothing, z_loss,
+        runtime.runs_triton(x),
+    )  # fmt: skip
+    return dx, dw, db
 
 
 # ----------------------------------------------------------------------------------------------
@@ -580,12 +563,7 @@ def check_target(fn: str, target: torch.Tensor, rows: tuple[int, ...], vocab: in
 
 
 def _check_float(fn: str, name: str, t: torch.Tensor, device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{fn}: {name} must be float16, bfloat16 or float32, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{fn}: {name} is on {t.device} but the input is on {device}")
+    runtime.check_tensor(fn, name, t, device, SUPPORTED_DTYPES, "float16, bfloat16 or float32")
 
 
 def _check_vocab(fn: str, name: str, vocab: int) -> None:

@@ -514,52 +514,13 @@ def norm_bwd(
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("horse::norm_fwd", mutates_args=())
-def _norm_fwd_op(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    eps: float,
-    rms: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return norm_fwd(x, weight, bias, residual, eps, rms)
-
-
-@_norm_fwd_op.register_fake
-def _(x, weight, bias, residual, eps, rms):
+def _norm_fwd_fake(x, weight, bias, residual, eps, rms):
     M, N = x.shape
     return (
         x.new_empty((M, N)),
         x.new_empty((M, N) if residual is not None else (0,)),
         x.new_empty((0,) if rms else (M,), dtype=torch.float32),
         x.new_empty((M,), dtype=torch.float32),
-    )
-
-
-@torch.library.custom_op("horse::norm_bwd", mutates_args=())
-def _norm_bwd_op(
-    dy: torch.Tensor,
-    dresidual_out: torch.Tensor | None,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    has_bias: bool,
-    rms: bool,
-    needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return norm_bwd(dy, dresidual_out, x, weight, mean, rstd, has_bias, rms, needs)
-
-
-@_norm_bwd_op.register_fake
-def _(dy, dresidual_out, x, weight, mean, rstd, has_bias, rms, needs):
-    N = x.shape[1]
-    param_dtype = weight.dtype if weight is not None else x.dtype
-    return (
-        x.new_empty(x.shape if needs[0] else (0,)),
-        x.new_empty((N,) if needs[1] and weight is not None else (0,), dtype=param_dtype),
-        x.new_empty((N,) if needs[2] and has_bias else (0,), dtype=param_dtype),
     )
 
 
@@ -588,7 +549,41 @@ def _backward(ctx, dy, dresidual_out, _dmean, _drstd):
     )
 
 
-_norm_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+@runtime.custom_op("norm_fwd", _norm_fwd_fake, _backward, _setup_context)
+def _norm_fwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return norm_fwd(x, weight, bias, residual, eps, rms)
+
+
+def _norm_bwd_fake(dy, dresidual_out, x, weight, mean, rstd, has_bias, rms, needs):
+    N = x.shape[1]
+    param_dtype = weight.dtype if weight is not None else x.dtype
+    return (
+        x.new_empty(x.shape if needs[0] else (0,)),
+        x.new_empty((N,) if needs[1] and weight is not None else (0,), dtype=param_dtype),
+        x.new_empty((N,) if needs[2] and has_bias else (0,), dtype=param_dtype),
+    )
+
+
+@runtime.custom_op("norm_bwd", _norm_bwd_fake)
+def _norm_bwd_op(
+    dy: torch.Tensor,
+    dresidual_out: torch.Tensor | None,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    has_bias: bool,
+    rms: bool,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return norm_bwd(dy, dresidual_out, x, weight, mean, rstd, has_bias, rms, needs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -597,12 +592,7 @@ _norm_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check_tensor(fn: str, name: str, t: torch.Tensor, ref: torch.Tensor) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{fn}: {name} must be float16, bfloat16 or float32, got {t.dtype}")
-    if t.device != ref.device:
-        raise ValueError(f"{fn}: {name} is on {t.device} but input is on {ref.device}")
+    runtime.check_tensor(fn, name, t, ref.device, SUPPORTED_DTYPES, "float16, bfloat16 or float32")
 
 
 def _normalized_size(fn: str, x: torch.Tensor, normalized_shape) -> tuple[tuple[int, ...], int]:

@@ -669,15 +669,12 @@ class GemmConfig:
 # every entry: the same element size, tensor-core instruction shapes and shared-memory footprint;
 # the compile report builds each entry in both dtypes for its family's target, with pointer loads
 # and on sm_90+ where tma is set with TMA loads, and every one lowers to tensor-core instructions
-# with no spills, for every activation (python -m bench.compile_report --filter mlp). Only the
-# sm_90 entries are chosen for speed. The others were picked by compiling candidate tiles (block_m
-# 64 or 128, block_n 64 up to sm_90's, block_k 32 or 64, 4 or 8 warps, 4 to 2 stages, epilogue
-# split 1 to 4) from sm_90's tile and the deepest pipeline down and keeping one that compiles clean
-# for the family (python -m bench.tune mlp --compile-only --arch FAMILY --start-from sm90 runs this
-# search); none is measured yet (python -m bench.tune mlp on such a GPU refines them). The
-# gated forward's 128 x 128 tile spilled 128-184 bytes on sm_80 and sm_86 at every split tried.
-# On gfx942 (AMD MI300X; 64 KiB of LDS, 512 registers a lane with the AGPRs) sm_90's tiles fit
-# at one or two stages fewer, and most epilogues unsplit.
+# with no spills, for every activation (python -m bench.compile_report --filter mlp: its output is
+# the record of how each builds). The sm_90 entries, here, are chosen for speed. The other families'
+# (kernels/configs/mlp.json) are the first candidates, from sm_90's tile and the deepest pipeline
+# down, that compile clean there on triton 3.6 and 3.9 (python -m bench.tune mlp --compile-only
+# --arch FAMILY --start-from sm90); none is measured yet (python -m bench.tune mlp on such a GPU
+# refines them).
 #
 # sm_90: TMA took fewer registers in the forwards (170 against 223 in the large gelu_tanh one, 174
 # against 242 in the medium gated one), about as many in the backwards, and 24-64 bytes more
@@ -724,97 +721,7 @@ GEMM_CONFIGS = {
             "small": GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=2),
         },
     },
-    "sm100": {
-        "fwd": {
-            "large": GemmConfig(128, 256, 64, 8, 8, 4, epilogue_split=2),
-            "medium": GemmConfig(128, 128, 64, 8, 8, 4),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4),
-        },
-        "gated_fwd": {
-            "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2),
-            "medium": GemmConfig(64, 128, 64, 8, 8, 4),
-            "small": GemmConfig(64, 64, 64, 8, 8, 4),  # 4 warps: gelu_tanh spilled 8 bytes on triton 3.9
-        },
-        "dh_bwd": {
-            "large": GemmConfig(128, 256, 64, 8, 8, 4, epilogue_split=4),
-            "medium": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4),
-        },
-        "gated_dh_bwd": {
-            "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2),
-            "medium": GemmConfig(64, 128, 64, 8, 8, 4),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4),
-        },
-    },
-    "sm80": {
-        "fwd": {
-            "large": GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4, tma=False),
-            "medium": GemmConfig(128, 128, 64, 8, 8, 4, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
-        },
-        "gated_fwd": {
-            "large": GemmConfig(128, 64, 64, 8, 8, 4, tma=False),
-            "medium": GemmConfig(64, 128, 64, 8, 8, 4, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
-        },
-        "dh_bwd": {
-            "large": GemmConfig(128, 256, 64, 8, 8, 3, epilogue_split=4, tma=False),
-            "medium": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
-        },
-        "gated_dh_bwd": {
-            "large": GemmConfig(128, 128, 64, 8, 8, 4, epilogue_split=2, tma=False),
-            "medium": GemmConfig(64, 128, 64, 8, 8, 4, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
-        },
-    },
-    "sm86": {
-        "fwd": {
-            "large": GemmConfig(128, 256, 64, 8, 8, 2, epilogue_split=4, tma=False),
-            "medium": GemmConfig(128, 128, 64, 8, 8, 3, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
-        },
-        "gated_fwd": {
-            "large": GemmConfig(128, 64, 64, 8, 8, 3, tma=False),
-            "medium": GemmConfig(64, 128, 64, 8, 8, 2, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
-        },
-        "dh_bwd": {
-            # block_k 64 at 2 stages (as deep a pipeline) spilled 16 bytes with gelu_tanh on triton 3.9
-            "large": GemmConfig(128, 256, 32, 8, 8, 4, epilogue_split=4, tma=False),
-            "medium": GemmConfig(128, 128, 64, 8, 8, 3, epilogue_split=2, tma=False),
-            # unsplit, gelu in fp16 spilled 8 bytes (168 registers) once the dpre row stride and the K
-            # range were arguments (issue 25); split in two, 125 and no spill
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=2, tma=False),
-        },
-        "gated_dh_bwd": {
-            "large": GemmConfig(128, 128, 64, 8, 8, 3, epilogue_split=2, tma=False),
-            "medium": GemmConfig(64, 128, 64, 8, 8, 4, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
-        },
-    },
-    "gfx942": {
-        "fwd": {
-            "large": GemmConfig(128, 256, 64, 8, 8, 2, tma=False),
-            "medium": GemmConfig(128, 128, 64, 8, 8, 3, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, tma=False),
-        },
-        "gated_fwd": {
-            "large": GemmConfig(128, 128, 64, 8, 8, 2, tma=False),
-            "medium": GemmConfig(64, 128, 64, 8, 4, 2, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 3, tma=False),
-        },
-        "dh_bwd": {
-            "large": GemmConfig(128, 256, 64, 8, 8, 2, epilogue_split=2, tma=False),
-            "medium": GemmConfig(128, 128, 64, 8, 8, 3, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=2, tma=False),
-        },
-        "gated_dh_bwd": {
-            "large": GemmConfig(128, 128, 64, 8, 8, 3, epilogue_split=2, tma=False),
-            "medium": GemmConfig(64, 128, 64, 8, 4, 3, tma=False),
-            "small": GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=2, tma=False),
-        },
-    },
+    **runtime.load_configs("mlp", GemmConfig)["GEMM_CONFIGS"],
 }
 # Small, unequal tiles in the interpreter: quick there, several tiles cross every edge, and the
 # epilogue runs split, so the CPU tests run the subtile code too.
@@ -1200,36 +1107,6 @@ def _fake_pre(x: torch.Tensor, n: int, saved: bool) -> torch.Tensor:
     return x.new_empty((x.shape[0], n) if saved else (0,))
 
 
-@torch.library.custom_op("horse::linear_act_fwd", mutates_args=())
-def _linear_act_fwd_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    activation: str,
-    save_pre: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return linear_act_fwd(x, weight, bias, activation, save_pre)
-
-
-@_linear_act_fwd_op.register_fake
-def _(x, weight, bias, activation, save_pre):
-    N = weight.shape[0]
-    return x.new_empty((x.shape[0], N)), _fake_pre(x, N, _stores_pre(activation, save_pre))
-
-
-@torch.library.custom_op("horse::linear_act_bwd", mutates_args=())
-def _linear_act_bwd_op(
-    dy: torch.Tensor,
-    x: torch.Tensor | None,
-    weight: torch.Tensor,
-    pre: torch.Tensor,
-    has_bias: bool,
-    activation: str,
-    needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return linear_act_bwd(dy, x, weight, pre, has_bias, activation, needs)
-
-
 def _fake_gated_input_grads(dy: torch.Tensor, w_gate: torch.Tensor, needs: list[bool]) -> list[torch.Tensor]:
     """The shapes :func:`_gated_input_grads` returns: dx (M, K); dW_gate|up (2N, K), (N, K) or empty."""
     N, K = w_gate.shape
@@ -1246,9 +1123,22 @@ def _fake_input_grads(dy: torch.Tensor, weights, needs: list[bool]) -> list[torc
     ]
 
 
-@_linear_act_bwd_op.register_fake
-def _(dy, x, weight, pre, has_bias, activation, needs):
-    return (*_fake_input_grads(dy, [weight], needs), dy.new_empty((weight.shape[0],) if has_bias else (0,)))
+def _require_saved(ctx, op: str) -> None:
+    if not ctx.save_pre:
+        raise RuntimeError(
+            f"horse::{op}: backward through a forward run with save_pre=False, which saves nothing; "
+            "the public functions set save_pre whenever an input requires grad"
+        )
+
+
+def _wanted(ctx, *grads):
+    """grads, None where needs_input_grad says the input takes none (the op returned an empty tensor)."""
+    return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=True))
+
+
+def _linear_act_fwd_fake(x, weight, bias, activation, save_pre):
+    N = weight.shape[0]
+    return x.new_empty((x.shape[0], N)), _fake_pre(x, N, _stores_pre(activation, save_pre))
 
 
 def _linear_act_setup_context(ctx, inputs, output):
@@ -1260,14 +1150,6 @@ def _linear_act_setup_context(ctx, inputs, output):
     ctx.save_pre = save_pre or activation == "none"
 
 
-def _require_saved(ctx, op: str) -> None:
-    if not ctx.save_pre:
-        raise RuntimeError(
-            f"horse::{op}: backward through a forward run with save_pre=False, which saves nothing; "
-            "the public functions set save_pre whenever an input requires grad"
-        )
-
-
 def _linear_act_backward(ctx, dy, _dpre):
     _require_saved(ctx, "linear_act_fwd")
     x, weight, pre = ctx.saved_tensors
@@ -1276,44 +1158,37 @@ def _linear_act_backward(ctx, dy, _dpre):
     return _wanted(ctx, dx, dweight, dbias, None, None)
 
 
-def _wanted(ctx, *grads):
-    """grads, None where needs_input_grad says the input takes none (the op returned an empty tensor)."""
-    return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=True))
+@runtime.custom_op("linear_act_fwd", _linear_act_fwd_fake, _linear_act_backward, _linear_act_setup_context)
+def _linear_act_fwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    save_pre: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return linear_act_fwd(x, weight, bias, activation, save_pre)
 
 
-_linear_act_fwd_op.register_autograd(_linear_act_backward, setup_context=_linear_act_setup_context)
+def _linear_act_bwd_fake(dy, x, weight, pre, has_bias, activation, needs):
+    return (*_fake_input_grads(dy, [weight], needs), dy.new_empty((weight.shape[0],) if has_bias else (0,)))
 
 
-@torch.library.custom_op("horse::gated_linear_fwd", mutates_args=())
-def _gated_linear_fwd_op(
-    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str, save_pre: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return gated_linear_fwd(x, w_gate, w_up, activation, save_pre)
-
-
-@_gated_linear_fwd_op.register_fake
-def _(x, w_gate, w_up, activation, save_pre):
-    N = w_gate.shape[0]
-    return x.new_empty((x.shape[0], N)), _fake_pre(x, N, save_pre), _fake_pre(x, N, save_pre)
-
-
-@torch.library.custom_op("horse::gated_linear_bwd", mutates_args=())
-def _gated_linear_bwd_op(
+@runtime.custom_op("linear_act_bwd", _linear_act_bwd_fake)
+def _linear_act_bwd_op(
     dy: torch.Tensor,
     x: torch.Tensor | None,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
+    weight: torch.Tensor,
+    pre: torch.Tensor,
+    has_bias: bool,
     activation: str,
     needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return gated_linear_bwd(dy, x, w_gate, w_up, gate, up, activation, needs)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return linear_act_bwd(dy, x, weight, pre, has_bias, activation, needs)
 
 
-@_gated_linear_bwd_op.register_fake
-def _(dy, x, w_gate, w_up, gate, up, activation, needs):
-    return tuple(_fake_gated_input_grads(dy, w_gate, needs))
+def _gated_linear_fwd_fake(x, w_gate, w_up, activation, save_pre):
+    N = w_gate.shape[0]
+    return x.new_empty((x.shape[0], N)), _fake_pre(x, N, save_pre), _fake_pre(x, N, save_pre)
 
 
 def _gated_linear_setup_context(ctx, inputs, output):
@@ -1332,49 +1207,35 @@ def _gated_linear_backward(ctx, dy, _dgate, _dup):
     return _wanted(ctx, dx, *_split_gate_up(dw_gate_up, needs[1:]), None, None)
 
 
-_gated_linear_fwd_op.register_autograd(_gated_linear_backward, setup_context=_gated_linear_setup_context)
+@runtime.custom_op(
+    "gated_linear_fwd", _gated_linear_fwd_fake, _gated_linear_backward, _gated_linear_setup_context
+)
+def _gated_linear_fwd_op(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str, save_pre: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return gated_linear_fwd(x, w_gate, w_up, activation, save_pre)
 
 
-@torch.library.custom_op("horse::fused_mlp_fwd", mutates_args=())
-def _fused_mlp_fwd_op(
-    x: torch.Tensor,
-    w_in: torch.Tensor,
-    b_in: torch.Tensor | None,
-    w_out: torch.Tensor,
-    b_out: torch.Tensor | None,
-    activation: str,
-    save_pre: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return fused_mlp_fwd(x, w_in, b_in, w_out, b_out, activation, save_pre)
+def _gated_linear_bwd_fake(dy, x, w_gate, w_up, gate, up, activation, needs):
+    return tuple(_fake_gated_input_grads(dy, w_gate, needs))
 
 
-@_fused_mlp_fwd_op.register_fake
-def _(x, w_in, b_in, w_out, b_out, activation, save_pre):
-    return x.new_empty((x.shape[0], w_out.shape[0])), _fake_pre(x, w_in.shape[0], save_pre)
-
-
-@torch.library.custom_op("horse::fused_mlp_bwd", mutates_args=())
-def _fused_mlp_bwd_op(
+@runtime.custom_op("gated_linear_bwd", _gated_linear_bwd_fake)
+def _gated_linear_bwd_op(
     dy: torch.Tensor,
     x: torch.Tensor | None,
-    w_in: torch.Tensor,
-    w_out: torch.Tensor,
-    pre: torch.Tensor,
-    has_b_in: bool,
-    has_b_out: bool,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
     activation: str,
     needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return fused_mlp_bwd(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation, needs)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return gated_linear_bwd(dy, x, w_gate, w_up, gate, up, activation, needs)
 
 
-@_fused_mlp_bwd_op.register_fake
-def _(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation, needs):
-    dx, dw_in = _fake_input_grads(pre, [w_in], needs[:2])
-    db_in = dy.new_empty((w_in.shape[0],) if has_b_in else (0,))
-    dw_out = dy.new_empty(w_out.shape if needs[2] else (0,))
-    db_out = dy.new_empty((w_out.shape[0],) if has_b_out else (0,))
-    return dx, dw_in, db_in, dw_out, db_out
+def _fused_mlp_fwd_fake(x, w_in, b_in, w_out, b_out, activation, save_pre):
+    return x.new_empty((x.shape[0], w_out.shape[0])), _fake_pre(x, w_in.shape[0], save_pre)
 
 
 def _fused_mlp_setup_context(ctx, inputs, output):
@@ -1393,48 +1254,45 @@ def _fused_mlp_backward(ctx, dy, _dpre):
     return _wanted(ctx, *grads, None, None)
 
 
-_fused_mlp_fwd_op.register_autograd(_fused_mlp_backward, setup_context=_fused_mlp_setup_context)
-
-
-@torch.library.custom_op("horse::gated_mlp_fwd", mutates_args=())
-def _gated_mlp_fwd_op(
+@runtime.custom_op("fused_mlp_fwd", _fused_mlp_fwd_fake, _fused_mlp_backward, _fused_mlp_setup_context)
+def _fused_mlp_fwd_op(
     x: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_in: torch.Tensor,
+    b_in: torch.Tensor | None,
+    w_out: torch.Tensor,
+    b_out: torch.Tensor | None,
     activation: str,
     save_pre: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return gated_mlp_fwd(x, w_gate, w_up, w_down, activation, save_pre)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return fused_mlp_fwd(x, w_in, b_in, w_out, b_out, activation, save_pre)
 
 
-@_gated_mlp_fwd_op.register_fake
-def _(x, w_gate, w_up, w_down, activation, save_pre):
-    N = w_gate.shape[0]
-    return x.new_empty((x.shape[0], w_down.shape[0])), _fake_pre(x, N, save_pre), _fake_pre(x, N, save_pre)
+def _fused_mlp_bwd_fake(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation, needs):
+    dx, dw_in = _fake_input_grads(pre, [w_in], needs[:2])
+    db_in = dy.new_empty((w_in.shape[0],) if has_b_in else (0,))
+    dw_out = dy.new_empty(w_out.shape if needs[2] else (0,))
+    db_out = dy.new_empty((w_out.shape[0],) if has_b_out else (0,))
+    return dx, dw_in, db_in, dw_out, db_out
 
 
-@torch.library.custom_op("horse::gated_mlp_bwd", mutates_args=())
-def _gated_mlp_bwd_op(
+@runtime.custom_op("fused_mlp_bwd", _fused_mlp_bwd_fake)
+def _fused_mlp_bwd_op(
     dy: torch.Tensor,
-    x: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
+    x: torch.Tensor | None,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    pre: torch.Tensor,
+    has_b_in: bool,
+    has_b_out: bool,
     activation: str,
     needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation, needs)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return fused_mlp_bwd(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation, needs)
 
 
-@_gated_mlp_bwd_op.register_fake
-def _(dy, x, w_gate, w_up, w_down, gate, up, activation, needs):
-    return (
-        *_fake_gated_input_grads(gate, w_gate, needs[:3]),
-        dy.new_empty(w_down.shape if needs[3] else (0,)),
-    )
+def _gated_mlp_fwd_fake(x, w_gate, w_up, w_down, activation, save_pre):
+    N = w_gate.shape[0]
+    return x.new_empty((x.shape[0], w_down.shape[0])), _fake_pre(x, N, save_pre), _fake_pre(x, N, save_pre)
 
 
 def _gated_mlp_setup_context(ctx, inputs, output):
@@ -1453,7 +1311,38 @@ def _gated_mlp_backward(ctx, dy, _dgate, _dup):
     return _wanted(ctx, dx, *_split_gate_up(dw_gate_up, needs[1:3]), dw_down, None, None)
 
 
-_gated_mlp_fwd_op.register_autograd(_gated_mlp_backward, setup_context=_gated_mlp_setup_context)
+@runtime.custom_op("gated_mlp_fwd", _gated_mlp_fwd_fake, _gated_mlp_backward, _gated_mlp_setup_context)
+def _gated_mlp_fwd_op(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str,
+    save_pre: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return gated_mlp_fwd(x, w_gate, w_up, w_down, activation, save_pre)
+
+
+def _gated_mlp_bwd_fake(dy, x, w_gate, w_up, w_down, gate, up, activation, needs):
+    return (
+        *_fake_gated_input_grads(gate, w_gate, needs[:3]),
+        dy.new_empty(w_down.shape if needs[3] else (0,)),
+    )
+
+
+@runtime.custom_op("gated_mlp_bwd", _gated_mlp_bwd_fake)
+def _gated_mlp_bwd_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation, needs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1462,14 +1351,9 @@ _gated_mlp_fwd_op.register_autograd(_gated_mlp_backward, setup_context=_gated_ml
 
 
 def _check_tensor(fn: str, name: str, t, x: torch.Tensor, dim: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in REFERENCE_DTYPES:
-        raise TypeError(f"{fn}: {name} must be float16 or bfloat16 (float32 off the GPU), got {t.dtype}")
+    runtime.check_tensor(fn, name, t, x.device, REFERENCE_DTYPES, "float16 or bfloat16 (float32 off the GPU)")
     if t.dtype != x.dtype:
         raise TypeError(f"{fn}: {name} is {t.dtype} but input is {x.dtype}; all tensors must share a dtype")
-    if t.device != x.device:
-        raise ValueError(f"{fn}: {name} is on {t.device} but input is on {x.device}")
     if t.dim() != dim:
         raise ValueError(f"{fn}: {name} must have {dim} dimension(s), got shape {list(t.shape)}")
 

@@ -13,7 +13,9 @@ the compile report builds each family's entries for that family's own target.
 import contextlib
 import contextvars
 import functools
+import json
 import os
+import pathlib
 import re
 from dataclasses import dataclass
 
@@ -260,3 +262,44 @@ def launch_building_descriptors(kernel, grid: tuple[int, ...], *args, **kwargs):
         return launch(kernel, grid, *args, **kwargs)
 
     return contextvars.copy_context().run(run)
+
+
+def check_tensor(fn: str, name: str, t, device: torch.device, dtypes: tuple, allowed: str) -> None:
+    """Raise an error naming fn and the argument unless t is a tensor on device of one of dtypes
+    (``allowed`` says them in words)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{fn}: {name} must be {allowed}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{fn}: {name} is on {t.device} but input is on {device}")
+
+
+def custom_op(name: str, fake, backward=None, setup_context=None):
+    """Decorator: the function as the PyTorch custom op ``horse::<name>`` (it mutates no input),
+    with its fake (the outputs' shapes and dtypes, for torch.compile and meta tensors) and, given a
+    backward, its autograd. Every kernel family registers its ops through this one helper."""
+
+    def register(fn):
+        op = torch.library.custom_op(f"horse::{name}", fn, mutates_args=())
+        op.register_fake(fake)
+        if backward is not None:
+            op.register_autograd(backward, setup_context=setup_context)
+        return op
+
+    return register
+
+
+def load_configs(name: str, config: type) -> dict:
+    """The config tables in kernels/configs/<name>.json, in the file's order: ``{table: {family: ...
+    {key: config(**fields)}}}``, keys that are numbers (head dims) as ints. A kernel file keeps its
+    sm90 entries beside their evidence; the families whose entries were chosen by compiling alone
+    (``bench.tune --compile-only``, not measured on their GPUs) are read from here, and the
+    compile report's output, not a comment, records how each builds."""
+
+    def build(node: dict):
+        if not any(isinstance(value, dict) for value in node.values()):
+            return config(**node)
+        return {int(key) if key.isdigit() else key: build(value) for key, value in node.items()}
+
+    return build(json.loads((pathlib.Path(__file__).parent / "configs" / f"{name}.json").read_text()))

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F  # noqa: N812
 from helpers import check_descriptor_strides_in_bytes, free_port
+from torch.distributed.device_mesh import init_device_mesh
 
 import kernels
 from horse.model import GPT, GPTConfig, KVCache
@@ -146,6 +147,18 @@ def _check_model_matches_whole(parallel: Parallel) -> None:
         model(torch.zeros(1, 7, dtype=torch.long))
     with pytest.raises(ValueError, match="tp=1 only"):
         model(torch.zeros(1, 4, dtype=torch.long), KVCache(GPT2))
+
+    # A torch DeviceMesh's "tp" dimension makes the same shard as the Parallel, collectives included.
+    mesh = init_device_mesh("cpu", (1, TP), mesh_dim_names=("dp", "tp"))
+    shards = []
+    for where in (mesh, mesh["tp"], parallel):
+        torch.manual_seed(0)
+        shards.append(parallelize(GPT(LLAMA), where))
+    idx = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(3))
+    for shard_ in shards[:2]:
+        assert shard_.state_dict().keys() == shards[2].state_dict().keys()
+        assert all(torch.equal(t, shards[2].state_dict()[n]) for n, t in shard_.state_dict().items())
+        assert torch.equal(shard_.loss(idx, idx), shards[2].loss(idx, idx))
 
 
 def test_tensor_parallel_gpt_matches_the_whole_model():

@@ -76,3 +76,21 @@ def test_a_launch_building_descriptors_has_an_allocator_and_leaves_the_callers()
 
     contextvars.copy_context().run(run)  # the test's own allocator stays out of later tests
     assert seen[0].dtype == torch.int8 and seen[0].numel() == 256
+
+
+def test_config_files_load_as_tables_and_ship_with_the_package():
+    from kernels import attention, mlp
+
+    tables = runtime.load_configs("attention", attention.AttnConfig)
+    others = [name for name in runtime.ARCHS if name != "sm90"]
+    for name in ("FWD_CONFIGS", "BWD_DKDV_CONFIGS", "BWD_DQ_CONFIGS"):
+        assert set(tables[name]) == set(others) and list(getattr(attention, name)) == ["sm90", *tables[name]]
+        for family in others:  # head dims as ints, in order: attn_config looks them up by number
+            assert list(tables[name][family]) == [16, 32, 64, 128, 256]
+            assert all(isinstance(cfg, attention.AttnConfig) for cfg in tables[name][family].values())
+    gemms = runtime.load_configs("mlp", mlp.GemmConfig)["GEMM_CONFIGS"]
+    assert list(mlp.GEMM_CONFIGS) == ["sm90", *gemms] and set(gemms) == set(others)
+    assert all(
+        list(classes) == ["large", "medium", "small"] for gemm in gemms.values() for classes in gemm.values()
+    )
+    assert '"kernels": ["configs/*.json"]' in (ROOT / "setup.py").read_text()
