@@ -479,8 +479,8 @@ def _load_query_tile(
 
 @triton.jit
 def _attn_bwd_dkdv_block(
-    dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, q_seq, h, offs_n, start_m, col, q_strides, do_strides, seqlen_q,
-    seqlen_k, window_left, window_right, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, q_seq, h, offs_n, start_m, unmasked_m, col, q_strides, do_strides,
+    seqlen_q, seqlen_k, window_left, window_right, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_D_OUT: tl.constexpr, MASK: tl.constexpr, LOCAL: tl.constexpr,
     TMA: tl.constexpr, INLINE_PTX: tl.constexpr,
 ):  # fmt: skip
@@ -507,7 +507,8 @@ def _attn_bwd_dkdv_block(
     delta = tl.load(DELTA + start_m + rows, mask=rows < seqlen_q - start_m, other=0.0)
     qk_t = tl.dot(k, tl.trans(q))  # (BLOCK_N, BLOCK_M)
     if MASK and not LOCAL:  # causal; keys past seqlen_k are dropped by the store
-        qk_t = _causal_scores_t(qk_t, offs_n, start_m, seqlen_k - seqlen_q, BLOCK_M, INLINE_PTX)
+        if start_m < unmasked_m:  # a uniform branch: only the query blocks crossing the diagonal
+            qk_t = _causal_scores_t(qk_t, offs_n, start_m, seqlen_k - seqlen_q, BLOCK_M, INLINE_PTX)
     p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
     if MASK and LOCAL:
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -605,12 +606,9 @@ def _attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     qk_scale = softmax_scale * 1.4426950408889634
     # Queries before the first that sees key start_n (causal or local), and after the last (local),
-    # contribute nothing. One loop with the mask on every block. A causal split (the query blocks
-    # crossing the diagonal masked, the rest without) spilled 8-264 bytes on sm_90 at this table's
-    # tiles with a tl.where mask; with the PTX mask it still spilled 32 bytes at head dim 128 (no
-    # clean tile of BLOCK_M 32 found), where its loops ran 298 (diagonal) and 283 instructions per
-    # iteration against 291 for this one loop (non-causal: 262). Two loops with a window spilled too
-    # (264 bytes at head dim 64).
+    # contribute nothing. Causal: one loop, the mask behind a uniform branch taken by the query blocks
+    # before unmasked_m (those crossing the diagonal); two loops (masked, unmasked) spilled 32-64 bytes
+    # outside the loops at head dim 128, 8-264 before the PTX mask, and 264 with a window at 64.
     causal_offset = seqlen_k - seqlen_q
     lo = 0
     hi = seqlen_q
@@ -621,14 +619,16 @@ def _attn_bwd_dkdv_kernel(
         lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
     q_strides = (stride_qb, stride_qs, stride_qh)
     do_strides = (stride_dob, stride_dos, stride_doh)
+    # Causal: query blocks from unmasked_m on see every key of the block (none crosses the diagonal).
+    unmasked_m = tl.cdiv(start_n + BLOCK_N - 1 - causal_offset, BLOCK_M) * BLOCK_M
     for g in range(first_head, last_head):
         h = kv_h * group_size + g
         row0 = q_seq.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h
         for start_m in range(lo, hi, BLOCK_M):
             dk, dv = _attn_bwd_dkdv_block(
-                dk, dv, k, v, Q, DO, LSE_LOG2 + row0, DELTA + row0, q_seq, h, offs_n, start_m, col, q_strides,
-                do_strides, seqlen_q, seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_M,
-                BLOCK_D, BLOCK_D_OUT, CAUSAL or LOCAL, LOCAL, TMA, INLINE_PTX,
+                dk, dv, k, v, Q, DO, LSE_LOG2 + row0, DELTA + row0, q_seq, h, offs_n, start_m, unmasked_m,
+                col, q_strides, do_strides, seqlen_q, seqlen_k, window_left, window_right, qk_scale, HEAD_DIM,
+                BLOCK_M, BLOCK_D, BLOCK_D_OUT, CAUSAL or LOCAL, LOCAL, TMA, INLINE_PTX,
             )  # fmt: skip
     dk *= softmax_scale
     dk_strides = (stride_dkb, stride_dks, stride_dkh)
@@ -992,10 +992,22 @@ BWD_DKDV_CONFIGS = {
         # the preprocess, block-relative query rows and the causal mask in PTX, before -> after:
         # 64 (TMA): full 327 -> 266, causal 369 -> 301; 128: full 291 -> 261 (555 -> 498 per MFLOP),
         # causal 329 -> 291 (628 -> 555), local 369 -> 341.
+        # Causal, the mask behind a uniform branch (only query blocks crossing the diagonal), the loop's
+        # two paths (diagonal / off-diagonal, against non-causal): 128: 291 -> 286 / 253 (261); 64: 301
+        # -> 303 / 269 (266); 32: 476 -> 478 / 412 (409); 16: 473 -> 475 / 409 (406). Registers: 128
+        # causal 244-254 -> 245-255, clean; two loops instead (masked, then unmasked) spilled 32-64 bytes.
         64: AttnConfig(32, 128, 8, 2),
         # 2 stages spilled 8 bytes packed with the local mask (64-bit rows, flat grid; triton 3.6);
         # 1 stage compiled at 226-235 registers, clean, in the local and causal masks.
         128: AttnConfig(32, 128, 8, 1, tma=False),
+        # Kept (issue 25's wgmma N >= 64 without the column split not reached): its loop issues 64x
+        # 64x8x16 + 2x 64x64x16, 437 instructions (1,334 per MFLOP). Tried on triton 3.6 (sm_90, fp16),
+        # spill bytes (smallest wgmma N, instructions per MFLOP): 64x64 8 warps 456-656 (N 32, 474-614),
+        # 128x64 888-1,320 (N 64, 381-570), 16 warps 656-1,416; column split: 64x64 at 4 warps
+        # 1,016-1,352, 8 warps 344-560, 32x64 16-328. Scores by query (FA3's P and dS through shared
+        # memory): 128x64 264-320 (N 64, 329-401 per MFLOP), 64x64 336-440. Triton holds the wgmma A
+        # operand in registers (K and V loaded once, or q and dO by LDSM: 64 registers each) where FA3
+        # reads it from shared memory, and dk, dv take 128 more.
         256: AttnConfig(16, 64, 8, 2, column_splits=2, tma=False),
     },
     **_TABLES["BWD_DKDV_CONFIGS"],
