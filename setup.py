@@ -18,7 +18,9 @@ setup(
     # build the Hugging Face models that horse.hf's conversions are checked against; pytest-xdist
     # runs the tests on every core (-n auto). pytest 9.2 gives nodes structured ids that xdist 3.8's
     # --dist loadgroup cannot mark, so it spreads an xdist_group over every worker without a word
-    # (pytest-dev/pytest-xdist#1386; tests/conftest.py stops a run where that happens).
+    # (pytest-dev/pytest-xdist#1386; tests/conftest.py stops a run where that happens). transformers
+    # 5.25 requires Hugging Face's `kernels` distribution, whose top-level package `kernels` shadows
+    # or is shadowed by ours: transformers then imports ours for theirs and fails.
     extras_require={
         "test": [
             "pytest>=8,<9.2",
@@ -26,7 +28,7 @@ setup(
             "pytest-xdist>=3",
             "ruff==0.17.6",
             "matplotlib",
-            "transformers",
+            "transformers<5.25",
             "tokenizers",
         ]
     },
