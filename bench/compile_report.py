@@ -19,7 +19,8 @@ entries for another GPU that takes them (sm_89 or sm_120 for sm86).
 
 Pointers, strides, N and K are compiled as multiples of 16, the specialisation Triton picks on a
 GPU for aligned tensors with hidden sizes that are multiples of 16 (the usual case); a stride of 1
-is a constexpr there, so configs name their unit strides in their constexprs. The report
+is a constexpr there, so configs name their unit strides in their constexprs (an element of a
+strides tuple as ``"x_strides[1]"``). The report
 must run without ``TRITON_INTERPRET=1``, which replaces the kernels by interpreted functions.
 """
 
@@ -77,6 +78,8 @@ class KernelConfig:
     # argument name -> block shape of a TMA descriptor argument (its dtype from pointer_types)
     descriptors: dict = field(default_factory=dict, repr=False)
     arch: str = "sm90"  # the kernels.runtime.ARCHS family whose table holds this config
+    # tuple argument name -> its length: a kernel's strides tuples (``x.stride()``), i32 elements
+    tuples: dict = field(default_factory=dict, repr=False)
     matmul: bool = False  # its tl.dot must lower to tensor-core instructions
     capability: int = 0  # the target compiled for; 0: its family's own (another with --capability)
 
@@ -131,6 +134,13 @@ def _signature(cfg: KernelConfig) -> tuple[dict, dict]:
         elif name in cfg.pointer_types:
             signature[name] = "*" + cfg.pointer_types[name]
             attrs[(index,)] = [["tt.divisibility", 16]]
+        elif name in cfg.tuples:
+            elements = []
+            for i in range(cfg.tuples[name]):
+                elements.append("constexpr" if f"{name}[{i}]" in cfg.constexprs else "i32")
+                if elements[-1] == "i32":
+                    attrs[(index, i)] = [["tt.divisibility", 16]]
+            signature[name] = tuple(elements)
         elif name in FLOAT_SCALARS:
             signature[name] = "fp32"
         else:
@@ -138,6 +148,15 @@ def _signature(cfg: KernelConfig) -> tuple[dict, dict]:
             if name in ("N", "K") or name.startswith("stride"):
                 attrs[(index,)] = [["tt.divisibility", 16]]
     return signature, attrs
+
+
+def _constexprs(cfg: KernelConfig) -> dict:
+    """cfg.constexprs as ASTSource takes them: a tuple element ``"x_strides[1]"`` by its path."""
+    constexprs = {}
+    for key, value in cfg.constexprs.items():
+        name, _, element = key.partition("[")
+        constexprs[(cfg.fn.arg_names.index(name), int(element[:-1])) if element else key] = value
+    return constexprs
 
 
 _TTIR_OP = re.compile(r"^\s*(%[\w.#]+) = ([\w.]+) (.*?)(?: loc\(.*)?$")
@@ -149,7 +168,7 @@ def narrow_stride_products(ttir: str) -> tuple[str, ...]:
     """The 32-bit multiplications by a stride argument in a kernel's TTIR, as "%result = ..." lines:
     an offset ``index * stride`` in 32 bits wraps past 2**31 elements, into silent corruption or an
     illegal address. A kernel multiplies its strides by 64-bit indices (``offs.to(tl.int64)``)."""
-    strides = set(re.findall(r"(%stride\w*): i32", ttir))
+    strides = set(re.findall(r"(%stride\w*|%\w*_strides(?:_\d+)?): i32", ttir))
     found = []
     for line in ttir.splitlines():
         match = _TTIR_OP.match(line)
@@ -239,7 +258,7 @@ def compile_kernel(cfg: KernelConfig):
     """Triton's compiled kernel of cfg for its target: its asm has "ptx" and "cubin" (NVIDIA), or
     "amdgcn" and "hsaco" (AMD)."""
     signature, attrs = _signature(cfg)
-    source = ASTSource(cfg.fn, signature, constexprs=cfg.constexprs, attrs=attrs)
+    source = ASTSource(cfg.fn, signature, constexprs=_constexprs(cfg), attrs=attrs)
     return triton.compile(source, target=cfg.gpu_target, options=_options(cfg))
 
 
@@ -317,7 +336,7 @@ def compile_in_pool(pool: Executor, configs: list[KernelConfig], workers: int) -
 CACHE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_report_cache.json")
 VERIFY_AT_LEAST = 60  # reused rows compiled afresh each run to check the file against the compiler
 # The code that turns a config into its row: a change to any of it invalidates every cached row.
-ROW_READERS = (_signature, _options, compile_kernel, compile_configs, _read_amd, _read_nvidia,
+ROW_READERS = (_signature, _constexprs, _options, compile_kernel, compile_configs, _read_amd, _read_nvidia,
                parse_resource_usage, count_sass, parse_amdgcn, machine_code, disassemble)  # fmt: skip
 ROW_FIELDS = ("registers", "spill_bytes", "shared_bytes", "tensor_core_instructions", "global_loads_128",
               "tma_loads", "target", "narrow_stride_products")  # fmt: skip

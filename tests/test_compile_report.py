@@ -159,6 +159,35 @@ def _keyed_module(
     )
 
 
+TUPLE_KERNEL = """
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+
+@JITFunction
+def _gather(X, Y, x_strides, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(Y + offs, tl.load(X + offs * x_strides[0] + x_strides[1]))
+"""
+
+
+def test_a_strides_tuple_compiles_as_aligned_i32s_with_its_unit_stride_a_constexpr(tmp_path, monkeypatch):
+    path = tmp_path / "tupled.py"
+    path.write_text(TUPLE_KERNEL)
+    spec = importlib.util.spec_from_file_location("tupled", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "tupled", module)
+    spec.loader.exec_module(module)
+    cfg = KernelConfig("k", "any", torch.float16, "tupled._gather", {"X": "fp16", "Y": "fp16"},
+                       {"BLOCK": 64, "x_strides[1]": 1}, arch="sm90", tuples={"x_strides": 2})  # fmt: skip
+    signature, attrs = compile_report._signature(cfg)
+    assert signature["x_strides"] == ("i32", "constexpr") and attrs[(2, 0)] == [["tt.divisibility", 16]]
+    ttir = compile_report.compile_kernel(cfg).asm["ttir"]
+    assert "%x_strides: i32 {tt.divisibility = 16 : i32}" in ttir and "%x_strides_0" not in ttir
+    [product] = compile_report.narrow_stride_products(ttir)  # offs * x_strides[0] (splat as %2), 32 bits
+    assert product.startswith("%3 = arith.muli %offs, %2 : tensor<64xi32>")
+
+
 def test_a_rows_key_changes_with_the_code_config_target_toolchain_and_reader(tmp_path, monkeypatch):
     cfg = _keyed_module(tmp_path, monkeypatch, "keyed_a")
     key = compile_report.row_key(cfg)
@@ -544,7 +573,8 @@ def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_wi
 
 
 NARROW_TTIR = """
-  tt.func public @k(%X: !tt.ptr<f16> loc("X"(#loc)), %stride_xs: i32 {tt.divisibility = 16 : i32}) {
+  tt.func public @k(%X: !tt.ptr<f16> loc("X"(#loc)), %stride_xs: i32 {tt.divisibility = 16 : i32},
+                    %o_strides_1: i32 {tt.divisibility = 16 : i32}) {
     %offs = tt.make_range {end = 64 : i32, start = 0 : i32} : tensor<64xi32> loc(#loc1)
     %offs_2 = tt.expand_dims %offs {axis = 1 : i32} : tensor<64xi32> -> tensor<64x1xi32> loc(#loc2)
     %tile = tt.splat %stride_xs : i32 -> tensor<64x1xi32> loc(#loc3)
@@ -555,15 +585,16 @@ NARROW_TTIR = """
     %rows_5 = arith.muli %rows, %wide_4 : tensor<64x1xi64> loc(#loc8)
     %start = arith.muli %offs_2, %offs_2 : tensor<64x1xi32> loc(#loc9)
     %step = arith.muli %stride_xs, %c64_i32 : i32 loc(#loc10)
+    %head = arith.muli %h, %o_strides_1 : i32 loc(#loc11)
 """
 
 
 def test_gate_fails_32_bit_stride_products():
     products = compile_report.narrow_stride_products(NARROW_TTIR)
-    assert [p.split(" = ")[0] for p in products] == ["%tile_3", "%step"]  # not the 64-bit one
+    assert [p.split(" = ")[0] for p in products] == ["%tile_3", "%step", "%head"]  # not the 64-bit one
     [narrow] = compile_report.failures([dataclasses.replace(_result(), narrow_stride_products=products)])
     assert "a 32-bit stride product, which wraps past 2**31 elements: %tile_3 = arith.muli" in narrow
-    assert "(and 1 more)" in narrow
+    assert "(and 2 more)" in narrow
 
 
 WIDE_OFFSETS = """
