@@ -366,6 +366,8 @@ class EntrySearch:
     table_entry: object  # the family's entry now
     candidates: list  # the start first
     variants: Callable[[object], list]
+    # Where --write puts the entry found: (table, family, key...) in kernels/configs/<file>.json.
+    entry: tuple = ()
 
 
 def attention_candidates(pass_name: str, start, block_d: int, tma: bool) -> list:
@@ -424,6 +426,7 @@ def attention_searches(passes, head_dims, arch: runtime.Arch, start_from: runtim
                 f"attention {name}{batch} d={block_d} ({arch.name})", table[arch.name][block_d],
                 attention_candidates(pass_name, start, block_d, tma),
                 lambda cfg, t=table_name, b=block_d: compile_report.attention_entry_configs(t, cfg, b, arch),
+                (padded_table, arch.name, str(block_d)),  # the packed forward reads the padded entries
             ))  # fmt: skip
     return searches
 
@@ -442,6 +445,7 @@ def mlp_searches(gemms, shape_classes, arch: runtime.Arch, start_from: runtime.A
             f"mlp {gemm} {shape_class} ({arch.name})", mlp.GEMM_CONFIGS[arch.name][gemm][shape_class],
             gemm_candidates(start, tma),
             lambda cfg, g=gemm, c=shape_class: compile_report.mlp_entry_configs(g, c, cfg, arch),
+            ("GEMM_CONFIGS", arch.name, gemm, shape_class),
         ))  # fmt: skip
     return searches
 
@@ -456,6 +460,51 @@ def built_for(search: EntrySearch, capabilities: list[int]) -> EntrySearch:
 
     title = f"{search.title[:-1]} as sm_{'/sm_'.join(map(str, capabilities))})"
     return dataclasses.replace(search, title=title, variants=variants)
+
+
+def one_per_entry(searches: list[EntrySearch]) -> list[EntrySearch]:
+    """searches, those that find the same file entry (the padded and the packed forward: the packed
+    table copies the padded one) as one, its candidates clean in the variants of each."""
+    merged = {}
+    for search in searches:
+        first = merged.setdefault(search.entry, search)
+        if first is not search:
+            merged[search.entry] = dataclasses.replace(
+                first, variants=lambda cfg, a=first.variants, b=search.variants: a(cfg) + b(cfg)
+            )
+    return list(merged.values())
+
+
+def entry_fields(cfg) -> dict:
+    """cfg (an AttnConfig or a GemmConfig) as kernels/configs/*.json holds it: its fields not at
+    their defaults."""
+    return {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if f.default is dataclasses.MISSING or getattr(cfg, f.name) != f.default
+    }
+
+
+def format_configs(node: dict, indent: str = "") -> str:
+    """A config file's tables as kernels/configs/*.json lays them out: a key a line, an entry on one,
+    so that a diff shows only the entries that changed."""
+    if not any(isinstance(value, dict) for value in node.values()):
+        return json.dumps(node)
+    inner = indent + "  "
+    lines = [f"{inner}{json.dumps(key)}: {format_configs(value, inner)}" for key, value in node.items()]
+    return "{\n" + ",\n".join(lines) + f"\n{indent}}}"
+
+
+def write_entries(path, entries: dict) -> None:
+    """Set entries ({(table, family, key...): config}) in the config file at path, keeping the order
+    and layout of the rest."""
+    tables = json.loads(path.read_text())
+    for (*keys, last), cfg in entries.items():
+        node = tables
+        for key in keys:
+            node = node.setdefault(key, {})
+        node[last] = entry_fields(cfg)
+    path.write_text(format_configs(tables) + "\n")
 
 
 def first_failure(configs: list, compile_batch: Callable[[list], list], batch: int) -> str | None:
@@ -595,15 +644,21 @@ def main(argv: list[str] | None = None) -> int:
         family.add_argument("--jobs", type=int, default=os.cpu_count(), help="with --compile-only: parallel "
                             "compilations")  # fmt: skip
         family.add_argument(
+            "--write", action="store_true", help="with --compile-only: put each entry found into "
+            "kernels/configs/<family>.json (the families whose entries are data, not sm90)",
+        )  # fmt: skip
+        family.add_argument(
             "--capability", nargs="+", type=int, help="with --compile-only: clean when built for each of "
             "these GPUs that take --arch's entries, e.g. 86 89 120 for sm86 (default: the family's own)",
         )  # fmt: skip
     args = parser.parse_args(argv)
     if args.compile_only:
         return _compile_only(parser, args)
-    if args.arch or args.start_from or args.capability:
-        parser.error("--arch, --start-from and --capability go with --compile-only: a GPU tunes its own "
-                     "family's entries")  # fmt: skip
+    if args.arch or args.start_from or args.capability or args.write:
+        parser.error(
+            "--arch, --start-from, --capability and --write go with --compile-only: a GPU tunes its "
+            "own family's entries"
+        )
     if not torch.cuda.is_available():
         parser.error("tuning times kernels on a GPU; this machine has none (--compile-only needs none)")
     if "small" in (args.shape_classes or ()):
@@ -646,6 +701,11 @@ def _compile_only(parser: argparse.ArgumentParser, args) -> int:
             parser.error(error)
     if args.capability:
         searches = [built_for(search, args.capability) for search in searches]
+    path = runtime.CONFIGS_DIR / f"{args.family}.json"
+    if args.write:
+        if args.arch not in next(iter(json.loads(path.read_text()).values())):
+            parser.error(f"--write: {path} holds no {args.arch} entries (sm90's stand in the kernel files)")
+        searches = one_per_entry(searches)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the interpreter cannot compile kernels")
     jobs = max(1, args.jobs)
@@ -657,6 +717,10 @@ def _compile_only(parser: argparse.ArgumentParser, args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+    if args.write:
+        found = {s.entry: report[s.title]["clean"] for s in searches if report[s.title]["clean"]}
+        write_entries(path, {entry: type(searches[0].table_entry)(**cfg) for entry, cfg in found.items()})
+        print(f"wrote {len(found)} entries to {path}")
     return 0 if all(r["clean"] for r in report.values()) else 1
 
 

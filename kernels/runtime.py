@@ -290,16 +290,20 @@ def custom_op(name: str, fake, backward=None, setup_context=None):
     return register
 
 
-def load_configs(name: str, config: type) -> dict:
-    """The config tables in kernels/configs/<name>.json, in the file's order: ``{table: {family: ...
-    {key: config(**fields)}}}``, keys that are numbers (head dims) as ints. A kernel file keeps its
-    sm90 entries beside their evidence; the families whose entries were chosen by compiling alone
-    (``bench.tune --compile-only``, not measured on their GPUs) are read from here, and the
-    compile report's output, not a comment, records how each builds."""
+CONFIGS_DIR = pathlib.Path(__file__).parent / "configs"
+
+
+def load_configs(name: str, config: type, folder: pathlib.Path | None = None) -> dict:
+    """The config tables in <folder>/<name>.json (default CONFIGS_DIR: kernels/configs), in the file's
+    order: ``{table: {family: ... {key: config(**fields)}}}``, keys that are numbers (head dims) as
+    ints. A kernel file keeps its sm90 entries beside their evidence; the families whose entries were
+    chosen by compiling alone are read from here, written by ``bench.tune --compile-only --write``
+    (not measured on their GPUs), and the compile report's output, not a comment, records how each
+    builds."""
 
     def build(node: dict):
         if not any(isinstance(value, dict) for value in node.values()):
             return config(**node)
         return {int(key) if key.isdigit() else key: build(value) for key, value in node.items()}
 
-    return build(json.loads((pathlib.Path(__file__).parent / "configs" / f"{name}.json").read_text()))
+    return build(json.loads(((folder or CONFIGS_DIR) / f"{name}.json").read_text()))

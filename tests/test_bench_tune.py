@@ -386,3 +386,61 @@ def test_compile_only_cli_finds_a_real_entry_clean(tmp_path):
     [result] = json.loads(out.read_text()).values()
     assert result["clean"] == result["table"] == dataclasses.asdict(mlp.GEMM_CONFIGS["sm80"]["fwd"]["small"])
     assert result["rejected"] == [] and "first clean 64x64x64 w4 s4 (the table's)" in run.stdout
+
+
+@pytest.fixture
+def config_copies(tmp_path, monkeypatch):
+    """kernels/configs copied to tmp_path, where --write writes; the compile step a stand-in that
+    spills above 64x64 tiles, run in this process (no TRITON_INTERPRET check to trip)."""
+    from bench import compile_report
+
+    for name in ("attention", "mlp"):
+        (tmp_path / f"{name}.json").write_text((runtime.CONFIGS_DIR / f"{name}.json").read_text())
+    monkeypatch.setattr(runtime, "CONFIGS_DIR", tmp_path)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fake = _clean_below(64 * 64, [])
+    monkeypatch.setattr(compile_report, "compile_in_pool", lambda pool, configs, jobs: fake(configs))
+    return tmp_path
+
+
+def test_compile_only_write_puts_the_entries_found_into_the_config_file(config_copies, capsys):
+    from kernels import mlp
+
+    before = (config_copies / "mlp.json").read_text()
+    argv = ["mlp", "--compile-only", "--arch", "sm80", "--gemms", "gated_fwd", "--jobs", "1", "--write"]
+    assert tune.main(argv) == 0
+    after = (config_copies / "mlp.json").read_text()
+    tables = runtime.load_configs("mlp", GemmConfig, config_copies)["GEMM_CONFIGS"]
+    assert "sm90" not in tables and list(tables) == [f for f in mlp.GEMM_CONFIGS if f != "sm90"]
+    moved = 0
+    for family, gemms in tables.items():
+        for gemm, classes in gemms.items():
+            for shape_class, got in classes.items():
+                entry = mlp.GEMM_CONFIGS[family][gemm][shape_class]
+                if (family, gemm) != ("sm80", "gated_fwd") or entry.block_m * entry.block_n <= 64 * 64:
+                    assert got == entry
+                else:  # the first candidate clean in the stand-in
+                    assert got.block_m * got.block_n == 64 * 64 and got.tma is False
+                    moved += 1
+    assert moved == 2  # large and medium; small's 64x64 entry was clean
+    changed = [b for a, b in zip(before.splitlines(), after.splitlines(), strict=True) if a != b]
+    assert len(changed) == moved and all('"block_m": 64, "block_n": 64' in line for line in changed)
+    assert f"wrote 3 entries to {config_copies / 'mlp.json'}" in capsys.readouterr().out
+
+
+def test_compile_only_write_keeps_one_forward_entry_for_padded_and_packed(config_copies):
+    from kernels import attention
+
+    padded, packed = tune.attention_searches(["fwd"], [64], runtime.SM86)
+    [joint] = tune.one_per_entry([padded, packed])
+    start = joint.candidates[0]
+    assert joint.variants(start) == padded.variants(start) + packed.variants(start)
+    argv = ["attention", "--compile-only", "--arch", "sm86", "--passes", "fwd", "--head-dims", "64"]
+    assert tune.main([*argv, "--jobs", "1", "--write"]) == 0
+    tables = runtime.load_configs("attention", AttnConfig, config_copies)
+    got = tables["FWD_CONFIGS"]["sm86"][64]
+    assert got.block_m * got.block_n == 64 * 64 and got != attention.FWD_CONFIGS["sm86"][64]
+    assert tables["BWD_DQ_CONFIGS"] == {f: t for f, t in attention.BWD_DQ_CONFIGS.items() if f != "sm90"}
+    with pytest.raises(SystemExit) as exit_info:  # sm90's entries live in the kernel file
+        tune.main(["attention", "--compile-only", "--arch", "sm90", "--write"])
+    assert exit_info.value.code == 2
