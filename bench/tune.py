@@ -4,7 +4,7 @@
     python -m bench.tune mlp [--gemms fwd gated_fwd dh_bwd gated_dh_bwd] [--shape-classes large medium]
     (either with --seconds 240 --json PATH)
     python -m bench.tune attention|mlp --compile-only --arch sm86 [--start-from sm90] [--jobs N]
-        [--capability 86 89 120]
+        [--capability 86 89 120] [--write]
 
 A target is one table entry: an attention pass at a head dim (kernels.attention; the forward's
 packed table too), or an MLP GEMM at a shape class (kernels.mlp). Starting from the entry (the
@@ -24,13 +24,16 @@ GEMM times its launcher alone on the bench shape that falls in its class (GPT-2 
 16K tokens for large; 124M at 1K tokens or 7B at 512 for medium). The entries tuned are those of
 this GPU's family (kernels.runtime.arch). Stops at --seconds (shared by the targets in order) and
 prints every measurement with TFLOP/s, the table's entry and the best found; --json keeps them.
-Tables are changed by hand from what this measured, never at run time.
+The kernel tables are changed from what this measured, never at run time.
 
 With --compile-only nothing runs on a GPU: for each entry of the family --arch, the first of its
 candidates (the entry, or --start-from's, then smaller tiles from the largest down) that compiles
 clean for that family in every variant ``bench.compile_report`` builds of an entry, and why each
 candidate before it failed. --capability builds each variant for each of several GPUs that take the
 family's entries instead (``--arch sm86 --capability 86 89 120``: Ampere, Ada, consumer Blackwell).
+--write puts the entries found into kernels/configs/attention.json or mlp.json (kernels.runtime.
+load_configs reads them; sm90's stand in the kernel files), one a line and the rest of the file as
+it was; the padded and packed forward are then one entry, clean in both's variants.
 """
 
 import argparse
