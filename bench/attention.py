@@ -390,22 +390,21 @@ def interpreter_checks() -> list[tuple[str, dict, bool]]:
     """The correctness checks on tiny shapes, on the CPU (in Triton's interpreter when it is on)."""
     checks = [
         (
-            f"attention seqlen={s.seqlen} head_dim={s.head_dim} {'causal' if causal else 'full'}",
-            *check(s, causal, "cpu"),
+            f"attention seqlen={s.seqlen} head_dim={s.head_dim} {'causal' if c else 'full'}",
+            *check(s, c, "cpu"),
         )
-        for s, causal in itertools.product(INTERPRETER_SHAPES, (False, True))
+        for s, c in itertools.product(INTERPRETER_SHAPES, (False, True))
     ]
-    small = INTERPRETER_SHAPES[1]
-    checks.append(
+    small, lengths = INTERPRETER_SHAPES[1], (40, 1, 77, 0, 19)
+    return [
+        *checks,
         (
             f"attention_window seqlen={small.seqlen} window=20",
             *check(small, True, "cpu", window_size=(20, -1)),
-        )
-    )
-    lengths = (40, 1, 77, 0, 19)
-    checks.append((f"attention_packed documents={lengths}", *check_packed(lengths, 2, 64, "cpu")))
-    checks.append(("attention_decode batch=2 cache=70", *check_decode(2, 70, 64, "cpu")))
-    return checks
+        ),
+        (f"attention_packed documents={lengths}", *check_packed(lengths, 2, 64, "cpu")),
+        ("attention_decode batch=2 cache=70", *check_decode(2, 70, 64, "cpu")),
+    ]
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import sys
 import tempfile
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 import triton
@@ -949,18 +950,11 @@ def main(argv: list[str] | None = None) -> int:
     cached = load_cache(args.cache)
     jobs = max(1, args.jobs)
     # An empty Triton cache: a row re-verified from Triton's on-disk cache would not be a fresh compile.
-    previous = os.environ.get("TRITON_CACHE_DIR")
+    # Patched for the run alone: a caller in this process (a test) keeps its own cache.
     with tempfile.TemporaryDirectory(prefix="compile-report-") as triton_cache:
-        os.environ["TRITON_CACHE_DIR"] = triton_cache
-        try:
-            with ProcessPoolExecutor(max_workers=jobs) as pool:
-                proof = prove(configs, keys, {} if args.rebuild else cached, args.verify, args.seed,
-                              functools.partial(compile_in_pool, pool, workers=jobs))  # fmt: skip
-        finally:  # a caller in this process (a test) keeps its own cache
-            if previous is None:
-                del os.environ["TRITON_CACHE_DIR"]
-            else:
-                os.environ["TRITON_CACHE_DIR"] = previous
+        with mock.patch.dict(os.environ, TRITON_CACHE_DIR=triton_cache), ProcessPoolExecutor(jobs) as pool:
+            proof = prove(configs, keys, {} if args.rebuild else cached, args.verify, args.seed,
+                          functools.partial(compile_in_pool, pool, workers=jobs))  # fmt: skip
     results = proof.results
     print(format_table(results))
     bad = proof.differ + failures(results)

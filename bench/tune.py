@@ -43,6 +43,7 @@ import itertools
 import json
 import math
 import os
+import pathlib
 import sys
 import time
 from collections.abc import Callable
@@ -676,8 +677,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     report = tune(targets, 240 if args.seconds is None else args.seconds)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
 
 
@@ -718,8 +718,7 @@ def _compile_only(parser: argparse.ArgumentParser, args) -> int:
             searches, lambda c: compile_report.compile_in_pool(pool, c, jobs), jobs, seconds
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
     if args.write:
         found = {s.entry: report[s.title]["clean"] for s in searches if report[s.title]["clean"]}
         write_entries(path, {entry: type(searches[0].table_entry)(**cfg) for entry, cfg in found.items()})
