@@ -199,10 +199,6 @@ ours_up, ours_mlp = _on("kernels", _up), _on("kernels", _mlp)
 reference_up, reference_mlp = _on("kernels.reference", _up), _on("kernels.reference", _mlp)
 
 
-def _up_inputs(model: Model) -> list[str]:
-    return ["x", "w_gate", "w_up"] if model.gated else ["x", "w_in", "b_in"]
-
-
 # ----------------------------------------------------------------------------------------------
 # Correctness
 # ----------------------------------------------------------------------------------------------
@@ -214,7 +210,8 @@ def check(model: Model, tokens: int, device, whole_mlp: bool) -> tuple[dict, boo
     torch.manual_seed(0)
     tensors = make_inputs(model, tokens, device, requires_grad=True)
     if not whole_mlp:
-        tensors = {name: tensors[name] for name in _up_inputs(model)}
+        up_inputs = ("x", "w_gate", "w_up") if model.gated else ("x", "w_in", "b_in")
+        tensors = {name: tensors[name] for name in up_inputs}
     ours, reference = (ours_mlp, reference_mlp) if whole_mlp else (ours_up, reference_up)
     return correctness.check(
         lambda *ts: ours(model, dict(zip(tensors, ts, strict=True))),
@@ -226,12 +223,6 @@ def check(model: Model, tokens: int, device, whole_mlp: bool) -> tuple[dict, boo
 # ----------------------------------------------------------------------------------------------
 # Cases
 # ----------------------------------------------------------------------------------------------
-
-
-def _input_bytes(model: Model, tokens: int) -> int:
-    """What one call reads: x, the weights (and dy, about as large as x)."""
-    weights = (3 if model.gated else 2) * model.d_model * model.hidden
-    return (2 * tokens * model.d_model + weights) * DTYPE.itemsize
 
 
 def _setup(make_fn, model: Model, tokens: int, direction: str, grad: bool = False, concat: bool = False,
@@ -246,8 +237,11 @@ def _setup(make_fn, model: Model, tokens: int, direction: str, grad: bool = Fals
             {"x": tensors["x"], "w": torch.cat([tensors["w_gate"], tensors["w_up"]])} if concat else tensors
         )
 
+    # What one call reads: x, the weights (and dy, about as large as x).
+    weights = (3 if model.gated else 2) * model.d_model * model.hidden
+    read = (2 * tokens * model.d_model + weights) * DTYPE.itemsize
     tma_off = "kernels.mlp" if pointer_loads else None
-    return timing.setup(make_fn, make_copy, direction, _input_bytes(model, tokens), device, grad, tma_off)
+    return timing.setup(make_fn, make_copy, direction, read, device, grad, tma_off)
 
 
 def _bind(fn, model: Model):

@@ -35,8 +35,21 @@ RESULTS_DIR = Path(__file__).with_name("results")
 DIRECTIONS = ("forward", "backward", "forward+backward")
 
 
+class _Named:
+    """What a Case and its Result share: the shape in words, and kernel, shape, direction and
+    implementation as a key."""
+
+    @property
+    def shape(self) -> str:
+        return shape_text(self.params)
+
+    @property
+    def key(self) -> tuple:
+        return self.kernel, tuple(self.params.items()), self.direction, self.implementation
+
+
 @dataclass(frozen=True)
-class Case:
+class Case(_Named):
     """One timed call: an implementation of a kernel in one direction on one shape."""
 
     kernel: str  # e.g. "layer_norm", "attention", "linear_act"
@@ -51,16 +64,8 @@ class Case:
     check: Callable[[], tuple[dict, bool]] | None = field(default=None, repr=False, compare=False)
 
     @property
-    def shape(self) -> str:
-        return shape_text(self.params)
-
-    @property
     def id(self) -> str:
         return f"{self.kernel}[{self.shape}]-{self.direction}-{self.implementation}"
-
-    @property
-    def key(self) -> tuple:
-        return _key(self)
 
 
 def family_cases(kernel: str, params: dict, implementations: dict, directions, work: Callable[[str], float],
@@ -77,13 +82,8 @@ def shape_text(params: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in params.items())
 
 
-def _key(item) -> tuple:
-    """What a Case and its Result share: kernel, shape, direction, implementation."""
-    return item.kernel, tuple(item.params.items()), item.direction, item.implementation
-
-
 @dataclass
-class Result:
+class Result(_Named):
     kernel: str
     params: dict
     direction: str
@@ -102,14 +102,6 @@ class Result:
     # A benchmark's own metrics beyond these (bench.train: tokens/s, MFU, peak memory).
     extra: dict = field(default_factory=dict)
     samples_ms: list = field(default_factory=list)  # every timed round, in order
-
-    @property
-    def key(self) -> tuple:
-        return _key(self)
-
-    @property
-    def shape(self) -> str:
-        return shape_text(self.params)
 
 
 class UnavailableError(Exception):
@@ -251,11 +243,8 @@ class Gate:
         return (min(over.values()) if over else None), over
 
     def describe(self) -> str:
-        what = (
-            "fraction of the device ceiling"
-            if self.metric == "ceiling_fraction"
-            else f"speedup over {self.baseline}"
-        )
+        ceiling = self.metric == "ceiling_fraction"
+        what = "fraction of the device ceiling" if ceiling else f"speedup over {self.baseline}"
         where = ", ".join(f"{k} {v}" for k, v in self.where.items())
         return f"{self.kernel} {self.direction}: {what} >= {self.min:g}" + (
             f" where {where}" if where else ""

@@ -117,10 +117,6 @@ def make_step(
 # ----------------------------------------------------------------------------------------------
 
 
-def tokens_per_second(step_ms: float, tokens_per_step: int) -> float:
-    return tokens_per_step / (step_ms * 1e-3)
-
-
 def model_flops_utilization(tokens_per_s: float, flops_per_token: int, peak: float | None) -> float | None:
     """MFU: achieved training FLOP/s over the device's dense peak FLOP/s (None when it is unknown)."""
     return tokens_per_s * flops_per_token / peak if peak else None
@@ -145,7 +141,7 @@ def step_result(cfg: TrainConfig, config: GPTConfig, backend: str, times_ms: lis
     tokens_per_step = cfg.batch_size * seq_len * cfg.grad_accum
     per_token = flops_per_token(config, seq_len)
     q1_ms, median_ms, q3_ms = statistics.quantiles(times_ms, n=4, method="inclusive")
-    tokens_per_s = tokens_per_second(median_ms, tokens_per_step)
+    tokens_per_s = tokens_per_step / (median_ms * 1e-3)
     implementation = IMPLEMENTATIONS[backend]
     result = suite.Result(
         KERNEL, case_params(cfg, config), "forward+backward", implementation, "flop",
