@@ -88,14 +88,11 @@ def gpu_main(args, pytest_args) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     start = time.perf_counter()
     machine = timing.announce_machine(device)
-    ceilings = {
-        "copy_gbps": timing.copy_bandwidth_gbps(device),
-        "matmul_tflops": timing.matmul_tflops(device),
-    }
-    copy, matmul = ceilings["copy_gbps"], ceilings["matmul_tflops"]
+    copy, matmul = timing.copy_bandwidth_gbps(device), timing.matmul_tflops(device)
+    ceilings = {"copy_gbps": copy, "matmul_tflops": matmul}
+    seconds = time.perf_counter() - start
     print(
-        f"ceilings: copy {copy:.0f} GB/s, float16 matmul {matmul:.0f} TFLOP/s "
-        f"(measured in {time.perf_counter() - start:.0f} s)"
+        f"ceilings: copy {copy:.0f} GB/s, float16 matmul {matmul:.0f} TFLOP/s (measured in {seconds:.0f} s)"
     )
     gates = suite.load_gates()
     previous = json.loads(args.compare.read_text()) if args.compare else None  # a bad file fails first

@@ -330,22 +330,25 @@ def decode_bytes(batch: int, cache: int, head_dim: int) -> int:
     return 2 * batch * cache * DECODE_KV_HEADS * head_dim * DTYPE.itemsize
 
 
+def decode_inputs(batch: int, cache: int, head_dim: int, device, requires_grad=False) -> list[torch.Tensor]:
+    """q (batch, 1, DECODE_HEADS, head_dim) and the key and value caches (batch, cache,
+    DECODE_KV_HEADS, head_dim), float16 ~ N(0, 1)."""
+    shapes = [(batch, 1, DECODE_HEADS, head_dim), *[(batch, cache, DECODE_KV_HEADS, head_dim)] * 2]
+    return [torch.randn(s, dtype=DTYPE, device=device, requires_grad=requires_grad) for s in shapes]
+
+
 def check_decode(batch: int, cache: int, head_dim: int, device) -> tuple[dict, bool]:
     """Ours against the float64 reference on the same cache (flash_attention_with_kvcache, seqlen_q 1)."""
     import kernels
     from kernels import reference
 
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, 1, DECODE_HEADS, head_dim, generator=gen).to(device, DTYPE)
-    k_cache, v_cache = (
-        torch.randn(batch, cache, DECODE_KV_HEADS, head_dim, generator=gen).to(device, DTYPE)
-        for _ in range(2)
-    )
+    torch.manual_seed(0)
     lengths = torch.full((batch,), cache, dtype=torch.int32)
     return correctness.check(
         lambda *qkv: kernels.flash_attention_with_kvcache(*qkv, causal=True),
         lambda *qkv: reference.attention_kvcache(*qkv, lengths, causal=True),
-        [q, k_cache, v_cache], ["out"], TOLERANCE, floor=0.0, exact_dtype=torch.float64,
+        decode_inputs(batch, cache, head_dim, device), ["out"], TOLERANCE, floor=0.0,
+        exact_dtype=torch.float64,
     )  # fmt: skip
 
 
@@ -369,15 +372,7 @@ def decode_cases() -> list[suite.Case]:
         params = {"batch": batch, "cache": cache, "heads": DECODE_HEADS, "kv_heads": DECODE_KV_HEADS,
                   "head_dim": head_dim}  # fmt: skip
         work = decode_bytes(batch, cache, head_dim)
-
-        def inputs(requires_grad, batch=batch, cache=cache):
-            q = torch.randn(batch, 1, DECODE_HEADS, head_dim, dtype=DTYPE, device=device)
-            kv = (
-                torch.randn(batch, cache, DECODE_KV_HEADS, head_dim, dtype=DTYPE, device=device)
-                for _ in range(2)
-            )
-            return [q, *kv]
-
+        inputs = functools.partial(decode_inputs, batch, cache, head_dim, device)
         out += suite.family_cases(
             "attention_decode", params, impls, ["forward"], lambda d, w=work: w, "byte",
             lambda name, make_fn, d, i=inputs, w=work: timing.setup(make_fn, i, d, w),

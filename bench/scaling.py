@@ -70,6 +70,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -480,10 +481,8 @@ def main(argv: list[str] | None = None) -> None:
 
         settings = {k: v for k, v in vars(args).items() if k != "json"} | {"measured": measured}
         machine = machine_info(torch.device("cuda") if measured else None)
-        with open(args.json, "w") as f:
-            json.dump(
-                {"settings": settings, "machine": machine, "title": title, "rows": entries}, f, indent=2
-            )
+        document = {"settings": settings, "machine": machine, "title": title, "rows": entries}
+        Path(args.json).write_text(json.dumps(document, indent=2))
 
 
 if __name__ == "__main__":
