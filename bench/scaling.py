@@ -148,25 +148,18 @@ def collectives(
     tokens = batch * seq
     activation = tokens * config.d_model * ACTIVATION_BYTES  # (B·T, d_model) float16
     out = [Collective("embedding", "all_reduce", activation, 1)]  # forward, with or without sp
-    tp_regions = {
-        "blocks": 4 * config.n_layer,  # attention and MLP, each 1 forward + 1 backward
-        "lm_head_input": 1,  # backward
-    }
-    for name, count in tp_regions.items():
-        if sequence_parallel:
-            out.append(Collective(name, "all_gather", activation, count))
-            out.append(Collective(name, "reduce_scatter", activation, count))
-        else:
-            out.append(Collective(name, "all_reduce", activation, count))
+    kinds = ("all_gather", "reduce_scatter") if sequence_parallel else ("all_reduce",)
+    # Attention and MLP, each 1 forward + 1 backward; the LM head's input, backward.
+    for name, count in (("blocks", 4 * config.n_layer), ("lm_head_input", 1)):
+        out += [Collective(name, kind, activation, count) for kind in kinds]
     if sequence_parallel:  # the embedding's scatter to sequence chunks all-gathers its gradient
         out.append(Collective("embedding_grad", "all_gather", activation, 1))
     out.append(Collective("cross_entropy_max", "all_reduce", tokens * LOSS_BYTES, 1))
     out.append(Collective("cross_entropy_sums", "all_reduce", 2 * tokens * LOSS_BYTES, 1))
     out.append(Collective("grad_norm_and_nonfinite", "all_reduce", LOSS_BYTES, 2))
     if sequence_parallel:
-        out.append(
-            Collective("replicated_grads", "all_reduce", GRAD_BYTES * replicated_grad_params(config), 1)
-        )
+        grads = GRAD_BYTES * replicated_grad_params(config)
+        out.append(Collective("replicated_grads", "all_reduce", grads, 1))
     return out
 
 
