@@ -40,11 +40,9 @@ BENCH_DIR = Path(__file__).resolve().parent
 
 def _parse(argv):
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a shape or two per kernel, where gates apply")
     parser.add_argument(
-        "--quick", action="store_true", help="a shape or two per kernel, where the gates apply"
-    )
-    parser.add_argument(
-        "--gate", action="store_true", help="exit 1 if a kernel misses its gates.toml threshold"
+        "--gate", action="store_true", help="exit 1 if a kernel misses a gates.toml threshold"
     )
     parser.add_argument("--only", nargs="+", choices=FAMILIES, help="these families only")
     parser.add_argument("--out", type=Path, help="directory for results.json and the plots")

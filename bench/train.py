@@ -389,20 +389,14 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, TrainConfig, GPTConfig]:
     parser.add_argument("--backends", nargs="+", default=BACKENDS[:2], choices=BACKENDS)
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps per backend")
     parser.add_argument("--steps", type=int, default=50, help="timed steps per backend, at most")
-    parser.add_argument(
-        "--seconds", type=float, help="stop timing after this, shared equally by the backends"
-    )
+    parser.add_argument("--seconds", type=float, help="stop timing after this, shared by the backends")
     parser.add_argument(
         "--deadline", type=float, help="stop timing by this many seconds after the start, warm-up and "
         "compilation included: each backend stops at its share of what is left (after 2 timed steps at "
         "least)",
     )  # fmt: skip
-    parser.add_argument(
-        "--peak-tflops", type=float, help="dense fp16/bf16 peak for MFU; default: by GPU name"
-    )
-    parser.add_argument(
-        "--out", type=Path, help="directory for train.json; default bench/results/<date>-<gpu>"
-    )
+    parser.add_argument("--peak-tflops", type=float, help="dense fp16/bf16 peak for MFU (default: by GPU)")
+    parser.add_argument("--out", type=Path, help="train.json goes here (default bench/results/<date>-<gpu>)")
     parser.add_argument("--gate", action="store_true", help="exit 1 if triton misses a train_step gate")
     args = parser.parse_args(argv)
     positive = all(getattr(args, name) is None or getattr(args, name) > 0 for name in ("seconds", "deadline"))
