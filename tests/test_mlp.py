@@ -626,8 +626,8 @@ def past_2_31_elements(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_columns_past_2_31_elements_are_addressed_in_64_bits(device):
-    # A transposed x (the forward GEMM's k * stride_xk) and a transposed gradient (the elementwise
-    # backward's n * stride_dhn), each with a column past 2**31 elements.
+    # A transposed x (the forward GEMM's k * x_strides[1]) and a transposed gradient (the elementwise
+    # backward's n * dh_strides[1]), each with a column past 2**31 elements.
     tensors = make_tensors("linear_act", (5, 3, 3), torch.float16, device, seed=7)
     x = past_2_31_elements(tensors["x"]).requires_grad_()
     weight, bias = (tensors[name].clone().requires_grad_() for name in ("weight", "bias"))
