@@ -710,11 +710,10 @@ MLP_STRIDES = {"fwd": ("x", "w"), "gated_fwd": ("x", "w"), "dh_bwd": ("dy", "w")
 MLP_POINTERS = ("X", "W", "B", "Y", "PRE", "WG", "WU", "GATE", "UP", "DY", "DH", "DPRE", "DUP", "H")
 
 
-# The forwards' persistent kernels (TMA only): their output descriptors, in epilogue subtiles ("s").
-MLP_PERSISTENT = {
-    "fwd": ("_linear_act_fwd_persistent_kernel", {"Y": "ms", "PRE": "ms"}),
-    "gated_fwd": ("_gated_fwd_persistent_kernel", {"Y": "ms", "GATE": "ms", "UP": "ms"}),
-}
+# The forwards' persistent kernel (TMA only): its descriptors (the outputs' in epilogue subtiles, "s"),
+# and each forward's flags (a plain one is passed W for WU and PRE for UP, which it does not read).
+MLP_PERSISTENT_TILES = {"X": "mk", "W": "nk", "WU": "nk", "Y": "ms", "PRE": "ms", "UP": "ms"}
+MLP_PERSISTENT = {"fwd": {"GATED": False}, "gated_fwd": {"GATED": True, "HAS_BIAS": False}}
 
 
 def mlp_gemm_config(
@@ -733,10 +732,10 @@ def mlp_gemm_config(
     if table in ("fwd", "gated_fwd"):  # the forward epilogues' gelu_tanh takes tanh.approx on NVIDIA
         constexprs |= {"INLINE_PTX": not ARCHS[arch].hip_target, "SPLIT_K": split_k}
     if persistent:
-        kernel, outputs = MLP_PERSISTENT[table]
-        tiles = tiles | outputs
-        # no strides tuples: the persistent kernels read only descriptors
+        kernel, tiles = "_fwd_persistent_kernel", MLP_PERSISTENT_TILES
+        # no strides tuples: the persistent kernel reads only descriptors
         constexprs = {k: v for k, v in constexprs.items() if k not in ("TMA", "SPLIT_K") and "[" not in k}
+        constexprs |= MLP_PERSISTENT[table]
     descriptors = {a: tuple(dims[d] for d in block) for a, block in tiles.items()} if tma else {}
     kind = " persistent" if persistent else " tma" if tma else ""
     shape = f"{shape_class}/{activation}{kind}{' split-k' if split_k else ''}"

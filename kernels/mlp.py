@@ -637,16 +637,20 @@ def _act_bwd_kernel(
 
 
 @triton.jit
-def _linear_act_fwd_persistent_kernel(
+def _fwd_persistent_kernel(
     X,  # descriptor of x (M, K), (BLOCK_M, BLOCK_K) blocks
-    W,  # descriptor of W (N, K), (BLOCK_N, BLOCK_K) blocks
+    W,  # descriptor of W (N, K), or GATED of W_gate, (BLOCK_N, BLOCK_K) blocks
+    WU,  # descriptor of W_up (N, K), like W's; read when GATED
     B,  # (N,); read when HAS_BIAS
-    Y,  # descriptor of y (M, N) contiguous, (BLOCK_M, BLOCK_N // EPILOGUE_SPLIT) blocks: act(x Wᵀ + b)
-    PRE,  # descriptor like Y's of pre (M, N), x Wᵀ + b; written when STORE_PRE
+    Y,  # descriptor of y (M, N) contiguous, (BLOCK_M, BLOCK_N // EPILOGUE_SPLIT) blocks: act(x Wᵀ + b),
+    # or GATED act(x W_gateᵀ) * (x W_upᵀ)
+    PRE,  # descriptor like Y's of pre (M, N), x Wᵀ + b (GATED: the gate x W_gateᵀ); when STORE_PRE
+    UP,  # descriptor like Y's of x W_upᵀ (M, N); written when GATED and STORE_PRE
     M,
     N,
     K,
     ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,  # two accumulators over one pass of x: gate and up
     HAS_BIAS: tl.constexpr,
     STORE_PRE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -668,60 +672,26 @@ def _linear_act_fwd_persistent_kernel(
         start_m = pid_m * BLOCK_M
         start_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, k_steps):  # out-of-bounds elements load as zeros: no masks
-            acc = tl.dot(X.load([start_m, k * BLOCK_K]), tl.trans(W.load([start_n, k * BLOCK_K])), acc)
+            x = X.load([start_m, k * BLOCK_K])
+            acc = tl.dot(x, tl.trans(W.load([start_n, k * BLOCK_K])), acc)
+            if GATED:
+                acc_up = tl.dot(x, tl.trans(WU.load([start_n, k * BLOCK_K])), acc_up)
         for i in tl.static_range(EPILOGUE_SPLIT):
             sub = _subtile(acc, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
             offs_sub = start_n + i * SUB_N + tl.arange(0, SUB_N)
             pre = _pre_activation(sub, B, offs_sub, N, Y.dtype, ACTIVATION, HAS_BIAS)
+            if GATED:
+                up = _finite_in(_subtile(acc_up, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N), Y.dtype, ACTIVATION)
             if STORE_PRE:  # the stores drop rows and columns past the edges
                 PRE.store([start_m, start_n + i * SUB_N], pre.to(Y.dtype))
-            Y.store([start_m, start_n + i * SUB_N], _act_fwd(pre, ACTIVATION, INLINE_PTX).to(Y.dtype))
-
-
-@triton.jit
-def _gated_fwd_persistent_kernel(
-    X,  # descriptor of x (M, K), (BLOCK_M, BLOCK_K) blocks
-    WG,  # descriptor of W_gate (N, K), (BLOCK_N, BLOCK_K) blocks
-    WU,  # descriptor of W_up (N, K), like WG's
-    Y,  # descriptor of y (M, N) contiguous, (BLOCK_M, BLOCK_N // EPILOGUE_SPLIT) blocks
-    GATE,  # descriptor like Y's of x W_gateᵀ (M, N); written when STORE_PRE
-    UP,  # descriptor like Y's of x W_upᵀ (M, N); written when STORE_PRE
-    M,
-    N,
-    K,
-    ACTIVATION: tl.constexpr,
-    STORE_PRE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    EPILOGUE_SPLIT: tl.constexpr,
-    INLINE_PTX: tl.constexpr,  # as in _linear_act_fwd_kernel
-):
-    # grid = (min(tiles, SMs),): as _linear_act_fwd_persistent_kernel, with two accumulators.
-    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    k_steps = tl.cdiv(K, BLOCK_K)
-    SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
-    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
-        pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        start_m = pid_m * BLOCK_M
-        start_n = pid_n * BLOCK_N
-        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, k_steps):
-            x = X.load([start_m, k * BLOCK_K])
-            acc_gate = tl.dot(x, tl.trans(WG.load([start_n, k * BLOCK_K])), acc_gate)
-            acc_up = tl.dot(x, tl.trans(WU.load([start_n, k * BLOCK_K])), acc_up)
-        for i in tl.static_range(EPILOGUE_SPLIT):
-            gate = _subtile(acc_gate, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
-            up = _subtile(acc_up, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
-            gate = _finite_in(gate, Y.dtype, ACTIVATION)
-            up = _finite_in(up, Y.dtype, ACTIVATION)
-            if STORE_PRE:
-                GATE.store([start_m, start_n + i * SUB_N], gate.to(Y.dtype))
-                UP.store([start_m, start_n + i * SUB_N], up.to(Y.dtype))
-            Y.store([start_m, start_n + i * SUB_N], (_act_fwd(gate, ACTIVATION, INLINE_PTX) * up).to(Y.dtype))
+                if GATED:
+                    UP.store([start_m, start_n + i * SUB_N], up.to(Y.dtype))
+            y = _act_fwd(pre, ACTIVATION, INLINE_PTX)
+            if GATED:
+                y = y * up
+            Y.store([start_m, start_n + i * SUB_N], y.to(Y.dtype))
 
 
 @triton.jit
@@ -989,9 +959,10 @@ def _linear_act_fwd(
     if _persistent(cfg, tma, splits, y):
         with runtime.device_guard(x):
             runtime.launch(
-                _linear_act_fwd_persistent_kernel, _persistent_grid(cfg, M, N, x.device),
-                x_tiles, w_tiles, bias if bias is not None else weight, *_output_tiles(cfg, y, pre), M, N, K,
-                ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre,
+                _fwd_persistent_kernel, _persistent_grid(cfg, M, N, x.device),
+                x_tiles, w_tiles, w_tiles, bias if bias is not None else weight,
+                *_output_tiles(cfg, y, pre, pre), M, N, K,
+                ACTIVATION=activation, GATED=False, HAS_BIAS=bias is not None, STORE_PRE=store_pre,
                 INLINE_PTX=inline_ptx(x), **_launch_options(cfg, None),
             )  # fmt: skip
         return y, pre
@@ -1030,10 +1001,10 @@ def _gated_fwd(
     if _persistent(cfg, tma, splits, y):
         with runtime.device_guard(x):
             runtime.launch(
-                _gated_fwd_persistent_kernel, _persistent_grid(cfg, M, N, x.device),
-                x_tiles, wg_tiles, wu_tiles, *_output_tiles(cfg, y, gate, up), M, N, K,
-                ACTIVATION=activation, STORE_PRE=store_pre, INLINE_PTX=inline_ptx(x),
-                **_launch_options(cfg, None),
+                _fwd_persistent_kernel, _persistent_grid(cfg, M, N, x.device),
+                x_tiles, wg_tiles, wu_tiles, x, *_output_tiles(cfg, y, gate, up), M, N, K,
+                ACTIVATION=activation, GATED=True, HAS_BIAS=False, STORE_PRE=store_pre,
+                INLINE_PTX=inline_ptx(x), **_launch_options(cfg, None),
             )  # fmt: skip
         return y, gate, up
     partial = runtime.empty((2 * splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
