@@ -729,8 +729,10 @@ def mlp_gemm_config(
     constexprs = {"ACTIVATION": activation, **flags, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "EPILOGUE_SPLIT": cfg.epilogue_split,
                   "TMA": tma}  # fmt: skip
-    if table in ("fwd", "gated_fwd"):  # the forward epilogues' gelu_tanh takes tanh.approx on NVIDIA
-        constexprs |= {"INLINE_PTX": not ARCHS[arch].hip_target, "SPLIT_K": split_k}
+    # NVIDIA: the forward epilogues' gelu_tanh takes tanh.approx, the dh GEMM prefetches pre into L2
+    constexprs["INLINE_PTX"] = not ARCHS[arch].hip_target
+    if table in ("fwd", "gated_fwd"):
+        constexprs["SPLIT_K"] = split_k
     if persistent:
         kernel, tiles = "_fwd_persistent_kernel", MLP_PERSISTENT_TILES
         # no strides tuples: the persistent kernel reads only descriptors

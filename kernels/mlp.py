@@ -541,6 +541,22 @@ def _act_bwd_tile(
 
 
 @triton.jit
+def _prefetch_saved(PRE, UP, offs_m, start_n, M, N, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Ask L2 for the saved pre (and up) tile at rows offs_m, columns start_n to start_n + BLOCK_N - 1
+    of the (M, N) contiguous PRE and UP (16-bit): one prefetch a 128-byte line, its row and column
+    kept inside the tensor. Issued before the K loop, so the epilogue's loads of the tile hit L2."""
+    LINE: tl.constexpr = 64  # 16-bit elements a 128-byte line
+    LINES: tl.constexpr = BLOCK_N // LINE if BLOCK_N > LINE else 1
+    cols = tl.minimum(start_n + tl.arange(0, LINES) * LINE, N - 1)
+    lines = tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * N + cols[None, :]
+    for T in tl.static_range(2 if GATED else 1):  # pre, and gated up
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [(UP if T else PRE) + lines], dtype=tl.int32,
+            is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
 def _dh_act_bwd_kernel(
     DY,  # (M, K): the gradient of the MLP's output, strides dy_strides; with TMA a descriptor,
     # blocks (BLOCK_M, BLOCK_K)
@@ -568,11 +584,14 @@ def _dh_act_bwd_kernel(
     GROUP_M: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
     TMA: tl.constexpr,
+    INLINE_PTX: tl.constexpr,  # an NVIDIA GPU, not the interpreter: the L2 prefetch (_prefetch_saved)
 ):
     # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),): dh = dy W_out never reaches memory.
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+    if INLINE_PTX:
+        _prefetch_saved(PRE, UP, offs_m, pid_n * BLOCK_N, M, N, GATED, BLOCK_N)
     # The saved pre (and up) is loaded after the K loop. Loaded before it (issue 25), the first
     # subtile's LDGs did precede the last wgmma wait in the sm_90 SASS, but Triton then computed that
     # subtile's act twice, in the load's layout for h's store and in the MMA's for dpre (dh small:
@@ -1076,7 +1095,7 @@ def _dh_act_bwd(
                 dy_tiles, w_tiles, pre, up if gated else pre, dpre_rows, dup_rows, h, db_partial, M, N, K,
                 dy.stride(), w.stride(), stride_dpre,
                 ACTIVATION=activation, GATED=gated, STORE_H=store_h, HAS_BIAS=has_bias,
-                **_launch_options(cfg, tma),
+                INLINE_PTX=inline_ptx(pre), **_launch_options(cfg, tma),
             )  # fmt: skip
     return dpre, h, _db(db_partial, has_bias, pre.dtype)
 
