@@ -590,13 +590,12 @@ def _dh_act_bwd_kernel(
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+    # The saved pre (and up) is loaded after the K loop, prefetched into L2 before it. Loaded before
+    # it (issue 25), the first subtile's LDGs did precede the last wgmma wait in the sm_90 SASS, but
+    # Triton then computed that subtile's act twice, in the load's layout for h's store and in the
+    # MMA's for dpre (dh small: MUFU.EX2 32 -> 48 a thread; large: 4672 -> 5392 instructions).
     if INLINE_PTX:
         _prefetch_saved(PRE, UP, offs_m, pid_n * BLOCK_N, M, N, GATED, BLOCK_N)
-    # The saved pre (and up) is loaded after the K loop. Loaded before it (issue 25), the first
-    # subtile's LDGs did precede the last wgmma wait in the sm_90 SASS, but Triton then computed that
-    # subtile's act twice, in the load's layout for h's store and in the MMA's for dpre (dh small:
-    # MUFU.EX2 32 -> 48 a thread; large: 4672 -> 5392 instructions): extra work on every tile to hide
-    # one load's latency, not taken without a GPU measurement.
     dh = _matmul_tile(
         DY, W, pid_m, pid_n, M, N, K, dy_strides, w_strides, 0, tl.cdiv(K, BLOCK_K), BLOCK_M, BLOCK_N,
         BLOCK_K, TMA, True,
