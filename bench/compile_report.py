@@ -697,23 +697,24 @@ def attention_decode_configs(arch: runtime.Arch) -> list[KernelConfig]:
 # recomputed h) with unit strides as constexprs (x, dy and the weights row-major; the backward reads
 # W_out transposed, unit stride along N), and each TMA descriptor's block as (rows, columns) dims.
 MLP_GEMMS = {
-    "fwd": ("_linear_act_fwd_kernel", {"HAS_BIAS": True, "STORE_PRE": True, "stride_xk": 1, "stride_wk": 1},
-            {"X": "mk", "W": "nk"}),
-    "gated_fwd": ("_gated_fwd_kernel", {"STORE_PRE": True, "stride_xk": 1, "stride_wk": 1},
+    "fwd": ("_linear_act_fwd_kernel", {"HAS_BIAS": True, "STORE_PRE": True, "x_strides[1]": 1,
+                                       "w_strides[1]": 1}, {"X": "mk", "W": "nk"}),
+    "gated_fwd": ("_gated_fwd_kernel", {"STORE_PRE": True, "x_strides[1]": 1, "w_strides[1]": 1},
                   {"X": "mk", "WG": "nk", "WU": "nk"}),
-    "dh_bwd": ("_dh_act_bwd_kernel", {"GATED": False, "HAS_BIAS": True, "STORE_H": True, "stride_dyk": 1,
-                                      "stride_wn": 1}, {"DY": "mk", "W": "kn"}),
+    "dh_bwd": ("_dh_act_bwd_kernel", {"GATED": False, "HAS_BIAS": True, "STORE_H": True, "dy_strides[1]": 1,
+                                      "w_strides[0]": 1}, {"DY": "mk", "W": "kn"}),
     "gated_dh_bwd": ("_dh_act_bwd_kernel", {"GATED": True, "HAS_BIAS": False, "STORE_H": True,
-                                            "stride_dyk": 1, "stride_wn": 1}, {"DY": "mk", "W": "kn"}),
+                                            "dy_strides[1]": 1, "w_strides[0]": 1}, {"DY": "mk", "W": "kn"}),
 }  # fmt: skip
+# The GEMM kernels' strides tuples (operand -> x.stride()), each of two elements.
+MLP_STRIDES = {"fwd": ("x", "w"), "gated_fwd": ("x", "w"), "dh_bwd": ("dy", "w"), "gated_dh_bwd": ("dy", "w")}
 MLP_POINTERS = ("X", "W", "B", "Y", "PRE", "WG", "WU", "GATE", "UP", "DY", "DH", "DPRE", "DUP", "H")
 
 
-# The forwards' persistent kernels (TMA only): their output descriptors, in epilogue subtiles ("s").
-MLP_PERSISTENT = {
-    "fwd": ("_linear_act_fwd_persistent_kernel", {"Y": "ms", "PRE": "ms"}),
-    "gated_fwd": ("_gated_fwd_persistent_kernel", {"Y": "ms", "GATE": "ms", "UP": "ms"}),
-}
+# The forwards' persistent kernel (TMA only): its descriptors (the outputs' in epilogue subtiles, "s"),
+# and each forward's flags (a plain one is passed W for WU and PRE for UP, which it does not read).
+MLP_PERSISTENT_TILES = {"X": "mk", "W": "nk", "WU": "nk", "Y": "ms", "PRE": "ms", "UP": "ms"}
+MLP_PERSISTENT = {"fwd": {"GATED": False}, "gated_fwd": {"GATED": True, "HAS_BIAS": False}}
 
 
 def mlp_gemm_config(
@@ -729,19 +730,23 @@ def mlp_gemm_config(
     constexprs = {"ACTIVATION": activation, **flags, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "EPILOGUE_SPLIT": cfg.epilogue_split,
                   "TMA": tma}  # fmt: skip
-    if table in ("fwd", "gated_fwd"):  # the forward epilogues' gelu_tanh takes tanh.approx on NVIDIA
-        constexprs |= {"INLINE_PTX": not ARCHS[arch].hip_target, "SPLIT_K": split_k}
+    # NVIDIA: the forward epilogues' gelu_tanh takes tanh.approx, the dh GEMM prefetches pre into L2
+    constexprs["INLINE_PTX"] = not ARCHS[arch].hip_target
+    if table in ("fwd", "gated_fwd"):
+        constexprs["SPLIT_K"] = split_k
     if persistent:
-        kernel, outputs = MLP_PERSISTENT[table]
-        tiles = tiles | outputs
-        constexprs = {k: v for k, v in constexprs.items() if not k.startswith(("TMA", "SPLIT_K", "stride"))}
+        kernel, tiles = "_fwd_persistent_kernel", MLP_PERSISTENT_TILES
+        # no strides tuples: the persistent kernel reads only descriptors
+        constexprs = {k: v for k, v in constexprs.items() if k not in ("TMA", "SPLIT_K") and "[" not in k}
+        constexprs |= MLP_PERSISTENT[table]
     descriptors = {a: tuple(dims[d] for d in block) for a, block in tiles.items()} if tma else {}
     kind = " persistent" if persistent else " tma" if tma else ""
     shape = f"{shape_class}/{activation}{kind}{' split-k' if split_k else ''}"
     fn = f"kernels.mlp.{kernel}"
     options = (cfg.num_warps, cfg.num_stages)
+    strides = {} if persistent else {f"{t}_strides": 2 for t in MLP_STRIDES[table]}
     return KernelConfig(
-        f"mlp_{table}", shape, dtype, fn, pointers, constexprs, *options, descriptors, arch, matmul=True
+        f"mlp_{table}", shape, dtype, fn, pointers, constexprs, *options, descriptors, arch, strides, True
     )
 
 
@@ -793,13 +798,12 @@ def mlp_configs(arch: runtime.Arch) -> list[KernelConfig]:
     row = mlp.ACT_BWD_CONFIG
     for dtype, gated in itertools.product(mlp.SUPPORTED_DTYPES, (False, True)):
         pointers = dict.fromkeys(MLP_POINTERS, TRITON_TYPES[dtype]) | {"DB_PARTIAL": "fp32"}
-        constexprs = {"ACTIVATION": "gelu", "GATED": gated, "HAS_BIAS": not gated, "stride_dhn": 1,
+        constexprs = {"ACTIVATION": "gelu", "GATED": gated, "HAS_BIAS": not gated, "dh_strides[1]": 1,
                       "BLOCK_M": row.block_m, "BLOCK_N": row.block_n}  # fmt: skip
         name = "mlp_gated_act_bwd" if gated else "mlp_act_bwd"
         fn = "kernels.mlp._act_bwd_kernel"
-        configs.append(
-            KernelConfig(name, "any/gelu", dtype, fn, pointers, constexprs, row.num_warps, arch=arch.name)
-        )
+        configs.append(KernelConfig(name, "any/gelu", dtype, fn, pointers, constexprs, row.num_warps,
+                                    arch=arch.name, tuples={"dh_strides": 2}))  # fmt: skip
     return configs
 
 

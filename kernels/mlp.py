@@ -161,7 +161,7 @@ def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
 
 
 @triton.jit
-def _operand_offsets(offs_m, offs_n, offs_k, M, N, stride_xm, stride_xk, stride_wn, stride_wk):
+def _operand_offsets(offs_m, offs_n, offs_k, M, N, x_strides, w_strides):
     """Offsets of the first (BLOCK_M, BLOCK_K) tile of x and (BLOCK_K, BLOCK_N) tile of Wᵀ.
 
     Rows and columns past the edges wrap around (offs % M), so loads need no row or column mask;
@@ -171,16 +171,16 @@ def _operand_offsets(offs_m, offs_n, offs_k, M, N, stride_xm, stride_xk, stride_
     rows = (offs_m % M).to(tl.int64)
     cols = (offs_n % N).to(tl.int64)
     offs_k = offs_k.to(tl.int64)
-    x_offs = rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_offs = offs_k[:, None] * stride_wk + cols[None, :] * stride_wn
+    x_offs = rows[:, None] * x_strides[0] + offs_k[None, :] * x_strides[1]
+    w_offs = offs_k[:, None] * w_strides[1] + cols[None, :] * w_strides[0]
     return x_offs, w_offs
 
 
 @triton.jit
-def _k_steps(stride_xk, stride_wk, BLOCK_K: tl.constexpr):
+def _k_steps(x_strides, w_strides, BLOCK_K: tl.constexpr):
     """How far the x and Wᵀ pointers move per K step, in 64 bits: BLOCK_K times a column stride of
     a transposed operand passes 2**31."""
-    return tl.cast(stride_xk, tl.int64) * BLOCK_K, tl.cast(stride_wk, tl.int64) * BLOCK_K
+    return tl.cast(x_strides[1], tl.int64) * BLOCK_K, tl.cast(w_strides[1], tl.int64) * BLOCK_K
 
 
 @triton.jit
@@ -217,10 +217,8 @@ def _matmul_tile(
     M,
     N,
     K,
-    stride_xm,
-    stride_xk,
-    stride_wn,
-    stride_wk,
+    x_strides,
+    w_strides,
     k_first,
     k_last,
     BLOCK_M: tl.constexpr,
@@ -251,10 +249,8 @@ def _matmul_tile(
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
-        x_offs, w_offs = _operand_offsets(
-            offs_m, offs_n, offs_k, M, N, stride_xm, stride_xk, stride_wn, stride_wk
-        )
-        x_step, w_step = _k_steps(stride_xk, stride_wk, BLOCK_K)
+        x_offs, w_offs = _operand_offsets(offs_m, offs_n, offs_k, M, N, x_strides, w_strides)
+        x_step, w_step = _k_steps(x_strides, w_strides, BLOCK_K)
         x_ptrs = X + x_offs + k_first * x_step
         w_ptrs = W + w_offs + k_first * w_step
         for k in range(k_first, k_last):
@@ -330,8 +326,8 @@ def _fwd_epilogue(
 
 @triton.jit
 def _linear_act_fwd_kernel(
-    X,  # (M, K), strides (stride_xm, stride_xk); with TMA a descriptor, (BLOCK_M, BLOCK_K) blocks
-    W,  # (N, K), strides (stride_wn, stride_wk); with TMA a descriptor, (BLOCK_N, BLOCK_K) blocks
+    X,  # (M, K), strides x_strides; with TMA a descriptor, (BLOCK_M, BLOCK_K) blocks
+    W,  # (N, K), strides w_strides; with TMA a descriptor, (BLOCK_N, BLOCK_K) blocks
     B,  # (N,); read when HAS_BIAS
     Y,  # (M, N) contiguous: act(x Wᵀ + b)
     PRE,  # (M, N) contiguous: x Wᵀ + b; written when STORE_PRE
@@ -339,10 +335,8 @@ def _linear_act_fwd_kernel(
     M,
     N,
     K,
-    stride_xm,
-    stride_xk,
-    stride_wn,
-    stride_wk,
+    x_strides,
+    w_strides,
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     STORE_PRE: tl.constexpr,
@@ -360,8 +354,8 @@ def _linear_act_fwd_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     k_first, k_last = _k_range(K, BLOCK_K, SPLIT_K)
     acc = _matmul_tile(
-        X, W, pid_m, pid_n, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, k_first, k_last, BLOCK_M,
-        BLOCK_N, BLOCK_K, TMA, False,
+        X, W, pid_m, pid_n, M, N, K, x_strides, w_strides, k_first, k_last, BLOCK_M, BLOCK_N, BLOCK_K, TMA,
+        False,
     )  # fmt: skip
     if SPLIT_K:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -393,9 +387,9 @@ def _gated_fwd_epilogue(
 
 @triton.jit
 def _gated_fwd_kernel(
-    X,  # (M, K), strides (stride_xm, stride_xk); with TMA a descriptor, (BLOCK_M, BLOCK_K) blocks
-    WG,  # (N, K) W_gate, strides (stride_wn, stride_wk); with TMA a descriptor, (BLOCK_N, BLOCK_K) blocks
-    WU,  # (N, K) W_up, the same strides as WG; with TMA a descriptor like WG's
+    X,  # (M, K), strides x_strides; with TMA a descriptor, (BLOCK_M, BLOCK_K) blocks
+    WG,  # (N, K) W_gate, strides w_strides; with TMA a descriptor, (BLOCK_N, BLOCK_K) blocks
+    WU,  # (N, K) W_up, the same strides as WG (w_strides); with TMA a descriptor like WG's
     Y,  # (M, N) contiguous: act(x W_gateᵀ) * (x W_upᵀ)
     GATE,  # (M, N) contiguous: x W_gateᵀ; written when STORE_PRE
     UP,  # (M, N) contiguous: x W_upᵀ; written when STORE_PRE
@@ -403,10 +397,8 @@ def _gated_fwd_kernel(
     M,
     N,
     K,
-    stride_xm,
-    stride_xk,
-    stride_wn,
-    stride_wk,
+    x_strides,
+    w_strides,
     ACTIVATION: tl.constexpr,
     STORE_PRE: tl.constexpr,
     SPLIT_K: tl.constexpr,  # as in _linear_act_fwd_kernel
@@ -434,10 +426,8 @@ def _gated_fwd_kernel(
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
-        x_offs, w_offs = _operand_offsets(
-            offs_m, offs_n, offs_k, M, N, stride_xm, stride_xk, stride_wn, stride_wk
-        )
-        x_step, w_step = _k_steps(stride_xk, stride_wk, BLOCK_K)
+        x_offs, w_offs = _operand_offsets(offs_m, offs_n, offs_k, M, N, x_strides, w_strides)
+        x_step, w_step = _k_steps(x_strides, w_strides, BLOCK_K)
         x_ptrs = X + x_offs + k_first * x_step
         wg_ptrs = WG + w_offs + k_first * w_step
         wu_ptrs = WU + w_offs + k_first * w_step
@@ -551,10 +541,26 @@ def _act_bwd_tile(
 
 
 @triton.jit
+def _prefetch_saved(PRE, UP, offs_m, start_n, M, N, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Ask L2 for the saved pre (and up) tile at rows offs_m, columns start_n to start_n + BLOCK_N - 1
+    of the (M, N) contiguous PRE and UP (16-bit): one prefetch a 128-byte line, its row and column
+    kept inside the tensor. Issued before the K loop, so the epilogue's loads of the tile hit L2."""
+    LINE: tl.constexpr = 64  # 16-bit elements a 128-byte line
+    LINES: tl.constexpr = BLOCK_N // LINE if BLOCK_N > LINE else 1
+    cols = tl.minimum(start_n + tl.arange(0, LINES) * LINE, N - 1)
+    lines = tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * N + cols[None, :]
+    for T in tl.static_range(2 if GATED else 1):  # pre, and gated up
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [(UP if T else PRE) + lines], dtype=tl.int32,
+            is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
 def _dh_act_bwd_kernel(
-    DY,  # (M, K): the gradient of the MLP's output, strides (stride_dym, stride_dyk); with TMA a
-    # descriptor, blocks (BLOCK_M, BLOCK_K)
-    W,  # (N, K): W_outᵀ read through its strides (stride_wn, stride_wk), so dh = dy W_out; with TMA
+    DY,  # (M, K): the gradient of the MLP's output, strides dy_strides; with TMA a descriptor,
+    # blocks (BLOCK_M, BLOCK_K)
+    W,  # (N, K): W_outᵀ read through its strides w_strides, so dh = dy W_out; with TMA
     # a descriptor of W_out (K, N) as stored, blocks (BLOCK_K, BLOCK_N)
     PRE,  # (M, N) contiguous: the saved pre-activation (the gate when GATED)
     UP,  # (M, N) contiguous: the saved up projection; read when GATED
@@ -565,10 +571,8 @@ def _dh_act_bwd_kernel(
     M,
     N,
     K,
-    stride_dym,
-    stride_dyk,
-    stride_wn,
-    stride_wk,
+    dy_strides,
+    w_strides,
     stride_dpre,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
@@ -580,19 +584,21 @@ def _dh_act_bwd_kernel(
     GROUP_M: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
     TMA: tl.constexpr,
+    INLINE_PTX: tl.constexpr,  # an NVIDIA GPU, not the interpreter: the L2 prefetch (_prefetch_saved)
 ):
     # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),): dh = dy W_out never reaches memory.
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
-    # The saved pre (and up) is loaded after the K loop. Loaded before it (issue 25), the first
-    # subtile's LDGs did precede the last wgmma wait in the sm_90 SASS, but Triton then computed that
-    # subtile's act twice, in the load's layout for h's store and in the MMA's for dpre (dh small:
-    # MUFU.EX2 32 -> 48 a thread; large: 4672 -> 5392 instructions): extra work on every tile to hide
-    # one load's latency, not taken without a GPU measurement.
+    # The saved pre (and up) is loaded after the K loop, prefetched into L2 before it. Loaded before
+    # it (issue 25), the first subtile's LDGs did precede the last wgmma wait in the sm_90 SASS, but
+    # Triton then computed that subtile's act twice, in the load's layout for h's store and in the
+    # MMA's for dpre (dh small: MUFU.EX2 32 -> 48 a thread; large: 4672 -> 5392 instructions).
+    if INLINE_PTX:
+        _prefetch_saved(PRE, UP, offs_m, pid_n * BLOCK_N, M, N, GATED, BLOCK_N)
     dh = _matmul_tile(
-        DY, W, pid_m, pid_n, M, N, K, stride_dym, stride_dyk, stride_wn, stride_wk, 0, tl.cdiv(K, BLOCK_K),
-        BLOCK_M, BLOCK_N, BLOCK_K, TMA, True,
+        DY, W, pid_m, pid_n, M, N, K, dy_strides, w_strides, 0, tl.cdiv(K, BLOCK_K), BLOCK_M, BLOCK_N,
+        BLOCK_K, TMA, True,
     )  # fmt: skip
     for i in tl.static_range(EPILOGUE_SPLIT):
         sub = _subtile(dh, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
@@ -608,7 +614,7 @@ def _dh_act_bwd_kernel(
 
 @triton.jit
 def _act_bwd_kernel(
-    DH,  # (M, N): gradient of the hidden activation, strides (stride_dhm, stride_dhn)
+    DH,  # (M, N): gradient of the hidden activation, strides dh_strides
     PRE,  # (M, N) contiguous: the saved pre-activation (the gate when GATED)
     UP,  # (M, N) contiguous: the saved up projection; read when GATED
     DPRE,  # (M, N), row stride stride_dpre
@@ -617,8 +623,7 @@ def _act_bwd_kernel(
     M,
     N,
     rows_per_program,
-    stride_dhm,
-    stride_dhn,
+    dh_strides,
     stride_dpre,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
@@ -637,8 +642,8 @@ def _act_bwd_kernel(
     for block_start in range(row_start, row_end, BLOCK_M):
         offs_m = block_start + tl.arange(0, BLOCK_M)
         mask = (offs_m < row_end)[:, None] & (offs_n < N)[None, :]
-        dh_ptrs = DH + offs_m.to(tl.int64)[:, None] * stride_dhm + offs_n.to(tl.int64)[None, :] * stride_dhn
-        dh = tl.load(dh_ptrs, mask=mask, other=0.0).to(tl.float32)
+        dh_offs = offs_m.to(tl.int64)[:, None] * dh_strides[0] + offs_n.to(tl.int64)[None, :] * dh_strides[1]
+        dh = tl.load(DH + dh_offs, mask=mask, other=0.0).to(tl.float32)
         pre, up = _load_saved(PRE, UP, offs_m, offs_n, row_end, N, GATED)
         dpre = _act_bwd_tile(
             dh, pre, up, DPRE, DUP, DPRE, offs_m, offs_n, row_end, N, stride_dpre, ACTIVATION, GATED, False
@@ -650,16 +655,20 @@ def _act_bwd_kernel(
 
 
 @triton.jit
-def _linear_act_fwd_persistent_kernel(
+def _fwd_persistent_kernel(
     X,  # descriptor of x (M, K), (BLOCK_M, BLOCK_K) blocks
-    W,  # descriptor of W (N, K), (BLOCK_N, BLOCK_K) blocks
+    W,  # descriptor of W (N, K), or GATED of W_gate, (BLOCK_N, BLOCK_K) blocks
+    WU,  # descriptor of W_up (N, K), like W's; read when GATED
     B,  # (N,); read when HAS_BIAS
-    Y,  # descriptor of y (M, N) contiguous, (BLOCK_M, BLOCK_N // EPILOGUE_SPLIT) blocks: act(x Wᵀ + b)
-    PRE,  # descriptor like Y's of pre (M, N), x Wᵀ + b; written when STORE_PRE
+    Y,  # descriptor of y (M, N) contiguous, (BLOCK_M, BLOCK_N // EPILOGUE_SPLIT) blocks: act(x Wᵀ + b),
+    # or GATED act(x W_gateᵀ) * (x W_upᵀ)
+    PRE,  # descriptor like Y's of pre (M, N), x Wᵀ + b (GATED: the gate x W_gateᵀ); when STORE_PRE
+    UP,  # descriptor like Y's of x W_upᵀ (M, N); written when GATED and STORE_PRE
     M,
     N,
     K,
     ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,  # two accumulators over one pass of x: gate and up
     HAS_BIAS: tl.constexpr,
     STORE_PRE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -681,60 +690,26 @@ def _linear_act_fwd_persistent_kernel(
         start_m = pid_m * BLOCK_M
         start_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, k_steps):  # out-of-bounds elements load as zeros: no masks
-            acc = tl.dot(X.load([start_m, k * BLOCK_K]), tl.trans(W.load([start_n, k * BLOCK_K])), acc)
+            x = X.load([start_m, k * BLOCK_K])
+            acc = tl.dot(x, tl.trans(W.load([start_n, k * BLOCK_K])), acc)
+            if GATED:
+                acc_up = tl.dot(x, tl.trans(WU.load([start_n, k * BLOCK_K])), acc_up)
         for i in tl.static_range(EPILOGUE_SPLIT):
             sub = _subtile(acc, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
             offs_sub = start_n + i * SUB_N + tl.arange(0, SUB_N)
             pre = _pre_activation(sub, B, offs_sub, N, Y.dtype, ACTIVATION, HAS_BIAS)
+            if GATED:
+                up = _finite_in(_subtile(acc_up, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N), Y.dtype, ACTIVATION)
             if STORE_PRE:  # the stores drop rows and columns past the edges
                 PRE.store([start_m, start_n + i * SUB_N], pre.to(Y.dtype))
-            Y.store([start_m, start_n + i * SUB_N], _act_fwd(pre, ACTIVATION, INLINE_PTX).to(Y.dtype))
-
-
-@triton.jit
-def _gated_fwd_persistent_kernel(
-    X,  # descriptor of x (M, K), (BLOCK_M, BLOCK_K) blocks
-    WG,  # descriptor of W_gate (N, K), (BLOCK_N, BLOCK_K) blocks
-    WU,  # descriptor of W_up (N, K), like WG's
-    Y,  # descriptor of y (M, N) contiguous, (BLOCK_M, BLOCK_N // EPILOGUE_SPLIT) blocks
-    GATE,  # descriptor like Y's of x W_gateᵀ (M, N); written when STORE_PRE
-    UP,  # descriptor like Y's of x W_upᵀ (M, N); written when STORE_PRE
-    M,
-    N,
-    K,
-    ACTIVATION: tl.constexpr,
-    STORE_PRE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    EPILOGUE_SPLIT: tl.constexpr,
-    INLINE_PTX: tl.constexpr,  # as in _linear_act_fwd_kernel
-):
-    # grid = (min(tiles, SMs),): as _linear_act_fwd_persistent_kernel, with two accumulators.
-    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    k_steps = tl.cdiv(K, BLOCK_K)
-    SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
-    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
-        pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        start_m = pid_m * BLOCK_M
-        start_n = pid_n * BLOCK_N
-        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, k_steps):
-            x = X.load([start_m, k * BLOCK_K])
-            acc_gate = tl.dot(x, tl.trans(WG.load([start_n, k * BLOCK_K])), acc_gate)
-            acc_up = tl.dot(x, tl.trans(WU.load([start_n, k * BLOCK_K])), acc_up)
-        for i in tl.static_range(EPILOGUE_SPLIT):
-            gate = _subtile(acc_gate, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
-            up = _subtile(acc_up, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
-            gate = _finite_in(gate, Y.dtype, ACTIVATION)
-            up = _finite_in(up, Y.dtype, ACTIVATION)
-            if STORE_PRE:
-                GATE.store([start_m, start_n + i * SUB_N], gate.to(Y.dtype))
-                UP.store([start_m, start_n + i * SUB_N], up.to(Y.dtype))
-            Y.store([start_m, start_n + i * SUB_N], (_act_fwd(gate, ACTIVATION, INLINE_PTX) * up).to(Y.dtype))
+                if GATED:
+                    UP.store([start_m, start_n + i * SUB_N], up.to(Y.dtype))
+            y = _act_fwd(pre, ACTIVATION, INLINE_PTX)
+            if GATED:
+                y = y * up
+            Y.store([start_m, start_n + i * SUB_N], y.to(Y.dtype))
 
 
 @triton.jit
@@ -1002,9 +977,10 @@ def _linear_act_fwd(
     if _persistent(cfg, tma, splits, y):
         with runtime.device_guard(x):
             runtime.launch(
-                _linear_act_fwd_persistent_kernel, _persistent_grid(cfg, M, N, x.device),
-                x_tiles, w_tiles, bias if bias is not None else weight, *_output_tiles(cfg, y, pre), M, N, K,
-                ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre,
+                _fwd_persistent_kernel, _persistent_grid(cfg, M, N, x.device),
+                x_tiles, w_tiles, w_tiles, bias if bias is not None else weight,
+                *_output_tiles(cfg, y, pre, pre), M, N, K,
+                ACTIVATION=activation, GATED=False, HAS_BIAS=bias is not None, STORE_PRE=store_pre,
                 INLINE_PTX=inline_ptx(x), **_launch_options(cfg, None),
             )  # fmt: skip
         return y, pre
@@ -1013,7 +989,7 @@ def _linear_act_fwd(
         runtime.launch(
             _linear_act_fwd_kernel, _grid(cfg, M, N, splits),
             x_tiles, w_tiles, bias if bias is not None else weight, y, pre, partial, M, N, K,
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+            x.stride(), weight.stride(),
             ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre, SPLIT_K=splits > 1,
             INLINE_PTX=inline_ptx(x), **_launch_options(cfg, tma),
         )  # fmt: skip
@@ -1043,10 +1019,10 @@ def _gated_fwd(
     if _persistent(cfg, tma, splits, y):
         with runtime.device_guard(x):
             runtime.launch(
-                _gated_fwd_persistent_kernel, _persistent_grid(cfg, M, N, x.device),
-                x_tiles, wg_tiles, wu_tiles, *_output_tiles(cfg, y, gate, up), M, N, K,
-                ACTIVATION=activation, STORE_PRE=store_pre, INLINE_PTX=inline_ptx(x),
-                **_launch_options(cfg, None),
+                _fwd_persistent_kernel, _persistent_grid(cfg, M, N, x.device),
+                x_tiles, wg_tiles, wu_tiles, x, *_output_tiles(cfg, y, gate, up), M, N, K,
+                ACTIVATION=activation, GATED=True, HAS_BIAS=False, STORE_PRE=store_pre,
+                INLINE_PTX=inline_ptx(x), **_launch_options(cfg, None),
             )  # fmt: skip
         return y, gate, up
     partial = runtime.empty((2 * splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
@@ -1054,7 +1030,7 @@ def _gated_fwd(
         runtime.launch(
             _gated_fwd_kernel, _grid(cfg, M, N, splits),
             x_tiles, wg_tiles, wu_tiles, y, gate, up, partial, M, N, K,
-            x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
+            x.stride(), w_gate.stride(),
             ACTIVATION=activation, STORE_PRE=store_pre, SPLIT_K=splits > 1, INLINE_PTX=inline_ptx(x),
             **_launch_options(cfg, tma),
         )  # fmt: skip
@@ -1116,9 +1092,9 @@ def _dh_act_bwd(
             runtime.launch(
                 _dh_act_bwd_kernel, _grid(cfg, M, N),
                 dy_tiles, w_tiles, pre, up if gated else pre, dpre_rows, dup_rows, h, db_partial, M, N, K,
-                dy.stride(0), dy.stride(1), w.stride(0), w.stride(1), stride_dpre,
+                dy.stride(), w.stride(), stride_dpre,
                 ACTIVATION=activation, GATED=gated, STORE_H=store_h, HAS_BIAS=has_bias,
-                **_launch_options(cfg, tma),
+                INLINE_PTX=inline_ptx(pre), **_launch_options(cfg, tma),
             )  # fmt: skip
     return dpre, h, _db(db_partial, has_bias, pre.dtype)
 
@@ -1143,7 +1119,7 @@ def _act_bwd(
             runtime.launch(
                 _act_bwd_kernel, grid,
                 dh, pre, up if gated else pre, dpre_rows, dup_rows, db_partial, M, N, rows_per_program,
-                dh.stride(0), dh.stride(1), stride_dpre,
+                dh.stride(), stride_dpre,
                 ACTIVATION=activation, GATED=gated, HAS_BIAS=has_bias,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
