@@ -104,18 +104,9 @@ def _norm_fwd_kernel(
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
         x = _load_normalized_input(
-            X,
-            RESIDUAL,
-            RESIDUAL_OUT,
-            rows,
-            cols,
-            mask,
-            stride_x_row,
-            stride_res_row,
-            N,
-            HAS_RESIDUAL,
-            True,
-        )
+            X, RESIDUAL, RESIDUAL_OUT, rows, cols, mask, stride_x_row, stride_res_row, N,
+            HAS_RESIDUAL, True,
+        )  # fmt: skip
         if IS_RMS:
             xc = x
         else:
@@ -136,18 +127,9 @@ def _norm_fwd_kernel(
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
             x = _load_normalized_input(
-                X,
-                RESIDUAL,
-                RESIDUAL_OUT,
-                rows,
-                cols,
-                mask,
-                stride_x_row,
-                stride_res_row,
-                N,
-                HAS_RESIDUAL,
-                True,
-            )
+                X, RESIDUAL, RESIDUAL_OUT, rows, cols, mask, stride_x_row, stride_res_row, N,
+                HAS_RESIDUAL, True,
+            )  # fmt: skip
             if IS_RMS:
                 m2 += tl.sum(x * x, axis=1)
             else:
@@ -170,18 +152,9 @@ def _norm_fwd_kernel(
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
             x = _load_normalized_input(
-                X,
-                RESIDUAL,
-                RESIDUAL_OUT,
-                rows,
-                cols,
-                mask,
-                stride_x_row,
-                stride_res_row,
-                N,
-                HAS_RESIDUAL,
-                False,
-            )
+                X, RESIDUAL, RESIDUAL_OUT, rows, cols, mask, stride_x_row, stride_res_row, N,
+                HAS_RESIDUAL, False,
+            )  # fmt: skip
             if IS_RMS:
                 xc = x
             else:
