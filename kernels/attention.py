@@ -356,7 +356,7 @@ def _attn_fwd_kernel(
     k_strides,
     v_strides,
     o_strides,
-    lse_strides,  # (batch, heads) strides of LSE; a packed batch's (1, heads): by the sequence's first row
+    lse_strides,  # (batch, heads) strides of LSE; packed, (1, head stride): a sequence by its first row
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
