@@ -29,7 +29,7 @@ query block for dq. No atomics: the gradients are bit-identical run to run.
 Tiles move by TMA on Hopper and newer (sm_90+): descriptors whose loads read out-of-bounds rows and
 head-dim columns as zeros and whose stores drop them. Unaligned inputs (start or strides not
 multiples of 16 bytes), other GPUs, ``USE_TMA = False`` and table entries whose TMA tile spilled take
-masked pointer loads (some at a smaller key block: ``pointer_block_n``); one kernel serves both.
+masked pointer loads (some at a tile of their own: ``AttnConfig.pointer``); one kernel serves both.
 Causal forward and dq passes run their longest query blocks first, so the tail is short ones; the
 forward can also run persistent (``programs_per_sm`` in its table), off until measured faster.
 
@@ -482,10 +482,11 @@ def _attn_bwd_dkdv_block(
     dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, q_seq, h, offs_n, start_m, unmasked_m, col, q_strides, do_strides,
     seqlen_q, seqlen_k, window_left, window_right, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_D_OUT: tl.constexpr, MASK: tl.constexpr, LOCAL: tl.constexpr,
-    TMA: tl.constexpr, INLINE_PTX: tl.constexpr,
+    TMA: tl.constexpr, INLINE_PTX: tl.constexpr, OUTPUT: tl.constexpr,
 ):  # fmt: skip
     # Works on the transposed scores (keys x queries) so dk and dv accumulate in (BLOCK_N, head-dim
-    # columns [col, + BLOCK_D_OUT)): all of them, or a slice, q and dO then read twice.
+    # columns [col, + BLOCK_D_OUT)): all of them, or a slice, q and dO then read twice. OUTPUT: "dkdv"
+    # accumulates both, "dk" or "dv" one (the other is returned as it came).
     q = _load_query_tile(Q, q_seq, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
     do = _load_query_tile(DO, q_seq, h, start_m, 0, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
     if BLOCK_D_OUT < BLOCK_D:
@@ -511,15 +512,21 @@ def _attn_bwd_dkdv_block(
             qk_t = _causal_scores_t(qk_t, offs_n, start_m, seqlen_k - seqlen_q, BLOCK_M, INLINE_PTX)
     p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
     if MASK and LOCAL:
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        visible = _in_window(
-            offs_m[None, :], offs_n[:, None], seqlen_k - seqlen_q, window_left, window_right, LOCAL
-        )
-        p_t = tl.where(visible, p_t, 0.0)
-    dv = tl.dot(p_t.to(do.dtype), do_out, dv)
-    dp_t = tl.dot(v, tl.trans(do))
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk = tl.dot(ds_t.to(q.dtype), q_out, dk)
+        # Key i sees the block's queries [first_query, + window_left + window_right] (_in_window's
+        # test, moved to the key): a column index against a per-key bound, as _causal_scores_t does
+        # (sm_90, head dim 256, dv alone at 64x128: 24 bytes spilled before, none; 681 -> 531
+        # instructions per iteration).
+        first_query = (offs_n - (seqlen_k - seqlen_q + start_m + window_right))[:, None]
+        cols = tl.arange(0, BLOCK_M)[None, :]
+        p_t = tl.where((cols >= first_query) & (cols <= first_query + (window_left + window_right)), p_t, 0.0)
+    if OUTPUT != "dk":
+        dv = tl.dot(p_t.to(do.dtype), do_out, dv)
+    if OUTPUT != "dv":
+        if OUTPUT == "dkdv":
+            dp_t = tl.dot(v, tl.trans(do)) - delta[None, :]
+        else:  # delta as the accumulator's start: dk alone at 64x128 spilled 16 bytes (causal) without
+            dp_t = tl.dot(v, tl.trans(do), tl.zeros_like(p_t) - delta[None, :])
+        dk = tl.dot((p_t * dp_t).to(q.dtype), q_out, dk)
     return dk, dv
 
 
@@ -575,9 +582,10 @@ def _attn_bwd_dkdv_kernel(
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
     INLINE_PTX: tl.constexpr,  # as in _attn_fwd_kernel
+    OUTPUT: tl.constexpr,  # "dkdv", or one of them: "dk", "dv" (AttnConfig.split_outputs)
 ):
     # grid = (cdiv(seqlen_k, BLOCK_N) * batch * kv_heads, head_splits * BLOCK_D // BLOCK_D_OUT): one
-    # key block, query heads [split * heads_per_split, + heads_per_split) of its group, dk and dv
+    # key block, query heads [split * heads_per_split, + heads_per_split) of its group, dk and/or dv
     # columns [column * BLOCK_D_OUT, + BLOCK_D_OUT). Batch x heads goes on axis 0 (2**31 - 1
     # programs; 65,535 on axis 1), a (batch, head)'s key blocks side by side, so the programs running
     # together share its queries in L2. With head splits (GQA/MQA grids too small for the GPU), each
@@ -600,8 +608,15 @@ def _attn_bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k_strides = (stride_kb, stride_ks, stride_kh)
     v_strides = (stride_vb, stride_vs, stride_vh)
-    k = _load_tile(K, k_seq, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, TMA)
-    v = _load_tile(V, k_seq, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, TMA)
+    # One output: K and V come by pointers (the launcher passes no descriptors for them). Triton feeds
+    # wgmma its A operand from shared memory only when it comes straight from a load; a descriptor's
+    # tile comes out of its reshape in registers (64 each at 64 rows of head dim 256), and dk alone
+    # at 64x128 spilled 488-512 bytes so.
+    KV_TMA: tl.constexpr = TMA and OUTPUT == "dkdv"
+    k = _load_tile(K, k_seq, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, KV_TMA)
+    v = k  # dv alone never reads V
+    if OUTPUT != "dv":
+        v = _load_tile(V, k_seq, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, KV_TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     qk_scale = softmax_scale * 1.4426950408889634
@@ -628,14 +643,16 @@ def _attn_bwd_dkdv_kernel(
             dk, dv = _attn_bwd_dkdv_block(
                 dk, dv, k, v, Q, DO, LSE_LOG2 + row0, DELTA + row0, q_seq, h, offs_n, start_m, unmasked_m,
                 col, q_strides, do_strides, seqlen_q, seqlen_k, window_left, window_right, qk_scale, HEAD_DIM,
-                BLOCK_M, BLOCK_D, BLOCK_D_OUT, CAUSAL or LOCAL, LOCAL, TMA, INLINE_PTX,
+                BLOCK_M, BLOCK_D, BLOCK_D_OUT, CAUSAL or LOCAL, LOCAL, TMA, INLINE_PTX, OUTPUT,
             )  # fmt: skip
-    dk *= softmax_scale
     dk_strides = (stride_dkb, stride_dks, stride_dkh)
     dv_strides = (stride_dvb, stride_dvs, stride_dvh)
     seq = k_seq + split * split_seqs
-    _store_tile(DK, dk, seq, kv_h, start_n, col, dk_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA)
-    _store_tile(DV, dv, seq, kv_h, start_n, col, dv_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA)
+    if OUTPUT != "dv":
+        dk *= softmax_scale
+        _store_tile(DK, dk, seq, kv_h, start_n, col, dk_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA)
+    if OUTPUT != "dk":
+        _store_tile(DV, dv, seq, kv_h, start_n, col, dv_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA)
 
 
 @triton.jit
@@ -928,14 +945,15 @@ class AttnConfig:
     tma: bool = True  # q/k/v/o tiles by TMA (tensor descriptors) where the GPU and strides allow
     # Forward: 0 launches a program per tile; n > 0 launches n per SM, each looping over tiles.
     programs_per_sm: int = 0
-    # The key block when tiles move by pointers (0: block_n), for entries whose TMA tile spills there.
-    pointer_block_n: int = 0
+    # The config taken when tiles move by pointers (None: this one), for entries whose TMA tile spills there.
+    pointer: "AttnConfig | None" = None
+    # dk/dv pass: dv and dk by two launches of their own, one accumulator live in each (5 GEMMs against
+    # the fused pass's 4: the scores computed twice).
+    split_outputs: bool = False
 
     def loads(self, tma: bool) -> "AttnConfig":
         """The config a launch takes with TMA loads (tma) or with pointers."""
-        if tma or not self.pointer_block_n:
-            return self
-        return dataclasses.replace(self, block_n=self.pointer_block_n, pointer_block_n=0)
+        return self if tma or self.pointer is None else self.pointer
 
 
 # Per GPU family (runtime.arch), pass and padded head dim. Every entry compiles for its family's
@@ -949,7 +967,7 @@ class AttnConfig:
 # measured yet (python -m bench.tune attention on such a GPU refines them).
 #
 # sm_90: clean on triton 3.6 and 3.9, but the forward's TMA tiles at head dims 128 and 256, checked
-# on 3.6 only; those entries take smaller key blocks with pointers (pointer_block_n), whose larger
+# on 3.6 only; those entries take smaller key blocks with pointers (pointer), whose larger
 # tiles spilled. TMA took fewer registers in most entries (221 against 255 in the 128x128
 # head-dim-128 forward) and less shared memory (197 against 229 KB there); which is faster is for
 # the bench to measure ("ours" against "ours-pointer").
@@ -964,14 +982,14 @@ FWD_CONFIGS = {
         # there with a window once the offsets went 64-bit. bench.sass_loops, non-causal loop: 128x64
         # took 336 instructions, 66 FMUL, 12 HGMMA per 64 keys (641 per MFLOP); 128x128 takes 488, 66,
         # 16x 64x128x16 per 128 keys (465 per MFLOP; the tutorial 491, 66: 468); causal diagonal 625.
-        128: AttnConfig(128, 128, 8, 3, pointer_block_n=64),
+        128: AttnConfig(128, 128, 8, 3, pointer=AttnConfig(128, 64, 8, 3)),
         # 128x64 by TMA, K and V through shared memory as FA3's 128x80 (which fills it; Triton's
         # tiles are powers of two): bench.sass_loops, non-causal loop, 16x 64x64x16 + 4x 64x256x16
         # HGMMA, 442 instructions (422 per MFLOP), where the 128x32 pointer tile issued 16x 64x32x16
         # + 2x 64x256x16 in 376 (717 per MFLOP); 250-255 registers, no spill, 128 KiB (triton 3.6).
         # Pointers keep 128x32: 128x64 spilled 8-48 bytes there (head dims 192, 256 local), as it
         # did on triton 3.9 with TMA and at 192 causal with pointers.
-        256: AttnConfig(128, 64, 8, 2, pointer_block_n=32),
+        256: AttnConfig(128, 64, 8, 2, pointer=AttnConfig(128, 32, 8, 2)),
     },
     **_TABLES["FWD_CONFIGS"],
 }
@@ -1042,7 +1060,7 @@ DECODE_REDUCE_BLOCK_S = 16  # splits the reduce loads at a time: up to 2 per SM,
 # of equal-length sequences takes the prefill kernel (TMA, its tuned tiles) on the cache's rows.
 DECODE_MAX_SEQLEN_Q = 16
 # Small, unequal tiles in the interpreter: quick there, and several blocks cross every boundary.
-INTERPRETER_BLOCKS = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1, "pointer_block_n": 0}
+INTERPRETER_BLOCKS = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1, "pointer": None}
 PREPROCESS_BLOCK_M = 64
 INTERPRETER_NUM_SMS = 132  # an H200's: see bwd_num_sms
 # At 4 warps the 64 x 128 tiles of o and dO spilled 8-32 bytes on sm_100 (at 48-56 registers).
@@ -1304,20 +1322,22 @@ def attention_bwd(
                 partial_shape = (splits * k.shape[0], *k.shape[1:])
                 dk_out, dv_out = (runtime.empty(partial_shape, torch.float32, k.device) for _ in range(2))
             tma = tma_usable(cfg, q, k, v, dout, dk_out, dv_out)
+            cfg = cfg.loads(tma)
             q_tiles, do_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout))
-            k_tiles, v_tiles, dk_tiles, dv_tiles = (
-                _operand(t, cfg.block_n, block_d, tma) for t in (k, v, dk_out, dv_out)
-            )
-            runtime.launch(
-                _attn_bwd_dkdv_kernel, (programs, splits * cfg.column_splits),
-                q_tiles, k_tiles, v_tiles, do_tiles, lse_log2, delta, dk_tiles, dv_tiles, **sequences,
-                softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
-                kv_heads=kv_heads, group_size=group_size, heads_per_split=heads_per_split,
-                split_seqs=k.shape[0], **_stride_args(q=q, k=k, v=v, do=dout, dk=dk_out, dv=dv_out),
-                **lse_strides, **dims, BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n, **mask, TMA=tma, INLINE_PTX=runtime.inline_ptx(q),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
-            )  # fmt: skip
+            # Split outputs: K and V by pointers (see _attn_bwd_dkdv_kernel), each launch one gradient.
+            k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, tma and not cfg.split_outputs) for t in (k, v))
+            dk_tiles, dv_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (dk_out, dv_out))
+            for output in ("dv", "dk") if cfg.split_outputs else ("dkdv",):
+                runtime.launch(
+                    _attn_bwd_dkdv_kernel, (programs, splits * cfg.column_splits),
+                    q_tiles, k_tiles, v_tiles, do_tiles, lse_log2, delta, dk_tiles, dv_tiles, **sequences,
+                    softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed,
+                    heads=heads, kv_heads=kv_heads, group_size=group_size, heads_per_split=heads_per_split,
+                    split_seqs=k.shape[0], **_stride_args(q=q, k=k, v=v, do=dout, dk=dk_out, dv=dv_out),
+                    **lse_strides, **dims, BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m,
+                    BLOCK_N=cfg.block_n, **mask, TMA=tma, INLINE_PTX=runtime.inline_ptx(q), OUTPUT=output,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
+                )  # fmt: skip
             if splits > 1:  # torch's sum over the splits: the same order every run
                 dk.copy_(dk_out.view(splits, *k.shape).sum(0))
                 dv.copy_(dv_out.view(splits, *v.shape).sum(0))
