@@ -553,6 +553,15 @@ ATTENTION_MASKS = {
 }
 
 
+def attention_strides(kernel: str) -> dict:
+    """KernelConfig.tuples of kernels.attention's ``kernel``: its ``<tensor>_strides`` arguments, a
+    tile tensor's (batch, seqlen, heads) and lse's (batch, heads)."""
+    from kernels import attention
+
+    names = getattr(attention, kernel).arg_names
+    return {name: 2 if name == "lse_strides" else 3 for name in names if name.endswith("_strides")}
+
+
 def attention_pass_config(
     name: str, cfg, head_dim: int, dtype: torch.dtype, mask: str, tma: bool, packed: bool = False,
     arch: str = "sm90", head_split: bool = False,
@@ -575,7 +584,7 @@ def attention_pass_config(
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   **ATTENTION_MASKS[mask], "TMA": tma, "VARLEN": packed}  # fmt: skip
     if packed:
-        constexprs["stride_lse_b"] = 1  # a packed lse (heads, total_q) is addressed by first row
+        constexprs["lse_strides[0]"] = 1  # a packed lse (heads, total_q) is addressed by first row
     persistent = cfg.programs_per_sm > 0 and not packed
     if name == "attn_fwd":
         constexprs["PERSISTENT"] = persistent
@@ -594,8 +603,9 @@ def attention_pass_config(
     fn = f"kernels.attention.{kernel}"
     options = (cfg.num_warps, cfg.num_stages)
     return KernelConfig(
-        name, shape_class, dtype, fn, pointers, constexprs, *options, descriptors, arch, matmul=True
-    )
+        name, shape_class, dtype, fn, pointers, constexprs, *options, descriptors, arch,
+        tuples=attention_strides(kernel), matmul=True,
+    )  # fmt: skip
 
 
 def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -> list[KernelConfig]:
@@ -641,12 +651,13 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
             constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "HAS_DLSE": True, "VARLEN": packed,
                           "BLOCK_M": attention.PREPROCESS_BLOCK_M}  # fmt: skip
             if packed:
-                constexprs["stride_lse_b"] = 1
+                constexprs["lse_strides[0]"] = 1
             fn = "kernels.attention._attn_bwd_preprocess_kernel"
             shape_class = f"d={head_dim}" + (" varlen" if packed else "")
             warps = attention.PREPROCESS_NUM_WARPS
             configs.append(KernelConfig("attn_bwd_preprocess", shape_class, dtype, fn, pointers, constexprs,
-                                        warps, arch=arch.name))  # fmt: skip
+                                        warps, arch=arch.name,
+                                        tuples=attention_strides("_attn_bwd_preprocess_kernel")))  # fmt: skip
     for table in ATTENTION_TABLES:
         for block_d, cfg in sorted(getattr(attention, table)[arch.name].items()):
             configs += attention_entry_configs(table, cfg, block_d, arch)
@@ -681,14 +692,16 @@ def attention_decode_configs(arch: runtime.Arch) -> list[KernelConfig]:
             fn = "kernels.attention._attn_decode_kernel"
             options = (cfg.num_warps, cfg.num_stages)
             configs.append(KernelConfig("attn_decode", shape_class, dtype, fn, pointers, constexprs, *options,
-                                        arch=arch.name, matmul=True))  # fmt: skip
+                                        arch=arch.name, tuples=attention_strides("_attn_decode_kernel"),
+                                        matmul=True))  # fmt: skip
         if mask == "full":
             constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d,
                           "BLOCK_S": attention.DECODE_REDUCE_BLOCK_S}  # fmt: skip
             pointers = {"O_SPLIT": "fp32", "LSE_SPLIT": "fp32", "OUT": ty}
             configs.append(KernelConfig("attn_decode_reduce", f"d={head_dim}", dtype,
                                         "kernels.attention._attn_decode_reduce_kernel", pointers, constexprs,
-                                        attention.DECODE_REDUCE_NUM_WARPS, arch=arch.name))  # fmt: skip
+                                        attention.DECODE_REDUCE_NUM_WARPS, arch=arch.name,
+                                        tuples=attention_strides("_attn_decode_reduce_kernel")))  # fmt: skip
     return configs
 
 

@@ -134,23 +134,31 @@ def _visible(
 
 
 @triton.jit
-def _causal_scores(qk, offs_m, start_n, causal_offset, BLOCK_N: tl.constexpr, INLINE_PTX: tl.constexpr):
-    """qk (BLOCK_M, BLOCK_N) with -inf where key start_n + j lies past query offs_m's diagonal.
-    Keys past seqlen_k need no test: a query before seqlen_q sees none (j <= i + seqlen_k -
-    seqlen_q) and the rows past seqlen_q are never stored. The key index is the tile's column, the
-    row's limit one subtraction: one compare and one select per score. LLVM's SLP vectorizer packs
-    32 of the compares into a bit vector, spent as 70 extra instructions of bit juggling per
-    iteration; INLINE_PTX (NVIDIA) writes each pair as PTX it cannot pack (sm_90, head dim 128, the
-    forward's diagonal loop: 825 before the raw-score max, 693 plain, 625 with PTX)."""
-    last_key = (offs_m + (causal_offset - start_n))[:, None]
-    cols = tl.arange(0, BLOCK_N)[None, :]
+def _causal_scores(
+    qk, offs, start, causal_offset, BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr, INLINE_PTX: tl.constexpr
+):
+    """qk (queries offs x keys start + j) with -inf where the key lies past the query's diagonal; with
+    TRANSPOSED, qk (keys offs x queries start + j) with -inf where the query comes before the key's
+    first visible one. Keys past seqlen_k need no test: a query before seqlen_q sees none (j <= i +
+    seqlen_k - seqlen_q) and the rows past seqlen_q are never stored. The column is the tile's index,
+    the row's limit one subtraction: one compare and one select per score. LLVM's SLP vectorizer
+    packs 32 of the compares into a bit vector, spent as 70 extra instructions of bit juggling per
+    iteration; INLINE_PTX (NVIDIA) writes each pair as PTX it cannot pack (sm_90, head dim 128: the
+    forward's diagonal loop 825 before the raw-score max, 693 plain, 625 with PTX; the dk/dv loop
+    327 with tl.where on p, 291 with PTX)."""
+    cols = tl.arange(0, BLOCK)[None, :]
+    if TRANSPOSED:
+        limit = (offs - (causal_offset + start))[:, None]  # the key's first visible query
+    else:
+        limit = (offs + (causal_offset - start))[:, None]  # the query's last visible key
     if INLINE_PTX:
         qk = tl.inline_asm_elementwise(
-            "{ .reg .pred hidden; setp.gt.s32 hidden, $2, $3; selp.f32 $0, 0fFF800000, $1, hidden; }",
-            "=r,r,r,r", [qk, cols, last_key], dtype=tl.float32, is_pure=True, pack=1,
+            "{ .reg .pred hidden; setp." + ("lt" if TRANSPOSED else "gt") + ".s32 hidden, $2, $3; "
+            "selp.f32 $0, 0fFF800000, $1, hidden; }",
+            "=r,r,r,r", [qk, cols, limit], dtype=tl.float32, is_pure=True, pack=1,
         )  # fmt: skip
     else:
-        qk = tl.where(cols <= last_key, qk, float("-inf"))
+        qk = tl.where((cols >= limit) if TRANSPOSED else (cols <= limit), qk, float("-inf"))
     return qk
 
 
@@ -219,7 +227,7 @@ def _attn_fwd_block(
     k = _load_tile(K, k_seq, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
     qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N) raw scores
     if MASK and CAUSAL:
-        qk = _causal_scores(qk, offs_m, start_n, seqlen_k - seqlen_q, BLOCK_N, INLINE_PTX)
+        qk = _causal_scores(qk, offs_m, start_n, seqlen_k - seqlen_q, BLOCK_N, False, INLINE_PTX)
     elif MASK:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         visible = _visible(
@@ -287,26 +295,18 @@ def _attn_fwd_tile(
     start, unmasked_start, unmasked_end, end = _key_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, CAUSAL, LOCAL
     )
-    for start_n in range(unmasked_start, unmasked_end, BLOCK_N):
-        acc, l_i, m_i = _attn_fwd_block(
-            acc, l_i, m_i, q, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q, seqlen_k,
-            window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, LOCAL, TMA,
-            INLINE_PTX,
-        )  # fmt: skip
-    if LOCAL:
-        masked_blocks, before = _local_masked_blocks(start, unmasked_start, unmasked_end, end, BLOCK_N)
-        for i in range(0, masked_blocks):
-            start_n = _masked_key_block(i, start, before, unmasked_end, BLOCK_N)
+    # The unmasked key blocks, then the masked ones: masked is a constexpr, so each is a compiled loop of
+    # its own; with LOCAL the masked loop counts the blocks on both sides of the window (_masked_key_block).
+    for masked in tl.static_range(2):
+        lo, hi = (unmasked_end, end) if masked else (unmasked_start, unmasked_end)
+        if masked and LOCAL:  # computed here, not live through the unmasked loop
+            lo = 0
+            hi, before = _local_masked_blocks(start, unmasked_start, unmasked_end, end, BLOCK_N)
+        for n in range(lo, hi, 1 if masked and LOCAL else BLOCK_N):
+            start_n = _masked_key_block(n, start, before, unmasked_end, BLOCK_N) if masked and LOCAL else n
             acc, l_i, m_i = _attn_fwd_block(
                 acc, l_i, m_i, q, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
-                seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
-                LOCAL, TMA, INLINE_PTX,
-            )  # fmt: skip
-    else:
-        for start_n in range(unmasked_end, end, BLOCK_N):
-            acc, l_i, m_i = _attn_fwd_block(
-                acc, l_i, m_i, q, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
-                seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
+                seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, masked, CAUSAL,
                 LOCAL, TMA, INLINE_PTX,
             )  # fmt: skip
     # A query that sees no key: l = 0, so the output is 0 and lse = log 0 = -inf.
@@ -337,11 +337,11 @@ def _attn_fwd_kernel(
     batch,
     heads,
     group_size,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_os, stride_oh,
-    stride_lse_b, stride_lse_h,
+    q_strides,  # (batch, seqlen, heads) strides of Q, as _strides gives them; k_, v_, o_strides alike
+    k_strides,
+    v_strides,
+    o_strides,
+    lse_strides,  # (batch, heads) strides of LSE; a packed batch's (1, heads): by the sequence's first row
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -359,11 +359,6 @@ def _attn_fwd_kernel(
     # spills (pointers spilled 80 and 312 bytes there), so no table entry is persistent until
     # `python -m bench.tune` measures it faster.
     m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
-    q_strides = (stride_qb, stride_qs, stride_qh)
-    k_strides = (stride_kb, stride_ks, stride_kh)
-    v_strides = (stride_vb, stride_vs, stride_vh)
-    o_strides = (stride_ob, stride_os, stride_oh)
-    lse_strides = (stride_lse_b, stride_lse_h)
     qk_scale = softmax_scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
     if PERSISTENT:
         tl.static_assert(not VARLEN, "a packed batch's tiles return early")
@@ -394,14 +389,9 @@ def _attn_bwd_preprocess_kernel(
     CU_SEQLENS_Q,  # as in _attn_fwd_kernel
     seqlen_q,
     heads,
-    stride_ob,
-    stride_os,
-    stride_oh,
-    stride_dob,
-    stride_dos,
-    stride_doh,
-    stride_lse_b,
-    stride_lse_h,
+    o_strides,
+    do_strides,
+    lse_strides,  # as in _attn_fwd_kernel; DLSE, DELTA and LSE_LOG2 share them
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -417,12 +407,10 @@ def _attn_bwd_preprocess_kernel(
     start_m = tl.program_id(0) % m_blocks * BLOCK_M
     q_seq, seqlen_q = _sequence(CU_SEQLENS_Q, b, seqlen_q, VARLEN)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    o_strides = (stride_ob, stride_os, stride_oh)
-    do_strides = (stride_dob, stride_dos, stride_doh)
     o = _load_tile(OUT, q_seq, h, start_m, 0, o_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, False)
     do = _load_tile(DO, q_seq, h, start_m, 0, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    row = q_seq.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + offs_m
+    row = q_seq.to(tl.int64) * lse_strides[0] + h.to(tl.int64) * lse_strides[1] + offs_m
     if HAS_DLSE:
         # d lse_i / d s_ij = p_ij, which folds into ds = p * (dp - delta) as a shift of delta.
         delta -= tl.load(DLSE + row, mask=offs_m < seqlen_q, other=0.0)
@@ -441,24 +429,6 @@ def _load_row_stats(LSE, DELTA, offs_m, seqlen_q):
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
     delta = tl.load(DELTA + offs_m, mask=offs_m < seqlen_q, other=0.0)
     return lse, delta
-
-
-@triton.jit
-def _causal_scores_t(qk_t, offs_n, start_m, causal_offset, BLOCK_M: tl.constexpr, INLINE_PTX: tl.constexpr):
-    """:func:`_causal_scores` of the transposed scores (keys offs_n x queries start_m + j): -inf
-    where query j comes before key i's first visible query, one compare and one select per score,
-    in PTX that LLVM cannot pack into bit vectors (sm_90, head dim 128, the dk/dv loop: 291
-    instructions per iteration, 327 with tl.where on p)."""
-    first_query = (offs_n - (causal_offset + start_m))[:, None]
-    cols = tl.arange(0, BLOCK_M)[None, :]
-    if INLINE_PTX:
-        qk_t = tl.inline_asm_elementwise(
-            "{ .reg .pred hidden; setp.lt.s32 hidden, $2, $3; selp.f32 $0, 0fFF800000, $1, hidden; }",
-            "=r,r,r,r", [qk_t, cols, first_query], dtype=tl.float32, is_pure=True, pack=1,
-        )  # fmt: skip
-    else:
-        qk_t = tl.where(cols >= first_query, qk_t, float("-inf"))
-    return qk_t
 
 
 @triton.jit
@@ -509,11 +479,11 @@ def _attn_bwd_dkdv_block(
     qk_t = tl.dot(k, tl.trans(q))  # (BLOCK_N, BLOCK_M)
     if MASK and not LOCAL:  # causal; keys past seqlen_k are dropped by the store
         if start_m < unmasked_m:  # a uniform branch: only the query blocks crossing the diagonal
-            qk_t = _causal_scores_t(qk_t, offs_n, start_m, seqlen_k - seqlen_q, BLOCK_M, INLINE_PTX)
+            qk_t = _causal_scores(qk_t, offs_n, start_m, seqlen_k - seqlen_q, BLOCK_M, True, INLINE_PTX)
     p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
     if MASK and LOCAL:
         # Key i sees the block's queries [first_query, + window_left + window_right] (_in_window's
-        # test, moved to the key): a column index against a per-key bound, as _causal_scores_t does
+        # test, moved to the key): a column index against a per-key bound, as _causal_scores does transposed
         # (sm_90, head dim 256, dv alone at 64x128: 24 bytes spilled before, none; 681 -> 531
         # instructions per iteration).
         first_query = (offs_n - (seqlen_k - seqlen_q + start_m + window_right))[:, None]
@@ -552,26 +522,13 @@ def _attn_bwd_dkdv_kernel(
     group_size,
     heads_per_split,  # query heads of a group per program: group_size, or fewer with head splits
     split_seqs,  # with head splits, how far apart the splits' partials lie: batch (packed: total keys)
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_dob,
-    stride_dos,
-    stride_doh,
-    stride_dkb,
-    stride_dks,
-    stride_dkh,
-    stride_dvb,
-    stride_dvs,
-    stride_dvh,
-    stride_lse_b,
-    stride_lse_h,
+    q_strides,
+    k_strides,
+    v_strides,
+    do_strides,
+    dk_strides,
+    dv_strides,
+    lse_strides,  # as in _attn_fwd_kernel; LSE_LOG2 and DELTA share them
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_D_OUT: tl.constexpr,
@@ -606,8 +563,6 @@ def _attn_bwd_dkdv_kernel(
     first_head = split * heads_per_split
     last_head = tl.minimum(first_head + heads_per_split, group_size)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k_strides = (stride_kb, stride_ks, stride_kh)
-    v_strides = (stride_vb, stride_vs, stride_vh)
     # One output: K and V come by pointers (the launcher passes no descriptors for them). Triton feeds
     # wgmma its A operand from shared memory only when it comes straight from a load; a descriptor's
     # tile comes out of its reshape in registers (64 each at 64 rows of head dim 256), and dk alone
@@ -616,7 +571,9 @@ def _attn_bwd_dkdv_kernel(
     k = _load_tile(K, k_seq, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, KV_TMA)
     v = k  # dv alone never reads V
     if OUTPUT != "dv":
-        v = _load_tile(V, k_seq, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, KV_TMA)
+        v = _load_tile(
+            V, k_seq, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, KV_TMA
+        )
     dk = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     qk_scale = softmax_scale * 1.4426950408889634
@@ -632,27 +589,27 @@ def _attn_bwd_dkdv_kernel(
         hi = tl.minimum(start_n + BLOCK_N - causal_offset + window_left, seqlen_q)
     elif CAUSAL:
         lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
-    q_strides = (stride_qb, stride_qs, stride_qh)
-    do_strides = (stride_dob, stride_dos, stride_doh)
     # Causal: query blocks from unmasked_m on see every key of the block (none crosses the diagonal).
     unmasked_m = tl.cdiv(start_n + BLOCK_N - 1 - causal_offset, BLOCK_M) * BLOCK_M
     for g in range(first_head, last_head):
         h = kv_h * group_size + g
-        row0 = q_seq.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h
+        row0 = q_seq.to(tl.int64) * lse_strides[0] + h.to(tl.int64) * lse_strides[1]
         for start_m in range(lo, hi, BLOCK_M):
             dk, dv = _attn_bwd_dkdv_block(
                 dk, dv, k, v, Q, DO, LSE_LOG2 + row0, DELTA + row0, q_seq, h, offs_n, start_m, unmasked_m,
                 col, q_strides, do_strides, seqlen_q, seqlen_k, window_left, window_right, qk_scale, HEAD_DIM,
                 BLOCK_M, BLOCK_D, BLOCK_D_OUT, CAUSAL or LOCAL, LOCAL, TMA, INLINE_PTX, OUTPUT,
             )  # fmt: skip
-    dk_strides = (stride_dkb, stride_dks, stride_dkh)
-    dv_strides = (stride_dvb, stride_dvs, stride_dvh)
     seq = k_seq + split * split_seqs
     if OUTPUT != "dv":
         dk *= softmax_scale
-        _store_tile(DK, dk, seq, kv_h, start_n, col, dk_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA)
+        _store_tile(
+            DK, dk, seq, kv_h, start_n, col, dk_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA
+        )
     if OUTPUT != "dk":
-        _store_tile(DV, dv, seq, kv_h, start_n, col, dv_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA)
+        _store_tile(
+            DV, dv, seq, kv_h, start_n, col, dv_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA
+        )
 
 
 @triton.jit
@@ -666,7 +623,7 @@ def _attn_bwd_dq_block(
     v = _load_tile(V, k_seq, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASK, TMA)
     qk = tl.dot(q, tl.trans(k))
     if MASK and CAUSAL:
-        qk = _causal_scores(qk, offs_m, start_n, seqlen_k - seqlen_q, BLOCK_N, INLINE_PTX)
+        qk = _causal_scores(qk, offs_m, start_n, seqlen_k - seqlen_q, BLOCK_N, False, INLINE_PTX)
     p = tl.math.exp2(qk * qk_scale - lse[:, None])
     if MASK and not CAUSAL:
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -696,23 +653,12 @@ def _attn_bwd_dq_kernel(
     window_right,  # as in _attn_fwd_kernel
     heads,
     group_size,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_dob,
-    stride_dos,
-    stride_doh,
-    stride_dqb,
-    stride_dqs,
-    stride_dqh,
-    stride_lse_b,
-    stride_lse_h,
+    q_strides,
+    k_strides,
+    v_strides,
+    do_strides,
+    dq_strides,
+    lse_strides,  # as in _attn_fwd_kernel; DELTA shares them
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -737,44 +683,29 @@ def _attn_bwd_dq_kernel(
     k_seq, seqlen_k = _sequence(CU_SEQLENS_K, b, seqlen_k, VARLEN)
     if VARLEN and start_m >= seqlen_q:  # the grid covers the longest sequence
         return
-    k_strides = (stride_kb, stride_ks, stride_kh)
-    v_strides = (stride_vb, stride_vs, stride_vh)
-    q_strides = (stride_qb, stride_qs, stride_qh)
-    do_strides = (stride_dob, stride_dos, stride_doh)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = _load_tile(Q, q_seq, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
     do = _load_tile(DO, q_seq, h, start_m, 0, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
-    row0 = q_seq.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h
+    row0 = q_seq.to(tl.int64) * lse_strides[0] + h.to(tl.int64) * lse_strides[1]
     lse, delta = _load_row_stats(LSE + row0, DELTA + row0, offs_m, seqlen_q)
     qk_scale = softmax_scale * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     start, unmasked_start, unmasked_end, end = _key_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, CAUSAL, LOCAL
     )
-    for start_n in range(unmasked_start, unmasked_end, BLOCK_N):
-        dq = _attn_bwd_dq_block(
-            dq, q, do, lse, delta, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
-            seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, LOCAL,
-            TMA, INLINE_PTX,
-        )  # fmt: skip
-    if LOCAL:
-        masked_blocks, before = _local_masked_blocks(start, unmasked_start, unmasked_end, end, BLOCK_N)
-        for i in range(0, masked_blocks):
-            start_n = _masked_key_block(i, start, before, unmasked_end, BLOCK_N)
+    for masked in tl.static_range(2):  # the unmasked key blocks, then the masked ones, as in the forward
+        lo, hi = (unmasked_end, end) if masked else (unmasked_start, unmasked_end)
+        if masked and LOCAL:  # computed here, not live through the unmasked loop
+            lo = 0
+            hi, before = _local_masked_blocks(start, unmasked_start, unmasked_end, end, BLOCK_N)
+        for n in range(lo, hi, 1 if masked and LOCAL else BLOCK_N):
+            start_n = _masked_key_block(n, start, before, unmasked_end, BLOCK_N) if masked and LOCAL else n
             dq = _attn_bwd_dq_block(
                 dq, q, do, lse, delta, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
-                seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
-                LOCAL, TMA, INLINE_PTX,
-            )  # fmt: skip
-    else:
-        for start_n in range(unmasked_end, end, BLOCK_N):
-            dq = _attn_bwd_dq_block(
-                dq, q, do, lse, delta, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
-                seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
+                seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, masked, CAUSAL,
                 LOCAL, TMA, INLINE_PTX,
             )  # fmt: skip
     dq *= softmax_scale
-    dq_strides = (stride_dqb, stride_dqs, stride_dqh)
     _store_tile(DQ, dq, q_seq, h, start_m, 0, dq_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
 
 
@@ -793,15 +724,9 @@ def _attn_decode_kernel(
     window_right,  # with LOCAL, as in _attn_fwd_kernel
     kv_heads,
     group_size,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
+    q_strides,
+    k_strides,
+    v_strides,  # as in _attn_fwd_kernel
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -823,7 +748,7 @@ def _attn_decode_kernel(
     h = kv_h * group_size + rows // seqlen_q
     seqlen_k = tl.load(SEQLENS_K + b)
     offs_d = tl.arange(0, BLOCK_D)
-    q_rows = Q + b.to(tl.int64) * stride_qb + i.to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
+    q_rows = Q + b.to(tl.int64) * q_strides[0] + i.to(tl.int64) * q_strides[1] + h.to(tl.int64) * q_strides[2]
     q = tl.load(
         q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0
     )
@@ -841,9 +766,9 @@ def _attn_decode_kernel(
     # diagonal offset is 0); every block masked: the pass is bound by reading the cache.
     for start_n in range(start, end, BLOCK_N):
         acc, l_i, m_i = _attn_fwd_block(
-            acc, l_i, m_i, q, K, V, b, kv_h, positions, start_n, (stride_kb, stride_ks, stride_kh),
-            (stride_vb, stride_vs, stride_vh), seqlen_k, seqlen_k, window_left, window_right, qk_scale,
-            HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, LOCAL, False, INLINE_PTX,
+            acc, l_i, m_i, q, K, V, b, kv_h, positions, start_n, k_strides, v_strides, seqlen_k, seqlen_k,
+            window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, LOCAL, False,
+            INLINE_PTX,
         )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     has_key = l_i > 0.0
@@ -867,9 +792,7 @@ def _attn_decode_reduce_kernel(
     rows,
     heads,
     seqlen_q,
-    stride_ob,
-    stride_os,
-    stride_oh,
+    o_strides,  # as in _attn_fwd_kernel
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -904,7 +827,7 @@ def _attn_decode_reduce_kernel(
     out = acc / tl.maximum(tl.sum(total, axis=0), 1e-30)
     i = row % seqlen_q
     bh = (row // seqlen_q).to(tl.int64)
-    base = OUT + (bh // heads) * stride_ob + i.to(tl.int64) * stride_os + (bh % heads) * stride_oh
+    base = OUT + (bh // heads) * o_strides[0] + i.to(tl.int64) * o_strides[1] + (bh % heads) * o_strides[2]
     tl.store(base + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
@@ -1087,20 +1010,10 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _stride_args(**tensors: torch.Tensor) -> dict:
-    """stride_{name}b, stride_{name}s, stride_{name}h of each named tensor, as the kernels take them."""
-    return {
-        f"stride_{name}{dim}": stride
-        for name, t in tensors.items()
-        for dim, stride in zip("bsh", _strides(t), strict=True)
-    }
-
-
-def _lse_stride_args(lse: torch.Tensor) -> dict:
-    """stride_lse_b, stride_lse_h of lse (batch, heads, seqlen_q), or of a packed batch's (heads,
-    total_q), addressed by a sequence's first row: a batch stride of 1."""
-    stride_b, stride_h = (1, lse.stride(0)) if lse.dim() == 2 else (lse.stride(0), lse.stride(1))
-    return {"stride_lse_b": stride_b, "stride_lse_h": stride_h}
+def _lse_strides(lse: torch.Tensor) -> tuple[int, int]:
+    """(batch, heads) strides of lse (batch, heads, seqlen_q), or of a packed batch's (heads, total_q),
+    addressed by a sequence's first row: a batch stride of 1."""
+    return (1, lse.stride(0)) if lse.dim() == 2 else (lse.stride(0), lse.stride(1))
 
 
 def tma_usable(cfg: AttnConfig, *tensors: torch.Tensor, sequence_descriptors: bool = False) -> bool:
@@ -1190,7 +1103,8 @@ def attention_fwd(
             softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=window_left,
             window_right=window_right,
             batch=batch, heads=heads, group_size=heads // kv_heads,
-            **_stride_args(q=q, k=k, v=v, o=out), **_lse_stride_args(lse),
+            q_strides=_strides(q), k_strides=_strides(k), v_strides=_strides(v), o_strides=_strides(out),
+            lse_strides=_lse_strides(lse),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
             PERSISTENT=persistent, VARLEN=packed is not None, INLINE_PTX=runtime.inline_ptx(q),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
@@ -1236,15 +1150,14 @@ def attention_decode(
             _attn_decode_kernel, (batch * kv_heads, splits, row_tiles),
             q, k_cache, v_cache, o_split, lse_split, seqlens_k, softmax_scale=softmax_scale,
             seqlen_q=seqlen_q, keys_per_split=keys_per_split, window_left=window_left,
-            window_right=window_right, kv_heads=kv_heads, group_size=group_size,
-            **_stride_args(q=q, k=k_cache, v=v_cache), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
-            BLOCK_N=cfg.block_n, **mask, INLINE_PTX=runtime.inline_ptx(q), num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
+            window_right=window_right, kv_heads=kv_heads, group_size=group_size, q_strides=_strides(q),
+            k_strides=_strides(k_cache), v_strides=_strides(v_cache), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_M=block_m, BLOCK_N=cfg.block_n, **mask, INLINE_PTX=runtime.inline_ptx(q),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
         runtime.launch(
             _attn_decode_reduce_kernel, (batch * heads * seqlen_q,),
-            o_split, lse_split, out, splits, batch * heads * seqlen_q, heads, seqlen_q,
-            **{f"stride_o{d}": st for d, st in zip("bsh", _strides(out), strict=True)},
+            o_split, lse_split, out, splits, batch * heads * seqlen_q, heads, seqlen_q, _strides(out),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=DECODE_REDUCE_BLOCK_S,
             num_warps=DECODE_REDUCE_NUM_WARPS, **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
@@ -1300,7 +1213,7 @@ def attention_bwd(
         return dq.zero_(), dk.zero_(), dv.zero_()
     group_size = heads // kv_heads
     dims = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "VARLEN": packed is not None}
-    sequences, lse_strides = _sequence_args(packed, delta), _lse_stride_args(lse)
+    sequences, lse_strides = _sequence_args(packed, delta), _lse_strides(lse)
     windowed = {"window_left": window_left, "window_right": window_right}
     with runtime.device_guard(q):
         grid = (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M) * batch * heads,)
@@ -1308,7 +1221,7 @@ def attention_bwd(
             _attn_bwd_preprocess_kernel, grid,
             out, dout, lse, dlse if dlse is not None else delta, delta, lse_log2, sequences["CU_SEQLENS_Q"],
             seqlen_q, heads,
-            **_stride_args(o=out, do=dout), **lse_strides,
+            _strides(out), _strides(dout), lse_strides,
             **dims, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=dlse is not None, num_warps=PREPROCESS_NUM_WARPS,
             **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
@@ -1325,7 +1238,9 @@ def attention_bwd(
             cfg = cfg.loads(tma)
             q_tiles, do_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout))
             # Split outputs: K and V by pointers (see _attn_bwd_dkdv_kernel), each launch one gradient.
-            k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, tma and not cfg.split_outputs) for t in (k, v))
+            k_tiles, v_tiles = (
+                _operand(t, cfg.block_n, block_d, tma and not cfg.split_outputs) for t in (k, v)
+            )
             dk_tiles, dv_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (dk_out, dv_out))
             for output in ("dv", "dk") if cfg.split_outputs else ("dkdv",):
                 runtime.launch(
@@ -1333,9 +1248,11 @@ def attention_bwd(
                     q_tiles, k_tiles, v_tiles, do_tiles, lse_log2, delta, dk_tiles, dv_tiles, **sequences,
                     softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed,
                     heads=heads, kv_heads=kv_heads, group_size=group_size, heads_per_split=heads_per_split,
-                    split_seqs=k.shape[0], **_stride_args(q=q, k=k, v=v, do=dout, dk=dk_out, dv=dv_out),
-                    **lse_strides, **dims, BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m,
-                    BLOCK_N=cfg.block_n, **mask, TMA=tma, INLINE_PTX=runtime.inline_ptx(q), OUTPUT=output,
+                    split_seqs=k.shape[0], q_strides=_strides(q), k_strides=_strides(k),
+                    v_strides=_strides(v), do_strides=_strides(dout), dk_strides=_strides(dk_out),
+                    dv_strides=_strides(dv_out), lse_strides=lse_strides, **dims,
+                    BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask,
+                    TMA=tma, INLINE_PTX=runtime.inline_ptx(q), OUTPUT=output,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
                 )  # fmt: skip
             if splits > 1:  # torch's sum over the splits: the same order every run
@@ -1352,7 +1269,8 @@ def attention_bwd(
                 q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dq_tiles, **sequences,
                 softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
                 group_size=group_size,
-                **_stride_args(q=q, k=k, v=v, do=dout, dq=dq), **lse_strides,
+                q_strides=_strides(q), k_strides=_strides(k), v_strides=_strides(v),
+                do_strides=_strides(dout), dq_strides=_strides(dq), lse_strides=lse_strides,
                 **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
                 INLINE_PTX=runtime.inline_ptx(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 **runtime.COMPILE_OPTIONS,
