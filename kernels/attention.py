@@ -941,15 +941,9 @@ BWD_DKDV_CONFIGS = {
         # 2 stages spilled 8 bytes packed with the local mask (64-bit rows, flat grid; triton 3.6);
         # 1 stage compiled at 226-235 registers, clean, in the local and causal masks.
         128: AttnConfig(32, 128, 8, 1, tma=False),
-        # Kept (issue 25's wgmma N >= 64 without the column split not reached): its loop issues 64x
-        # 64x8x16 + 2x 64x64x16, 437 instructions (1,334 per MFLOP). Tried on triton 3.6 (sm_90, fp16),
-        # spill bytes (smallest wgmma N, instructions per MFLOP): 64x64 8 warps 456-656 (N 32, 474-614),
-        # 128x64 888-1,320 (N 64, 381-570), 16 warps 656-1,416; column split: 64x64 at 4 warps
-        # 1,016-1,352, 8 warps 344-560, 32x64 16-328. Scores by query (FA3's P and dS through shared
-        # memory): 128x64 264-320 (N 64, 329-401 per MFLOP), 64x64 336-440. Triton holds the wgmma A
-        # operand in registers (K and V loaded once, or q and dO by LDSM: 64 registers each) where FA3
-        # reads it from shared memory, and dk, dv take 128 more.
-        256: AttnConfig(16, 64, 8, 2, column_splits=2, tma=False),
+        # Split outputs (dv, then dk, each its own launch: 5 GEMMs against 4), 64 queries x 128 keys, K
+        # and V by pointers, q and dO by TMA: FIGURES
+        256: AttnConfig(64, 128, 8, 1, split_outputs=True, pointer=AttnConfig(16, 64, 8, 2, column_splits=2)),
     },
     **_TABLES["BWD_DKDV_CONFIGS"],
 }
@@ -1180,6 +1174,11 @@ def dkdv_head_splits(programs: int, group_size: int, num_sms: int) -> tuple[int,
     return heads_per_split, triton.cdiv(group_size, heads_per_split)
 
 
+def dkdv_outputs(cfg: AttnConfig) -> tuple[str, ...]:
+    """The dk/dv pass's launches under cfg, by their OUTPUT: one for both, or one each."""
+    return ("dv", "dk") if cfg.split_outputs else ("dkdv",)
+
+
 def attention_bwd(
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
@@ -1242,7 +1241,7 @@ def attention_bwd(
                 _operand(t, cfg.block_n, block_d, tma and not cfg.split_outputs) for t in (k, v)
             )
             dk_tiles, dv_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (dk_out, dv_out))
-            for output in ("dv", "dk") if cfg.split_outputs else ("dkdv",):
+            for output in dkdv_outputs(cfg):
                 runtime.launch(
                     _attn_bwd_dkdv_kernel, (programs, splits * cfg.column_splits),
                     q_tiles, k_tiles, v_tiles, do_tiles, lse_log2, delta, dk_tiles, dv_tiles, **sequences,
@@ -1251,8 +1250,8 @@ def attention_bwd(
                     split_seqs=k.shape[0], q_strides=_strides(q), k_strides=_strides(k),
                     v_strides=_strides(v), do_strides=_strides(dout), dk_strides=_strides(dk_out),
                     dv_strides=_strides(dv_out), lse_strides=lse_strides, **dims,
-                    BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask,
-                    TMA=tma, INLINE_PTX=runtime.inline_ptx(q), OUTPUT=output,
+                    BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                    **mask, TMA=tma, INLINE_PTX=runtime.inline_ptx(q), OUTPUT=output,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
                 )  # fmt: skip
             if splits > 1:  # torch's sum over the splits: the same order every run
