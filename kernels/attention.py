@@ -24,7 +24,8 @@ covers the longest sequence and tiles past a shorter one return at once.
 Backward: a preprocess (delta = rowsum(dO·O) - dlse; lse in log2 units), a pass per key block that
 accumulates dk and dv over every query block and query head of its group (under 2 programs per SM,
 GQA/MQA split a group's heads over programs, float32 partials summed in a fixed order), a pass per
-query block for dq. No atomics: the gradients are bit-identical run to run.
+query block for dq. No atomics: the gradients are bit-identical run to run. Where holding dk and dv
+together spills (head dim 256 on sm_90), dv and dk take a launch each (``split_outputs``).
 
 Tiles move by TMA on Hopper and newer (sm_90+): descriptors whose loads read out-of-bounds rows and
 head-dim columns as zeros and whose stores drop them. Unaligned inputs (start or strides not
@@ -941,8 +942,22 @@ BWD_DKDV_CONFIGS = {
         # 2 stages spilled 8 bytes packed with the local mask (64-bit rows, flat grid; triton 3.6);
         # 1 stage compiled at 226-235 registers, clean, in the local and causal masks.
         128: AttnConfig(32, 128, 8, 1, tma=False),
-        # Split outputs (dv, then dk, each its own launch: 5 GEMMs against 4), 64 queries x 128 keys, K
-        # and V by pointers, q and dO by TMA: FIGURES
+        # Split outputs: dv, then dk, each a launch of its own holding one accumulator (64 registers a
+        # thread at 8 warps, against 128 for both), the scores computed in both: 5 GEMMs against 4
+        # (1.25x; the column split it replaces recomputed 1.5x). 64 queries x 128 keys at 8 warps, a
+        # warpgroup per 64 keys: no GEMM split over N. bench.sass_loops (triton 3.6, fp16), per
+        # iteration, dv / dk: full 356 / 486 instructions, causal 413 / 539, local 531 / 638; HGMMA 16x
+        # 64x64x16 + 4x 64x256x16 / 32x 64x64x16 + 4x 64x256x16 (smallest N 64); 340 / 309 per MFLOP,
+        # the pair 321 (401 per MFLOP of the fused pass's work). Before: 16x64, 2 column splits, 437
+        # instructions, 64x 64x8x16 + 2x 64x64x16 (N 8, 1,334 per MFLOP issued, 2,001 of the work).
+        # Compile report: 230-247 registers (dv), 255 (dk), no spill, 128 / 192 KiB shared, both dtypes,
+        # head dims 256 and 192, every mask, float32 partials; q and dO by TMA, K and V by pointers (see
+        # _attn_bwd_dkdv_kernel). Not taken (spill bytes): 2 stages 8-312 (dk 257 KiB), 64x64 at 4 warps
+        # 8 (dk, window), pointer q and dO 104-184 at 64x128, both outputs in one launch (a program
+        # each, both paths in one kernel) 16 at 64x128, 176-248 at 64x64; earlier, fused: 64x64 456-656
+        # (N 32), 128x64 888-1,320, scores by query 128x64 264-320. Pointer loads (unaligned inputs,
+        # packed batches) keep the fused column split: with q and dO by pointers no N >= 64 tile was
+        # clean. Checked on triton 3.6 only.
         256: AttnConfig(64, 128, 8, 1, split_outputs=True, pointer=AttnConfig(16, 64, 8, 2, column_splits=2)),
     },
     **_TABLES["BWD_DKDV_CONFIGS"],
