@@ -484,9 +484,9 @@ def _attn_bwd_dkdv_block(
     p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
     if MASK and LOCAL:
         # Key i sees the block's queries [first_query, + window_left + window_right] (_in_window's
-        # test, moved to the key): a column index against a per-key bound, as _causal_scores does transposed
-        # (sm_90, head dim 256, dv alone at 64x128: 24 bytes spilled before, none; 681 -> 531
-        # instructions per iteration).
+        # test, moved to the key): a column index against a per-key bound, as _causal_scores does
+        # transposed. sm_90, instructions per iteration: head dim 128 341 -> 327, 64 346 -> 335; dv
+        # alone at head dim 256 681 -> 531, 24 bytes spilled before, none.
         first_query = (offs_n - (seqlen_k - seqlen_q + start_m + window_right))[:, None]
         cols = tl.arange(0, BLOCK_M)[None, :]
         p_t = tl.where((cols >= first_query) & (cols <= first_query + (window_left + window_right)), p_t, 0.0)
