@@ -482,11 +482,17 @@ def _attn_bwd_dkdv_block(
         if start_m < unmasked_m:  # a uniform branch: only the query blocks crossing the diagonal
             qk_t = _causal_scores(qk_t, offs_n, start_m, seqlen_k - seqlen_q, BLOCK_M, True, INLINE_PTX)
     p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
-    if MASK and LOCAL:
-        # Key i sees the block's queries [first_query, + window_left + window_right] (_in_window's
-        # test, moved to the key): a column index against a per-key bound, as _causal_scores does
-        # transposed. sm_90, instructions per iteration: head dim 128 341 -> 327, 64 346 -> 335; dv
-        # alone at head dim 256 681 -> 531, 24 bytes spilled before, none.
+    if MASK and LOCAL and OUTPUT == "dkdv":
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        visible = _in_window(
+            offs_m[None, :], offs_n[:, None], seqlen_k - seqlen_q, window_left, window_right, LOCAL
+        )
+        p_t = tl.where(visible, p_t, 0.0)
+    elif MASK and LOCAL:
+        # Key i sees the block's queries [first_query, + window_left + window_right]: _in_window's test
+        # moved to the key, a column index against a per-key bound as _causal_scores transposed. dv
+        # alone at head dim 256 (sm_90): 681 -> 531 instructions per iteration, 24 bytes spilled before,
+        # none. Not in the fused pass: on sm_80 its head-dim-32 packed tile spilled 8 bytes so.
         first_query = (offs_n - (seqlen_k - seqlen_q + start_m + window_right))[:, None]
         cols = tl.arange(0, BLOCK_M)[None, :]
         p_t = tl.where((cols >= first_query) & (cols <= first_query + (window_left + window_right)), p_t, 0.0)
