@@ -1247,6 +1247,9 @@ def attention_bwd(
         )  # fmt: skip
         if needs[1]:
             cfg = attn_config(BWD_DKDV_CONFIGS, head_dim, q.device)
+            # dk and dv stand for the float32 partials of head splits: new, contiguous, as aligned.
+            tma = tma_usable(cfg, q, k, v, dout, dk, dv)
+            cfg = cfg.loads(tma)
             programs = triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads
             heads_per_split, splits = dkdv_head_splits(programs, group_size, bwd_num_sms(q.device))
             # Split: float32 partials (splits, *k.shape), the splits stacked on the first axis.
@@ -1254,8 +1257,6 @@ def attention_bwd(
             if splits > 1:
                 partial_shape = (splits * k.shape[0], *k.shape[1:])
                 dk_out, dv_out = (runtime.empty(partial_shape, torch.float32, k.device) for _ in range(2))
-            tma = tma_usable(cfg, q, k, v, dout, dk_out, dv_out)
-            cfg = cfg.loads(tma)
             q_tiles, do_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout))
             # Split outputs: K and V by pointers (see _attn_bwd_dkdv_kernel), each launch one gradient.
             k_tiles, v_tiles = (
