@@ -103,9 +103,29 @@ def _local_masked_blocks(start, unmasked_start, unmasked_end, end, BLOCK_N: tl.c
 
 
 @triton.jit
-def _masked_key_block(i, start, before, unmasked_end, BLOCK_N: tl.constexpr):
-    """Start of the i-th masked key block of :func:`_local_masked_blocks`."""
+def _masked_key_block(i, blocks, BLOCK_N: tl.constexpr):
+    """Start of the i-th masked key block of :func:`_local_masked_blocks`; blocks is
+    :func:`_key_loop`'s (start, before, unmasked_end)."""
+    start, before, unmasked_end = blocks
     return tl.where(i < before, start + i * BLOCK_N, unmasked_end + (i - before) * BLOCK_N)
+
+
+@triton.jit
+def _key_loop(keys, masked: tl.constexpr, BLOCK_N: tl.constexpr, LOCAL: tl.constexpr):
+    """(lo, hi, step, blocks) of a query block's loop over its unmasked key blocks (masked 0) or its
+    masked ones (1) of :func:`_key_range`'s keys: key block starts, or with LOCAL and masked the
+    masked blocks' numbers, which :func:`_masked_key_block` turns into starts. A pass calls it once
+    per loop (``tl.static_range(2)``: two compiled loops), the masked count after the unmasked loop,
+    so it is not live through it. The pass calls _key_range once, before both: called in here, the
+    sm_90 head-dim-64 local forward took 254 registers instead of 250."""
+    start, unmasked_start, unmasked_end, end = keys
+    lo, hi, step, before = unmasked_start, unmasked_end, BLOCK_N, 0
+    if masked:
+        lo, hi = unmasked_end, end
+    if masked and LOCAL:
+        lo, step = 0, 1
+        hi, before = _local_masked_blocks(start, unmasked_start, unmasked_end, end, BLOCK_N)
+    return lo, hi, step, (start, before, unmasked_end)
 
 
 @triton.jit
@@ -293,18 +313,13 @@ def _attn_fwd_tile(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    start, unmasked_start, unmasked_end, end = _key_range(
-        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, CAUSAL, LOCAL
-    )
+    keys = _key_range(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, CAUSAL, LOCAL)
     # The unmasked key blocks, then the masked ones: masked is a constexpr, so each is a compiled loop of
-    # its own; with LOCAL the masked loop counts the blocks on both sides of the window (_masked_key_block).
+    # its own, and the block's mask code is compiled into the second alone.
     for masked in tl.static_range(2):
-        lo, hi = (unmasked_end, end) if masked else (unmasked_start, unmasked_end)
-        if masked and LOCAL:  # computed here, not live through the unmasked loop
-            lo = 0
-            hi, before = _local_masked_blocks(start, unmasked_start, unmasked_end, end, BLOCK_N)
-        for n in range(lo, hi, 1 if masked and LOCAL else BLOCK_N):
-            start_n = _masked_key_block(n, start, before, unmasked_end, BLOCK_N) if masked and LOCAL else n
+        lo, hi, step, blocks = _key_loop(keys, masked, BLOCK_N, LOCAL)
+        for n in range(lo, hi, step):
+            start_n = _masked_key_block(n, blocks, BLOCK_N) if masked and LOCAL else n
             acc, l_i, m_i = _attn_fwd_block(
                 acc, l_i, m_i, q, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
                 seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, masked, CAUSAL,
@@ -342,7 +357,7 @@ def _attn_fwd_kernel(
     k_strides,
     v_strides,
     o_strides,
-    lse_strides,  # (batch, heads) strides of LSE; a packed batch's (1, heads): by the sequence's first row
+    lse_strides,  # (batch, heads) strides of LSE; packed, (1, head stride): a sequence by its first row
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -697,16 +712,11 @@ def _attn_bwd_dq_kernel(
     lse, delta = _load_row_stats(LSE + row0, DELTA + row0, offs_m, seqlen_q)
     qk_scale = softmax_scale * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    start, unmasked_start, unmasked_end, end = _key_range(
-        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, CAUSAL, LOCAL
-    )
+    keys = _key_range(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, CAUSAL, LOCAL)
     for masked in tl.static_range(2):  # the unmasked key blocks, then the masked ones, as in the forward
-        lo, hi = (unmasked_end, end) if masked else (unmasked_start, unmasked_end)
-        if masked and LOCAL:  # computed here, not live through the unmasked loop
-            lo = 0
-            hi, before = _local_masked_blocks(start, unmasked_start, unmasked_end, end, BLOCK_N)
-        for n in range(lo, hi, 1 if masked and LOCAL else BLOCK_N):
-            start_n = _masked_key_block(n, start, before, unmasked_end, BLOCK_N) if masked and LOCAL else n
+        lo, hi, step, blocks = _key_loop(keys, masked, BLOCK_N, LOCAL)
+        for n in range(lo, hi, step):
+            start_n = _masked_key_block(n, blocks, BLOCK_N) if masked and LOCAL else n
             dq = _attn_bwd_dq_block(
                 dq, q, do, lse, delta, K, V, k_seq, kv_h, offs_m, start_n, k_strides, v_strides, seqlen_q,
                 seqlen_k, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, masked, CAUSAL,
