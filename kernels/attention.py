@@ -970,7 +970,8 @@ BWD_DKDV_CONFIGS = {
         # head dims 256 and 192, every mask, float32 partials; q and dO by TMA, K and V by pointers (see
         # _attn_bwd_dkdv_kernel). Not taken (spill bytes): 2 stages 8-312 (dk 257 KiB), 64x64 at 4 warps
         # 8 (dk, window), pointer q and dO 104-184 at 64x128, both outputs in one launch (a program
-        # each, both paths in one kernel) 16 at 64x128, 176-248 at 64x64; earlier, fused: 64x64 456-656
+        # each, both paths in one kernel; built before delta went into dk's accumulator and the per-key
+        # window bound) 16 at 64x128, 176-248 at 64x64; earlier, fused: 64x64 456-656
         # (N 32), 128x64 888-1,320, scores by query 128x64 264-320. Pointer loads (unaligned inputs,
         # packed batches) keep the fused column split: with q and dO by pointers no N >= 64 tile was
         # clean. Checked on triton 3.6 only.
