@@ -565,13 +565,14 @@ def attention_strides(kernel: str) -> dict:
 
 def attention_pass_config(
     name: str, cfg, head_dim: int, dtype: torch.dtype, mask: str, tma: bool, packed: bool = False,
-    arch: str = "sm90", head_split: bool = False,
+    arch: str = "sm90", head_split: bool = False, output: str = "dkdv",
 ):  # fmt: skip
     """The KernelConfig of attention pass ``name`` (a key of ATTENTION_PASSES) run with the
     kernels.attention.AttnConfig ``cfg`` at ``head_dim``, mask a key of ATTENTION_MASKS, pointer or
     TMA loads, on a padded batch or a packed one (flash_attention_varlen: a program per tile; the
     forward's TMA descriptors built on the device), for GPU family arch; with head_split, the dk/dv
-    pass writing float32 partials (a GQA group's query heads split over programs)."""
+    pass writing float32 partials (a GQA group's query heads split over programs); output, the dk/dv
+    launch's gradients (kernels.attention.dkdv_outputs: one alone reads K and V by pointers)."""
     from kernels import attention
 
     kernel, by_query, by_key = ATTENTION_PASSES[name]
@@ -593,12 +594,15 @@ def attention_pass_config(
         constexprs["INLINE_PTX"] = not ARCHS[arch].hip_target
     if name == "attn_bwd_dkdv":
         constexprs["BLOCK_D_OUT"] = block_d // cfg.column_splits
+        constexprs["OUTPUT"] = output
+        if output != "dkdv":
+            by_key = ("DK", "DV")
     descriptors = {}
     if tma and not packed:  # a packed batch's descriptors are built on the device, one per sequence
         descriptors = {a: (1, cfg.block_m, 1, block_d) for a in by_query}
         descriptors |= {a: (1, cfg.block_n, 1, block_d) for a in by_key}
     flags = ((mask, mask != "full"), ("tma", tma), ("persistent", persistent), ("varlen", packed),
-             ("head split", head_split))  # fmt: skip
+             ("head split", head_split), (output, output != "dkdv"))  # fmt: skip
     modes = [mode for mode, on in flags if on]
     shape_class = " ".join([f"d={head_dim}", *modes])
     fn = f"kernels.attention.{kernel}"
@@ -615,8 +619,12 @@ def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -
     first failure), then causal and full; a power-of-two head dim and a padded one (3/4 of the
     block); both dtypes; on the table's batches, padded ones with pointer loads (always selectable:
     USE_TMA off, unaligned inputs) and, on sm_90+ where cfg.tma, TMA loads; packed ones likewise in
-    the forward, with pointers in the backward. The pointer configs take cfg.loads(False)'s tile."""
+    the forward, with pointers in the backward. The pointer configs take cfg.loads(False)'s tile; a
+    dk/dv entry with split outputs compiles each of its launches."""
+    from kernels import attention
+
     name, batches = ATTENTION_TABLES[table]
+    outputs = attention.dkdv_outputs if name == "attn_bwd_dkdv" else lambda _: ("dkdv",)
     tma_modes = (False, True) if cfg.tma and arch.tma else (False,)
     configs = []
     head_dims = dict.fromkeys((block_d, block_d * 3 // 4))
@@ -625,14 +633,19 @@ def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -
     ):
         for tma in (False,) if packed and name != "attn_fwd" else tma_modes:
             loads = cfg.loads(tma)
-            configs.append(attention_pass_config(name, loads, head_dim, dtype, mask, tma, packed, arch.name))
+            for output in outputs(loads):
+                configs.append(attention_pass_config(
+                    name, loads, head_dim, dtype, mask, tma, packed, arch.name, output=output
+                ))  # fmt: skip
     if name == "attn_bwd_dkdv":  # float32 partials (GQA head splits): the store differs, not the loop
         for mask, packed in itertools.product(reversed(ATTENTION_MASKS), batches):
             for tma in (False,) if packed else tma_modes:
                 loads = cfg.loads(tma)
-                configs.append(attention_pass_config(
-                    name, loads, block_d, torch.float16, mask, tma, packed, arch.name, head_split=True
-                ))  # fmt: skip
+                for output in outputs(loads):
+                    configs.append(attention_pass_config(
+                        name, loads, block_d, torch.float16, mask, tma, packed, arch.name, head_split=True,
+                        output=output,
+                    ))  # fmt: skip
     return configs
 
 

@@ -9,7 +9,8 @@ instructions (HGMMA). For each main loop, in code order: instructions per iterat
 included, as the anchors count), HGMMA, FMUL, FFMA, MUFU, and instructions per MFLOP of tensor work
 (instructions x warps / MFLOP, the wgmma shapes giving the FLOPs). The config is the table entry of
 ``kernels.attention``'s sm90 table for the pass and head dim, compiled as ``bench.compile_report``
-compiles it (fp16, padded batch; with --pointer, the entry's pointer tile); needs no GPU.
+compiles it (fp16, padded batch; with --pointer, the entry's pointer tile; a dk/dv entry with split
+outputs, each of its launches); needs no GPU.
 """
 
 import argparse
@@ -109,11 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     entry = getattr(attention, table)["sm90"][attention.head_dim_block(args.head_dim)]
     tma = entry.tma and not args.pointer
     cfg = entry.loads(tma)
-    config = compile_report.attention_pass_config(
-        args.kernel, cfg, args.head_dim, torch.float16, args.mask, tma
-    )
-    print(f"{args.kernel} d={args.head_dim} {args.mask} {'tma' if tma else 'pointer'} {cfg}")
-    print(describe(main_loops(sass_of(config)), cfg.num_warps))
+    outputs = attention.dkdv_outputs(cfg) if args.kernel == "attn_bwd_dkdv" else ("dkdv",)
+    for output in outputs:  # a dk/dv entry with split outputs: each launch
+        config = compile_report.attention_pass_config(
+            args.kernel, cfg, args.head_dim, torch.float16, args.mask, tma, output=output
+        )
+        launch = "" if output == "dkdv" else f" {output}"
+        print(f"{args.kernel}{launch} d={args.head_dim} {args.mask} {'tma' if tma else 'pointer'} {cfg}")
+        print(describe(main_loops(sass_of(config)), cfg.num_warps))
     return 0
 
 

@@ -424,7 +424,8 @@ def attention_searches(passes, head_dims, arch: runtime.Arch, start_from: runtim
         for table_name in (padded_table, "PACKED_FWD_CONFIGS") if name == "fwd" else (padded_table,):
             table = getattr(attention, table_name)
             start = table[(start_from or arch).name][block_d]
-            start = start if tma else dataclasses.replace(start, tma=False)
+            # Without TMA the family starts from the entry's pointer tile, which its candidates then vary.
+            start = start if tma else dataclasses.replace(start.loads(False), tma=False)
             batch = " packed" if table_name.startswith("PACKED") else ""
             searches.append(EntrySearch(
                 f"attention {name}{batch} d={block_d} ({arch.name})", table[arch.name][block_d],

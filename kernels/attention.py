@@ -24,12 +24,13 @@ covers the longest sequence and tiles past a shorter one return at once.
 Backward: a preprocess (delta = rowsum(dO·O) - dlse; lse in log2 units), a pass per key block that
 accumulates dk and dv over every query block and query head of its group (under 2 programs per SM,
 GQA/MQA split a group's heads over programs, float32 partials summed in a fixed order), a pass per
-query block for dq. No atomics: the gradients are bit-identical run to run.
+query block for dq. No atomics: the gradients are bit-identical run to run. Where holding dk and dv
+together spills (head dim 256 on sm_90), dv and dk take a launch each (``split_outputs``).
 
 Tiles move by TMA on Hopper and newer (sm_90+): descriptors whose loads read out-of-bounds rows and
 head-dim columns as zeros and whose stores drop them. Unaligned inputs (start or strides not
 multiples of 16 bytes), other GPUs, ``USE_TMA = False`` and table entries whose TMA tile spilled take
-masked pointer loads (some at a smaller key block: ``pointer_block_n``); one kernel serves both.
+masked pointer loads (some at a tile of their own: ``AttnConfig.pointer``); one kernel serves both.
 Causal forward and dq passes run their longest query blocks first, so the tail is short ones; the
 forward can also run persistent (``programs_per_sm`` in its table), off until measured faster.
 
@@ -467,10 +468,11 @@ def _attn_bwd_dkdv_block(
     dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, q_seq, h, offs_n, start_m, unmasked_m, col, q_strides, do_strides,
     seqlen_q, seqlen_k, window_left, window_right, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_D_OUT: tl.constexpr, MASK: tl.constexpr, LOCAL: tl.constexpr,
-    TMA: tl.constexpr, INLINE_PTX: tl.constexpr,
+    TMA: tl.constexpr, INLINE_PTX: tl.constexpr, OUTPUT: tl.constexpr,
 ):  # fmt: skip
     # Works on the transposed scores (keys x queries) so dk and dv accumulate in (BLOCK_N, head-dim
-    # columns [col, + BLOCK_D_OUT)): all of them, or a slice, q and dO then read twice.
+    # columns [col, + BLOCK_D_OUT)): all of them, or a slice, q and dO then read twice. OUTPUT: "dkdv"
+    # accumulates both, "dk" or "dv" one (the other is returned as it came).
     q = _load_query_tile(Q, q_seq, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
     do = _load_query_tile(DO, q_seq, h, start_m, 0, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
     if BLOCK_D_OUT < BLOCK_D:
@@ -495,16 +497,28 @@ def _attn_bwd_dkdv_block(
         if start_m < unmasked_m:  # a uniform branch: only the query blocks crossing the diagonal
             qk_t = _causal_scores(qk_t, offs_n, start_m, seqlen_k - seqlen_q, BLOCK_M, True, INLINE_PTX)
     p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
-    if MASK and LOCAL:
+    if MASK and LOCAL and OUTPUT == "dkdv":
         offs_m = start_m + tl.arange(0, BLOCK_M)
         visible = _in_window(
             offs_m[None, :], offs_n[:, None], seqlen_k - seqlen_q, window_left, window_right, LOCAL
         )
         p_t = tl.where(visible, p_t, 0.0)
-    dv = tl.dot(p_t.to(do.dtype), do_out, dv)
-    dp_t = tl.dot(v, tl.trans(do))
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk = tl.dot(ds_t.to(q.dtype), q_out, dk)
+    elif MASK and LOCAL:
+        # Key i sees the block's queries [first_query, + window_left + window_right]: _in_window's test
+        # moved to the key, a column index against a per-key bound as _causal_scores transposed. dv
+        # alone at head dim 256 (sm_90): 681 -> 531 instructions per iteration, 24 bytes spilled before,
+        # none. Not in the fused pass: on sm_80 its head-dim-32 packed tile spilled 8 bytes so.
+        first_query = (offs_n - (seqlen_k - seqlen_q + start_m + window_right))[:, None]
+        cols = tl.arange(0, BLOCK_M)[None, :]
+        p_t = tl.where((cols >= first_query) & (cols <= first_query + (window_left + window_right)), p_t, 0.0)
+    if OUTPUT != "dk":
+        dv = tl.dot(p_t.to(do.dtype), do_out, dv)
+    if OUTPUT != "dv":
+        if OUTPUT == "dkdv":
+            dp_t = tl.dot(v, tl.trans(do)) - delta[None, :]
+        else:  # delta as the accumulator's start: dk alone at 64x128 spilled 16 bytes (causal) without
+            dp_t = tl.dot(v, tl.trans(do), tl.zeros_like(p_t) - delta[None, :])
+        dk = tl.dot((p_t * dp_t).to(q.dtype), q_out, dk)
     return dk, dv
 
 
@@ -547,9 +561,10 @@ def _attn_bwd_dkdv_kernel(
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
     INLINE_PTX: tl.constexpr,  # as in _attn_fwd_kernel
+    OUTPUT: tl.constexpr,  # "dkdv", or one of them: "dk", "dv" (AttnConfig.split_outputs)
 ):
     # grid = (cdiv(seqlen_k, BLOCK_N) * batch * kv_heads, head_splits * BLOCK_D // BLOCK_D_OUT): one
-    # key block, query heads [split * heads_per_split, + heads_per_split) of its group, dk and dv
+    # key block, query heads [split * heads_per_split, + heads_per_split) of its group, dk and/or dv
     # columns [column * BLOCK_D_OUT, + BLOCK_D_OUT). Batch x heads goes on axis 0 (2**31 - 1
     # programs; 65,535 on axis 1), a (batch, head)'s key blocks side by side, so the programs running
     # together share its queries in L2. With head splits (GQA/MQA grids too small for the GPU), each
@@ -570,8 +585,17 @@ def _attn_bwd_dkdv_kernel(
     first_head = split * heads_per_split
     last_head = tl.minimum(first_head + heads_per_split, group_size)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = _load_tile(K, k_seq, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, TMA)
-    v = _load_tile(V, k_seq, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, TMA)
+    # One output: K and V come by pointers (the launcher passes no descriptors for them). Triton feeds
+    # wgmma its A operand from shared memory only when it comes straight from a load; a descriptor's
+    # tile comes out of its reshape in registers (64 each at 64 rows of head dim 256), and dk alone
+    # at 64x128 spilled 488-512 bytes so.
+    KV_TMA: tl.constexpr = TMA and OUTPUT == "dkdv"
+    k = _load_tile(K, k_seq, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, KV_TMA)
+    v = k  # dv alone never reads V
+    if OUTPUT != "dv":
+        v = _load_tile(
+            V, k_seq, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, KV_TMA
+        )
     dk = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     qk_scale = softmax_scale * 1.4426950408889634
@@ -596,12 +620,18 @@ def _attn_bwd_dkdv_kernel(
             dk, dv = _attn_bwd_dkdv_block(
                 dk, dv, k, v, Q, DO, LSE_LOG2 + row0, DELTA + row0, q_seq, h, offs_n, start_m, unmasked_m,
                 col, q_strides, do_strides, seqlen_q, seqlen_k, window_left, window_right, qk_scale, HEAD_DIM,
-                BLOCK_M, BLOCK_D, BLOCK_D_OUT, CAUSAL or LOCAL, LOCAL, TMA, INLINE_PTX,
+                BLOCK_M, BLOCK_D, BLOCK_D_OUT, CAUSAL or LOCAL, LOCAL, TMA, INLINE_PTX, OUTPUT,
             )  # fmt: skip
-    dk *= softmax_scale
     seq = k_seq + split * split_seqs
-    _store_tile(DK, dk, seq, kv_h, start_n, col, dk_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA)
-    _store_tile(DV, dv, seq, kv_h, start_n, col, dv_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA)
+    if OUTPUT != "dv":
+        dk *= softmax_scale
+        _store_tile(
+            DK, dk, seq, kv_h, start_n, col, dk_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA
+        )
+    if OUTPUT != "dk":
+        _store_tile(
+            DV, dv, seq, kv_h, start_n, col, dv_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA
+        )
 
 
 @triton.jit
@@ -855,14 +885,15 @@ class AttnConfig:
     tma: bool = True  # q/k/v/o tiles by TMA (tensor descriptors) where the GPU and strides allow
     # Forward: 0 launches a program per tile; n > 0 launches n per SM, each looping over tiles.
     programs_per_sm: int = 0
-    # The key block when tiles move by pointers (0: block_n), for entries whose TMA tile spills there.
-    pointer_block_n: int = 0
+    # The config taken when tiles move by pointers (None: this one), for entries whose TMA tile spills there.
+    pointer: "AttnConfig | None" = None
+    # dk/dv pass: dv and dk by two launches of their own, one accumulator live in each (5 GEMMs against
+    # the fused pass's 4: the scores computed twice).
+    split_outputs: bool = False
 
     def loads(self, tma: bool) -> "AttnConfig":
         """The config a launch takes with TMA loads (tma) or with pointers."""
-        if tma or not self.pointer_block_n:
-            return self
-        return dataclasses.replace(self, block_n=self.pointer_block_n, pointer_block_n=0)
+        return self if tma or self.pointer is None else self.pointer
 
 
 # Per GPU family (runtime.arch), pass and padded head dim. Every entry compiles for its family's
@@ -876,7 +907,7 @@ class AttnConfig:
 # measured yet (python -m bench.tune attention on such a GPU refines them).
 #
 # sm_90: clean on triton 3.6 and 3.9, but the forward's TMA tiles at head dims 128 and 256, checked
-# on 3.6 only; those entries take smaller key blocks with pointers (pointer_block_n), whose larger
+# on 3.6 only; those entries take smaller key blocks with pointers (pointer), whose larger
 # tiles spilled. TMA took fewer registers in most entries (221 against 255 in the 128x128
 # head-dim-128 forward) and less shared memory (197 against 229 KB there); which is faster is for
 # the bench to measure ("ours" against "ours-pointer").
@@ -891,14 +922,14 @@ FWD_CONFIGS = {
         # there with a window once the offsets went 64-bit. bench.sass_loops, non-causal loop: 128x64
         # took 336 instructions, 66 FMUL, 12 HGMMA per 64 keys (641 per MFLOP); 128x128 takes 488, 66,
         # 16x 64x128x16 per 128 keys (465 per MFLOP; the tutorial 491, 66: 468); causal diagonal 625.
-        128: AttnConfig(128, 128, 8, 3, pointer_block_n=64),
+        128: AttnConfig(128, 128, 8, 3, pointer=AttnConfig(128, 64, 8, 3)),
         # 128x64 by TMA, K and V through shared memory as FA3's 128x80 (which fills it; Triton's
         # tiles are powers of two): bench.sass_loops, non-causal loop, 16x 64x64x16 + 4x 64x256x16
         # HGMMA, 442 instructions (422 per MFLOP), where the 128x32 pointer tile issued 16x 64x32x16
         # + 2x 64x256x16 in 376 (717 per MFLOP); 250-255 registers, no spill, 128 KiB (triton 3.6).
         # Pointers keep 128x32: 128x64 spilled 8-48 bytes there (head dims 192, 256 local), as it
         # did on triton 3.9 with TMA and at 192 causal with pointers.
-        256: AttnConfig(128, 64, 8, 2, pointer_block_n=32),
+        256: AttnConfig(128, 64, 8, 2, pointer=AttnConfig(128, 32, 8, 2)),
     },
     **_TABLES["FWD_CONFIGS"],
 }
@@ -927,15 +958,24 @@ BWD_DKDV_CONFIGS = {
         # 2 stages spilled 8 bytes packed with the local mask (64-bit rows, flat grid; triton 3.6);
         # 1 stage compiled at 226-235 registers, clean, in the local and causal masks.
         128: AttnConfig(32, 128, 8, 1, tma=False),
-        # Kept (issue 25's wgmma N >= 64 without the column split not reached): its loop issues 64x
-        # 64x8x16 + 2x 64x64x16, 437 instructions (1,334 per MFLOP). Tried on triton 3.6 (sm_90, fp16),
-        # spill bytes (smallest wgmma N, instructions per MFLOP): 64x64 8 warps 456-656 (N 32, 474-614),
-        # 128x64 888-1,320 (N 64, 381-570), 16 warps 656-1,416; column split: 64x64 at 4 warps
-        # 1,016-1,352, 8 warps 344-560, 32x64 16-328. Scores by query (FA3's P and dS through shared
-        # memory): 128x64 264-320 (N 64, 329-401 per MFLOP), 64x64 336-440. Triton holds the wgmma A
-        # operand in registers (K and V loaded once, or q and dO by LDSM: 64 registers each) where FA3
-        # reads it from shared memory, and dk, dv take 128 more.
-        256: AttnConfig(16, 64, 8, 2, column_splits=2, tma=False),
+        # Split outputs: dv, then dk, each a launch of its own holding one accumulator (64 registers a
+        # thread at 8 warps, against 128 for both), the scores computed in both: 5 GEMMs against 4
+        # (1.25x; the column split it replaces recomputed 1.5x). 64 queries x 128 keys at 8 warps, a
+        # warpgroup per 64 keys: no GEMM split over N. bench.sass_loops (triton 3.6, fp16), per
+        # iteration, dv / dk: full 356 / 486 instructions, causal 413 / 539, local 531 / 638; HGMMA 16x
+        # 64x64x16 + 4x 64x256x16 / 32x 64x64x16 + 4x 64x256x16 (smallest N 64); 340 / 309 per MFLOP,
+        # the pair 321 (401 per MFLOP of the fused pass's work). Before: 16x64, 2 column splits, 437
+        # instructions, 64x 64x8x16 + 2x 64x64x16 (N 8, 1,334 per MFLOP issued, 2,001 of the work).
+        # Compile report: 230-247 registers (dv), 255 (dk), no spill, 128 / 192 KiB shared, both dtypes,
+        # head dims 256 and 192, every mask, float32 partials; q and dO by TMA, K and V by pointers (see
+        # _attn_bwd_dkdv_kernel). Not taken (spill bytes): 2 stages 8-312 (dk 257 KiB), 64x64 at 4 warps
+        # 8 (dk, window), pointer q and dO 104-184 at 64x128, both outputs in one launch (a program
+        # each, both paths in one kernel; built before delta went into dk's accumulator and the per-key
+        # window bound) 16 at 64x128, 176-248 at 64x64; earlier, fused: 64x64 456-656
+        # (N 32), 128x64 888-1,320, scores by query 128x64 264-320. Pointer loads (unaligned inputs,
+        # packed batches) keep the fused column split: with q and dO by pointers no N >= 64 tile was
+        # clean. Checked on triton 3.6 only.
+        256: AttnConfig(64, 128, 8, 1, split_outputs=True, pointer=AttnConfig(16, 64, 8, 2, column_splits=2)),
     },
     **_TABLES["BWD_DKDV_CONFIGS"],
 }
@@ -969,7 +1009,7 @@ DECODE_REDUCE_BLOCK_S = 16  # splits the reduce loads at a time: up to 2 per SM,
 # of equal-length sequences takes the prefill kernel (TMA, its tuned tiles) on the cache's rows.
 DECODE_MAX_SEQLEN_Q = 16
 # Small, unequal tiles in the interpreter: quick there, and several blocks cross every boundary.
-INTERPRETER_BLOCKS = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1, "pointer_block_n": 0}
+INTERPRETER_BLOCKS = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1, "pointer": None}
 PREPROCESS_BLOCK_M = 64
 INTERPRETER_NUM_SMS = 132  # an H200's: see bwd_num_sms
 # At 4 warps the 64 x 128 tiles of o and dO spilled 8-32 bytes on sm_100 (at 48-56 registers).
@@ -1166,6 +1206,11 @@ def dkdv_head_splits(programs: int, group_size: int, num_sms: int) -> tuple[int,
     return heads_per_split, triton.cdiv(group_size, heads_per_split)
 
 
+def dkdv_outputs(cfg: AttnConfig) -> tuple[str, ...]:
+    """The dk/dv pass's launches under cfg, by their OUTPUT: one for both, or one each."""
+    return ("dv", "dk") if cfg.split_outputs else ("dkdv",)
+
+
 def attention_bwd(
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
@@ -1213,6 +1258,9 @@ def attention_bwd(
         )  # fmt: skip
         if needs[1]:
             cfg = attn_config(BWD_DKDV_CONFIGS, head_dim, q.device)
+            # dk and dv stand for the float32 partials of head splits: new, contiguous, as aligned.
+            tma = tma_usable(cfg, q, k, v, dout, dk, dv)
+            cfg = cfg.loads(tma)
             programs = triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads
             heads_per_split, splits = dkdv_head_splits(programs, group_size, bwd_num_sms(q.device))
             # Split: float32 partials (splits, *k.shape), the splits stacked on the first axis.
@@ -1220,23 +1268,25 @@ def attention_bwd(
             if splits > 1:
                 partial_shape = (splits * k.shape[0], *k.shape[1:])
                 dk_out, dv_out = (runtime.empty(partial_shape, torch.float32, k.device) for _ in range(2))
-            tma = tma_usable(cfg, q, k, v, dout, dk_out, dv_out)
             q_tiles, do_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout))
-            k_tiles, v_tiles, dk_tiles, dv_tiles = (
-                _operand(t, cfg.block_n, block_d, tma) for t in (k, v, dk_out, dv_out)
+            # Split outputs: K and V by pointers (see _attn_bwd_dkdv_kernel), each launch one gradient.
+            k_tiles, v_tiles = (
+                _operand(t, cfg.block_n, block_d, tma and not cfg.split_outputs) for t in (k, v)
             )
-            runtime.launch(
-                _attn_bwd_dkdv_kernel, (programs, splits * cfg.column_splits),
-                q_tiles, k_tiles, v_tiles, do_tiles, lse_log2, delta, dk_tiles, dv_tiles, **sequences,
-                softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
-                kv_heads=kv_heads, group_size=group_size, heads_per_split=heads_per_split,
-                split_seqs=k.shape[0], q_strides=_strides(q), k_strides=_strides(k),
-                v_strides=_strides(v), do_strides=_strides(dout), dk_strides=_strides(dk_out),
-                dv_strides=_strides(dv_out), lse_strides=lse_strides, **dims,
-                BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask,
-                TMA=tma, INLINE_PTX=runtime.inline_ptx(q),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
-            )  # fmt: skip
+            dk_tiles, dv_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (dk_out, dv_out))
+            for output in dkdv_outputs(cfg):
+                runtime.launch(
+                    _attn_bwd_dkdv_kernel, (programs, splits * cfg.column_splits),
+                    q_tiles, k_tiles, v_tiles, do_tiles, lse_log2, delta, dk_tiles, dv_tiles, **sequences,
+                    softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed,
+                    heads=heads, kv_heads=kv_heads, group_size=group_size, heads_per_split=heads_per_split,
+                    split_seqs=k.shape[0], q_strides=_strides(q), k_strides=_strides(k),
+                    v_strides=_strides(v), do_strides=_strides(dout), dk_strides=_strides(dk_out),
+                    dv_strides=_strides(dv_out), lse_strides=lse_strides, **dims,
+                    BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                    **mask, TMA=tma, INLINE_PTX=runtime.inline_ptx(q), OUTPUT=output,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
+                )  # fmt: skip
             if splits > 1:  # torch's sum over the splits: the same order every run
                 dk.copy_(dk_out.view(splits, *k.shape).sum(0))
                 dv.copy_(dv_out.view(splits, *v.shape).sum(0))

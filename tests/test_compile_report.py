@@ -453,9 +453,25 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
     assert sum(c.constexprs["TMA"] for c in packed) == 12
     # An entry with a pointer key block of its own compiles its pointer configs at that block.
     split = compile_report.attention_entry_configs(
-        "FWD_CONFIGS", dataclasses.replace(cfg, pointer_block_n=32), 128, runtime.SM90
+        "FWD_CONFIGS",
+        dataclasses.replace(cfg, pointer=dataclasses.replace(cfg, block_n=32)),
+        128,
+        runtime.SM90,
     )
     assert {(c.constexprs["TMA"], c.constexprs["BLOCK_N"]) for c in split} == {(True, 64), (False, 32)}
+    # A dk/dv entry with split outputs compiles each launch (dv, dk), K and V by pointers under TMA;
+    # its pointer tile, the fused pass.
+    fused = attention.AttnConfig(16, 64, 8, 2, column_splits=2)
+    dkdv = compile_report.attention_entry_configs(
+        "BWD_DKDV_CONFIGS", attention.AttnConfig(64, 128, 8, 1, split_outputs=True, pointer=fused), 256,
+        runtime.SM90,
+    )  # fmt: skip
+    tma = [c for c in dkdv if c.constexprs["TMA"]]
+    assert [c.constexprs["OUTPUT"] for c in tma] == ["dv", "dk"] * (len(tma) // 2) and len(tma) == 30
+    assert all(set(c.descriptors) == {"Q", "DO", "DK", "DV"} for c in tma)
+    assert {(c.constexprs["OUTPUT"], c.constexprs["BLOCK_M"]) for c in dkdv if not c.constexprs["TMA"]} == {
+        ("dkdv", 16)
+    }
     bwd = compile_report.attention_entry_configs("BWD_DQ_CONFIGS", cfg, 128, runtime.SM80)
     assert len(bwd) == 24 and not any(c.descriptors for c in bwd)  # padded and packed, no TMA on sm_80
     gemm = mlp.GemmConfig(128, 128, 64, 8, 8, 4)
