@@ -723,10 +723,10 @@ def attention_decode_configs(arch: runtime.Arch) -> list[KernelConfig]:
 # recomputed h) with unit strides as constexprs (x, dy and the weights row-major; the backward reads
 # W_out transposed, unit stride along N), and each TMA descriptor's block as (rows, columns) dims.
 MLP_GEMMS = {
-    "fwd": ("_linear_act_fwd_kernel", {"HAS_BIAS": True, "STORE_PRE": True, "x_strides[1]": 1,
-                                       "w_strides[1]": 1}, {"X": "mk", "W": "nk"}),
-    "gated_fwd": ("_gated_fwd_kernel", {"STORE_PRE": True, "x_strides[1]": 1, "w_strides[1]": 1},
-                  {"X": "mk", "WG": "nk", "WU": "nk"}),
+    "fwd": ("_fwd_kernel", {"GATED": False, "HAS_BIAS": True, "STORE_PRE": True, "x_strides[1]": 1,
+                            "w_strides[1]": 1}, {"X": "mk", "W": "nk", "WU": "nk"}),
+    "gated_fwd": ("_fwd_kernel", {"GATED": True, "HAS_BIAS": False, "STORE_PRE": True, "x_strides[1]": 1,
+                                  "w_strides[1]": 1}, {"X": "mk", "W": "nk", "WU": "nk"}),
     "dh_bwd": ("_dh_act_bwd_kernel", {"GATED": False, "HAS_BIAS": True, "STORE_H": True, "dy_strides[1]": 1,
                                       "w_strides[0]": 1}, {"DY": "mk", "W": "kn"}),
     "gated_dh_bwd": ("_dh_act_bwd_kernel", {"GATED": True, "HAS_BIAS": False, "STORE_H": True,
@@ -734,13 +734,12 @@ MLP_GEMMS = {
 }  # fmt: skip
 # The GEMM kernels' strides tuples (operand -> x.stride()), each of two elements.
 MLP_STRIDES = {"fwd": ("x", "w"), "gated_fwd": ("x", "w"), "dh_bwd": ("dy", "w"), "gated_dh_bwd": ("dy", "w")}
-MLP_POINTERS = ("X", "W", "B", "Y", "PRE", "WG", "WU", "GATE", "UP", "DY", "DH", "DPRE", "DUP", "H")
+MLP_POINTERS = ("X", "W", "B", "Y", "PRE", "WU", "UP", "DY", "DH", "DPRE", "DUP", "H")
 
 
-# The forwards' persistent kernel (TMA only): its descriptors (the outputs' in epilogue subtiles, "s"),
-# and each forward's flags (a plain one is passed W for WU and PRE for UP, which it does not read).
+# The forwards' persistent kernel (TMA only): its descriptors (the outputs' in epilogue subtiles, "s").
+# Both forward kernels take GATED; a plain forward is passed W for WU and PRE for UP, which it does not read.
 MLP_PERSISTENT_TILES = {"X": "mk", "W": "nk", "WU": "nk", "Y": "ms", "PRE": "ms", "UP": "ms"}
-MLP_PERSISTENT = {"fwd": {"GATED": False}, "gated_fwd": {"GATED": True, "HAS_BIAS": False}}
 
 
 def mlp_gemm_config(
@@ -764,7 +763,6 @@ def mlp_gemm_config(
         kernel, tiles = "_fwd_persistent_kernel", MLP_PERSISTENT_TILES
         # no strides tuples: the persistent kernel reads only descriptors
         constexprs = {k: v for k, v in constexprs.items() if k not in ("TMA", "SPLIT_K") and "[" not in k}
-        constexprs |= MLP_PERSISTENT[table]
     descriptors = {a: tuple(dims[d] for d in block) for a, block in tiles.items()} if tma else {}
     kind = " persistent" if persistent else " tma" if tma else ""
     shape = f"{shape_class}/{activation}{kind}{' split-k' if split_k else ''}"

@@ -212,6 +212,7 @@ def _store_partial(acc, PARTIAL, slab, offs_m, offs_n, M, N):
 def _matmul_tile(
     X,
     W,
+    WU,
     pid_m,
     pid_n,
     M,
@@ -226,15 +227,18 @@ def _matmul_tile(
     BLOCK_K: tl.constexpr,
     TMA: tl.constexpr,
     W_KN: tl.constexpr,
+    GATED: tl.constexpr,
 ):
-    """The (BLOCK_M, BLOCK_N) float32 tile (pid_m, pid_n) of x Wᵀ, summed over K steps k_first to
-    k_last - 1 (of BLOCK_K each; :func:`_k_range`).
+    """The (BLOCK_M, BLOCK_N) float32 tiles (pid_m, pid_n) of x Wᵀ and, GATED, of x WUᵀ (WU like W,
+    W_KN false; one pass over x, two accumulators; otherwise WU is not read and the second is zeros),
+    summed over K steps k_first to k_last - 1 (of BLOCK_K each; :func:`_k_range`).
 
     With TMA, X is a descriptor of x (M, K) and W one of W (N, K), or with W_KN of Wᵀ (K, N) as
     stored (a descriptor needs a unit stride in its last dimension); their loads read elements past
     the edges as zeros. Otherwise X and W are pointers, walked through their strides.
     """
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA:
         start_m = pid_m * BLOCK_M
         start_n = pid_n * BLOCK_N
@@ -245,6 +249,8 @@ def _matmul_tile(
             else:
                 w = tl.trans(W.load([start_n, k * BLOCK_K]))
             acc = tl.dot(x, w, acc)
+            if GATED:
+                acc_up = tl.dot(x, tl.trans(WU.load([start_n, k * BLOCK_K])), acc_up)
     else:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -253,14 +259,20 @@ def _matmul_tile(
         x_step, w_step = _k_steps(x_strides, w_strides, BLOCK_K)
         x_ptrs = X + x_offs + k_first * x_step
         w_ptrs = W + w_offs + k_first * w_step
+        wu_ptrs = WU + w_offs + k_first * w_step
         for k in range(k_first, k_last):
             k_mask = offs_k < K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+            if GATED:
+                wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
             acc = tl.dot(x, w, acc)
+            if GATED:
+                acc_up = tl.dot(x, wu, acc_up)
+                wu_ptrs += w_step
             x_ptrs += x_step
             w_ptrs += w_step
-    return acc
+    return acc, acc_up
 
 
 @triton.jit
@@ -303,41 +315,56 @@ def _finite_in(z, OUT_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr):
 @triton.jit
 def _fwd_epilogue(
     acc,
+    acc_up,
     B,
     Y,
     PRE,
+    UP,
     offs_m,
     offs_n,
     M,
     N,
     ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     STORE_PRE: tl.constexpr,
     INLINE_PTX: tl.constexpr,
 ):
-    """Store y = act(acc + b) (and pre = acc + b) for the tile at rows offs_m, columns offs_n."""
-    acc = _pre_activation(acc, B, offs_n, N, Y.dtype.element_ty, ACTIVATION, HAS_BIAS)
+    """Store y = act(acc + b), or GATED act(acc) * acc_up (and pre = acc + b, GATED and up = acc_up)
+    for the tile at rows offs_m, columns offs_n."""
+    pre = _pre_activation(acc, B, offs_n, N, Y.dtype.element_ty, ACTIVATION, HAS_BIAS)
+    if GATED:
+        up = _finite_in(acc_up, Y.dtype.element_ty, ACTIVATION)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     if STORE_PRE:
-        tl.store(PRE + out, acc.to(PRE.dtype.element_ty), mask=mask)
-    tl.store(Y + out, _act_fwd(acc, ACTIVATION, INLINE_PTX).to(Y.dtype.element_ty), mask=mask)
+        tl.store(PRE + out, pre.to(PRE.dtype.element_ty), mask=mask)
+        if GATED:
+            tl.store(UP + out, up.to(UP.dtype.element_ty), mask=mask)
+    y = _act_fwd(pre, ACTIVATION, INLINE_PTX)
+    if GATED:
+        y = y * up
+    tl.store(Y + out, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _linear_act_fwd_kernel(
+def _fwd_kernel(
     X,  # (M, K), strides x_strides; with TMA a descriptor, (BLOCK_M, BLOCK_K) blocks
-    W,  # (N, K), strides w_strides; with TMA a descriptor, (BLOCK_N, BLOCK_K) blocks
+    W,  # (N, K) W, or GATED W_gate, strides w_strides; with TMA a descriptor, (BLOCK_N, BLOCK_K) blocks
+    WU,  # (N, K) W_up, the same strides as W (w_strides); with TMA a descriptor like W's; read when GATED
     B,  # (N,); read when HAS_BIAS
-    Y,  # (M, N) contiguous: act(x Wᵀ + b)
-    PRE,  # (M, N) contiguous: x Wᵀ + b; written when STORE_PRE
-    PARTIAL,  # (splits, M, N) float32: with SPLIT_K, each split's sum over its K steps
+    Y,  # (M, N) contiguous: act(x Wᵀ + b), or GATED act(x W_gateᵀ) * (x W_upᵀ)
+    PRE,  # (M, N) contiguous: x Wᵀ + b (GATED: the gate x W_gateᵀ); written when STORE_PRE
+    UP,  # (M, N) contiguous: x W_upᵀ; written when GATED and STORE_PRE
+    PARTIAL,  # (splits, M, N) float32, GATED (2 splits, M, N): with SPLIT_K, each split's sum over its
+    # K steps (GATED: slabs 2s and 2s + 1 hold split s's gate and up)
     M,
     N,
     K,
     x_strides,
     w_strides,
     ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,  # two accumulators over one pass of x: gate and up
     HAS_BIAS: tl.constexpr,
     STORE_PRE: tl.constexpr,
     SPLIT_K: tl.constexpr,  # store partial sums; _split_k_epilogue_kernel adds them and runs the epilogue
@@ -353,107 +380,27 @@ def _linear_act_fwd_kernel(
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     k_first, k_last = _k_range(K, BLOCK_K, SPLIT_K)
-    acc = _matmul_tile(
-        X, W, pid_m, pid_n, M, N, K, x_strides, w_strides, k_first, k_last, BLOCK_M, BLOCK_N, BLOCK_K, TMA,
-        False,
+    acc, acc_up = _matmul_tile(
+        X, W, WU, pid_m, pid_n, M, N, K, x_strides, w_strides, k_first, k_last, BLOCK_M, BLOCK_N, BLOCK_K,
+        TMA, False, GATED,
     )  # fmt: skip
     if SPLIT_K:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _store_partial(acc, PARTIAL, tl.program_id(1), offs_m, offs_n, M, N)
+        if GATED:
+            _store_partial(acc, PARTIAL, 2 * tl.program_id(1), offs_m, offs_n, M, N)
+            _store_partial(acc_up, PARTIAL, 2 * tl.program_id(1) + 1, offs_m, offs_n, M, N)
+        else:
+            _store_partial(acc, PARTIAL, tl.program_id(1), offs_m, offs_n, M, N)
     else:
         SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
         for i in tl.static_range(EPILOGUE_SPLIT):
             sub = _subtile(acc, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+            sub_up = _subtile(acc_up, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
             offs_sub = pid_n * BLOCK_N + i * SUB_N + tl.arange(0, SUB_N)
-            _fwd_epilogue(sub, B, Y, PRE, offs_m, offs_sub, M, N, ACTIVATION, HAS_BIAS, STORE_PRE, INLINE_PTX)
-
-
-@triton.jit
-def _gated_fwd_epilogue(
-    acc_gate, acc_up, Y, GATE, UP, offs_m, offs_n, M, N, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr,
-    INLINE_PTX: tl.constexpr,
-):  # fmt: skip
-    """Store y = act(gate) * up (and gate, up) for the tile at rows offs_m, columns offs_n."""
-    acc_gate = _finite_in(acc_gate, Y.dtype.element_ty, ACTIVATION)
-    acc_up = _finite_in(acc_up, Y.dtype.element_ty, ACTIVATION)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    out = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    if STORE_PRE:
-        tl.store(GATE + out, acc_gate.to(GATE.dtype.element_ty), mask=mask)
-        tl.store(UP + out, acc_up.to(UP.dtype.element_ty), mask=mask)
-    y = _act_fwd(acc_gate, ACTIVATION, INLINE_PTX) * acc_up
-    tl.store(Y + out, y.to(Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _gated_fwd_kernel(
-    X,  # (M, K), strides x_strides; with TMA a descriptor, (BLOCK_M, BLOCK_K) blocks
-    WG,  # (N, K) W_gate, strides w_strides; with TMA a descriptor, (BLOCK_N, BLOCK_K) blocks
-    WU,  # (N, K) W_up, the same strides as WG (w_strides); with TMA a descriptor like WG's
-    Y,  # (M, N) contiguous: act(x W_gateᵀ) * (x W_upᵀ)
-    GATE,  # (M, N) contiguous: x W_gateᵀ; written when STORE_PRE
-    UP,  # (M, N) contiguous: x W_upᵀ; written when STORE_PRE
-    PARTIAL,  # (2 splits, M, N) float32: with SPLIT_K, slabs 2s and 2s + 1 hold split s's gate and up
-    M,
-    N,
-    K,
-    x_strides,
-    w_strides,
-    ACTIVATION: tl.constexpr,
-    STORE_PRE: tl.constexpr,
-    SPLIT_K: tl.constexpr,  # as in _linear_act_fwd_kernel
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    EPILOGUE_SPLIT: tl.constexpr,
-    TMA: tl.constexpr,
-    INLINE_PTX: tl.constexpr,  # as in _linear_act_fwd_kernel
-):
-    # grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits): one pass over x, two accumulators.
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    k_first, k_last = _k_range(K, BLOCK_K, SPLIT_K)
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if TMA:  # as in _matmul_tile: out-of-bounds elements load as zeros
-        start_m = pid_m * BLOCK_M
-        start_n = pid_n * BLOCK_N
-        for k in range(k_first, k_last):
-            x = X.load([start_m, k * BLOCK_K])
-            acc_gate = tl.dot(x, tl.trans(WG.load([start_n, k * BLOCK_K])), acc_gate)
-            acc_up = tl.dot(x, tl.trans(WU.load([start_n, k * BLOCK_K])), acc_up)
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        x_offs, w_offs = _operand_offsets(offs_m, offs_n, offs_k, M, N, x_strides, w_strides)
-        x_step, w_step = _k_steps(x_strides, w_strides, BLOCK_K)
-        x_ptrs = X + x_offs + k_first * x_step
-        wg_ptrs = WG + w_offs + k_first * w_step
-        wu_ptrs = WU + w_offs + k_first * w_step
-        for k in range(k_first, k_last):
-            k_mask = offs_k < K - k * BLOCK_K
-            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-            wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
-            wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
-            acc_gate = tl.dot(x, wg, acc_gate)
-            acc_up = tl.dot(x, wu, acc_up)
-            x_ptrs += x_step
-            wg_ptrs += w_step
-            wu_ptrs += w_step
-    if SPLIT_K:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _store_partial(acc_gate, PARTIAL, 2 * tl.program_id(1), offs_m, offs_n, M, N)
-        _store_partial(acc_up, PARTIAL, 2 * tl.program_id(1) + 1, offs_m, offs_n, M, N)
-    else:
-        SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
-        for i in tl.static_range(EPILOGUE_SPLIT):
-            gate = _subtile(acc_gate, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
-            up = _subtile(acc_up, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
-            offs_sub = pid_n * BLOCK_N + i * SUB_N + tl.arange(0, SUB_N)
-            _gated_fwd_epilogue(
-                gate, up, Y, GATE, UP, offs_m, offs_sub, M, N, ACTIVATION, STORE_PRE, INLINE_PTX
-            )
+            _fwd_epilogue(
+                sub, sub_up, B, Y, PRE, UP, offs_m, offs_sub, M, N, ACTIVATION, GATED, HAS_BIAS, STORE_PRE,
+                INLINE_PTX,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -472,7 +419,7 @@ def _split_k_epilogue_kernel(
     GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    INLINE_PTX: tl.constexpr,  # as in _linear_act_fwd_kernel
+    INLINE_PTX: tl.constexpr,  # as in _fwd_kernel
 ):
     # grid = (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)): the partials summed in split order, the same sum
     # run to run (no atomics), then the forward GEMMs' own epilogue.
@@ -489,10 +436,9 @@ def _split_k_epilogue_kernel(
             acc_up += tl.load(PARTIAL + (2 * split + 1) * slab + tile, mask=mask, other=0.0)
         else:
             acc += tl.load(PARTIAL + split * slab + tile, mask=mask, other=0.0)
-    if GATED:
-        _gated_fwd_epilogue(acc, acc_up, Y, PRE, UP, offs_m, offs_n, M, N, ACTIVATION, STORE_PRE, INLINE_PTX)
-    else:
-        _fwd_epilogue(acc, B, Y, PRE, offs_m, offs_n, M, N, ACTIVATION, HAS_BIAS, STORE_PRE, INLINE_PTX)
+    _fwd_epilogue(
+        acc, acc_up, B, Y, PRE, UP, offs_m, offs_n, M, N, ACTIVATION, GATED, HAS_BIAS, STORE_PRE, INLINE_PTX
+    )
 
 
 @triton.jit
@@ -596,9 +542,9 @@ def _dh_act_bwd_kernel(
     # MMA's for dpre (dh small: MUFU.EX2 32 -> 48 a thread; large: 4672 -> 5392 instructions).
     if INLINE_PTX:
         _prefetch_saved(PRE, UP, offs_m, pid_n * BLOCK_N, M, N, GATED, BLOCK_N)
-    dh = _matmul_tile(
-        DY, W, pid_m, pid_n, M, N, K, dy_strides, w_strides, 0, tl.cdiv(K, BLOCK_K), BLOCK_M, BLOCK_N,
-        BLOCK_K, TMA, True,
+    dh, _ = _matmul_tile(
+        DY, W, W, pid_m, pid_n, M, N, K, dy_strides, w_strides, 0, tl.cdiv(K, BLOCK_K), BLOCK_M, BLOCK_N,
+        BLOCK_K, TMA, True, False,
     )  # fmt: skip
     for i in tl.static_range(EPILOGUE_SPLIT):
         sub = _subtile(dh, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
@@ -676,7 +622,7 @@ def _fwd_persistent_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
-    INLINE_PTX: tl.constexpr,  # as in _linear_act_fwd_kernel
+    INLINE_PTX: tl.constexpr,  # as in _fwd_kernel
 ):
     # grid = (min(tiles, SMs),): program p walks output tiles p, p + grid, ... in grouped order. The
     # tile and K loops are flattened into one pipelined loop, so the next tile's first TMA loads are
@@ -987,11 +933,11 @@ def _linear_act_fwd(
     partial = runtime.empty((splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
     with runtime.device_guard(x):
         runtime.launch(
-            _linear_act_fwd_kernel, _grid(cfg, M, N, splits),
-            x_tiles, w_tiles, bias if bias is not None else weight, y, pre, partial, M, N, K,
+            _fwd_kernel, _grid(cfg, M, N, splits),
+            x_tiles, w_tiles, w_tiles, bias if bias is not None else weight, y, pre, pre, partial, M, N, K,
             x.stride(), weight.stride(),
-            ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre, SPLIT_K=splits > 1,
-            INLINE_PTX=inline_ptx(x), **_launch_options(cfg, tma),
+            ACTIVATION=activation, GATED=False, HAS_BIAS=bias is not None, STORE_PRE=store_pre,
+            SPLIT_K=splits > 1, INLINE_PTX=inline_ptx(x), **_launch_options(cfg, tma),
         )  # fmt: skip
         if splits > 1:
             _split_k_epilogue(partial, cfg, bias, y, pre, pre, activation, store_pre, gated=False)
@@ -1028,11 +974,11 @@ def _gated_fwd(
     partial = runtime.empty((2 * splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
     with runtime.device_guard(x):
         runtime.launch(
-            _gated_fwd_kernel, _grid(cfg, M, N, splits),
-            x_tiles, wg_tiles, wu_tiles, y, gate, up, partial, M, N, K,
+            _fwd_kernel, _grid(cfg, M, N, splits),
+            x_tiles, wg_tiles, wu_tiles, x, y, gate, up, partial, M, N, K,
             x.stride(), w_gate.stride(),
-            ACTIVATION=activation, STORE_PRE=store_pre, SPLIT_K=splits > 1, INLINE_PTX=inline_ptx(x),
-            **_launch_options(cfg, tma),
+            ACTIVATION=activation, GATED=True, HAS_BIAS=False, STORE_PRE=store_pre, SPLIT_K=splits > 1,
+            INLINE_PTX=inline_ptx(x), **_launch_options(cfg, tma),
         )  # fmt: skip
         if splits > 1:
             _split_k_epilogue(partial, cfg, None, y, gate, up, activation, store_pre, gated=True)

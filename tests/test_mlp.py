@@ -809,8 +809,7 @@ def test_decode_rows_split_k_and_match_reference(M, kind, device, monkeypatch):
     check(kind, make_tensors(kind, (M, 257, 33), torch.float16, device, seed=M), "gelu_tanh")
     tiles = triton.cdiv(M, mlp.gemm_config("fwd", M, 33, torch.device(device)).block_m)
     splits = triton.cdiv(sms, tiles)
-    forward = "_linear_act_fwd_kernel" if kind == "linear_act" else "_gated_fwd_kernel"
-    assert launches[:2] == [(forward, (tiles, splits)), ("_split_k_epilogue_kernel", (1, tiles))]
+    assert launches[:2] == [("_fwd_kernel", (tiles, splits)), ("_split_k_epilogue_kernel", (1, tiles))]
     assert tiles * splits >= sms
     x = make_tensors(kind, (M, 257, 33), torch.float16, device, seed=M)
     first, again = (run(lambda t: call_ours(kind, t, "gelu_tanh"), x) for _ in range(2))
@@ -849,11 +848,10 @@ def test_persistent_forward_walks_several_tiles_per_program(kind, sizes, device,
     cfg = mlp.gemm_config(table, M, N, torch.device(device))
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     sms = runtime.num_sms(torch.device(device))
-    tiled = "_linear_act_fwd_kernel" if kind == "linear_act" else "_gated_fwd_kernel"
     if cfg.persistent and N % 8 == 0:
         assert launches[0] == ("_fwd_persistent_kernel", (min(tiles, sms),))
     else:
-        assert launches[0] == (tiled, (tiles,))
+        assert launches[0] == ("_fwd_kernel", (tiles,))
     if device == "cpu":  # the interpreter's small tiles take the sm90 entries' persistence
         assert cfg.persistent and tiles > sms
 
