@@ -62,11 +62,16 @@ def files_in(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
+# The tests step gets 22 % of the budget less the check's setup: at 12 s that was 1 s, and on a loaded
+# machine the step was cut before the stand-in could say it started.
+BUDGET = 20
+
+
 def test_every_step_stops_at_its_deadline_and_the_check_keeps_its_budget(tmp_path):
     began = time.monotonic()
-    process, out = start(tmp_path, budget=12)
+    process, out = start(tmp_path, budget=BUDGET)
     stdout, _ = process.communicate(timeout=60)
-    assert time.monotonic() - began < 12 + 4  # the budget, plus the shell's own work
+    assert time.monotonic() - began < BUDGET + 4  # the budget, plus the shell's own work
     assert files_in(out) == ["device_check.log", "plots.tgz", "results.json", "summary.txt", "train.json"]
     summary = (out / "summary.txt").read_text().splitlines()
     assert [line.split()[:2] for line in summary] == [["tests", "rc=124"], ["bench", "rc=124"],
@@ -75,7 +80,7 @@ def test_every_step_stops_at_its_deadline_and_the_check_keeps_its_budget(tmp_pat
     assert "tests: -m pytest -m gpu" in log and "--durations=10" in log
     assert "bench: -m bench --quick --gate" in log and "--durations=15" in log
     assert "--deadline" in log.split("train: ")[1]
-    assert "s of a 12 s budget" in stdout and "FAIL layer_norm forward: not measured (ours)" in stdout
+    assert f"s of a {BUDGET} s budget" in stdout and "FAIL layer_norm forward: not measured (ours)" in stdout
     listing = subprocess.run(["tar", "-tzf", out / "plots.tgz"], capture_output=True, text=True, check=True)
     assert len([name for name in listing.stdout.split() if name.endswith(".png")]) == 20
     assert list(tmp_path.glob("tmp.*")) == []  # the scratch folder is gone
@@ -84,9 +89,9 @@ def test_every_step_stops_at_its_deadline_and_the_check_keeps_its_budget(tmp_pat
 @pytest.mark.parametrize("step", ["tests", "bench", "train"])
 def test_killed_at_any_moment_the_output_folder_holds_at_most_8_files(tmp_path, step):
     # Killed while the step runs, after it wrote what it writes early (the suite: 21 files).
-    process, out = start(tmp_path, budget=12)
+    process, out = start(tmp_path, budget=BUDGET)
     log = out / "device_check.log"
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while not (log.exists() and f"{step}: -m " in log.read_text()) and time.monotonic() < deadline:
         time.sleep(0.1)
     os.killpg(process.pid, signal.SIGKILL)
