@@ -482,18 +482,16 @@ def one_per_entry(searches: list[EntrySearch]) -> list[EntrySearch]:
 
 def entry_fields(cfg) -> dict:
     """cfg (an AttnConfig or a GemmConfig) as kernels/configs/*.json holds it: its fields not at
-    their defaults."""
-    return {
-        f.name: getattr(cfg, f.name)
-        for f in dataclasses.fields(cfg)
-        if f.default is dataclasses.MISSING or getattr(cfg, f.name) != f.default
-    }
+    their defaults, a config inside it (AttnConfig.pointer) likewise."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+              if f.default is dataclasses.MISSING or getattr(cfg, f.name) != f.default}  # fmt: skip
+    return {name: entry_fields(v) if dataclasses.is_dataclass(v) else v for name, v in fields.items()}
 
 
 def format_configs(node: dict, indent: str = "") -> str:
     """A config file's tables as kernels/configs/*.json lays them out: a key a line, an entry on one,
     so that a diff shows only the entries that changed."""
-    if not any(isinstance(value, dict) for value in node.values()):
+    if not all(isinstance(value, dict) for value in node.values()):  # an entry (pointer inside: one line)
         return json.dumps(node)
     inner = indent + "  "
     lines = [f"{inner}{json.dumps(key)}: {format_configs(value, inner)}" for key, value in node.items()]

@@ -302,8 +302,8 @@ def load_configs(name: str, config: type, folder: pathlib.Path | None = None) ->
     builds."""
 
     def build(node: dict):
-        if not any(isinstance(value, dict) for value in node.values()):
-            return config(**node)
+        if not all(isinstance(value, dict) for value in node.values()):  # an entry, not a table
+            return config(**{k: build(v) if isinstance(v, dict) else v for k, v in node.items()})
         return {int(key) if key.isdigit() else key: build(value) for key, value in node.items()}
 
     return build(json.loads(((folder or CONFIGS_DIR) / f"{name}.json").read_text()))

@@ -444,3 +444,12 @@ def test_compile_only_write_keeps_one_forward_entry_for_padded_and_packed(config
     with pytest.raises(SystemExit) as exit_info:  # sm90's entries live in the kernel file
         tune.main(["attention", "--compile-only", "--arch", "sm90", "--write"])
     assert exit_info.value.code == 2
+
+
+def test_an_entry_with_its_own_pointer_tile_is_written_and_read_back(config_copies):
+    # sm100 started from sm90's head-dim-128 forward carries its pointer tile (AttnConfig.pointer).
+    entry = AttnConfig(128, 128, 8, 3, pointer=AttnConfig(128, 64, 8, 3))
+    tune.write_entries(config_copies / "attention.json", {("FWD_CONFIGS", "sm100", "128"): entry})
+    tables = runtime.load_configs("attention", AttnConfig, config_copies)
+    assert tables["FWD_CONFIGS"]["sm100"][128] == entry
+    assert tables["FWD_CONFIGS"]["sm100"][64] == AttnConfig(128, 128, 8, 3)  # the rest as it was
