@@ -78,6 +78,10 @@ REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Operand tiles by TMA where tma_usable allows; False sends every GEMM down the pointer path (the
 # bench's "ours-pointer" row measures the difference).
 USE_TMA = True
+# The dh GEMM asks L2 for its epilogue's saved tiles this many K steps before its loop ends: at ~7.5
+# dense fp16 TFLOP/s an SM (an H200's), a 128x256x64 step takes ~0.6 us; two, about twice a DRAM
+# load's latency (an estimate: no GPU has timed it).
+PREFETCH_STEPS = tl.constexpr(2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,6 +232,9 @@ def _matmul_tile(
     TMA: tl.constexpr,
     W_KN: tl.constexpr,
     GATED: tl.constexpr,
+    PRE=None,
+    UP=None,
+    PREFETCH: tl.constexpr = 0,
 ):
     """The (BLOCK_M, BLOCK_N) float32 tiles (pid_m, pid_n) of x Wᵀ and, GATED, of x WUᵀ (WU like W,
     W_KN false; one pass over x, two accumulators; otherwise WU is not read and the second is zeros),
@@ -236,13 +243,19 @@ def _matmul_tile(
     With TMA, X is a descriptor of x (M, K) and W one of W (N, K), or with W_KN of Wᵀ (K, N) as
     stored (a descriptor needs a unit stride in its last dimension); their loads read elements past
     the edges as zeros. Otherwise X and W are pointers, walked through their strides.
+
+    PREFETCH (the dh GEMM's epilogue input, NVIDIA only): 1 asks L2 for PRE's (M, N) tile (pid_m,
+    pid_n) during the last PREFETCH_STEPS K steps, 2 for UP's too (:func:`_prefetch_saved`).
     """
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    start_m = pid_m * BLOCK_M
+    start_n = pid_n * BLOCK_N
+    k_prefetch = tl.maximum(k_last - PREFETCH_STEPS, k_first)
     if TMA:
-        start_m = pid_m * BLOCK_M
-        start_n = pid_n * BLOCK_N
         for k in range(k_first, k_last):
+            if PREFETCH and k == k_prefetch:
+                _prefetch_saved(PRE, UP, start_m, start_n, M, N, PREFETCH == 2, BLOCK_M, BLOCK_N)
             x = X.load([start_m, k * BLOCK_K])
             if W_KN:
                 w = W.load([k * BLOCK_K, start_n])
@@ -261,6 +274,8 @@ def _matmul_tile(
         w_ptrs = W + w_offs + k_first * w_step
         wu_ptrs = WU + w_offs + k_first * w_step
         for k in range(k_first, k_last):
+            if PREFETCH and k == k_prefetch:
+                _prefetch_saved(PRE, UP, start_m, start_n, M, N, PREFETCH == 2, BLOCK_M, BLOCK_N)
             k_mask = offs_k < K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
@@ -487,14 +502,17 @@ def _act_bwd_tile(
 
 
 @triton.jit
-def _prefetch_saved(PRE, UP, offs_m, start_n, M, N, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Ask L2 for the saved pre (and up) tile at rows offs_m, columns start_n to start_n + BLOCK_N - 1
-    of the (M, N) contiguous PRE and UP (16-bit): one prefetch a 128-byte line, its row and column
-    kept inside the tensor. Issued before the K loop, so the epilogue's loads of the tile hit L2."""
+def _prefetch_saved(
+    PRE, UP, start_m, start_n, M, N, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Ask L2 for the saved pre (and up) tile (BLOCK_M, BLOCK_N) at (start_m, start_n) of the (M, N)
+    contiguous PRE and UP (16-bit): one prefetch a 128-byte line, its row and column kept inside the
+    tensor, so that the epilogue's loads of the tile hit L2."""
     LINE: tl.constexpr = 64  # 16-bit elements a 128-byte line
     LINES: tl.constexpr = BLOCK_N // LINE if BLOCK_N > LINE else 1
+    rows = tl.minimum(start_m + tl.arange(0, BLOCK_M), M - 1)
     cols = tl.minimum(start_n + tl.arange(0, LINES) * LINE, N - 1)
-    lines = tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * N + cols[None, :]
+    lines = rows.to(tl.int64)[:, None] * N + cols[None, :]
     for T in tl.static_range(2 if GATED else 1):  # pre, and gated up
         tl.inline_asm_elementwise(
             "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [(UP if T else PRE) + lines], dtype=tl.int32,
@@ -536,15 +554,16 @@ def _dh_act_bwd_kernel(
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
-    # The saved pre (and up) is loaded after the K loop, prefetched into L2 before it. Loaded before
-    # it (issue 25), the first subtile's LDGs did precede the last wgmma wait in the sm_90 SASS, but
-    # Triton then computed that subtile's act twice, in the load's layout for h's store and in the
-    # MMA's for dpre (dh small: MUFU.EX2 32 -> 48 a thread; large: 4672 -> 5392 instructions).
-    if INLINE_PTX:
-        _prefetch_saved(PRE, UP, offs_m, pid_n * BLOCK_N, M, N, GATED, BLOCK_N)
+    # The saved pre (and up) is loaded after the K loop, and asked of L2 during its last K steps.
+    # Loaded into registers there (issue 25), the first subtile's LDGs did precede the last wgmma wait
+    # in the sm_90 SASS, but Triton then computed that subtile's act twice, in the load's layout for
+    # h's store and in the MMA's for dpre (dh small: MUFU.EX2 32 -> 48 a thread; large: 4672 -> 5392
+    # instructions). sm_90 fp16 gelu, prefetch before the loop -> in it: a K step 123 -> 132
+    # instructions (large, pointers), 86 -> 95 (TMA), the prefetch's branch taken on one step alone;
+    # registers -15..+3, no spill (medium, small likewise).
     dh, _ = _matmul_tile(
         DY, W, W, pid_m, pid_n, M, N, K, dy_strides, w_strides, 0, tl.cdiv(K, BLOCK_K), BLOCK_M, BLOCK_N,
-        BLOCK_K, TMA, True, False,
+        BLOCK_K, TMA, True, False, PRE, UP, (1 + GATED) if INLINE_PTX else 0,
     )  # fmt: skip
     for i in tl.static_range(EPILOGUE_SPLIT):
         sub = _subtile(dh, i, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)

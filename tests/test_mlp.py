@@ -746,6 +746,23 @@ def test_gelu_tanh_by_tanh_approx_stays_within_float16_tolerance_in_the_forward_
             assert_close("dpre", grad.half(), truth_grad, truth_grad.half())
 
 
+def _run_without_interpreter(script: str):
+    """The JSON that script prints last, run in a fresh Python without TRITON_INTERPRET (ahead-of-time
+    compiles for a GPU target need Triton's compiler, not its interpreter)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(root)}
+    run_ = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert run_.returncode == 0, run_.stdout + run_.stderr
+    return json.loads(run_.stdout.splitlines()[-1])
+
+
 GELU_TANH_SASS = """
 import collections, json, re, sys
 from bench import compile_report as cr, sass_loops
@@ -769,24 +786,39 @@ def test_gelu_tanh_epilogue_takes_one_mufu_an_element_in_sm90_sass():
     """The sm_90 SASS of the small forward GEMMs with gelu_tanh (AOT compiles, no GPU): with
     INLINE_PTX one MUFU.TANH an element of the tile and no EX2; the exp2 form (the interpreter's
     path, and the backward's) an EX2 and an RCP an element. Two RCP outside the epilogue either way."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(root)}
-    run_ = subprocess.run([sys.executable, "-c", GELU_TANH_SASS], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert run_.returncode == 0, run_.stdout + run_.stderr
-    counts = json.loads(run_.stdout.splitlines()[-1])
+    counts = _run_without_interpreter(GELU_TANH_SASS)
     for table in ("fwd", "gated_fwd"):
         (mufu, elements), (portable, _) = counts[f"{table} True"], counts[f"{table} False"]
         assert mufu == {"TANH": elements, "RCP": 2}, (table, mufu)
         assert portable == {"EX2": elements, "RCP": elements + 2}, (table, portable)
     mufu, elements = counts["dh_bwd None"]
     assert mufu == {"EX2": elements, "RCP": elements + 2}, mufu
+
+
+DH_PREFETCH_SASS = """
+import json, torch
+from bench import compile_report as cr, sass_loops
+from kernels import mlp
+
+placement = {}
+for table in ("dh_bwd", "gated_dh_bwd"):
+    cfg = mlp.GEMM_CONFIGS["sm90"][table]["small"]
+    for tma in (False, True):
+        sass = sass_loops.sass_of(cr.mlp_gemm_config(table, "small", cfg, torch.float16, "gelu", tma))
+        (loop,) = sass_loops.main_loops(sass)
+        prefetches = [offset for offset, text in sass_loops.parse(sass) if "CCTL.E.PF2" in text]
+        placement[f"{table} {tma}"] = [loop.start <= offset <= loop.end for offset in prefetches]
+print(json.dumps(placement))
+"""
+
+
+def test_dh_gemm_asks_l2_for_its_saved_tiles_inside_its_k_loop_in_sm90_sass():
+    """The sm_90 SASS of the small dh GEMMs (AOT, no GPU), pointer and TMA loads: the L2 prefetch of
+    the saved pre-activation (and, gated, of up) is issued inside the K loop (during its last
+    PREFETCH_STEPS steps, kernels.mlp._matmul_tile), one a thread per saved tensor, none elsewhere."""
+    run_ = _run_without_interpreter(DH_PREFETCH_SASS)
+    for variant, inside in run_.items():
+        assert inside == [True] * (2 if variant.startswith("gated") else 1), (variant, inside)
 
 
 @pytest.mark.gpu
