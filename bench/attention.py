@@ -10,10 +10,12 @@ Implementations: ours (``kernels.flash_attention``); ours-pointer, the same kern
 of ``sdpa_kernel(FLASH_ATTENTION)``, ``CUDNN_ATTENTION``, ``EFFICIENT_ATTENTION`` and ``MATH`` (MATH
 only to seqlen 4K: it materialises the S×S scores), on transposed views; ``torch.compile`` of the
 explicit-softmax reference in float16, where its S×S matrices fit; ``flash_attn_func`` where the
-flash-attn package imports. A baseline that cannot run a shape (no kernel for it, out of memory) is
-skipped there with the reason. Directions: forward under no_grad; backward, ``autograd.grad`` of
-out w.r.t. q, k, v on a graph built once; forward+backward in one call. Rates are TFLOP/s of the
-ANCHORS counts (:func:`forward_flops` and the 2.5x and 3.5x multiples).
+flash-attn package imports; at head dim 128, causal, ours-7b2e7b7: the kernels as they were when
+issue 25 set its targets (:mod:`bench.revision`, where the checkout's git history is at hand). A
+baseline that cannot run a shape (no kernel for it, out of memory) is skipped there with the reason.
+Directions: forward under no_grad; backward, ``autograd.grad`` of out w.r.t. q, k, v on a graph
+built once; forward+backward in one call. Rates are TFLOP/s of the ANCHORS counts
+(:func:`forward_flops` and the 2.5x and 3.5x multiples).
 
 Beyond the published shape, in full runs only and not gated (no public figure to hold them to):
 ``attention_window``, a causal sliding window of WINDOW keys, against ours fully causal (what the
@@ -22,6 +24,8 @@ window saves), SDPA's efficient backend with the window as a mask and flash-attn
 against the same documents padded to the longest, which is what users run without it (ours, and
 SDPA's flash backend: causal on right-padded rows keeps every real row exact), and flash-attn's
 varlen. Their rates count the work the window or the documents need, whatever a baseline spends.
+``attention_decode`` (one new token a sequence against a KV cache), in quick runs too: gated by
+issue 25 against our prefill kernel and flash-attn's flash_attn_with_kvcache.
 """
 
 import contextlib
@@ -32,13 +36,16 @@ from dataclasses import dataclass
 
 import torch
 
-from bench import correctness, suite, timing
+from bench import correctness, revision, suite, timing
 
 TOKENS = 16384  # batch · seqlen
 MODEL_DIM = 2048  # heads · head_dim
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128, 256)  # 256 as in FA3's figures: times the dk/dv pass's split outputs (sm_90)
 QUICK_SHAPES = ((4096, 128), (16384, 128))  # (seqlen, head_dim), where the gates apply
+# Issue 25's "today's" kernels: main when it set its targets, with issue 21's GPU fixes (grid limits,
+# 64-bit offsets) that let them run on a GPU; timed at head dim 128, causal (bench.revision).
+FILED_AT = "7b2e7b7"
 DTYPE = torch.float16
 NAMES = ("out", "dq", "dk", "dv")  # what the check compares
 TOLERANCE = 1e-2  # on bench.correctness.normalized_error, floor 0; ours measured <= 7e-4 in the interpreter
@@ -226,6 +233,10 @@ def implementations(shape: Shape, causal: bool, quick: bool = False) -> dict:
     if not quick:
         impls["compile"] = lambda: _compiled_explicit(shape, causal)
     impls["flash-attn"] = lambda: _flash_attn("flash_attn_func", causal=causal)
+    if shape.head_dim == 128 and causal:  # where issue 25's targets hold ours to the kernels of its day
+        impls[f"ours-{FILED_AT}"] = lambda: functools.partial(
+            revision.kernels_at(FILED_AT).flash_attention, causal=causal
+        )
     return impls
 
 
@@ -258,7 +269,7 @@ def cases(quick: bool) -> list[suite.Case]:
             lambda name, make_fn, d, s=shape: _setup(d, make_fn, s, pointer_loads=name == "ours-pointer"),
             functools.partial(check, shape, causal, "cuda"),
         )  # fmt: skip
-    return out if quick else out + window_cases() + packed_cases() + decode_cases()
+    return out + decode_cases() if quick else out + window_cases() + packed_cases() + decode_cases()
 
 
 def window_cases() -> list[suite.Case]:

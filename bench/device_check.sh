@@ -11,7 +11,8 @@
 # time went (pytest's --durations; bench.train's warm-up and timing per backend). Writes
 # everything under $1, or $OUT, or bench/results/latest, and prints a summary table last.
 #
-#   device tool:  run(command="bash bench/device_check.sh", timeout_s=480)
+#   device tool:  run(command="bash bench/device_check.sh", carry=[".git"], timeout_s=480)
+#   (.git: the attention baseline of issue 25's kernels, bench.revision; without it, not measured)
 #
 # Five files come back (the device tool returns at most 8): device_check.log (every step's
 # output), summary.txt, results.json (the bench suite), train.json (bench.train) and plots.tgz.

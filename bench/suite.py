@@ -216,6 +216,9 @@ class Gate:
     baseline: str = ""  # an implementation, or "best:PATTERN" for the fastest of those matching
     where: dict = field(default_factory=dict)  # param -> condition, e.g. {"hidden": ">= 4096"}
     note: str = ""
+    # Passes where its baseline was not measured: one that some machines lack (a package that is not
+    # installed, the git history of a past revision).
+    optional: bool = False
 
     def matches(self, r: Result) -> bool:
         return (
@@ -288,12 +291,15 @@ class GateVerdict:
 
     @property
     def passed(self) -> bool:
-        return self.correct is not False and self.value is not None and self.value >= self.gate.min
+        if self.value is None:
+            return self.gate.optional and self.result is not None and self.correct is not False
+        return self.correct is not False and self.value >= self.gate.min
 
     def describe(self) -> str:
         s = self.subject
         if self.value is None:
             shown = "not measured" + (" (ours)" if self.result is None else f" ({self.gate.baseline})")
+            shown += ", optional" if self.gate.optional and self.result is not None else ""
         else:
             shown = f"{self.value:.3f}"
             if self.gate.baseline.startswith("best:"):

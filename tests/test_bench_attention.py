@@ -123,11 +123,15 @@ def test_cases_cover_shapes_directions_and_baselines():
         "sdpa-math",
         "compile",
         "flash-attn",
+        f"ours-{attention.FILED_AT}",  # head dim 128, causal: issue 25's baseline
     }
+    assert {
+        (c.params["head_dim"], c.params["causal"]) for c in cases if c.implementation.endswith("7b2e7b7")
+    } == {(128, True)}
     assert (
         max(c.params["seqlen"] for c in cases if c.implementation == "sdpa-math") == attention.MATH_MAX_SEQLEN
     )
-    quick = attention.cases(quick=True)
+    quick = [c for c in attention.cases(quick=True) if c.kernel == "attention"]
     assert {(c.params["seqlen"], c.params["head_dim"]) for c in quick} == set(attention.QUICK_SHAPES)
     assert {c.implementation for c in quick} == names - {"compile"}  # ungated, and each case compiles
 
@@ -150,7 +154,7 @@ def test_window_and_packed_cases_in_full_runs_only():
     assert {c.work for c in packed if c.direction == "forward"} == {
         attention.packed_flops(attention.PACKED_LENGTHS, 16, 128)
     }
-    assert not {c.kernel for c in attention.cases(quick=True)} - {"attention"}
+    assert not {c.kernel for c in attention.cases(quick=True)} - {"attention", "attention_decode"}
 
 
 def test_decode_cases_read_the_cache_once():
@@ -213,3 +217,29 @@ def test_ours_pointer_times_every_pass_without_tma(monkeypatch):
     monkeypatch.setattr(timing, "timed_call", lambda *args: lambda: seen.append(kernels.attention.USE_TMA))
     case.setup()()
     assert seen == [False, False] and kernels.attention.USE_TMA is True
+
+
+@pytest.mark.interpreter
+def test_the_kernels_of_issue_25s_day_load_beside_todays_and_pass_the_bench_check():
+    """bench.revision: the kernels package at attention.FILED_AT from git history, renamed with its
+    custom ops so that both register; its attention passes the bench's own check (out, dq, dk, dv
+    against the float32 reference). An unknown revision is unavailable (a skipped baseline)."""
+    import subprocess
+
+    from bench import revision, suite
+
+    history = subprocess.run(["git", "-C", str(revision.ROOT), "cat-file", "-e", attention.FILED_AT])
+    if history.returncode:
+        pytest.skip(f"this checkout's git history lacks {attention.FILED_AT} (a shallow clone)")
+    import kernels  # today's ops registered first
+
+    old = revision.kernels_at(attention.FILED_AT)
+    assert old.__name__ == f"kernels_{attention.FILED_AT}" and "horse-revisions" in old.attention.__file__
+    assert hasattr(getattr(torch.ops, f"horse_{attention.FILED_AT}"), "flash_attn_fwd")
+    assert kernels.flash_attention is not old.flash_attention
+    shape = attention.Shape(2, 45, 2, 128)  # the baseline's maker, as the suite builds it
+    make = attention.implementations(shape, causal=True, quick=True)[f"ours-{attention.FILED_AT}"]
+    errors, ok = attention.check(shape, True, "cpu", make())
+    assert ok, errors
+    with pytest.raises(suite.UnavailableError, match="need git"):
+        revision.kernels_at("0000000")

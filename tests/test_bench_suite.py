@@ -70,6 +70,31 @@ def test_speedup_gates_against_one_baseline_and_the_best_of_several(tmp_path):
     assert "not measured (compile)" in compile_gate.describe()
 
 
+def test_an_optional_gate_passes_where_its_baseline_was_not_measured_and_nowhere_else(tmp_path):
+    # flash-attn not installed, a past revision without git history: the gate says so and passes;
+    # measured, it holds ours as any gate does; a wrong result of ours fails it either way.
+    [gate] = gates_of(
+        '[[gate]]\nkernel = "attention"\nmetric = "speedup"\nbaseline = "flash-attn"\nmin = 1.0\n'
+        "optional = true\n",
+        tmp_path,
+    )
+    alone, wrong = result("attention", ms=1.0, unit="flop"), result("attention", ms=1.0, unit="flop")
+    wrong.correct = False
+    ours, faster = (
+        result("attention", ms=1.0, unit="flop", seqlen=8),
+        result("attention", "flash-attn", ms=0.5, unit="flop", seqlen=8),
+    )
+    suite.add_metrics([alone, wrong, ours, faster], CEILINGS)
+    verdicts = suite.evaluate_gates([alone, wrong, ours, faster], [gate])
+    assert [(v.result, v.value, v.passed) for v in verdicts] == [
+        (alone, None, True),
+        (wrong, None, False),
+        (ours, 0.5, False),
+    ]
+    assert "PASS attention forward" in verdicts[0].describe()
+    assert "not measured (flash-attn), optional" in verdicts[0].describe()
+
+
 def test_a_gated_case_of_ours_without_a_result_fails_as_not_measured(tmp_path):
     # ours broke (or was interrupted) on one of two gated shapes: its gate fails there, never
     # passes for lack of a result; a shape no gate holds ours to gets no verdict.
