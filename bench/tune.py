@@ -210,57 +210,41 @@ def gpu_measure(target: Target) -> Callable[[object], Measurement]:
 
 
 def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runtime.SM90) -> list[Target]:
-    """The entries of arch's attention tables for the passes at the head dims."""
+    """The entries of arch's attention tables for the passes at the head dims; for the forward the
+    packed table's too, timed on the bench's documents (causal, as packed documents are trained) and
+    checked on three ragged ones, TMA descriptors built on the device per sequence, no persistence."""
     from bench import attention as bench_attention
     from bench import compile_report
     from kernels import attention
 
-    tma, arch = arch.tma, arch.name
-    targets = []
-    for name in passes:
-        for head_dim in head_dims:
-            pass_name, table_name = ATTENTION_PASSES[name]
-            shape = bench_attention.benchmark_shape(seqlen, head_dim)
-            check_shape = bench_attention.Shape(1, CHECK_SEQLEN, 2, head_dim)
-            targets.append(Target(
-                f"attention {name} d={head_dim} ({arch})", getattr(attention, table_name)[arch],
-                attention.head_dim_block(head_dim),
-                lambda cfg, p=pass_name, d=head_dim: [
-                    compile_report.attention_pass_config(
-                        p, cfg.loads(cfg.tma), d, torch.float16, mask, cfg.tma, arch=arch
-                    )
-                    for mask in compile_report.ATTENTION_MASKS
-                ],
-                lambda s=check_shape: all(bench_attention.check(s, c, DEVICE)[1] for c in (False, True)),
-                lambda p=pass_name, s=shape: _attention_calls(p, s),
-                persistent=name == "fwd", tma=tma,
-            ))  # fmt: skip
-            if name == "fwd":  # packed documents have a table of their own
-                targets.append(_packed_forward_target(shape, arch, tma))
-    return targets
-
-
-def _packed_forward_target(shape, arch: str, tma: bool) -> Target:
-    """The PACKED_FWD_CONFIGS entry at shape's head dim, timed on the bench's documents (causal,
-    as packed documents are trained), checked on three ragged ones; TMA (tma: the family has it,
-    descriptors built on the device per sequence) or pointer loads, no persistence."""
-    from bench import attention as bench_attention
-    from bench import compile_report
-    from kernels import attention
-
-    check_lengths = (CHECK_SEQLEN, 1, CHECK_SEQLEN // 3)
-    return Target(
-        f"attention fwd packed d={shape.head_dim} ({arch})", attention.PACKED_FWD_CONFIGS[arch],
-        attention.head_dim_block(shape.head_dim),
-        lambda cfg, d=shape.head_dim: [
+    def variants(pass_name: str, head_dim: int, packed: bool = False) -> Callable[[object], list]:
+        return lambda cfg: [
             compile_report.attention_pass_config(
-                "attn_fwd", cfg.loads(cfg.tma), d, torch.float16, mask, cfg.tma, True, arch
+                pass_name, cfg.loads(cfg.tma), head_dim, torch.float16, mask, cfg.tma, packed, arch.name
             )
             for mask in compile_report.ATTENTION_MASKS
-        ],
-        lambda d=shape.head_dim: bench_attention.check_packed(check_lengths, 2, d, DEVICE)[1],
-        lambda: _packed_forward_calls(shape.heads, shape.head_dim), tma=tma,
-    )  # fmt: skip
+        ]
+
+    targets, lengths = [], (CHECK_SEQLEN, 1, CHECK_SEQLEN // 3)
+    for name, head_dim in itertools.product(passes, head_dims):
+        pass_name, table_name = ATTENTION_PASSES[name]
+        shape = bench_attention.benchmark_shape(seqlen, head_dim)
+        check_shape = bench_attention.Shape(1, CHECK_SEQLEN, 2, head_dim)
+        block_d = attention.head_dim_block(head_dim)
+        table = getattr(attention, table_name)[arch.name]
+        targets.append(Target(
+            f"attention {name} d={head_dim} ({arch.name})", table, block_d, variants(pass_name, head_dim),
+            lambda s=check_shape: all(bench_attention.check(s, c, DEVICE)[1] for c in (False, True)),
+            lambda p=pass_name, s=shape: _attention_calls(p, s), persistent=name == "fwd", tma=arch.tma,
+        ))  # fmt: skip
+        if name == "fwd":  # packed documents have a table of their own
+            targets.append(Target(
+                f"attention fwd packed d={head_dim} ({arch.name})", attention.PACKED_FWD_CONFIGS[arch.name],
+                block_d, variants("attn_fwd", head_dim, packed=True),
+                lambda d=head_dim: bench_attention.check_packed(lengths, 2, d, DEVICE)[1],
+                lambda s=shape: _packed_forward_calls(s.heads, s.head_dim), tma=arch.tma,
+            ))  # fmt: skip
+    return targets
 
 
 def _packed_forward_calls(heads: int, head_dim: int) -> dict:
