@@ -817,25 +817,24 @@ def mlp_configs(arch: runtime.Arch) -> list[KernelConfig]:
     for table, entries in mlp.GEMM_CONFIGS[arch.name].items():
         for shape_class, cfg in entries.items():
             configs += mlp_entry_configs(table, shape_class, cfg, arch)
-    for table, gated in (("fwd", False), ("gated_fwd", True)):  # the split-K epilogue, in the small tiles
-        cfg = mlp.GEMM_CONFIGS[arch.name][table]["small"]
-        for dtype, activation in itertools.product(mlp.SUPPORTED_DTYPES, ("gelu", "gelu_tanh")):
-            pointers = dict.fromkeys(MLP_POINTERS, TRITON_TYPES[dtype]) | {"PARTIAL": "fp32"}
-            constexprs = {"ACTIVATION": activation, "HAS_BIAS": not gated, "STORE_PRE": True, "GATED": gated,
-                          "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                          "INLINE_PTX": not arch.hip_target}  # fmt: skip
-            name = "mlp_gated_split_k_epilogue" if gated else "mlp_split_k_epilogue"
-            fn = "kernels.mlp._split_k_epilogue_kernel"
-            configs.append(KernelConfig(name, f"small/{activation}", dtype, fn, pointers, constexprs,
-                                        mlp.SPLIT_K_EPILOGUE_WARPS, arch=arch.name))  # fmt: skip
-    row = mlp.ACT_BWD_CONFIG
+    # The split-K epilogue in the small tiles, and the elementwise backward, plain and gated.
+    activations = ("gelu", "gelu_tanh")
+    for gated, dtype, activation in itertools.product((False, True), mlp.SUPPORTED_DTYPES, activations):
+        cfg = mlp.GEMM_CONFIGS[arch.name]["gated_fwd" if gated else "fwd"]["small"]
+        constexprs = {"ACTIVATION": activation, "HAS_BIAS": not gated, "STORE_PRE": True, "GATED": gated,
+                      "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                      "INLINE_PTX": not arch.hip_target}  # fmt: skip
+        types = pointer_types(TRITON_TYPES[dtype], MLP_POINTERS, ("PARTIAL",))
+        configs.append(KernelConfig(f"mlp_{'gated_' * gated}split_k_epilogue", f"small/{activation}", dtype,
+                                    "kernels.mlp._split_k_epilogue_kernel", types, constexprs,
+                                    mlp.SPLIT_K_EPILOGUE_WARPS, arch=arch.name))  # fmt: skip
+    row, fn = mlp.ACT_BWD_CONFIG, "kernels.mlp._act_bwd_kernel"
     for dtype, gated in itertools.product(mlp.SUPPORTED_DTYPES, (False, True)):
-        pointers = dict.fromkeys(MLP_POINTERS, TRITON_TYPES[dtype]) | {"DB_PARTIAL": "fp32"}
         constexprs = {"ACTIVATION": "gelu", "GATED": gated, "HAS_BIAS": not gated, "dh_strides[1]": 1,
                       "BLOCK_M": row.block_m, "BLOCK_N": row.block_n}  # fmt: skip
-        name = "mlp_gated_act_bwd" if gated else "mlp_act_bwd"
-        fn = "kernels.mlp._act_bwd_kernel"
-        configs.append(KernelConfig(name, "any/gelu", dtype, fn, pointers, constexprs, row.num_warps,
+        types = pointer_types(TRITON_TYPES[dtype], MLP_POINTERS, ("DB_PARTIAL",))
+        name = f"mlp_{'gated_' * gated}act_bwd"
+        configs.append(KernelConfig(name, "any/gelu", dtype, fn, types, constexprs, row.num_warps,
                                     arch=arch.name, tuples={"dh_strides": 2}))  # fmt: skip
     return configs
 
