@@ -295,16 +295,9 @@ def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
     implementations = {IMPLEMENTATIONS[b]: b for b in args.backends}
     expected = suite.family_cases(KERNEL, case_params(cfg, config), implementations, ["forward+backward"],
                                   lambda d: 0.0, "flop", lambda *_: None)  # fmt: skip
-    verdicts = suite.evaluate_gates(results, suite.load_gates(), expected)
-    out = args.out or suite.results_dir(machine["gpu"])
-    out.mkdir(parents=True, exist_ok=True)
-    suite.write_json(out / "train.json", machine, ceilings, results, verdicts)
-    print(f"\nwrote {out / 'train.json'}")
-    failed = [v for v in verdicts if not v.passed]
-    if verdicts:
-        print(f"gates: {len(verdicts) - len(failed)} of {len(verdicts)} passed")
-        for verdict in verdicts:
-            print("  " + verdict.describe())
+    failed = suite.save_and_gate(
+        args.out, "train.json", machine, ceilings, results, suite.load_gates(), expected
+    )
     if broken:
         print(f"no result from {', '.join(broken)}: failed or interrupted")
     return 1 if broken or (args.gate and failed) else 0
