@@ -639,8 +639,15 @@ def main(argv: list[str] | None = None) -> int:
             "these GPUs that take --arch's entries, e.g. 86 89 120 for sm86 (default: the family's own)",
         )  # fmt: skip
     args = parser.parse_args(argv)
-    if args.compile_only:
-        return _compile_only(parser, args)
+    report = _compile_only(parser, args) if args.compile_only else _tune(parser, args)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
+    # Exits 1 where a compile-only search found no clean candidate for an entry.
+    return 0 if all(r.get("clean", True) for r in report.values()) else 1
+
+
+def _tune(parser: argparse.ArgumentParser, args) -> dict:
+    """The descent on this machine's GPU: its family's entries."""
     if args.arch or args.start_from or args.capability or args.write:
         parser.error(
             "--arch, --start-from, --capability and --write go with --compile-only: a GPU tunes its "
@@ -658,14 +665,11 @@ def main(argv: list[str] | None = None) -> int:
             targets = mlp_targets(args.gemms, args.shape_classes or ["large", "medium"], arch)
     except ValueError as error:  # a head dim or seqlen the bench shape cannot take
         parser.error(str(error))
-    report = tune(targets, 240 if args.seconds is None else args.seconds)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
-    return 0
+    return tune(targets, 240 if args.seconds is None else args.seconds)
 
 
-def _compile_only(parser: argparse.ArgumentParser, args) -> int:
-    """The compile-only search: exits 1 if an entry has no clean candidate."""
+def _compile_only(parser: argparse.ArgumentParser, args) -> dict:
+    """The compile-only search of --arch's entries, with --write put into its config file."""
     from bench import compile_report
 
     if args.arch is None:
@@ -694,19 +698,16 @@ def _compile_only(parser: argparse.ArgumentParser, args) -> int:
         searches = one_per_entry(searches)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the interpreter cannot compile kernels")
-    jobs = max(1, args.jobs)
+    jobs, seconds = max(1, args.jobs), math.inf if args.seconds is None else args.seconds
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        seconds = math.inf if args.seconds is None else args.seconds
         report = search_entries(
             searches, lambda c: compile_report.compile_in_pool(pool, c, jobs), jobs, seconds
         )
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
     if args.write:
         found = {s.entry: report[s.title]["clean"] for s in searches if report[s.title]["clean"]}
         write_entries(path, {entry: type(searches[0].table_entry)(**cfg) for entry, cfg in found.items()})
         print(f"wrote {len(found)} entries to {path}")
-    return 0 if all(r["clean"] for r in report.values()) else 1
+    return report
 
 
 if __name__ == "__main__":
