@@ -80,14 +80,16 @@ LOSS_TOLERANCE = 1e-4
 
 
 def make_step(
-    cfg: TrainConfig, config: GPTConfig, backend: str, device: str
+    cfg: TrainConfig, config: GPTConfig, backend: str, device: str, model: GPT | None = None
 ) -> Callable[[], tuple[torch.Tensor, bool]]:
     """A call that takes one optimizer step of horse.train's loop on ``backend`` and returns (the
-    step's loss, whether the loss scaler skipped it). Model, optimizer, scaler and a fixed random
-    batch of cfg.batch_size x seq_len tokens are made here, on device, from cfg.seed."""
+    step's loss, whether the loss scaler skipped it). Model (unless given: bench.scaling's tp rank),
+    optimizer, scaler and a fixed random batch of cfg.batch_size x seq_len tokens are made here, on
+    device, from cfg.seed."""
     torch.manual_seed(cfg.seed)
     triton = backend == "triton"
-    model = GPT(config, "triton" if triton else "reference", fused_loss=triton).to(device)  # float32 weights
+    if model is None:
+        model = GPT(config, "triton" if triton else "reference", fused_loss=triton).to(device)  # fp32 weights
     optimizer = make_optimizer(model, cfg, device)
     scaler = LossScaler.from_config(cfg, enabled=cfg.precision == "fp16")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
