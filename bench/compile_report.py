@@ -665,16 +665,9 @@ def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -
 
 
 def attention_kernel_config(
-    kernel: str,
-    shape_class: str,
-    dtype,
-    pointers: dict,
-    constexprs: dict,
-    warps: int,
-    arch: runtime.Arch,
-    stages: int = 1,
-    matmul: bool = False,
-) -> KernelConfig:
+    kernel: str, shape_class: str, dtype, pointers: dict, constexprs: dict, warps: int, arch: runtime.Arch,
+    stages: int = 1, matmul: bool = False,
+) -> KernelConfig:  # fmt: skip
     """A KernelConfig of kernels.attention's ``_<name>_kernel`` (named ``<name>``), with its strides
     tuples (:func:`attention_strides`)."""
     return KernelConfig(kernel[1:].removesuffix("_kernel"), shape_class, dtype, f"kernels.attention.{kernel}",

@@ -414,15 +414,9 @@ def write_json(
 
 
 def save_and_gate(
-    out: Path | None,
-    name: str,
-    machine: dict,
-    ceilings: dict,
-    results: list[Result],
-    gates: list[Gate],
-    expected: list[Case],
-    plots: bool = False,
-) -> list[GateVerdict]:
+    out: Path | None, name: str, machine: dict, ceilings: dict, results: list[Result], gates: list[Gate],
+    expected: list[Case], plots: bool = False,
+) -> list[GateVerdict]:  # fmt: skip
     """Gate results (:func:`evaluate_gates`: an expected case of ours without one is "not measured"),
     write them with their verdicts to out/name (out: default :func:`results_dir`), with plots a PNG
     per kernel beside it (:func:`plot`), and print what was written and each verdict. Returns the
