@@ -262,25 +262,21 @@ def _packed_forward_calls(heads: int, head_dim: int) -> dict:
 
 
 def _attention_calls(pass_name: str, shape) -> dict:
+    """The pass on shape, full and causal: the forward alone, or the whole backward of one forward."""
     from bench import attention as bench_attention
     from kernels import attention
 
-    scale = 1 / math.sqrt(shape.head_dim)
+    scale, direction = 1 / math.sqrt(shape.head_dim), "forward" if pass_name == "attn_fwd" else "backward"
     q, k, v = bench_attention.make_qkv(shape, torch.device(DEVICE))
     calls = {}
     for causal in (False, True):
-        if pass_name == "attn_fwd":
-            call = functools.partial(attention.attention_fwd, q, k, v, causal, scale)
-        else:
-            out, lse = attention.attention_fwd(q, k, v, causal, scale)
-            call = functools.partial(
-                attention.attention_bwd, torch.randn_like(out), None, q, k, v, out, lse, causal, scale
-            )
-        direction = "forward" if pass_name == "attn_fwd" else "backward"
-        calls["causal" if causal else "full"] = (
-            call,
-            bench_attention.direction_flops(direction, shape, causal),
-        )
+        call = functools.partial(attention.attention_fwd, q, k, v, causal, scale)
+        if direction == "backward":
+            out, lse = call()
+            dout = torch.randn_like(out)
+            call = functools.partial(attention.attention_bwd, dout, None, q, k, v, out, lse, causal, scale)
+        flops = bench_attention.direction_flops(direction, shape, causal)
+        calls["causal" if causal else "full"] = (call, flops)
     return calls
 
 
