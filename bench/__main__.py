@@ -107,16 +107,9 @@ def gpu_main(args, pytest_args) -> int:
     results = plugin.results
     suite.add_metrics(results, ceilings)
     print("\n" + suite.format_table(results))
-    verdicts = suite.evaluate_gates(results, gates, cases)
-    out = args.out or suite.results_dir(machine["gpu"])
-    out.mkdir(parents=True, exist_ok=True)
-    suite.write_json(out / "results.json", machine, ceilings, results, verdicts)
-    plots = suite.plot(results, out)
-    print(f"\nwrote {out / 'results.json'}" + "".join(f", {p.name}" for p in plots))
-    failed = [v for v in verdicts if not v.passed]
-    print(f"\ngates: {len(verdicts) - len(failed)} of {len(verdicts)} passed")
-    for verdict in verdicts:
-        print("  " + verdict.describe())
+    failed = suite.save_and_gate(
+        args.out, "results.json", machine, ceilings, results, gates, cases, plots=True
+    )
     regressed = []
     if previous is not None:
         lines, regressed = suite.compare(results, previous, cases)

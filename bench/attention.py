@@ -132,16 +132,23 @@ def make_qkv(shape: Shape, device, requires_grad: bool = False) -> list[torch.Te
     return [torch.randn(size, dtype=DTYPE, device=device).requires_grad_(requires_grad) for _ in range(3)]
 
 
+def _ours(name: str = "flash_attention", **options):
+    """The kernels package's ``name`` (flash_attention, flash_attention_varlen,
+    flash_attention_with_kvcache) called with these keyword arguments; imported here, not at import:
+    the CPU path sets TRITON_INTERPRET first."""
+    import kernels
+
+    fn = getattr(kernels, name)
+    return lambda *args: fn(*args, **options)
+
+
 def check(shape: Shape, causal: bool, device, attention=None, window_size=(-1, -1)) -> tuple[dict, bool]:
     """out, dq, dk, dv of ours (or ``attention``) for a random dout against the float32 reference
     (:func:`bench.correctness.check`). Ours runs on the whole shape and must be finite everywhere;
     the reference on the leading block of :func:`checked_batch_heads` (every pair is independent)."""
-    import kernels
     from kernels import reference
 
-    attention = attention or (
-        lambda q, k, v: kernels.flash_attention(q, k, v, causal=causal, window_size=window_size)
-    )
+    attention = attention or _ours(causal=causal, window_size=window_size)
     torch.manual_seed(0)
     batch, heads = checked_batch_heads(shape, REFERENCE_SCORE_ELEMENTS)
     return correctness.check(
@@ -222,10 +229,7 @@ def _flash_attn(name: str, **options):
 def implementations(shape: Shape, causal: bool, quick: bool = False) -> dict:
     """name -> a function building fn(q, k, v) -> out; built at setup, on the GPU. quick: without
     torch.compile, which no gate names and each of whose cases compiles afresh."""
-    import kernels
-
-    ours = lambda: lambda q, k, v: kernels.flash_attention(q, k, v, causal=causal)  # noqa: E731
-    impls = {"ours": ours, "ours-pointer": ours}
+    impls = {"ours": lambda: _ours(causal=causal), "ours-pointer": lambda: _ours(causal=causal)}
     for backend in SDPA_BACKENDS:
         if backend != "MATH" or shape.seqlen <= MATH_MAX_SEQLEN:
             name = "sdpa-" + backend.split("_")[0].lower()
@@ -273,8 +277,6 @@ def cases(quick: bool) -> list[suite.Case]:
 
 
 def window_cases() -> list[suite.Case]:
-    import kernels
-
     out = []
     for seqlen in WINDOW_SEQLENS:
         shape = benchmark_shape(seqlen, EXTRA_HEAD_DIM)
@@ -282,10 +284,8 @@ def window_cases() -> list[suite.Case]:
                   "heads": shape.heads}  # fmt: skip
         forward = window_flops(shape.batch, shape.heads, seqlen, shape.head_dim, WINDOW)
         impls = {
-            "ours": lambda: (
-                lambda q, k, v: kernels.flash_attention(q, k, v, causal=True, window_size=(WINDOW, -1))
-            ),
-            "ours-causal": lambda: lambda q, k, v: kernels.flash_attention(q, k, v, causal=True),
+            "ours": lambda: _ours(causal=True, window_size=(WINDOW, -1)),
+            "ours-causal": lambda: _ours(causal=True),
             "sdpa-efficient-mask": lambda n=seqlen: _sdpa(
                 "EFFICIENT_ATTENTION", attn_mask=_window_mask(n, WINDOW)
             ),
@@ -301,8 +301,6 @@ def window_cases() -> list[suite.Case]:
 
 
 def packed_cases() -> list[suite.Case]:
-    import kernels
-
     heads, longest, device = MODEL_DIM // EXTRA_HEAD_DIM, max(PACKED_LENGTHS), torch.device("cuda")
     params = {"tokens": sum(PACKED_LENGTHS), "documents": len(PACKED_LENGTHS), "longest": longest,
               "head_dim": EXTRA_HEAD_DIM, "heads": heads}  # fmt: skip
@@ -318,8 +316,8 @@ def packed_cases() -> list[suite.Case]:
         return (cu, cu, longest, longest)
 
     impls = {  # name -> (make_fn, input shape, packed inputs)
-        "ours": (lambda: lambda *a: kernels.flash_attention_varlen(*a, causal=True), packed, True),
-        "ours-padded": (lambda: lambda q, k, v: kernels.flash_attention(q, k, v, causal=True), padded, False),
+        "ours": (lambda: _ours("flash_attention_varlen", causal=True), packed, True),
+        "ours-padded": (lambda: _ours(causal=True), padded, False),
         "sdpa-flash-padded": (lambda: _sdpa("FLASH_ATTENTION", is_causal=True), padded, False),
         "flash-attn": (lambda: _flash_attn("flash_attn_varlen_func", causal=True), packed, True),
     }
@@ -350,13 +348,12 @@ def decode_inputs(batch: int, cache: int, head_dim: int, device, requires_grad=F
 
 def check_decode(batch: int, cache: int, head_dim: int, device) -> tuple[dict, bool]:
     """Ours against the float64 reference on the same cache (flash_attention_with_kvcache, seqlen_q 1)."""
-    import kernels
     from kernels import reference
 
     torch.manual_seed(0)
     lengths = torch.full((batch,), cache, dtype=torch.int32)
     return correctness.check(
-        lambda *qkv: kernels.flash_attention_with_kvcache(*qkv, causal=True),
+        _ours("flash_attention_with_kvcache", causal=True),
         lambda *qkv: reference.attention_kvcache(*qkv, lengths, causal=True),
         decode_inputs(batch, cache, head_dim, device), ["out"], TOLERANCE, floor=0.0,
         exact_dtype=torch.float64,
@@ -368,13 +365,11 @@ def decode_cases() -> list[suite.Case]:
     the same cache (the gate of issue 25: >= 3x at seqlen_q = 1), SDPA (GQA) and
     flash-attn's flash_attn_with_kvcache. Forward only; the cache is not appended to, so every
     call does the same work."""
-    import kernels
-
     device = torch.device("cuda")
     head_dim = EXTRA_HEAD_DIM
     impls = {
-        "ours": lambda: lambda q, k, v: kernels.flash_attention_with_kvcache(q, k, v, causal=True),
-        "ours-prefill": lambda: lambda q, k, v: kernels.flash_attention(q, k, v, causal=True),
+        "ours": lambda: _ours("flash_attention_with_kvcache", causal=True),
+        "ours-prefill": lambda: _ours(causal=True),
         "sdpa": lambda: _sdpa(enable_gqa=True),  # SDPA's own backend, kv heads shared
         "flash-attn": lambda: _flash_attn("flash_attn_with_kvcache", causal=True),
     }
@@ -402,12 +397,9 @@ def interpreter_checks() -> list[tuple[str, dict, bool]]:
         for s, c in itertools.product(INTERPRETER_SHAPES, (False, True))
     ]
     small, lengths = INTERPRETER_SHAPES[1], (40, 1, 77, 0, 19)
-    return [
-        *checks,
-        (
-            f"attention_window seqlen={small.seqlen} window=20",
-            *check(small, True, "cpu", window_size=(20, -1)),
-        ),
+    window = check(small, True, "cpu", window_size=(20, -1))
+    return checks + [
+        (f"attention_window seqlen={small.seqlen} window=20", *window),
         (f"attention_packed documents={lengths}", *check_packed(lengths, 2, 64, "cpu")),
         ("attention_decode batch=2 cache=70", *check_decode(2, 70, 64, "cpu")),
     ]

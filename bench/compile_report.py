@@ -494,40 +494,55 @@ def updated_entries(cached: dict, proof: Proof, current: set[str]) -> dict[str, 
 # ----------------------------------------------------------------------------------------------
 
 
+def row_sizes(limit: int) -> list[int]:
+    """The row sizes that reach every config of a row-wise rule: each power of two up to limit (the
+    largest held in registers), and one past it."""
+    return [2**p for p in range(limit.bit_length())] + [2 * limit]
+
+
+def pointer_types(ty: str, typed=(), fp32=(), **others: str) -> dict:
+    """KernelConfig.pointer_types: the typed pointers of type ty, the fp32 ones, and others."""
+    return dict.fromkeys(typed, ty) | dict.fromkeys(fp32, "fp32") | others
+
+
+# The norm kernels by direction: the pointers in the input's dtype, the float32 ones, and the flags
+# that keep the most values live (a residual; in the backward every gradient).
+NORM_KERNELS = {
+    "fwd": (("X", "RESIDUAL", "W", "B", "Y", "RESIDUAL_OUT"), ("MEAN", "RSTD"), {"HAS_RESIDUAL": True}),
+    "bwd": (("DY", "DRESIDUAL_OUT", "X", "W", "DX"), ("MEAN", "RSTD", "DW_PARTIAL", "DB_PARTIAL"),
+            {"HAS_DRESIDUAL": True, "HAS_DX": True, "HAS_DW": True}),
+}  # fmt: skip
+
+
 def norm_configs(arch: runtime.Arch) -> list[KernelConfig]:
     """Every RowConfig that layernorm.row_config can return on arch, for LayerNorm (residual, weight,
     bias) and RMSNorm (residual, weight), the variants with the most live values, in every dtype."""
     configs = []
-    for dtype, ty in TRITON_TYPES.items():
-        for norm, rms in (("layer_norm", False), ("rms_norm", True)):
-            flags = {"IS_RMS": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms}
-            for backward in (False, True):
-                limit = layernorm.BWD_MAX_ROW_IN_REGISTERS if backward else layernorm.FWD_MAX_ROW_IN_REGISTERS
-                sizes = [2**p for p in range(limit.bit_length())] + [2 * limit]
-                for n in sizes:
-                    cfg = layernorm.row_config(n, backward, dtype, arch)
-                    shape_class = f"N<={n}" if cfg.row_in_registers else f"N>{limit}"
-                    configs += _norm_kernel_configs(norm, shape_class, dtype, ty, flags, cfg, backward)
-    return [dataclasses.replace(c, arch=arch.name) for c in configs]
-
-
-def _norm_kernel_configs(norm, shape_class, dtype, ty, flags, cfg, backward) -> list[KernelConfig]:
-    blocks = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}
-    if not backward:
-        pointers = dict.fromkeys(("X", "RESIDUAL", "W", "B", "Y", "RESIDUAL_OUT"), ty)
-        pointers.update(MEAN="fp32", RSTD="fp32")
-        constexprs = {**flags, "HAS_RESIDUAL": True, **blocks, "ROW_IN_REGISTERS": cfg.row_in_registers}
-        fn = "kernels.layernorm._norm_fwd_kernel"
-        return [KernelConfig(f"{norm}_fwd", shape_class, dtype, fn, pointers, constexprs, cfg.num_warps)]
-    pointers = dict.fromkeys(("DY", "DRESIDUAL_OUT", "X", "W", "DX"), ty)
-    pointers.update(dict.fromkeys(("MEAN", "RSTD", "DW_PARTIAL", "DB_PARTIAL"), "fp32"))
-    constexprs = {**flags, "HAS_DRESIDUAL": True, "HAS_DX": True, "HAS_DW": True, **blocks,
-                  "ROW_IN_TILE": cfg.row_in_registers,
-                  "SWEEP_BLOCK_N": layernorm.BWD_SWEEP_BLOCK_N}  # fmt: skip
-    fn = "kernels.layernorm._norm_bwd_kernel"
-    # The row split into column blocks, each sweeping the others: its own name, one config a dtype.
-    name = f"{norm}_bwd" if cfg.row_in_registers else f"{norm}_bwd_split_row"
-    return [KernelConfig(name, shape_class, dtype, fn, pointers, constexprs, cfg.num_warps)]
+    for (dtype, ty), (norm, rms), (direction, (typed, fp32, flags)) in itertools.product(
+        TRITON_TYPES.items(), (("layer_norm", False), ("rms_norm", True)), NORM_KERNELS.items()
+    ):
+        backward = direction == "bwd"
+        limit = layernorm.BWD_MAX_ROW_IN_REGISTERS if backward else layernorm.FWD_MAX_ROW_IN_REGISTERS
+        for n in row_sizes(limit):
+            cfg = layernorm.row_config(n, backward, dtype, arch)
+            constexprs = {"IS_RMS": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms, **flags,
+                          "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}  # fmt: skip
+            if backward:
+                constexprs |= {
+                    "ROW_IN_TILE": cfg.row_in_registers,
+                    "SWEEP_BLOCK_N": layernorm.BWD_SWEEP_BLOCK_N,
+                }
+            else:
+                constexprs["ROW_IN_REGISTERS"] = cfg.row_in_registers
+            # The backward's row split into column blocks, each sweeping the others: its own name.
+            split = "" if cfg.row_in_registers or not backward else "_split_row"
+            shape_class = f"N<={n}" if cfg.row_in_registers else f"N>{limit}"
+            fn, types = f"kernels.layernorm._norm_{direction}_kernel", pointer_types(ty, typed, fp32)
+            name = f"{norm}_{direction}{split}"
+            configs.append(
+                KernelConfig(name, shape_class, dtype, fn, types, constexprs, cfg.num_warps, arch=arch.name)
+            )
+    return configs
 
 
 # Attention passes: kernel, the arguments tiled along the queries and along the keys (their TMA
@@ -649,73 +664,60 @@ def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -
     return configs
 
 
+def attention_kernel_config(
+    kernel: str, shape_class: str, dtype, pointers: dict, constexprs: dict, warps: int, arch: runtime.Arch,
+    stages: int = 1, matmul: bool = False,
+) -> KernelConfig:  # fmt: skip
+    """A KernelConfig of kernels.attention's ``_<name>_kernel`` (named ``<name>``), with its strides
+    tuples (:func:`attention_strides`)."""
+    return KernelConfig(kernel[1:].removesuffix("_kernel"), shape_class, dtype, f"kernels.attention.{kernel}",
+                        pointers, constexprs, warps, stages, arch=arch.name, tuples=attention_strides(kernel),
+                        matmul=matmul)  # fmt: skip
+
+
 def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
-    """Every table entry of kernels.attention for arch (:func:`attention_entry_configs`), and the
-    backward's preprocess for each head dim, padded and packed."""
+    """Every table entry of kernels.attention for arch (:func:`attention_entry_configs`), the
+    backward's preprocess for each head dim, padded and packed, and the decode kernels."""
     from kernels import attention
 
-    configs = []
-    for dtype, block_d, packed in itertools.product(
-        (torch.float16, torch.bfloat16), sorted(attention.FWD_CONFIGS[arch.name]), (False, True)
-    ):
-        ty = TRITON_TYPES[dtype]
+    configs, dtypes = [], (torch.float16, torch.bfloat16)
+    for dtype, block_d, packed in itertools.product(dtypes, sorted(attention.FWD_CONFIGS[arch.name]), (0, 1)):
+        types = pointer_types(TRITON_TYPES[dtype], ("OUT", "DO"), ("LSE", "DLSE", "DELTA", "LSE_LOG2"),
+                              CU_SEQLENS_Q="i32" if packed else "fp32")  # fmt: skip
         for head_dim in dict.fromkeys((block_d, block_d * 3 // 4)):
-            pointers = {"OUT": ty, "DO": ty, **dict.fromkeys(("LSE", "DLSE", "DELTA", "LSE_LOG2"), "fp32")}
-            pointers["CU_SEQLENS_Q"] = "i32" if packed else "fp32"
-            constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "HAS_DLSE": True, "VARLEN": packed,
+            constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "HAS_DLSE": True, "VARLEN": bool(packed),
                           "BLOCK_M": attention.PREPROCESS_BLOCK_M}  # fmt: skip
-            if packed:
-                constexprs["lse_strides[0]"] = 1
-            fn = "kernels.attention._attn_bwd_preprocess_kernel"
-            shape_class = f"d={head_dim}" + (" varlen" if packed else "")
-            warps = attention.PREPROCESS_NUM_WARPS
-            configs.append(KernelConfig("attn_bwd_preprocess", shape_class, dtype, fn, pointers, constexprs,
-                                        warps, arch=arch.name,
-                                        tuples=attention_strides("_attn_bwd_preprocess_kernel")))  # fmt: skip
+            unit = {"lse_strides[0]": 1} if packed else {}  # a packed lse (heads, total_q): by first row
+            configs.append(attention_kernel_config(
+                "_attn_bwd_preprocess_kernel", f"d={head_dim}" + " varlen" * packed, dtype, types,
+                constexprs | unit, attention.PREPROCESS_NUM_WARPS, arch,
+            ))  # fmt: skip
     for table in ATTENTION_TABLES:
         for block_d, cfg in sorted(getattr(attention, table)[arch.name].items()):
             configs += attention_entry_configs(table, cfg, block_d, arch)
-    return configs + attention_decode_configs(arch)
-
-
-def attention_decode_configs(arch: runtime.Arch) -> list[KernelConfig]:
-    """The decode pass (kernels.attention.DECODE_CONFIGS) at each padded head dim, mask and dtype,
-    with a tile of 16 rows and of the entry's block_m (the launcher takes the smaller that holds a
-    GQA group's rows), and its reduce."""
-    from kernels import attention
-
-    configs = []
-    for (block_d, cfg), mask, dtype in itertools.product(
-        sorted(attention.DECODE_CONFIGS[arch.name].items()), reversed(ATTENTION_MASKS), TRITON_TYPES
-    ):
-        if dtype == torch.float32:
-            continue
-        ty = TRITON_TYPES[dtype]
-        head_dim = block_d * 3 // 4 if block_d > 16 else block_d  # padded: the masked head-dim columns
-        pointers = {"Q": ty, "K": ty, "V": ty, "O_SPLIT": "fp32", "LSE_SPLIT": "fp32", "SEQLENS_K": "i32"}
+    decode = sorted(attention.DECODE_CONFIGS[arch.name].items())
+    for (block_d, cfg), mask, dtype in itertools.product(decode, reversed(ATTENTION_MASKS), dtypes):
+        # The decode pass with a tile of 16 rows and of the entry's block_m (the launcher takes the
+        # smaller that holds a GQA group's rows), at a padded head dim (masked head-dim columns).
+        head_dim, ty = block_d * 3 // 4 if block_d > 16 else block_d, TRITON_TYPES[dtype]
+        types = pointer_types(ty, ("Q", "K", "V"), ("O_SPLIT", "LSE_SPLIT"), SEQLENS_K="i32")
+        shape_class = f"d={head_dim}" + ("" if mask == "full" else f" {mask}")
+        dims = {"HEAD_DIM": head_dim, "BLOCK_D": block_d}
         for block_m in dict.fromkeys((16, cfg.block_m)):
-            constexprs = {
-                "HEAD_DIM": head_dim,
-                "BLOCK_D": block_d,
-                "BLOCK_M": block_m,
-                "BLOCK_N": cfg.block_n,
-                **ATTENTION_MASKS[mask],
-                "INLINE_PTX": not arch.hip_target,
-            }
-            shape_class = f"d={head_dim}" + ("" if mask == "full" else f" {mask}")
-            fn = "kernels.attention._attn_decode_kernel"
-            options = (cfg.num_warps, cfg.num_stages)
-            configs.append(KernelConfig("attn_decode", shape_class, dtype, fn, pointers, constexprs, *options,
-                                        arch=arch.name, tuples=attention_strides("_attn_decode_kernel"),
-                                        matmul=True))  # fmt: skip
-        if mask == "full":
-            constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d,
-                          "BLOCK_S": attention.DECODE_REDUCE_BLOCK_S}  # fmt: skip
-            pointers = {"O_SPLIT": "fp32", "LSE_SPLIT": "fp32", "OUT": ty}
-            configs.append(KernelConfig("attn_decode_reduce", f"d={head_dim}", dtype,
-                                        "kernels.attention._attn_decode_reduce_kernel", pointers, constexprs,
-                                        attention.DECODE_REDUCE_NUM_WARPS, arch=arch.name,
-                                        tuples=attention_strides("_attn_decode_reduce_kernel")))  # fmt: skip
+            constexprs = {**dims, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, **ATTENTION_MASKS[mask],
+                          "INLINE_PTX": not arch.hip_target}  # fmt: skip
+            options = (cfg.num_warps, arch, cfg.num_stages, True)
+            configs.append(
+                attention_kernel_config(
+                    "_attn_decode_kernel", shape_class, dtype, types, constexprs, *options
+                )
+            )
+        if mask == "full":  # and its reduce of the split keys' partial outputs
+            types = pointer_types(ty, ("OUT",), ("O_SPLIT", "LSE_SPLIT"))
+            constexprs = dims | {"BLOCK_S": attention.DECODE_REDUCE_BLOCK_S}
+            warps = attention.DECODE_REDUCE_NUM_WARPS
+            configs.append(attention_kernel_config("_attn_decode_reduce_kernel", shape_class, dtype, types,
+                                                   constexprs, warps, arch))  # fmt: skip
     return configs
 
 
@@ -808,60 +810,54 @@ def mlp_configs(arch: runtime.Arch) -> list[KernelConfig]:
     for table, entries in mlp.GEMM_CONFIGS[arch.name].items():
         for shape_class, cfg in entries.items():
             configs += mlp_entry_configs(table, shape_class, cfg, arch)
-    for table, gated in (("fwd", False), ("gated_fwd", True)):  # the split-K epilogue, in the small tiles
-        cfg = mlp.GEMM_CONFIGS[arch.name][table]["small"]
-        for dtype, activation in itertools.product(mlp.SUPPORTED_DTYPES, ("gelu", "gelu_tanh")):
-            pointers = dict.fromkeys(MLP_POINTERS, TRITON_TYPES[dtype]) | {"PARTIAL": "fp32"}
-            constexprs = {"ACTIVATION": activation, "HAS_BIAS": not gated, "STORE_PRE": True, "GATED": gated,
-                          "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                          "INLINE_PTX": not arch.hip_target}  # fmt: skip
-            name = "mlp_gated_split_k_epilogue" if gated else "mlp_split_k_epilogue"
-            fn = "kernels.mlp._split_k_epilogue_kernel"
-            configs.append(KernelConfig(name, f"small/{activation}", dtype, fn, pointers, constexprs,
-                                        mlp.SPLIT_K_EPILOGUE_WARPS, arch=arch.name))  # fmt: skip
-    row = mlp.ACT_BWD_CONFIG
+    # The split-K epilogue in the small tiles, and the elementwise backward, plain and gated.
+    activations = ("gelu", "gelu_tanh")
+    for gated, dtype, activation in itertools.product((False, True), mlp.SUPPORTED_DTYPES, activations):
+        cfg = mlp.GEMM_CONFIGS[arch.name]["gated_fwd" if gated else "fwd"]["small"]
+        constexprs = {"ACTIVATION": activation, "HAS_BIAS": not gated, "STORE_PRE": True, "GATED": gated,
+                      "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                      "INLINE_PTX": not arch.hip_target}  # fmt: skip
+        types = pointer_types(TRITON_TYPES[dtype], MLP_POINTERS, ("PARTIAL",))
+        configs.append(KernelConfig(f"mlp_{'gated_' * gated}split_k_epilogue", f"small/{activation}", dtype,
+                                    "kernels.mlp._split_k_epilogue_kernel", types, constexprs,
+                                    mlp.SPLIT_K_EPILOGUE_WARPS, arch=arch.name))  # fmt: skip
+    row, fn = mlp.ACT_BWD_CONFIG, "kernels.mlp._act_bwd_kernel"
     for dtype, gated in itertools.product(mlp.SUPPORTED_DTYPES, (False, True)):
-        pointers = dict.fromkeys(MLP_POINTERS, TRITON_TYPES[dtype]) | {"DB_PARTIAL": "fp32"}
         constexprs = {"ACTIVATION": "gelu", "GATED": gated, "HAS_BIAS": not gated, "dh_strides[1]": 1,
                       "BLOCK_M": row.block_m, "BLOCK_N": row.block_n}  # fmt: skip
-        name = "mlp_gated_act_bwd" if gated else "mlp_act_bwd"
-        fn = "kernels.mlp._act_bwd_kernel"
-        configs.append(KernelConfig(name, "any/gelu", dtype, fn, pointers, constexprs, row.num_warps,
+        types = pointer_types(TRITON_TYPES[dtype], MLP_POINTERS, ("DB_PARTIAL",))
+        name = f"mlp_{'gated_' * gated}act_bwd"
+        configs.append(KernelConfig(name, "any/gelu", dtype, fn, types, constexprs, row.num_warps,
                                     arch=arch.name, tuples={"dh_strides": 2}))  # fmt: skip
     return configs
 
 
+# The loss kernels (kernels.cross_entropy): kernel, pointers in the logits' dtype, float32 pointers,
+# and the flags with the most live values (the fused one with smoothing and the gradient).
+LOSS_KERNELS = {
+    "cross_entropy": ("_cross_entropy_kernel", ("LOGITS", "DLOGITS"), ("DLOSS", "LOSS", "LSE"),
+                      {"HAS_SMOOTHING": True, "WRITE_GRAD": True}),
+    "cross_entropy_stats": ("_cross_entropy_stats_kernel", ("LOGITS",), ("STATS",), {"HAS_SMOOTHING": True}),
+    "cross_entropy_grad": ("_cross_entropy_grad_kernel", ("LOGITS",), ("LSE", "SCALE"), {}),
+}  # fmt: skip
+
+
 def loss_configs(arch: runtime.Arch) -> list[KernelConfig]:
     """Every RowConfig that kernels.cross_entropy.row_config can return on arch (one per block size),
-    for its three kernels (the fused one with smoothing and the gradient, the vocabulary shard's
-    statistics and gradient passes), in every dtype."""
-    module = "kernels.cross_entropy"
-    loss = importlib.import_module(module)  # the module: kernels.cross_entropy is also its function
-    configs = []
+    for its three kernels (LOSS_KERNELS: the fused one, the vocabulary shard's statistics and
+    gradient passes), in every dtype."""
+    loss = importlib.import_module("kernels.cross_entropy")  # the module: also the name of a function
     limit = loss.MAX_BLOCK_V
-    for dtype, ty in TRITON_TYPES.items():
-        for n in [2**p for p in range(limit.bit_length())] + [2 * limit]:
-            cfg = loss.row_config(n, arch)
-            shape_class = f"V<={n}" if n <= limit else f"V>{limit}"
-            blocks = {"BLOCK_V": cfg.block_v}
-            kernels = {
-                "cross_entropy": (
-                    "_cross_entropy_kernel", {"LOGITS": ty, "DLOGITS": ty, "TARGET": "i64", "DLOSS": "fp32",
-                                              "LOSS": "fp32", "LSE": "fp32"},
-                    {"HAS_SMOOTHING": True, "WRITE_GRAD": True},
-                ),
-                "cross_entropy_stats": (
-                    "_cross_entropy_stats_kernel", {"LOGITS": ty, "TARGET": "i64", "STATS": "fp32"},
-                    {"HAS_SMOOTHING": True},
-                ),
-                "cross_entropy_grad": (
-                    "_cross_entropy_grad_kernel",
-                    {"LOGITS": ty, "TARGET": "i64", "LSE": "fp32", "SCALE": "fp32"}, {},
-                ),
-            }  # fmt: skip
-            for name, (fn, pointers, flags) in kernels.items():
-                configs.append(KernelConfig(name, shape_class, dtype, f"{module}.{fn}", pointers,
-                                            {**flags, **blocks}, cfg.num_warps, arch=arch.name))  # fmt: skip
+    configs = []
+    for (dtype, ty), n in itertools.product(TRITON_TYPES.items(), row_sizes(limit)):
+        cfg = loss.row_config(n, arch)
+        shape_class = f"V<={n}" if n <= limit else f"V>{limit}"
+        for name, (fn, typed, fp32, flags) in LOSS_KERNELS.items():
+            fn, types = f"kernels.cross_entropy.{fn}", pointer_types(ty, typed, fp32, TARGET="i64")
+            constexprs = flags | {"BLOCK_V": cfg.block_v}
+            configs.append(
+                KernelConfig(name, shape_class, dtype, fn, types, constexprs, cfg.num_warps, arch=arch.name)
+            )
     return configs
 
 

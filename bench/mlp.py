@@ -269,31 +269,31 @@ def model_cases(model: Model, tokens: int, quick: bool = False, device="cuda") -
     if model.activation == "gelu_tanh":  # gated models: matmul stands in (see the module docstring)
         up["addmm-gelu"] = (_bind(addmm_gelu, model), {})
     whole = {
-        "ours": _bind(ours_mlp, model),
-        "ours-pointer": _bind(ours_mlp, model),
-        "eager": _bind(eager_mlp, model),
+        "ours": (_bind(ours_mlp, model), {}),
+        "ours-pointer": (_bind(ours_mlp, model), {"pointer_loads": True}),
+        "eager": (_bind(eager_mlp, model), {}),
+        "compile": (suite.compiled(functools.partial(eager_mlp, model)), {}),
     }
     if not quick:
         up["compile"] = (suite.compiled(functools.partial(eager_up, model)), {})
-    whole["compile"] = suite.compiled(functools.partial(eager_mlp, model))
-    out = []
-    up_check = functools.partial(check, model, tokens, device, False)
-    for name, (make_fn, options) in up.items():
-        out.append(suite.Case(
-            model.gemm_kernel, params, "forward", name, up_projection_flops(model, tokens), "flop",
-            _setup(make_fn, model, tokens, "forward", device=device, **options),
-            up_check if name == "ours" else None,
-        ))  # fmt: skip
-    mlp_check = functools.partial(check, model, tokens, device, True)
-    for (name, make_fn), direction in itertools.product(whole.items(), suite.DIRECTIONS):
-        if quick and name == "compile" and direction != "forward+backward":
-            continue
-        out.append(suite.Case(
-            model.mlp_kernel, params, direction, name, mlp_flops(model, tokens, direction), "flop",
-            _setup(make_fn, model, tokens, direction, device=device, pointer_loads=name == "ours-pointer"),
-            mlp_check if name == "ours" else None,
-        ))  # fmt: skip
-    return out
+
+    def setup(name, impl, direction):
+        make_fn, options = impl
+        return _setup(make_fn, model, tokens, direction, device=device, **options)
+
+    up_cases = suite.family_cases(
+        model.gemm_kernel, params, up, ["forward"], lambda d: up_projection_flops(model, tokens), "flop",
+        setup, functools.partial(check, model, tokens, device, False),
+    )  # fmt: skip
+    mlp_cases = suite.family_cases(
+        model.mlp_kernel, params, whole, suite.DIRECTIONS, functools.partial(mlp_flops, model, tokens),
+        "flop", setup, functools.partial(check, model, tokens, device, True),
+    )  # fmt: skip
+    if quick:  # the whole MLP's compile only where a gate holds ours to it
+        mlp_cases = [
+            c for c in mlp_cases if c.implementation != "compile" or c.direction == "forward+backward"
+        ]
+    return up_cases + mlp_cases
 
 
 def decode_cases(model: Model, tokens: int, device="cuda") -> list[suite.Case]:

@@ -63,7 +63,6 @@ tp 2/4/8, which grows the model with tp).
 
 import argparse
 import dataclasses
-import functools
 import gc
 import json
 import math
@@ -268,32 +267,25 @@ def estimate_compute_ms(config: GPTConfig, tp: int, batch: int, seq: int, sequen
 
 def rank_step(
     config: GPTConfig, tp: int, batch: int, seq: int, device: str
-) -> tuple[Callable[[], None], GPT]:
+) -> tuple[Callable[[], tuple[torch.Tensor, bool]], GPT]:
     """A call that takes one training step of tp rank 0's shard, as horse.train takes it, on device,
     and the model it trains.
 
     The model is ``parallelize(GPT(config, "triton"), Parallel(tp_size=tp))``: the shapes, kernels and
     vocab-parallel loss of a rank, its collectives identities (no process group), so the call is the
-    rank's compute alone. ``horse.train.train_step`` in float16 with its loss scaler; one fixed
-    random batch of (batch, seq) tokens.
+    rank's compute alone. The step is bench.train's (:func:`bench.train.make_step`):
+    ``horse.train.train_step`` in float16 with its loss scaler, one fixed random batch of (batch,
+    seq) tokens.
     """
-    from horse.loss_scale import LossScaler
-    from horse.optim import make_optimizer
-    from horse.train import TrainConfig, train_step
+    from bench.train import make_step
+    from horse.train import TrainConfig
 
     torch.manual_seed(0)
     with torch.device(device):  # built whole on the device, then sliced to rank 0's shard
         model = parallelize(GPT(config, "triton"), Parallel(tp_size=tp))
-    cfg = TrainConfig(precision="fp16")
-    optimizer = make_optimizer(model, cfg, device)
-    scaler = LossScaler.from_config(cfg, enabled=True)
-    idx = torch.randint(config.vocab_size, (batch, seq), device=device)  # (B, T)
-    targets = torch.randint(config.vocab_size, (batch, seq), device=device)  # (B, T)
-
-    def step() -> None:
-        autocast = functools.partial(torch.autocast, device, torch.float16)
-        train_step(model.loss, lambda: (idx, targets), model, optimizer, scaler, cfg, autocast=autocast)
-
+    step = make_step(
+        TrainConfig(batch_size=batch, seq_len=seq, precision="fp16"), config, "triton", device, model
+    )
     return step, model
 
 

@@ -419,6 +419,27 @@ def write_json(
     path.write_text(json.dumps(document, indent=2))
 
 
+def save_and_gate(
+    out: Path | None, name: str, machine: dict, ceilings: dict, results: list[Result], gates: list[Gate],
+    expected: list[Case], plots: bool = False,
+) -> list[GateVerdict]:  # fmt: skip
+    """Gate results (:func:`evaluate_gates`: an expected case of ours without one is "not measured"),
+    write them with their verdicts to out/name (out: default :func:`results_dir`), with plots a PNG
+    per kernel beside it (:func:`plot`), and print what was written and each verdict. Returns the
+    verdicts that failed."""
+    verdicts = evaluate_gates(results, gates, expected)
+    out = out or results_dir(machine["gpu"])
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / name, machine, ceilings, results, verdicts)
+    written = plot(results, out) if plots else []
+    print(f"\nwrote {out / name}" + "".join(f", {p.name}" for p in written))
+    failed = [v for v in verdicts if not v.passed]
+    print(f"\ngates: {len(verdicts) - len(failed)} of {len(verdicts)} passed")
+    for verdict in verdicts:
+        print("  " + verdict.describe())
+    return failed
+
+
 def plot(results: list[Result], out_dir: Path) -> list[Path]:
     """One PNG per kernel: throughput against its x param, a panel per direction and other params,
     a line per implementation. Returns the files written (none without matplotlib)."""

@@ -80,14 +80,16 @@ LOSS_TOLERANCE = 1e-4
 
 
 def make_step(
-    cfg: TrainConfig, config: GPTConfig, backend: str, device: str
+    cfg: TrainConfig, config: GPTConfig, backend: str, device: str, model: GPT | None = None
 ) -> Callable[[], tuple[torch.Tensor, bool]]:
     """A call that takes one optimizer step of horse.train's loop on ``backend`` and returns (the
-    step's loss, whether the loss scaler skipped it). Model, optimizer, scaler and a fixed random
-    batch of cfg.batch_size x seq_len tokens are made here, on device, from cfg.seed."""
+    step's loss, whether the loss scaler skipped it). Model (unless given: bench.scaling's tp rank),
+    optimizer, scaler and a fixed random batch of cfg.batch_size x seq_len tokens are made here, on
+    device, from cfg.seed."""
     torch.manual_seed(cfg.seed)
     triton = backend == "triton"
-    model = GPT(config, "triton" if triton else "reference", fused_loss=triton).to(device)  # float32 weights
+    if model is None:
+        model = GPT(config, "triton" if triton else "reference", fused_loss=triton).to(device)  # fp32 weights
     optimizer = make_optimizer(model, cfg, device)
     scaler = LossScaler.from_config(cfg, enabled=cfg.precision == "fp16")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
@@ -295,16 +297,9 @@ def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
     implementations = {IMPLEMENTATIONS[b]: b for b in args.backends}
     expected = suite.family_cases(KERNEL, case_params(cfg, config), implementations, ["forward+backward"],
                                   lambda d: 0.0, "flop", lambda *_: None)  # fmt: skip
-    verdicts = suite.evaluate_gates(results, suite.load_gates(), expected)
-    out = args.out or suite.results_dir(machine["gpu"])
-    out.mkdir(parents=True, exist_ok=True)
-    suite.write_json(out / "train.json", machine, ceilings, results, verdicts)
-    print(f"\nwrote {out / 'train.json'}")
-    failed = [v for v in verdicts if not v.passed]
-    if verdicts:
-        print(f"gates: {len(verdicts) - len(failed)} of {len(verdicts)} passed")
-        for verdict in verdicts:
-            print("  " + verdict.describe())
+    failed = suite.save_and_gate(
+        args.out, "train.json", machine, ceilings, results, suite.load_gates(), expected
+    )
     if broken:
         print(f"no result from {', '.join(broken)}: failed or interrupted")
     return 1 if broken or (args.gate and failed) else 0

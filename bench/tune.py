@@ -210,57 +210,41 @@ def gpu_measure(target: Target) -> Callable[[object], Measurement]:
 
 
 def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runtime.SM90) -> list[Target]:
-    """The entries of arch's attention tables for the passes at the head dims."""
+    """The entries of arch's attention tables for the passes at the head dims; for the forward the
+    packed table's too, timed on the bench's documents (causal, as packed documents are trained) and
+    checked on three ragged ones, TMA descriptors built on the device per sequence, no persistence."""
     from bench import attention as bench_attention
     from bench import compile_report
     from kernels import attention
 
-    tma, arch = arch.tma, arch.name
-    targets = []
-    for name in passes:
-        for head_dim in head_dims:
-            pass_name, table_name = ATTENTION_PASSES[name]
-            shape = bench_attention.benchmark_shape(seqlen, head_dim)
-            check_shape = bench_attention.Shape(1, CHECK_SEQLEN, 2, head_dim)
-            targets.append(Target(
-                f"attention {name} d={head_dim} ({arch})", getattr(attention, table_name)[arch],
-                attention.head_dim_block(head_dim),
-                lambda cfg, p=pass_name, d=head_dim: [
-                    compile_report.attention_pass_config(
-                        p, cfg.loads(cfg.tma), d, torch.float16, mask, cfg.tma, arch=arch
-                    )
-                    for mask in compile_report.ATTENTION_MASKS
-                ],
-                lambda s=check_shape: all(bench_attention.check(s, c, DEVICE)[1] for c in (False, True)),
-                lambda p=pass_name, s=shape: _attention_calls(p, s),
-                persistent=name == "fwd", tma=tma,
-            ))  # fmt: skip
-            if name == "fwd":  # packed documents have a table of their own
-                targets.append(_packed_forward_target(shape, arch, tma))
-    return targets
-
-
-def _packed_forward_target(shape, arch: str, tma: bool) -> Target:
-    """The PACKED_FWD_CONFIGS entry at shape's head dim, timed on the bench's documents (causal,
-    as packed documents are trained), checked on three ragged ones; TMA (tma: the family has it,
-    descriptors built on the device per sequence) or pointer loads, no persistence."""
-    from bench import attention as bench_attention
-    from bench import compile_report
-    from kernels import attention
-
-    check_lengths = (CHECK_SEQLEN, 1, CHECK_SEQLEN // 3)
-    return Target(
-        f"attention fwd packed d={shape.head_dim} ({arch})", attention.PACKED_FWD_CONFIGS[arch],
-        attention.head_dim_block(shape.head_dim),
-        lambda cfg, d=shape.head_dim: [
+    def variants(pass_name: str, head_dim: int, packed: bool = False) -> Callable[[object], list]:
+        return lambda cfg: [
             compile_report.attention_pass_config(
-                "attn_fwd", cfg.loads(cfg.tma), d, torch.float16, mask, cfg.tma, True, arch
+                pass_name, cfg.loads(cfg.tma), head_dim, torch.float16, mask, cfg.tma, packed, arch.name
             )
             for mask in compile_report.ATTENTION_MASKS
-        ],
-        lambda d=shape.head_dim: bench_attention.check_packed(check_lengths, 2, d, DEVICE)[1],
-        lambda: _packed_forward_calls(shape.heads, shape.head_dim), tma=tma,
-    )  # fmt: skip
+        ]
+
+    targets, lengths = [], (CHECK_SEQLEN, 1, CHECK_SEQLEN // 3)
+    for name, head_dim in itertools.product(passes, head_dims):
+        pass_name, table_name = ATTENTION_PASSES[name]
+        shape = bench_attention.benchmark_shape(seqlen, head_dim)
+        check_shape = bench_attention.Shape(1, CHECK_SEQLEN, 2, head_dim)
+        block_d = attention.head_dim_block(head_dim)
+        table = getattr(attention, table_name)[arch.name]
+        targets.append(Target(
+            f"attention {name} d={head_dim} ({arch.name})", table, block_d, variants(pass_name, head_dim),
+            lambda s=check_shape: all(bench_attention.check(s, c, DEVICE)[1] for c in (False, True)),
+            lambda p=pass_name, s=shape: _attention_calls(p, s), persistent=name == "fwd", tma=arch.tma,
+        ))  # fmt: skip
+        if name == "fwd":  # packed documents have a table of their own
+            targets.append(Target(
+                f"attention fwd packed d={head_dim} ({arch.name})", attention.PACKED_FWD_CONFIGS[arch.name],
+                block_d, variants("attn_fwd", head_dim, packed=True),
+                lambda d=head_dim: bench_attention.check_packed(lengths, 2, d, DEVICE)[1],
+                lambda s=shape: _packed_forward_calls(s.heads, s.head_dim), tma=arch.tma,
+            ))  # fmt: skip
+    return targets
 
 
 def _packed_forward_calls(heads: int, head_dim: int) -> dict:
@@ -278,25 +262,21 @@ def _packed_forward_calls(heads: int, head_dim: int) -> dict:
 
 
 def _attention_calls(pass_name: str, shape) -> dict:
+    """The pass on shape, full and causal: the forward alone, or the whole backward of one forward."""
     from bench import attention as bench_attention
     from kernels import attention
 
-    scale = 1 / math.sqrt(shape.head_dim)
+    scale, direction = 1 / math.sqrt(shape.head_dim), "forward" if pass_name == "attn_fwd" else "backward"
     q, k, v = bench_attention.make_qkv(shape, torch.device(DEVICE))
     calls = {}
     for causal in (False, True):
-        if pass_name == "attn_fwd":
-            call = functools.partial(attention.attention_fwd, q, k, v, causal, scale)
-        else:
-            out, lse = attention.attention_fwd(q, k, v, causal, scale)
-            call = functools.partial(
-                attention.attention_bwd, torch.randn_like(out), None, q, k, v, out, lse, causal, scale
-            )
-        direction = "forward" if pass_name == "attn_fwd" else "backward"
-        calls["causal" if causal else "full"] = (
-            call,
-            bench_attention.direction_flops(direction, shape, causal),
-        )
+        call = functools.partial(attention.attention_fwd, q, k, v, causal, scale)
+        if direction == "backward":
+            out, lse = call()
+            dout = torch.randn_like(out)
+            call = functools.partial(attention.attention_bwd, dout, None, q, k, v, out, lse, causal, scale)
+        flops = bench_attention.direction_flops(direction, shape, causal)
+        calls["causal" if causal else "full"] = (call, flops)
     return calls
 
 
@@ -655,8 +635,15 @@ def main(argv: list[str] | None = None) -> int:
             "these GPUs that take --arch's entries, e.g. 86 89 120 for sm86 (default: the family's own)",
         )  # fmt: skip
     args = parser.parse_args(argv)
-    if args.compile_only:
-        return _compile_only(parser, args)
+    report = _compile_only(parser, args) if args.compile_only else _tune(parser, args)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
+    # Exits 1 where a compile-only search found no clean candidate for an entry.
+    return 0 if all(r.get("clean", True) for r in report.values()) else 1
+
+
+def _tune(parser: argparse.ArgumentParser, args) -> dict:
+    """The descent on this machine's GPU: its family's entries."""
     if args.arch or args.start_from or args.capability or args.write:
         parser.error(
             "--arch, --start-from, --capability and --write go with --compile-only: a GPU tunes its "
@@ -674,14 +661,11 @@ def main(argv: list[str] | None = None) -> int:
             targets = mlp_targets(args.gemms, args.shape_classes or ["large", "medium"], arch)
     except ValueError as error:  # a head dim or seqlen the bench shape cannot take
         parser.error(str(error))
-    report = tune(targets, 240 if args.seconds is None else args.seconds)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
-    return 0
+    return tune(targets, 240 if args.seconds is None else args.seconds)
 
 
-def _compile_only(parser: argparse.ArgumentParser, args) -> int:
-    """The compile-only search: exits 1 if an entry has no clean candidate."""
+def _compile_only(parser: argparse.ArgumentParser, args) -> dict:
+    """The compile-only search of --arch's entries, with --write put into its config file."""
     from bench import compile_report
 
     if args.arch is None:
@@ -710,19 +694,16 @@ def _compile_only(parser: argparse.ArgumentParser, args) -> int:
         searches = one_per_entry(searches)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the interpreter cannot compile kernels")
-    jobs = max(1, args.jobs)
+    jobs, seconds = max(1, args.jobs), math.inf if args.seconds is None else args.seconds
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        seconds = math.inf if args.seconds is None else args.seconds
         report = search_entries(
             searches, lambda c: compile_report.compile_in_pool(pool, c, jobs), jobs, seconds
         )
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
     if args.write:
         found = {s.entry: report[s.title]["clean"] for s in searches if report[s.title]["clean"]}
         write_entries(path, {entry: type(searches[0].table_entry)(**cfg) for entry, cfg in found.items()})
         print(f"wrote {len(found)} entries to {path}")
-    return 0 if all(r["clean"] for r in report.values()) else 1
+    return report
 
 
 if __name__ == "__main__":
