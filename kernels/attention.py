@@ -582,13 +582,17 @@ def _attn_bwd_dkdv_kernel(
     columns = BLOCK_D // BLOCK_D_OUT
     col = tl.program_id(1) % columns * BLOCK_D_OUT
     split = tl.program_id(1) // columns
-    # The first row of this split's dk and dv: with head splits, its float32 partials' slice.
-    out_seq = k_seq + split * split_seqs
     q_tiles_seq = q_seq  # the sequence index of the Q and DO tiles: 0 in a sequence's own descriptor
     if VARLEN and TMA:  # descriptors of this sequence's rows alone, as in the forward
         Q = _sequence_descriptor(Q, q_seq, seqlen_q, heads, q_strides, HEAD_DIM, BLOCK_M, BLOCK_D)
         DO = _sequence_descriptor(DO, q_seq, seqlen_q, heads, do_strides, HEAD_DIM, BLOCK_M, BLOCK_D)
         q_tiles_seq = 0
+    if VARLEN and TMA:  # bounded by the split's rows of this sequence: no store reaches the next one
+        out_seq = k_seq + split * split_seqs
+        if OUTPUT != "dv":
+            DK = _sequence_descriptor(DK, out_seq, seqlen_k, kv_heads, dk_strides, HEAD_DIM, BLOCK_N, BLOCK_D)
+        if OUTPUT != "dk":
+            DV = _sequence_descriptor(DV, out_seq, seqlen_k, kv_heads, dv_strides, HEAD_DIM, BLOCK_N, BLOCK_D)
     first_head = split * heads_per_split
     last_head = tl.minimum(first_head + heads_per_split, group_size)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -618,9 +622,16 @@ def _attn_bwd_dkdv_kernel(
     # before unmasked_m (those crossing the diagonal); two loops (masked, unmasked) spilled 32-64 bytes
     # outside the loops at head dim 128, 8-264 before the PTX mask, and 264 with a window at 64.
     causal_offset = seqlen_k - seqlen_q
+    # A packed batch's causal dk launch by TMA runs as the window (-1, 0), the causal mask itself: its
+    # causal build spilled 8 bytes (sm_90, head dims 192 and 256: the addresses of the descriptors
+    # built on the device take registers that a padded batch's host descriptors leave free).
+    WINDOW: tl.constexpr = LOCAL or (CAUSAL and VARLEN and TMA and OUTPUT == "dk")
+    if WINDOW and not LOCAL:
+        window_left = seqlen_q + seqlen_k  # reaches past every key, as _mask's unbounded side
+        window_right = 0
     lo = 0
     hi = seqlen_q
-    if LOCAL:
+    if WINDOW:
         lo = tl.maximum(start_n - causal_offset - window_right, 0) // BLOCK_M * BLOCK_M
         hi = tl.minimum(start_n + BLOCK_N - causal_offset + window_left, seqlen_q)
     elif CAUSAL:
@@ -634,23 +645,20 @@ def _attn_bwd_dkdv_kernel(
             dk, dv = _attn_bwd_dkdv_block(
                 dk, dv, k, v, Q, DO, LSE_LOG2 + row0, DELTA + row0, q_tiles_seq, h, offs_n, start_m,
                 unmasked_m, col, q_strides, do_strides, seqlen_q, seqlen_k, window_left, window_right,
-                qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D_OUT, CAUSAL or LOCAL, LOCAL, TMA, INLINE_PTX,
+                qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D_OUT, CAUSAL or LOCAL, WINDOW, TMA, INLINE_PTX,
                 OUTPUT,
             )  # fmt: skip
-    if VARLEN and TMA:  # bounded by this split's slice of rows: no store reaches the next sequence's
-        if OUTPUT != "dv":
-            DK = _sequence_descriptor(DK, out_seq, seqlen_k, kv_heads, dk_strides, HEAD_DIM, BLOCK_N, BLOCK_D)
-        if OUTPUT != "dk":
-            DV = _sequence_descriptor(DV, out_seq, seqlen_k, kv_heads, dv_strides, HEAD_DIM, BLOCK_N, BLOCK_D)
-        out_seq = 0
+    seq = k_seq + split * split_seqs  # with head splits, the first row of this split's float32 partials
+    if VARLEN and TMA:  # bounded by the split's rows of this sequence: no store reaches the next one
+        seq = 0
     if OUTPUT != "dv":
         dk *= softmax_scale
         _store_tile(
-            DK, dk, out_seq, kv_h, start_n, col, dk_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA
+            DK, dk, seq, kv_h, start_n, col, dk_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA
         )
     if OUTPUT != "dk":
         _store_tile(
-            DV, dv, out_seq, kv_h, start_n, col, dv_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA
+            DV, dv, seq, kv_h, start_n, col, dv_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D_OUT, TMA
         )
 
 
