@@ -17,9 +17,9 @@ query) blocks inside the window.
 
 Packed batches (:func:`flash_attention_varlen`, flash-attn's varlen layout): q (total_q, heads,
 head_dim) and k, v (total_k, kv_heads, head_dim) hold the sequences one after another, sequence b in
-rows cu_seqlens[b]:cu_seqlens[b + 1]; the kernels address a sequence by its first row (the forward's
-TMA descriptors, built on the device, by its rows alone; the backward takes pointers), the grid
-covers the longest sequence and tiles past a shorter one return at once.
+rows cu_seqlens[b]:cu_seqlens[b + 1]; the kernels address a sequence by its first row, with TMA by
+descriptors of its rows alone that each pass builds on the device (pointers in the backward's
+preprocess); the grid covers the longest sequence and tiles past a shorter one return at once.
 
 Backward: a preprocess (delta = rowsum(dO·O) - dlse; lse in log2 units), a pass per key block that
 accumulates dk and dv over every query block and query head of its group (under 2 programs per SM,
@@ -341,7 +341,7 @@ def _attn_fwd_kernel(
     Q,  # (batch, seqlen_q, heads, head_dim)
     K,  # (batch, seqlen_k, kv_heads, head_dim)
     V,  # (batch, seqlen_k, kv_heads, head_dim)
-    OUT,  # (batch, seqlen_q, heads, head_dim); Q, K, V, OUT are TMA descriptors with TMA
+    OUT,  # (batch, seqlen_q, heads, head_dim); Q, K, V, OUT are TMA descriptors with TMA (padded)
     LSE,  # (batch, heads, seqlen_q) float32, natural log
     CU_SEQLENS_Q,  # with VARLEN: (batch + 1,) int32, the sequences' first rows in packed Q, OUT, LSE
     CU_SEQLENS_K,  # with VARLEN: the same in packed K, V
@@ -533,7 +533,7 @@ def _attn_bwd_dkdv_kernel(
     DK,
     DV,  # like K, V, or float32 partials of head_splits such stacked on the batch (rows, packed) axis
     CU_SEQLENS_Q,
-    CU_SEQLENS_K,  # as in _attn_fwd_kernel; Q, K, V, DO, DK, DV are TMA descriptors with TMA
+    CU_SEQLENS_K,  # as in _attn_fwd_kernel; Q, K, V, DO, DK, DV are TMA descriptors with TMA (padded)
     softmax_scale,
     seqlen_q,
     seqlen_k,
@@ -693,7 +693,7 @@ def _attn_bwd_dq_kernel(
     DO,
     LSE,
     DELTA,  # as in _attn_bwd_dkdv_kernel
-    DQ,  # like Q; Q, K, V, DO, DQ are TMA descriptors with TMA
+    DQ,  # like Q; Q, K, V, DO, DQ are TMA descriptors with TMA (padded)
     CU_SEQLENS_Q,
     CU_SEQLENS_K,  # as in _attn_fwd_kernel
     softmax_scale,
@@ -977,7 +977,8 @@ FWD_CONFIGS = {
 # Packed batches' forward: the padded entries, TMA descriptors built on the device per sequence (the
 # 128x128 head-dim-128 tile compiles as the padded one: 221-255 registers, no spill; its pointer
 # tile, 128x64, is the one the packed batches took before at 180-234). The backward passes share the
-# padded tables. A dict of its own per family: tuning one table (bench.tune) never edits the other.
+# padded tables, by TMA with descriptors built on the device too (see BWD_DKDV_CONFIGS' 256). A dict
+# of its own per family: tuning one table (bench.tune) never edits the other.
 PACKED_FWD_CONFIGS = {arch: dict(table) for arch, table in FWD_CONFIGS.items()}
 # block_n is the key block each program owns (dk, dv accumulate there); block_m the query step.
 BWD_DKDV_CONFIGS = {
@@ -1013,9 +1014,13 @@ BWD_DKDV_CONFIGS = {
         # 8 (dk, window), pointer q and dO 104-184 at 64x128, both outputs in one launch (a program
         # each, both paths in one kernel; built before delta went into dk's accumulator and the per-key
         # window bound) 16 at 64x128, 176-248 at 64x64; earlier, fused: 64x64 456-656
-        # (N 32), 128x64 888-1,320, scores by query 128x64 264-320. Pointer loads (unaligned inputs,
-        # packed batches) keep the fused column split: with q and dO by pointers no N >= 64 tile was
-        # clean. Checked on triton 3.6 only.
+        # (N 32), 128x64 888-1,320, scores by query 128x64 264-320. Pointer loads (unaligned inputs)
+        # keep the fused column split: with q and dO by pointers no N >= 64 tile was clean. Checked on
+        # triton 3.6 only. Packed batches take this tile by TMA too (descriptors built per sequence on
+        # the device; before, the pointer tile: full 436 instructions, 64x 64x8x16 + 2x 64x64x16, 1,331
+        # per MFLOP issued): dv / dk full 290 / 446 (277 / 284 per MFLOP), causal 369 / 598 (352 / 380;
+        # the dk launch as the window (-1, 0): causal spilled 8 bytes), local 470 / 599 (448 / 381),
+        # the same HGMMA; 231-245 registers (dv), 255 (dk), no spill, 128 / 192 KiB shared.
         256: AttnConfig(64, 128, 8, 1, split_outputs=True, pointer=AttnConfig(16, 64, 8, 2, column_splits=2)),
     },
     **_TABLES["BWD_DKDV_CONFIGS"],
