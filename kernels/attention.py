@@ -583,11 +583,12 @@ def _attn_bwd_dkdv_kernel(
     col = tl.program_id(1) % columns * BLOCK_D_OUT
     split = tl.program_id(1) // columns
     q_tiles_seq = q_seq  # the sequence index of the Q and DO tiles: 0 in a sequence's own descriptor
-    if VARLEN and TMA:  # descriptors of this sequence's rows alone, as in the forward
+    if VARLEN and TMA:
+        # Descriptors of this sequence's rows alone, as in the forward; DK's and DV's of its rows in this
+        # split's slice (below), built here: after the loop, dk alone spilled 24 bytes (sm_90, head dim 256).
         Q = _sequence_descriptor(Q, q_seq, seqlen_q, heads, q_strides, HEAD_DIM, BLOCK_M, BLOCK_D)
         DO = _sequence_descriptor(DO, q_seq, seqlen_q, heads, do_strides, HEAD_DIM, BLOCK_M, BLOCK_D)
         q_tiles_seq = 0
-    if VARLEN and TMA:  # bounded by the split's rows of this sequence: no store reaches the next one
         out_seq = k_seq + split * split_seqs
         if OUTPUT != "dv":
             DK = _sequence_descriptor(DK, out_seq, seqlen_k, kv_heads, dk_strides, HEAD_DIM, BLOCK_N, BLOCK_D)
@@ -649,7 +650,7 @@ def _attn_bwd_dkdv_kernel(
                 OUTPUT,
             )  # fmt: skip
     seq = k_seq + split * split_seqs  # with head splits, the first row of this split's float32 partials
-    if VARLEN and TMA:  # bounded by the split's rows of this sequence: no store reaches the next one
+    if VARLEN and TMA:  # DK's and DV's descriptors start there, bounded by the sequence's keys
         seq = 0
     if OUTPUT != "dv":
         dk *= softmax_scale
