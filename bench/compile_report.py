@@ -584,8 +584,8 @@ def attention_pass_config(
 ):  # fmt: skip
     """The KernelConfig of attention pass ``name`` (a key of ATTENTION_PASSES) run with the
     kernels.attention.AttnConfig ``cfg`` at ``head_dim``, mask a key of ATTENTION_MASKS, pointer or
-    TMA loads, on a padded batch or a packed one (flash_attention_varlen: a program per tile; the
-    forward's TMA descriptors built on the device), for GPU family arch; with head_split, the dk/dv
+    TMA loads, on a padded batch or a packed one (flash_attention_varlen: a program per tile; its TMA
+    descriptors built on the device, one per sequence), for GPU family arch; with head_split, the dk/dv
     pass writing float32 partials (a GQA group's query heads split over programs); output, the dk/dv
     launch's gradients (kernels.attention.dkdv_outputs: one alone reads K and V by pointers)."""
     from kernels import attention
@@ -633,9 +633,9 @@ def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -
     block_d compiles to on arch: the local mask first (the most live values: a search stops at the
     first failure), then causal and full; a power-of-two head dim and a padded one (3/4 of the
     block); both dtypes; on the table's batches, padded ones with pointer loads (always selectable:
-    USE_TMA off, unaligned inputs) and, on sm_90+ where cfg.tma, TMA loads; packed ones likewise in
-    the forward, with pointers in the backward. The pointer configs take cfg.loads(False)'s tile; a
-    dk/dv entry with split outputs compiles each of its launches."""
+    USE_TMA off, unaligned inputs) and, on sm_90+ where cfg.tma, TMA loads; packed ones likewise. The
+    pointer configs take cfg.loads(False)'s tile; a dk/dv entry with split outputs compiles each of its
+    launches."""
     from kernels import attention
 
     name, batches = ATTENTION_TABLES[table]
@@ -646,7 +646,7 @@ def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -
     for mask, head_dim, dtype, packed in itertools.product(
         reversed(ATTENTION_MASKS), head_dims, (torch.float16, torch.bfloat16), batches
     ):
-        for tma in (False,) if packed and name != "attn_fwd" else tma_modes:
+        for tma in tma_modes:
             loads = cfg.loads(tma)
             for output in outputs(loads):
                 configs.append(attention_pass_config(
@@ -654,7 +654,7 @@ def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -
                 ))  # fmt: skip
     if name == "attn_bwd_dkdv":  # float32 partials (GQA head splits): the store differs, not the loop
         for mask, packed in itertools.product(reversed(ATTENTION_MASKS), batches):
-            for tma in (False,) if packed else tma_modes:
+            for tma in tma_modes:
                 loads = cfg.loads(tma)
                 for output in outputs(loads):
                     configs.append(attention_pass_config(

@@ -17,9 +17,9 @@ query) blocks inside the window.
 
 Packed batches (:func:`flash_attention_varlen`, flash-attn's varlen layout): q (total_q, heads,
 head_dim) and k, v (total_k, kv_heads, head_dim) hold the sequences one after another, sequence b in
-rows cu_seqlens[b]:cu_seqlens[b + 1]; the kernels address a sequence by its first row (the forward's
-TMA descriptors, built on the device, by its rows alone; the backward takes pointers), the grid
-covers the longest sequence and tiles past a shorter one return at once.
+rows cu_seqlens[b]:cu_seqlens[b + 1]; the kernels address a sequence by its first row, with TMA by
+descriptors of its rows alone that each pass builds on the device (pointers in the backward's
+preprocess); the grid covers the longest sequence and tiles past a shorter one return at once.
 
 Backward: a preprocess (delta = rowsum(dO·O) - dlse; lse in log2 units), a pass per key block that
 accumulates dk and dv over every query block and query head of its group (under 2 programs per SM,
@@ -341,7 +341,7 @@ def _attn_fwd_kernel(
     Q,  # (batch, seqlen_q, heads, head_dim)
     K,  # (batch, seqlen_k, kv_heads, head_dim)
     V,  # (batch, seqlen_k, kv_heads, head_dim)
-    OUT,  # (batch, seqlen_q, heads, head_dim); Q, K, V, OUT are TMA descriptors with TMA
+    OUT,  # (batch, seqlen_q, heads, head_dim); Q, K, V, OUT are TMA descriptors with TMA (padded)
     LSE,  # (batch, heads, seqlen_q) float32, natural log
     CU_SEQLENS_Q,  # with VARLEN: (batch + 1,) int32, the sequences' first rows in packed Q, OUT, LSE
     CU_SEQLENS_K,  # with VARLEN: the same in packed K, V
@@ -533,7 +533,7 @@ def _attn_bwd_dkdv_kernel(
     DK,
     DV,  # like K, V, or float32 partials of head_splits such stacked on the batch (rows, packed) axis
     CU_SEQLENS_Q,
-    CU_SEQLENS_K,  # as in _attn_fwd_kernel; Q, K, V, DO, DK, DV are TMA descriptors with TMA
+    CU_SEQLENS_K,  # as in _attn_fwd_kernel; Q, K, V, DO, DK, DV are TMA descriptors with TMA (padded)
     softmax_scale,
     seqlen_q,
     seqlen_k,
@@ -582,6 +582,18 @@ def _attn_bwd_dkdv_kernel(
     columns = BLOCK_D // BLOCK_D_OUT
     col = tl.program_id(1) % columns * BLOCK_D_OUT
     split = tl.program_id(1) // columns
+    q_tiles_seq = q_seq  # the sequence index of the Q and DO tiles: 0 in a sequence's own descriptor
+    if VARLEN and TMA:
+        # Descriptors of this sequence's rows alone, as in the forward; DK's and DV's of its rows in this
+        # split's slice (below), built here: after the loop, dk alone spilled 24 bytes (sm_90, head dim 256).
+        Q = _sequence_descriptor(Q, q_seq, seqlen_q, heads, q_strides, HEAD_DIM, BLOCK_M, BLOCK_D)
+        DO = _sequence_descriptor(DO, q_seq, seqlen_q, heads, do_strides, HEAD_DIM, BLOCK_M, BLOCK_D)
+        q_tiles_seq = 0
+        out_seq = k_seq + split * split_seqs
+        if OUTPUT != "dv":
+            DK = _sequence_descriptor(DK, out_seq, seqlen_k, kv_heads, dk_strides, HEAD_DIM, BLOCK_N, BLOCK_D)
+        if OUTPUT != "dk":
+            DV = _sequence_descriptor(DV, out_seq, seqlen_k, kv_heads, dv_strides, HEAD_DIM, BLOCK_N, BLOCK_D)
     first_head = split * heads_per_split
     last_head = tl.minimum(first_head + heads_per_split, group_size)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -590,11 +602,18 @@ def _attn_bwd_dkdv_kernel(
     # tile comes out of its reshape in registers (64 each at 64 rows of head dim 256), and dk alone
     # at 64x128 spilled 488-512 bytes so.
     KV_TMA: tl.constexpr = TMA and OUTPUT == "dkdv"
-    k = _load_tile(K, k_seq, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, KV_TMA)
+    kv_tiles_seq = k_seq  # pointer K and V address the packed tensor by the sequence's first row
+    if VARLEN and KV_TMA:
+        K = _sequence_descriptor(K, k_seq, seqlen_k, kv_heads, k_strides, HEAD_DIM, BLOCK_N, BLOCK_D)
+        V = _sequence_descriptor(V, k_seq, seqlen_k, kv_heads, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D)
+        kv_tiles_seq = 0
+    k = _load_tile(
+        K, kv_tiles_seq, kv_h, start_n, 0, k_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, KV_TMA
+    )
     v = k  # dv alone never reads V
     if OUTPUT != "dv":
         v = _load_tile(
-            V, k_seq, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, KV_TMA
+            V, kv_tiles_seq, kv_h, start_n, 0, v_strides, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, KV_TMA
         )
     dk = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
@@ -604,9 +623,16 @@ def _attn_bwd_dkdv_kernel(
     # before unmasked_m (those crossing the diagonal); two loops (masked, unmasked) spilled 32-64 bytes
     # outside the loops at head dim 128, 8-264 before the PTX mask, and 264 with a window at 64.
     causal_offset = seqlen_k - seqlen_q
+    # A packed batch's causal dk launch by TMA runs as the window (-1, 0), the causal mask itself: its
+    # causal build spilled 8 bytes (sm_90, head dims 192 and 256: the addresses of the descriptors
+    # built on the device take registers that a padded batch's host descriptors leave free).
+    WINDOW: tl.constexpr = LOCAL or (CAUSAL and VARLEN and TMA and OUTPUT == "dk")
+    if WINDOW and not LOCAL:
+        window_left = seqlen_q + seqlen_k  # reaches past every key, as _mask's unbounded side
+        window_right = 0
     lo = 0
     hi = seqlen_q
-    if LOCAL:
+    if WINDOW:
         lo = tl.maximum(start_n - causal_offset - window_right, 0) // BLOCK_M * BLOCK_M
         hi = tl.minimum(start_n + BLOCK_N - causal_offset + window_left, seqlen_q)
     elif CAUSAL:
@@ -618,11 +644,14 @@ def _attn_bwd_dkdv_kernel(
         row0 = q_seq.to(tl.int64) * lse_strides[0] + h.to(tl.int64) * lse_strides[1]
         for start_m in range(lo, hi, BLOCK_M):
             dk, dv = _attn_bwd_dkdv_block(
-                dk, dv, k, v, Q, DO, LSE_LOG2 + row0, DELTA + row0, q_seq, h, offs_n, start_m, unmasked_m,
-                col, q_strides, do_strides, seqlen_q, seqlen_k, window_left, window_right, qk_scale, HEAD_DIM,
-                BLOCK_M, BLOCK_D, BLOCK_D_OUT, CAUSAL or LOCAL, LOCAL, TMA, INLINE_PTX, OUTPUT,
+                dk, dv, k, v, Q, DO, LSE_LOG2 + row0, DELTA + row0, q_tiles_seq, h, offs_n, start_m,
+                unmasked_m, col, q_strides, do_strides, seqlen_q, seqlen_k, window_left, window_right,
+                qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D_OUT, CAUSAL or LOCAL, WINDOW, TMA, INLINE_PTX,
+                OUTPUT,
             )  # fmt: skip
-    seq = k_seq + split * split_seqs
+    seq = k_seq + split * split_seqs  # with head splits, the first row of this split's float32 partials
+    if VARLEN and TMA:  # DK's and DV's descriptors start there, bounded by the sequence's keys
+        seq = 0
     if OUTPUT != "dv":
         dk *= softmax_scale
         _store_tile(
@@ -665,7 +694,7 @@ def _attn_bwd_dq_kernel(
     DO,
     LSE,
     DELTA,  # as in _attn_bwd_dkdv_kernel
-    DQ,  # like Q; Q, K, V, DO, DQ are TMA descriptors with TMA
+    DQ,  # like Q; Q, K, V, DO, DQ are TMA descriptors with TMA (padded)
     CU_SEQLENS_Q,
     CU_SEQLENS_K,  # as in _attn_fwd_kernel
     softmax_scale,
@@ -705,9 +734,20 @@ def _attn_bwd_dq_kernel(
     k_seq, seqlen_k = _sequence(CU_SEQLENS_K, b, seqlen_k, VARLEN)
     if VARLEN and start_m >= seqlen_q:  # the grid covers the longest sequence
         return
+    q_tiles_seq = q_seq  # the sequence index of the Q, DO and DQ tiles: 0 in a sequence's own descriptor
+    if VARLEN and TMA:  # descriptors of this sequence's rows alone, as in the forward
+        Q = _sequence_descriptor(Q, q_seq, seqlen_q, heads, q_strides, HEAD_DIM, BLOCK_M, BLOCK_D)
+        DO = _sequence_descriptor(DO, q_seq, seqlen_q, heads, do_strides, HEAD_DIM, BLOCK_M, BLOCK_D)
+        kv_heads = heads // group_size
+        K = _sequence_descriptor(K, k_seq, seqlen_k, kv_heads, k_strides, HEAD_DIM, BLOCK_N, BLOCK_D)
+        V = _sequence_descriptor(V, k_seq, seqlen_k, kv_heads, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D)
+        q_tiles_seq = 0
+        k_seq = 0
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = _load_tile(Q, q_seq, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
-    do = _load_tile(DO, q_seq, h, start_m, 0, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
+    q = _load_tile(Q, q_tiles_seq, h, start_m, 0, q_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA)
+    do = _load_tile(
+        DO, q_tiles_seq, h, start_m, 0, do_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, TMA
+    )
     row0 = q_seq.to(tl.int64) * lse_strides[0] + h.to(tl.int64) * lse_strides[1]
     lse, delta = _load_row_stats(LSE + row0, DELTA + row0, offs_m, seqlen_q)
     qk_scale = softmax_scale * 1.4426950408889634
@@ -723,7 +763,9 @@ def _attn_bwd_dq_kernel(
                 LOCAL, TMA, INLINE_PTX,
             )  # fmt: skip
     dq *= softmax_scale
-    _store_tile(DQ, dq, q_seq, h, start_m, 0, dq_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+    if VARLEN and TMA:
+        DQ = _sequence_descriptor(DQ, q_seq, seqlen_q, heads, dq_strides, HEAD_DIM, BLOCK_M, BLOCK_D)
+    _store_tile(DQ, dq, q_tiles_seq, h, start_m, 0, dq_strides, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
 
 
 @triton.jit
@@ -936,7 +978,8 @@ FWD_CONFIGS = {
 # Packed batches' forward: the padded entries, TMA descriptors built on the device per sequence (the
 # 128x128 head-dim-128 tile compiles as the padded one: 221-255 registers, no spill; its pointer
 # tile, 128x64, is the one the packed batches took before at 180-234). The backward passes share the
-# padded tables. A dict of its own per family: tuning one table (bench.tune) never edits the other.
+# padded tables, by TMA with descriptors built on the device too (see BWD_DKDV_CONFIGS' 256). A dict
+# of its own per family: tuning one table (bench.tune) never edits the other.
 PACKED_FWD_CONFIGS = {arch: dict(table) for arch, table in FWD_CONFIGS.items()}
 # block_n is the key block each program owns (dk, dv accumulate there); block_m the query step.
 BWD_DKDV_CONFIGS = {
@@ -972,9 +1015,13 @@ BWD_DKDV_CONFIGS = {
         # 8 (dk, window), pointer q and dO 104-184 at 64x128, both outputs in one launch (a program
         # each, both paths in one kernel; built before delta went into dk's accumulator and the per-key
         # window bound) 16 at 64x128, 176-248 at 64x64; earlier, fused: 64x64 456-656
-        # (N 32), 128x64 888-1,320, scores by query 128x64 264-320. Pointer loads (unaligned inputs,
-        # packed batches) keep the fused column split: with q and dO by pointers no N >= 64 tile was
-        # clean. Checked on triton 3.6 only.
+        # (N 32), 128x64 888-1,320, scores by query 128x64 264-320. Pointer loads (unaligned inputs)
+        # keep the fused column split: with q and dO by pointers no N >= 64 tile was clean. Checked on
+        # triton 3.6 only. Packed batches take this tile by TMA too (descriptors built per sequence on
+        # the device; before, the pointer tile: full 436 instructions, 64x 64x8x16 + 2x 64x64x16, 1,331
+        # per MFLOP issued): dv / dk full 290 / 446 (277 / 284 per MFLOP), causal 369 / 598 (352 / 380;
+        # the dk launch as the window (-1, 0): causal spilled 8 bytes), local 470 / 599 (448 / 381),
+        # the same HGMMA; 231-245 registers (dv), 255 (dk), no spill, 128 / 192 KiB shared.
         256: AttnConfig(64, 128, 8, 1, split_outputs=True, pointer=AttnConfig(16, 64, 8, 2, column_splits=2)),
     },
     **_TABLES["BWD_DKDV_CONFIGS"],
@@ -1087,6 +1134,15 @@ def _shape(q: torch.Tensor, k: torch.Tensor, packed: Packed | None) -> tuple[int
     return batch, packed.max_seqlen_q, packed.max_seqlen_k, q.shape[1], k.shape[1], q.shape[2]
 
 
+def _descriptors(tma: bool, packed: Packed | None):
+    """(host_tma, launch) of a pass whose tiles move by TMA (tma) or not: descriptors made on the
+    host for a padded batch; a packed batch's kernel builds its own on the device, bounded by each
+    sequence (_sequence_descriptor), and is launched with an allocator for them."""
+    host_tma = tma and packed is None
+    launch = runtime.launch_building_descriptors if tma and packed is not None else runtime.launch
+    return host_tma, launch
+
+
 def _sequence_args(packed: Packed | None, dummy: torch.Tensor) -> dict:
     cu_q, cu_k = (dummy, dummy) if packed is None else (packed.cu_seqlens_q, packed.cu_seqlens_k)
     return {"CU_SEQLENS_Q": cu_q, "CU_SEQLENS_K": cu_k}
@@ -1112,11 +1168,9 @@ def attention_fwd(
     block_d = head_dim_block(head_dim)
     tma = tma_usable(cfg, q, k, v, out, sequence_descriptors=True)
     cfg = cfg.loads(tma)
-    # A packed batch's kernel builds its descriptors on the device, bounded by each sequence.
-    host_tma = tma and packed is None
+    host_tma, launch = _descriptors(tma, packed)
     q_tiles, out_tiles = (_operand(t, cfg.block_m, block_d, host_tma) for t in (q, out))
     k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, host_tma) for t in (k, v))
-    launch = runtime.launch if packed is None or not tma else runtime.launch_building_descriptors
     tiles = triton.cdiv(seqlen_q, cfg.block_m) * batch * heads
     persistent = cfg.programs_per_sm > 0 and packed is None
     programs = min(tiles, cfg.programs_per_sm * runtime.num_sms(q.device)) if persistent else tiles
@@ -1259,8 +1313,9 @@ def attention_bwd(
         if needs[1]:
             cfg = attn_config(BWD_DKDV_CONFIGS, head_dim, q.device)
             # dk and dv stand for the float32 partials of head splits: new, contiguous, as aligned.
-            tma = tma_usable(cfg, q, k, v, dout, dk, dv)
+            tma = tma_usable(cfg, q, k, v, dout, dk, dv, sequence_descriptors=True)
             cfg = cfg.loads(tma)
+            host_tma, launch = _descriptors(tma, packed)
             programs = triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads
             heads_per_split, splits = dkdv_head_splits(programs, group_size, bwd_num_sms(q.device))
             # Split: float32 partials (splits, *k.shape), the splits stacked on the first axis.
@@ -1268,14 +1323,14 @@ def attention_bwd(
             if splits > 1:
                 partial_shape = (splits * k.shape[0], *k.shape[1:])
                 dk_out, dv_out = (runtime.empty(partial_shape, torch.float32, k.device) for _ in range(2))
-            q_tiles, do_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout))
+            q_tiles, do_tiles = (_operand(t, cfg.block_m, block_d, host_tma) for t in (q, dout))
             # Split outputs: K and V by pointers (see _attn_bwd_dkdv_kernel), each launch one gradient.
             k_tiles, v_tiles = (
-                _operand(t, cfg.block_n, block_d, tma and not cfg.split_outputs) for t in (k, v)
+                _operand(t, cfg.block_n, block_d, host_tma and not cfg.split_outputs) for t in (k, v)
             )
-            dk_tiles, dv_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (dk_out, dv_out))
+            dk_tiles, dv_tiles = (_operand(t, cfg.block_n, block_d, host_tma) for t in (dk_out, dv_out))
             for output in dkdv_outputs(cfg):
-                runtime.launch(
+                launch(
                     _attn_bwd_dkdv_kernel, (programs, splits * cfg.column_splits),
                     q_tiles, k_tiles, v_tiles, do_tiles, lse_log2, delta, dk_tiles, dv_tiles, **sequences,
                     softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed,
@@ -1292,11 +1347,12 @@ def attention_bwd(
                 dv.copy_(dv_out.view(splits, *v.shape).sum(0))
         if needs[0]:
             cfg = attn_config(BWD_DQ_CONFIGS, head_dim, q.device)
-            tma = tma_usable(cfg, q, k, v, dout, dq)
-            q_tiles, do_tiles, dq_tiles = (_operand(t, cfg.block_m, block_d, tma) for t in (q, dout, dq))
-            k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, tma) for t in (k, v))
+            tma = tma_usable(cfg, q, k, v, dout, dq, sequence_descriptors=True)
+            host_tma, launch = _descriptors(tma, packed)
+            q_tiles, do_tiles, dq_tiles = (_operand(t, cfg.block_m, block_d, host_tma) for t in (q, dout, dq))
+            k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, host_tma) for t in (k, v))
             grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
-            runtime.launch(
+            launch(
                 _attn_bwd_dq_kernel, grid,
                 q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dq_tiles, **sequences,
                 softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,

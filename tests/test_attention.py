@@ -300,6 +300,32 @@ def test_varlen_forward_by_tma_and_by_pointers_matches_reference(use_tma, causal
     assert choices[0] == (use_tma and device_has_tma(device)), "the forward's choice of loads"
 
 
+# The packed backward by TMA (forced on in both backward tables), each pass building descriptors bounded
+# by each sequence on the device: lengths 1, 2, odd and block-crossing (the interpreter's 32x16 tiles),
+# unequal query and key lengths, GQA whose query heads split over programs (float32 partials), each
+# mask; at head dim 256 dv and dk by launches of their own (split outputs, K and V by pointers; the
+# causal dk launch runs as the window (-1, 0)). Outputs are poisoned (conftest).
+@pytest.mark.parametrize(("causal", "window"), VARLEN_MASKS, ids=str)
+@pytest.mark.parametrize(
+    "case", [([1, 2, 37, 70], [2, 1, 45, 70], 4, 2, 64), ([2, 33, 1], [17, 33, 5], 2, 1, 256)], ids=str
+)
+def test_varlen_backward_by_tma_matches_reference(case, causal, window, device, monkeypatch):
+    arch = runtime.arch(torch.device(device)).name
+    for table in (attention.BWD_DKDV_CONFIGS, attention.BWD_DQ_CONFIGS):
+        monkeypatch.setitem(
+            table, arch, {d: dataclasses.replace(c, tma=True) for d, c in table[arch].items()}
+        )
+    dkdv = attention.BWD_DKDV_CONFIGS[arch]
+    dkdv[256] = dataclasses.replace(dkdv[256], split_outputs=True, column_splits=1, pointer=None)
+    choices = record_tma_choices(monkeypatch, attention)
+    launches = record_launches(monkeypatch)
+    check_varlen(case, causal, window, torch.float16, device)
+    assert choices == [device_has_tma(device)] * 3, "forward, dk/dv and dq by TMA"
+    grids = dkdv_grids(launches)
+    group_size = case[2] // case[3]
+    assert [grid[1] for grid in grids] == [group_size] * (2 if case[-1] == 256 else 1), grids
+
+
 def test_varlen_bad_input_is_named():
     q = torch.randn(10, 4, 16, dtype=torch.float16)
     k = torch.randn(10, 2, 16, dtype=torch.float16)

@@ -466,9 +466,11 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
         "BWD_DKDV_CONFIGS", attention.AttnConfig(64, 128, 8, 1, split_outputs=True, pointer=fused), 256,
         runtime.SM90,
     )  # fmt: skip
+    # Packed batches' by TMA too, their descriptors built on the device (no descriptor arguments).
     tma = [c for c in dkdv if c.constexprs["TMA"]]
-    assert [c.constexprs["OUTPUT"] for c in tma] == ["dv", "dk"] * (len(tma) // 2) and len(tma) == 30
-    assert all(set(c.descriptors) == {"Q", "DO", "DK", "DV"} for c in tma)
+    assert [c.constexprs["OUTPUT"] for c in tma] == ["dv", "dk"] * (len(tma) // 2) and len(tma) == 60
+    assert all(set(c.descriptors) == {"Q", "DO", "DK", "DV"} for c in tma if not c.constexprs["VARLEN"])
+    assert sum(not c.descriptors for c in tma if c.constexprs["VARLEN"]) == 30
     assert {(c.constexprs["OUTPUT"], c.constexprs["BLOCK_M"]) for c in dkdv if not c.constexprs["TMA"]} == {
         ("dkdv", 16)
     }
@@ -487,7 +489,7 @@ def test_dkdv_entries_compile_with_float32_partials_for_gqa_head_splits():
     cfg = attention.AttnConfig(32, 128, 8, 2, tma=True)
     configs = compile_report.attention_entry_configs("BWD_DKDV_CONFIGS", cfg, 64, runtime.SM90)
     split = [c for c in configs if "head split" in c.shape_class]
-    assert len(configs) == 36 + 9 and len(split) == 9  # masks x (TMA, pointers, packed)
+    assert len(configs) == 48 + 12 and len(split) == 12  # masks x (padded, packed) x (TMA, pointers)
     assert all(c.pointer_types["DK"] == c.pointer_types["DV"] == "fp32" for c in split)
     assert all(c.pointer_types["DK"] == "fp16" or c in split for c in configs if c.dtype == torch.float16)
 
