@@ -512,26 +512,11 @@ def _backward(ctx, dy, dresidual_out, _dmean, _drstd):
     needs_x, needs_weight, needs_bias, needs_residual = ctx.needs_input_grad[:4]
     needs = [needs_x or needs_residual, needs_weight, needs_bias]  # x and the residual share dx
     dx, dweight, dbias = _norm_bwd_op(dy, dres, x, weight, mean, rstd, ctx.has_bias, ctx.rms, needs)
-    return (
-        dx if needs_x else None,
-        dweight if needs_weight else None,
-        dbias if needs_bias else None,
-        dx if needs_residual else None,
-        None,
-        None,
-    )
+    grads = zip((dx, dweight, dbias, dx), (needs_x, needs_weight, needs_bias, needs_residual), strict=True)
+    return *(g if need else None for g, need in grads), None, None
 
 
-@runtime.custom_op("norm_fwd", _norm_fwd_fake, _backward, _setup_context)
-def _norm_fwd_op(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    eps: float,
-    rms: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return norm_fwd(x, weight, bias, residual, eps, rms)
+_norm_fwd_op = runtime.custom_op("norm_fwd", _norm_fwd_fake, _backward, _setup_context)(norm_fwd)
 
 
 def _norm_bwd_fake(dy, dresidual_out, x, weight, mean, rstd, has_bias, rms, needs):
@@ -544,19 +529,7 @@ def _norm_bwd_fake(dy, dresidual_out, x, weight, mean, rstd, has_bias, rms, need
     )
 
 
-@runtime.custom_op("norm_bwd", _norm_bwd_fake)
-def _norm_bwd_op(
-    dy: torch.Tensor,
-    dresidual_out: torch.Tensor | None,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    has_bias: bool,
-    rms: bool,
-    needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return norm_bwd(dy, dresidual_out, x, weight, mean, rstd, has_bias, rms, needs)
+_norm_bwd_op = runtime.custom_op("norm_bwd", _norm_bwd_fake)(norm_bwd)
 
 
 # ----------------------------------------------------------------------------------------------
