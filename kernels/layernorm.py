@@ -155,10 +155,7 @@ def _norm_fwd_kernel(
                 X, RESIDUAL, RESIDUAL_OUT, rows, cols, mask, stride_x_row, stride_res_row, N,
                 HAS_RESIDUAL, False,
             )  # fmt: skip
-            if IS_RMS:
-                xc = x
-            else:
-                xc = x - mean[:, None]
+            xc = x if IS_RMS else x - mean[:, None]
             y = _affine(xc * rstd[:, None], W, B, cols, col_mask, HAS_WEIGHT, HAS_BIAS)
             tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
@@ -172,10 +169,7 @@ def _load_rows(
     dy = tl.load(DY + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0)
     x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
     rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-    if IS_RMS:
-        mean = rstd  # unused
-    else:
-        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+    mean = rstd if IS_RMS else tl.load(MEAN + rows, mask=row_mask, other=0.0)  # RMSNorm's: unused
     return dy, x, mean, rstd
 
 
@@ -184,14 +178,8 @@ def _bwd_tile(dy, x, w, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.c
     """dy, x_hat = (h - mean) * rstd and w * dy in float32, from a tile's dy and h as loaded."""
     dy = dy.to(tl.float32)
     x = x.to(tl.float32)
-    if IS_RMS:
-        x_hat = x * rstd[:, None]
-    else:
-        x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-    if HAS_WEIGHT:
-        wdy = dy * w[None, :]
-    else:
-        wdy = dy
+    x_hat = x * rstd[:, None] if IS_RMS else tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    wdy = dy * w[None, :] if HAS_WEIGHT else dy
     return dy, x_hat, wdy
 
 
