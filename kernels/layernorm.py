@@ -44,15 +44,20 @@ def _load_normalized_input(
     RESIDUAL,
     RESIDUAL_OUT,
     rows,
-    cols,
-    mask,
+    row_mask,
+    start,
     stride_x_row,
     stride_res_row,
     N,
+    BLOCK_N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     STORE_RESIDUAL: tl.constexpr,
 ):
-    """The (BLOCK_M, BLOCK_N) tile of h = x [+ residual] in float32, h rounded to x's dtype."""
+    """Columns start to start + BLOCK_N of rows: the (BLOCK_M, BLOCK_N) tile of h = x [+ residual] in
+    float32, h rounded to x's dtype; with the columns, their mask and the tile's."""
+    cols = start + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
     x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
         res = tl.load(RESIDUAL + rows[:, None] * stride_res_row + cols[None, :], mask=mask, other=0.0)
@@ -60,7 +65,7 @@ def _load_normalized_input(
         if STORE_RESIDUAL:
             tl.store(RESIDUAL_OUT + rows[:, None] * N + cols[None, :], h, mask=mask)
         x = h
-    return x.to(tl.float32)
+    return x.to(tl.float32), cols, col_mask, mask
 
 
 @triton.jit
@@ -100,11 +105,8 @@ def _norm_fwd_kernel(
     row_mask = rows < M
     rows = rows.to(tl.int64)  # row * stride passes 2**31 on large tensors
     if ROW_IN_REGISTERS:
-        cols = tl.arange(0, BLOCK_N)
-        col_mask = cols < N
-        mask = row_mask[:, None] & col_mask[None, :]
-        x = _load_normalized_input(
-            X, RESIDUAL, RESIDUAL_OUT, rows, cols, mask, stride_x_row, stride_res_row, N,
+        x, cols, col_mask, mask = _load_normalized_input(
+            X, RESIDUAL, RESIDUAL_OUT, rows, row_mask, 0, stride_x_row, stride_res_row, N, BLOCK_N,
             HAS_RESIDUAL, True,
         )  # fmt: skip
         if IS_RMS:
@@ -123,11 +125,8 @@ def _norm_fwd_kernel(
         mean = tl.zeros([BLOCK_M], dtype=tl.float32)
         m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_mask = cols < N
-            mask = row_mask[:, None] & col_mask[None, :]
-            x = _load_normalized_input(
-                X, RESIDUAL, RESIDUAL_OUT, rows, cols, mask, stride_x_row, stride_res_row, N,
+            x, cols, col_mask, mask = _load_normalized_input(
+                X, RESIDUAL, RESIDUAL_OUT, rows, row_mask, start, stride_x_row, stride_res_row, N, BLOCK_N,
                 HAS_RESIDUAL, True,
             )  # fmt: skip
             if IS_RMS:
@@ -148,11 +147,8 @@ def _norm_fwd_kernel(
         # Pass 2: normalise. h is recomputed from x and residual rather than read back from
         # RESIDUAL_OUT: another thread of this program may have written it, with no barrier.
         for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_mask = cols < N
-            mask = row_mask[:, None] & col_mask[None, :]
-            x = _load_normalized_input(
-                X, RESIDUAL, RESIDUAL_OUT, rows, cols, mask, stride_x_row, stride_res_row, N,
+            x, cols, col_mask, mask = _load_normalized_input(
+                X, RESIDUAL, RESIDUAL_OUT, rows, row_mask, start, stride_x_row, stride_res_row, N, BLOCK_N,
                 HAS_RESIDUAL, False,
             )  # fmt: skip
             xc = x if IS_RMS else x - mean[:, None]
