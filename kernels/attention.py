@@ -1346,8 +1346,8 @@ def _backward(ctx, dout, dlse):
 # The arguments both ops take after their tensors, in torch's schema language: the mask and the packed
 # batch's sequences (None and 0 when not packed) as plain values, which custom ops take.
 _MASK_AND_SEQUENCES = (
-    "bool causal, float softmax_scale, int window_left, int window_right, Tensor? cu_seqlens_q, "
-    "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k"
+    "bool causal, float softmax_scale, SymInt window_left, SymInt window_right, Tensor? cu_seqlens_q, "
+    "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k"
 )
 
 

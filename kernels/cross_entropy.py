@@ -423,7 +423,7 @@ def _cross_entropy_backward(ctx, dloss, _ddlogits):
 
 
 # The options both forward ops take after their tensors, in torch's schema language.
-_OPTIONS = "int ignore_index, str reduction, float label_smoothing, float z_loss, bool compute_grad"
+_OPTIONS = "SymInt ignore_index, str reduction, float label_smoothing, float z_loss, bool compute_grad"
 
 
 @runtime.custom_op(
