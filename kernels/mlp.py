@@ -880,11 +880,6 @@ def _persistent(cfg: GemmConfig, tma: bool, splits: int, y: torch.Tensor) -> boo
     return cfg.persistent and tma and splits == 1 and runtime.tma_compatible(y)
 
 
-def _persistent_grid(cfg: GemmConfig, M: int, N: int, device: torch.device) -> tuple[int]:
-    """One program an SM (runtime.num_sms: the interpreter's stand-in is 4), or one a tile if fewer."""
-    return (min(_grid(cfg, M, N)[0], runtime.num_sms(device)),)
-
-
 def _output_tiles(cfg: GemmConfig, *outputs: torch.Tensor) -> list:
     """Descriptors of (M, N) outputs for the persistent kernels' epilogue subtiles; an empty output
     (pre not saved) gets the first one's, which the kernel does not write."""
@@ -937,9 +932,11 @@ def _fwd_gemm(
     flags = {"ACTIVATION": activation, "GATED": gated, "HAS_BIAS": bias is not None, "STORE_PRE": store_pre}
     splits = split_k(cfg, M, N, K, x.device)
     if _persistent(cfg, tma, splits, y):
+        # One program an SM (runtime.num_sms: the interpreter's stand-in is 4), or one a tile if fewer.
+        programs = min(_grid(cfg, M, N)[0], runtime.num_sms(x.device))
         with runtime.device_guard(x):
             runtime.launch(
-                _fwd_persistent_kernel, _persistent_grid(cfg, M, N, x.device),
+                _fwd_persistent_kernel, (programs,),
                 x_tiles, w_tiles, wu_tiles, b, *_output_tiles(cfg, y, pre, up), M, N, K,
                 **flags, INLINE_PTX=inline_ptx(x), **_launch_options(cfg, None),
             )  # fmt: skip
@@ -1241,10 +1238,8 @@ def _fake_gated_input_grads(dy: torch.Tensor, w_gate: torch.Tensor, needs: list[
 def _fake_input_grads(dy: torch.Tensor, weights, needs: list[bool]) -> list[torch.Tensor]:
     """The shapes :func:`_input_grads` returns: dx (M, K), each dW_i like W_i, empty where not needed."""
     dx = dy.new_empty((dy.shape[0], weights[0].shape[1]) if needs[0] else (0,))
-    return [
-        dx,
-        *(dy.new_empty(w.shape if need else (0,)) for w, need in zip(weights, needs[1:], strict=True)),
-    ]
+    dws = (dy.new_empty(w.shape if need else (0,)) for w, need in zip(weights, needs[1:], strict=True))
+    return [dx, *dws]
 
 
 def _require_saved(ctx, op: str) -> None:
