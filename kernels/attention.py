@@ -1399,22 +1399,20 @@ def _backward(ctx, dout, dlse):
     return *(g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=False)), *[None] * 8
 
 
-@runtime.custom_op("flash_attn_fwd", _attn_fwd_fake, _backward, _setup_context)
-def _attn_fwd_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    cu_seqlens_q: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return attention_fwd(q, k, v, causal, softmax_scale, (window_left, window_right), packed)
+# The arguments both ops take after their tensors, in torch's schema language: the mask and the packed
+# batch's sequences (None and 0 when not packed) as plain values, which custom ops take.
+_MASK_AND_SEQUENCES = (
+    "bool causal, float softmax_scale, SymInt window_left, SymInt window_right, Tensor? cu_seqlens_q, "
+    "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k"
+)
+
+
+@runtime.custom_op(
+    "flash_attn_fwd", _attn_fwd_fake, _backward, _setup_context,
+    schema=f"(Tensor q, Tensor k, Tensor v, {_MASK_AND_SEQUENCES}) -> (Tensor, Tensor)",
+)  # fmt: skip
+def _attn_fwd_op(q, k, v, causal, softmax_scale, window_left, window_right, *sequences):
+    return attention_fwd(q, k, v, causal, softmax_scale, (window_left, window_right), _packed(*sequences))
 
 
 def _attn_bwd_fake(dout, dlse, q, k, v, *args):
@@ -1423,28 +1421,17 @@ def _attn_bwd_fake(dout, dlse, q, k, v, *args):
     return tuple(t.new_empty(t.shape if need else (0,)) for t, need in zip((q, k, v), wanted, strict=True))
 
 
-@runtime.custom_op("flash_attn_bwd", _attn_bwd_fake)
-def _attn_bwd_op(
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    cu_seqlens_q: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@runtime.custom_op(
+    "flash_attn_bwd", _attn_bwd_fake,
+    schema="(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    f"{_MASK_AND_SEQUENCES}, bool[] needs) -> (Tensor, Tensor, Tensor)",
+)  # fmt: skip
+def _attn_bwd_op(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, *rest):
+    *sequences, needs = rest
     window = (window_left, window_right)
-    packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return attention_bwd(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window, packed, needs)
+    return attention_bwd(
+        dout, dlse, q, k, v, out, lse, causal, softmax_scale, window, _packed(*sequences), needs
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1520,6 +1507,13 @@ def _validate_sequences(q, k, packed: Packed) -> None:
             raise ValueError(f"{fn}: {max_name} is {longest} but a sequence has {lengths.max().item()} rows")
 
 
+def _runs_triton(q: torch.Tensor, fn: str, inputs: str = "q, k and v") -> bool:
+    """Whether the Triton kernels run (:func:`runtime.runs_triton`); they take 16-bit inputs only."""
+    if runtime.runs_triton(q) and q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{fn}: {inputs} must be float16 or bfloat16 on the Triton path, got {q.dtype}")
+    return runtime.runs_triton(q)
+
+
 def resolve_softmax_scale(softmax_scale: float | None, head_dim: int, fn: str) -> float:
     """softmax_scale, 1 / sqrt(head_dim) by default. It must be positive: the kernels take the row
     maximum of the raw scores and scale it, which a negative scale would turn into the minimum."""
@@ -1552,6 +1546,29 @@ def normalize_mask(causal: bool, window_size, fn: str = "flash_attention") -> tu
     return (False, (left, right)) if (left, right) != (-1, -1) else (causal, (-1, -1))
 
 
+def _attention(fn: str, q, k, v, packed: Packed | None, causal, softmax_scale, return_lse, window_size):
+    """:func:`flash_attention`, or with packed :func:`flash_attention_varlen`, after their arguments."""
+    q, k, v = runtime.autocast(q, k, v)
+    _validate(q, k, v, fn, packed=packed is not None)
+    if packed is not None:
+        _validate_sequences(q, k, packed)
+    causal, window = normalize_mask(causal, window_size, fn)
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1], fn)
+    if _runs_triton(q, fn):
+        sequences = (None, None, 0, 0)
+        if packed is not None:
+            cu_q, cu_k = packed.cu_seqlens_q.contiguous(), packed.cu_seqlens_k.contiguous()
+            sequences = (cu_q, cu_k, packed.max_seqlen_q, packed.max_seqlen_k)
+        out, lse = _attn_fwd_op(q, k, v, causal, scale, *window, *sequences)
+    elif packed is None:
+        out, lse = reference.attention(q, k, v, causal, scale, window_size=window)
+    else:
+        cu_q, cu_k = packed.cu_seqlens_q, packed.cu_seqlens_k
+        out, lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal, scale, window_size=window)
+    out = out.to(q.dtype)  # the reference's float32 back to q's dtype
+    return (out, lse) if return_lse else out
+
+
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1579,21 +1596,7 @@ def flash_attention(
     Returns out (batch, seqlen_q, heads, head_dim) in q's dtype, or (out, lse) with return_lse,
     lse (batch, heads, seqlen_q) float32 the natural log-sum-exp of each row's scaled scores.
     """
-    fn = "flash_attention"
-    q, k, v = runtime.autocast(q, k, v)
-    _validate(q, k, v, fn, packed=False)
-    causal, window = normalize_mask(causal, window_size)
-    scale = resolve_softmax_scale(softmax_scale, q.shape[-1], fn)
-    if runtime.runs_triton(q):
-        if q.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"flash_attention: q, k and v must be float16 or bfloat16 on the Triton path, got {q.dtype}"
-            )
-        out, lse = _attn_fwd_op(q, k, v, causal, scale, *window, None, None, 0, 0)
-    else:
-        out, lse = reference.attention(q, k, v, causal, scale, window_size=window)
-        out = out.to(q.dtype)
-    return (out, lse) if return_lse else out
+    return _attention("flash_attention", q, k, v, None, causal, softmax_scale, return_lse, window_size)
 
 
 def flash_attention_varlen(
@@ -1622,24 +1625,10 @@ def flash_attention_varlen(
     softmax_scale as in :func:`flash_attention`, per sequence (causal aligned to each one's
     bottom-right corner). Returns out like q, or (out, lse) with return_lse, lse (heads, total_q).
     """
-    fn = "flash_attention_varlen"
-    q, k, v = runtime.autocast(q, k, v)
-    _validate(q, k, v, fn, packed=True)
     packed = Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    _validate_sequences(q, k, packed)
-    causal, window = normalize_mask(causal, window_size, fn)
-    scale = resolve_softmax_scale(softmax_scale, q.shape[-1], fn)
-    if runtime.runs_triton(q):
-        if q.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{fn}: q, k and v must be float16 or bfloat16 on the Triton path, got {q.dtype}")
-        sequences = (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k)
-        out, lse = _attn_fwd_op(q, k, v, causal, scale, *window, *sequences)
-    else:
-        out, lse = reference.attention_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_size=window
-        )
-        out = out.to(q.dtype)
-    return (out, lse) if return_lse else out
+    return _attention(
+        "flash_attention_varlen", q, k, v, packed, causal, softmax_scale, return_lse, window_size
+    )
 
 
 def flash_attention_with_kvcache(
@@ -1723,11 +1712,7 @@ def flash_attention_with_kvcache(
             k_cache[sequences, rows] = k
             v_cache[sequences, rows] = v
         lengths = lengths + seqlen_new
-    if runtime.runs_triton(q):
-        if q.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"{fn}: q and the caches must be float16 or bfloat16 on the Triton path, got {q.dtype}"
-            )
+    if _runs_triton(q, fn, "q and the caches"):
         if seqlen_q > DECODE_MAX_SEQLEN_Q and isinstance(cache_seqlens, int):  # a prompt: the prefill kernel
             end = cache_seqlens + seqlen_new
             return attention_fwd(q, k_cache[:, :end], v_cache[:, :end], causal, scale, window)[0]

@@ -422,16 +422,15 @@ def _cross_entropy_backward(ctx, dloss, _ddlogits):
     return (dlogits * scale).to(dlogits.dtype), None, None, None, None, None, None
 
 
-@runtime.custom_op("cross_entropy_fwd", _cross_entropy_fake, _cross_entropy_backward, _cross_entropy_setup)
-def _cross_entropy_fwd_op(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    compute_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+# The options both forward ops take after their tensors, in torch's schema language.
+_OPTIONS = "SymInt ignore_index, str reduction, float label_smoothing, float z_loss, bool compute_grad"
+
+
+@runtime.custom_op(
+    "cross_entropy_fwd", _cross_entropy_fake, _cross_entropy_backward, _cross_entropy_setup,
+    schema=f"(Tensor logits, Tensor target, {_OPTIONS}) -> (Tensor, Tensor)",
+)  # fmt: skip
+def _cross_entropy_fwd_op(logits, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad):
     dloss = row_weight(target, ignore_index, reduction) if compute_grad else None
     if runtime.runs_triton(logits):
         dlogits = runtime.empty(logits.shape if compute_grad else (0,), logits.dtype, logits.device)
@@ -479,18 +478,14 @@ def _linear_backward(ctx, dloss, _ddx, _ddw, _ddb):
     return dx, dw, db if ctx.has_bias else None, None, None, None, None, None, None
 
 
-@runtime.custom_op("linear_cross_entropy_fwd", _linear_fwd_fake, _linear_backward, _linear_setup)
+@runtime.custom_op(
+    "linear_cross_entropy_fwd", _linear_fwd_fake, _linear_backward, _linear_setup,
+    schema=f"(Tensor x, Tensor weight, Tensor? bias, Tensor target, {_OPTIONS}) -> "
+    "(Tensor, Tensor, Tensor, Tensor)",
+)  # fmt: skip
 def _linear_cross_entropy_fwd_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    compute_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, weight, bias, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad
+):
     # "none": the gradient needs the incoming per-row gradient; the backward runs the chunks again
     in_forward = compute_grad and reduction != "none"
     dloss = row_weight(target, ignore_index, reduction) if in_forward else None

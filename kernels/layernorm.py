@@ -44,15 +44,20 @@ def _load_normalized_input(
     RESIDUAL,
     RESIDUAL_OUT,
     rows,
-    cols,
-    mask,
+    row_mask,
+    start,
     stride_x_row,
     stride_res_row,
     N,
+    BLOCK_N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     STORE_RESIDUAL: tl.constexpr,
 ):
-    """The (BLOCK_M, BLOCK_N) tile of h = x [+ residual] in float32, h rounded to x's dtype."""
+    """Columns start to start + BLOCK_N of rows: the (BLOCK_M, BLOCK_N) tile of h = x [+ residual] in
+    float32, h rounded to x's dtype; with the columns, their mask and the tile's."""
+    cols = start + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
     x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
         res = tl.load(RESIDUAL + rows[:, None] * stride_res_row + cols[None, :], mask=mask, other=0.0)
@@ -60,7 +65,7 @@ def _load_normalized_input(
         if STORE_RESIDUAL:
             tl.store(RESIDUAL_OUT + rows[:, None] * N + cols[None, :], h, mask=mask)
         x = h
-    return x.to(tl.float32)
+    return x.to(tl.float32), cols, col_mask, mask
 
 
 @triton.jit
@@ -100,11 +105,8 @@ def _norm_fwd_kernel(
     row_mask = rows < M
     rows = rows.to(tl.int64)  # row * stride passes 2**31 on large tensors
     if ROW_IN_REGISTERS:
-        cols = tl.arange(0, BLOCK_N)
-        col_mask = cols < N
-        mask = row_mask[:, None] & col_mask[None, :]
-        x = _load_normalized_input(
-            X, RESIDUAL, RESIDUAL_OUT, rows, cols, mask, stride_x_row, stride_res_row, N,
+        x, cols, col_mask, mask = _load_normalized_input(
+            X, RESIDUAL, RESIDUAL_OUT, rows, row_mask, 0, stride_x_row, stride_res_row, N, BLOCK_N,
             HAS_RESIDUAL, True,
         )  # fmt: skip
         if IS_RMS:
@@ -123,11 +125,8 @@ def _norm_fwd_kernel(
         mean = tl.zeros([BLOCK_M], dtype=tl.float32)
         m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_mask = cols < N
-            mask = row_mask[:, None] & col_mask[None, :]
-            x = _load_normalized_input(
-                X, RESIDUAL, RESIDUAL_OUT, rows, cols, mask, stride_x_row, stride_res_row, N,
+            x, cols, col_mask, mask = _load_normalized_input(
+                X, RESIDUAL, RESIDUAL_OUT, rows, row_mask, start, stride_x_row, stride_res_row, N, BLOCK_N,
                 HAS_RESIDUAL, True,
             )  # fmt: skip
             if IS_RMS:
@@ -148,17 +147,11 @@ def _norm_fwd_kernel(
         # Pass 2: normalise. h is recomputed from x and residual rather than read back from
         # RESIDUAL_OUT: another thread of this program may have written it, with no barrier.
         for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_mask = cols < N
-            mask = row_mask[:, None] & col_mask[None, :]
-            x = _load_normalized_input(
-                X, RESIDUAL, RESIDUAL_OUT, rows, cols, mask, stride_x_row, stride_res_row, N,
+            x, cols, col_mask, mask = _load_normalized_input(
+                X, RESIDUAL, RESIDUAL_OUT, rows, row_mask, start, stride_x_row, stride_res_row, N, BLOCK_N,
                 HAS_RESIDUAL, False,
             )  # fmt: skip
-            if IS_RMS:
-                xc = x
-            else:
-                xc = x - mean[:, None]
+            xc = x if IS_RMS else x - mean[:, None]
             y = _affine(xc * rstd[:, None], W, B, cols, col_mask, HAS_WEIGHT, HAS_BIAS)
             tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
@@ -172,10 +165,7 @@ def _load_rows(
     dy = tl.load(DY + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0)
     x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
     rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-    if IS_RMS:
-        mean = rstd  # unused
-    else:
-        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+    mean = rstd if IS_RMS else tl.load(MEAN + rows, mask=row_mask, other=0.0)  # RMSNorm's: unused
     return dy, x, mean, rstd
 
 
@@ -184,14 +174,8 @@ def _bwd_tile(dy, x, w, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.c
     """dy, x_hat = (h - mean) * rstd and w * dy in float32, from a tile's dy and h as loaded."""
     dy = dy.to(tl.float32)
     x = x.to(tl.float32)
-    if IS_RMS:
-        x_hat = x * rstd[:, None]
-    else:
-        x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-    if HAS_WEIGHT:
-        wdy = dy * w[None, :]
-    else:
-        wdy = dy
+    x_hat = x * rstd[:, None] if IS_RMS else tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    wdy = dy * w[None, :] if HAS_WEIGHT else dy
     return dy, x_hat, wdy
 
 
@@ -512,26 +496,11 @@ def _backward(ctx, dy, dresidual_out, _dmean, _drstd):
     needs_x, needs_weight, needs_bias, needs_residual = ctx.needs_input_grad[:4]
     needs = [needs_x or needs_residual, needs_weight, needs_bias]  # x and the residual share dx
     dx, dweight, dbias = _norm_bwd_op(dy, dres, x, weight, mean, rstd, ctx.has_bias, ctx.rms, needs)
-    return (
-        dx if needs_x else None,
-        dweight if needs_weight else None,
-        dbias if needs_bias else None,
-        dx if needs_residual else None,
-        None,
-        None,
-    )
+    grads = zip((dx, dweight, dbias, dx), (needs_x, needs_weight, needs_bias, needs_residual), strict=True)
+    return *(g if need else None for g, need in grads), None, None
 
 
-@runtime.custom_op("norm_fwd", _norm_fwd_fake, _backward, _setup_context)
-def _norm_fwd_op(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    eps: float,
-    rms: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return norm_fwd(x, weight, bias, residual, eps, rms)
+_norm_fwd_op = runtime.custom_op("norm_fwd", _norm_fwd_fake, _backward, _setup_context)(norm_fwd)
 
 
 def _norm_bwd_fake(dy, dresidual_out, x, weight, mean, rstd, has_bias, rms, needs):
@@ -544,19 +513,7 @@ def _norm_bwd_fake(dy, dresidual_out, x, weight, mean, rstd, has_bias, rms, need
     )
 
 
-@runtime.custom_op("norm_bwd", _norm_bwd_fake)
-def _norm_bwd_op(
-    dy: torch.Tensor,
-    dresidual_out: torch.Tensor | None,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    has_bias: bool,
-    rms: bool,
-    needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return norm_bwd(dy, dresidual_out, x, weight, mean, rstd, has_bias, rms, needs)
+_norm_bwd_op = runtime.custom_op("norm_bwd", _norm_bwd_fake)(norm_bwd)
 
 
 # ----------------------------------------------------------------------------------------------

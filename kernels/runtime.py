@@ -275,13 +275,14 @@ def check_tensor(fn: str, name: str, t, device: torch.device, dtypes: tuple, all
         raise ValueError(f"{fn}: {name} is on {t.device} but input is on {device}")
 
 
-def custom_op(name: str, fake, backward=None, setup_context=None):
+def custom_op(name: str, fake, backward=None, setup_context=None, schema: str | None = None):
     """Decorator: the function as the PyTorch custom op ``horse::<name>`` (it mutates no input),
     with its fake (the outputs' shapes and dtypes, for torch.compile and meta tensors) and, given a
-    backward, its autograd. Every kernel family registers its ops through this one helper."""
+    backward, its autograd. Every kernel family registers its ops through this one helper. The op's
+    schema is inferred from the function's annotations unless given (torch's schema language)."""
 
     def register(fn):
-        op = torch.library.custom_op(f"horse::{name}", fn, mutates_args=())
+        op = torch.library.custom_op(f"horse::{name}", fn, mutates_args=(), schema=schema)
         op.register_fake(fake)
         if backward is not None:
             op.register_autograd(backward, setup_context=setup_context)
