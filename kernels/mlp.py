@@ -899,11 +899,6 @@ def _persistent(cfg: GemmConfig, tma: bool, splits: int, y: torch.Tensor) -> boo
     return cfg.persistent and tma and splits == 1 and runtime.tma_compatible(y)
 
 
-def _persistent_grid(cfg: GemmConfig, M: int, N: int, device: torch.device) -> tuple[int]:
-    """One program an SM (runtime.num_sms: the interpreter's stand-in is 4), or one a tile if fewer."""
-    return (min(_grid(cfg, M, N)[0], runtime.num_sms(device)),)
-
-
 def _output_tiles(cfg: GemmConfig, *outputs: torch.Tensor) -> list:
     """Descriptors of (M, N) outputs for the persistent kernels' epilogue subtiles; an empty output
     (pre not saved) gets the first one's, which the kernel does not write."""
@@ -924,84 +919,57 @@ def _stores_pre(activation: str, save_pre: bool) -> bool:
     return save_pre and activation != "none"
 
 
-def _linear_act_fwd(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, store_pre: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(act(x Wᵀ + b), x Wᵀ + b or an empty tensor): both (M, N) in x's dtype."""
+def _fwd_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    w_up: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    activation: str,
+    store_pre: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """act(x Wᵀ + b), or with w_up (weight is then W_gate, no bias) act(x W_gateᵀ) ⊙ x W_upᵀ in one
+    pass over x with two accumulators. Returns (y, pre, up), each (M, N) in x's dtype: pre = x Wᵀ + b
+    (the gate), up = x W_upᵀ (pre again without w_up), both empty unless store_pre."""
     M, K = x.shape
     N = weight.shape[0]
+    gated = w_up is not None
+    if (
+        gated and w_up.stride() != weight.stride()
+    ):  # the pointer path walks both weights with one set of strides
+        weight, w_up = weight.contiguous(), w_up.contiguous()
     y = runtime.empty((M, N), x.dtype, x.device)
     pre = runtime.empty((M, N) if store_pre else (0,), x.dtype, x.device)
+    up = runtime.empty((M, N) if store_pre else (0,), x.dtype, x.device) if gated else pre
     if M == 0 or N == 0:
-        return y, pre
-    cfg = gemm_config("fwd", M, N, x.device)
-    tma = tma_usable(cfg, x, weight)
+        return y, pre, up
+    cfg = gemm_config("gated_fwd" if gated else "fwd", M, N, x.device)
+    tma = tma_usable(cfg, x, weight, *([w_up] if gated else []))
     x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
     w_tiles = runtime.tma_operand(weight, (cfg.block_n, cfg.block_k), tma)
+    wu_tiles = runtime.tma_operand(w_up, (cfg.block_n, cfg.block_k), tma) if gated else w_tiles
+    b = bias if bias is not None else x if gated else weight  # a dummy pointer without a bias
+    flags = {"ACTIVATION": activation, "GATED": gated, "HAS_BIAS": bias is not None, "STORE_PRE": store_pre}
     splits = split_k(cfg, M, N, K, x.device)
     if _persistent(cfg, tma, splits, y):
+        # One program an SM (runtime.num_sms: the interpreter's stand-in is 4), or one a tile if fewer.
+        programs = min(_grid(cfg, M, N)[0], runtime.num_sms(x.device))
         with runtime.device_guard(x):
             runtime.launch(
-                _fwd_persistent_kernel, _persistent_grid(cfg, M, N, x.device),
-                x_tiles, w_tiles, w_tiles, bias if bias is not None else weight,
-                *_output_tiles(cfg, y, pre, pre), M, N, K,
-                ACTIVATION=activation, GATED=False, HAS_BIAS=bias is not None, STORE_PRE=store_pre,
-                INLINE_PTX=inline_ptx(x), **_launch_options(cfg, None),
+                _fwd_persistent_kernel, (programs,),
+                x_tiles, w_tiles, wu_tiles, b, *_output_tiles(cfg, y, pre, up), M, N, K,
+                **flags, INLINE_PTX=inline_ptx(x), **_launch_options(cfg, None),
             )  # fmt: skip
-        return y, pre
-    partial = runtime.empty((splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
+        return y, pre, up
+    partial = runtime.empty(((1 + gated) * splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
     with runtime.device_guard(x):
         runtime.launch(
             _fwd_kernel, _grid(cfg, M, N, splits),
-            x_tiles, w_tiles, w_tiles, bias if bias is not None else weight, y, pre, pre, partial, M, N, K,
-            x.stride(), weight.stride(),
-            ACTIVATION=activation, GATED=False, HAS_BIAS=bias is not None, STORE_PRE=store_pre,
-            SPLIT_K=splits > 1, INLINE_PTX=inline_ptx(x), **_launch_options(cfg, tma),
+            x_tiles, w_tiles, wu_tiles, b, y, pre, up, partial, M, N, K, x.stride(), weight.stride(),
+            **flags, SPLIT_K=splits > 1, INLINE_PTX=inline_ptx(x), **_launch_options(cfg, tma),
         )  # fmt: skip
         if splits > 1:
-            _split_k_epilogue(partial, cfg, bias, y, pre, pre, activation, store_pre, gated=False)
-    return y, pre
-
-
-def _gated_fwd(
-    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str, store_pre: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(act(x W_gateᵀ) ⊙ x W_upᵀ, gate, up); gate and up are empty unless store_pre."""
-    M, K = x.shape
-    N = w_gate.shape[0]
-    if w_up.stride() != w_gate.stride():  # the pointer path walks both weights with one set of strides
-        w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
-    y = runtime.empty((M, N), x.dtype, x.device)
-    gate = runtime.empty((M, N) if store_pre else (0,), x.dtype, x.device)
-    up = runtime.empty((M, N) if store_pre else (0,), x.dtype, x.device)
-    if M == 0 or N == 0:
-        return y, gate, up
-    cfg = gemm_config("gated_fwd", M, N, x.device)
-    tma = tma_usable(cfg, x, w_gate, w_up)
-    x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
-    wg_tiles, wu_tiles = (runtime.tma_operand(w, (cfg.block_n, cfg.block_k), tma) for w in (w_gate, w_up))
-    splits = split_k(cfg, M, N, K, x.device)
-    if _persistent(cfg, tma, splits, y):
-        with runtime.device_guard(x):
-            runtime.launch(
-                _fwd_persistent_kernel, _persistent_grid(cfg, M, N, x.device),
-                x_tiles, wg_tiles, wu_tiles, x, *_output_tiles(cfg, y, gate, up), M, N, K,
-                ACTIVATION=activation, GATED=True, HAS_BIAS=False, STORE_PRE=store_pre,
-                INLINE_PTX=inline_ptx(x), **_launch_options(cfg, None),
-            )  # fmt: skip
-        return y, gate, up
-    partial = runtime.empty((2 * splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
-    with runtime.device_guard(x):
-        runtime.launch(
-            _fwd_kernel, _grid(cfg, M, N, splits),
-            x_tiles, wg_tiles, wu_tiles, x, y, gate, up, partial, M, N, K,
-            x.stride(), w_gate.stride(),
-            ACTIVATION=activation, GATED=True, HAS_BIAS=False, STORE_PRE=store_pre, SPLIT_K=splits > 1,
-            INLINE_PTX=inline_ptx(x), **_launch_options(cfg, tma),
-        )  # fmt: skip
-        if splits > 1:
-            _split_k_epilogue(partial, cfg, None, y, gate, up, activation, store_pre, gated=True)
-    return y, gate, up
+            _split_k_epilogue(partial, cfg, bias, y, pre, up, activation, store_pre, gated)
+    return y, pre, up
 
 
 def _db(partial: torch.Tensor, has_bias: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -1125,12 +1093,23 @@ def _split_gate_up(dw_gate_up: torch.Tensor, needs: list[bool]) -> tuple:
     return (dw_gate_up, None) if needs[0] else (None, dw_gate_up if needs[1] else None)
 
 
-def linear_act_fwd(x, weight, bias, activation: str, save_pre: bool):
+def linear_act_fwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, save_pre: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of :func:`linear_act` on validated (M, K) input: (y, pre or an empty tensor)."""
-    return _linear_act_fwd(x, weight, bias, activation, _stores_pre(activation, save_pre))
+    y, pre, _ = _fwd_gemm(x, weight, None, bias, activation, _stores_pre(activation, save_pre))
+    return y, pre
 
 
-def linear_act_bwd(dy, x, weight, pre, has_bias: bool, activation: str, needs: list[bool]):
+def linear_act_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor | None,
+    weight: torch.Tensor,
+    pre: torch.Tensor,
+    has_bias: bool,
+    activation: str,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`linear_act_fwd`: (dx, dweight, dbias), each an empty tensor where not
     wanted (needs: dx, dweight; has_bias: dbias); x may then be None (see :func:`_input_grads`)."""
     if activation == "none":
@@ -1142,13 +1121,24 @@ def linear_act_bwd(dy, x, weight, pre, has_bias: bool, activation: str, needs: l
     return dx, dw, db
 
 
-def gated_linear_fwd(x, w_gate, w_up, activation: str, save_pre: bool):
+def gated_linear_fwd(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str, save_pre: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward of :func:`gated_linear` on validated (M, K) input: (y, gate, up), the last two empty
     unless save_pre."""
-    return _gated_fwd(x, w_gate, w_up, activation, save_pre)
+    return _fwd_gemm(x, w_gate, w_up, None, activation, save_pre)
 
 
-def gated_linear_bwd(dy, x, w_gate, w_up, gate, up, activation: str, needs: list[bool]):
+def gated_linear_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor | None,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Backward of :func:`gated_linear_fwd`: (dx, dw_gate|up) as :func:`_gated_input_grads` returns
     them, empty where needs (dx, dw_gate, dw_up) says not wanted."""
     dgate_up, _ = _act_bwd(dy, gate, up, activation, has_bias=False)
@@ -1167,22 +1157,38 @@ def _out_grads(dy: torch.Tensor, h: torch.Tensor, has_b_out: bool, need_dw: bool
     return torch.matmul(dy.t(), h) if need_dw else dy.new_empty((0,)), db_out
 
 
-def fused_mlp_fwd(x, w_in, b_in, w_out, b_out, activation: str, save_pre: bool):
+def fused_mlp_fwd(
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    b_in: torch.Tensor | None,
+    w_out: torch.Tensor,
+    b_out: torch.Tensor | None,
+    activation: str,
+    save_pre: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of :func:`fused_mlp` on validated (M, K) input: (y, pre).
 
     pre is what the backward needs: the pre-activation (for ``none``, h itself), or an empty tensor
     unless save_pre.
     """
     store_pre = _stores_pre(activation, save_pre)
-    h, pre = _linear_act_fwd(x, w_in, b_in, activation, store_pre)
+    h, pre, _ = _fwd_gemm(x, w_in, None, b_in, activation, store_pre)
     if save_pre and not store_pre:
         pre = h  # "none": h is the pre-activation
     return _down_proj(h, w_out, b_out), pre
 
 
 def fused_mlp_bwd(
-    dy, x, w_in, w_out, pre, has_b_in: bool, has_b_out: bool, activation: str, needs: list[bool]
-):
+    dy: torch.Tensor,
+    x: torch.Tensor | None,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    pre: torch.Tensor,
+    has_b_in: bool,
+    has_b_out: bool,
+    activation: str,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`fused_mlp_fwd`: (dx, dw_in, db_in, dw_out, db_out); what needs (dx, dw_in,
     dw_out) or has_b_in / has_b_out leave out is an empty tensor, and costs no GEMM."""
     if needs[0] or needs[1] or has_b_in:
@@ -1195,13 +1201,30 @@ def fused_mlp_bwd(
     return dx, dw_in, db_in, dw_out, db_out
 
 
-def gated_mlp_fwd(x, w_gate, w_up, w_down, activation: str, save_pre: bool):
+def gated_mlp_fwd(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str,
+    save_pre: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward of :func:`fused_gated_mlp` on validated (M, K) input: (y, gate, up)."""
-    h, gate, up = _gated_fwd(x, w_gate, w_up, activation, save_pre)
+    h, gate, up = _fwd_gemm(x, w_gate, w_up, None, activation, save_pre)
     return _down_proj(h, w_down, None), gate, up
 
 
-def gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation: str, needs: list[bool]):
+def gated_mlp_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor | None,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`gated_mlp_fwd`: (dx, dw_gate|up as :func:`_gated_input_grads` returns it,
     dw_down), empty where needs (dx, dw_gate, dw_up, dw_down) says not wanted (no GEMM for it)."""
     if any(needs[:3]):
@@ -1234,10 +1257,8 @@ def _fake_gated_input_grads(dy: torch.Tensor, w_gate: torch.Tensor, needs: list[
 def _fake_input_grads(dy: torch.Tensor, weights, needs: list[bool]) -> list[torch.Tensor]:
     """The shapes :func:`_input_grads` returns: dx (M, K), each dW_i like W_i, empty where not needed."""
     dx = dy.new_empty((dy.shape[0], weights[0].shape[1]) if needs[0] else (0,))
-    return [
-        dx,
-        *(dy.new_empty(w.shape if need else (0,)) for w, need in zip(weights, needs[1:], strict=True)),
-    ]
+    dws = (dy.new_empty(w.shape if need else (0,)) for w, need in zip(weights, needs[1:], strict=True))
+    return [dx, *dws]
 
 
 def _require_saved(ctx, op: str) -> None:
@@ -1275,32 +1296,16 @@ def _linear_act_backward(ctx, dy, _dpre):
     return _wanted(ctx, dx, dweight, dbias, None, None)
 
 
-@runtime.custom_op("linear_act_fwd", _linear_act_fwd_fake, _linear_act_backward, _linear_act_setup_context)
-def _linear_act_fwd_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    activation: str,
-    save_pre: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return linear_act_fwd(x, weight, bias, activation, save_pre)
+_linear_act_fwd_op = runtime.custom_op(
+    "linear_act_fwd", _linear_act_fwd_fake, _linear_act_backward, _linear_act_setup_context
+)(linear_act_fwd)
 
 
 def _linear_act_bwd_fake(dy, x, weight, pre, has_bias, activation, needs):
     return (*_fake_input_grads(dy, [weight], needs), dy.new_empty((weight.shape[0],) if has_bias else (0,)))
 
 
-@runtime.custom_op("linear_act_bwd", _linear_act_bwd_fake)
-def _linear_act_bwd_op(
-    dy: torch.Tensor,
-    x: torch.Tensor | None,
-    weight: torch.Tensor,
-    pre: torch.Tensor,
-    has_bias: bool,
-    activation: str,
-    needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return linear_act_bwd(dy, x, weight, pre, has_bias, activation, needs)
+_linear_act_bwd_op = runtime.custom_op("linear_act_bwd", _linear_act_bwd_fake)(linear_act_bwd)
 
 
 def _gated_linear_fwd_fake(x, w_gate, w_up, activation, save_pre):
@@ -1324,31 +1329,16 @@ def _gated_linear_backward(ctx, dy, _dgate, _dup):
     return _wanted(ctx, dx, *_split_gate_up(dw_gate_up, needs[1:]), None, None)
 
 
-@runtime.custom_op(
+_gated_linear_fwd_op = runtime.custom_op(
     "gated_linear_fwd", _gated_linear_fwd_fake, _gated_linear_backward, _gated_linear_setup_context
-)
-def _gated_linear_fwd_op(
-    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str, save_pre: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return gated_linear_fwd(x, w_gate, w_up, activation, save_pre)
+)(gated_linear_fwd)
 
 
 def _gated_linear_bwd_fake(dy, x, w_gate, w_up, gate, up, activation, needs):
     return tuple(_fake_gated_input_grads(dy, w_gate, needs))
 
 
-@runtime.custom_op("gated_linear_bwd", _gated_linear_bwd_fake)
-def _gated_linear_bwd_op(
-    dy: torch.Tensor,
-    x: torch.Tensor | None,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    activation: str,
-    needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return gated_linear_bwd(dy, x, w_gate, w_up, gate, up, activation, needs)
+_gated_linear_bwd_op = runtime.custom_op("gated_linear_bwd", _gated_linear_bwd_fake)(gated_linear_bwd)
 
 
 def _fused_mlp_fwd_fake(x, w_in, b_in, w_out, b_out, activation, save_pre):
@@ -1371,17 +1361,9 @@ def _fused_mlp_backward(ctx, dy, _dpre):
     return _wanted(ctx, *grads, None, None)
 
 
-@runtime.custom_op("fused_mlp_fwd", _fused_mlp_fwd_fake, _fused_mlp_backward, _fused_mlp_setup_context)
-def _fused_mlp_fwd_op(
-    x: torch.Tensor,
-    w_in: torch.Tensor,
-    b_in: torch.Tensor | None,
-    w_out: torch.Tensor,
-    b_out: torch.Tensor | None,
-    activation: str,
-    save_pre: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return fused_mlp_fwd(x, w_in, b_in, w_out, b_out, activation, save_pre)
+_fused_mlp_fwd_op = runtime.custom_op(
+    "fused_mlp_fwd", _fused_mlp_fwd_fake, _fused_mlp_backward, _fused_mlp_setup_context
+)(fused_mlp_fwd)
 
 
 def _fused_mlp_bwd_fake(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation, needs):
@@ -1392,19 +1374,7 @@ def _fused_mlp_bwd_fake(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation
     return dx, dw_in, db_in, dw_out, db_out
 
 
-@runtime.custom_op("fused_mlp_bwd", _fused_mlp_bwd_fake)
-def _fused_mlp_bwd_op(
-    dy: torch.Tensor,
-    x: torch.Tensor | None,
-    w_in: torch.Tensor,
-    w_out: torch.Tensor,
-    pre: torch.Tensor,
-    has_b_in: bool,
-    has_b_out: bool,
-    activation: str,
-    needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return fused_mlp_bwd(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation, needs)
+_fused_mlp_bwd_op = runtime.custom_op("fused_mlp_bwd", _fused_mlp_bwd_fake)(fused_mlp_bwd)
 
 
 def _gated_mlp_fwd_fake(x, w_gate, w_up, w_down, activation, save_pre):
@@ -1428,16 +1398,9 @@ def _gated_mlp_backward(ctx, dy, _dgate, _dup):
     return _wanted(ctx, dx, *_split_gate_up(dw_gate_up, needs[1:3]), dw_down, None, None)
 
 
-@runtime.custom_op("gated_mlp_fwd", _gated_mlp_fwd_fake, _gated_mlp_backward, _gated_mlp_setup_context)
-def _gated_mlp_fwd_op(
-    x: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
-    activation: str,
-    save_pre: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return gated_mlp_fwd(x, w_gate, w_up, w_down, activation, save_pre)
+_gated_mlp_fwd_op = runtime.custom_op(
+    "gated_mlp_fwd", _gated_mlp_fwd_fake, _gated_mlp_backward, _gated_mlp_setup_context
+)(gated_mlp_fwd)
 
 
 def _gated_mlp_bwd_fake(dy, x, w_gate, w_up, w_down, gate, up, activation, needs):
@@ -1447,19 +1410,7 @@ def _gated_mlp_bwd_fake(dy, x, w_gate, w_up, w_down, gate, up, activation, needs
     )
 
 
-@runtime.custom_op("gated_mlp_bwd", _gated_mlp_bwd_fake)
-def _gated_mlp_bwd_op(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    activation: str,
-    needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return gated_mlp_bwd(dy, x, w_gate, w_up, w_down, gate, up, activation, needs)
+_gated_mlp_bwd_op = runtime.custom_op("gated_mlp_bwd", _gated_mlp_bwd_fake)(gated_mlp_bwd)
 
 
 # ----------------------------------------------------------------------------------------------
