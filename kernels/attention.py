@@ -1089,14 +1089,13 @@ def _lse_strides(lse: torch.Tensor) -> tuple[int, int]:
     return (1, lse.stride(0)) if lse.dim() == 2 else (lse.stride(0), lse.stride(1))
 
 
-def tma_usable(cfg: AttnConfig, *tensors: torch.Tensor, sequence_descriptors: bool = False) -> bool:
+def tma_usable(cfg: AttnConfig, *tensors: torch.Tensor) -> bool:
     """Whether a pass with cfg moves its tiles by TMA: ``USE_TMA`` and the table entry allow it and
     :func:`runtime.tma_compatible` holds (odd head dims and unaligned views take the pointer path).
-    Packed sequences only where the pass builds a descriptor per sequence on the device
-    (sequence_descriptors, see _sequence_descriptor): a descriptor of the whole packed tensor would
-    let a tile's store spill into the next sequence's rows."""
-    packed_ok = tensors[0].dim() == 4 or sequence_descriptors
-    return USE_TMA and cfg.tma and packed_ok and runtime.tma_compatible(*tensors)
+    Packed batches too: every pass builds a descriptor per sequence on the device for them (see
+    _sequence_descriptor), as one of the whole packed tensor would let a tile's store spill into the
+    next sequence's rows."""
+    return USE_TMA and cfg.tma and runtime.tma_compatible(*tensors)
 
 
 def _operand(t: torch.Tensor, block_s: int, block_d: int, tma: bool):
@@ -1143,9 +1142,20 @@ def _descriptors(tma: bool, packed: Packed | None):
     return host_tma, launch
 
 
-def _sequence_args(packed: Packed | None, dummy: torch.Tensor) -> dict:
-    cu_q, cu_k = (dummy, dummy) if packed is None else (packed.cu_seqlens_q, packed.cu_seqlens_k)
-    return {"CU_SEQLENS_Q": cu_q, "CU_SEQLENS_K": cu_k}
+def _pass_args(q, k, v, lse, causal, window, softmax_scale, packed: Packed | None) -> dict:
+    """The launch arguments the forward and both backward passes share: a packed batch's offsets (lse,
+    never read, when not packed), the scale, the mask, the heads, the strides of q, k, v and lse (the
+    backward's delta and lse_log2 share lse's) and the head dims."""
+    _, seqlen_q, seqlen_k, heads, kv_heads, head_dim = _shape(q, k, packed)
+    window_left, window_right, mask = _mask(causal, window, seqlen_q, seqlen_k)
+    cu_q, cu_k = (lse, lse) if packed is None else (packed.cu_seqlens_q, packed.cu_seqlens_k)
+    return dict(
+        CU_SEQLENS_Q=cu_q, CU_SEQLENS_K=cu_k, softmax_scale=softmax_scale, seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k, window_left=window_left, window_right=window_right, heads=heads,
+        group_size=heads // kv_heads, q_strides=_strides(q), k_strides=_strides(k), v_strides=_strides(v),
+        lse_strides=_lse_strides(lse), HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim),
+        VARLEN=packed is not None, **mask, INLINE_PTX=runtime.inline_ptx(q), **runtime.COMPILE_OPTIONS,
+    )  # fmt: skip
 
 
 def attention_fwd(
@@ -1159,14 +1169,13 @@ def attention_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward on validated inputs and a window normalized by :func:`normalize_mask`; returns out
     like q and lse float32: (batch, heads, seqlen_q), or (heads, total_q) for a packed batch."""
-    batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim = _shape(q, k, packed)
-    window_left, window_right, mask = _mask(causal, window, seqlen_q, seqlen_k)
+    batch, seqlen_q, _, heads, _, head_dim = _shape(q, k, packed)
     out = runtime.empty(q.shape, q.dtype, q.device)
     lse_shape = (batch, heads, seqlen_q) if packed is None else (heads, q.shape[0])
     lse = runtime.empty(lse_shape, torch.float32, q.device)
     cfg = attn_config(FWD_CONFIGS if packed is None else PACKED_FWD_CONFIGS, head_dim, q.device)
     block_d = head_dim_block(head_dim)
-    tma = tma_usable(cfg, q, k, v, out, sequence_descriptors=True)
+    tma = tma_usable(cfg, q, k, v, out)
     cfg = cfg.loads(tma)
     host_tma, launch = _descriptors(tma, packed)
     q_tiles, out_tiles = (_operand(t, cfg.block_m, block_d, host_tma) for t in (q, out))
@@ -1179,15 +1188,10 @@ def attention_fwd(
     with runtime.device_guard(q):
         launch(
             _attn_fwd_kernel, (programs,),
-            q_tiles, k_tiles, v_tiles, out_tiles, lse, **_sequence_args(packed, lse),
-            softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=window_left,
-            window_right=window_right,
-            batch=batch, heads=heads, group_size=heads // kv_heads,
-            q_strides=_strides(q), k_strides=_strides(k), v_strides=_strides(v), o_strides=_strides(out),
-            lse_strides=_lse_strides(lse),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
-            PERSISTENT=persistent, VARLEN=packed is not None, INLINE_PTX=runtime.inline_ptx(q),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
+            q_tiles, k_tiles, v_tiles, out_tiles, lse, batch=batch, o_strides=_strides(out),
+            **_pass_args(q, k, v, lse, causal, window, softmax_scale, packed),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, PERSISTENT=persistent,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out, lse
 
@@ -1283,7 +1287,6 @@ def attention_bwd(
     needs says whether dq and whether dk and dv are wanted: a pass nobody wants is not launched, its
     gradients empty tensors (frozen inputs)."""
     batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim = _shape(q, k, packed)
-    window_left, window_right, mask = _mask(causal, window, seqlen_q, seqlen_k)
     if dout.stride(-1) != 1:  # gradients can arrive expanded (stride 0) or transposed
         dout = dout.contiguous()
     if dlse is not None:
@@ -1296,28 +1299,24 @@ def attention_bwd(
     dv = runtime.empty(v.shape if needs[1] else (0,), v.dtype, v.device)
     if q.shape[0] == 0 or k.shape[0] == 0 or not any(needs):  # nothing to compute
         return dq.zero_(), dk.zero_(), dv.zero_()
-    group_size = heads // kv_heads
-    dims = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "VARLEN": packed is not None}
-    sequences, lse_strides = _sequence_args(packed, delta), _lse_strides(lse)
-    windowed = {"window_left": window_left, "window_right": window_right}
+    args = _pass_args(q, k, v, lse, causal, window, softmax_scale, packed) | {"do_strides": _strides(dout)}
     with runtime.device_guard(q):
         grid = (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M) * batch * heads,)
         runtime.launch(
             _attn_bwd_preprocess_kernel, grid,
-            out, dout, lse, dlse if dlse is not None else delta, delta, lse_log2, sequences["CU_SEQLENS_Q"],
-            seqlen_q, heads,
-            _strides(out), _strides(dout), lse_strides,
-            **dims, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=dlse is not None, num_warps=PREPROCESS_NUM_WARPS,
-            **runtime.COMPILE_OPTIONS,
+            out, dout, lse, dlse if dlse is not None else delta, delta, lse_log2, args["CU_SEQLENS_Q"],
+            seqlen_q, heads, _strides(out), _strides(dout), args["lse_strides"],
+            HEAD_DIM=head_dim, BLOCK_D=block_d, VARLEN=packed is not None, BLOCK_M=PREPROCESS_BLOCK_M,
+            HAS_DLSE=dlse is not None, num_warps=PREPROCESS_NUM_WARPS, **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
         if needs[1]:
             cfg = attn_config(BWD_DKDV_CONFIGS, head_dim, q.device)
             # dk and dv stand for the float32 partials of head splits: new, contiguous, as aligned.
-            tma = tma_usable(cfg, q, k, v, dout, dk, dv, sequence_descriptors=True)
+            tma = tma_usable(cfg, q, k, v, dout, dk, dv)
             cfg = cfg.loads(tma)
             host_tma, launch = _descriptors(tma, packed)
             programs = triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads
-            heads_per_split, splits = dkdv_head_splits(programs, group_size, bwd_num_sms(q.device))
+            heads_per_split, splits = dkdv_head_splits(programs, heads // kv_heads, bwd_num_sms(q.device))
             # Split: float32 partials (splits, *k.shape), the splits stacked on the first axis.
             dk_out, dv_out = dk, dv
             if splits > 1:
@@ -1332,36 +1331,27 @@ def attention_bwd(
             for output in dkdv_outputs(cfg):
                 launch(
                     _attn_bwd_dkdv_kernel, (programs, splits * cfg.column_splits),
-                    q_tiles, k_tiles, v_tiles, do_tiles, lse_log2, delta, dk_tiles, dv_tiles, **sequences,
-                    softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed,
-                    heads=heads, kv_heads=kv_heads, group_size=group_size, heads_per_split=heads_per_split,
-                    split_seqs=k.shape[0], q_strides=_strides(q), k_strides=_strides(k),
-                    v_strides=_strides(v), do_strides=_strides(dout), dk_strides=_strides(dk_out),
-                    dv_strides=_strides(dv_out), lse_strides=lse_strides, **dims,
+                    q_tiles, k_tiles, v_tiles, do_tiles, lse_log2, delta, dk_tiles, dv_tiles, **args,
+                    kv_heads=kv_heads, heads_per_split=heads_per_split, split_seqs=k.shape[0],
+                    dk_strides=_strides(dk_out), dv_strides=_strides(dv_out),
                     BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                    **mask, TMA=tma, INLINE_PTX=runtime.inline_ptx(q), OUTPUT=output,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
+                    TMA=tma, OUTPUT=output, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 )  # fmt: skip
             if splits > 1:  # torch's sum over the splits: the same order every run
                 dk.copy_(dk_out.view(splits, *k.shape).sum(0))
                 dv.copy_(dv_out.view(splits, *v.shape).sum(0))
         if needs[0]:
             cfg = attn_config(BWD_DQ_CONFIGS, head_dim, q.device)
-            tma = tma_usable(cfg, q, k, v, dout, dq, sequence_descriptors=True)
+            tma = tma_usable(cfg, q, k, v, dout, dq)
             host_tma, launch = _descriptors(tma, packed)
             q_tiles, do_tiles, dq_tiles = (_operand(t, cfg.block_m, block_d, host_tma) for t in (q, dout, dq))
             k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, host_tma) for t in (k, v))
             grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
             launch(
                 _attn_bwd_dq_kernel, grid,
-                q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dq_tiles, **sequences,
-                softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
-                group_size=group_size,
-                q_strides=_strides(q), k_strides=_strides(k), v_strides=_strides(v),
-                do_strides=_strides(dout), dq_strides=_strides(dq), lse_strides=lse_strides,
-                **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
-                INLINE_PTX=runtime.inline_ptx(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                **runtime.COMPILE_OPTIONS,
+                q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dq_tiles, **args, dq_strides=_strides(dq),
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
             )  # fmt: skip
     return dq, dk, dv
 
