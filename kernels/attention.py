@@ -1366,10 +1366,8 @@ def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Packed | 
 
 
 def _attn_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, cu_seqlens_q, *_):
-    if cu_seqlens_q is None:
-        batch, seqlen_q, heads, _ = q.shape
-        return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if cu_seqlens_q is None else (q.shape[1], q.shape[0])
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
@@ -1666,7 +1664,10 @@ def flash_attention_with_kvcache(
             )
     if cache_seqlens is None:
         cache_seqlens = seqlen_cache - seqlen_new
-    if isinstance(cache_seqlens, torch.Tensor):
+    is_int = isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)
+    if not is_int:
+        if not isinstance(cache_seqlens, torch.Tensor):
+            raise ValueError(f"{fn}: cache_seqlens must be an int or an int32 tensor, got {cache_seqlens!r}")
         if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,):
             raise ValueError(
                 f"{fn}: cache_seqlens must be an int or an int32 tensor ({batch},), got "
@@ -1674,26 +1675,21 @@ def flash_attention_with_kvcache(
             )
         if cache_seqlens.device != q.device:
             raise ValueError(f"{fn}: cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
-        lengths = cache_seqlens
-        if q.device.type == "cpu" and not torch.compiler.is_compiling():
-            if (cache_seqlens < 0).any() or (cache_seqlens + seqlen_new > seqlen_cache).any():
-                raise ValueError(
-                    f"{fn}: cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache's "
-                    f"length), got cache_seqlens {cache_seqlens.tolist()} and seqlen_new {seqlen_new}"
-                )
-    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        if not 0 <= cache_seqlens <= seqlen_cache - seqlen_new:
+    # A tensor's lengths are read only on the CPU in eager mode: no wait for the GPU, no graph break.
+    if is_int or (q.device.type == "cpu" and not torch.compiler.is_compiling()):
+        values = [cache_seqlens] if is_int else cache_seqlens.tolist()
+        if not all(0 <= n <= seqlen_cache - seqlen_new for n in values):
             raise ValueError(
-                f"{fn}: cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache's "
-                f"length), got cache_seqlens {cache_seqlens} and seqlen_new {seqlen_new}"
+                f"{fn}: cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache's length), "
+                f"got cache_seqlens {cache_seqlens if is_int else values} and seqlen_new {seqlen_new}"
             )
+    lengths = cache_seqlens
+    if is_int:
         lengths = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    else:
-        raise ValueError(f"{fn}: cache_seqlens must be an int or an int32 tensor, got {cache_seqlens!r}")
     causal, window = normalize_mask(causal, window_size, fn)
     scale = resolve_softmax_scale(softmax_scale, head_dim, fn)
     if k is not None:
-        if isinstance(cache_seqlens, int):
+        if is_int:
             k_cache[:, cache_seqlens : cache_seqlens + seqlen_new] = k
             v_cache[:, cache_seqlens : cache_seqlens + seqlen_new] = v
         else:  # each sequence's rows at its own length: one scatter per cache
@@ -1703,7 +1699,7 @@ def flash_attention_with_kvcache(
             v_cache[sequences, rows] = v
         lengths = lengths + seqlen_new
     if _runs_triton(q, fn, "q and the caches"):
-        if seqlen_q > DECODE_MAX_SEQLEN_Q and isinstance(cache_seqlens, int):  # a prompt: the prefill kernel
+        if seqlen_q > DECODE_MAX_SEQLEN_Q and is_int:  # a prompt: the prefill kernel
             end = cache_seqlens + seqlen_new
             return attention_fwd(q, k_cache[:, :end], v_cache[:, :end], causal, scale, window)[0]
         return attention_decode(q, k_cache, v_cache, lengths, causal, scale, window)
