@@ -1431,12 +1431,16 @@ def _check_shape(fn: str, name: str, t: torch.Tensor, shape: tuple[int, ...], wh
         raise ValueError(f"{fn}: {name} must have shape {list(shape)} ({what}), got {list(t.shape)}")
 
 
-def _validate(fn: str, x, activation, weights: dict, biases: dict, chain: list[tuple[str, str]]) -> bool:
+# Each bias by name, and the weight whose out_features it adds to.
+_BIASES = {"bias": "weight", "b_in": "w_in", "b_out": "w_out"}
+
+
+def _validate(fn: str, x, activation, params: dict) -> bool:
     """Check every argument, naming the bad one; returns whether the Triton kernels run.
 
-    weights: name -> (out_features, in_features) tensor; biases: name -> (bias or None, the name of
-    its weight); chain: (a, b) pairs where b consumes a's output, so b's in_features must equal a's
-    out_features. The first weight consumes x.
+    params: the weights, (out_features, in_features) tensors, and the biases (_BIASES), by name. The
+    first weight consumes x; w_up has w_gate's shape; the down projection (w_out, w_down) consumes
+    the first weight's outputs.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: input must be a torch.Tensor, got {type(x).__name__}")
@@ -1445,23 +1449,24 @@ def _validate(fn: str, x, activation, weights: dict, biases: dict, chain: list[t
     _check_tensor(fn, "input", x, x, x.dim())
     if activation not in ACTIVATIONS:
         raise ValueError(f"{fn}: unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}")
+    weights = {name: w for name, w in params.items() if name not in _BIASES}
     for name, w in weights.items():
         _check_tensor(fn, name, w, x, 2)
-    first, w = next(iter(weights.items()))
+    (first, w), *rest = weights.items()
     if w.shape[1] != x.shape[-1]:
         raise ValueError(
             f"{fn}: {first} has in_features {w.shape[1]} but input's last dimension is {x.shape[-1]} "
             f"(input {list(x.shape)}, {first} {list(w.shape)}; weights are (out_features, in_features) "
             "as in nn.Linear)"
         )
-    for a, b in chain:
-        wa, wb = weights[a], weights[b]
-        if b == "w_up":
-            _check_shape(fn, b, wb, tuple(wa.shape), f"{a}'s shape")
+    for name, t in rest:
+        if name == "w_up":
+            _check_shape(fn, name, t, tuple(w.shape), f"{first}'s shape")
         else:
-            _check_shape(fn, b, wb, (wb.shape[0], wa.shape[0]), f"in_features = {a}'s out_features")
-    for name, (bias, weight_name) in biases.items():
-        if bias is not None:
+            _check_shape(fn, name, t, (t.shape[0], w.shape[0]), f"in_features = {first}'s out_features")
+    for name, bias in params.items():
+        if name in _BIASES and bias is not None:
+            weight_name = _BIASES[name]
             _check_tensor(fn, name, bias, x, 1)
             _check_shape(fn, name, bias, (weights[weight_name].shape[0],), f"{weight_name}'s out_features")
     triton_path = runtime.runs_triton(x)
@@ -1473,12 +1478,16 @@ def _validate(fn: str, x, activation, weights: dict, biases: dict, chain: list[t
     return triton_path
 
 
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # -1 cannot be inferred when K = 0
+def _apply(fn: str, op, reference_fn, x, activation: str, params: dict) -> torch.Tensor:
+    """The public functions' one body: autocast, validate, then op on x as (M, K) (off the Triton
+    path reference_fn), y back in x's leading dims. params: the op's tensors after x, by name."""
+    x, *tensors = runtime.autocast(x, *params.values())
+    if not _validate(fn, x, activation, dict(zip(params, tensors, strict=True))):
+        return reference_fn(x, *tensors, activation).to(x.dtype)
+    x_2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # -1 cannot be inferred when K = 0
+    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors))
+    y = op(x_2d, *tensors, activation, save)[0]
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def linear_act(
@@ -1494,13 +1503,8 @@ def linear_act(
     and device. activation: none, relu, relu2, gelu (erf), gelu_tanh or silu. Returns (..., N) in
     x's dtype. With grad enabled the pre-activation (M, N) is saved for the backward.
     """
-    x, weight, bias = runtime.autocast(x, weight, bias)
-    triton_path = _validate("linear_act", x, activation, {"weight": weight}, {"bias": (bias, "weight")}, [])
-    if not triton_path:
-        return reference.linear_act(x, weight, bias, activation).to(x.dtype)
-    save = _needs_grad(x, weight, bias)
-    y, _ = _linear_act_fwd_op(_flat(x), weight, bias, activation, save)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    params = {"weight": weight, "bias": bias}
+    return _apply("linear_act", _linear_act_fwd_op, reference.linear_act, x, activation, params)
 
 
 def gated_linear(
@@ -1511,14 +1515,8 @@ def gated_linear(
     x (..., K); w_gate and w_up (N, K); no biases. Returns (..., N) in x's dtype. One pass over x
     with two accumulators; with grad enabled both projections (M, N) are saved for the backward.
     """
-    x, w_gate, w_up = runtime.autocast(x, w_gate, w_up)
-    weights = {"w_gate": w_gate, "w_up": w_up}
-    triton_path = _validate("gated_linear", x, activation, weights, {}, [("w_gate", "w_up")])
-    if not triton_path:
-        return reference.gated_linear(x, w_gate, w_up, activation).to(x.dtype)
-    save = _needs_grad(x, w_gate, w_up)
-    y, _, _ = _gated_linear_fwd_op(_flat(x), w_gate, w_up, activation, save)
-    return y.view(*x.shape[:-1], w_gate.shape[0])
+    params = {"w_gate": w_gate, "w_up": w_up}
+    return _apply("gated_linear", _gated_linear_fwd_op, reference.gated_linear, x, activation, params)
 
 
 def fused_mlp(
@@ -1536,15 +1534,8 @@ def fused_mlp(
     bfloat16. Returns (..., D) in x's dtype. The up projection and act are one Triton GEMM; the
     down projection is cuBLAS. With grad enabled only the pre-activation (M, H) is saved.
     """
-    x, w_in, b_in, w_out, b_out = runtime.autocast(x, w_in, b_in, w_out, b_out)
-    weights = {"w_in": w_in, "w_out": w_out}
-    biases = {"b_in": (b_in, "w_in"), "b_out": (b_out, "w_out")}
-    triton_path = _validate("fused_mlp", x, activation, weights, biases, [("w_in", "w_out")])
-    if not triton_path:
-        return reference.fused_mlp(x, w_in, b_in, w_out, b_out, activation).to(x.dtype)
-    save = _needs_grad(x, w_in, b_in, w_out, b_out)
-    y, _ = _fused_mlp_fwd_op(_flat(x), w_in, b_in, w_out, b_out, activation, save)
-    return y.view(*x.shape[:-1], w_out.shape[0])
+    params = {"w_in": w_in, "b_in": b_in, "w_out": w_out, "b_out": b_out}
+    return _apply("fused_mlp", _fused_mlp_fwd_op, reference.fused_mlp, x, activation, params)
 
 
 def fused_gated_mlp(
@@ -1560,12 +1551,5 @@ def fused_gated_mlp(
     x (..., K); w_gate and w_up (H, K); w_down (D, H); no biases; float16 or bfloat16. Returns
     (..., D) in x's dtype. With grad enabled gate and up (M, H each) are saved, h is not.
     """
-    x, w_gate, w_up, w_down = runtime.autocast(x, w_gate, w_up, w_down)
-    weights = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
-    chain = [("w_gate", "w_up"), ("w_gate", "w_down")]
-    triton_path = _validate("fused_gated_mlp", x, activation, weights, {}, chain)
-    if not triton_path:
-        return reference.fused_gated_mlp(x, w_gate, w_up, w_down, activation).to(x.dtype)
-    save = _needs_grad(x, w_gate, w_up, w_down)
-    y, _, _ = _gated_mlp_fwd_op(_flat(x), w_gate, w_up, w_down, activation, save)
-    return y.view(*x.shape[:-1], w_down.shape[0])
+    params = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    return _apply("fused_gated_mlp", _gated_mlp_fwd_op, reference.fused_gated_mlp, x, activation, params)
