@@ -862,21 +862,6 @@ def split_k(cfg: GemmConfig, M: int, N: int, K: int, device: torch.device) -> in
     return max(1, min(triton.cdiv(sms, tiles), triton.cdiv(K, cfg.block_k)))
 
 
-def _split_k_epilogue(
-    partial: torch.Tensor, cfg: GemmConfig, bias, y, pre, up, activation: str, store_pre: bool, gated: bool
-) -> None:
-    """Launch _split_k_epilogue_kernel over y's (M, N) in the GEMM's own tiles."""
-    M, N = y.shape
-    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))
-    runtime.launch(
-        _split_k_epilogue_kernel, grid,
-        partial, bias if bias is not None else y, y, pre, up, M, N, partial.shape[0] // (2 if gated else 1),
-        ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre, GATED=gated,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INLINE_PTX=inline_ptx(y), num_warps=SPLIT_K_EPILOGUE_WARPS,
-        **runtime.COMPILE_OPTIONS,
-    )  # fmt: skip
-
-
 def _launch_options(cfg: GemmConfig, tma: bool | None) -> dict:
     """The constexprs and options of a GEMM launch; tma None for the persistent kernels (TMA only)."""
     return {
@@ -933,9 +918,7 @@ def _fwd_gemm(
     M, K = x.shape
     N = weight.shape[0]
     gated = w_up is not None
-    if (
-        gated and w_up.stride() != weight.stride()
-    ):  # the pointer path walks both weights with one set of strides
+    if gated and w_up.stride() != weight.stride():  # the pointer path walks both with one set of strides
         weight, w_up = weight.contiguous(), w_up.contiguous()
     y = runtime.empty((M, N), x.dtype, x.device)
     pre = runtime.empty((M, N) if store_pre else (0,), x.dtype, x.device)
@@ -950,25 +933,29 @@ def _fwd_gemm(
     b = bias if bias is not None else x if gated else weight  # a dummy pointer without a bias
     flags = {"ACTIVATION": activation, "GATED": gated, "HAS_BIAS": bias is not None, "STORE_PRE": store_pre}
     splits = split_k(cfg, M, N, K, x.device)
-    if _persistent(cfg, tma, splits, y):
-        # One program an SM (runtime.num_sms: the interpreter's stand-in is 4), or one a tile if fewer.
-        programs = min(_grid(cfg, M, N)[0], runtime.num_sms(x.device))
-        with runtime.device_guard(x):
+    partial = runtime.empty(((1 + gated) * splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
+    with runtime.device_guard(x):
+        if _persistent(cfg, tma, splits, y):
+            # One program an SM (runtime.num_sms: the interpreter's stand-in is 4), or one a tile if fewer.
+            programs = min(_grid(cfg, M, N)[0], runtime.num_sms(x.device))
             runtime.launch(
                 _fwd_persistent_kernel, (programs,),
                 x_tiles, w_tiles, wu_tiles, b, *_output_tiles(cfg, y, pre, up), M, N, K,
                 **flags, INLINE_PTX=inline_ptx(x), **_launch_options(cfg, None),
             )  # fmt: skip
-        return y, pre, up
-    partial = runtime.empty(((1 + gated) * splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
-    with runtime.device_guard(x):
-        runtime.launch(
-            _fwd_kernel, _grid(cfg, M, N, splits),
-            x_tiles, w_tiles, wu_tiles, b, y, pre, up, partial, M, N, K, x.stride(), weight.stride(),
-            **flags, SPLIT_K=splits > 1, INLINE_PTX=inline_ptx(x), **_launch_options(cfg, tma),
-        )  # fmt: skip
-        if splits > 1:
-            _split_k_epilogue(partial, cfg, bias, y, pre, up, activation, store_pre, gated)
+        else:
+            runtime.launch(
+                _fwd_kernel, _grid(cfg, M, N, splits),
+                x_tiles, w_tiles, wu_tiles, b, y, pre, up, partial, M, N, K, x.stride(), weight.stride(),
+                **flags, SPLIT_K=splits > 1, INLINE_PTX=inline_ptx(x), **_launch_options(cfg, tma),
+            )  # fmt: skip
+        if splits > 1:  # the epilogue, after the float32 partials' sum in split order, in the GEMM's tiles
+            runtime.launch(
+                _split_k_epilogue_kernel, (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m)),
+                partial, bias if bias is not None else y, y, pre, up, M, N, splits, **flags,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INLINE_PTX=inline_ptx(y),
+                num_warps=SPLIT_K_EPILOGUE_WARPS, **runtime.COMPILE_OPTIONS,
+            )  # fmt: skip
     return y, pre, up
 
 
