@@ -1234,18 +1234,11 @@ def _fake_pre(x: torch.Tensor, n: int, saved: bool) -> torch.Tensor:
     return x.new_empty((x.shape[0], n) if saved else (0,))
 
 
-def _fake_gated_input_grads(dy: torch.Tensor, w_gate: torch.Tensor, needs: list[bool]) -> list[torch.Tensor]:
-    """The shapes :func:`_gated_input_grads` returns: dx (M, K); dW_gate|up (2N, K), (N, K) or empty."""
-    N, K = w_gate.shape
-    dx = dy.new_empty((dy.shape[0], K) if needs[0] else (0,))
-    return [dx, dy.new_empty((N * (needs[1] + needs[2]), K) if needs[1] or needs[2] else (0,))]
-
-
-def _fake_input_grads(dy: torch.Tensor, weights, needs: list[bool]) -> list[torch.Tensor]:
-    """The shapes :func:`_input_grads` returns: dx (M, K), each dW_i like W_i, empty where not needed."""
-    dx = dy.new_empty((dy.shape[0], weights[0].shape[1]) if needs[0] else (0,))
-    dws = (dy.new_empty(w.shape if need else (0,)) for w, need in zip(weights, needs[1:], strict=True))
-    return [dx, *dws]
+def _fake_dgate_up(dy: torch.Tensor, w_gate: torch.Tensor) -> torch.Tensor:
+    # The backward fakes run the cuBLAS GEMMs of :func:`_input_grads` and :func:`_gated_input_grads`
+    # on fake tensors, as the ops do: the fakes' shapes and strides are the ops'. This stands for the
+    # Triton kernels' [dgate | dup] (M, 2N).
+    return dy.new_empty((dy.shape[0], 2 * w_gate.shape[0]))
 
 
 def _require_saved(ctx, op: str) -> None:
@@ -1289,7 +1282,8 @@ _linear_act_fwd_op = runtime.custom_op(
 
 
 def _linear_act_bwd_fake(dy, x, weight, pre, has_bias, activation, needs):
-    return (*_fake_input_grads(dy, [weight], needs), dy.new_empty((weight.shape[0],) if has_bias else (0,)))
+    # dy stands for dpre (M, N), as it is for "none".
+    return (*_input_grads([dy], x, [weight], needs), dy.new_empty((weight.shape[0],) if has_bias else (0,)))
 
 
 _linear_act_bwd_op = runtime.custom_op("linear_act_bwd", _linear_act_bwd_fake)(linear_act_bwd)
@@ -1322,7 +1316,7 @@ _gated_linear_fwd_op = runtime.custom_op(
 
 
 def _gated_linear_bwd_fake(dy, x, w_gate, w_up, gate, up, activation, needs):
-    return tuple(_fake_gated_input_grads(dy, w_gate, needs))
+    return _gated_input_grads(_fake_dgate_up(dy, w_gate), x, w_gate, w_up, needs)
 
 
 _gated_linear_bwd_op = runtime.custom_op("gated_linear_bwd", _gated_linear_bwd_fake)(gated_linear_bwd)
@@ -1354,11 +1348,9 @@ _fused_mlp_fwd_op = runtime.custom_op(
 
 
 def _fused_mlp_bwd_fake(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation, needs):
-    dx, dw_in = _fake_input_grads(pre, [w_in], needs[:2])
+    dx, dw_in = _input_grads([pre], x, [w_in], needs[:2])  # pre stands for dpre and h, (M, H)
     db_in = dy.new_empty((w_in.shape[0],) if has_b_in else (0,))
-    dw_out = dy.new_empty(w_out.shape if needs[2] else (0,))
-    db_out = dy.new_empty((w_out.shape[0],) if has_b_out else (0,))
-    return dx, dw_in, db_in, dw_out, db_out
+    return dx, dw_in, db_in, *_out_grads(dy, pre, has_b_out, needs[2])
 
 
 _fused_mlp_bwd_op = runtime.custom_op("fused_mlp_bwd", _fused_mlp_bwd_fake)(fused_mlp_bwd)
@@ -1391,10 +1383,8 @@ _gated_mlp_fwd_op = runtime.custom_op(
 
 
 def _gated_mlp_bwd_fake(dy, x, w_gate, w_up, w_down, gate, up, activation, needs):
-    return (
-        *_fake_gated_input_grads(gate, w_gate, needs[:3]),
-        dy.new_empty(w_down.shape if needs[3] else (0,)),
-    )
+    grads = _gated_input_grads(_fake_dgate_up(dy, w_gate), x, w_gate, w_up, needs[:3])
+    return *grads, _out_grads(dy, gate, has_b_out=False, need_dw=needs[3])[0]  # gate stands for h
 
 
 _gated_mlp_bwd_op = runtime.custom_op("gated_mlp_bwd", _gated_mlp_bwd_fake)(gated_mlp_bwd)
