@@ -1372,9 +1372,8 @@ def _attn_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, cu
 
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, softmax_scale, window_left, window_right, cu_q, cu_k, max_q, max_k = inputs
-    out, lse = output
-    # O(seqlen) tensors only: the scores are recomputed in the backward, never saved.
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    # O(seqlen) tensors only (q, k, v, out, lse): the scores are recomputed in the backward, never saved.
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
     ctx.mask_args = (causal, softmax_scale, window_left, window_right)
     ctx.max_seqlens = (max_q, max_k)
 
@@ -1515,13 +1514,8 @@ def normalize_mask(causal: bool, window_size, fn: str = "flash_attention") -> tu
     """(causal, window) with the window validated and causal folded into it: causal is the right
     side at 0, a window of (-1, 0) is plain causal, and a returned window other than (-1, -1) is
     never causal (its right side says it)."""
-    if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or not all(
-            isinstance(side, int) and not isinstance(side, bool) and side >= -1 for side in window_size
-        )
-    ):
+    sides = window_size if isinstance(window_size, (tuple, list)) else ()
+    if len(sides) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= -1 for n in sides):
         raise ValueError(
             f"{fn}: window_size must be two ints (left, right), each >= 0 or -1 for "
             f"unbounded, got {window_size!r}"
@@ -1542,16 +1536,15 @@ def _attention(fn: str, q, k, v, packed: Packed | None, causal, softmax_scale, r
         _validate_sequences(q, k, packed)
     causal, window = normalize_mask(causal, window_size, fn)
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1], fn)
+    sequences = (None, None, 0, 0)
+    if packed is not None:
+        cu_q, cu_k = packed.cu_seqlens_q.contiguous(), packed.cu_seqlens_k.contiguous()
+        sequences = (cu_q, cu_k, packed.max_seqlen_q, packed.max_seqlen_k)
     if _runs_triton(q, fn):
-        sequences = (None, None, 0, 0)
-        if packed is not None:
-            cu_q, cu_k = packed.cu_seqlens_q.contiguous(), packed.cu_seqlens_k.contiguous()
-            sequences = (cu_q, cu_k, packed.max_seqlen_q, packed.max_seqlen_k)
         out, lse = _attn_fwd_op(q, k, v, causal, scale, *window, *sequences)
     elif packed is None:
         out, lse = reference.attention(q, k, v, causal, scale, window_size=window)
     else:
-        cu_q, cu_k = packed.cu_seqlens_q, packed.cu_seqlens_k
         out, lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal, scale, window_size=window)
     out = out.to(q.dtype)  # the reference's float32 back to q's dtype
     return (out, lse) if return_lse else out

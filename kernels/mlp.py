@@ -970,10 +970,9 @@ def _pre_grads(M: int, N: int, gated: bool, like: torch.Tensor):
     gradient of the pre-activation. Gated, dpre is one (M, 2N) buffer [dgate | dup] whose halves
     the kernels write, so that dW_gate and dW_up are one GEMM (:func:`_gated_input_grads`);
     otherwise (M, N), and dup's rows an empty tensor."""
+    dpre = runtime.empty((M, 2 * N if gated else N), like.dtype, like.device)
     if not gated:
-        dpre = runtime.empty((M, N), like.dtype, like.device)
         return dpre, dpre, runtime.empty((0,), like.dtype, like.device), N
-    dpre = runtime.empty((M, 2 * N), like.dtype, like.device)
     return dpre, dpre[:, :N], dpre[:, N:], 2 * N
 
 
@@ -1264,8 +1263,7 @@ def _linear_act_setup_context(ctx, inputs, output):
     # x only for the weight's gradient: with a frozen weight (LoRA, fine-tuning) it is not kept.
     ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight, output[1])
     ctx.has_bias = bias is not None and ctx.needs_input_grad[2]
-    ctx.activation = activation
-    ctx.save_pre = save_pre or activation == "none"
+    ctx.activation, ctx.save_pre = activation, save_pre or activation == "none"
 
 
 def _linear_act_backward(ctx, dy, _dpre):
