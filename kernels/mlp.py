@@ -864,17 +864,9 @@ def split_k(cfg: GemmConfig, M: int, N: int, K: int, device: torch.device) -> in
 
 def _launch_options(cfg: GemmConfig, tma: bool | None) -> dict:
     """The constexprs and options of a GEMM launch; tma None for the persistent kernels (TMA only)."""
-    return {
-        "BLOCK_M": cfg.block_m,
-        "BLOCK_N": cfg.block_n,
-        "BLOCK_K": cfg.block_k,
-        "GROUP_M": cfg.group_m,
-        "EPILOGUE_SPLIT": cfg.epilogue_split,
-        **({} if tma is None else {"TMA": tma}),
-        "num_warps": cfg.num_warps,
-        "num_stages": cfg.num_stages,
-        **runtime.COMPILE_OPTIONS,
-    }
+    blocks = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}
+    options = {"EPILOGUE_SPLIT": cfg.epilogue_split, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return blocks | options | ({} if tma is None else {"TMA": tma}) | runtime.COMPILE_OPTIONS
 
 
 def _persistent(cfg: GemmConfig, tma: bool, splits: int, y: torch.Tensor) -> bool:
