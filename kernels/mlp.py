@@ -1095,8 +1095,7 @@ def linear_act_bwd(
         db = dy.sum(0, dtype=torch.float32).to(dy.dtype) if has_bias else dy.new_empty((0,))
     else:
         dpre, db = _act_bwd(dy, pre, None, activation, has_bias)
-    dx, dw = _input_grads([dpre], x, [weight], needs)
-    return dx, dw, db
+    return *_input_grads([dpre], x, [weight], needs), db
 
 
 def gated_linear_fwd(
@@ -1175,8 +1174,7 @@ def fused_mlp_bwd(
     else:  # only W_out and b_out train: no dh GEMM, h recomputed elementwise where dW_out needs it
         dx, dw_in, db_in = (dy.new_empty((0,)) for _ in range(3))  # outputs may not alias
         h = reference.apply_activation(pre.float(), activation).to(pre.dtype) if needs[2] else dx
-    dw_out, db_out = _out_grads(dy, h, has_b_out, needs[2])
-    return dx, dw_in, db_in, dw_out, db_out
+    return dx, dw_in, db_in, *_out_grads(dy, h, has_b_out, needs[2])
 
 
 def gated_mlp_fwd(
@@ -1212,8 +1210,7 @@ def gated_mlp_bwd(
         grads = [dy.new_empty((0,)) for _ in range(2)]  # outputs may not alias
         h = (reference.apply_activation(gate.float(), activation) * up.float()).to(gate.dtype)
         h = h if needs[3] else grads[0]
-    dw_down, _ = _out_grads(dy, h, has_b_out=False, need_dw=needs[3])
-    return (*grads, dw_down)
+    return *grads, _out_grads(dy, h, has_b_out=False, need_dw=needs[3])[0]
 
 
 # ----------------------------------------------------------------------------------------------
