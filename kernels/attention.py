@@ -1089,14 +1089,13 @@ def _lse_strides(lse: torch.Tensor) -> tuple[int, int]:
     return (1, lse.stride(0)) if lse.dim() == 2 else (lse.stride(0), lse.stride(1))
 
 
-def tma_usable(cfg: AttnConfig, *tensors: torch.Tensor, sequence_descriptors: bool = False) -> bool:
+def tma_usable(cfg: AttnConfig, *tensors: torch.Tensor) -> bool:
     """Whether a pass with cfg moves its tiles by TMA: ``USE_TMA`` and the table entry allow it and
     :func:`runtime.tma_compatible` holds (odd head dims and unaligned views take the pointer path).
-    Packed sequences only where the pass builds a descriptor per sequence on the device
-    (sequence_descriptors, see _sequence_descriptor): a descriptor of the whole packed tensor would
-    let a tile's store spill into the next sequence's rows."""
-    packed_ok = tensors[0].dim() == 4 or sequence_descriptors
-    return USE_TMA and cfg.tma and packed_ok and runtime.tma_compatible(*tensors)
+    Packed batches too: every pass builds a descriptor per sequence on the device for them (see
+    _sequence_descriptor), as one of the whole packed tensor would let a tile's store spill into the
+    next sequence's rows."""
+    return USE_TMA and cfg.tma and runtime.tma_compatible(*tensors)
 
 
 def _operand(t: torch.Tensor, block_s: int, block_d: int, tma: bool):
@@ -1143,9 +1142,20 @@ def _descriptors(tma: bool, packed: Packed | None):
     return host_tma, launch
 
 
-def _sequence_args(packed: Packed | None, dummy: torch.Tensor) -> dict:
-    cu_q, cu_k = (dummy, dummy) if packed is None else (packed.cu_seqlens_q, packed.cu_seqlens_k)
-    return {"CU_SEQLENS_Q": cu_q, "CU_SEQLENS_K": cu_k}
+def _pass_args(q, k, v, lse, causal, window, softmax_scale, packed: Packed | None) -> dict:
+    """The launch arguments the forward and both backward passes share: a packed batch's offsets (lse,
+    never read, when not packed), the scale, the mask, the heads, the strides of q, k, v and lse (the
+    backward's delta and lse_log2 share lse's) and the head dims."""
+    _, seqlen_q, seqlen_k, heads, kv_heads, head_dim = _shape(q, k, packed)
+    window_left, window_right, mask = _mask(causal, window, seqlen_q, seqlen_k)
+    cu_q, cu_k = (lse, lse) if packed is None else (packed.cu_seqlens_q, packed.cu_seqlens_k)
+    return dict(
+        CU_SEQLENS_Q=cu_q, CU_SEQLENS_K=cu_k, softmax_scale=softmax_scale, seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k, window_left=window_left, window_right=window_right, heads=heads,
+        group_size=heads // kv_heads, q_strides=_strides(q), k_strides=_strides(k), v_strides=_strides(v),
+        lse_strides=_lse_strides(lse), HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim),
+        VARLEN=packed is not None, **mask, INLINE_PTX=runtime.inline_ptx(q), **runtime.COMPILE_OPTIONS,
+    )  # fmt: skip
 
 
 def attention_fwd(
@@ -1159,14 +1169,13 @@ def attention_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward on validated inputs and a window normalized by :func:`normalize_mask`; returns out
     like q and lse float32: (batch, heads, seqlen_q), or (heads, total_q) for a packed batch."""
-    batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim = _shape(q, k, packed)
-    window_left, window_right, mask = _mask(causal, window, seqlen_q, seqlen_k)
+    batch, seqlen_q, _, heads, _, head_dim = _shape(q, k, packed)
     out = runtime.empty(q.shape, q.dtype, q.device)
     lse_shape = (batch, heads, seqlen_q) if packed is None else (heads, q.shape[0])
     lse = runtime.empty(lse_shape, torch.float32, q.device)
     cfg = attn_config(FWD_CONFIGS if packed is None else PACKED_FWD_CONFIGS, head_dim, q.device)
     block_d = head_dim_block(head_dim)
-    tma = tma_usable(cfg, q, k, v, out, sequence_descriptors=True)
+    tma = tma_usable(cfg, q, k, v, out)
     cfg = cfg.loads(tma)
     host_tma, launch = _descriptors(tma, packed)
     q_tiles, out_tiles = (_operand(t, cfg.block_m, block_d, host_tma) for t in (q, out))
@@ -1179,15 +1188,10 @@ def attention_fwd(
     with runtime.device_guard(q):
         launch(
             _attn_fwd_kernel, (programs,),
-            q_tiles, k_tiles, v_tiles, out_tiles, lse, **_sequence_args(packed, lse),
-            softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=window_left,
-            window_right=window_right,
-            batch=batch, heads=heads, group_size=heads // kv_heads,
-            q_strides=_strides(q), k_strides=_strides(k), v_strides=_strides(v), o_strides=_strides(out),
-            lse_strides=_lse_strides(lse),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
-            PERSISTENT=persistent, VARLEN=packed is not None, INLINE_PTX=runtime.inline_ptx(q),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
+            q_tiles, k_tiles, v_tiles, out_tiles, lse, batch=batch, o_strides=_strides(out),
+            **_pass_args(q, k, v, lse, causal, window, softmax_scale, packed),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, PERSISTENT=persistent,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out, lse
 
@@ -1283,7 +1287,6 @@ def attention_bwd(
     needs says whether dq and whether dk and dv are wanted: a pass nobody wants is not launched, its
     gradients empty tensors (frozen inputs)."""
     batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim = _shape(q, k, packed)
-    window_left, window_right, mask = _mask(causal, window, seqlen_q, seqlen_k)
     if dout.stride(-1) != 1:  # gradients can arrive expanded (stride 0) or transposed
         dout = dout.contiguous()
     if dlse is not None:
@@ -1296,28 +1299,24 @@ def attention_bwd(
     dv = runtime.empty(v.shape if needs[1] else (0,), v.dtype, v.device)
     if q.shape[0] == 0 or k.shape[0] == 0 or not any(needs):  # nothing to compute
         return dq.zero_(), dk.zero_(), dv.zero_()
-    group_size = heads // kv_heads
-    dims = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "VARLEN": packed is not None}
-    sequences, lse_strides = _sequence_args(packed, delta), _lse_strides(lse)
-    windowed = {"window_left": window_left, "window_right": window_right}
+    args = _pass_args(q, k, v, lse, causal, window, softmax_scale, packed) | {"do_strides": _strides(dout)}
     with runtime.device_guard(q):
         grid = (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M) * batch * heads,)
         runtime.launch(
             _attn_bwd_preprocess_kernel, grid,
-            out, dout, lse, dlse if dlse is not None else delta, delta, lse_log2, sequences["CU_SEQLENS_Q"],
-            seqlen_q, heads,
-            _strides(out), _strides(dout), lse_strides,
-            **dims, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=dlse is not None, num_warps=PREPROCESS_NUM_WARPS,
-            **runtime.COMPILE_OPTIONS,
+            out, dout, lse, dlse if dlse is not None else delta, delta, lse_log2, args["CU_SEQLENS_Q"],
+            seqlen_q, heads, _strides(out), _strides(dout), args["lse_strides"],
+            HEAD_DIM=head_dim, BLOCK_D=block_d, VARLEN=packed is not None, BLOCK_M=PREPROCESS_BLOCK_M,
+            HAS_DLSE=dlse is not None, num_warps=PREPROCESS_NUM_WARPS, **runtime.COMPILE_OPTIONS,
         )  # fmt: skip
         if needs[1]:
             cfg = attn_config(BWD_DKDV_CONFIGS, head_dim, q.device)
             # dk and dv stand for the float32 partials of head splits: new, contiguous, as aligned.
-            tma = tma_usable(cfg, q, k, v, dout, dk, dv, sequence_descriptors=True)
+            tma = tma_usable(cfg, q, k, v, dout, dk, dv)
             cfg = cfg.loads(tma)
             host_tma, launch = _descriptors(tma, packed)
             programs = triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads
-            heads_per_split, splits = dkdv_head_splits(programs, group_size, bwd_num_sms(q.device))
+            heads_per_split, splits = dkdv_head_splits(programs, heads // kv_heads, bwd_num_sms(q.device))
             # Split: float32 partials (splits, *k.shape), the splits stacked on the first axis.
             dk_out, dv_out = dk, dv
             if splits > 1:
@@ -1332,36 +1331,27 @@ def attention_bwd(
             for output in dkdv_outputs(cfg):
                 launch(
                     _attn_bwd_dkdv_kernel, (programs, splits * cfg.column_splits),
-                    q_tiles, k_tiles, v_tiles, do_tiles, lse_log2, delta, dk_tiles, dv_tiles, **sequences,
-                    softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed,
-                    heads=heads, kv_heads=kv_heads, group_size=group_size, heads_per_split=heads_per_split,
-                    split_seqs=k.shape[0], q_strides=_strides(q), k_strides=_strides(k),
-                    v_strides=_strides(v), do_strides=_strides(dout), dk_strides=_strides(dk_out),
-                    dv_strides=_strides(dv_out), lse_strides=lse_strides, **dims,
+                    q_tiles, k_tiles, v_tiles, do_tiles, lse_log2, delta, dk_tiles, dv_tiles, **args,
+                    kv_heads=kv_heads, heads_per_split=heads_per_split, split_seqs=k.shape[0],
+                    dk_strides=_strides(dk_out), dv_strides=_strides(dv_out),
                     BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                    **mask, TMA=tma, INLINE_PTX=runtime.inline_ptx(q), OUTPUT=output,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
+                    TMA=tma, OUTPUT=output, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 )  # fmt: skip
             if splits > 1:  # torch's sum over the splits: the same order every run
                 dk.copy_(dk_out.view(splits, *k.shape).sum(0))
                 dv.copy_(dv_out.view(splits, *v.shape).sum(0))
         if needs[0]:
             cfg = attn_config(BWD_DQ_CONFIGS, head_dim, q.device)
-            tma = tma_usable(cfg, q, k, v, dout, dq, sequence_descriptors=True)
+            tma = tma_usable(cfg, q, k, v, dout, dq)
             host_tma, launch = _descriptors(tma, packed)
             q_tiles, do_tiles, dq_tiles = (_operand(t, cfg.block_m, block_d, host_tma) for t in (q, dout, dq))
             k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, host_tma) for t in (k, v))
             grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
             launch(
                 _attn_bwd_dq_kernel, grid,
-                q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dq_tiles, **sequences,
-                softmax_scale=softmax_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **windowed, heads=heads,
-                group_size=group_size,
-                q_strides=_strides(q), k_strides=_strides(k), v_strides=_strides(v),
-                do_strides=_strides(dout), dq_strides=_strides(dq), lse_strides=lse_strides,
-                **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask, TMA=tma,
-                INLINE_PTX=runtime.inline_ptx(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                **runtime.COMPILE_OPTIONS,
+                q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dq_tiles, **args, dq_strides=_strides(dq),
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
             )  # fmt: skip
     return dq, dk, dv
 
@@ -1376,17 +1366,14 @@ def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Packed | 
 
 
 def _attn_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, cu_seqlens_q, *_):
-    if cu_seqlens_q is None:
-        batch, seqlen_q, heads, _ = q.shape
-        return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if cu_seqlens_q is None else (q.shape[1], q.shape[0])
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, softmax_scale, window_left, window_right, cu_q, cu_k, max_q, max_k = inputs
-    out, lse = output
-    # O(seqlen) tensors only: the scores are recomputed in the backward, never saved.
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    # O(seqlen) tensors only (q, k, v, out, lse): the scores are recomputed in the backward, never saved.
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
     ctx.mask_args = (causal, softmax_scale, window_left, window_right)
     ctx.max_seqlens = (max_q, max_k)
 
@@ -1527,13 +1514,8 @@ def normalize_mask(causal: bool, window_size, fn: str = "flash_attention") -> tu
     """(causal, window) with the window validated and causal folded into it: causal is the right
     side at 0, a window of (-1, 0) is plain causal, and a returned window other than (-1, -1) is
     never causal (its right side says it)."""
-    if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or not all(
-            isinstance(side, int) and not isinstance(side, bool) and side >= -1 for side in window_size
-        )
-    ):
+    sides = window_size if isinstance(window_size, (tuple, list)) else ()
+    if len(sides) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= -1 for n in sides):
         raise ValueError(
             f"{fn}: window_size must be two ints (left, right), each >= 0 or -1 for "
             f"unbounded, got {window_size!r}"
@@ -1554,16 +1536,15 @@ def _attention(fn: str, q, k, v, packed: Packed | None, causal, softmax_scale, r
         _validate_sequences(q, k, packed)
     causal, window = normalize_mask(causal, window_size, fn)
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1], fn)
+    sequences = (None, None, 0, 0)
+    if packed is not None:
+        cu_q, cu_k = packed.cu_seqlens_q.contiguous(), packed.cu_seqlens_k.contiguous()
+        sequences = (cu_q, cu_k, packed.max_seqlen_q, packed.max_seqlen_k)
     if _runs_triton(q, fn):
-        sequences = (None, None, 0, 0)
-        if packed is not None:
-            cu_q, cu_k = packed.cu_seqlens_q.contiguous(), packed.cu_seqlens_k.contiguous()
-            sequences = (cu_q, cu_k, packed.max_seqlen_q, packed.max_seqlen_k)
         out, lse = _attn_fwd_op(q, k, v, causal, scale, *window, *sequences)
     elif packed is None:
         out, lse = reference.attention(q, k, v, causal, scale, window_size=window)
     else:
-        cu_q, cu_k = packed.cu_seqlens_q, packed.cu_seqlens_k
         out, lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal, scale, window_size=window)
     out = out.to(q.dtype)  # the reference's float32 back to q's dtype
     return (out, lse) if return_lse else out
@@ -1676,7 +1657,10 @@ def flash_attention_with_kvcache(
             )
     if cache_seqlens is None:
         cache_seqlens = seqlen_cache - seqlen_new
-    if isinstance(cache_seqlens, torch.Tensor):
+    is_int = isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)
+    if not is_int:
+        if not isinstance(cache_seqlens, torch.Tensor):
+            raise ValueError(f"{fn}: cache_seqlens must be an int or an int32 tensor, got {cache_seqlens!r}")
         if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,):
             raise ValueError(
                 f"{fn}: cache_seqlens must be an int or an int32 tensor ({batch},), got "
@@ -1684,26 +1668,21 @@ def flash_attention_with_kvcache(
             )
         if cache_seqlens.device != q.device:
             raise ValueError(f"{fn}: cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
-        lengths = cache_seqlens
-        if q.device.type == "cpu" and not torch.compiler.is_compiling():
-            if (cache_seqlens < 0).any() or (cache_seqlens + seqlen_new > seqlen_cache).any():
-                raise ValueError(
-                    f"{fn}: cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache's "
-                    f"length), got cache_seqlens {cache_seqlens.tolist()} and seqlen_new {seqlen_new}"
-                )
-    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        if not 0 <= cache_seqlens <= seqlen_cache - seqlen_new:
+    # A tensor's lengths are read only on the CPU in eager mode: no wait for the GPU, no graph break.
+    if is_int or (q.device.type == "cpu" and not torch.compiler.is_compiling()):
+        values = [cache_seqlens] if is_int else cache_seqlens.tolist()
+        if not all(0 <= n <= seqlen_cache - seqlen_new for n in values):
             raise ValueError(
-                f"{fn}: cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache's "
-                f"length), got cache_seqlens {cache_seqlens} and seqlen_new {seqlen_new}"
+                f"{fn}: cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache's length), "
+                f"got cache_seqlens {cache_seqlens if is_int else values} and seqlen_new {seqlen_new}"
             )
+    lengths = cache_seqlens
+    if is_int:
         lengths = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    else:
-        raise ValueError(f"{fn}: cache_seqlens must be an int or an int32 tensor, got {cache_seqlens!r}")
     causal, window = normalize_mask(causal, window_size, fn)
     scale = resolve_softmax_scale(softmax_scale, head_dim, fn)
     if k is not None:
-        if isinstance(cache_seqlens, int):
+        if is_int:
             k_cache[:, cache_seqlens : cache_seqlens + seqlen_new] = k
             v_cache[:, cache_seqlens : cache_seqlens + seqlen_new] = v
         else:  # each sequence's rows at its own length: one scatter per cache
@@ -1713,7 +1692,7 @@ def flash_attention_with_kvcache(
             v_cache[sequences, rows] = v
         lengths = lengths + seqlen_new
     if _runs_triton(q, fn, "q and the caches"):
-        if seqlen_q > DECODE_MAX_SEQLEN_Q and isinstance(cache_seqlens, int):  # a prompt: the prefill kernel
+        if seqlen_q > DECODE_MAX_SEQLEN_Q and is_int:  # a prompt: the prefill kernel
             end = cache_seqlens + seqlen_new
             return attention_fwd(q, k_cache[:, :end], v_cache[:, :end], causal, scale, window)[0]
         return attention_decode(q, k_cache, v_cache, lengths, causal, scale, window)

@@ -365,9 +365,19 @@ def _dummy_if_none(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return like if t is None else t
 
 
-def _unit_column_stride(t: torch.Tensor) -> torch.Tensor:
+def _unit_column_stride(t: torch.Tensor | None) -> torch.Tensor | None:
     # Gradients can arrive expanded (stride 0) or transposed; the kernels take any row stride.
-    return t if t.stride(1) == 1 else t.contiguous()
+    return t if t is None or t.stride(1) == 1 else t.contiguous()
+
+
+def _fwd_outputs(x: torch.Tensor, residual: torch.Tensor | None, rms: bool) -> tuple[torch.Tensor, ...]:
+    """:func:`norm_fwd`'s outputs, new (and so its op's fake): y (M, N) like x; residual_out (M, N),
+    or an empty tensor without a residual; mean (M,) float32, empty for RMSNorm; rstd (M,) float32."""
+    M, N = x.shape
+    y = runtime.empty((M, N), x.dtype, x.device)
+    residual_out = runtime.empty((M, N) if residual is not None else (0,), x.dtype, x.device)
+    mean = runtime.empty((0,) if rms else (M,), torch.float32, x.device)
+    return y, residual_out, mean, runtime.empty((M,), torch.float32, x.device)
 
 
 def norm_fwd(
@@ -384,11 +394,7 @@ def norm_fwd(
     (M, N), or an empty tensor without a residual; mean (M,) float32, empty for RMSNorm; rstd (M,).
     """
     M, N = x.shape
-    fp32 = torch.float32
-    y = runtime.empty((M, N), x.dtype, x.device)
-    residual_out = runtime.empty((M, N) if residual is not None else (0,), x.dtype, x.device)
-    mean = runtime.empty((0,) if rms else (M,), fp32, x.device)
-    rstd = runtime.empty((M,), fp32, x.device)
+    y, residual_out, mean, rstd = _fwd_outputs(x, residual, rms)
     if M == 0:
         return y, residual_out, mean, rstd
     cfg = row_config(N, backward=False, dtype=x.dtype, arch=runtime.arch(x.device))
@@ -436,16 +442,13 @@ def norm_bwd(
     """
     needs_dx, needs_dw, needs_db = needs[0], needs[1] and weight is not None, needs[2] and has_bias
     M, N = x.shape
-    fp32 = torch.float32
-    dy = _unit_column_stride(dy)
-    if dresidual_out is not None:
-        dresidual_out = _unit_column_stride(dresidual_out)
+    dy, dresidual_out = _unit_column_stride(dy), _unit_column_stride(dresidual_out)
     dx = runtime.empty((M, N) if needs_dx else (0,), x.dtype, x.device)
     cfg = row_config(N, backward=True, dtype=x.dtype, arch=runtime.arch(x.device))
     rows_per_program = backward_rows_per_program(M, N, cfg, x.device) if M else 1
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, rows_per_program))
-    dw_partial = runtime.empty((grid[1], N) if needs_dw else (0,), fp32, x.device)
-    db_partial = runtime.empty((grid[1], N) if needs_db else (0,), fp32, x.device)
+    dw_partial = runtime.empty((grid[1], N) if needs_dw else (0,), torch.float32, x.device)
+    db_partial = runtime.empty((grid[1], N) if needs_db else (0,), torch.float32, x.device)
     if M > 0:
         dres = _dummy_if_none(dresidual_out, dy)
         with runtime.device_guard(x):
@@ -472,22 +475,14 @@ def norm_bwd(
 
 
 def _norm_fwd_fake(x, weight, bias, residual, eps, rms):
-    M, N = x.shape
-    return (
-        x.new_empty((M, N)),
-        x.new_empty((M, N) if residual is not None else (0,)),
-        x.new_empty((0,) if rms else (M,), dtype=torch.float32),
-        x.new_empty((M,), dtype=torch.float32),
-    )
+    return _fwd_outputs(x, residual, rms)
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, residual, _eps, rms = inputs
     _y, residual_out, mean, rstd = output
     ctx.save_for_backward(residual_out if residual is not None else x, weight, mean, rstd)
-    ctx.has_bias = bias is not None
-    ctx.has_residual = residual is not None
-    ctx.rms = rms
+    ctx.has_bias, ctx.has_residual, ctx.rms = bias is not None, residual is not None, rms
 
 
 def _backward(ctx, dy, dresidual_out, _dmean, _drstd):

@@ -862,34 +862,11 @@ def split_k(cfg: GemmConfig, M: int, N: int, K: int, device: torch.device) -> in
     return max(1, min(triton.cdiv(sms, tiles), triton.cdiv(K, cfg.block_k)))
 
 
-def _split_k_epilogue(
-    partial: torch.Tensor, cfg: GemmConfig, bias, y, pre, up, activation: str, store_pre: bool, gated: bool
-) -> None:
-    """Launch _split_k_epilogue_kernel over y's (M, N) in the GEMM's own tiles."""
-    M, N = y.shape
-    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))
-    runtime.launch(
-        _split_k_epilogue_kernel, grid,
-        partial, bias if bias is not None else y, y, pre, up, M, N, partial.shape[0] // (2 if gated else 1),
-        ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=store_pre, GATED=gated,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INLINE_PTX=inline_ptx(y), num_warps=SPLIT_K_EPILOGUE_WARPS,
-        **runtime.COMPILE_OPTIONS,
-    )  # fmt: skip
-
-
 def _launch_options(cfg: GemmConfig, tma: bool | None) -> dict:
     """The constexprs and options of a GEMM launch; tma None for the persistent kernels (TMA only)."""
-    return {
-        "BLOCK_M": cfg.block_m,
-        "BLOCK_N": cfg.block_n,
-        "BLOCK_K": cfg.block_k,
-        "GROUP_M": cfg.group_m,
-        "EPILOGUE_SPLIT": cfg.epilogue_split,
-        **({} if tma is None else {"TMA": tma}),
-        "num_warps": cfg.num_warps,
-        "num_stages": cfg.num_stages,
-        **runtime.COMPILE_OPTIONS,
-    }
+    blocks = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}
+    options = {"EPILOGUE_SPLIT": cfg.epilogue_split, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return blocks | options | ({} if tma is None else {"TMA": tma}) | runtime.COMPILE_OPTIONS
 
 
 def _persistent(cfg: GemmConfig, tma: bool, splits: int, y: torch.Tensor) -> bool:
@@ -933,9 +910,7 @@ def _fwd_gemm(
     M, K = x.shape
     N = weight.shape[0]
     gated = w_up is not None
-    if (
-        gated and w_up.stride() != weight.stride()
-    ):  # the pointer path walks both weights with one set of strides
+    if gated and w_up.stride() != weight.stride():  # the pointer path walks both with one set of strides
         weight, w_up = weight.contiguous(), w_up.contiguous()
     y = runtime.empty((M, N), x.dtype, x.device)
     pre = runtime.empty((M, N) if store_pre else (0,), x.dtype, x.device)
@@ -950,25 +925,29 @@ def _fwd_gemm(
     b = bias if bias is not None else x if gated else weight  # a dummy pointer without a bias
     flags = {"ACTIVATION": activation, "GATED": gated, "HAS_BIAS": bias is not None, "STORE_PRE": store_pre}
     splits = split_k(cfg, M, N, K, x.device)
-    if _persistent(cfg, tma, splits, y):
-        # One program an SM (runtime.num_sms: the interpreter's stand-in is 4), or one a tile if fewer.
-        programs = min(_grid(cfg, M, N)[0], runtime.num_sms(x.device))
-        with runtime.device_guard(x):
+    partial = runtime.empty(((1 + gated) * splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
+    with runtime.device_guard(x):
+        if _persistent(cfg, tma, splits, y):
+            # One program an SM (runtime.num_sms: the interpreter's stand-in is 4), or one a tile if fewer.
+            programs = min(_grid(cfg, M, N)[0], runtime.num_sms(x.device))
             runtime.launch(
                 _fwd_persistent_kernel, (programs,),
                 x_tiles, w_tiles, wu_tiles, b, *_output_tiles(cfg, y, pre, up), M, N, K,
                 **flags, INLINE_PTX=inline_ptx(x), **_launch_options(cfg, None),
             )  # fmt: skip
-        return y, pre, up
-    partial = runtime.empty(((1 + gated) * splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
-    with runtime.device_guard(x):
-        runtime.launch(
-            _fwd_kernel, _grid(cfg, M, N, splits),
-            x_tiles, w_tiles, wu_tiles, b, y, pre, up, partial, M, N, K, x.stride(), weight.stride(),
-            **flags, SPLIT_K=splits > 1, INLINE_PTX=inline_ptx(x), **_launch_options(cfg, tma),
-        )  # fmt: skip
-        if splits > 1:
-            _split_k_epilogue(partial, cfg, bias, y, pre, up, activation, store_pre, gated)
+        else:
+            runtime.launch(
+                _fwd_kernel, _grid(cfg, M, N, splits),
+                x_tiles, w_tiles, wu_tiles, b, y, pre, up, partial, M, N, K, x.stride(), weight.stride(),
+                **flags, SPLIT_K=splits > 1, INLINE_PTX=inline_ptx(x), **_launch_options(cfg, tma),
+            )  # fmt: skip
+        if splits > 1:  # the epilogue, after the float32 partials' sum in split order, in the GEMM's tiles
+            runtime.launch(
+                _split_k_epilogue_kernel, (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m)),
+                partial, bias if bias is not None else y, y, pre, up, M, N, splits, **flags,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INLINE_PTX=inline_ptx(y),
+                num_warps=SPLIT_K_EPILOGUE_WARPS, **runtime.COMPILE_OPTIONS,
+            )  # fmt: skip
     return y, pre, up
 
 
@@ -983,10 +962,9 @@ def _pre_grads(M: int, N: int, gated: bool, like: torch.Tensor):
     gradient of the pre-activation. Gated, dpre is one (M, 2N) buffer [dgate | dup] whose halves
     the kernels write, so that dW_gate and dW_up are one GEMM (:func:`_gated_input_grads`);
     otherwise (M, N), and dup's rows an empty tensor."""
+    dpre = runtime.empty((M, 2 * N if gated else N), like.dtype, like.device)
     if not gated:
-        dpre = runtime.empty((M, N), like.dtype, like.device)
         return dpre, dpre, runtime.empty((0,), like.dtype, like.device), N
-    dpre = runtime.empty((M, 2 * N), like.dtype, like.device)
     return dpre, dpre[:, :N], dpre[:, N:], 2 * N
 
 
@@ -1117,8 +1095,7 @@ def linear_act_bwd(
         db = dy.sum(0, dtype=torch.float32).to(dy.dtype) if has_bias else dy.new_empty((0,))
     else:
         dpre, db = _act_bwd(dy, pre, None, activation, has_bias)
-    dx, dw = _input_grads([dpre], x, [weight], needs)
-    return dx, dw, db
+    return *_input_grads([dpre], x, [weight], needs), db
 
 
 def gated_linear_fwd(
@@ -1197,8 +1174,7 @@ def fused_mlp_bwd(
     else:  # only W_out and b_out train: no dh GEMM, h recomputed elementwise where dW_out needs it
         dx, dw_in, db_in = (dy.new_empty((0,)) for _ in range(3))  # outputs may not alias
         h = reference.apply_activation(pre.float(), activation).to(pre.dtype) if needs[2] else dx
-    dw_out, db_out = _out_grads(dy, h, has_b_out, needs[2])
-    return dx, dw_in, db_in, dw_out, db_out
+    return dx, dw_in, db_in, *_out_grads(dy, h, has_b_out, needs[2])
 
 
 def gated_mlp_fwd(
@@ -1234,8 +1210,7 @@ def gated_mlp_bwd(
         grads = [dy.new_empty((0,)) for _ in range(2)]  # outputs may not alias
         h = (reference.apply_activation(gate.float(), activation) * up.float()).to(gate.dtype)
         h = h if needs[3] else grads[0]
-    dw_down, _ = _out_grads(dy, h, has_b_out=False, need_dw=needs[3])
-    return (*grads, dw_down)
+    return *grads, _out_grads(dy, h, has_b_out=False, need_dw=needs[3])[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1247,18 +1222,11 @@ def _fake_pre(x: torch.Tensor, n: int, saved: bool) -> torch.Tensor:
     return x.new_empty((x.shape[0], n) if saved else (0,))
 
 
-def _fake_gated_input_grads(dy: torch.Tensor, w_gate: torch.Tensor, needs: list[bool]) -> list[torch.Tensor]:
-    """The shapes :func:`_gated_input_grads` returns: dx (M, K); dW_gate|up (2N, K), (N, K) or empty."""
-    N, K = w_gate.shape
-    dx = dy.new_empty((dy.shape[0], K) if needs[0] else (0,))
-    return [dx, dy.new_empty((N * (needs[1] + needs[2]), K) if needs[1] or needs[2] else (0,))]
-
-
-def _fake_input_grads(dy: torch.Tensor, weights, needs: list[bool]) -> list[torch.Tensor]:
-    """The shapes :func:`_input_grads` returns: dx (M, K), each dW_i like W_i, empty where not needed."""
-    dx = dy.new_empty((dy.shape[0], weights[0].shape[1]) if needs[0] else (0,))
-    dws = (dy.new_empty(w.shape if need else (0,)) for w, need in zip(weights, needs[1:], strict=True))
-    return [dx, *dws]
+def _fake_dgate_up(dy: torch.Tensor, w_gate: torch.Tensor) -> torch.Tensor:
+    # The backward fakes run the cuBLAS GEMMs of :func:`_input_grads` and :func:`_gated_input_grads`
+    # on fake tensors, as the ops do: the fakes' shapes and strides are the ops'. This stands for the
+    # Triton kernels' [dgate | dup] (M, 2N).
+    return dy.new_empty((dy.shape[0], 2 * w_gate.shape[0]))
 
 
 def _require_saved(ctx, op: str) -> None:
@@ -1284,8 +1252,7 @@ def _linear_act_setup_context(ctx, inputs, output):
     # x only for the weight's gradient: with a frozen weight (LoRA, fine-tuning) it is not kept.
     ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight, output[1])
     ctx.has_bias = bias is not None and ctx.needs_input_grad[2]
-    ctx.activation = activation
-    ctx.save_pre = save_pre or activation == "none"
+    ctx.activation, ctx.save_pre = activation, save_pre or activation == "none"
 
 
 def _linear_act_backward(ctx, dy, _dpre):
@@ -1302,7 +1269,8 @@ _linear_act_fwd_op = runtime.custom_op(
 
 
 def _linear_act_bwd_fake(dy, x, weight, pre, has_bias, activation, needs):
-    return (*_fake_input_grads(dy, [weight], needs), dy.new_empty((weight.shape[0],) if has_bias else (0,)))
+    # dy stands for dpre (M, N), as it is for "none".
+    return (*_input_grads([dy], x, [weight], needs), dy.new_empty((weight.shape[0],) if has_bias else (0,)))
 
 
 _linear_act_bwd_op = runtime.custom_op("linear_act_bwd", _linear_act_bwd_fake)(linear_act_bwd)
@@ -1335,7 +1303,7 @@ _gated_linear_fwd_op = runtime.custom_op(
 
 
 def _gated_linear_bwd_fake(dy, x, w_gate, w_up, gate, up, activation, needs):
-    return tuple(_fake_gated_input_grads(dy, w_gate, needs))
+    return _gated_input_grads(_fake_dgate_up(dy, w_gate), x, w_gate, w_up, needs)
 
 
 _gated_linear_bwd_op = runtime.custom_op("gated_linear_bwd", _gated_linear_bwd_fake)(gated_linear_bwd)
@@ -1367,11 +1335,9 @@ _fused_mlp_fwd_op = runtime.custom_op(
 
 
 def _fused_mlp_bwd_fake(dy, x, w_in, w_out, pre, has_b_in, has_b_out, activation, needs):
-    dx, dw_in = _fake_input_grads(pre, [w_in], needs[:2])
+    dx, dw_in = _input_grads([pre], x, [w_in], needs[:2])  # pre stands for dpre and h, (M, H)
     db_in = dy.new_empty((w_in.shape[0],) if has_b_in else (0,))
-    dw_out = dy.new_empty(w_out.shape if needs[2] else (0,))
-    db_out = dy.new_empty((w_out.shape[0],) if has_b_out else (0,))
-    return dx, dw_in, db_in, dw_out, db_out
+    return dx, dw_in, db_in, *_out_grads(dy, pre, has_b_out, needs[2])
 
 
 _fused_mlp_bwd_op = runtime.custom_op("fused_mlp_bwd", _fused_mlp_bwd_fake)(fused_mlp_bwd)
@@ -1404,10 +1370,8 @@ _gated_mlp_fwd_op = runtime.custom_op(
 
 
 def _gated_mlp_bwd_fake(dy, x, w_gate, w_up, w_down, gate, up, activation, needs):
-    return (
-        *_fake_gated_input_grads(gate, w_gate, needs[:3]),
-        dy.new_empty(w_down.shape if needs[3] else (0,)),
-    )
+    grads = _gated_input_grads(_fake_dgate_up(dy, w_gate), x, w_gate, w_up, needs[:3])
+    return *grads, _out_grads(dy, gate, has_b_out=False, need_dw=needs[3])[0]  # gate stands for h
 
 
 _gated_mlp_bwd_op = runtime.custom_op("gated_mlp_bwd", _gated_mlp_bwd_fake)(gated_mlp_bwd)
@@ -1431,12 +1395,16 @@ def _check_shape(fn: str, name: str, t: torch.Tensor, shape: tuple[int, ...], wh
         raise ValueError(f"{fn}: {name} must have shape {list(shape)} ({what}), got {list(t.shape)}")
 
 
-def _validate(fn: str, x, activation, weights: dict, biases: dict, chain: list[tuple[str, str]]) -> bool:
+# Each bias by name, and the weight whose out_features it adds to.
+_BIASES = {"bias": "weight", "b_in": "w_in", "b_out": "w_out"}
+
+
+def _validate(fn: str, x, activation, params: dict) -> bool:
     """Check every argument, naming the bad one; returns whether the Triton kernels run.
 
-    weights: name -> (out_features, in_features) tensor; biases: name -> (bias or None, the name of
-    its weight); chain: (a, b) pairs where b consumes a's output, so b's in_features must equal a's
-    out_features. The first weight consumes x.
+    params: the weights, (out_features, in_features) tensors, and the biases (_BIASES), by name. The
+    first weight consumes x; w_up has w_gate's shape; the down projection (w_out, w_down) consumes
+    the first weight's outputs.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: input must be a torch.Tensor, got {type(x).__name__}")
@@ -1445,23 +1413,24 @@ def _validate(fn: str, x, activation, weights: dict, biases: dict, chain: list[t
     _check_tensor(fn, "input", x, x, x.dim())
     if activation not in ACTIVATIONS:
         raise ValueError(f"{fn}: unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}")
+    weights = {name: w for name, w in params.items() if name not in _BIASES}
     for name, w in weights.items():
         _check_tensor(fn, name, w, x, 2)
-    first, w = next(iter(weights.items()))
+    (first, w), *rest = weights.items()
     if w.shape[1] != x.shape[-1]:
         raise ValueError(
             f"{fn}: {first} has in_features {w.shape[1]} but input's last dimension is {x.shape[-1]} "
             f"(input {list(x.shape)}, {first} {list(w.shape)}; weights are (out_features, in_features) "
             "as in nn.Linear)"
         )
-    for a, b in chain:
-        wa, wb = weights[a], weights[b]
-        if b == "w_up":
-            _check_shape(fn, b, wb, tuple(wa.shape), f"{a}'s shape")
+    for name, t in rest:
+        if name == "w_up":
+            _check_shape(fn, name, t, tuple(w.shape), f"{first}'s shape")
         else:
-            _check_shape(fn, b, wb, (wb.shape[0], wa.shape[0]), f"in_features = {a}'s out_features")
-    for name, (bias, weight_name) in biases.items():
-        if bias is not None:
+            _check_shape(fn, name, t, (t.shape[0], w.shape[0]), f"in_features = {first}'s out_features")
+    for name, bias in params.items():
+        if name in _BIASES and bias is not None:
+            weight_name = _BIASES[name]
             _check_tensor(fn, name, bias, x, 1)
             _check_shape(fn, name, bias, (weights[weight_name].shape[0],), f"{weight_name}'s out_features")
     triton_path = runtime.runs_triton(x)
@@ -1473,12 +1442,16 @@ def _validate(fn: str, x, activation, weights: dict, biases: dict, chain: list[t
     return triton_path
 
 
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # -1 cannot be inferred when K = 0
+def _apply(fn: str, op, reference_fn, x, activation: str, params: dict) -> torch.Tensor:
+    """The public functions' one body: autocast, validate, then op on x as (M, K) (off the Triton
+    path reference_fn), y back in x's leading dims. params: the op's tensors after x, by name."""
+    x, *tensors = runtime.autocast(x, *params.values())
+    if not _validate(fn, x, activation, dict(zip(params, tensors, strict=True))):
+        return reference_fn(x, *tensors, activation).to(x.dtype)
+    x_2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # -1 cannot be inferred when K = 0
+    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors))
+    y = op(x_2d, *tensors, activation, save)[0]
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def linear_act(
@@ -1494,13 +1467,8 @@ def linear_act(
     and device. activation: none, relu, relu2, gelu (erf), gelu_tanh or silu. Returns (..., N) in
     x's dtype. With grad enabled the pre-activation (M, N) is saved for the backward.
     """
-    x, weight, bias = runtime.autocast(x, weight, bias)
-    triton_path = _validate("linear_act", x, activation, {"weight": weight}, {"bias": (bias, "weight")}, [])
-    if not triton_path:
-        return reference.linear_act(x, weight, bias, activation).to(x.dtype)
-    save = _needs_grad(x, weight, bias)
-    y, _ = _linear_act_fwd_op(_flat(x), weight, bias, activation, save)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    params = {"weight": weight, "bias": bias}
+    return _apply("linear_act", _linear_act_fwd_op, reference.linear_act, x, activation, params)
 
 
 def gated_linear(
@@ -1511,14 +1479,8 @@ def gated_linear(
     x (..., K); w_gate and w_up (N, K); no biases. Returns (..., N) in x's dtype. One pass over x
     with two accumulators; with grad enabled both projections (M, N) are saved for the backward.
     """
-    x, w_gate, w_up = runtime.autocast(x, w_gate, w_up)
-    weights = {"w_gate": w_gate, "w_up": w_up}
-    triton_path = _validate("gated_linear", x, activation, weights, {}, [("w_gate", "w_up")])
-    if not triton_path:
-        return reference.gated_linear(x, w_gate, w_up, activation).to(x.dtype)
-    save = _needs_grad(x, w_gate, w_up)
-    y, _, _ = _gated_linear_fwd_op(_flat(x), w_gate, w_up, activation, save)
-    return y.view(*x.shape[:-1], w_gate.shape[0])
+    params = {"w_gate": w_gate, "w_up": w_up}
+    return _apply("gated_linear", _gated_linear_fwd_op, reference.gated_linear, x, activation, params)
 
 
 def fused_mlp(
@@ -1536,15 +1498,8 @@ def fused_mlp(
     bfloat16. Returns (..., D) in x's dtype. The up projection and act are one Triton GEMM; the
     down projection is cuBLAS. With grad enabled only the pre-activation (M, H) is saved.
     """
-    x, w_in, b_in, w_out, b_out = runtime.autocast(x, w_in, b_in, w_out, b_out)
-    weights = {"w_in": w_in, "w_out": w_out}
-    biases = {"b_in": (b_in, "w_in"), "b_out": (b_out, "w_out")}
-    triton_path = _validate("fused_mlp", x, activation, weights, biases, [("w_in", "w_out")])
-    if not triton_path:
-        return reference.fused_mlp(x, w_in, b_in, w_out, b_out, activation).to(x.dtype)
-    save = _needs_grad(x, w_in, b_in, w_out, b_out)
-    y, _ = _fused_mlp_fwd_op(_flat(x), w_in, b_in, w_out, b_out, activation, save)
-    return y.view(*x.shape[:-1], w_out.shape[0])
+    params = {"w_in": w_in, "b_in": b_in, "w_out": w_out, "b_out": b_out}
+    return _apply("fused_mlp", _fused_mlp_fwd_op, reference.fused_mlp, x, activation, params)
 
 
 def fused_gated_mlp(
@@ -1560,12 +1515,5 @@ def fused_gated_mlp(
     x (..., K); w_gate and w_up (H, K); w_down (D, H); no biases; float16 or bfloat16. Returns
     (..., D) in x's dtype. With grad enabled gate and up (M, H each) are saved, h is not.
     """
-    x, w_gate, w_up, w_down = runtime.autocast(x, w_gate, w_up, w_down)
-    weights = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
-    chain = [("w_gate", "w_up"), ("w_gate", "w_down")]
-    triton_path = _validate("fused_gated_mlp", x, activation, weights, {}, chain)
-    if not triton_path:
-        return reference.fused_gated_mlp(x, w_gate, w_up, w_down, activation).to(x.dtype)
-    save = _needs_grad(x, w_gate, w_up, w_down)
-    y, _, _ = _gated_mlp_fwd_op(_flat(x), w_gate, w_up, w_down, activation, save)
-    return y.view(*x.shape[:-1], w_down.shape[0])
+    params = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    return _apply("fused_gated_mlp", _gated_mlp_fwd_op, reference.fused_gated_mlp, x, activation, params)
