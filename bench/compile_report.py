@@ -97,9 +97,8 @@ class KernelConfig:
     def gpu_target(self) -> GPUTarget:
         """What Triton compiles this config for."""
         arch = ARCHS[self.arch]
-        if arch.hip_target:
-            return GPUTarget("hip", arch.hip_target, arch.warp_size)
-        return GPUTarget("cuda", self.target_capability, arch.warp_size)
+        backend, target = ("hip", arch.hip_target) if arch.hip_target else ("cuda", self.target_capability)
+        return GPUTarget(backend, target, arch.warp_size)
 
     @property
     def blocks(self) -> str:
@@ -844,24 +843,20 @@ def failures(results: list[CompileResult]) -> list[str]:
     bad = []
     for r in results:
         c = r.config
-        name = describe(c)
-        limit = ARCHS[c.arch].max_shared_bytes
-        if r.error:
-            bad.append(f"{name}: does not compile: {r.error}")
+        if r.error:  # nothing was built to count
+            bad.append(f"{describe(c)}: does not compile: {r.error}")
             continue
-        if r.spill_bytes > 0:
-            bad.append(f"{name}: spills {r.spill_bytes} bytes")
-        if r.shared_bytes > limit:
-            bad.append(f"{name}: needs {r.shared_bytes} bytes of shared memory (max {limit})")
-        if c.matmul and r.tensor_core_instructions == 0:
-            bad.append(f"{name}: no tensor-core instructions")
-        if (threads := c.num_warps * ARCHS[c.arch].warp_size) > runtime.MAX_THREADS:
-            bad.append(f"{name}: {threads} threads a block (max {runtime.MAX_THREADS})")
-        if products := r.narrow_stride_products:
-            more = f" (and {len(products) - 1} more)" if len(products) > 1 else ""
-            bad.append(
-                f"{name}: a 32-bit stride product, which wraps past 2**31 elements: {products[0]}{more}"
-            )
+        limit, threads = ARCHS[c.arch].max_shared_bytes, c.num_warps * ARCHS[c.arch].warp_size
+        product, *more = r.narrow_stride_products or ("",)
+        product += f" (and {len(more)} more)" if more else ""
+        gates = (  # (failing, why)
+            (r.spill_bytes > 0, f"spills {r.spill_bytes} bytes"),
+            (r.shared_bytes > limit, f"needs {r.shared_bytes} bytes of shared memory (max {limit})"),
+            (c.matmul and r.tensor_core_instructions == 0, "no tensor-core instructions"),
+            (threads > runtime.MAX_THREADS, f"{threads} threads a block (max {runtime.MAX_THREADS})"),
+            (product, f"a 32-bit stride product, which wraps past 2**31 elements: {product}"),
+        )
+        bad += [f"{describe(c)}: {why}" for failing, why in gates if failing]
     return bad
 
 
