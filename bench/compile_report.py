@@ -891,24 +891,19 @@ def capability_error(capability: int, family: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--arch", nargs="+", choices=list(ARCHS), default=list(ARCHS), help="GPU families (default: all)"
-    )
+    parser.add_argument("--arch", nargs="+", choices=list(ARCHS), default=list(ARCHS),
+                        help="GPU families (default: all)")  # fmt: skip
     parser.add_argument("--filter", default="", help="only kernels whose name contains this text")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="parallel compilations")
-    parser.add_argument(
-        "--capability", type=int, help="build one --arch family's entries for another GPU that takes "
-        "them: 87 (sm80), 89 or 120 (sm86), 103 (sm100)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--update", action="store_true", help="rewrite --cache: this run's rows (only those whose key "
-        "changed are compiled) over its rows of unchanged code; stale keys dropped",
-    )  # fmt: skip
+    parser.add_argument("--capability", type=int, help="build one --arch family's entries for another GPU "
+                        "that takes them: 87 (sm80), 89 or 120 (sm86), 103 (sm100)")  # fmt: skip
+    parser.add_argument("--update", action="store_true", help="rewrite --cache: this run's rows (only those "
+                        "whose key changed are compiled) over its rows of unchanged code; stale keys "
+                        "dropped")  # fmt: skip
     parser.add_argument("--rebuild", action="store_true", help="compile every config, reusing no cached row")
-    parser.add_argument(
-        "--verify", type=int, default=VERIFY_AT_LEAST, metavar="N", help="compile N reused rows afresh, at "
-        f"least one per GPU family and kernel, and fail if one differs (default {VERIFY_AT_LEAST}; 0: none)",
-    )  # fmt: skip
+    parser.add_argument("--verify", type=int, default=VERIFY_AT_LEAST, metavar="N", help="compile N reused "
+                        "rows afresh, at least one per GPU family and kernel, and fail if one differs "
+                        f"(default {VERIFY_AT_LEAST}; 0: none)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="which reused rows --verify picks (default 0)")
     parser.add_argument("--cache", default=CACHE_FILE, help="the rows already proven (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -933,9 +928,8 @@ def main(argv: list[str] | None = None) -> int:
             proof = prove(configs, keys, {} if args.rebuild else cached, args.verify, args.seed,
                           functools.partial(compile_in_pool, pool, workers=jobs))  # fmt: skip
     results = proof.results
-    print(format_table(results))
+    print(format_table(results) + "\n")
     bad = proof.differ + failures(results)
-    print()
     built_for = {a: ARCHS[a].hip_target or f"sm_{args.capability or ARCHS[a].capability}" for a in args.arch}
     for name in args.arch:
         count = sum(r.config.arch == name for r in results)
@@ -946,8 +940,7 @@ def main(argv: list[str] | None = None) -> int:
           f"or changed), {proof.reused} reused from {cache}, {proof.verified} of them re-verified by a fresh "
           f"compile; {len(bad)} failing")  # fmt: skip
     if args.update:
-        current = {row_key(c) for c in all_configs()} | set(keys)
-        entries = updated_entries(cached, proof, current)
+        entries = updated_entries(cached, proof, current={row_key(c) for c in all_configs()} | set(keys))
         save_cache(args.cache, entries)
         print(f"wrote {len(entries)} rows to {cache} ({len(cached.keys() - entries.keys())} dropped)")
     for line in bad:
