@@ -42,7 +42,6 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import Executor, ProcessPoolExecutor
-from dataclasses import dataclass, field
 from unittest import mock
 
 import torch
@@ -64,7 +63,7 @@ FLOAT_SCALARS = {"eps", "softmax_scale", "label_smoothing", "z_loss"}  # every o
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """One compilation: a kernel with its pointer dtypes, constexprs and launch options."""
 
@@ -72,15 +71,15 @@ class KernelConfig:
     shape_class: str
     dtype: torch.dtype
     fn_path: str  # "module.function" of the @triton.jit kernel; a path, since JIT functions don't pickle
-    pointer_types: dict = field(repr=False)  # argument name -> triton type of the pointee
-    constexprs: dict = field(repr=False)
+    pointer_types: dict = dataclasses.field(repr=False)  # argument name -> triton type of the pointee
+    constexprs: dict = dataclasses.field(repr=False)
     num_warps: int = 4
     num_stages: int = 1
     # argument name -> block shape of a TMA descriptor argument (its dtype from pointer_types)
-    descriptors: dict = field(default_factory=dict, repr=False)
+    descriptors: dict = dataclasses.field(default_factory=dict, repr=False)
     arch: str = "sm90"  # the kernels.runtime.ARCHS family whose table holds this config
     # tuple argument name -> its length: a kernel's strides tuples (``x.stride()``), i32 elements
-    tuples: dict = field(default_factory=dict, repr=False)
+    tuples: dict = dataclasses.field(default_factory=dict, repr=False)
     matmul: bool = False  # its tl.dot must lower to tensor-core instructions
     capability: int = 0  # the target compiled for; 0: its family's own (another with --capability)
 
@@ -109,7 +108,7 @@ class KernelConfig:
         return TRITON_TYPES[self.dtype]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class CompileResult:
     config: KernelConfig
     registers: int
@@ -445,7 +444,7 @@ def verification_sample(configs: list[KernelConfig], count: int, seed: int) -> l
     return sorted(chosen)
 
 
-@dataclass
+@dataclasses.dataclass
 class Proof:
     """What a report run proved for its configs, and how."""
 
@@ -867,8 +866,7 @@ COLUMNS = ("arch", "kernel", "shape", "dtype", "blocks", "warps", "stages", "reg
 def format_table(results: list[CompileResult]) -> str:
     def cells(r: CompileResult) -> tuple:
         c = r.config
-        counts = (r.registers, r.spill_bytes, r.shared_bytes, r.tensor_core_instructions, r.global_loads_128,
-                  r.tma_loads, r.target)  # fmt: skip
+        counts = row_values(r)[:-1]  # but the stride products, which a FAIL line names
         if r.error:  # nothing was built to count; the FAIL line below the table says why
             counts = ("-",) * (len(counts) - 1) + ("error",)
         return (c.arch, c.kernel, c.shape_class, c.dtype_name, c.blocks, c.num_warps, c.num_stages, *counts)
