@@ -499,7 +499,7 @@ def row_sizes(limit: int) -> list[int]:
 
 
 # Each kernel module's pointer arguments, over all its kernels: in the input's dtype, in float32, and
-# of other types. A padded attention batch has no cu_seqlens (a placeholder pointer; a packed one's: i32).
+# of other types. A padded attention batch passes a float32 placeholder for cu_seqlens (a packed one, i32).
 KERNEL_POINTERS = {
     "layernorm": (("X", "RESIDUAL", "W", "B", "Y", "RESIDUAL_OUT", "DY", "DRESIDUAL_OUT", "DX"),
                   ("MEAN", "RSTD", "DW_PARTIAL", "DB_PARTIAL"), {}),
@@ -518,13 +518,16 @@ def kernel_config(
     """The KernelConfig of kernels.<kernel> (``"module._<name>_kernel"``, named <name> unless name
     is given): its pointers typed by KERNEL_POINTERS, with pointers over them; its strides tuples
     as the launchers pass them: an attention tile's (batch, seqlen, heads), lse's (batch, heads),
-    an MLP matrix's ``x.stride()``. fields: KernelConfig's others (descriptors, matmul)."""
+    an MLP matrix's ``x.stride()``; INLINE_PTX where it takes it. fields: KernelConfig's others
+    (descriptors, matmul)."""
     module, function = kernel.split(".")
     typed, fp32, others = KERNEL_POINTERS[module]
     types = dict.fromkeys(typed, TRITON_TYPES[dtype]) | dict.fromkeys(fp32, "fp32") | others
     arg_names = getattr(importlib.import_module(f"kernels.{module}"), function).arg_names
     strides = [a for a in arg_names if a.endswith("_strides")]
     tuples = {a: 2 if module == "mlp" or a == "lse_strides" else 3 for a in strides}
+    if "INLINE_PTX" in arg_names:  # as the launchers pass it (runtime.inline_ptx): on NVIDIA
+        constexprs = constexprs | {"INLINE_PTX": not ARCHS[arch].hip_target}
     name = name or function[1:].removesuffix("_kernel")
     return KernelConfig(name, shape_class, dtype, f"kernels.{kernel}", types | (pointers or {}), constexprs,
                         warps, stages, arch=arch, tuples=tuples, **fields)  # fmt: skip
@@ -611,7 +614,6 @@ def attention_pass_config(
     persistent = cfg.programs_per_sm > 0 and not packed
     if name == "attn_fwd":
         constexprs["PERSISTENT"] = persistent
-    constexprs["INLINE_PTX"] = not ARCHS[arch].hip_target
     if name == "attn_bwd_dkdv":
         constexprs |= {"BLOCK_D_OUT": block_d // cfg.column_splits, "OUTPUT": output}
         by_key = by_key if output == "dkdv" else ("DK", "DV")
@@ -682,8 +684,7 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
         shape_class = f"d={head_dim}" + ("" if mask == "full" else f" {mask}")
         dims = {"HEAD_DIM": head_dim, "BLOCK_D": block_d}
         for block_m in dict.fromkeys((16, cfg.block_m)):
-            constexprs = {**dims, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, **ATTENTION_MASKS[mask],
-                          "INLINE_PTX": not arch.hip_target}  # fmt: skip
+            constexprs = {**dims, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, **ATTENTION_MASKS[mask]}
             configs.append(kernel_config("attention._attn_decode_kernel", shape_class, dtype, constexprs,
                                          cfg.num_warps, arch.name, cfg.num_stages, matmul=True))  # fmt: skip
         if mask == "full":  # and its reduce of the split keys' partial outputs
@@ -723,10 +724,9 @@ def mlp_gemm_config(
     variant (partial sums stored, no epilogue); persistent: a forward's persistent kernel (TMA)."""
     kernel, flags, tiles = MLP_GEMMS[table]
     dims = {"m": cfg.block_m, "n": cfg.block_n, "k": cfg.block_k, "s": cfg.block_n // cfg.epilogue_split}
-    # INLINE_PTX on NVIDIA: the forward epilogues' gelu_tanh by tanh.approx, the dh GEMM's L2 prefetch of pre
     constexprs = {"ACTIVATION": activation, **flags, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "EPILOGUE_SPLIT": cfg.epilogue_split,
-                  "TMA": tma, "INLINE_PTX": not ARCHS[arch].hip_target}  # fmt: skip
+                  "TMA": tma}  # fmt: skip
     if table in ("fwd", "gated_fwd"):
         constexprs["SPLIT_K"] = split_k
     if persistent:
@@ -777,8 +777,7 @@ def mlp_configs(arch: runtime.Arch) -> list[KernelConfig]:
     for gated, dtype, activation in itertools.product((False, True), mlp.SUPPORTED_DTYPES, activations):
         cfg = mlp.GEMM_CONFIGS[arch.name]["gated_fwd" if gated else "fwd"]["small"]
         constexprs = {"ACTIVATION": activation, "HAS_BIAS": not gated, "STORE_PRE": True, "GATED": gated,
-                      "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                      "INLINE_PTX": not arch.hip_target}  # fmt: skip
+                      "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}  # fmt: skip
         configs.append(kernel_config("mlp._split_k_epilogue_kernel", f"small/{activation}", dtype, constexprs,
                                      mlp.SPLIT_K_EPILOGUE_WARPS, arch.name,
                                      name=f"mlp_{'gated_' * gated}split_k_epilogue"))  # fmt: skip
