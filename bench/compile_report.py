@@ -515,18 +515,18 @@ def kernel_config(
     kernel: str, shape_class: str, dtype: torch.dtype, constexprs: dict, warps: int, arch: str,
     stages: int = 1, name: str = "", pointers: dict | None = None, **fields,
 ) -> KernelConfig:  # fmt: skip
-    """The KernelConfig of kernels.<kernel> (``"module._<name>_kernel"``, named <name> unless name
-    is given): its pointers typed by KERNEL_POINTERS, with pointers over them; its strides tuples
-    as the launchers pass them: an attention tile's (batch, seqlen, heads), lse's (batch, heads),
-    an MLP matrix's ``x.stride()``; INLINE_PTX where it takes it. fields: KernelConfig's others
-    (descriptors, matmul)."""
+    """The KernelConfig of kernels.<kernel> (``"module._<name>_kernel"``), named <name> unless name is
+    given. Its pointer types come from KERNEL_POINTERS (pointers: overrides); its strides tuples from
+    the kernel's ``<tensor>_strides`` arguments, as the launchers pass them (an attention tile's
+    (batch, seqlen, heads), lse's (batch, heads), an MLP matrix's ``x.stride()``); INLINE_PTX, where
+    the kernel takes it, as runtime.inline_ptx sets it (on NVIDIA). fields: descriptors, matmul."""
     module, function = kernel.split(".")
     typed, fp32, others = KERNEL_POINTERS[module]
     types = dict.fromkeys(typed, TRITON_TYPES[dtype]) | dict.fromkeys(fp32, "fp32") | others
     arg_names = getattr(importlib.import_module(f"kernels.{module}"), function).arg_names
     strides = [a for a in arg_names if a.endswith("_strides")]
     tuples = {a: 2 if module == "mlp" or a == "lse_strides" else 3 for a in strides}
-    if "INLINE_PTX" in arg_names:  # as the launchers pass it (runtime.inline_ptx): on NVIDIA
+    if "INLINE_PTX" in arg_names:
         constexprs = constexprs | {"INLINE_PTX": not ARCHS[arch].hip_target}
     name = name or function[1:].removesuffix("_kernel")
     return KernelConfig(name, shape_class, dtype, f"kernels.{kernel}", types | (pointers or {}), constexprs,
