@@ -42,7 +42,6 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import Executor, ProcessPoolExecutor
-from dataclasses import dataclass, field
 from unittest import mock
 
 import torch
@@ -64,7 +63,7 @@ FLOAT_SCALARS = {"eps", "softmax_scale", "label_smoothing", "z_loss"}  # every o
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """One compilation: a kernel with its pointer dtypes, constexprs and launch options."""
 
@@ -72,15 +71,15 @@ class KernelConfig:
     shape_class: str
     dtype: torch.dtype
     fn_path: str  # "module.function" of the @triton.jit kernel; a path, since JIT functions don't pickle
-    pointer_types: dict = field(repr=False)  # argument name -> triton type of the pointee
-    constexprs: dict = field(repr=False)
+    pointer_types: dict = dataclasses.field(repr=False)  # argument name -> triton type of the pointee
+    constexprs: dict = dataclasses.field(repr=False)
     num_warps: int = 4
     num_stages: int = 1
     # argument name -> block shape of a TMA descriptor argument (its dtype from pointer_types)
-    descriptors: dict = field(default_factory=dict, repr=False)
+    descriptors: dict = dataclasses.field(default_factory=dict, repr=False)
     arch: str = "sm90"  # the kernels.runtime.ARCHS family whose table holds this config
     # tuple argument name -> its length: a kernel's strides tuples (``x.stride()``), i32 elements
-    tuples: dict = field(default_factory=dict, repr=False)
+    tuples: dict = dataclasses.field(default_factory=dict, repr=False)
     matmul: bool = False  # its tl.dot must lower to tensor-core instructions
     capability: int = 0  # the target compiled for; 0: its family's own (another with --capability)
 
@@ -97,9 +96,8 @@ class KernelConfig:
     def gpu_target(self) -> GPUTarget:
         """What Triton compiles this config for."""
         arch = ARCHS[self.arch]
-        if arch.hip_target:
-            return GPUTarget("hip", arch.hip_target, arch.warp_size)
-        return GPUTarget("cuda", self.target_capability, arch.warp_size)
+        backend, target = ("hip", arch.hip_target) if arch.hip_target else ("cuda", self.target_capability)
+        return GPUTarget(backend, target, arch.warp_size)
 
     @property
     def blocks(self) -> str:
@@ -110,7 +108,7 @@ class KernelConfig:
         return TRITON_TYPES[self.dtype]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class CompileResult:
     config: KernelConfig
     registers: int
@@ -446,7 +444,7 @@ def verification_sample(configs: list[KernelConfig], count: int, seed: int) -> l
     return sorted(chosen)
 
 
-@dataclass
+@dataclasses.dataclass
 class Proof:
     """What a report run proved for its configs, and how."""
 
@@ -500,17 +498,48 @@ def row_sizes(limit: int) -> list[int]:
     return [2**p for p in range(limit.bit_length())] + [2 * limit]
 
 
-def pointer_types(ty: str, typed=(), fp32=(), **others: str) -> dict:
-    """KernelConfig.pointer_types: the typed pointers of type ty, the fp32 ones, and others."""
-    return dict.fromkeys(typed, ty) | dict.fromkeys(fp32, "fp32") | others
+# Each kernel module's pointer arguments, over all its kernels: in the input's dtype, in float32, and
+# of other types. A padded attention batch passes a float32 placeholder for cu_seqlens (a packed one, i32).
+KERNEL_POINTERS = {
+    "layernorm": (("X", "RESIDUAL", "W", "B", "Y", "RESIDUAL_OUT", "DY", "DRESIDUAL_OUT", "DX"),
+                  ("MEAN", "RSTD", "DW_PARTIAL", "DB_PARTIAL"), {}),
+    "attention": (("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"), ("LSE", "LSE_LOG2", "DLSE", "DELTA",
+                  "O_SPLIT", "LSE_SPLIT", "CU_SEQLENS_Q", "CU_SEQLENS_K"), {"SEQLENS_K": "i32"}),
+    "mlp": (("X", "W", "B", "Y", "PRE", "WU", "UP", "DY", "DH", "DPRE", "DUP", "H"),
+            ("DB_PARTIAL", "PARTIAL"), {}),
+    "cross_entropy": (("LOGITS", "DLOGITS"), ("DLOSS", "LOSS", "LSE", "STATS", "SCALE"), {"TARGET": "i64"}),
+}  # fmt: skip
 
 
-# The norm kernels by direction: the pointers in the input's dtype, the float32 ones, and the flags
-# that keep the most values live (a residual; in the backward every gradient).
+def kernel_config(
+    kernel: str, shape_class: str, dtype: torch.dtype, constexprs: dict, warps: int, arch: str,
+    stages: int = 1, name: str = "", pointers: dict | None = None, **fields,
+) -> KernelConfig:  # fmt: skip
+    """The KernelConfig of kernels.<kernel> (``"module._<name>_kernel"``), named <name> unless name is
+    given. Its pointer types come from KERNEL_POINTERS (pointers: overrides); its strides tuples from
+    the kernel's ``<tensor>_strides`` arguments, as the launchers pass them (an attention tile's
+    (batch, seqlen, heads), lse's (batch, heads), an MLP matrix's ``x.stride()``); INLINE_PTX, where
+    the kernel takes it, as runtime.inline_ptx sets it (on NVIDIA). fields: descriptors, matmul."""
+    module, function = kernel.split(".")
+    typed, fp32, others = KERNEL_POINTERS[module]
+    types = dict.fromkeys(typed, TRITON_TYPES[dtype]) | dict.fromkeys(fp32, "fp32") | others
+    arg_names = getattr(importlib.import_module(f"kernels.{module}"), function).arg_names
+    strides = [a for a in arg_names if a.endswith("_strides")]
+    tuples = {a: 2 if module == "mlp" or a == "lse_strides" else 3 for a in strides}
+    if "INLINE_PTX" in arg_names:
+        constexprs = constexprs | {"INLINE_PTX": not ARCHS[arch].hip_target}
+    name = name or function[1:].removesuffix("_kernel")
+    return KernelConfig(name, shape_class, dtype, f"kernels.{kernel}", types | (pointers or {}), constexprs,
+                        warps, stages, arch=arch, tuples=tuples, **fields)  # fmt: skip
+
+
+# The norm kernels by direction: the constexpr that holds a row in registers, the longest row it holds,
+# and the flags that keep the most values live (a residual; in the backward every gradient) with the
+# kernel's other constexprs.
 NORM_KERNELS = {
-    "fwd": (("X", "RESIDUAL", "W", "B", "Y", "RESIDUAL_OUT"), ("MEAN", "RSTD"), {"HAS_RESIDUAL": True}),
-    "bwd": (("DY", "DRESIDUAL_OUT", "X", "W", "DX"), ("MEAN", "RSTD", "DW_PARTIAL", "DB_PARTIAL"),
-            {"HAS_DRESIDUAL": True, "HAS_DX": True, "HAS_DW": True}),
+    "fwd": ("ROW_IN_REGISTERS", layernorm.FWD_MAX_ROW_IN_REGISTERS, {"HAS_RESIDUAL": True}),
+    "bwd": ("ROW_IN_TILE", layernorm.BWD_MAX_ROW_IN_REGISTERS, {"HAS_DRESIDUAL": True, "HAS_DX": True,
+            "HAS_DW": True, "SWEEP_BLOCK_N": layernorm.BWD_SWEEP_BLOCK_N}),
 }  # fmt: skip
 
 
@@ -518,29 +547,21 @@ def norm_configs(arch: runtime.Arch) -> list[KernelConfig]:
     """Every RowConfig that layernorm.row_config can return on arch, for LayerNorm (residual, weight,
     bias) and RMSNorm (residual, weight), the variants with the most live values, in every dtype."""
     configs = []
-    for (dtype, ty), (norm, rms), (direction, (typed, fp32, flags)) in itertools.product(
-        TRITON_TYPES.items(), (("layer_norm", False), ("rms_norm", True)), NORM_KERNELS.items()
+    for dtype, (norm, rms), (direction, (in_registers, limit, flags)) in itertools.product(
+        TRITON_TYPES, (("layer_norm", False), ("rms_norm", True)), NORM_KERNELS.items()
     ):
         backward = direction == "bwd"
-        limit = layernorm.BWD_MAX_ROW_IN_REGISTERS if backward else layernorm.FWD_MAX_ROW_IN_REGISTERS
         for n in row_sizes(limit):
             cfg = layernorm.row_config(n, backward, dtype, arch)
             constexprs = {"IS_RMS": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms, **flags,
-                          "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}  # fmt: skip
-            if backward:
-                constexprs |= {
-                    "ROW_IN_TILE": cfg.row_in_registers,
-                    "SWEEP_BLOCK_N": layernorm.BWD_SWEEP_BLOCK_N,
-                }
-            else:
-                constexprs["ROW_IN_REGISTERS"] = cfg.row_in_registers
+                          "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                          in_registers: cfg.row_in_registers}  # fmt: skip
             # The backward's row split into column blocks, each sweeping the others: its own name.
             split = "" if cfg.row_in_registers or not backward else "_split_row"
             shape_class = f"N<={n}" if cfg.row_in_registers else f"N>{limit}"
-            fn, types = f"kernels.layernorm._norm_{direction}_kernel", pointer_types(ty, typed, fp32)
-            name = f"{norm}_{direction}{split}"
+            kernel, name = f"layernorm._norm_{direction}_kernel", f"{norm}_{direction}{split}"
             configs.append(
-                KernelConfig(name, shape_class, dtype, fn, types, constexprs, cfg.num_warps, arch=arch.name)
+                kernel_config(kernel, shape_class, dtype, constexprs, cfg.num_warps, arch.name, name=name)
             )
     return configs
 
@@ -569,15 +590,6 @@ ATTENTION_MASKS = {
 }
 
 
-def attention_strides(kernel: str) -> dict:
-    """KernelConfig.tuples of kernels.attention's ``kernel``: its ``<tensor>_strides`` arguments, a
-    tile tensor's (batch, seqlen, heads) and lse's (batch, heads)."""
-    from kernels import attention
-
-    names = getattr(attention, kernel).arg_names
-    return {name: 2 if name == "lse_strides" else 3 for name in names if name.endswith("_strides")}
-
-
 def attention_pass_config(
     name: str, cfg, head_dim: int, dtype: torch.dtype, mask: str, tma: bool, packed: bool = False,
     arch: str = "sm90", head_split: bool = False, output: str = "dkdv",
@@ -592,12 +604,9 @@ def attention_pass_config(
 
     kernel, by_query, by_key = ATTENTION_PASSES[name]
     block_d = attention.head_dim_block(head_dim)
-    ty = TRITON_TYPES[dtype]
-    pointers = dict.fromkeys(("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"), ty)
-    pointers.update(dict.fromkeys(("LSE", "LSE_LOG2", "DLSE", "DELTA"), "fp32"))
-    pointers.update(dict.fromkeys(("CU_SEQLENS_Q", "CU_SEQLENS_K"), "i32" if packed else "fp32"))
+    pointers = dict.fromkeys(("CU_SEQLENS_Q", "CU_SEQLENS_K"), "i32") if packed else {}
     if head_split:
-        pointers.update(DK="fp32", DV="fp32")
+        pointers |= {"DK": "fp32", "DV": "fp32"}
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   **ATTENTION_MASKS[mask], "TMA": tma, "VARLEN": packed}  # fmt: skip
     if packed:
@@ -605,27 +614,18 @@ def attention_pass_config(
     persistent = cfg.programs_per_sm > 0 and not packed
     if name == "attn_fwd":
         constexprs["PERSISTENT"] = persistent
-    if name in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"):
-        constexprs["INLINE_PTX"] = not ARCHS[arch].hip_target
     if name == "attn_bwd_dkdv":
-        constexprs["BLOCK_D_OUT"] = block_d // cfg.column_splits
-        constexprs["OUTPUT"] = output
-        if output != "dkdv":
-            by_key = ("DK", "DV")
+        constexprs |= {"BLOCK_D_OUT": block_d // cfg.column_splits, "OUTPUT": output}
+        by_key = by_key if output == "dkdv" else ("DK", "DV")
     descriptors = {}
     if tma and not packed:  # a packed batch's descriptors are built on the device, one per sequence
         descriptors = {a: (1, cfg.block_m, 1, block_d) for a in by_query}
         descriptors |= {a: (1, cfg.block_n, 1, block_d) for a in by_key}
     flags = ((mask, mask != "full"), ("tma", tma), ("persistent", persistent), ("varlen", packed),
              ("head split", head_split), (output, output != "dkdv"))  # fmt: skip
-    modes = [mode for mode, on in flags if on]
-    shape_class = " ".join([f"d={head_dim}", *modes])
-    fn = f"kernels.attention.{kernel}"
-    options = (cfg.num_warps, cfg.num_stages)
-    return KernelConfig(
-        name, shape_class, dtype, fn, pointers, constexprs, *options, descriptors, arch,
-        tuples=attention_strides(kernel), matmul=True,
-    )  # fmt: skip
+    shape_class = " ".join([f"d={head_dim}", *(mode for mode, on in flags if on)])
+    return kernel_config(f"attention.{kernel}", shape_class, dtype, constexprs, cfg.num_warps, arch,
+                         cfg.num_stages, pointers=pointers, descriptors=descriptors, matmul=True)  # fmt: skip
 
 
 def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -> list[KernelConfig]:
@@ -640,39 +640,21 @@ def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -
 
     name, batches = ATTENTION_TABLES[table]
     outputs = attention.dkdv_outputs if name == "attn_bwd_dkdv" else lambda _: ("dkdv",)
-    tma_modes = (False, True) if cfg.tma and arch.tma else (False,)
+    tiles = {tma: cfg.loads(tma) for tma in ((False, True) if cfg.tma and arch.tma else (False,))}
+    # (head dims, dtypes, head split): the dk/dv pass also writes float32 partials (GQA head splits), in
+    # one head dim and dtype, as the store differs, not the loop
+    variants = [(dict.fromkeys((block_d, block_d * 3 // 4)), (torch.float16, torch.bfloat16), False)]
+    if name == "attn_bwd_dkdv":
+        variants.append(((block_d,), (torch.float16,), True))
     configs = []
-    head_dims = dict.fromkeys((block_d, block_d * 3 // 4))
-    for mask, head_dim, dtype, packed in itertools.product(
-        reversed(ATTENTION_MASKS), head_dims, (torch.float16, torch.bfloat16), batches
-    ):
-        for tma in tma_modes:
-            loads = cfg.loads(tma)
-            for output in outputs(loads):
-                configs.append(attention_pass_config(
-                    name, loads, head_dim, dtype, mask, tma, packed, arch.name, output=output
-                ))  # fmt: skip
-    if name == "attn_bwd_dkdv":  # float32 partials (GQA head splits): the store differs, not the loop
-        for mask, packed in itertools.product(reversed(ATTENTION_MASKS), batches):
-            for tma in tma_modes:
-                loads = cfg.loads(tma)
-                for output in outputs(loads):
-                    configs.append(attention_pass_config(
-                        name, loads, block_d, torch.float16, mask, tma, packed, arch.name, head_split=True,
-                        output=output,
-                    ))  # fmt: skip
+    for head_dims, dtypes, head_split in variants:
+        for mask, head_dim, dtype, packed in itertools.product(
+            reversed(ATTENTION_MASKS), head_dims, dtypes, batches
+        ):
+            for tma, tile in tiles.items():
+                args = (name, tile, head_dim, dtype, mask, tma, packed, arch.name, head_split)
+                configs += [attention_pass_config(*args, output) for output in outputs(tile)]
     return configs
-
-
-def attention_kernel_config(
-    kernel: str, shape_class: str, dtype, pointers: dict, constexprs: dict, warps: int, arch: runtime.Arch,
-    stages: int = 1, matmul: bool = False,
-) -> KernelConfig:  # fmt: skip
-    """A KernelConfig of kernels.attention's ``_<name>_kernel`` (named ``<name>``), with its strides
-    tuples (:func:`attention_strides`)."""
-    return KernelConfig(kernel[1:].removesuffix("_kernel"), shape_class, dtype, f"kernels.attention.{kernel}",
-                        pointers, constexprs, warps, stages, arch=arch.name, tuples=attention_strides(kernel),
-                        matmul=matmul)  # fmt: skip
 
 
 def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
@@ -682,15 +664,14 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
 
     configs, dtypes = [], (torch.float16, torch.bfloat16)
     for dtype, block_d, packed in itertools.product(dtypes, sorted(attention.FWD_CONFIGS[arch.name]), (0, 1)):
-        types = pointer_types(TRITON_TYPES[dtype], ("OUT", "DO"), ("LSE", "DLSE", "DELTA", "LSE_LOG2"),
-                              CU_SEQLENS_Q="i32" if packed else "fp32")  # fmt: skip
         for head_dim in dict.fromkeys((block_d, block_d * 3 // 4)):
             constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "HAS_DLSE": True, "VARLEN": bool(packed),
                           "BLOCK_M": attention.PREPROCESS_BLOCK_M}  # fmt: skip
             unit = {"lse_strides[0]": 1} if packed else {}  # a packed lse (heads, total_q): by first row
-            configs.append(attention_kernel_config(
-                "_attn_bwd_preprocess_kernel", f"d={head_dim}" + " varlen" * packed, dtype, types,
-                constexprs | unit, attention.PREPROCESS_NUM_WARPS, arch,
+            configs.append(kernel_config(
+                "attention._attn_bwd_preprocess_kernel", f"d={head_dim}" + " varlen" * packed, dtype,
+                constexprs | unit, attention.PREPROCESS_NUM_WARPS, arch.name,
+                pointers={"CU_SEQLENS_Q": "i32"} if packed else None,
             ))  # fmt: skip
     for table in ATTENTION_TABLES:
         for block_d, cfg in sorted(getattr(attention, table)[arch.name].items()):
@@ -699,25 +680,18 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
     for (block_d, cfg), mask, dtype in itertools.product(decode, reversed(ATTENTION_MASKS), dtypes):
         # The decode pass with a tile of 16 rows and of the entry's block_m (the launcher takes the
         # smaller that holds a GQA group's rows), at a padded head dim (masked head-dim columns).
-        head_dim, ty = block_d * 3 // 4 if block_d > 16 else block_d, TRITON_TYPES[dtype]
-        types = pointer_types(ty, ("Q", "K", "V"), ("O_SPLIT", "LSE_SPLIT"), SEQLENS_K="i32")
+        head_dim = block_d * 3 // 4 if block_d > 16 else block_d
         shape_class = f"d={head_dim}" + ("" if mask == "full" else f" {mask}")
         dims = {"HEAD_DIM": head_dim, "BLOCK_D": block_d}
         for block_m in dict.fromkeys((16, cfg.block_m)):
-            constexprs = {**dims, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, **ATTENTION_MASKS[mask],
-                          "INLINE_PTX": not arch.hip_target}  # fmt: skip
-            options = (cfg.num_warps, arch, cfg.num_stages, True)
-            configs.append(
-                attention_kernel_config(
-                    "_attn_decode_kernel", shape_class, dtype, types, constexprs, *options
-                )
-            )
+            constexprs = {**dims, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, **ATTENTION_MASKS[mask]}
+            configs.append(kernel_config("attention._attn_decode_kernel", shape_class, dtype, constexprs,
+                                         cfg.num_warps, arch.name, cfg.num_stages, matmul=True))  # fmt: skip
         if mask == "full":  # and its reduce of the split keys' partial outputs
-            types = pointer_types(ty, ("OUT",), ("O_SPLIT", "LSE_SPLIT"))
             constexprs = dims | {"BLOCK_S": attention.DECODE_REDUCE_BLOCK_S}
             warps = attention.DECODE_REDUCE_NUM_WARPS
-            configs.append(attention_kernel_config("_attn_decode_reduce_kernel", shape_class, dtype, types,
-                                                   constexprs, warps, arch))  # fmt: skip
+            kernel = "attention._attn_decode_reduce_kernel"
+            configs.append(kernel_config(kernel, shape_class, dtype, constexprs, warps, arch.name))
     return configs
 
 
@@ -734,9 +708,6 @@ MLP_GEMMS = {
     "gated_dh_bwd": ("_dh_act_bwd_kernel", {"GATED": True, "HAS_BIAS": False, "STORE_H": True,
                                             "dy_strides[1]": 1, "w_strides[0]": 1}, {"DY": "mk", "W": "kn"}),
 }  # fmt: skip
-# The GEMM kernels' strides tuples (operand -> x.stride()), each of two elements.
-MLP_STRIDES = {"fwd": ("x", "w"), "gated_fwd": ("x", "w"), "dh_bwd": ("dy", "w"), "gated_dh_bwd": ("dy", "w")}
-MLP_POINTERS = ("X", "W", "B", "Y", "PRE", "WU", "UP", "DY", "DH", "DPRE", "DUP", "H")
 
 
 # The forwards' persistent kernel (TMA only): its descriptors (the outputs' in epilogue subtiles, "s").
@@ -752,13 +723,10 @@ def mlp_gemm_config(
     ``cfg`` and activation, pointer or TMA loads, for GPU family arch; split_k: a forward's split-K
     variant (partial sums stored, no epilogue); persistent: a forward's persistent kernel (TMA)."""
     kernel, flags, tiles = MLP_GEMMS[table]
-    pointers = dict.fromkeys(MLP_POINTERS, TRITON_TYPES[dtype]) | {"DB_PARTIAL": "fp32", "PARTIAL": "fp32"}
     dims = {"m": cfg.block_m, "n": cfg.block_n, "k": cfg.block_k, "s": cfg.block_n // cfg.epilogue_split}
     constexprs = {"ACTIVATION": activation, **flags, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "EPILOGUE_SPLIT": cfg.epilogue_split,
                   "TMA": tma}  # fmt: skip
-    # NVIDIA: the forward epilogues' gelu_tanh takes tanh.approx, the dh GEMM prefetches pre into L2
-    constexprs["INLINE_PTX"] = not ARCHS[arch].hip_target
     if table in ("fwd", "gated_fwd"):
         constexprs["SPLIT_K"] = split_k
     if persistent:
@@ -768,12 +736,8 @@ def mlp_gemm_config(
     descriptors = {a: tuple(dims[d] for d in block) for a, block in tiles.items()} if tma else {}
     kind = " persistent" if persistent else " tma" if tma else ""
     shape = f"{shape_class}/{activation}{kind}{' split-k' if split_k else ''}"
-    fn = f"kernels.mlp.{kernel}"
-    options = (cfg.num_warps, cfg.num_stages)
-    strides = {} if persistent else {f"{t}_strides": 2 for t in MLP_STRIDES[table]}
-    return KernelConfig(
-        f"mlp_{table}", shape, dtype, fn, pointers, constexprs, *options, descriptors, arch, strides, True
-    )
+    return kernel_config(f"mlp.{kernel}", shape, dtype, constexprs, cfg.num_warps, arch, cfg.num_stages,
+                         name=f"mlp_{table}", descriptors=descriptors, matmul=True)  # fmt: skip
 
 
 def mlp_entry_configs(table: str, shape_class: str, cfg, arch: runtime.Arch) -> list[KernelConfig]:
@@ -787,18 +751,16 @@ def mlp_entry_configs(table: str, shape_class: str, cfg, arch: runtime.Arch) -> 
 
     tma_modes = (False, True) if cfg.tma and arch.tma else (False,)
     split_modes = (False, True) if table in ("fwd", "gated_fwd") and shape_class == "small" else (False,)
-    configs = [
-        mlp_gemm_config(table, shape_class, cfg, dtype, activation, tma, arch.name, split)
+    variants = [(split_modes, tma_modes, False)]  # (split-K modes, TMA modes, persistent)
+    if cfg.persistent and arch.tma:  # its tiled TMA and pointer kernels stay selectable (mlp._persistent)
+        variants.append(((False,), (True,), True))
+    return [
+        mlp_gemm_config(table, shape_class, cfg, dtype, activation, tma, arch.name, split, persistent)
+        for splits, tmas, persistent in variants
         for split, dtype, activation, tma in itertools.product(
-            split_modes, mlp.SUPPORTED_DTYPES, ("gelu", "gelu_tanh"), tma_modes
+            splits, mlp.SUPPORTED_DTYPES, ("gelu", "gelu_tanh"), tmas
         )
     ]
-    if cfg.persistent and arch.tma:  # its tiled TMA and pointer kernels stay selectable (mlp._persistent)
-        configs += [
-            mlp_gemm_config(table, shape_class, cfg, dtype, activation, True, arch.name, persistent=True)
-            for dtype, activation in itertools.product(mlp.SUPPORTED_DTYPES, ("gelu", "gelu_tanh"))
-        ]
-    return configs
 
 
 def mlp_configs(arch: runtime.Arch) -> list[KernelConfig]:
@@ -815,31 +777,26 @@ def mlp_configs(arch: runtime.Arch) -> list[KernelConfig]:
     for gated, dtype, activation in itertools.product((False, True), mlp.SUPPORTED_DTYPES, activations):
         cfg = mlp.GEMM_CONFIGS[arch.name]["gated_fwd" if gated else "fwd"]["small"]
         constexprs = {"ACTIVATION": activation, "HAS_BIAS": not gated, "STORE_PRE": True, "GATED": gated,
-                      "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                      "INLINE_PTX": not arch.hip_target}  # fmt: skip
-        types = pointer_types(TRITON_TYPES[dtype], MLP_POINTERS, ("PARTIAL",))
-        configs.append(KernelConfig(f"mlp_{'gated_' * gated}split_k_epilogue", f"small/{activation}", dtype,
-                                    "kernels.mlp._split_k_epilogue_kernel", types, constexprs,
-                                    mlp.SPLIT_K_EPILOGUE_WARPS, arch=arch.name))  # fmt: skip
-    row, fn = mlp.ACT_BWD_CONFIG, "kernels.mlp._act_bwd_kernel"
+                      "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}  # fmt: skip
+        configs.append(kernel_config("mlp._split_k_epilogue_kernel", f"small/{activation}", dtype, constexprs,
+                                     mlp.SPLIT_K_EPILOGUE_WARPS, arch.name,
+                                     name=f"mlp_{'gated_' * gated}split_k_epilogue"))  # fmt: skip
+    row = mlp.ACT_BWD_CONFIG
     for dtype, gated in itertools.product(mlp.SUPPORTED_DTYPES, (False, True)):
         constexprs = {"ACTIVATION": "gelu", "GATED": gated, "HAS_BIAS": not gated, "dh_strides[1]": 1,
                       "BLOCK_M": row.block_m, "BLOCK_N": row.block_n}  # fmt: skip
-        types = pointer_types(TRITON_TYPES[dtype], MLP_POINTERS, ("DB_PARTIAL",))
-        name = f"mlp_{'gated_' * gated}act_bwd"
-        configs.append(KernelConfig(name, "any/gelu", dtype, fn, types, constexprs, row.num_warps,
-                                    arch=arch.name, tuples={"dh_strides": 2}))  # fmt: skip
+        configs.append(kernel_config("mlp._act_bwd_kernel", "any/gelu", dtype, constexprs, row.num_warps,
+                                     arch.name, name=f"mlp_{'gated_' * gated}act_bwd"))  # fmt: skip
     return configs
 
 
-# The loss kernels (kernels.cross_entropy): kernel, pointers in the logits' dtype, float32 pointers,
-# and the flags with the most live values (the fused one with smoothing and the gradient).
+# The loss kernels (kernels.cross_entropy._<name>_kernel) and the flags with the most live values (the
+# fused one with smoothing and the gradient).
 LOSS_KERNELS = {
-    "cross_entropy": ("_cross_entropy_kernel", ("LOGITS", "DLOGITS"), ("DLOSS", "LOSS", "LSE"),
-                      {"HAS_SMOOTHING": True, "WRITE_GRAD": True}),
-    "cross_entropy_stats": ("_cross_entropy_stats_kernel", ("LOGITS",), ("STATS",), {"HAS_SMOOTHING": True}),
-    "cross_entropy_grad": ("_cross_entropy_grad_kernel", ("LOGITS",), ("LSE", "SCALE"), {}),
-}  # fmt: skip
+    "cross_entropy": {"HAS_SMOOTHING": True, "WRITE_GRAD": True},
+    "cross_entropy_stats": {"HAS_SMOOTHING": True},
+    "cross_entropy_grad": {},
+}
 
 
 def loss_configs(arch: runtime.Arch) -> list[KernelConfig]:
@@ -849,15 +806,13 @@ def loss_configs(arch: runtime.Arch) -> list[KernelConfig]:
     loss = importlib.import_module("kernels.cross_entropy")  # the module: also the name of a function
     limit = loss.MAX_BLOCK_V
     configs = []
-    for (dtype, ty), n in itertools.product(TRITON_TYPES.items(), row_sizes(limit)):
+    for dtype, n in itertools.product(TRITON_TYPES, row_sizes(limit)):
         cfg = loss.row_config(n, arch)
         shape_class = f"V<={n}" if n <= limit else f"V>{limit}"
-        for name, (fn, typed, fp32, flags) in LOSS_KERNELS.items():
-            fn, types = f"kernels.cross_entropy.{fn}", pointer_types(ty, typed, fp32, TARGET="i64")
+        for name, flags in LOSS_KERNELS.items():
             constexprs = flags | {"BLOCK_V": cfg.block_v}
-            configs.append(
-                KernelConfig(name, shape_class, dtype, fn, types, constexprs, cfg.num_warps, arch=arch.name)
-            )
+            kernel = f"cross_entropy._{name}_kernel"
+            configs.append(kernel_config(kernel, shape_class, dtype, constexprs, cfg.num_warps, arch.name))
     return configs
 
 
@@ -886,24 +841,20 @@ def failures(results: list[CompileResult]) -> list[str]:
     bad = []
     for r in results:
         c = r.config
-        name = describe(c)
-        limit = ARCHS[c.arch].max_shared_bytes
-        if r.error:
-            bad.append(f"{name}: does not compile: {r.error}")
+        if r.error:  # nothing was built to count
+            bad.append(f"{describe(c)}: does not compile: {r.error}")
             continue
-        if r.spill_bytes > 0:
-            bad.append(f"{name}: spills {r.spill_bytes} bytes")
-        if r.shared_bytes > limit:
-            bad.append(f"{name}: needs {r.shared_bytes} bytes of shared memory (max {limit})")
-        if c.matmul and r.tensor_core_instructions == 0:
-            bad.append(f"{name}: no tensor-core instructions")
-        if (threads := c.num_warps * ARCHS[c.arch].warp_size) > runtime.MAX_THREADS:
-            bad.append(f"{name}: {threads} threads a block (max {runtime.MAX_THREADS})")
-        if products := r.narrow_stride_products:
-            more = f" (and {len(products) - 1} more)" if len(products) > 1 else ""
-            bad.append(
-                f"{name}: a 32-bit stride product, which wraps past 2**31 elements: {products[0]}{more}"
-            )
+        limit, threads = ARCHS[c.arch].max_shared_bytes, c.num_warps * ARCHS[c.arch].warp_size
+        product, *more = r.narrow_stride_products or ("",)
+        product += f" (and {len(more)} more)" if more else ""
+        gates = (  # (failing, why)
+            (r.spill_bytes > 0, f"spills {r.spill_bytes} bytes"),
+            (r.shared_bytes > limit, f"needs {r.shared_bytes} bytes of shared memory (max {limit})"),
+            (c.matmul and r.tensor_core_instructions == 0, "no tensor-core instructions"),
+            (threads > runtime.MAX_THREADS, f"{threads} threads a block (max {runtime.MAX_THREADS})"),
+            (product, f"a 32-bit stride product, which wraps past 2**31 elements: {product}"),
+        )
+        bad += [f"{describe(c)}: {why}" for failing, why in gates if failing]
     return bad
 
 
@@ -914,8 +865,7 @@ COLUMNS = ("arch", "kernel", "shape", "dtype", "blocks", "warps", "stages", "reg
 def format_table(results: list[CompileResult]) -> str:
     def cells(r: CompileResult) -> tuple:
         c = r.config
-        counts = (r.registers, r.spill_bytes, r.shared_bytes, r.tensor_core_instructions, r.global_loads_128,
-                  r.tma_loads, r.target)  # fmt: skip
+        counts = row_values(r)[:-1]  # but the stride products, which a FAIL line names
         if r.error:  # nothing was built to count; the FAIL line below the table says why
             counts = ("-",) * (len(counts) - 1) + ("error",)
         return (c.arch, c.kernel, c.shape_class, c.dtype_name, c.blocks, c.num_warps, c.num_stages, *counts)
@@ -938,24 +888,19 @@ def capability_error(capability: int, family: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--arch", nargs="+", choices=list(ARCHS), default=list(ARCHS), help="GPU families (default: all)"
-    )
+    parser.add_argument("--arch", nargs="+", choices=list(ARCHS), default=list(ARCHS),
+                        help="GPU families (default: all)")  # fmt: skip
     parser.add_argument("--filter", default="", help="only kernels whose name contains this text")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="parallel compilations")
-    parser.add_argument(
-        "--capability", type=int, help="build one --arch family's entries for another GPU that takes "
-        "them: 87 (sm80), 89 or 120 (sm86), 103 (sm100)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--update", action="store_true", help="rewrite --cache: this run's rows (only those whose key "
-        "changed are compiled) over its rows of unchanged code; stale keys dropped",
-    )  # fmt: skip
+    parser.add_argument("--capability", type=int, help="build one --arch family's entries for another GPU "
+                        "that takes them: 87 (sm80), 89 or 120 (sm86), 103 (sm100)")  # fmt: skip
+    parser.add_argument("--update", action="store_true", help="rewrite --cache: this run's rows (only those "
+                        "whose key changed are compiled) over its rows of unchanged code; stale keys "
+                        "dropped")  # fmt: skip
     parser.add_argument("--rebuild", action="store_true", help="compile every config, reusing no cached row")
-    parser.add_argument(
-        "--verify", type=int, default=VERIFY_AT_LEAST, metavar="N", help="compile N reused rows afresh, at "
-        f"least one per GPU family and kernel, and fail if one differs (default {VERIFY_AT_LEAST}; 0: none)",
-    )  # fmt: skip
+    parser.add_argument("--verify", type=int, default=VERIFY_AT_LEAST, metavar="N", help="compile N reused "
+                        "rows afresh, at least one per GPU family and kernel, and fail if one differs "
+                        f"(default {VERIFY_AT_LEAST}; 0: none)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="which reused rows --verify picks (default 0)")
     parser.add_argument("--cache", default=CACHE_FILE, help="the rows already proven (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -980,9 +925,8 @@ def main(argv: list[str] | None = None) -> int:
             proof = prove(configs, keys, {} if args.rebuild else cached, args.verify, args.seed,
                           functools.partial(compile_in_pool, pool, workers=jobs))  # fmt: skip
     results = proof.results
-    print(format_table(results))
+    print(format_table(results) + "\n")
     bad = proof.differ + failures(results)
-    print()
     built_for = {a: ARCHS[a].hip_target or f"sm_{args.capability or ARCHS[a].capability}" for a in args.arch}
     for name in args.arch:
         count = sum(r.config.arch == name for r in results)
@@ -993,8 +937,7 @@ def main(argv: list[str] | None = None) -> int:
           f"or changed), {proof.reused} reused from {cache}, {proof.verified} of them re-verified by a fresh "
           f"compile; {len(bad)} failing")  # fmt: skip
     if args.update:
-        current = {row_key(c) for c in all_configs()} | set(keys)
-        entries = updated_entries(cached, proof, current)
+        entries = updated_entries(cached, proof, current={row_key(c) for c in all_configs()} | set(keys))
         save_cache(args.cache, entries)
         print(f"wrote {len(entries)} rows to {cache} ({len(cached.keys() - entries.keys())} dropped)")
     for line in bad:
