@@ -48,12 +48,12 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
+from bench import compile_report, timing
 from bench.report import format_table
-from kernels import runtime
+from kernels import attention, mlp, runtime
 
 ATTENTION_PASSES = {  # --passes name: (compile report pass, table in kernels.attention)
     "fwd": ("attn_fwd", "FWD_CONFIGS"),
@@ -77,7 +77,7 @@ CHECK_SEQLEN = 333  # the attention check's ragged length
 DEVICE = "cuda"  # where targets check and time; the CPU tests run them in the interpreter
 
 
-@dataclass
+@dataclasses.dataclass
 class Target:
     """One table entry to tune, and how to compile, check and time a candidate for it."""
 
@@ -91,13 +91,13 @@ class Target:
     tma: bool = True  # candidates toggle TMA (the GPU has it: sm_90+)
 
 
-@dataclass
+@dataclasses.dataclass
 class Measurement:
     config: dict
     compiled: bool  # no spills, shared memory in budget on the GPU's family
     correct: bool | None = None
-    ms: dict = field(default_factory=dict)  # mode -> median ms
-    tflops: dict = field(default_factory=dict)  # the same modes
+    ms: dict = dataclasses.field(default_factory=dict)  # mode -> median ms
+    tflops: dict = dataclasses.field(default_factory=dict)  # the same modes
     note: str = ""
 
     @property
@@ -159,8 +159,6 @@ def compile_failures(configs: list, compile_batch: Callable[[list], list]) -> tu
     """The CompileResults of configs (compile_report.KernelConfig) built by compile_batch, and a line
     per config that spills, exceeds shared memory or misses the tensor cores (compile_report.failures);
     a config Triton cannot compile at all is the one line."""
-    from bench import compile_report
-
     try:
         results = compile_batch(configs)
     except Exception as error:
@@ -171,8 +169,6 @@ def compile_failures(configs: list, compile_batch: Callable[[list], list]) -> tu
 def compiles_clean(configs: list) -> tuple[bool, str]:
     """Whether every compile_report.KernelConfig compiles clean for its GPU family; the reason, or
     the registers, as a note."""
-    from bench import compile_report
-
     # In this process: a forked worker of a process that holds a CUDA context is unsafe.
     results, bad = compile_failures(configs, compile_report.compile_configs)
     return not bad, "; ".join(bad) if bad else "registers " + "/".join(str(r.registers) for r in results)
@@ -181,7 +177,6 @@ def compiles_clean(configs: list) -> tuple[bool, str]:
 def gpu_measure(target: Target) -> Callable[[object], Measurement]:
     """A measure(cfg) for :func:`descend`: compile check, correctness check, then CUDA-event timing
     of the target's calls, with target.table[target.key] = cfg for the duration."""
-    from bench import timing
 
     def measure(cfg) -> Measurement:
         compiled, note = compiles_clean(target.compile_configs(cfg))
@@ -214,8 +209,6 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
     packed table's too, timed on the bench's documents (causal, as packed documents are trained) and
     checked on three ragged ones, TMA descriptors built on the device per sequence, no persistence."""
     from bench import attention as bench_attention
-    from bench import compile_report
-    from kernels import attention
 
     def variants(pass_name: str, head_dim: int, packed: bool = False) -> Callable[[object], list]:
         return lambda cfg: [
@@ -249,7 +242,6 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
 
 def _packed_forward_calls(heads: int, head_dim: int) -> dict:
     from bench import attention as bench_attention
-    from kernels import attention
 
     lengths = bench_attention.PACKED_LENGTHS
     total, longest = sum(lengths), max(lengths)
@@ -264,7 +256,6 @@ def _packed_forward_calls(heads: int, head_dim: int) -> dict:
 def _attention_calls(pass_name: str, shape) -> dict:
     """The pass on shape, full and causal: the forward alone, or the whole backward of one forward."""
     from bench import attention as bench_attention
-    from kernels import attention
 
     scale, direction = 1 / math.sqrt(shape.head_dim), "forward" if pass_name == "attn_fwd" else "backward"
     q, k, v = bench_attention.make_qkv(shape, torch.device(DEVICE))
@@ -282,9 +273,7 @@ def _attention_calls(pass_name: str, shape) -> dict:
 
 def mlp_targets(gemms, shape_classes, arch: runtime.Arch = runtime.SM90) -> list[Target]:
     """The entries of arch's GEMM tables for the GEMMs at the shape classes."""
-    from bench import compile_report
     from bench import mlp as bench_mlp
-    from kernels import mlp
 
     tma, arch = arch.tma, arch.name
     models = {m.name: m for m in bench_mlp.MODELS}
@@ -309,7 +298,6 @@ def mlp_targets(gemms, shape_classes, arch: runtime.Arch = runtime.SM90) -> list
 def _mlp_calls(gemm: str, model, tokens: int) -> dict:
     """The GEMM's launcher alone on the model's tensors: {"gemm": (call, 2·M·N·K per GEMM)}."""
     from bench import mlp as bench_mlp
-    from kernels import mlp
 
     t = bench_mlp.make_inputs(model, tokens, torch.device(DEVICE))
     # (tokens, d_model) x (d_model, hidden), twice in the gated forward; dh = dy W_out is the same.
@@ -341,7 +329,7 @@ GEMM_TILES = ((128, 64), (256, 128, 64), (64, 32))  # block_m, block_n, block_k
 GEMM_STAGES = (4, 3, 2)
 
 
-@dataclass
+@dataclasses.dataclass
 class EntrySearch:
     """One table entry of a GPU family to search by compiling alone: candidates in order of
     preference, and every compile_report.KernelConfig a candidate must compile clean in."""
@@ -394,9 +382,6 @@ def gemm_candidates(start, tma: bool) -> list:
 def attention_searches(passes, head_dims, arch: runtime.Arch, start_from: runtime.Arch | None = None) -> list:
     """An EntrySearch per attention table entry of arch for the passes (the forward's packed table
     too) at the head dims, starting from start_from's entry (default: arch's own)."""
-    from bench import compile_report
-    from kernels import attention
-
     tma, searches = arch.tma, []
     block_dims = list(dict.fromkeys(attention.head_dim_block(d) for d in head_dims))
     for name, block_d in itertools.product(passes, block_dims):
@@ -419,9 +404,6 @@ def attention_searches(passes, head_dims, arch: runtime.Arch, start_from: runtim
 def mlp_searches(gemms, shape_classes, arch: runtime.Arch, start_from: runtime.Arch | None = None) -> list:
     """An EntrySearch per GEMM table entry of arch for the GEMMs at the shape classes, starting from
     start_from's entry (default: arch's own)."""
-    from bench import compile_report
-    from kernels import mlp
-
     tma, searches = arch.tma, []
     for gemm, shape_class in itertools.product(gemms, shape_classes):
         start = mlp.GEMM_CONFIGS[(start_from or arch).name][gemm][shape_class]
@@ -600,20 +582,19 @@ def _short(c: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     families = parser.add_subparsers(dest="family", required=True)
-    attention = families.add_parser("attention", help="the tables of kernels.attention")
-    attention.add_argument(
-        "--passes", nargs="+", choices=list(ATTENTION_PASSES), default=list(ATTENTION_PASSES)
-    )
-    attention.add_argument("--head-dims", nargs="+", type=int, help="default: 128; with --compile-only all")
-    attention.add_argument("--seqlen", type=int, default=4096, help="the bench shape's (16K tokens a batch)")
-    mlp = families.add_parser("mlp", help="the GEMM table of kernels.mlp")
+    attn_cli = families.add_parser("attention", help="the tables of kernels.attention")
+    passes = list(ATTENTION_PASSES)
+    attn_cli.add_argument("--passes", nargs="+", choices=passes, default=passes)
+    attn_cli.add_argument("--head-dims", nargs="+", type=int, help="default: 128; with --compile-only all")
+    attn_cli.add_argument("--seqlen", type=int, default=4096, help="the bench shape's (16K tokens a batch)")
+    mlp_cli = families.add_parser("mlp", help="the GEMM table of kernels.mlp")
     gemms = list(dict.fromkeys(g for g, _ in MLP_SHAPES))
-    mlp.add_argument("--gemms", nargs="+", choices=gemms, default=gemms)
-    mlp.add_argument(
+    mlp_cli.add_argument("--gemms", nargs="+", choices=gemms, default=gemms)
+    mlp_cli.add_argument(
         "--shape-classes", nargs="+", choices=["large", "medium", "small"], help="default: large medium; "
         "with --compile-only all (small has no bench shape to time)",
     )  # fmt: skip
-    for family in (attention, mlp):
+    for family in (attn_cli, mlp_cli):
         family.add_argument("--seconds", type=float, help="time budget, shared by the targets (default: "
                             "240; with --compile-only none)")  # fmt: skip
         family.add_argument("--json", help="write every measurement here")
@@ -666,14 +647,10 @@ def _tune(parser: argparse.ArgumentParser, args) -> dict:
 
 def _compile_only(parser: argparse.ArgumentParser, args) -> dict:
     """The compile-only search of --arch's entries, with --write put into its config file."""
-    from bench import compile_report
-
     if args.arch is None:
         parser.error("--compile-only: name the GPU family to search with --arch")
     arch, start_from = runtime.ARCHS[args.arch], args.start_from and runtime.ARCHS[args.start_from]
     if args.family == "attention":
-        from kernels import attention
-
         head_dims = args.head_dims or sorted(attention.FWD_CONFIGS[arch.name])
         if max(head_dims) > attention.MAX_HEAD_DIM or min(head_dims) < 1:
             parser.error(f"--head-dims: 1 to {attention.MAX_HEAD_DIM}, got {head_dims}")
