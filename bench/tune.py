@@ -210,7 +210,7 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
     checked on three ragged ones, TMA descriptors built on the device per sequence, no persistence."""
     from bench import attention as bench_attention
 
-    def variants(pass_name: str, head_dim: int, packed: bool = False) -> Callable[[object], list]:
+    def variants(pass_name: str, head_dim: int, packed: bool) -> Callable[[object], list]:
         return lambda cfg: [
             compile_report.attention_pass_config(
                 pass_name, cfg.loads(cfg.tma), head_dim, torch.float16, mask, cfg.tma, packed, arch.name
@@ -218,46 +218,48 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
             for mask in compile_report.ATTENTION_MASKS
         ]
 
-    targets, lengths = [], (CHECK_SEQLEN, 1, CHECK_SEQLEN // 3)
+    targets = []
     for name, head_dim in itertools.product(passes, head_dims):
         pass_name, table_name = ATTENTION_PASSES[name]
         shape = bench_attention.benchmark_shape(seqlen, head_dim)
-        check_shape = bench_attention.Shape(1, CHECK_SEQLEN, 2, head_dim)
-        block_d = attention.head_dim_block(head_dim)
-        table = getattr(attention, table_name)[arch.name]
-        targets.append(Target(
-            f"attention {name} d={head_dim} ({arch.name})", table, block_d, variants(pass_name, head_dim),
-            lambda s=check_shape: all(bench_attention.check(s, c, DEVICE)[1] for c in (False, True)),
-            lambda p=pass_name, s=shape: _attention_calls(p, s), persistent=name == "fwd", tma=arch.tma,
-        ))  # fmt: skip
-        if name == "fwd":  # packed documents have a table of their own
+        for packed in (False, True) if name == "fwd" else (False,):  # packed documents: a table of their own
+            table = getattr(attention, "PACKED_FWD_CONFIGS" if packed else table_name)[arch.name]
             targets.append(Target(
-                f"attention fwd packed d={head_dim} ({arch.name})", attention.PACKED_FWD_CONFIGS[arch.name],
-                block_d, variants("attn_fwd", head_dim, packed=True),
-                lambda d=head_dim: bench_attention.check_packed(lengths, 2, d, DEVICE)[1],
-                lambda s=shape: _packed_forward_calls(s.heads, s.head_dim), tma=arch.tma,
+                f"attention {name}{' packed' if packed else ''} d={head_dim} ({arch.name})", table,
+                attention.head_dim_block(head_dim), variants(pass_name, head_dim, packed),
+                functools.partial(_attention_check, head_dim, packed),
+                functools.partial(_attention_calls, pass_name, shape, packed),
+                persistent=name == "fwd" and not packed, tma=arch.tma,
             ))  # fmt: skip
     return targets
 
 
-def _packed_forward_calls(heads: int, head_dim: int) -> dict:
+def _attention_check(head_dim: int, packed: bool) -> bool:
+    """Ours against the float32 reference at head_dim: CHECK_SEQLEN long, full and causal, or packed,
+    three ragged documents."""
     from bench import attention as bench_attention
 
-    lengths = bench_attention.PACKED_LENGTHS
-    total, longest = sum(lengths), max(lengths)
-    shape = bench_attention.Shape(1, total, heads, head_dim)
-    q, k, v = (t[0] for t in bench_attention.make_qkv(shape, DEVICE))  # (tokens, heads, head_dim)
-    cu = bench_attention.offsets(lengths, DEVICE)
-    packed = attention.Packed(cu, cu, longest, longest)
-    call = functools.partial(attention.attention_fwd, q, k, v, True, 1 / math.sqrt(head_dim), packed=packed)
-    return {"causal": (call, bench_attention.packed_flops(lengths, heads, head_dim))}
+    if packed:
+        return bench_attention.check_packed((CHECK_SEQLEN, 1, CHECK_SEQLEN // 3), 2, head_dim, DEVICE)[1]
+    shape = bench_attention.Shape(1, CHECK_SEQLEN, 2, head_dim)
+    return all(bench_attention.check(shape, causal, DEVICE)[1] for causal in (False, True))
 
 
-def _attention_calls(pass_name: str, shape) -> dict:
-    """The pass on shape, full and causal: the forward alone, or the whole backward of one forward."""
+def _attention_calls(pass_name: str, shape, packed: bool) -> dict:
+    """The pass on shape, full and causal: the forward alone, or the whole backward of one forward;
+    packed, the forward on the bench's documents at shape's heads and head dim, causal."""
     from bench import attention as bench_attention
 
-    scale, direction = 1 / math.sqrt(shape.head_dim), "forward" if pass_name == "attn_fwd" else "backward"
+    scale = 1 / math.sqrt(shape.head_dim)
+    if packed:
+        lengths = bench_attention.PACKED_LENGTHS
+        tokens = bench_attention.Shape(1, sum(lengths), shape.heads, shape.head_dim)
+        q, k, v = (t[0] for t in bench_attention.make_qkv(tokens, DEVICE))  # (tokens, heads, head_dim)
+        cu = bench_attention.offsets(lengths, DEVICE)
+        batch = attention.Packed(cu, cu, max(lengths), max(lengths))
+        call = functools.partial(attention.attention_fwd, q, k, v, True, scale, packed=batch)
+        return {"causal": (call, bench_attention.packed_flops(lengths, shape.heads, shape.head_dim))}
+    direction = "forward" if pass_name == "attn_fwd" else "backward"
     q, k, v = bench_attention.make_qkv(shape, torch.device(DEVICE))
     calls = {}
     for causal in (False, True):
@@ -275,23 +277,21 @@ def mlp_targets(gemms, shape_classes, arch: runtime.Arch = runtime.SM90) -> list
     """The entries of arch's GEMM tables for the GEMMs at the shape classes."""
     from bench import mlp as bench_mlp
 
-    tma, arch = arch.tma, arch.name
     models = {m.name: m for m in bench_mlp.MODELS}
     targets = []
-    for gemm in gemms:
-        for shape_class in shape_classes:
-            model, tokens = models[MLP_SHAPES[gemm, shape_class][0]], MLP_SHAPES[gemm, shape_class][1]
-            if mlp.shape_class(tokens, model.hidden) != shape_class:
-                raise ValueError(f"MLP_SHAPES: {model.name} at {tokens} tokens is not {shape_class}")
-            title = f"mlp {gemm} {shape_class} ({model.name}, {tokens} tokens; {arch})"
-            targets.append(Target(
-                title, mlp.GEMM_CONFIGS[arch][gemm], shape_class,
-                lambda cfg, g=gemm, c=shape_class, a=model.activation: [
-                    compile_report.mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma, arch)
-                ],
-                lambda m=model, t=tokens: bench_mlp.check(m, t, DEVICE, whole_mlp=True)[1],
-                lambda g=gemm, m=model, t=tokens: _mlp_calls(g, m, t), tma=tma,
-            ))  # fmt: skip
+    for gemm, shape_class in itertools.product(gemms, shape_classes):
+        model, tokens = models[MLP_SHAPES[gemm, shape_class][0]], MLP_SHAPES[gemm, shape_class][1]
+        if mlp.shape_class(tokens, model.hidden) != shape_class:
+            raise ValueError(f"MLP_SHAPES: {model.name} at {tokens} tokens is not {shape_class}")
+        targets.append(Target(
+            f"mlp {gemm} {shape_class} ({model.name}, {tokens} tokens; {arch.name})",
+            mlp.GEMM_CONFIGS[arch.name][gemm], shape_class,
+            lambda cfg, g=gemm, c=shape_class, a=model.activation: [
+                compile_report.mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma, arch.name)
+            ],
+            lambda m=model, t=tokens: bench_mlp.check(m, t, DEVICE, whole_mlp=True)[1],
+            functools.partial(_mlp_calls, gemm, model, tokens), tma=arch.tma,
+        ))  # fmt: skip
     return targets
 
 
@@ -300,22 +300,20 @@ def _mlp_calls(gemm: str, model, tokens: int) -> dict:
     from bench import mlp as bench_mlp
 
     t = bench_mlp.make_inputs(model, tokens, torch.device(DEVICE))
+    x, activation = t["x"], model.activation
     # (tokens, d_model) x (d_model, hidden), twice in the gated forward; dh = dy W_out is the same.
     flops = (2 if gemm == "gated_fwd" else 1) * bench_mlp.gemm_flops(tokens, model.hidden, model.d_model)
     if gemm == "fwd":
-        call = functools.partial(mlp.linear_act_fwd, t["x"], t["w_in"], t["b_in"], model.activation, False)
+        call = functools.partial(mlp.linear_act_fwd, x, t["w_in"], t["b_in"], activation, False)
     elif gemm == "gated_fwd":
-        call = functools.partial(
-            mlp.gated_linear_fwd, t["x"], t["w_gate"], t["w_up"], model.activation, False
-        )
+        call = functools.partial(mlp.gated_linear_fwd, x, t["w_gate"], t["w_up"], activation, False)
     else:
         gated = gemm == "gated_dh_bwd"
-        pre, up = (
-            torch.randn(tokens, model.hidden, dtype=t["x"].dtype, device=t["x"].device) for _ in range(2)
+        pre, up = (torch.randn(tokens, model.hidden, dtype=x.dtype, device=x.device) for _ in range(2))
+        dy, w_out = torch.randn_like(x), t["w_down"] if gated else t["w_out"]
+        call = functools.partial(
+            mlp._dh_act_bwd, dy, w_out, pre, up if gated else None, activation, not gated
         )
-        w_out = t["w_down"] if gated else t["w_out"]
-        call = functools.partial(mlp._dh_act_bwd, torch.randn_like(t["x"]), w_out, pre, up if gated else None,
-                                 model.activation, not gated)  # fmt: skip
     return {"gemm": (call, flops)}
 
 
