@@ -67,6 +67,7 @@ MLP_SHAPES = {
     ("dh_bwd", "large"): ("1.3B", 16384), ("dh_bwd", "medium"): ("124M", 1024),
     ("gated_dh_bwd", "large"): ("7B", 16384), ("gated_dh_bwd", "medium"): ("7B", 512),
 }  # fmt: skip
+SHAPE_CLASSES = ("large", "medium", "small")  # the GEMM tables' keys (kernels.mlp.shape_class)
 MIN_GAIN = 0.02  # a neighbour must be this much faster to move: below it, timing noise decides
 TILE_RANGE = (16, 256)
 WARPS = (4, 8)
@@ -532,7 +533,7 @@ def tune(targets: list[Target], seconds: float, make_measure=gpu_measure) -> dic
         best, measurements = descend(
             start, make_measure(target), target_deadline, persistent=target.persistent, tma=target.tma
         )
-        report[target.title] = {
+        result = report[target.title] = {
             "table": dataclasses.asdict(start),
             "best": dataclasses.asdict(best),
             "measurements": [
@@ -540,21 +541,18 @@ def tune(targets: list[Target], seconds: float, make_measure=gpu_measure) -> dic
                 for m in measurements
             ],
         }
-        print(format_target(target.title, start, best, measurements), flush=True)
+        print(format_target(target.title, result["table"], result["best"], measurements), flush=True)
     return report
 
 
-def format_target(title: str, table_cfg, best, measurements: list[Measurement]) -> str:
-    """The table's entry, the best found, and every measurement, fastest first."""
+def format_target(title: str, table: dict, best: dict, measurements: list[Measurement]) -> str:
+    """The table's entry, the best found (as dicts), and every measurement, fastest first."""
     rows = []
     for m in sorted(measurements, key=lambda m: m.total_ms):
         times = " ".join(f"{mode} {ms:.3f} ms {m.tflops[mode]:.0f} TFLOP/s" for mode, ms in m.ms.items())
         status = "ok" if m.correct else ("WRONG" if m.correct is False else "not compiled")
         rows.append((_short(m.config), status, times, m.note))
-    title = (
-        f"== {title}: table {_short(dataclasses.asdict(table_cfg))}, best {_short(dataclasses.asdict(best))}"
-    )
-    return _section(title, rows)
+    return _section(f"== {title}: table {_short(table)}, best {_short(best)}", rows)
 
 
 def _section(title: str, rows: list[tuple]) -> str:
@@ -588,31 +586,26 @@ def main(argv: list[str] | None = None) -> int:
     mlp_cli = families.add_parser("mlp", help="the GEMM table of kernels.mlp")
     gemms = list(dict.fromkeys(g for g, _ in MLP_SHAPES))
     mlp_cli.add_argument("--gemms", nargs="+", choices=gemms, default=gemms)
-    mlp_cli.add_argument(
-        "--shape-classes", nargs="+", choices=["large", "medium", "small"], help="default: large medium; "
-        "with --compile-only all (small has no bench shape to time)",
-    )  # fmt: skip
+    mlp_cli.add_argument("--shape-classes", nargs="+", choices=SHAPE_CLASSES, help="default: large medium; "
+                         "with --compile-only all (small has no bench shape to time)")  # fmt: skip
     for family in (attn_cli, mlp_cli):
         family.add_argument("--seconds", type=float, help="time budget, shared by the targets (default: "
                             "240; with --compile-only none)")  # fmt: skip
         family.add_argument("--json", help="write every measurement here")
-        family.add_argument(
-            "--compile-only", action="store_true", help="no GPU: for each entry of --arch, the first "
-            "candidate (largest tile first) that compiles clean in every variant the compile report builds",
-        )  # fmt: skip
+        family.add_argument("--compile-only", action="store_true", help="no GPU: for each entry of --arch, "
+                            "the first candidate (largest tile first) that compiles clean in every variant "
+                            "the compile report builds")  # fmt: skip
         family.add_argument("--arch", choices=list(runtime.ARCHS), help="with --compile-only: the family")
         family.add_argument("--start-from", choices=list(runtime.ARCHS), help="with --compile-only: start "
                             "from this family's entries (default: --arch's own)")  # fmt: skip
         family.add_argument("--jobs", type=int, default=os.cpu_count(), help="with --compile-only: parallel "
                             "compilations")  # fmt: skip
-        family.add_argument(
-            "--write", action="store_true", help="with --compile-only: put each entry found into "
-            "kernels/configs/<family>.json (the families whose entries are data, not sm90)",
-        )  # fmt: skip
-        family.add_argument(
-            "--capability", nargs="+", type=int, help="with --compile-only: clean when built for each of "
-            "these GPUs that take --arch's entries, e.g. 86 89 120 for sm86 (default: the family's own)",
-        )  # fmt: skip
+        family.add_argument("--write", action="store_true", help="with --compile-only: put each entry found "
+                            "into kernels/configs/<family>.json (the families whose entries are data, not "
+                            "sm90)")  # fmt: skip
+        family.add_argument("--capability", nargs="+", type=int, help="with --compile-only: clean when built "
+                            "for each of these GPUs that take --arch's entries, e.g. 86 89 120 for sm86 "
+                            "(default: the family's own)")  # fmt: skip
     args = parser.parse_args(argv)
     report = _compile_only(parser, args) if args.compile_only else _tune(parser, args)
     if args.json:
@@ -654,9 +647,7 @@ def _compile_only(parser: argparse.ArgumentParser, args) -> dict:
             parser.error(f"--head-dims: 1 to {attention.MAX_HEAD_DIM}, got {head_dims}")
         searches = attention_searches(args.passes, head_dims, arch, start_from)
     else:
-        searches = mlp_searches(
-            args.gemms, args.shape_classes or ["large", "medium", "small"], arch, start_from
-        )
+        searches = mlp_searches(args.gemms, args.shape_classes or SHAPE_CLASSES, arch, start_from)
     for capability in args.capability or ():
         if error := compile_report.capability_error(capability, arch.name):
             parser.error(error)
