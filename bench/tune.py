@@ -254,8 +254,8 @@ def _attention_calls(pass_name: str, shape, packed: bool) -> dict:
     scale = 1 / math.sqrt(shape.head_dim)
     if packed:
         lengths = bench_attention.PACKED_LENGTHS
-        tokens = bench_attention.Shape(1, sum(lengths), shape.heads, shape.head_dim)
-        q, k, v = (t[0] for t in bench_attention.make_qkv(tokens, DEVICE))  # (tokens, heads, head_dim)
+        documents = bench_attention.Shape(1, sum(lengths), shape.heads, shape.head_dim)
+        q, k, v = (t[0] for t in bench_attention.make_qkv(documents, DEVICE))  # (tokens, heads, head_dim)
         cu = bench_attention.offsets(lengths, DEVICE)
         batch = attention.Packed(cu, cu, max(lengths), max(lengths))
         call = functools.partial(attention.attention_fwd, q, k, v, True, scale, packed=batch)
@@ -301,20 +301,18 @@ def _mlp_calls(gemm: str, model, tokens: int) -> dict:
     from bench import mlp as bench_mlp
 
     t = bench_mlp.make_inputs(model, tokens, torch.device(DEVICE))
-    x, activation = t["x"], model.activation
+    x, act = t["x"], model.activation
     # (tokens, d_model) x (d_model, hidden), twice in the gated forward; dh = dy W_out is the same.
     flops = (2 if gemm == "gated_fwd" else 1) * bench_mlp.gemm_flops(tokens, model.hidden, model.d_model)
     if gemm == "fwd":
-        call = functools.partial(mlp.linear_act_fwd, x, t["w_in"], t["b_in"], activation, False)
+        call = functools.partial(mlp.linear_act_fwd, x, t["w_in"], t["b_in"], act, False)
     elif gemm == "gated_fwd":
-        call = functools.partial(mlp.gated_linear_fwd, x, t["w_gate"], t["w_up"], activation, False)
+        call = functools.partial(mlp.gated_linear_fwd, x, t["w_gate"], t["w_up"], act, False)
     else:
         gated = gemm == "gated_dh_bwd"
         pre, up = (torch.randn(tokens, model.hidden, dtype=x.dtype, device=x.device) for _ in range(2))
         dy, w_out = torch.randn_like(x), t["w_down"] if gated else t["w_out"]
-        call = functools.partial(
-            mlp._dh_act_bwd, dy, w_out, pre, up if gated else None, activation, not gated
-        )
+        call = functools.partial(mlp._dh_act_bwd, dy, w_out, pre, up if gated else None, act, not gated)
     return {"gemm": (call, flops)}
 
 
