@@ -48,12 +48,12 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
+from bench import compile_report, timing
 from bench.report import format_table
-from kernels import runtime
+from kernels import attention, mlp, runtime
 
 ATTENTION_PASSES = {  # --passes name: (compile report pass, table in kernels.attention)
     "fwd": ("attn_fwd", "FWD_CONFIGS"),
@@ -67,6 +67,7 @@ MLP_SHAPES = {
     ("dh_bwd", "large"): ("1.3B", 16384), ("dh_bwd", "medium"): ("124M", 1024),
     ("gated_dh_bwd", "large"): ("7B", 16384), ("gated_dh_bwd", "medium"): ("7B", 512),
 }  # fmt: skip
+SHAPE_CLASSES = ("large", "medium", "small")  # the GEMM tables' keys (kernels.mlp.shape_class)
 MIN_GAIN = 0.02  # a neighbour must be this much faster to move: below it, timing noise decides
 TILE_RANGE = (16, 256)
 WARPS = (4, 8)
@@ -77,7 +78,7 @@ CHECK_SEQLEN = 333  # the attention check's ragged length
 DEVICE = "cuda"  # where targets check and time; the CPU tests run them in the interpreter
 
 
-@dataclass
+@dataclasses.dataclass
 class Target:
     """One table entry to tune, and how to compile, check and time a candidate for it."""
 
@@ -91,13 +92,13 @@ class Target:
     tma: bool = True  # candidates toggle TMA (the GPU has it: sm_90+)
 
 
-@dataclass
+@dataclasses.dataclass
 class Measurement:
     config: dict
     compiled: bool  # no spills, shared memory in budget on the GPU's family
     correct: bool | None = None
-    ms: dict = field(default_factory=dict)  # mode -> median ms
-    tflops: dict = field(default_factory=dict)  # the same modes
+    ms: dict = dataclasses.field(default_factory=dict)  # mode -> median ms
+    tflops: dict = dataclasses.field(default_factory=dict)  # the same modes
     note: str = ""
 
     @property
@@ -159,8 +160,6 @@ def compile_failures(configs: list, compile_batch: Callable[[list], list]) -> tu
     """The CompileResults of configs (compile_report.KernelConfig) built by compile_batch, and a line
     per config that spills, exceeds shared memory or misses the tensor cores (compile_report.failures);
     a config Triton cannot compile at all is the one line."""
-    from bench import compile_report
-
     try:
         results = compile_batch(configs)
     except Exception as error:
@@ -171,8 +170,6 @@ def compile_failures(configs: list, compile_batch: Callable[[list], list]) -> tu
 def compiles_clean(configs: list) -> tuple[bool, str]:
     """Whether every compile_report.KernelConfig compiles clean for its GPU family; the reason, or
     the registers, as a note."""
-    from bench import compile_report
-
     # In this process: a forked worker of a process that holds a CUDA context is unsafe.
     results, bad = compile_failures(configs, compile_report.compile_configs)
     return not bad, "; ".join(bad) if bad else "registers " + "/".join(str(r.registers) for r in results)
@@ -181,7 +178,6 @@ def compiles_clean(configs: list) -> tuple[bool, str]:
 def gpu_measure(target: Target) -> Callable[[object], Measurement]:
     """A measure(cfg) for :func:`descend`: compile check, correctness check, then CUDA-event timing
     of the target's calls, with target.table[target.key] = cfg for the duration."""
-    from bench import timing
 
     def measure(cfg) -> Measurement:
         compiled, note = compiles_clean(target.compile_configs(cfg))
@@ -214,10 +210,8 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
     packed table's too, timed on the bench's documents (causal, as packed documents are trained) and
     checked on three ragged ones, TMA descriptors built on the device per sequence, no persistence."""
     from bench import attention as bench_attention
-    from bench import compile_report
-    from kernels import attention
 
-    def variants(pass_name: str, head_dim: int, packed: bool = False) -> Callable[[object], list]:
+    def variants(pass_name: str, head_dim: int, packed: bool) -> Callable[[object], list]:
         return lambda cfg: [
             compile_report.attention_pass_config(
                 pass_name, cfg.loads(cfg.tma), head_dim, torch.float16, mask, cfg.tma, packed, arch.name
@@ -225,48 +219,48 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
             for mask in compile_report.ATTENTION_MASKS
         ]
 
-    targets, lengths = [], (CHECK_SEQLEN, 1, CHECK_SEQLEN // 3)
+    targets = []
     for name, head_dim in itertools.product(passes, head_dims):
         pass_name, table_name = ATTENTION_PASSES[name]
         shape = bench_attention.benchmark_shape(seqlen, head_dim)
-        check_shape = bench_attention.Shape(1, CHECK_SEQLEN, 2, head_dim)
-        block_d = attention.head_dim_block(head_dim)
-        table = getattr(attention, table_name)[arch.name]
-        targets.append(Target(
-            f"attention {name} d={head_dim} ({arch.name})", table, block_d, variants(pass_name, head_dim),
-            lambda s=check_shape: all(bench_attention.check(s, c, DEVICE)[1] for c in (False, True)),
-            lambda p=pass_name, s=shape: _attention_calls(p, s), persistent=name == "fwd", tma=arch.tma,
-        ))  # fmt: skip
-        if name == "fwd":  # packed documents have a table of their own
+        for packed in (False, True) if name == "fwd" else (False,):  # packed documents: a table of their own
+            table = getattr(attention, "PACKED_FWD_CONFIGS" if packed else table_name)[arch.name]
             targets.append(Target(
-                f"attention fwd packed d={head_dim} ({arch.name})", attention.PACKED_FWD_CONFIGS[arch.name],
-                block_d, variants("attn_fwd", head_dim, packed=True),
-                lambda d=head_dim: bench_attention.check_packed(lengths, 2, d, DEVICE)[1],
-                lambda s=shape: _packed_forward_calls(s.heads, s.head_dim), tma=arch.tma,
+                f"attention {name}{' packed' if packed else ''} d={head_dim} ({arch.name})", table,
+                attention.head_dim_block(head_dim), variants(pass_name, head_dim, packed),
+                functools.partial(_attention_check, head_dim, packed),
+                functools.partial(_attention_calls, pass_name, shape, packed),
+                persistent=name == "fwd" and not packed, tma=arch.tma,
             ))  # fmt: skip
     return targets
 
 
-def _packed_forward_calls(heads: int, head_dim: int) -> dict:
+def _attention_check(head_dim: int, packed: bool) -> bool:
+    """Ours against the float32 reference at head_dim: CHECK_SEQLEN long, full and causal, or packed,
+    three ragged documents."""
     from bench import attention as bench_attention
-    from kernels import attention
 
-    lengths = bench_attention.PACKED_LENGTHS
-    total, longest = sum(lengths), max(lengths)
-    shape = bench_attention.Shape(1, total, heads, head_dim)
-    q, k, v = (t[0] for t in bench_attention.make_qkv(shape, DEVICE))  # (tokens, heads, head_dim)
-    cu = bench_attention.offsets(lengths, DEVICE)
-    packed = attention.Packed(cu, cu, longest, longest)
-    call = functools.partial(attention.attention_fwd, q, k, v, True, 1 / math.sqrt(head_dim), packed=packed)
-    return {"causal": (call, bench_attention.packed_flops(lengths, heads, head_dim))}
+    if packed:
+        return bench_attention.check_packed((CHECK_SEQLEN, 1, CHECK_SEQLEN // 3), 2, head_dim, DEVICE)[1]
+    shape = bench_attention.Shape(1, CHECK_SEQLEN, 2, head_dim)
+    return all(bench_attention.check(shape, causal, DEVICE)[1] for causal in (False, True))
 
 
-def _attention_calls(pass_name: str, shape) -> dict:
-    """The pass on shape, full and causal: the forward alone, or the whole backward of one forward."""
+def _attention_calls(pass_name: str, shape, packed: bool) -> dict:
+    """The pass on shape, full and causal: the forward alone, or the whole backward of one forward;
+    packed, the forward on the bench's documents at shape's heads and head dim, causal."""
     from bench import attention as bench_attention
-    from kernels import attention
 
-    scale, direction = 1 / math.sqrt(shape.head_dim), "forward" if pass_name == "attn_fwd" else "backward"
+    scale = 1 / math.sqrt(shape.head_dim)
+    if packed:
+        lengths = bench_attention.PACKED_LENGTHS
+        documents = bench_attention.Shape(1, sum(lengths), shape.heads, shape.head_dim)
+        q, k, v = (t[0] for t in bench_attention.make_qkv(documents, DEVICE))  # (tokens, heads, head_dim)
+        cu = bench_attention.offsets(lengths, DEVICE)
+        batch = attention.Packed(cu, cu, max(lengths), max(lengths))
+        call = functools.partial(attention.attention_fwd, q, k, v, True, scale, packed=batch)
+        return {"causal": (call, bench_attention.packed_flops(lengths, shape.heads, shape.head_dim))}
+    direction = "forward" if pass_name == "attn_fwd" else "backward"
     q, k, v = bench_attention.make_qkv(shape, torch.device(DEVICE))
     calls = {}
     for causal in (False, True):
@@ -282,52 +276,43 @@ def _attention_calls(pass_name: str, shape) -> dict:
 
 def mlp_targets(gemms, shape_classes, arch: runtime.Arch = runtime.SM90) -> list[Target]:
     """The entries of arch's GEMM tables for the GEMMs at the shape classes."""
-    from bench import compile_report
     from bench import mlp as bench_mlp
-    from kernels import mlp
 
-    tma, arch = arch.tma, arch.name
     models = {m.name: m for m in bench_mlp.MODELS}
     targets = []
-    for gemm in gemms:
-        for shape_class in shape_classes:
-            model, tokens = models[MLP_SHAPES[gemm, shape_class][0]], MLP_SHAPES[gemm, shape_class][1]
-            if mlp.shape_class(tokens, model.hidden) != shape_class:
-                raise ValueError(f"MLP_SHAPES: {model.name} at {tokens} tokens is not {shape_class}")
-            title = f"mlp {gemm} {shape_class} ({model.name}, {tokens} tokens; {arch})"
-            targets.append(Target(
-                title, mlp.GEMM_CONFIGS[arch][gemm], shape_class,
-                lambda cfg, g=gemm, c=shape_class, a=model.activation: [
-                    compile_report.mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma, arch)
-                ],
-                lambda m=model, t=tokens: bench_mlp.check(m, t, DEVICE, whole_mlp=True)[1],
-                lambda g=gemm, m=model, t=tokens: _mlp_calls(g, m, t), tma=tma,
-            ))  # fmt: skip
+    for gemm, shape_class in itertools.product(gemms, shape_classes):
+        model, tokens = models[MLP_SHAPES[gemm, shape_class][0]], MLP_SHAPES[gemm, shape_class][1]
+        if mlp.shape_class(tokens, model.hidden) != shape_class:
+            raise ValueError(f"MLP_SHAPES: {model.name} at {tokens} tokens is not {shape_class}")
+        targets.append(Target(
+            f"mlp {gemm} {shape_class} ({model.name}, {tokens} tokens; {arch.name})",
+            mlp.GEMM_CONFIGS[arch.name][gemm], shape_class,
+            lambda cfg, g=gemm, c=shape_class, a=model.activation: [
+                compile_report.mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma, arch.name)
+            ],
+            lambda m=model, t=tokens: bench_mlp.check(m, t, DEVICE, whole_mlp=True)[1],
+            functools.partial(_mlp_calls, gemm, model, tokens), tma=arch.tma,
+        ))  # fmt: skip
     return targets
 
 
 def _mlp_calls(gemm: str, model, tokens: int) -> dict:
     """The GEMM's launcher alone on the model's tensors: {"gemm": (call, 2·M·N·K per GEMM)}."""
     from bench import mlp as bench_mlp
-    from kernels import mlp
 
     t = bench_mlp.make_inputs(model, tokens, torch.device(DEVICE))
+    x, act = t["x"], model.activation
     # (tokens, d_model) x (d_model, hidden), twice in the gated forward; dh = dy W_out is the same.
     flops = (2 if gemm == "gated_fwd" else 1) * bench_mlp.gemm_flops(tokens, model.hidden, model.d_model)
     if gemm == "fwd":
-        call = functools.partial(mlp.linear_act_fwd, t["x"], t["w_in"], t["b_in"], model.activation, False)
+        call = functools.partial(mlp.linear_act_fwd, x, t["w_in"], t["b_in"], act, False)
     elif gemm == "gated_fwd":
-        call = functools.partial(
-            mlp.gated_linear_fwd, t["x"], t["w_gate"], t["w_up"], model.activation, False
-        )
+        call = functools.partial(mlp.gated_linear_fwd, x, t["w_gate"], t["w_up"], act, False)
     else:
         gated = gemm == "gated_dh_bwd"
-        pre, up = (
-            torch.randn(tokens, model.hidden, dtype=t["x"].dtype, device=t["x"].device) for _ in range(2)
-        )
-        w_out = t["w_down"] if gated else t["w_out"]
-        call = functools.partial(mlp._dh_act_bwd, torch.randn_like(t["x"]), w_out, pre, up if gated else None,
-                                 model.activation, not gated)  # fmt: skip
+        pre, up = (torch.randn(tokens, model.hidden, dtype=x.dtype, device=x.device) for _ in range(2))
+        dy, w_out = torch.randn_like(x), t["w_down"] if gated else t["w_out"]
+        call = functools.partial(mlp._dh_act_bwd, dy, w_out, pre, up if gated else None, act, not gated)
     return {"gemm": (call, flops)}
 
 
@@ -341,7 +326,7 @@ GEMM_TILES = ((128, 64), (256, 128, 64), (64, 32))  # block_m, block_n, block_k
 GEMM_STAGES = (4, 3, 2)
 
 
-@dataclass
+@dataclasses.dataclass
 class EntrySearch:
     """One table entry of a GPU family to search by compiling alone: candidates in order of
     preference, and every compile_report.KernelConfig a candidate must compile clean in."""
@@ -394,9 +379,6 @@ def gemm_candidates(start, tma: bool) -> list:
 def attention_searches(passes, head_dims, arch: runtime.Arch, start_from: runtime.Arch | None = None) -> list:
     """An EntrySearch per attention table entry of arch for the passes (the forward's packed table
     too) at the head dims, starting from start_from's entry (default: arch's own)."""
-    from bench import compile_report
-    from kernels import attention
-
     tma, searches = arch.tma, []
     block_dims = list(dict.fromkeys(attention.head_dim_block(d) for d in head_dims))
     for name, block_d in itertools.product(passes, block_dims):
@@ -419,9 +401,6 @@ def attention_searches(passes, head_dims, arch: runtime.Arch, start_from: runtim
 def mlp_searches(gemms, shape_classes, arch: runtime.Arch, start_from: runtime.Arch | None = None) -> list:
     """An EntrySearch per GEMM table entry of arch for the GEMMs at the shape classes, starting from
     start_from's entry (default: arch's own)."""
-    from bench import compile_report
-    from kernels import mlp
-
     tma, searches = arch.tma, []
     for gemm, shape_class in itertools.product(gemms, shape_classes):
         start = mlp.GEMM_CONFIGS[(start_from or arch).name][gemm][shape_class]
@@ -552,7 +531,7 @@ def tune(targets: list[Target], seconds: float, make_measure=gpu_measure) -> dic
         best, measurements = descend(
             start, make_measure(target), target_deadline, persistent=target.persistent, tma=target.tma
         )
-        report[target.title] = {
+        result = report[target.title] = {
             "table": dataclasses.asdict(start),
             "best": dataclasses.asdict(best),
             "measurements": [
@@ -560,21 +539,18 @@ def tune(targets: list[Target], seconds: float, make_measure=gpu_measure) -> dic
                 for m in measurements
             ],
         }
-        print(format_target(target.title, start, best, measurements), flush=True)
+        print(format_target(target.title, result["table"], result["best"], measurements), flush=True)
     return report
 
 
-def format_target(title: str, table_cfg, best, measurements: list[Measurement]) -> str:
-    """The table's entry, the best found, and every measurement, fastest first."""
+def format_target(title: str, table: dict, best: dict, measurements: list[Measurement]) -> str:
+    """The table's entry, the best found (as dicts), and every measurement, fastest first."""
     rows = []
     for m in sorted(measurements, key=lambda m: m.total_ms):
         times = " ".join(f"{mode} {ms:.3f} ms {m.tflops[mode]:.0f} TFLOP/s" for mode, ms in m.ms.items())
         status = "ok" if m.correct else ("WRONG" if m.correct is False else "not compiled")
         rows.append((_short(m.config), status, times, m.note))
-    title = (
-        f"== {title}: table {_short(dataclasses.asdict(table_cfg))}, best {_short(dataclasses.asdict(best))}"
-    )
-    return _section(title, rows)
+    return _section(f"== {title}: table {_short(table)}, best {_short(best)}", rows)
 
 
 def _section(title: str, rows: list[tuple]) -> str:
@@ -600,40 +576,34 @@ def _short(c: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     families = parser.add_subparsers(dest="family", required=True)
-    attention = families.add_parser("attention", help="the tables of kernels.attention")
-    attention.add_argument(
-        "--passes", nargs="+", choices=list(ATTENTION_PASSES), default=list(ATTENTION_PASSES)
-    )
-    attention.add_argument("--head-dims", nargs="+", type=int, help="default: 128; with --compile-only all")
-    attention.add_argument("--seqlen", type=int, default=4096, help="the bench shape's (16K tokens a batch)")
-    mlp = families.add_parser("mlp", help="the GEMM table of kernels.mlp")
+    attn_cli = families.add_parser("attention", help="the tables of kernels.attention")
+    passes = list(ATTENTION_PASSES)
+    attn_cli.add_argument("--passes", nargs="+", choices=passes, default=passes)
+    attn_cli.add_argument("--head-dims", nargs="+", type=int, help="default: 128; with --compile-only all")
+    attn_cli.add_argument("--seqlen", type=int, default=4096, help="the bench shape's (16K tokens a batch)")
+    mlp_cli = families.add_parser("mlp", help="the GEMM table of kernels.mlp")
     gemms = list(dict.fromkeys(g for g, _ in MLP_SHAPES))
-    mlp.add_argument("--gemms", nargs="+", choices=gemms, default=gemms)
-    mlp.add_argument(
-        "--shape-classes", nargs="+", choices=["large", "medium", "small"], help="default: large medium; "
-        "with --compile-only all (small has no bench shape to time)",
-    )  # fmt: skip
-    for family in (attention, mlp):
+    mlp_cli.add_argument("--gemms", nargs="+", choices=gemms, default=gemms)
+    mlp_cli.add_argument("--shape-classes", nargs="+", choices=SHAPE_CLASSES, help="default: large medium; "
+                         "with --compile-only all (small has no bench shape to time)")  # fmt: skip
+    for family in (attn_cli, mlp_cli):
         family.add_argument("--seconds", type=float, help="time budget, shared by the targets (default: "
                             "240; with --compile-only none)")  # fmt: skip
         family.add_argument("--json", help="write every measurement here")
-        family.add_argument(
-            "--compile-only", action="store_true", help="no GPU: for each entry of --arch, the first "
-            "candidate (largest tile first) that compiles clean in every variant the compile report builds",
-        )  # fmt: skip
+        family.add_argument("--compile-only", action="store_true", help="no GPU: for each entry of --arch, "
+                            "the first candidate (largest tile first) that compiles clean in every variant "
+                            "the compile report builds")  # fmt: skip
         family.add_argument("--arch", choices=list(runtime.ARCHS), help="with --compile-only: the family")
         family.add_argument("--start-from", choices=list(runtime.ARCHS), help="with --compile-only: start "
                             "from this family's entries (default: --arch's own)")  # fmt: skip
         family.add_argument("--jobs", type=int, default=os.cpu_count(), help="with --compile-only: parallel "
                             "compilations")  # fmt: skip
-        family.add_argument(
-            "--write", action="store_true", help="with --compile-only: put each entry found into "
-            "kernels/configs/<family>.json (the families whose entries are data, not sm90)",
-        )  # fmt: skip
-        family.add_argument(
-            "--capability", nargs="+", type=int, help="with --compile-only: clean when built for each of "
-            "these GPUs that take --arch's entries, e.g. 86 89 120 for sm86 (default: the family's own)",
-        )  # fmt: skip
+        family.add_argument("--write", action="store_true", help="with --compile-only: put each entry found "
+                            "into kernels/configs/<family>.json (the families whose entries are data, not "
+                            "sm90)")  # fmt: skip
+        family.add_argument("--capability", nargs="+", type=int, help="with --compile-only: clean when built "
+                            "for each of these GPUs that take --arch's entries, e.g. 86 89 120 for sm86 "
+                            "(default: the family's own)")  # fmt: skip
     args = parser.parse_args(argv)
     report = _compile_only(parser, args) if args.compile_only else _tune(parser, args)
     if args.json:
@@ -666,22 +636,16 @@ def _tune(parser: argparse.ArgumentParser, args) -> dict:
 
 def _compile_only(parser: argparse.ArgumentParser, args) -> dict:
     """The compile-only search of --arch's entries, with --write put into its config file."""
-    from bench import compile_report
-
     if args.arch is None:
         parser.error("--compile-only: name the GPU family to search with --arch")
     arch, start_from = runtime.ARCHS[args.arch], args.start_from and runtime.ARCHS[args.start_from]
     if args.family == "attention":
-        from kernels import attention
-
         head_dims = args.head_dims or sorted(attention.FWD_CONFIGS[arch.name])
         if max(head_dims) > attention.MAX_HEAD_DIM or min(head_dims) < 1:
             parser.error(f"--head-dims: 1 to {attention.MAX_HEAD_DIM}, got {head_dims}")
         searches = attention_searches(args.passes, head_dims, arch, start_from)
     else:
-        searches = mlp_searches(
-            args.gemms, args.shape_classes or ["large", "medium", "small"], arch, start_from
-        )
+        searches = mlp_searches(args.gemms, args.shape_classes or SHAPE_CLASSES, arch, start_from)
     for capability in args.capability or ():
         if error := compile_report.capability_error(capability, arch.name):
             parser.error(error)
