@@ -16,6 +16,7 @@ Reported: the median of the samples and their 20th and 80th percentiles as the s
 Throughputs are in decimal units: GB/s = 1e9 bytes per second, TFLOP/s = 1e12 FLOPs per second.
 """
 
+import contextlib
 import functools
 import importlib
 import itertools
@@ -87,14 +88,11 @@ def rotating_inputs(make_copy: Callable[[], T], bytes_per_copy: int, device: tor
 def rotate(copies: list, fn: Callable, no_grad: bool = False) -> Callable[[], object]:
     """A zero-argument call of fn on the next of copies, cycling, so no call finds its inputs in
     L2 from the call before (copies from :func:`rotating_inputs`)."""
-    counter = itertools.count()
+    items = itertools.cycle(copies)
 
     def call():
-        item = copies[next(counter) % len(copies)]
-        if no_grad:
-            with torch.no_grad():
-                return fn(item)
-        return fn(item)
+        with torch.no_grad() if no_grad else contextlib.nullcontext():
+            return fn(next(items))
 
     return call
 
