@@ -188,13 +188,12 @@ class SuitePlugin:
 
 def add_metrics(results: list[Result], ceilings: dict) -> None:
     """Throughput, fraction of the device ceiling, and (for ours) speedup over each baseline."""
+    groups: dict[tuple, list[Result]] = {}  # by kernel, shape and direction
     for r in results:
         _, scale, ceiling = RATES[r.unit]
         r.throughput = r.work / (r.median_ms * 1e-3) / scale
         r.ceiling_fraction = r.throughput / ceilings[ceiling]
-    groups: dict[tuple, list[Result]] = {}
-    for r in results:
-        groups.setdefault((r.kernel, tuple(r.params.items()), r.direction), []).append(r)
+        groups.setdefault(r.key[:3], []).append(r)
     for group in groups.values():
         for ours in (r for r in group if r.implementation == "ours"):
             ours.speedups = {r.implementation: r.median_ms / ours.median_ms for r in group if r is not ours}

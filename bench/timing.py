@@ -200,13 +200,7 @@ def time_gpu(fn: Callable[[T], object], inputs: Sequence[T], warmup: int = 10, r
     ``warmup`` untimed calls, then ``repeats`` calls, each between its own pair of CUDA events,
     in batches of ``batch`` calls with a spin kernel queued ahead of each batch.
     """
-    calls = 0
-
-    def call() -> None:
-        nonlocal calls
-        fn(inputs[calls % len(inputs)])
-        calls += 1
-
+    call = rotate(inputs, fn)
     for _ in range(warmup):
         call()
     host_ms = host_ms_per_call(call, batch)
