@@ -454,8 +454,7 @@ def plot(results: list[Result], out_dir: Path) -> list[Path]:
                 )
             ax.set_title(f"{direction} " + " ".join(f"{k}={v}" for k, v in rest), fontsize=9)
             ax.set_xscale("log", base=2)
-            ax.set_xlabel(x_param)
-            ax.set_ylabel(RATES[group[0].unit][0])
+            ax.set(xlabel=x_param, ylabel=RATES[group[0].unit][0])
             ax.legend(fontsize=7)
         for ax in list(axes.flat)[len(panels) :]:
             ax.set_visible(False)

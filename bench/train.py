@@ -194,10 +194,8 @@ def time_steps(step: Callable[[], tuple[torch.Tensor, bool]], warmup: int, steps
         ends[-1].record()
         skipped += was_skipped
         now = time.perf_counter()
-        out_of_time = (seconds is not None and now - begin > seconds) or (
-            stop_at is not None and now > stop_at
-        )
-        if out_of_time and len(starts) >= 2:
+        over_budget = seconds is not None and now - begin > seconds
+        if (over_budget or (stop_at is not None and now > stop_at)) and len(starts) >= 2:
             break
     torch.cuda.synchronize()
     times = [start.elapsed_time(end) for start, end in zip(starts, ends, strict=True)]
