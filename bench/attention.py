@@ -138,8 +138,7 @@ def _ours(name: str = "flash_attention", **options):
     the CPU path sets TRITON_INTERPRET first."""
     import kernels
 
-    fn = getattr(kernels, name)
-    return lambda *args: fn(*args, **options)
+    return functools.partial(getattr(kernels, name), **options)
 
 
 def check(shape: Shape, causal: bool, device, attention=None, window_size=(-1, -1)) -> tuple[dict, bool]:
@@ -195,11 +194,11 @@ def _sdpa(backend_name: str | None = None, **options):
     return attention
 
 
-def _window_mask(seqlen: int, window: int) -> torch.Tensor:
-    """The causal window as a boolean (seqlen, seqlen) mask, on the GPU."""
+def _sdpa_window(seqlen: int):
+    """SDPA's efficient backend with the causal window as a boolean (seqlen, seqlen) mask, on the GPU."""
     rows = torch.arange(seqlen, device="cuda")[:, None]
     cols = torch.arange(seqlen, device="cuda")[None, :]
-    return (cols <= rows) & (cols >= rows - window)
+    return _sdpa("EFFICIENT_ATTENTION", attn_mask=(cols <= rows) & (cols >= rows - WINDOW))
 
 
 def _compiled_explicit(shape: Shape, causal: bool):
@@ -211,8 +210,7 @@ def _compiled_explicit(shape: Shape, causal: bool):
         raise suite.UnavailableError(
             f"its S×S matrices need ~{needed / 2**30:.0f} GiB, {free / 2**30:.0f} GiB are free"
         )
-    torch._dynamo.reset()  # a fresh static compile: no dynamic shapes, no recompile limit
-    return torch.compile(lambda q, k, v: reference.attention(q, k, v, causal, upcast=False)[0], dynamic=False)
+    return suite.compiled(lambda q, k, v: reference.attention(q, k, v, causal, upcast=False)[0])()
 
 
 def _flash_attn(name: str, **options):
@@ -222,8 +220,7 @@ def _flash_attn(name: str, **options):
         import flash_attn
     except (ImportError, OSError) as error:
         raise suite.UnavailableError(f"flash_attn does not import: {error}") from error
-    fn = getattr(flash_attn, name)
-    return lambda *args: fn(*args, **options)
+    return functools.partial(getattr(flash_attn, name), **options)
 
 
 def implementations(shape: Shape, causal: bool, quick: bool = False) -> dict:
@@ -244,27 +241,20 @@ def implementations(shape: Shape, causal: bool, quick: bool = False) -> dict:
     return impls
 
 
-def _setup(direction: str, make_fn, shape: Shape, pointer_loads=False, make_inputs=None, extra=tuple):
-    """The setup (:func:`bench.timing.setup`) of make_fn()(q, k, v, *extra()) on inputs of ``shape``
-    (or from ``make_inputs(requires_grad)``: q, k, v of any layout); extra is built at setup, on the
-    GPU. A call reads q, k, v forward, and out and dout as well backward."""
-
-    def make_call():
-        fn, args = make_fn(), extra()
-        return lambda q, k, v: fn(q, k, v, *args)
-
+def _setup(direction: str, make_fn, shape: Shape, pointer_loads=False, make_inputs=None):
+    """The setup (:func:`bench.timing.setup`) of make_fn()(q, k, v) on inputs of ``shape`` (or from
+    ``make_inputs(requires_grad)``: q, k, v of any layout). A call reads q, k, v forward, and out and
+    dout as well backward."""
     make_inputs = make_inputs or functools.partial(make_qkv, shape, "cuda")
     read = (3 if direction == "forward" else 5) * shape.numel * DTYPE.itemsize
     tma_off = "kernels.attention" if pointer_loads else None
-    return timing.setup(make_call, make_inputs, direction, read, tma_off=tma_off)
+    return timing.setup(make_fn, make_inputs, direction, read, tma_off=tma_off)
 
 
 def cases(quick: bool) -> list[suite.Case]:
-    shapes = [benchmark_shape(*s) for s in QUICK_SHAPES] if quick else [
-        benchmark_shape(seqlen, head_dim) for head_dim in HEAD_DIMS for seqlen in SEQLENS
-    ]  # fmt: skip
+    sizes = QUICK_SHAPES if quick else [(seqlen, head_dim) for head_dim in HEAD_DIMS for seqlen in SEQLENS]
     out = []
-    for shape, causal in itertools.product(shapes, (False, True)):
+    for shape, causal in itertools.product([benchmark_shape(*s) for s in sizes], (False, True)):
         params = {"seqlen": shape.seqlen, "head_dim": shape.head_dim, "causal": causal,
                   "batch": shape.batch, "heads": shape.heads}  # fmt: skip
         out += suite.family_cases(
@@ -286,9 +276,7 @@ def window_cases() -> list[suite.Case]:
         impls = {
             "ours": lambda: _ours(causal=True, window_size=(WINDOW, -1)),
             "ours-causal": lambda: _ours(causal=True),
-            "sdpa-efficient-mask": lambda n=seqlen: _sdpa(
-                "EFFICIENT_ATTENTION", attn_mask=_window_mask(n, WINDOW)
-            ),
+            "sdpa-efficient-mask": functools.partial(_sdpa_window, seqlen),
             "flash-attn": lambda: _flash_attn("flash_attn_func", causal=True, window_size=(WINDOW, 0)),
         }
         out += suite.family_cases(
@@ -311,32 +299,27 @@ def packed_cases() -> list[suite.Case]:
     def packed_inputs(grad):
         return [t[0].detach().requires_grad_(grad) for t in make_qkv(packed, device)]
 
-    def varlen_args():
+    def varlen(make_fn, name: str):  # the documents' offsets, made at setup on the GPU
         cu = offsets(PACKED_LENGTHS, device)
-        return (cu, cu, longest, longest)
+        lengths = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": longest, "max_seqlen_k": longest}
+        return make_fn(name, causal=True, **lengths)
 
-    impls = {  # name -> (make_fn, input shape, packed inputs)
-        "ours": (lambda: _ours("flash_attention_varlen", causal=True), packed, True),
-        "ours-padded": (lambda: _ours(causal=True), padded, False),
-        "sdpa-flash-padded": (lambda: _sdpa("FLASH_ATTENTION", is_causal=True), padded, False),
-        "flash-attn": (lambda: _flash_attn("flash_attn_varlen_func", causal=True), packed, True),
+    impls = {  # name -> (make_fn, input shape)
+        "ours": (lambda: varlen(_ours, "flash_attention_varlen"), packed),
+        "ours-padded": (lambda: _ours(causal=True), padded),
+        "sdpa-flash-padded": (lambda: _sdpa("FLASH_ATTENTION", is_causal=True), padded),
+        "flash-attn": (lambda: varlen(_flash_attn, "flash_attn_varlen_func"), packed),
     }
 
     def setup(name, impl, direction):
-        make_fn, shape, is_packed = impl
-        inputs = {"make_inputs": packed_inputs, "extra": varlen_args} if is_packed else {}
-        return _setup(direction, make_fn, shape, **inputs)
+        make_fn, shape = impl
+        return _setup(direction, make_fn, shape, make_inputs=packed_inputs if shape is packed else None)
 
     return suite.family_cases(
         "attention_packed", params, impls, DIRECTION_MULTIPLE,
         lambda d: direction_flops(d, packed, True, forward), "flop", setup,
         functools.partial(check_packed, PACKED_LENGTHS, heads, EXTRA_HEAD_DIM, "cuda"),
     )  # fmt: skip
-
-
-def decode_bytes(batch: int, cache: int, head_dim: int) -> int:
-    """What a decode step must move: the cached keys and values it reads (q and out are tiny)."""
-    return 2 * batch * cache * DECODE_KV_HEADS * head_dim * DTYPE.itemsize
 
 
 def decode_inputs(batch: int, cache: int, head_dim: int, device, requires_grad=False) -> list[torch.Tensor]:
@@ -365,8 +348,7 @@ def decode_cases() -> list[suite.Case]:
     the same cache (the gate of issue 25: >= 3x at seqlen_q = 1), SDPA (GQA) and
     flash-attn's flash_attn_with_kvcache. Forward only; the cache is not appended to, so every
     call does the same work."""
-    device = torch.device("cuda")
-    head_dim = EXTRA_HEAD_DIM
+    device, head_dim = torch.device("cuda"), EXTRA_HEAD_DIM
     impls = {
         "ours": lambda: _ours("flash_attention_with_kvcache", causal=True),
         "ours-prefill": lambda: _ours(causal=True),
@@ -377,7 +359,8 @@ def decode_cases() -> list[suite.Case]:
     for batch, cache in DECODE_SHAPES:
         params = {"batch": batch, "cache": cache, "heads": DECODE_HEADS, "kv_heads": DECODE_KV_HEADS,
                   "head_dim": head_dim}  # fmt: skip
-        work = decode_bytes(batch, cache, head_dim)
+        # What a call must move: the cached keys and values it reads (q and out are tiny).
+        work = 2 * batch * cache * DECODE_KV_HEADS * head_dim * DTYPE.itemsize
         inputs = functools.partial(decode_inputs, batch, cache, head_dim, device)
         out += suite.family_cases(
             "attention_decode", params, impls, ["forward"], lambda d, w=work: w, "byte",
@@ -389,13 +372,10 @@ def decode_cases() -> list[suite.Case]:
 
 def interpreter_checks() -> list[tuple[str, dict, bool]]:
     """The correctness checks on tiny shapes, on the CPU (in Triton's interpreter when it is on)."""
-    checks = [
-        (
-            f"attention seqlen={s.seqlen} head_dim={s.head_dim} {'causal' if c else 'full'}",
-            *check(s, c, "cpu"),
-        )
-        for s, c in itertools.product(INTERPRETER_SHAPES, (False, True))
-    ]
+    checks = []
+    for s, causal in itertools.product(INTERPRETER_SHAPES, (False, True)):
+        label = f"attention seqlen={s.seqlen} head_dim={s.head_dim} {'causal' if causal else 'full'}"
+        checks.append((label, *check(s, causal, "cpu")))
     small, lengths = INTERPRETER_SHAPES[1], (40, 1, 77, 0, 19)
     window = check(small, True, "cpu", window_size=(20, -1))
     return checks + [

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 
 from bench import correctness, suite, timing
 
@@ -147,22 +148,16 @@ def make_inputs(model: Model, tokens: int, device, requires_grad: bool = False) 
     return tensors
 
 
-def _act(model: Model, z: torch.Tensor) -> torch.Tensor:
-    functional = torch.nn.functional
-    return functional.silu(z) if model.gated else functional.gelu(z, approximate="tanh")
-
-
 def eager_up(model: Model, t: dict) -> torch.Tensor:
-    linear = torch.nn.functional.linear
     if model.gated:
-        return _act(model, linear(t["x"], t["w_gate"])) * linear(t["x"], t["w_up"])
-    return _act(model, linear(t["x"], t["w_in"], t["b_in"]))
+        return F.silu(F.linear(t["x"], t["w_gate"])) * F.linear(t["x"], t["w_up"])
+    return F.gelu(F.linear(t["x"], t["w_in"], t["b_in"]), approximate="tanh")
 
 
 def eager_mlp(model: Model, t: dict) -> torch.Tensor:
     if model.gated:
-        return torch.nn.functional.linear(eager_up(model, t), t["w_down"])
-    return torch.nn.functional.linear(eager_up(model, t), t["w_out"], t["b_out"])
+        return F.linear(eager_up(model, t), t["w_down"])
+    return F.linear(eager_up(model, t), t["w_out"], t["b_out"])
 
 
 def addmm_gelu(model: Model, t: dict) -> torch.Tensor:
@@ -337,8 +332,7 @@ if __name__ == "__main__":
     from bench.__main__ import main
 
     code = main(["--only", "mlp", *sys.argv[1:]])
-    if torch.cuda.is_available():
-        print("\n" + saved_activation_table(torch.device("cuda"), itertools.product(MODELS, TOKENS)))
-    else:
-        print("\n" + saved_activation_table(torch.device("cpu"), INTERPRETER_CASES))
+    gpu = torch.cuda.is_available()
+    shapes = itertools.product(MODELS, TOKENS) if gpu else INTERPRETER_CASES
+    print("\n" + saved_activation_table(torch.device("cuda" if gpu else "cpu"), shapes))
     sys.exit(code)

@@ -15,6 +15,7 @@ outputs, each of its launches); needs no GPU.
 
 import argparse
 import collections
+import math
 import re
 from dataclasses import dataclass
 
@@ -37,20 +38,17 @@ class Loop:
         pattern = re.compile(rf"^(?:@!?U?P\w+\s+)?{re.escape(opcode)}(?:\.|\s|$)")
         return sum(bool(pattern.match(i)) for i in self.instructions)
 
+    def hgmma_shapes(self) -> list[str]:
+        """The shape of each HGMMA of one iteration, as "64x256x16"."""
+        return [re.search(r"HGMMA\.(\d+x\d+x\d+)", i).group(1) for i in self.instructions if "HGMMA" in i]
+
     def wgmma_shapes(self) -> str:
         """The HGMMA shapes of one iteration with their counts, as "8x 64x64x16, 4x 64x256x16"."""
-        shapes = collections.Counter(re.search(r"HGMMA\.(\d+x\d+x\d+)", i).group(1) for i in self.instructions
-                                     if "HGMMA" in i)  # fmt: skip
-        return ", ".join(f"{n}x {shape}" for shape, n in shapes.items())
+        return ", ".join(f"{n}x {shape}" for shape, n in collections.Counter(self.hgmma_shapes()).items())
 
     def tensor_flops(self, num_warps: int) -> int:
         """FLOPs of the wgmma in one iteration: each HGMMA.MxNxK is issued by one warpgroup."""
-        flops = sum(
-            2 * int(m) * int(n) * int(k)
-            for m, n, k in (
-                re.search(r"HGMMA\.(\d+)x(\d+)x(\d+)", i).groups() for i in self.instructions if "HGMMA" in i
-            )
-        )
+        flops = sum(2 * math.prod(map(int, shape.split("x"))) for shape in self.hgmma_shapes())
         return flops * num_warps // WARPGROUP
 
 

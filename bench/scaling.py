@@ -212,10 +212,7 @@ def local_params(config: GPTConfig, tp: int) -> int:
     d, hidden, bias = config.d_model, config.hidden, int(config.bias)
     qkv = (config.n_head + 2 * config.kv_heads) * config.head_dim
     norm = d * (1 + bias) if config.norm == "layernorm" else d
-    if config.mlp == "swiglu":
-        mlp = 3 * d * hidden // tp
-    else:
-        mlp = 2 * d * hidden // tp + bias * (hidden // tp + d)
+    mlp = 3 * d * hidden // tp if config.mlp == "swiglu" else 2 * d * hidden // tp + bias * (hidden // tp + d)
     attn = d * qkv // tp + bias * qkv // tp + config.n_head * config.head_dim * d // tp + bias * d
     block = attn + mlp + 2 * norm
     positions = config.block_size * d if config.positions == "learned" else 0

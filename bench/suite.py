@@ -33,6 +33,8 @@ from bench import report, timing
 GATES_FILE = Path(__file__).with_name("gates.toml")
 RESULTS_DIR = Path(__file__).with_name("results")
 DIRECTIONS = ("forward", "backward", "forward+backward")
+# unit -> (rate's name, its scale, the ceiling it is a fraction of)
+RATES = {"flop": ("TFLOP/s", 1e12, "matmul_tflops"), "byte": ("GB/s", 1e9, "copy_gbps")}
 
 
 class _Named:
@@ -149,10 +151,18 @@ class SuitePlugin:
             if key not in self.checks:
                 self.checks[key] = case.check()
             errors, correct = self.checks[key]
-        if case.implementation.startswith("ours"):  # ours and its variants (ours-pointer, ...) never skip
+        ours = case.implementation.startswith("ours")  # ours and its variants (ours-pointer, ...)
+        try:
             call = case.setup()
-        else:
-            call = self._baseline_or_skip(case)
+            if not ours:
+                call()
+        except (UnavailableError, RuntimeError) as error:
+            # A baseline that cannot run here (a library not installed, an SDPA backend without a
+            # kernel for the shape, out of memory) is skipped with its reason; ours never is.
+            if ours:
+                raise
+            torch.cuda.empty_cache()
+            pytest.skip(f"{case.implementation} unavailable: {' '.join(str(error).split())[:300]}")
         benchmark.group = f"{case.kernel} {case.direction} {case.shape}"
         benchmark.extra_info.update(
             kernel=case.kernel, params=case.params, direction=case.direction,
@@ -175,31 +185,15 @@ class SuitePlugin:
         if correct is False:
             pytest.fail(f"{case.kernel} [{case.shape}] differs from the reference: {errors}")
 
-    @staticmethod
-    def _baseline_or_skip(case: Case) -> Callable[[], object]:
-        # A baseline that cannot run here (a library not installed, an SDPA backend without a
-        # kernel for the shape, out of memory) is skipped with its reason; ours in any variant never is.
-        try:
-            call = case.setup()
-            call()
-            return call
-        except (UnavailableError, RuntimeError) as error:
-            torch.cuda.empty_cache()
-            pytest.skip(f"{case.implementation} unavailable: {' '.join(str(error).split())[:300]}")
-
 
 def add_metrics(results: list[Result], ceilings: dict) -> None:
     """Throughput, fraction of the device ceiling, and (for ours) speedup over each baseline."""
+    groups: dict[tuple, list[Result]] = {}  # by kernel, shape and direction
     for r in results:
-        if r.unit == "flop":
-            r.throughput = r.work / (r.median_ms * 1e-3) / 1e12
-            r.ceiling_fraction = r.throughput / ceilings["matmul_tflops"]
-        else:
-            r.throughput = r.work / (r.median_ms * 1e-3) / 1e9
-            r.ceiling_fraction = r.throughput / ceilings["copy_gbps"]
-    groups: dict[tuple, list[Result]] = {}
-    for r in results:
-        groups.setdefault((r.kernel, tuple(r.params.items()), r.direction), []).append(r)
+        _, scale, ceiling = RATES[r.unit]
+        r.throughput = r.work / (r.median_ms * 1e-3) / scale
+        r.ceiling_fraction = r.throughput / ceilings[ceiling]
+        groups.setdefault(r.key[:3], []).append(r)
     for group in groups.values():
         for ours in (r for r in group if r.implementation == "ours"):
             ours.speedups = {r.implementation: r.median_ms / ours.median_ms for r in group if r is not ours}
@@ -238,20 +232,16 @@ class Gate:
         the baselines matching its pattern that were measured."""
         if self.metric == "ceiling_fraction":
             return r.ceiling_fraction, {}
-        if self.baseline.startswith("best:"):
-            over = {name: s for name, s in r.speedups.items() if fnmatch.fnmatch(name, self.baselines())}
-        else:
-            over = {name: s for name, s in r.speedups.items() if name == self.baseline}
+        # A plain baseline is a pattern that matches its own name alone (as in gated_cases).
+        over = {name: s for name, s in r.speedups.items() if fnmatch.fnmatch(name, self.baselines())}
         # Against the fastest baseline: the smallest speedup.
         return (min(over.values()) if over else None), over
 
     def describe(self) -> str:
         ceiling = self.metric == "ceiling_fraction"
         what = "fraction of the device ceiling" if ceiling else f"speedup over {self.baseline}"
-        where = ", ".join(f"{k} {v}" for k, v in self.where.items())
-        return f"{self.kernel} {self.direction}: {what} >= {self.min:g}" + (
-            f" where {where}" if where else ""
-        )
+        where = " where " + ", ".join(f"{k} {v}" for k, v in self.where.items()) if self.where else ""
+        return f"{self.kernel} {self.direction}: {what} >= {self.min:g}{where}"
 
 
 _COMPARISONS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, ">": operator.gt, "<": operator.lt}
@@ -334,16 +324,10 @@ def gated_cases(cases: list[Case], gates: list[Gate]) -> list[Case]:
     for case in cases:
         ours = dataclasses.replace(case, implementation="ours")
         for gate in gates:
-            if gate.matches(ours):
-                patterns.setdefault(case.key[:3], set()).add(gate.baselines())
+            if gate.matches(ours):  # ours, and the baselines the gate names ("" matches none)
+                patterns.setdefault(case.key[:3], {"ours"}).add(gate.baselines())
     return [
-        c
-        for c in cases
-        if c.key[:3] in patterns
-        and (
-            c.implementation == "ours"
-            or any(p and fnmatch.fnmatch(c.implementation, p) for p in patterns[c.key[:3]])
-        )
+        c for c in cases if any(fnmatch.fnmatch(c.implementation, p) for p in patterns.get(c.key[:3], ()))
     ]
 
 
@@ -385,12 +369,11 @@ TABLE_COLUMNS = ("kernel", "direction", "shape", "impl", "ms", "q1-q3 ms", "rate
 def format_table(results: list[Result]) -> str:
     rows = [TABLE_COLUMNS]
     for r in results:
-        rate_unit = "TFLOP/s" if r.unit == "flop" else "GB/s"
         best_other = min(r.speedups.values()) if r.speedups else None
         rows.append((
             r.kernel, r.direction, r.shape, r.implementation, f"{r.median_ms:.4f}",
-            f"{r.q1_ms:.4f}-{r.q3_ms:.4f}", f"{r.throughput:.1f} {rate_unit}", f"{r.ceiling_fraction:.0%}",
-            "" if best_other is None else f"{best_other:.2f}x",
+            f"{r.q1_ms:.4f}-{r.q3_ms:.4f}", f"{r.throughput:.1f} {RATES[r.unit][0]}",
+            f"{r.ceiling_fraction:.0%}", "" if best_other is None else f"{best_other:.2f}x",
             "" if r.correct is None else ("ok" if r.correct else "WRONG"),
         ))  # fmt: skip
     return report.format_table(rows)
@@ -454,7 +437,8 @@ def plot(results: list[Result], out_dir: Path) -> list[Path]:
     written = []
     for kernel in sorted({r.kernel for r in results}):
         mine = [r for r in results if r.kernel == kernel]
-        x_param = _x_param(mine)
+        # The param with the most distinct values.
+        x_param = max(mine[0].params, key=lambda name: len({r.params[name] for r in mine}))
         panels: dict[tuple, list[Result]] = {}
         for r in mine:
             rest = tuple((k, v) for k, v in r.params.items() if k != x_param)
@@ -470,8 +454,7 @@ def plot(results: list[Result], out_dir: Path) -> list[Path]:
                 )
             ax.set_title(f"{direction} " + " ".join(f"{k}={v}" for k, v in rest), fontsize=9)
             ax.set_xscale("log", base=2)
-            ax.set_xlabel(x_param)
-            ax.set_ylabel("TFLOP/s" if group[0].unit == "flop" else "GB/s")
+            ax.set(xlabel=x_param, ylabel=RATES[group[0].unit][0])
             ax.legend(fontsize=7)
         for ax in list(axes.flat)[len(panels) :]:
             ax.set_visible(False)
@@ -482,9 +465,3 @@ def plot(results: list[Result], out_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
-
-
-def _x_param(results: list[Result]) -> str:
-    # The param with the most distinct values.
-    names = list(results[0].params)
-    return max(names, key=lambda name: len({r.params[name] for r in results}))

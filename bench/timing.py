@@ -16,6 +16,7 @@ Reported: the median of the samples and their 20th and 80th percentiles as the s
 Throughputs are in decimal units: GB/s = 1e9 bytes per second, TFLOP/s = 1e12 FLOPs per second.
 """
 
+import contextlib
 import functools
 import importlib
 import itertools
@@ -87,14 +88,11 @@ def rotating_inputs(make_copy: Callable[[], T], bytes_per_copy: int, device: tor
 def rotate(copies: list, fn: Callable, no_grad: bool = False) -> Callable[[], object]:
     """A zero-argument call of fn on the next of copies, cycling, so no call finds its inputs in
     L2 from the call before (copies from :func:`rotating_inputs`)."""
-    counter = itertools.count()
+    items = itertools.cycle(copies)
 
     def call():
-        item = copies[next(counter) % len(copies)]
-        if no_grad:
-            with torch.no_grad():
-                return fn(item)
-        return fn(item)
+        with torch.no_grad() if no_grad else contextlib.nullcontext():
+            return fn(next(items))
 
     return call
 
@@ -202,13 +200,7 @@ def time_gpu(fn: Callable[[T], object], inputs: Sequence[T], warmup: int = 10, r
     ``warmup`` untimed calls, then ``repeats`` calls, each between its own pair of CUDA events,
     in batches of ``batch`` calls with a spin kernel queued ahead of each batch.
     """
-    calls = 0
-
-    def call() -> None:
-        nonlocal calls
-        fn(inputs[calls % len(inputs)])
-        calls += 1
-
+    call = rotate(inputs, fn)
     for _ in range(warmup):
         call()
     host_ms = host_ms_per_call(call, batch)

@@ -194,10 +194,8 @@ def time_steps(step: Callable[[], tuple[torch.Tensor, bool]], warmup: int, steps
         ends[-1].record()
         skipped += was_skipped
         now = time.perf_counter()
-        out_of_time = (seconds is not None and now - begin > seconds) or (
-            stop_at is not None and now > stop_at
-        )
-        if out_of_time and len(starts) >= 2:
+        over_budget = seconds is not None and now - begin > seconds
+        if (over_budget or (stop_at is not None and now > stop_at)) and len(starts) >= 2:
             break
     torch.cuda.synchronize()
     times = [start.elapsed_time(end) for start, end in zip(starts, ends, strict=True)]
@@ -211,13 +209,11 @@ def measure(cfg: TrainConfig, config: GPTConfig, backend: str, warmup: int, step
     try:
         host_start = time.perf_counter()
         step = make_step(cfg, config, backend, "cuda")
-        times, memory, skipped, loss = time_steps(step, warmup, steps, seconds, stop_at)
-        result = step_result(
-            cfg, config, backend, times, memory, skipped, loss, peak_flops("cuda", cfg.peak_tflops)
-        )
+        timed = time_steps(step, warmup, steps, seconds, stop_at)  # times, memory, skipped steps, loss
+        result = step_result(cfg, config, backend, *timed, peak_flops("cuda", cfg.peak_tflops))
         # Printed now, so that a run stopped by a time limit still shows the backends it finished.
         print(
-            f"  {backend}: {len(times)} steps timed after {warmup} warm-up steps "
+            f"  {backend}: {result.rounds} steps timed after {warmup} warm-up steps "
             f"({time.perf_counter() - host_start:.0f} s in all): median {result.median_ms:.2f} ms, "
             f"{result.extra['tokens_per_s']:,.0f} tokens/s"
         )
@@ -266,10 +262,8 @@ def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
     deadline = time.perf_counter() + args.deadline if args.deadline else None
     results, broken = [], []
     for i, backend in enumerate(args.backends):
-        stop_at = None
-        if deadline is not None:  # this backend's share of what is left, its compilation included
-            now = time.perf_counter()
-            stop_at = now + (deadline - now) / (len(args.backends) - i)
+        now = time.perf_counter()  # this backend's share of what is left, its compilation included
+        stop_at = None if deadline is None else now + (deadline - now) / (len(args.backends) - i)
         try:
             results.append(measure(cfg, config, backend, args.warmup, args.steps, budget, stop_at))
         except torch.cuda.OutOfMemoryError:
