@@ -873,17 +873,17 @@ def format_table(results: list[CompileResult]) -> str:
     return report.format_table([COLUMNS, *map(cells, results)], right=True)
 
 
-def capability_error(capability: int, family: str) -> str | None:
-    """Why a build of family's entries for compute capability (86 for 8.6) is refused: a GPU of
-    that capability takes another family's entries, or none; None when it takes family's."""
-    try:
-        takes = runtime.arch_of_capability(capability // 10, capability % 10).name
-    except RuntimeError:
-        takes = None
-    if takes == family:
-        return None
-    return (f"--capability {capability}: a GPU of compute capability {capability / 10:.1f} takes "
-            f"{takes or 'no family'}'s entries, not {family}'s")  # fmt: skip
+def check_capabilities(parser: argparse.ArgumentParser, capabilities: list[int], family: str) -> None:
+    """Refuse (parser.error) a build of family's entries for a compute capability (86 for 8.6) whose
+    GPU takes another family's entries, or none: the --capability check of this CLI and bench.tune's."""
+    for capability in capabilities:
+        try:
+            takes = runtime.arch_of_capability(capability // 10, capability % 10).name
+        except RuntimeError:
+            takes = None
+        if takes != family:
+            parser.error(f"--capability {capability}: a GPU of compute capability {capability / 10:.1f} "
+                         f"takes {takes or 'no family'}'s entries, not {family}'s")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -912,8 +912,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.capability is not None:
         if len(args.arch) != 1:
             parser.error("--capability builds one family's entries: name it alone with --arch")
-        if error := capability_error(args.capability, args.arch[0]):
-            parser.error(error)
+        check_capabilities(parser, [args.capability], args.arch[0])
         configs = [dataclasses.replace(c, capability=args.capability) for c in configs]
     keys = [row_key(c) for c in configs]
     cached = load_cache(args.cache)
