@@ -392,11 +392,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, TrainConfig, GPTConfig]:
     if args.warmup < 0 or args.steps < 2 or not positive:
         parser.error("--warmup must be at least 0, --steps at least 2, --seconds and --deadline positive")
     args.backends = list(dict.fromkeys(args.backends))
+    config_flags = ("preset", "batch_size", "seq_len", "grad_accum", "precision", "peak_tflops")
     try:
-        cfg = TrainConfig(
-            preset=args.preset, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
-            precision=args.precision, peak_tflops=args.peak_tflops,
-        )  # fmt: skip
+        cfg = TrainConfig(**{name: getattr(args, name) for name in config_flags})
     except ValueError as e:
         parser.error(str(e))
     config = preset(cfg.preset)

@@ -646,8 +646,8 @@ def _compile_only(parser: argparse.ArgumentParser, args) -> dict:
         searches = attention_searches(args.passes, head_dims, arch, start_from)
     else:
         searches = mlp_searches(args.gemms, args.shape_classes or SHAPE_CLASSES, arch, start_from)
-    compile_report.check_capabilities(parser, args.capability or [], arch.name)
     if args.capability:
+        compile_report.check_capabilities(parser, args.capability, arch.name)
         searches = [built_for(search, args.capability) for search in searches]
     path = runtime.CONFIGS_DIR / f"{args.family}.json"
     if args.write:
