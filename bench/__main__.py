@@ -105,8 +105,6 @@ def gpu_main(args, pytest_args) -> int:
         plugins=[plugin],
     )  # fmt: skip
     results = plugin.results
-    suite.add_metrics(results, ceilings)
-    print("\n" + suite.format_table(results))
     failed = suite.save_and_gate(
         args.out, "results.json", machine, ceilings, results, gates, cases, plots=True
     )

@@ -404,12 +404,15 @@ def write_json(
 
 def save_and_gate(
     out: Path | None, name: str, machine: dict, ceilings: dict, results: list[Result], gates: list[Gate],
-    expected: list[Case], plots: bool = False,
+    expected: list[Case], table: Callable[[list[Result]], str] = format_table, plots: bool = False,
 ) -> list[GateVerdict]:  # fmt: skip
-    """Gate results (:func:`evaluate_gates`: an expected case of ours without one is "not measured"),
-    write them with their verdicts to out/name (out: default :func:`results_dir`), with plots a PNG
-    per kernel beside it (:func:`plot`), and print what was written and each verdict. Returns the
-    verdicts that failed."""
+    """Add the metrics to results (:func:`add_metrics`) and print them as table formats them; gate
+    them (:func:`evaluate_gates`: an expected case of ours without one is "not measured"), write them
+    with their verdicts to out/name (out: default :func:`results_dir`), with plots a PNG per kernel
+    beside it (:func:`plot`), and print what was written and each verdict. Returns the verdicts that
+    failed."""
+    add_metrics(results, ceilings)
+    print("\n" + table(results))
     verdicts = evaluate_gates(results, gates, expected)
     out = out or results_dir(machine["gpu"])
     out.mkdir(parents=True, exist_ok=True)

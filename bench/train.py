@@ -226,21 +226,25 @@ def measure(cfg: TrainConfig, config: GPTConfig, backend: str, warmup: int, step
 
 
 def format_table(results: list[suite.Result]) -> str:
-    """A row per backend: step time, tokens/s, TFLOP/s, MFU, fraction of matmul, memory, speedups."""
+    """A row per backend: step time, tokens/s, TFLOP/s, MFU, fraction of matmul, memory, speedups; then
+    a line per backend with its tokens/s, MFU and peak memory."""
     others = [r.extra["backend"] for r in results if r.implementation != "ours"]
     columns = ("backend", "step ms", "q1-q3 ms", "tokens/s", "TFLOP/s", "MFU", "of matmul", "peak GiB",
                "skipped", *(f"vs {name}" for name in others))  # fmt: skip
-    rows = [columns]
+    rows, lines = [columns], []
     for r in results:
         x = r.extra
         speedups = [r.speedups.get(IMPLEMENTATIONS[name]) for name in others]
+        mfu = "" if x["mfu"] is None else f"{x['mfu']:.1%}"
+        gib = f"{x['peak_memory_bytes'] / 2**30:.2f}"
         rows.append((
             x["backend"], f"{r.median_ms:.2f}", f"{r.q1_ms:.2f}-{r.q3_ms:.2f}", f"{x['tokens_per_s']:,.0f}",
-            f"{r.throughput:.1f}", "" if x["mfu"] is None else f"{x['mfu']:.1%}", f"{r.ceiling_fraction:.1%}",
-            f"{x['peak_memory_bytes'] / 2**30:.2f}", str(x["skipped_steps"]),
+            f"{r.throughput:.1f}", mfu, f"{r.ceiling_fraction:.1%}", gib, str(x["skipped_steps"]),
             *("" if s is None else f"{s:.2f}x" for s in speedups),
         ))  # fmt: skip
-    return report.format_table(rows)
+        line = f"{KERNEL} {x['preset']} {x['precision']} {x['backend']}: {x['tokens_per_s']:,.0f} tokens/s"
+        lines.append(line + (f", MFU {mfu}" if mfu else "") + f", peak memory {gib} GiB")
+    return "\n".join([report.format_table(rows), "", *lines])
 
 
 def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
@@ -278,21 +282,12 @@ def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
             traceback.print_exc()
             print(f"  {backend}: failed (traceback above); no result")
             broken.append(backend)
-    suite.add_metrics(results, ceilings)
-    print("\n" + format_table(results) + "\n")
-    for r in results:
-        x = r.extra
-        mfu = "" if x["mfu"] is None else f", MFU {x['mfu']:.1%}"
-        print(
-            f"{KERNEL} {cfg.preset} {cfg.precision} {x['backend']}: {x['tokens_per_s']:,.0f} tokens/s{mfu}, "
-            f"peak memory {x['peak_memory_bytes'] / 2**30:.2f} GiB"
-        )
     # A gate of ours never passes for lack of a result: "not measured" where triton got none.
     implementations = {IMPLEMENTATIONS[b]: b for b in args.backends}
     expected = suite.family_cases(KERNEL, case_params(cfg, config), implementations, ["forward+backward"],
                                   lambda d: 0.0, "flop", lambda *_: None)  # fmt: skip
     failed = suite.save_and_gate(
-        args.out, "train.json", machine, ceilings, results, suite.load_gates(), expected
+        args.out, "train.json", machine, ceilings, results, suite.load_gates(), expected, format_table
     )
     if broken:
         print(f"no result from {', '.join(broken)}: failed or interrupted")
