@@ -83,9 +83,8 @@ def gpu_main(args, pytest_args) -> int:
 
     from bench import suite, timing
 
-    device = torch.device("cuda", torch.cuda.current_device())
     start = time.perf_counter()
-    machine = timing.announce_machine(device)
+    device, machine = timing.announce_machine()
     copy, matmul = timing.copy_bandwidth_gbps(device), timing.matmul_tflops(device)
     ceilings = {"copy_gbps": copy, "matmul_tflops": matmul}
     seconds = time.perf_counter() - start

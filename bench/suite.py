@@ -349,13 +349,11 @@ def compare(results: list[Result], previous: dict, expected: list[Case]) -> tupl
         ours = old["implementation"].startswith("ours")
         label = f"{old['kernel']} {old['direction']} [{shape_text(old['params'])}] {old['implementation']}"
         if key not in now:
-            line = f"{label}: not measured (was {old['median_ms']:.4f} ms)"
-            bad = ours
+            line, bad = f"{label}: not measured (was {old['median_ms']:.4f} ms)", ours
         else:
             ratio = now[key].median_ms / old["median_ms"]
-            bad = ours and ratio > 1 + REGRESSION
             times = f"{old['median_ms']:.4f} -> {now[key].median_ms:.4f} ms"
-            line = f"{label}: {ratio:.3f}x the earlier time ({times})"
+            line, bad = f"{label}: {ratio:.3f}x the earlier time ({times})", ours and ratio > 1 + REGRESSION
         lines.append(("REGRESSION " if bad else "           ") + line)
         if bad:
             failures.append(line)

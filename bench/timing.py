@@ -277,12 +277,13 @@ def machine_info(device: torch.device | None = None) -> dict:
     return info
 
 
-def announce_machine(device: torch.device) -> dict:
-    """machine_info(device), its GPU and versions printed as a bench's first line."""
+def announce_machine() -> tuple[torch.device, dict]:
+    """The current CUDA device and its machine_info, its GPU and versions printed as a bench's first line."""
+    device = torch.device("cuda", torch.cuda.current_device())
     machine = machine_info(device)
     versions = f"CUDA {machine['cuda_runtime']}  torch {machine['torch']}  triton {machine['triton']}"
     print(f"{machine['gpu']}  {versions}")
-    return machine
+    return device, machine
 
 
 class EventStamp(float):

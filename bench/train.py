@@ -248,8 +248,7 @@ def format_table(results: list[suite.Result]) -> str:
 
 
 def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
-    device = torch.device("cuda", torch.cuda.current_device())
-    machine = timing.announce_machine(device)
+    device, machine = timing.announce_machine()
     ceilings = {"matmul_tflops": timing.matmul_tflops(device)}
     peak = peak_flops("cuda", cfg.peak_tflops)
     peak_text = "unknown (--peak-tflops)" if peak is None else f"{peak / 1e12:.0f} TFLOP/s"
@@ -283,9 +282,7 @@ def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
             print(f"  {backend}: failed (traceback above); no result")
             broken.append(backend)
     # A gate of ours never passes for lack of a result: "not measured" where triton got none.
-    implementations = {IMPLEMENTATIONS[b]: b for b in args.backends}
-    expected = suite.family_cases(KERNEL, case_params(cfg, config), implementations, ["forward+backward"],
-                                  lambda d: 0.0, "flop", lambda *_: None)  # fmt: skip
+    expected = step_cases(cfg, config, args.backends)
     failed = suite.save_and_gate(
         args.out, "train.json", machine, ceilings, results, suite.load_gates(), expected, format_table
     )
@@ -333,17 +330,23 @@ def cpu_main(args) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+def step_cases(cfg: TrainConfig, config: GPTConfig, backends) -> list[suite.Case]:
+    """The bench suite's cases of cfg's training step, one per backend."""
+    seq_len = cfg.seq_len or config.block_size
+    work = flops_per_token(config, seq_len) * cfg.batch_size * seq_len * cfg.grad_accum
+    return suite.family_cases(
+        KERNEL, case_params(cfg, config), {IMPLEMENTATIONS[b]: b for b in backends}, ["forward+backward"],
+        lambda d: work, "flop", lambda name, b, d: functools.partial(make_step, cfg, config, b, "cuda"),
+    )  # fmt: skip
+
+
 def cases(quick: bool) -> list[suite.Case]:
     """The training step of each SUITE_CASES preset in fp16 on every backend (quick: the first)."""
     result = []
     for name, batch in SUITE_CASES[:1] if quick else SUITE_CASES:
-        cfg, config = TrainConfig(preset=name, batch_size=batch, precision="fp16"), preset(name)
-        work = flops_per_token(config, config.block_size) * batch * config.block_size
-        result += suite.family_cases(
-            KERNEL, case_params(cfg, config), {IMPLEMENTATIONS[b]: b for b in BACKENDS}, ["forward+backward"],
-            lambda d, w=work: w, "flop",
-            lambda name, b, d, c=cfg, m=config: functools.partial(make_step, c, m, b, "cuda"),
-        )  # fmt: skip
+        result += step_cases(
+            TrainConfig(preset=name, batch_size=batch, precision="fp16"), preset(name), BACKENDS
+        )
     return result
 
 
