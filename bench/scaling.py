@@ -62,13 +62,12 @@ tp 2/4/8, which grows the model with tp).
 """
 
 import argparse
-import dataclasses
 import gc
 import json
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -360,7 +359,7 @@ def row_dicts(rows: list[Row], tokens_per_step: int) -> list[dict]:
     base = {r.preset: r.step_ms for r in rows if r.tp == 1 and r.step_ms is not None}
     out = []
     for r in rows:
-        entry = dataclasses.asdict(r) | {"dp_exposed_ms": r.dp_exposed_ms, "step_ms": r.step_ms}
+        entry = asdict(r) | {"dp_exposed_ms": r.dp_exposed_ms, "step_ms": r.step_ms}
         if r.step_ms is not None:
             per_gpu, per_group, per_node = tokens_per_s(tokens_per_step, r.step_ms, r.tp)
             entry |= {

@@ -13,7 +13,6 @@ the gates of ``bench/gates.toml`` and the comparison with an earlier run are com
 results afterwards.
 """
 
-import dataclasses
 import datetime
 import fnmatch
 import itertools
@@ -22,7 +21,7 @@ import operator
 import re
 import tomllib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -322,7 +321,7 @@ def gated_cases(cases: list[Case], gates: list[Gate]) -> list[Case]:
     each baseline such a gate compares it with (the quick run's cases)."""
     patterns: dict[tuple, set[str]] = {}
     for case in cases:
-        ours = dataclasses.replace(case, implementation="ours")
+        ours = replace(case, implementation="ours")
         for gate in gates:
             if gate.matches(ours):  # ours, and the baselines the gate names ("" matches none)
                 patterns.setdefault(case.key[:3], {"ours"}).add(gate.baselines())

@@ -145,13 +145,7 @@ def step_result(cfg: TrainConfig, config: GPTConfig, backend: str, times_ms: lis
     q1_ms, median_ms, q3_ms = statistics.quantiles(times_ms, n=4, method="inclusive")
     tokens_per_s = tokens_per_step / (median_ms * 1e-3)
     implementation = IMPLEMENTATIONS[backend]
-    result = suite.Result(
-        KERNEL, case_params(cfg, config), "forward+backward", implementation, "flop",
-        per_token * tokens_per_step, median_ms, q1_ms, q3_ms, len(times_ms),
-        # A step of ours whose loss is inf or NaN fails every gate.
-        correct=math.isfinite(loss) if implementation == "ours" else None, samples_ms=times_ms,
-    )  # fmt: skip
-    result.extra = {
+    extra = {
         "backend": backend,
         "preset": cfg.preset,
         "precision": cfg.precision,
@@ -164,7 +158,12 @@ def step_result(cfg: TrainConfig, config: GPTConfig, backend: str, times_ms: lis
         "skipped_steps": skipped_steps,
         "loss": loss,
     }
-    return result
+    return suite.Result(
+        KERNEL, case_params(cfg, config), "forward+backward", implementation, "flop",
+        per_token * tokens_per_step, median_ms, q1_ms, q3_ms, len(times_ms),
+        # A step of ours whose loss is inf or NaN fails every gate.
+        correct=math.isfinite(loss) if implementation == "ours" else None, extra=extra, samples_ms=times_ms,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
