@@ -103,13 +103,12 @@ def gpu_main(args, pytest_args) -> int:
          "--benchmark-columns=median,iqr,rounds", *pytest_args],
         plugins=[plugin],
     )  # fmt: skip
-    results = plugin.results
     failed = suite.save_and_gate(
-        args.out, "results.json", machine, ceilings, results, gates, cases, plots=True
+        args.out, "results.json", machine, ceilings, plugin.results, gates, cases, plots=True
     )
     regressed = []
     if previous is not None:
-        lines, regressed = suite.compare(results, previous, cases)
+        lines, regressed = suite.compare(plugin.results, previous, cases)
         print(f"\nagainst {args.compare}: {len(regressed)} regressions of ours beyond 5 %")
         print("\n".join("  " + line for line in lines))
     if pytest_code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
