@@ -83,9 +83,8 @@ def gpu_main(args, pytest_args) -> int:
 
     from bench import suite, timing
 
-    device = torch.device("cuda", torch.cuda.current_device())
     start = time.perf_counter()
-    machine = timing.announce_machine(device)
+    device, machine = timing.announce_machine()
     copy, matmul = timing.copy_bandwidth_gbps(device), timing.matmul_tflops(device)
     ceilings = {"copy_gbps": copy, "matmul_tflops": matmul}
     seconds = time.perf_counter() - start
@@ -104,15 +103,12 @@ def gpu_main(args, pytest_args) -> int:
          "--benchmark-columns=median,iqr,rounds", *pytest_args],
         plugins=[plugin],
     )  # fmt: skip
-    results = plugin.results
-    suite.add_metrics(results, ceilings)
-    print("\n" + suite.format_table(results))
     failed = suite.save_and_gate(
-        args.out, "results.json", machine, ceilings, results, gates, cases, plots=True
+        args.out, "results.json", machine, ceilings, plugin.results, gates, cases, plots=True
     )
     regressed = []
     if previous is not None:
-        lines, regressed = suite.compare(results, previous, cases)
+        lines, regressed = suite.compare(plugin.results, previous, cases)
         print(f"\nagainst {args.compare}: {len(regressed)} regressions of ours beyond 5 %")
         print("\n".join("  " + line for line in lines))
     if pytest_code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):

@@ -62,13 +62,12 @@ tp 2/4/8, which grows the model with tp).
 """
 
 import argparse
-import dataclasses
 import gc
 import json
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -328,31 +327,31 @@ def tokens_per_s(tokens_per_step: int, step_ms: float, tp: int) -> tuple[float, 
 
 
 def predict(args: argparse.Namespace, measured: bool) -> list[Row]:
-    rows = []
-    for name in args.presets:
-        config = preset(name)
-        for tp in args.tp:
-            try:
-                check_divisible(config, tp)
-            except ValueError as error:
-                rows.append(Row(name, tp, reason=str(error)))
-                continue
-            shape = (config, tp, args.batch_size, args.seq_len, args.sequence_parallel)
-            if measured:
-                try:
-                    compute = measure_compute_ms(config, tp, args.batch_size, args.seq_len)
-                except torch.OutOfMemoryError:
-                    rows.append(Row(name, tp, reason=f"out of memory on one {torch.cuda.get_device_name()}"))
-                    continue
-                finally:  # the step's model, optimizer and activations, before the next one is built
-                    gc.collect()
-                    torch.cuda.empty_cache()
-            else:
-                compute = estimate_compute_ms(*shape, args.peak_tflops, args.efficiency, args.hbm_gbps)
-            comm = comm_ms(*shape, args.nvlink_gbps, args.latency_us)
-            dp = dp_allreduce_ms(config, tp, args.nvlink_gbps, args.latency_us)
-            rows.append(Row(name, tp, compute, comm, dp, comm_bytes_per_gpu(*shape)))
-    return rows
+    return [predict_row(args, name, tp, measured) for name in args.presets for tp in args.tp]
+
+
+def predict_row(args: argparse.Namespace, name: str, tp: int, measured: bool) -> Row:
+    """Preset name at tp: its compute measured on this GPU (else the roofline estimate), its
+    collectives modelled; a Row with the reason where it cannot be made."""
+    config = preset(name)
+    try:
+        check_divisible(config, tp)
+    except ValueError as error:
+        return Row(name, tp, reason=str(error))
+    shape = (config, tp, args.batch_size, args.seq_len, args.sequence_parallel)
+    if measured:
+        try:
+            compute = measure_compute_ms(config, tp, args.batch_size, args.seq_len)
+        except torch.OutOfMemoryError:
+            return Row(name, tp, reason=f"out of memory on one {torch.cuda.get_device_name()}")
+        finally:  # the step's model, optimizer and activations, before the next one is built
+            gc.collect()
+            torch.cuda.empty_cache()
+    else:
+        compute = estimate_compute_ms(*shape, args.peak_tflops, args.efficiency, args.hbm_gbps)
+    comm = comm_ms(*shape, args.nvlink_gbps, args.latency_us)
+    dp = dp_allreduce_ms(config, tp, args.nvlink_gbps, args.latency_us)
+    return Row(name, tp, compute, comm, dp, comm_bytes_per_gpu(*shape))
 
 
 def row_dicts(rows: list[Row], tokens_per_step: int) -> list[dict]:
@@ -360,7 +359,7 @@ def row_dicts(rows: list[Row], tokens_per_step: int) -> list[dict]:
     base = {r.preset: r.step_ms for r in rows if r.tp == 1 and r.step_ms is not None}
     out = []
     for r in rows:
-        entry = dataclasses.asdict(r) | {"dp_exposed_ms": r.dp_exposed_ms, "step_ms": r.step_ms}
+        entry = asdict(r) | {"dp_exposed_ms": r.dp_exposed_ms, "step_ms": r.step_ms}
         if r.step_ms is not None:
             per_gpu, per_group, per_node = tokens_per_s(tokens_per_step, r.step_ms, r.tp)
             entry |= {

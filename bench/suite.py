@@ -13,7 +13,6 @@ the gates of ``bench/gates.toml`` and the comparison with an earlier run are com
 results afterwards.
 """
 
-import dataclasses
 import datetime
 import fnmatch
 import itertools
@@ -22,7 +21,7 @@ import operator
 import re
 import tomllib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -322,7 +321,7 @@ def gated_cases(cases: list[Case], gates: list[Gate]) -> list[Case]:
     each baseline such a gate compares it with (the quick run's cases)."""
     patterns: dict[tuple, set[str]] = {}
     for case in cases:
-        ours = dataclasses.replace(case, implementation="ours")
+        ours = replace(case, implementation="ours")
         for gate in gates:
             if gate.matches(ours):  # ours, and the baselines the gate names ("" matches none)
                 patterns.setdefault(case.key[:3], {"ours"}).add(gate.baselines())
@@ -349,13 +348,11 @@ def compare(results: list[Result], previous: dict, expected: list[Case]) -> tupl
         ours = old["implementation"].startswith("ours")
         label = f"{old['kernel']} {old['direction']} [{shape_text(old['params'])}] {old['implementation']}"
         if key not in now:
-            line = f"{label}: not measured (was {old['median_ms']:.4f} ms)"
-            bad = ours
+            line, bad = f"{label}: not measured (was {old['median_ms']:.4f} ms)", ours
         else:
             ratio = now[key].median_ms / old["median_ms"]
-            bad = ours and ratio > 1 + REGRESSION
             times = f"{old['median_ms']:.4f} -> {now[key].median_ms:.4f} ms"
-            line = f"{label}: {ratio:.3f}x the earlier time ({times})"
+            line, bad = f"{label}: {ratio:.3f}x the earlier time ({times})", ours and ratio > 1 + REGRESSION
         lines.append(("REGRESSION " if bad else "           ") + line)
         if bad:
             failures.append(line)
@@ -404,12 +401,15 @@ def write_json(
 
 def save_and_gate(
     out: Path | None, name: str, machine: dict, ceilings: dict, results: list[Result], gates: list[Gate],
-    expected: list[Case], plots: bool = False,
+    expected: list[Case], table: Callable[[list[Result]], str] = format_table, plots: bool = False,
 ) -> list[GateVerdict]:  # fmt: skip
-    """Gate results (:func:`evaluate_gates`: an expected case of ours without one is "not measured"),
-    write them with their verdicts to out/name (out: default :func:`results_dir`), with plots a PNG
-    per kernel beside it (:func:`plot`), and print what was written and each verdict. Returns the
-    verdicts that failed."""
+    """Add the metrics to results (:func:`add_metrics`) and print them as table formats them; gate
+    them (:func:`evaluate_gates`: an expected case of ours without one is "not measured"), write them
+    with their verdicts to out/name (out: default :func:`results_dir`), with plots a PNG per kernel
+    beside it (:func:`plot`), and print what was written and each verdict. Returns the verdicts that
+    failed."""
+    add_metrics(results, ceilings)
+    print("\n" + table(results))
     verdicts = evaluate_gates(results, gates, expected)
     out = out or results_dir(machine["gpu"])
     out.mkdir(parents=True, exist_ok=True)

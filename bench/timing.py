@@ -245,30 +245,22 @@ def _first_line(command: list[str], cwd: Path | None = None) -> str | None:
     return result.stdout.splitlines()[0].strip() if result.stdout.strip() else None
 
 
-def git_commit() -> str | None:
-    """``git rev-parse HEAD`` of this checkout, or None outside a git repository with commits."""
-    return _first_line(["git", "rev-parse", "HEAD"], Path(__file__).resolve().parent)
-
-
-def _nvidia_driver_version() -> str | None:
-    # The kernel-module driver version (e.g. 550.54.15); torch only knows the CUDA driver API level.
-    return _first_line(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-
-
 def machine_info(device: torch.device | None = None) -> dict:
     """What a result was measured on: GPU, driver, CUDA, torch, triton, git commit and time."""
     # Imported here: a benchmark may have to set TRITON_INTERPRET before triton's first import.
     import triton
 
     driver_api = getattr(torch._C, "_cuda_getDriverVersion", None)
+    # The kernel-module driver version (e.g. 550.54.15); torch only knows the CUDA driver API level.
+    nvidia_smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
     info = {
         "gpu": torch.cuda.get_device_name(device) if device is not None else None,
-        "nvidia_driver": _nvidia_driver_version() if device is not None else None,
+        "nvidia_driver": _first_line(nvidia_smi) if device is not None else None,
         "cuda_driver_api": driver_api() if device is not None and driver_api is not None else None,
         "cuda_runtime": torch.version.cuda,
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "git_commit": git_commit(),
+        "git_commit": _first_line(["git", "rev-parse", "HEAD"], Path(__file__).resolve().parent),
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     if device is not None:
@@ -277,12 +269,13 @@ def machine_info(device: torch.device | None = None) -> dict:
     return info
 
 
-def announce_machine(device: torch.device) -> dict:
-    """machine_info(device), its GPU and versions printed as a bench's first line."""
+def announce_machine() -> tuple[torch.device, dict]:
+    """The current CUDA device and its machine_info, its GPU and versions printed as a bench's first line."""
+    device = torch.device("cuda", torch.cuda.current_device())
     machine = machine_info(device)
     versions = f"CUDA {machine['cuda_runtime']}  torch {machine['torch']}  triton {machine['triton']}"
     print(f"{machine['gpu']}  {versions}")
-    return machine
+    return device, machine
 
 
 class EventStamp(float):

@@ -145,13 +145,7 @@ def step_result(cfg: TrainConfig, config: GPTConfig, backend: str, times_ms: lis
     q1_ms, median_ms, q3_ms = statistics.quantiles(times_ms, n=4, method="inclusive")
     tokens_per_s = tokens_per_step / (median_ms * 1e-3)
     implementation = IMPLEMENTATIONS[backend]
-    result = suite.Result(
-        KERNEL, case_params(cfg, config), "forward+backward", implementation, "flop",
-        per_token * tokens_per_step, median_ms, q1_ms, q3_ms, len(times_ms),
-        # A step of ours whose loss is inf or NaN fails every gate.
-        correct=math.isfinite(loss) if implementation == "ours" else None, samples_ms=times_ms,
-    )  # fmt: skip
-    result.extra = {
+    extra = {
         "backend": backend,
         "preset": cfg.preset,
         "precision": cfg.precision,
@@ -164,7 +158,12 @@ def step_result(cfg: TrainConfig, config: GPTConfig, backend: str, times_ms: lis
         "skipped_steps": skipped_steps,
         "loss": loss,
     }
-    return result
+    return suite.Result(
+        KERNEL, case_params(cfg, config), "forward+backward", implementation, "flop",
+        per_token * tokens_per_step, median_ms, q1_ms, q3_ms, len(times_ms),
+        # A step of ours whose loss is inf or NaN fails every gate.
+        correct=math.isfinite(loss) if implementation == "ours" else None, extra=extra, samples_ms=times_ms,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,26 +225,29 @@ def measure(cfg: TrainConfig, config: GPTConfig, backend: str, warmup: int, step
 
 
 def format_table(results: list[suite.Result]) -> str:
-    """A row per backend: step time, tokens/s, TFLOP/s, MFU, fraction of matmul, memory, speedups."""
+    """A row per backend: step time, tokens/s, TFLOP/s, MFU, fraction of matmul, memory, speedups; then
+    a line per backend with its tokens/s, MFU and peak memory."""
     others = [r.extra["backend"] for r in results if r.implementation != "ours"]
     columns = ("backend", "step ms", "q1-q3 ms", "tokens/s", "TFLOP/s", "MFU", "of matmul", "peak GiB",
                "skipped", *(f"vs {name}" for name in others))  # fmt: skip
-    rows = [columns]
+    rows, lines = [columns], []
     for r in results:
         x = r.extra
         speedups = [r.speedups.get(IMPLEMENTATIONS[name]) for name in others]
+        mfu = "" if x["mfu"] is None else f"{x['mfu']:.1%}"
+        gib = f"{x['peak_memory_bytes'] / 2**30:.2f}"
         rows.append((
             x["backend"], f"{r.median_ms:.2f}", f"{r.q1_ms:.2f}-{r.q3_ms:.2f}", f"{x['tokens_per_s']:,.0f}",
-            f"{r.throughput:.1f}", "" if x["mfu"] is None else f"{x['mfu']:.1%}", f"{r.ceiling_fraction:.1%}",
-            f"{x['peak_memory_bytes'] / 2**30:.2f}", str(x["skipped_steps"]),
+            f"{r.throughput:.1f}", mfu, f"{r.ceiling_fraction:.1%}", gib, str(x["skipped_steps"]),
             *("" if s is None else f"{s:.2f}x" for s in speedups),
         ))  # fmt: skip
-    return report.format_table(rows)
+        line = f"{KERNEL} {x['preset']} {x['precision']} {x['backend']}: {x['tokens_per_s']:,.0f} tokens/s"
+        lines.append(line + (f", MFU {mfu}" if mfu else "") + f", peak memory {gib} GiB")
+    return "\n".join([report.format_table(rows), "", *lines])
 
 
 def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
-    device = torch.device("cuda", torch.cuda.current_device())
-    machine = timing.announce_machine(device)
+    device, machine = timing.announce_machine()
     ceilings = {"matmul_tflops": timing.matmul_tflops(device)}
     peak = peak_flops("cuda", cfg.peak_tflops)
     peak_text = "unknown (--peak-tflops)" if peak is None else f"{peak / 1e12:.0f} TFLOP/s"
@@ -278,21 +280,10 @@ def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
             traceback.print_exc()
             print(f"  {backend}: failed (traceback above); no result")
             broken.append(backend)
-    suite.add_metrics(results, ceilings)
-    print("\n" + format_table(results) + "\n")
-    for r in results:
-        x = r.extra
-        mfu = "" if x["mfu"] is None else f", MFU {x['mfu']:.1%}"
-        print(
-            f"{KERNEL} {cfg.preset} {cfg.precision} {x['backend']}: {x['tokens_per_s']:,.0f} tokens/s{mfu}, "
-            f"peak memory {x['peak_memory_bytes'] / 2**30:.2f} GiB"
-        )
     # A gate of ours never passes for lack of a result: "not measured" where triton got none.
-    implementations = {IMPLEMENTATIONS[b]: b for b in args.backends}
-    expected = suite.family_cases(KERNEL, case_params(cfg, config), implementations, ["forward+backward"],
-                                  lambda d: 0.0, "flop", lambda *_: None)  # fmt: skip
+    expected = step_cases(cfg, config, args.backends)
     failed = suite.save_and_gate(
-        args.out, "train.json", machine, ceilings, results, suite.load_gates(), expected
+        args.out, "train.json", machine, ceilings, results, suite.load_gates(), expected, format_table
     )
     if broken:
         print(f"no result from {', '.join(broken)}: failed or interrupted")
@@ -338,17 +329,23 @@ def cpu_main(args) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+def step_cases(cfg: TrainConfig, config: GPTConfig, backends) -> list[suite.Case]:
+    """The bench suite's cases of cfg's training step, one per backend."""
+    seq_len = cfg.seq_len or config.block_size
+    work = flops_per_token(config, seq_len) * cfg.batch_size * seq_len * cfg.grad_accum
+    return suite.family_cases(
+        KERNEL, case_params(cfg, config), {IMPLEMENTATIONS[b]: b for b in backends}, ["forward+backward"],
+        lambda d: work, "flop", lambda name, b, d: functools.partial(make_step, cfg, config, b, "cuda"),
+    )  # fmt: skip
+
+
 def cases(quick: bool) -> list[suite.Case]:
     """The training step of each SUITE_CASES preset in fp16 on every backend (quick: the first)."""
     result = []
     for name, batch in SUITE_CASES[:1] if quick else SUITE_CASES:
-        cfg, config = TrainConfig(preset=name, batch_size=batch, precision="fp16"), preset(name)
-        work = flops_per_token(config, config.block_size) * batch * config.block_size
-        result += suite.family_cases(
-            KERNEL, case_params(cfg, config), {IMPLEMENTATIONS[b]: b for b in BACKENDS}, ["forward+backward"],
-            lambda d, w=work: w, "flop",
-            lambda name, b, d, c=cfg, m=config: functools.partial(make_step, c, m, b, "cuda"),
-        )  # fmt: skip
+        result += step_cases(
+            TrainConfig(preset=name, batch_size=batch, precision="fp16"), preset(name), BACKENDS
+        )
     return result
 
 
