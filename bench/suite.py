@@ -348,11 +348,13 @@ def compare(results: list[Result], previous: dict, expected: list[Case]) -> tupl
         ours = old["implementation"].startswith("ours")
         label = f"{old['kernel']} {old['direction']} [{shape_text(old['params'])}] {old['implementation']}"
         if key not in now:
-            line, bad = f"{label}: not measured (was {old['median_ms']:.4f} ms)", ours
+            line = f"{label}: not measured (was {old['median_ms']:.4f} ms)"
+            bad = ours
         else:
             ratio = now[key].median_ms / old["median_ms"]
             times = f"{old['median_ms']:.4f} -> {now[key].median_ms:.4f} ms"
-            line, bad = f"{label}: {ratio:.3f}x the earlier time ({times})", ours and ratio > 1 + REGRESSION
+            line = f"{label}: {ratio:.3f}x the earlier time ({times})"
+            bad = ours and ratio > 1 + REGRESSION
         lines.append(("REGRESSION " if bad else "           ") + line)
         if bad:
             failures.append(line)
