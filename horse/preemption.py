@@ -6,7 +6,7 @@ finishes its step; at the end of every step all ranks agree, through one all-red
 number, whether any rank received one (a rank that stopped alone would leave the others waiting
 in a collective forever); then every rank writes its part of the checkpoint and the job exits
 with :data:`PREEMPTED` (75, EX_TEMPFAIL: "try again later"), which a job script can take as "requeue
-with --resume". A second signal during that save aborts it, exiting 128 + its number as the signal
+with --resume". A process's second signal during that save aborts it, exiting 128 + its number as the signal
 would have: the save leaves only its temporary directory, never a partial checkpoint, and older
 checkpoints are untouched (``horse.checkpoint`` renames a save into place only when it is whole
 and rotates only after that). A second signal before the save counts as the first: under Slurm
@@ -59,8 +59,10 @@ class Preemption:
     """Catches the given signals while installed (a context manager) and tells, at the end of each
     step, whether any rank of the world has received one.
 
-    The handler only records the signal: the step in flight runs to its end. A second signal inside
-    :meth:`saving` raises :class:`Aborted` there."""
+    The handler only records the signal: the step in flight runs to its end. This rank's second
+    signal inside :meth:`saving` raises :class:`Aborted` there; its first one there, while saving
+    for another rank's signal, is the same request (torchrun forwards SIGTERM to its workers one
+    after the other)."""
 
     def __init__(self, signals: list[signal.Signals], device: str = "cpu"):
         self.signals, self.device = signals, device
@@ -85,17 +87,16 @@ class Preemption:
         self._previous.clear()
 
     def agreed(self) -> signal.Signals | None:
-        """The signal this rank, or else any rank, received; None when none did. Every rank
-        calls it at the same point of every step: under torchrun it is an all-reduce (MAX)."""
-        if not self.signals:
-            return None
-        if dist.is_initialized():
-            flag = torch.tensor([self.received or 0], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            signum = int(flag.item())
-            if signum and self.received is None:  # another rank's: from now on a signal here aborts
-                self.received = signal.Signals(signum)
-        return self.received
+        """The signal any rank received (the highest number), the same on every rank; None when
+        none did. Every rank calls it at the same point of every step: under torchrun it is an
+        all-reduce (MAX). Only the reduced value is returned: this rank's handler may run after the
+        all-reduce, and a signal it records then is the next step's, as on every other rank."""
+        if not (self.signals and dist.is_initialized()):
+            return self.received  # None when no signal is caught
+        flag = torch.tensor([self.received or 0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        signum = int(flag.item())
+        return signal.Signals(signum) if signum else None
 
     @contextlib.contextmanager
     def saving(self):

@@ -241,6 +241,33 @@ def test_save_on_signal_names_real_signals_and_empty_installs_none():
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
+def test_every_rank_returns_the_reduced_signal_whenever_its_handler_runs(monkeypatch):
+    """A rank's handler runs once its main thread is back in Python, which can be just after the
+    all-reduce of the signal (torchrun signals its workers one after the other): that rank must
+    still return what the others got, and its own copy must not abort a save made for theirs."""
+    world = {"others": 0}  # the other ranks' signal; "arrives_after": this rank's, sent late
+
+    def all_reduce(flag, op):
+        flag.fill_(max(int(flag), world["others"]))
+        if late := world.pop("arrives_after", None):
+            os.kill(os.getpid(), late)
+
+    monkeypatch.setattr(preemption.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(preemption.dist, "all_reduce", all_reduce)
+    with preemption.Preemption([signal.SIGUSR1]) as preempt:
+        world["arrives_after"] = signal.SIGUSR1
+        assert preempt.agreed() is None  # as on the others: no rank had one when they reduced
+        assert preempt.agreed() == signal.SIGUSR1  # the next step's
+    with preemption.Preemption([signal.SIGUSR1]) as preempt:
+        world["others"] = signal.SIGUSR1
+        assert preempt.agreed() == signal.SIGUSR1
+        with preempt.saving():
+            os.kill(os.getpid(), signal.SIGUSR1)  # this rank's first: the same request, no abort
+        with pytest.raises(SystemExit) as aborted, preempt.saving():
+            os.kill(os.getpid(), signal.SIGUSR1)  # its second
+        assert aborted.value.code == 128 + signal.SIGUSR1
+
+
 def test_torchrun_ranks_agree_on_a_signal_a_failed_save_and_restart_after_a_kill(tmp_path):
     """tp=2 on two processes, each writing its own shard, --on-save-error continue. First launch:
     rank 1 alone gets SIGUSR1 in step 3; both ranks save step 3 and exit 75, and torchrun starts
