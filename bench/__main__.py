@@ -68,10 +68,8 @@ def cpu_main(args) -> int:
             print(f"  {'ok  ' if ok else 'FAIL'} {label}  {detail}")
             passed &= ok
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    report = subprocess.run(
-        [sys.executable, "-m", "bench.compile_report", "--arch", "sm90"], env=env, cwd=BENCH_DIR.parent
-    )
-    passed &= report.returncode == 0
+    command = [sys.executable, "-m", "bench.compile_report", "--arch", "sm90"]
+    passed &= subprocess.run(command, env=env, cwd=BENCH_DIR.parent).returncode == 0
     print("\ncorrectness and sm_90 compile report: " + ("ok" if passed else "FAIL"))
     if args.compare:
         print(f"--compare {args.compare}: nothing was timed here to compare")

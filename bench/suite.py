@@ -144,12 +144,10 @@ class SuitePlugin:
         return self
 
     def run(self, benchmark, case: Case) -> None:
-        errors, correct = None, None
-        if case.check is not None:
-            key = (case.kernel, tuple(case.params.items()))
-            if key not in self.checks:
-                self.checks[key] = case.check()
-            errors, correct = self.checks[key]
+        key = case.key[:2]  # kernel and params: checked once, whatever the direction
+        if case.check is not None and key not in self.checks:
+            self.checks[key] = case.check()
+        errors, correct = self.checks[key] if case.check is not None else (None, None)
         ours = case.implementation.startswith("ours")  # ours and its variants (ours-pointer, ...)
         try:
             call = case.setup()
@@ -187,15 +185,14 @@ class SuitePlugin:
 
 def add_metrics(results: list[Result], ceilings: dict) -> None:
     """Throughput, fraction of the device ceiling, and (for ours) speedup over each baseline."""
-    groups: dict[tuple, list[Result]] = {}  # by kernel, shape and direction
     for r in results:
         _, scale, ceiling = RATES[r.unit]
         r.throughput = r.work / (r.median_ms * 1e-3) / scale
         r.ceiling_fraction = r.throughput / ceilings[ceiling]
-        groups.setdefault(r.key[:3], []).append(r)
-    for group in groups.values():
-        for ours in (r for r in group if r.implementation == "ours"):
-            ours.speedups = {r.implementation: r.median_ms / ours.median_ms for r in group if r is not ours}
+    for ours in (r for r in results if r.implementation == "ours"):
+        # Every other result of its kernel, shape and direction.
+        others = [r for r in results if r.key[:3] == ours.key[:3] and r is not ours]
+        ours.speedups = {r.implementation: r.median_ms / ours.median_ms for r in others}
 
 
 @dataclass(frozen=True)
@@ -275,14 +272,10 @@ class GateVerdict:
         return self.subject if isinstance(self.subject, Result) else None
 
     @property
-    def correct(self) -> bool | None:
-        return self.result.correct if self.result is not None else None
-
-    @property
     def passed(self) -> bool:
-        if self.value is None:
-            return self.gate.optional and self.result is not None and self.correct is not False
-        return self.correct is not False and self.value >= self.gate.min
+        if self.result is None or self.result.correct is False:  # ours not measured, or wrong
+            return False
+        return self.gate.optional if self.value is None else self.value >= self.gate.min
 
     def describe(self) -> str:
         s = self.subject
@@ -294,7 +287,7 @@ class GateVerdict:
             if self.gate.baseline.startswith("best:"):
                 shown += " (min over " + ", ".join(f"{n} {v:.3f}" for n, v in self.over.items()) + ")"
         verdict = "PASS" if self.passed else "FAIL"
-        wrong = " (and wrong against the reference)" if self.correct is False else ""
+        wrong = " (and wrong against the reference)" if self.result and self.result.correct is False else ""
         return (
             f"{verdict} {s.kernel} {s.direction} [{s.shape}]: {shown} (gate: {self.gate.describe()}){wrong}"
         )
@@ -366,16 +359,12 @@ TABLE_COLUMNS = ("kernel", "direction", "shape", "impl", "ms", "q1-q3 ms", "rate
 
 
 def format_table(results: list[Result]) -> str:
-    rows = [TABLE_COLUMNS]
-    for r in results:
-        best_other = min(r.speedups.values()) if r.speedups else None
-        rows.append((
-            r.kernel, r.direction, r.shape, r.implementation, f"{r.median_ms:.4f}",
-            f"{r.q1_ms:.4f}-{r.q3_ms:.4f}", f"{r.throughput:.1f} {RATES[r.unit][0]}",
-            f"{r.ceiling_fraction:.0%}", "" if best_other is None else f"{best_other:.2f}x",
-            "" if r.correct is None else ("ok" if r.correct else "WRONG"),
-        ))  # fmt: skip
-    return report.format_table(rows)
+    return report.format_table([TABLE_COLUMNS] + [(
+        r.kernel, r.direction, r.shape, r.implementation, f"{r.median_ms:.4f}",
+        f"{r.q1_ms:.4f}-{r.q3_ms:.4f}", f"{r.throughput:.1f} {RATES[r.unit][0]}",
+        f"{r.ceiling_fraction:.0%}", f"{min(r.speedups.values()):.2f}x" if r.speedups else "",
+        "" if r.correct is None else ("ok" if r.correct else "WRONG"),
+    ) for r in results])  # fmt: skip
 
 
 def results_dir(gpu: str) -> Path:
@@ -387,7 +376,7 @@ def results_dir(gpu: str) -> Path:
 def write_json(
     path: Path, machine: dict, ceilings: dict, results: list[Result], verdicts: list[GateVerdict]
 ) -> None:
-    document = {
+    path.write_text(json.dumps({
         "schema": "little-horse-bench/1",
         "machine": machine,
         "ceilings": ceilings,
@@ -397,8 +386,7 @@ def write_json(
              "shape": v.subject.params, "value": v.value, "over": v.over, "passed": v.passed}
             for v in verdicts
         ],
-    }  # fmt: skip
-    path.write_text(json.dumps(document, indent=2))
+    }, indent=2))  # fmt: skip
 
 
 def save_and_gate(
@@ -429,13 +417,11 @@ def plot(results: list[Result], out_dir: Path) -> list[Path]:
     """One PNG per kernel: throughput against its x param, a panel per direction and other params,
     a line per implementation. Returns the files written (none without matplotlib)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no plots")
         return []
+    plt.switch_backend("Agg")  # files only, never a window
     written = []
     for kernel in sorted({r.kernel for r in results}):
         mine = [r for r in results if r.kernel == kernel]
@@ -454,7 +440,7 @@ def plot(results: list[Result], out_dir: Path) -> list[Path]:
                 ax.plot(
                     *zip(*points, strict=True), marker="o", label=impl, linewidth=2.5 if impl == "ours" else 1
                 )
-            ax.set_title(f"{direction} " + " ".join(f"{k}={v}" for k, v in rest), fontsize=9)
+            ax.set_title(f"{direction} {shape_text(dict(rest))}", fontsize=9)
             ax.set_xscale("log", base=2)
             ax.set(xlabel=x_param, ylabel=RATES[group[0].unit][0])
             ax.legend(fontsize=7)

@@ -163,12 +163,10 @@ def _spin_cycles_per_ms(device_index: int) -> float:
     cycles = 10_000_000
     with torch.cuda.device(device_index):
         torch.cuda._sleep(1000)  # the first launch pays one-time costs
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start = cuda_event_timer()
         torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-    return cycles / start.elapsed_time(end)
+        seconds = cuda_event_timer() - start
+    return cycles / (seconds * 1e3)
 
 
 def spin(ms: float) -> None:
@@ -250,13 +248,12 @@ def machine_info(device: torch.device | None = None) -> dict:
     # Imported here: a benchmark may have to set TRITON_INTERPRET before triton's first import.
     import triton
 
-    driver_api = getattr(torch._C, "_cuda_getDriverVersion", None)
     # The kernel-module driver version (e.g. 550.54.15); torch only knows the CUDA driver API level.
     nvidia_smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
     info = {
         "gpu": torch.cuda.get_device_name(device) if device is not None else None,
         "nvidia_driver": _first_line(nvidia_smi) if device is not None else None,
-        "cuda_driver_api": driver_api() if device is not None and driver_api is not None else None,
+        "cuda_driver_api": torch._C._cuda_getDriverVersion() if device is not None else None,
         "cuda_runtime": torch.version.cuda,
         "torch": torch.__version__,
         "triton": triton.__version__,
@@ -290,11 +287,9 @@ class EventStamp(float):
         stamp.event = event
         return stamp
 
-    def __sub__(self, other):
-        if isinstance(other, EventStamp):
-            self.event.synchronize()
-            return other.event.elapsed_time(self.event) / 1e3
-        return float(self) - other
+    def __sub__(self, other: "EventStamp") -> float:
+        self.event.synchronize()
+        return other.event.elapsed_time(self.event) / 1e3
 
 
 def cuda_event_timer() -> EventStamp:
