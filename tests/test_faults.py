@@ -5,7 +5,8 @@ resumed run's losses, gradient norms and validation losses equal the uninterrupt
 bit. Faults: kill -9 at seeded random steps (one in a save), SIGTERM with and without a grace
 period, a second signal during the save, a failing write (ENOSPC mid-save, --on-save-error stop and
 continue), a damaged newest checkpoint, and under torchrun (gloo, tp=2, --max-restarts) a signal on
-one rank, a rank killed and one rank's failed save, and SIGTERM sent to torchrun itself."""
+one rank, a rank killed and one rank's failed save, and SIGTERM sent to torchrun itself; with a
+stand-in all-reduce, a rank's own signal handled just after the ranks agreed."""
 
 import json
 import os
