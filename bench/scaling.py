@@ -320,10 +320,6 @@ def tokens_per_s(tokens_per_step: int, step_ms: float, tp: int) -> tuple[float, 
     return per_group / tp, per_group, per_group * (GPUS_PER_NODE // tp)
 
 
-def predict(args: argparse.Namespace, measured: bool) -> list[Row]:
-    return [predict_row(args, name, tp, measured) for name in args.presets for tp in args.tp]
-
-
 def predict_row(args: argparse.Namespace, name: str, tp: int, measured: bool) -> Row:
     """Preset name at tp: its compute measured on this GPU (else the roofline estimate), its
     collectives modelled; a Row with the reason where it cannot be made."""
@@ -448,7 +444,8 @@ def main(argv: list[str] | None = None) -> None:
         f"dp ms: the node's gradient all-reduce over {GPUS_PER_NODE}/tp replicas, hidden behind the "
         f"backward (taken as {100 * BACKWARD_SHARE:.0f}% of compute); only what sticks out counts in step ms"
     )
-    entries = row_dicts(predict(args, measured), args.batch_size * args.seq_len)
+    rows = [predict_row(args, name, tp, measured) for name in args.presets for tp in args.tp]
+    entries = row_dicts(rows, args.batch_size * args.seq_len)
     print(format_table(entries, title))
     print(best_node_line(entries))
     if args.json:
