@@ -72,7 +72,7 @@ from pathlib import Path
 
 import torch
 
-from bench import report
+from bench import report, timing
 from horse.model import GPT, GPTConfig, preset
 from horse.parallel import Parallel, check_divisible, parallelize
 
@@ -213,19 +213,18 @@ def local_params(config: GPTConfig, tp: int) -> int:
     norm = d * (1 + bias) if config.norm == "layernorm" else d
     mlp = 3 * d * hidden // tp if config.mlp == "swiglu" else 2 * d * hidden // tp + bias * (hidden // tp + d)
     attn = d * qkv // tp + bias * qkv // tp + config.n_head * config.head_dim * d // tp + bias * d
-    block = attn + mlp + 2 * norm
     positions = config.block_size * d if config.positions == "learned" else 0
-    return config.n_layer * block + config.vocab_size * d // tp + positions + norm
+    return config.n_layer * (attn + mlp + 2 * norm) + config.vocab_size * d // tp + positions + norm
 
 
 def flops_per_rank(config: GPTConfig, tp: int, batch: int, seq: int) -> float:
     """Forward+backward FLOPs of one rank in one step: the sharded GEMMs (2·M·N·K, backward twice
     the forward), causal attention (4·B·heads·T²·hd halved, forward+backward 3.5×) and the LM head."""
     tokens, d = batch * seq, config.d_model
-    width_q = config.n_head * config.head_dim
     qkv = (config.n_head + 2 * config.kv_heads) * config.head_dim
     mlp_in = 2 * config.hidden if config.mlp == "swiglu" else config.hidden
-    gemm_k_n = d * qkv + width_q * d + d * mlp_in + config.hidden * d  # Σ K·N of a block's GEMMs
+    # Σ K·N of a block's GEMMs, each with d_model as K or N: c_attn, c_proj, the MLP's two
+    gemm_k_n = d * (qkv + config.n_head * config.head_dim + mlp_in + config.hidden)
     block_gemms = 2 * tokens * gemm_k_n / tp
     attention = 4 * batch * (config.n_head / tp) * seq * seq * config.head_dim / 2
     lm_head = 2 * tokens * d * config.vocab_size / tp
@@ -239,10 +238,9 @@ def memory_bytes_per_rank(config: GPTConfig, tp: int, batch: int, seq: int, sequ
     tokens = batch * seq
     stream = tokens * config.d_model / (tp if sequence_parallel else 1)  # elements of (B·T, d_model)
     norms = (2 * config.n_layer + 1) * NORM_BYTES * stream
-    row_biases = 0.0
-    if tp > 1:
-        biases = int(config.bias) + int(config.bias and config.mlp != "swiglu")  # per block
-        row_biases = config.n_layer * biases * ROW_BIAS_BYTES * stream
+    # Per block, at tp > 1 only: attention's c_proj bias, and the MLP's second unless swiglu.
+    biases = (int(config.bias) + int(config.bias and config.mlp != "swiglu")) if tp > 1 else 0
+    row_biases = config.n_layer * biases * ROW_BIAS_BYTES * stream
     per_logit = LOSS_BYTES_PER_LOGIT if tp == 1 else VOCAB_PARALLEL_LOSS_BYTES_PER_LOGIT
     loss = tokens * config.vocab_size / tp * per_logit
     return norms + row_biases + loss + OPTIMIZER_BYTES_PER_PARAM * local_params(config, tp)
@@ -279,19 +277,15 @@ def rank_step(
     torch.manual_seed(0)
     with torch.device(device):  # built whole on the device, then sliced to rank 0's shard
         model = parallelize(GPT(config, "triton"), Parallel(tp_size=tp))
-    step = make_step(
-        TrainConfig(batch_size=batch, seq_len=seq, precision="fp16"), config, "triton", device, model
-    )
-    return step, model
+    cfg = TrainConfig(batch_size=batch, seq_len=seq, precision="fp16")
+    return make_step(cfg, config, "triton", device, model), model
 
 
 def measure_compute_ms(config: GPTConfig, tp: int, batch: int, seq: int) -> float:
     """Median GPU time of :func:`rank_step` (CUDA events; a few untimed steps first, where Triton
     compiles). One batch, not rotated: a step's weights and activations far exceed the L2 cache."""
-    from bench.timing import time_gpu
-
     step, _ = rank_step(config, tp, batch, seq, "cuda")
-    return time_gpu(lambda _: step(), [None], warmup=3, repeats=10, batch=5).median_ms
+    return timing.time_gpu(lambda _: step(), [None], warmup=3, repeats=10, batch=5).median_ms
 
 
 # ----------------------------------------------------------------------------------------------
@@ -324,10 +318,6 @@ def tokens_per_s(tokens_per_step: int, step_ms: float, tp: int) -> tuple[float, 
     """(per GPU, per tp group, per 8-GPU node of 8 / tp replicas) tokens/s of one replica's step."""
     per_group = tokens_per_step / (step_ms * 1e-3)
     return per_group / tp, per_group, per_group * (GPUS_PER_NODE // tp)
-
-
-def predict(args: argparse.Namespace, measured: bool) -> list[Row]:
-    return [predict_row(args, name, tp, measured) for name in args.presets for tp in args.tp]
 
 
 def predict_row(args: argparse.Namespace, name: str, tp: int, measured: bool) -> Row:
@@ -454,14 +444,13 @@ def main(argv: list[str] | None = None) -> None:
         f"dp ms: the node's gradient all-reduce over {GPUS_PER_NODE}/tp replicas, hidden behind the "
         f"backward (taken as {100 * BACKWARD_SHARE:.0f}% of compute); only what sticks out counts in step ms"
     )
-    entries = row_dicts(predict(args, measured), args.batch_size * args.seq_len)
+    rows = [predict_row(args, name, tp, measured) for name in args.presets for tp in args.tp]
+    entries = row_dicts(rows, args.batch_size * args.seq_len)
     print(format_table(entries, title))
     print(best_node_line(entries))
     if args.json:
-        from bench.timing import machine_info
-
         settings = {k: v for k, v in vars(args).items() if k != "json"} | {"measured": measured}
-        machine = machine_info(torch.device("cuda") if measured else None)
+        machine = timing.machine_info(torch.device("cuda") if measured else None)
         document = {"settings": settings, "machine": machine, "title": title, "rows": entries}
         Path(args.json).write_text(json.dumps(document, indent=2))
 

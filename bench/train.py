@@ -101,8 +101,7 @@ def make_step(
         # what a GPU runs anyway.
         loss_fn = suite.compiled(model.loss, backend="inductor" if device == "cuda" else "aot_eager")()
     seq_len = cfg.seq_len or config.block_size
-    x = torch.randint(config.vocab_size, (cfg.batch_size, seq_len), device=device)  # (B, T)
-    y = torch.randint(config.vocab_size, (cfg.batch_size, seq_len), device=device)  # (B, T)
+    x, y = torch.randint(config.vocab_size, (2, cfg.batch_size, seq_len), device=device)  # (B, T) each
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:
         return x, y  # the same batch every step: data loading is not measured
@@ -144,7 +143,6 @@ def step_result(cfg: TrainConfig, config: GPTConfig, backend: str, times_ms: lis
     per_token = flops_per_token(config, seq_len)
     q1_ms, median_ms, q3_ms = statistics.quantiles(times_ms, n=4, method="inclusive")
     tokens_per_s = tokens_per_step / (median_ms * 1e-3)
-    implementation = IMPLEMENTATIONS[backend]
     extra = {
         "backend": backend,
         "preset": cfg.preset,
@@ -159,10 +157,10 @@ def step_result(cfg: TrainConfig, config: GPTConfig, backend: str, times_ms: lis
         "loss": loss,
     }
     return suite.Result(
-        KERNEL, case_params(cfg, config), "forward+backward", implementation, "flop",
+        KERNEL, case_params(cfg, config), "forward+backward", IMPLEMENTATIONS[backend], "flop",
         per_token * tokens_per_step, median_ms, q1_ms, q3_ms, len(times_ms),
-        # A step of ours whose loss is inf or NaN fails every gate.
-        correct=math.isfinite(loss) if implementation == "ours" else None, extra=extra, samples_ms=times_ms,
+        # A step of ours (triton) whose loss is inf or NaN fails every gate.
+        correct=math.isfinite(loss) if backend == "triton" else None, extra=extra, samples_ms=times_ms,
     )  # fmt: skip
 
 
@@ -204,11 +202,10 @@ def time_steps(step: Callable[[], tuple[torch.Tensor, bool]], warmup: int, steps
 def measure(cfg: TrainConfig, config: GPTConfig, backend: str, warmup: int, steps: int, seconds: float | None,
             stop_at: float | None = None) -> suite.Result:  # fmt: skip
     """One backend's result on the current GPU; frees its model, optimizer and compiled graphs after."""
-    step = None
     try:
         host_start = time.perf_counter()
-        step = make_step(cfg, config, backend, "cuda")
-        timed = time_steps(step, warmup, steps, seconds, stop_at)  # times, memory, skipped steps, loss
+        # Only time_steps holds the step (model, optimizer): they are freed as it returns.
+        timed = time_steps(make_step(cfg, config, backend, "cuda"), warmup, steps, seconds, stop_at)
         result = step_result(cfg, config, backend, *timed, peak_flops("cuda", cfg.peak_tflops))
         # Printed now, so that a run stopped by a time limit still shows the backends it finished.
         print(
@@ -218,7 +215,6 @@ def measure(cfg: TrainConfig, config: GPTConfig, backend: str, warmup: int, step
         )
         return result
     finally:
-        del step  # the model and optimizer, before the cache is emptied for the next backend
         torch._dynamo.reset()
         gc.collect()
         torch.cuda.empty_cache()
@@ -343,9 +339,8 @@ def cases(quick: bool) -> list[suite.Case]:
     """The training step of each SUITE_CASES preset in fp16 on every backend (quick: the first)."""
     result = []
     for name, batch in SUITE_CASES[:1] if quick else SUITE_CASES:
-        result += step_cases(
-            TrainConfig(preset=name, batch_size=batch, precision="fp16"), preset(name), BACKENDS
-        )
+        cfg = TrainConfig(preset=name, batch_size=batch, precision="fp16")
+        result += step_cases(cfg, preset(name), BACKENDS)
     return result
 
 
