@@ -519,7 +519,9 @@ def kernel_config(
     given. Its pointer types come from KERNEL_POINTERS (pointers: overrides); its strides tuples from
     the kernel's ``<tensor>_strides`` arguments, as the launchers pass them (an attention tile's
     (batch, seqlen, heads), lse's (batch, heads), an MLP matrix's ``x.stride()``); INLINE_PTX, where
-    the kernel takes it, as runtime.inline_ptx sets it (on NVIDIA). fields: descriptors, matmul."""
+    the kernel takes it, as runtime.inline_ptx sets it (on NVIDIA); with VARLEN (a packed batch), i32
+    cu_seqlens and lse (heads, total_q) read by first row, as flash_attention_varlen passes them.
+    fields: descriptors, matmul."""
     module, function = kernel.split(".")
     typed, fp32, others = KERNEL_POINTERS[module]
     types = dict.fromkeys(typed, TRITON_TYPES[dtype]) | dict.fromkeys(fp32, "fp32") | others
@@ -528,6 +530,9 @@ def kernel_config(
     tuples = {a: 2 if module == "mlp" or a == "lse_strides" else 3 for a in strides}
     if "INLINE_PTX" in arg_names:
         constexprs = constexprs | {"INLINE_PTX": not ARCHS[arch].hip_target}
+    if constexprs.get("VARLEN"):
+        constexprs = constexprs | {"lse_strides[0]": 1}
+        types |= dict.fromkeys(("CU_SEQLENS_Q", "CU_SEQLENS_K"), "i32")
     name = name or function[1:].removesuffix("_kernel")
     return KernelConfig(name, shape_class, dtype, f"kernels.{kernel}", types | (pointers or {}), constexprs,
                         warps, stages, arch=arch, tuples=tuples, **fields)  # fmt: skip
@@ -604,23 +609,18 @@ def attention_pass_config(
 
     kernel, by_query, by_key = ATTENTION_PASSES[name]
     block_d = attention.head_dim_block(head_dim)
-    pointers = dict.fromkeys(("CU_SEQLENS_Q", "CU_SEQLENS_K"), "i32") if packed else {}
-    if head_split:
-        pointers |= {"DK": "fp32", "DV": "fp32"}
+    pointers = {"DK": "fp32", "DV": "fp32"} if head_split else {}
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   **ATTENTION_MASKS[mask], "TMA": tma, "VARLEN": packed}  # fmt: skip
-    if packed:
-        constexprs["lse_strides[0]"] = 1  # a packed lse (heads, total_q) is addressed by first row
     persistent = cfg.programs_per_sm > 0 and not packed
     if name == "attn_fwd":
         constexprs["PERSISTENT"] = persistent
     if name == "attn_bwd_dkdv":
         constexprs |= {"BLOCK_D_OUT": block_d // cfg.column_splits, "OUTPUT": output}
         by_key = by_key if output == "dkdv" else ("DK", "DV")
-    descriptors = {}
-    if tma and not packed:  # a packed batch's descriptors are built on the device, one per sequence
-        descriptors = {a: (1, cfg.block_m, 1, block_d) for a in by_query}
-        descriptors |= {a: (1, cfg.block_n, 1, block_d) for a in by_key}
+    # A packed batch's descriptors are built on the device, one per sequence.
+    block_rows = dict.fromkeys(by_query, cfg.block_m) | dict.fromkeys(by_key, cfg.block_n)
+    descriptors = {a: (1, rows, 1, block_d) for a, rows in block_rows.items()} if tma and not packed else {}
     flags = ((mask, mask != "full"), ("tma", tma), ("persistent", persistent), ("varlen", packed),
              ("head split", head_split), (output, output != "dkdv"))  # fmt: skip
     shape_class = " ".join([f"d={head_dim}", *(mode for mode, on in flags if on)])
@@ -648,12 +648,11 @@ def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -
         variants.append(((block_d,), (torch.float16,), True))
     configs = []
     for head_dims, dtypes, head_split in variants:
-        for mask, head_dim, dtype, packed in itertools.product(
-            reversed(ATTENTION_MASKS), head_dims, dtypes, batches
+        for mask, head_dim, dtype, packed, (tma, tile) in itertools.product(
+            reversed(ATTENTION_MASKS), head_dims, dtypes, batches, tiles.items()
         ):
-            for tma, tile in tiles.items():
-                args = (name, tile, head_dim, dtype, mask, tma, packed, arch.name, head_split)
-                configs += [attention_pass_config(*args, output) for output in outputs(tile)]
+            args = (name, tile, head_dim, dtype, mask, tma, packed, arch.name, head_split)
+            configs += [attention_pass_config(*args, output) for output in outputs(tile)]
     return configs
 
 
@@ -667,11 +666,9 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
         for head_dim in dict.fromkeys((block_d, block_d * 3 // 4)):
             constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "HAS_DLSE": True, "VARLEN": bool(packed),
                           "BLOCK_M": attention.PREPROCESS_BLOCK_M}  # fmt: skip
-            unit = {"lse_strides[0]": 1} if packed else {}  # a packed lse (heads, total_q): by first row
             configs.append(kernel_config(
                 "attention._attn_bwd_preprocess_kernel", f"d={head_dim}" + " varlen" * packed, dtype,
-                constexprs | unit, attention.PREPROCESS_NUM_WARPS, arch.name,
-                pointers={"CU_SEQLENS_Q": "i32"} if packed else None,
+                constexprs, attention.PREPROCESS_NUM_WARPS, arch.name,
             ))  # fmt: skip
     for table in ATTENTION_TABLES:
         for block_d, cfg in sorted(getattr(attention, table)[arch.name].items()):
@@ -688,10 +685,9 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
             configs.append(kernel_config("attention._attn_decode_kernel", shape_class, dtype, constexprs,
                                          cfg.num_warps, arch.name, cfg.num_stages, matmul=True))  # fmt: skip
         if mask == "full":  # and its reduce of the split keys' partial outputs
-            constexprs = dims | {"BLOCK_S": attention.DECODE_REDUCE_BLOCK_S}
-            warps = attention.DECODE_REDUCE_NUM_WARPS
-            kernel = "attention._attn_decode_reduce_kernel"
-            configs.append(kernel_config(kernel, shape_class, dtype, constexprs, warps, arch.name))
+            configs.append(kernel_config("attention._attn_decode_reduce_kernel", shape_class, dtype,
+                                         dims | {"BLOCK_S": attention.DECODE_REDUCE_BLOCK_S},
+                                         attention.DECODE_REDUCE_NUM_WARPS, arch.name))  # fmt: skip
     return configs
 
 
