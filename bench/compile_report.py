@@ -555,19 +555,17 @@ def norm_configs(arch: runtime.Arch) -> list[KernelConfig]:
     for dtype, (norm, rms), (direction, (in_registers, limit, flags)) in itertools.product(
         TRITON_TYPES, (("layer_norm", False), ("rms_norm", True)), NORM_KERNELS.items()
     ):
-        backward = direction == "bwd"
         for n in row_sizes(limit):
-            cfg = layernorm.row_config(n, backward, dtype, arch)
+            cfg = layernorm.row_config(n, direction == "bwd", dtype, arch)
             constexprs = {"IS_RMS": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms, **flags,
                           "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                           in_registers: cfg.row_in_registers}  # fmt: skip
             # The backward's row split into column blocks, each sweeping the others: its own name.
-            split = "" if cfg.row_in_registers or not backward else "_split_row"
+            split = "" if cfg.row_in_registers or direction == "fwd" else "_split_row"
             shape_class = f"N<={n}" if cfg.row_in_registers else f"N>{limit}"
-            kernel, name = f"layernorm._norm_{direction}_kernel", f"{norm}_{direction}{split}"
-            configs.append(
-                kernel_config(kernel, shape_class, dtype, constexprs, cfg.num_warps, arch.name, name=name)
-            )
+            kernel = f"layernorm._norm_{direction}_kernel"
+            configs.append(kernel_config(kernel, shape_class, dtype, constexprs, cfg.num_warps, arch.name,
+                                         name=f"{norm}_{direction}{split}"))  # fmt: skip
     return configs
 
 
@@ -691,18 +689,15 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
     return configs
 
 
-# MLP GEMM tables: kernel, the flags that keep the most values live (bias, stored pre-activation,
-# recomputed h) with unit strides as constexprs (x, dy and the weights row-major; the backward reads
-# W_out transposed, unit stride along N), and each TMA descriptor's block as (rows, columns) dims.
+# MLP GEMM tables (each also gated, as "gated_<table>": GATED on, no bias): kernel, the flags that keep
+# the most values live (bias, stored pre-activation, recomputed h) with unit strides as constexprs (x, dy
+# and the weights row-major; the backward reads W_out transposed, unit stride along N), and each TMA
+# descriptor's block as (rows, columns) dims.
 MLP_GEMMS = {
-    "fwd": ("_fwd_kernel", {"GATED": False, "HAS_BIAS": True, "STORE_PRE": True, "x_strides[1]": 1,
-                            "w_strides[1]": 1}, {"X": "mk", "W": "nk", "WU": "nk"}),
-    "gated_fwd": ("_fwd_kernel", {"GATED": True, "HAS_BIAS": False, "STORE_PRE": True, "x_strides[1]": 1,
-                                  "w_strides[1]": 1}, {"X": "mk", "W": "nk", "WU": "nk"}),
-    "dh_bwd": ("_dh_act_bwd_kernel", {"GATED": False, "HAS_BIAS": True, "STORE_H": True, "dy_strides[1]": 1,
-                                      "w_strides[0]": 1}, {"DY": "mk", "W": "kn"}),
-    "gated_dh_bwd": ("_dh_act_bwd_kernel", {"GATED": True, "HAS_BIAS": False, "STORE_H": True,
-                                            "dy_strides[1]": 1, "w_strides[0]": 1}, {"DY": "mk", "W": "kn"}),
+    "fwd": ("_fwd_kernel", {"STORE_PRE": True, "x_strides[1]": 1, "w_strides[1]": 1},
+            {"X": "mk", "W": "nk", "WU": "nk"}),
+    "dh_bwd": ("_dh_act_bwd_kernel", {"STORE_H": True, "dy_strides[1]": 1, "w_strides[0]": 1},
+               {"DY": "mk", "W": "kn"}),
 }  # fmt: skip
 
 
@@ -715,15 +710,17 @@ def mlp_gemm_config(
     table: str, shape_class: str, cfg, dtype: torch.dtype, activation: str, tma: bool, arch: str = "sm90",
     split_k: bool = False, persistent: bool = False,
 ):  # fmt: skip
-    """The KernelConfig of MLP GEMM ``table`` (a key of MLP_GEMMS) run with the kernels.mlp.GemmConfig
-    ``cfg`` and activation, pointer or TMA loads, for GPU family arch; split_k: a forward's split-K
-    variant (partial sums stored, no epilogue); persistent: a forward's persistent kernel (TMA)."""
-    kernel, flags, tiles = MLP_GEMMS[table]
+    """The KernelConfig of MLP GEMM ``table`` (a key of MLP_GEMMS, or gated_<key>) run with the
+    kernels.mlp.GemmConfig ``cfg`` and activation, pointer or TMA loads, for GPU family arch; split_k: a
+    forward's split-K variant (partial sums stored, no epilogue); persistent: a forward's persistent
+    kernel (TMA)."""
+    gated = table.startswith("gated_")
+    kernel, flags, tiles = MLP_GEMMS[table.removeprefix("gated_")]
     dims = {"m": cfg.block_m, "n": cfg.block_n, "k": cfg.block_k, "s": cfg.block_n // cfg.epilogue_split}
-    constexprs = {"ACTIVATION": activation, **flags, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                  "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "EPILOGUE_SPLIT": cfg.epilogue_split,
-                  "TMA": tma}  # fmt: skip
-    if table in ("fwd", "gated_fwd"):
+    constexprs = {"ACTIVATION": activation, "GATED": gated, "HAS_BIAS": not gated, **flags,
+                  "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                  "GROUP_M": cfg.group_m, "EPILOGUE_SPLIT": cfg.epilogue_split, "TMA": tma}  # fmt: skip
+    if kernel == "_fwd_kernel":
         constexprs["SPLIT_K"] = split_k
     if persistent:
         kernel, tiles = "_fwd_persistent_kernel", MLP_PERSISTENT_TILES
