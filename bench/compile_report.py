@@ -689,10 +689,10 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
     return configs
 
 
-# MLP GEMM tables (each also gated, as "gated_<table>": GATED on, no bias): kernel, the flags that keep
-# the most values live (bias, stored pre-activation, recomputed h) with unit strides as constexprs (x, dy
-# and the weights row-major; the backward reads W_out transposed, unit stride along N), and each TMA
-# descriptor's block as (rows, columns) dims.
+# MLP GEMM tables, each with a bias and gated ("gated_<table>": GATED on, no bias): kernel, the flags
+# that keep the most values live (stored pre-activation, recomputed h) with unit strides as constexprs
+# (x, dy and the weights row-major; the backward reads W_out transposed, unit stride along N), and each
+# TMA descriptor's block as (rows, columns) dims.
 MLP_GEMMS = {
     "fwd": ("_fwd_kernel", {"STORE_PRE": True, "x_strides[1]": 1, "w_strides[1]": 1},
             {"X": "mk", "W": "nk", "WU": "nk"}),
