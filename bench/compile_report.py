@@ -519,7 +519,9 @@ def kernel_config(
     given. Its pointer types come from KERNEL_POINTERS (pointers: overrides); its strides tuples from
     the kernel's ``<tensor>_strides`` arguments, as the launchers pass them (an attention tile's
     (batch, seqlen, heads), lse's (batch, heads), an MLP matrix's ``x.stride()``); INLINE_PTX, where
-    the kernel takes it, as runtime.inline_ptx sets it (on NVIDIA). fields: descriptors, matmul."""
+    the kernel takes it, as runtime.inline_ptx sets it (on NVIDIA); with VARLEN (a packed batch), i32
+    cu_seqlens and lse (heads, total_q) read by first row, as flash_attention_varlen passes them.
+    fields: descriptors, matmul."""
     module, function = kernel.split(".")
     typed, fp32, others = KERNEL_POINTERS[module]
     types = dict.fromkeys(typed, TRITON_TYPES[dtype]) | dict.fromkeys(fp32, "fp32") | others
@@ -528,6 +530,9 @@ def kernel_config(
     tuples = {a: 2 if module == "mlp" or a == "lse_strides" else 3 for a in strides}
     if "INLINE_PTX" in arg_names:
         constexprs = constexprs | {"INLINE_PTX": not ARCHS[arch].hip_target}
+    if constexprs.get("VARLEN"):
+        constexprs = constexprs | {"lse_strides[0]": 1}
+        types |= dict.fromkeys(("CU_SEQLENS_Q", "CU_SEQLENS_K"), "i32")
     name = name or function[1:].removesuffix("_kernel")
     return KernelConfig(name, shape_class, dtype, f"kernels.{kernel}", types | (pointers or {}), constexprs,
                         warps, stages, arch=arch, tuples=tuples, **fields)  # fmt: skip
@@ -550,19 +555,17 @@ def norm_configs(arch: runtime.Arch) -> list[KernelConfig]:
     for dtype, (norm, rms), (direction, (in_registers, limit, flags)) in itertools.product(
         TRITON_TYPES, (("layer_norm", False), ("rms_norm", True)), NORM_KERNELS.items()
     ):
-        backward = direction == "bwd"
         for n in row_sizes(limit):
-            cfg = layernorm.row_config(n, backward, dtype, arch)
+            cfg = layernorm.row_config(n, direction == "bwd", dtype, arch)
             constexprs = {"IS_RMS": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms, **flags,
                           "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                           in_registers: cfg.row_in_registers}  # fmt: skip
             # The backward's row split into column blocks, each sweeping the others: its own name.
-            split = "" if cfg.row_in_registers or not backward else "_split_row"
+            split = "" if cfg.row_in_registers or direction == "fwd" else "_split_row"
             shape_class = f"N<={n}" if cfg.row_in_registers else f"N>{limit}"
-            kernel, name = f"layernorm._norm_{direction}_kernel", f"{norm}_{direction}{split}"
-            configs.append(
-                kernel_config(kernel, shape_class, dtype, constexprs, cfg.num_warps, arch.name, name=name)
-            )
+            kernel = f"layernorm._norm_{direction}_kernel"
+            configs.append(kernel_config(kernel, shape_class, dtype, constexprs, cfg.num_warps, arch.name,
+                                         name=f"{norm}_{direction}{split}"))  # fmt: skip
     return configs
 
 
@@ -604,23 +607,18 @@ def attention_pass_config(
 
     kernel, by_query, by_key = ATTENTION_PASSES[name]
     block_d = attention.head_dim_block(head_dim)
-    pointers = dict.fromkeys(("CU_SEQLENS_Q", "CU_SEQLENS_K"), "i32") if packed else {}
-    if head_split:
-        pointers |= {"DK": "fp32", "DV": "fp32"}
+    pointers = {"DK": "fp32", "DV": "fp32"} if head_split else {}
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   **ATTENTION_MASKS[mask], "TMA": tma, "VARLEN": packed}  # fmt: skip
-    if packed:
-        constexprs["lse_strides[0]"] = 1  # a packed lse (heads, total_q) is addressed by first row
     persistent = cfg.programs_per_sm > 0 and not packed
     if name == "attn_fwd":
         constexprs["PERSISTENT"] = persistent
     if name == "attn_bwd_dkdv":
         constexprs |= {"BLOCK_D_OUT": block_d // cfg.column_splits, "OUTPUT": output}
         by_key = by_key if output == "dkdv" else ("DK", "DV")
-    descriptors = {}
-    if tma and not packed:  # a packed batch's descriptors are built on the device, one per sequence
-        descriptors = {a: (1, cfg.block_m, 1, block_d) for a in by_query}
-        descriptors |= {a: (1, cfg.block_n, 1, block_d) for a in by_key}
+    # A packed batch's descriptors are built on the device, one per sequence.
+    block_rows = dict.fromkeys(by_query, cfg.block_m) | dict.fromkeys(by_key, cfg.block_n)
+    descriptors = {a: (1, rows, 1, block_d) for a, rows in block_rows.items()} if tma and not packed else {}
     flags = ((mask, mask != "full"), ("tma", tma), ("persistent", persistent), ("varlen", packed),
              ("head split", head_split), (output, output != "dkdv"))  # fmt: skip
     shape_class = " ".join([f"d={head_dim}", *(mode for mode, on in flags if on)])
@@ -648,12 +646,11 @@ def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -
         variants.append(((block_d,), (torch.float16,), True))
     configs = []
     for head_dims, dtypes, head_split in variants:
-        for mask, head_dim, dtype, packed in itertools.product(
-            reversed(ATTENTION_MASKS), head_dims, dtypes, batches
+        for mask, head_dim, dtype, packed, (tma, tile) in itertools.product(
+            reversed(ATTENTION_MASKS), head_dims, dtypes, batches, tiles.items()
         ):
-            for tma, tile in tiles.items():
-                args = (name, tile, head_dim, dtype, mask, tma, packed, arch.name, head_split)
-                configs += [attention_pass_config(*args, output) for output in outputs(tile)]
+            args = (name, tile, head_dim, dtype, mask, tma, packed, arch.name, head_split)
+            configs += [attention_pass_config(*args, output) for output in outputs(tile)]
     return configs
 
 
@@ -667,11 +664,9 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
         for head_dim in dict.fromkeys((block_d, block_d * 3 // 4)):
             constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "HAS_DLSE": True, "VARLEN": bool(packed),
                           "BLOCK_M": attention.PREPROCESS_BLOCK_M}  # fmt: skip
-            unit = {"lse_strides[0]": 1} if packed else {}  # a packed lse (heads, total_q): by first row
             configs.append(kernel_config(
                 "attention._attn_bwd_preprocess_kernel", f"d={head_dim}" + " varlen" * packed, dtype,
-                constexprs | unit, attention.PREPROCESS_NUM_WARPS, arch.name,
-                pointers={"CU_SEQLENS_Q": "i32"} if packed else None,
+                constexprs, attention.PREPROCESS_NUM_WARPS, arch.name,
             ))  # fmt: skip
     for table in ATTENTION_TABLES:
         for block_d, cfg in sorted(getattr(attention, table)[arch.name].items()):
@@ -688,25 +683,21 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
             configs.append(kernel_config("attention._attn_decode_kernel", shape_class, dtype, constexprs,
                                          cfg.num_warps, arch.name, cfg.num_stages, matmul=True))  # fmt: skip
         if mask == "full":  # and its reduce of the split keys' partial outputs
-            constexprs = dims | {"BLOCK_S": attention.DECODE_REDUCE_BLOCK_S}
-            warps = attention.DECODE_REDUCE_NUM_WARPS
-            kernel = "attention._attn_decode_reduce_kernel"
-            configs.append(kernel_config(kernel, shape_class, dtype, constexprs, warps, arch.name))
+            configs.append(kernel_config("attention._attn_decode_reduce_kernel", shape_class, dtype,
+                                         dims | {"BLOCK_S": attention.DECODE_REDUCE_BLOCK_S},
+                                         attention.DECODE_REDUCE_NUM_WARPS, arch.name))  # fmt: skip
     return configs
 
 
-# MLP GEMM tables: kernel, the flags that keep the most values live (bias, stored pre-activation,
-# recomputed h) with unit strides as constexprs (x, dy and the weights row-major; the backward reads
-# W_out transposed, unit stride along N), and each TMA descriptor's block as (rows, columns) dims.
+# MLP GEMM tables, each with a bias and gated ("gated_<table>": GATED on, no bias): kernel, the flags
+# that keep the most values live (stored pre-activation, recomputed h) with unit strides as constexprs
+# (x, dy and the weights row-major; the backward reads W_out transposed, unit stride along N), and each
+# TMA descriptor's block as (rows, columns) dims.
 MLP_GEMMS = {
-    "fwd": ("_fwd_kernel", {"GATED": False, "HAS_BIAS": True, "STORE_PRE": True, "x_strides[1]": 1,
-                            "w_strides[1]": 1}, {"X": "mk", "W": "nk", "WU": "nk"}),
-    "gated_fwd": ("_fwd_kernel", {"GATED": True, "HAS_BIAS": False, "STORE_PRE": True, "x_strides[1]": 1,
-                                  "w_strides[1]": 1}, {"X": "mk", "W": "nk", "WU": "nk"}),
-    "dh_bwd": ("_dh_act_bwd_kernel", {"GATED": False, "HAS_BIAS": True, "STORE_H": True, "dy_strides[1]": 1,
-                                      "w_strides[0]": 1}, {"DY": "mk", "W": "kn"}),
-    "gated_dh_bwd": ("_dh_act_bwd_kernel", {"GATED": True, "HAS_BIAS": False, "STORE_H": True,
-                                            "dy_strides[1]": 1, "w_strides[0]": 1}, {"DY": "mk", "W": "kn"}),
+    "fwd": ("_fwd_kernel", {"STORE_PRE": True, "x_strides[1]": 1, "w_strides[1]": 1},
+            {"X": "mk", "W": "nk", "WU": "nk"}),
+    "dh_bwd": ("_dh_act_bwd_kernel", {"STORE_H": True, "dy_strides[1]": 1, "w_strides[0]": 1},
+               {"DY": "mk", "W": "kn"}),
 }  # fmt: skip
 
 
@@ -719,15 +710,17 @@ def mlp_gemm_config(
     table: str, shape_class: str, cfg, dtype: torch.dtype, activation: str, tma: bool, arch: str = "sm90",
     split_k: bool = False, persistent: bool = False,
 ):  # fmt: skip
-    """The KernelConfig of MLP GEMM ``table`` (a key of MLP_GEMMS) run with the kernels.mlp.GemmConfig
-    ``cfg`` and activation, pointer or TMA loads, for GPU family arch; split_k: a forward's split-K
-    variant (partial sums stored, no epilogue); persistent: a forward's persistent kernel (TMA)."""
-    kernel, flags, tiles = MLP_GEMMS[table]
+    """The KernelConfig of MLP GEMM ``table`` (a key of MLP_GEMMS, or gated_<key>) run with the
+    kernels.mlp.GemmConfig ``cfg`` and activation, pointer or TMA loads, for GPU family arch; split_k: a
+    forward's split-K variant (partial sums stored, no epilogue); persistent: a forward's persistent
+    kernel (TMA)."""
+    gated = table.startswith("gated_")
+    kernel, flags, tiles = MLP_GEMMS[table.removeprefix("gated_")]
     dims = {"m": cfg.block_m, "n": cfg.block_n, "k": cfg.block_k, "s": cfg.block_n // cfg.epilogue_split}
-    constexprs = {"ACTIVATION": activation, **flags, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                  "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "EPILOGUE_SPLIT": cfg.epilogue_split,
-                  "TMA": tma}  # fmt: skip
-    if table in ("fwd", "gated_fwd"):
+    constexprs = {"ACTIVATION": activation, "GATED": gated, "HAS_BIAS": not gated, **flags,
+                  "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                  "GROUP_M": cfg.group_m, "EPILOGUE_SPLIT": cfg.epilogue_split, "TMA": tma}  # fmt: skip
+    if kernel == "_fwd_kernel":
         constexprs["SPLIT_K"] = split_k
     if persistent:
         kernel, tiles = "_fwd_persistent_kernel", MLP_PERSISTENT_TILES

@@ -53,8 +53,6 @@ def check(
         expected = (out_exact, *(torch.autograd.grad(out_exact, exact, dout_exact) if grad else ()))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    errors = {
-        name: normalized_error(crop(a), e, floor) for name, a, e in zip(names, actual, expected, strict=True)
-    }
+    errors = {n: normalized_error(crop(a), e, floor) for n, a, e in zip(names, actual, expected, strict=True)}
     finite = all(bool(torch.isfinite(a).all()) for a in actual)
     return errors, finite and all(error <= tolerance for error in errors.values())

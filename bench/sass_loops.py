@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     entry = getattr(attention, table)["sm90"][attention.head_dim_block(args.head_dim)]
     tma = entry.tma and not args.pointer
     cfg = entry.loads(tma)
-    outputs = attention.dkdv_outputs(cfg) if args.kernel == "attn_bwd_dkdv" else ("dkdv",)
-    for output in outputs:  # a dk/dv entry with split outputs: each launch
+    # A dk/dv entry with split outputs: each of its launches.
+    for output in attention.dkdv_outputs(cfg) if args.kernel == "attn_bwd_dkdv" else ("dkdv",):
         config = compile_report.attention_pass_config(
             args.kernel, cfg, args.head_dim, torch.float16, args.mask, tma, output=output
         )
