@@ -184,12 +184,10 @@ def _sdpa(backend_name: str | None = None, **options):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def attention(q, k, v):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seqlen, head_dim) views
         # SDPA's is_causal is aligned top-left, ours bottom-right: the same at equal lengths.
         with sdpa_kernel(getattr(SDPBackend, backend_name)) if backend_name else contextlib.nullcontext():
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **options
-            )
-        return out.transpose(1, 2)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, **options).transpose(1, 2)
 
     return attention
 
@@ -229,8 +227,7 @@ def implementations(shape: Shape, causal: bool, quick: bool = False) -> dict:
     impls = {"ours": lambda: _ours(causal=causal), "ours-pointer": lambda: _ours(causal=causal)}
     for backend in SDPA_BACKENDS:
         if backend != "MATH" or shape.seqlen <= MATH_MAX_SEQLEN:
-            name = "sdpa-" + backend.split("_")[0].lower()
-            impls[name] = lambda b=backend: _sdpa(b, is_causal=causal)
+            impls["sdpa-" + backend.split("_")[0].lower()] = lambda b=backend: _sdpa(b, is_causal=causal)
     if not quick:
         impls["compile"] = lambda: _compiled_explicit(shape, causal)
     impls["flash-attn"] = lambda: _flash_attn("flash_attn_func", causal=causal)

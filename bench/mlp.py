@@ -134,8 +134,7 @@ def make_inputs(model: Model, tokens: int, device, requires_grad: bool = False) 
     """x ~ N(0, 1) (tokens, d_model); weights ~ N(0, 1/fan_in) as nn.Linear's; biases ~ 0.1 N(0, 1)."""
 
     def randn(*shape, scale=1.0):
-        t = torch.randn(*shape, device=device) * scale
-        return t.to(DTYPE).requires_grad_(requires_grad)
+        return (torch.randn(*shape, device=device) * scale).to(DTYPE).requires_grad_(requires_grad)
 
     d, h = model.d_model, model.hidden
     tensors = {"x": randn(tokens, d)}
@@ -227,10 +226,8 @@ def _setup(make_fn, model: Model, tokens: int, direction: str, grad: bool = Fals
     with TMA off for the whole call (ours-pointer)."""
 
     def make_copy(requires_grad: bool) -> dict:
-        tensors = make_inputs(model, tokens, device, requires_grad)
-        return (
-            {"x": tensors["x"], "w": torch.cat([tensors["w_gate"], tensors["w_up"]])} if concat else tensors
-        )
+        t = make_inputs(model, tokens, device, requires_grad)
+        return {"x": t["x"], "w": torch.cat([t["w_gate"], t["w_up"]])} if concat else t
 
     # What one call reads: x, the weights (and dy, about as large as x).
     weights = (3 if model.gated else 2) * model.d_model * model.hidden
@@ -263,32 +260,28 @@ def model_cases(model: Model, tokens: int, quick: bool = False, device="cuda") -
     }
     if model.activation == "gelu_tanh":  # gated models: matmul stands in (see the module docstring)
         up["addmm-gelu"] = (_bind(addmm_gelu, model), {})
+    up["compile"] = (suite.compiled(functools.partial(eager_up, model)), {})
     whole = {
         "ours": (_bind(ours_mlp, model), {}),
         "ours-pointer": (_bind(ours_mlp, model), {"pointer_loads": True}),
         "eager": (_bind(eager_mlp, model), {}),
         "compile": (suite.compiled(functools.partial(eager_mlp, model)), {}),
     }
-    if not quick:
-        up["compile"] = (suite.compiled(functools.partial(eager_up, model)), {})
 
     def setup(name, impl, direction):
         make_fn, options = impl
         return _setup(make_fn, model, tokens, direction, device=device, **options)
 
-    up_cases = suite.family_cases(
+    cases = suite.family_cases(
         model.gemm_kernel, params, up, ["forward"], lambda d: up_projection_flops(model, tokens), "flop",
         setup, functools.partial(check, model, tokens, device, False),
-    )  # fmt: skip
-    mlp_cases = suite.family_cases(
+    ) + suite.family_cases(
         model.mlp_kernel, params, whole, suite.DIRECTIONS, functools.partial(mlp_flops, model, tokens),
         "flop", setup, functools.partial(check, model, tokens, device, True),
     )  # fmt: skip
-    if quick:  # the whole MLP's compile only where a gate holds ours to it
-        mlp_cases = [
-            c for c in mlp_cases if c.implementation != "compile" or c.direction == "forward+backward"
-        ]
-    return up_cases + mlp_cases
+    if quick:  # compile only where a gate holds ours to it: the whole MLP forward+backward
+        cases = [c for c in cases if c.implementation != "compile" or c.direction == "forward+backward"]
+    return cases
 
 
 def decode_cases(model: Model, tokens: int, device="cuda") -> list[suite.Case]:

@@ -93,9 +93,7 @@ def backward_bytes(
     return 3 * rows * hidden * element_bytes + parameter_vectors * hidden * weight_element_bytes
 
 
-def make_inputs(
-    norm: Norm, rows: int, hidden: int, device, requires_grad: bool = False
-) -> list[torch.Tensor]:
+def make_inputs(norm: Norm, rows: int, hidden: int, device, requires_grad=False) -> list[torch.Tensor]:
     """``[x, weight]`` or ``[x, weight, bias]``: x ~ N(0, 1), weight ~ 1 + 0.1·N(0, 1), bias ~ 0.1·N(0, 1)."""
     tensors = [
         torch.randn(rows, hidden, dtype=DTYPE, device=device),

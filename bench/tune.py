@@ -127,10 +127,9 @@ def neighbours(cfg, persistent: bool = False, tma: bool = True) -> list:
     for new in (split // 2, split * 2) if split else ():
         if new in EPILOGUE_SPLITS and cfg.block_n % new == 0:
             out.append(dataclasses.replace(cfg, epilogue_split=new))
-    if persistent:
-        for programs in (cfg.programs_per_sm - 1, cfg.programs_per_sm + 1):
-            if 0 <= programs <= PROGRAMS_PER_SM:
-                out.append(dataclasses.replace(cfg, programs_per_sm=programs))
+    for programs in (cfg.programs_per_sm - 1, cfg.programs_per_sm + 1) if persistent else ():
+        if 0 <= programs <= PROGRAMS_PER_SM:
+            out.append(dataclasses.replace(cfg, programs_per_sm=programs))
     return out
 
 
@@ -577,8 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     families = parser.add_subparsers(dest="family", required=True)
     attn_cli = families.add_parser("attention", help="the tables of kernels.attention")
-    passes = list(ATTENTION_PASSES)
-    attn_cli.add_argument("--passes", nargs="+", choices=passes, default=passes)
+    attn_cli.add_argument("--passes", nargs="+", choices=ATTENTION_PASSES, default=list(ATTENTION_PASSES))
     attn_cli.add_argument("--head-dims", nargs="+", type=int, help="default: 128; with --compile-only all")
     attn_cli.add_argument("--seqlen", type=int, default=4096, help="the bench shape's (16K tokens a batch)")
     mlp_cli = families.add_parser("mlp", help="the GEMM table of kernels.mlp")
