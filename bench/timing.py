@@ -248,12 +248,13 @@ def machine_info(device: torch.device | None = None) -> dict:
     # Imported here: a benchmark may have to set TRITON_INTERPRET before triton's first import.
     import triton
 
+    driver_api = getattr(torch._C, "_cuda_getDriverVersion", None)  # absent from some CUDA builds too
     # The kernel-module driver version (e.g. 550.54.15); torch only knows the CUDA driver API level.
     nvidia_smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
     info = {
         "gpu": torch.cuda.get_device_name(device) if device is not None else None,
         "nvidia_driver": _first_line(nvidia_smi) if device is not None else None,
-        "cuda_driver_api": torch._C._cuda_getDriverVersion() if device is not None else None,
+        "cuda_driver_api": driver_api() if device is not None and driver_api is not None else None,
         "cuda_runtime": torch.version.cuda,
         "torch": torch.__version__,
         "triton": triton.__version__,

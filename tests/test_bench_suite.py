@@ -224,6 +224,22 @@ def test_event_stamps_subtract_to_gpu_seconds():
     assert end.event.synchronized  # waits for the later event only
 
 
+@pytest.mark.parametrize("driver_api", [None, 12080])
+def test_machine_info_on_a_torch_with_or_without_the_driver_api_probe(monkeypatch, driver_api):
+    """torch._C._cuda_getDriverVersion is absent from this CPU build and from some CUDA builds."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
+    h200 = types.SimpleNamespace(L2_cache_size=50 << 20, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h200)
+    monkeypatch.setattr(timing, "_first_line", lambda command, cwd=None: "550.54.15")  # nvidia-smi, git
+    monkeypatch.delattr(torch._C, "_cuda_getDriverVersion", raising=False)
+    if driver_api is not None:
+        monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: driver_api, raising=False)
+    info = timing.machine_info(torch.device("cuda", 0))
+    assert info["gpu"] == "NVIDIA H200" and info["nvidia_driver"] == "550.54.15"
+    assert info["cuda_driver_api"] == driver_api
+    assert info["l2_cache_bytes"] == 50 << 20 and info["sm_count"] == 132
+
+
 def test_rotate_cycles_through_the_copies():
     seen = []
     call = timing.rotate([1, 2, 3], seen.append)
