@@ -1,4 +1,4 @@
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="little-horse",
@@ -6,9 +6,11 @@ setup(
     description="Hand-written Triton kernels (fused attention, MLP, norms) behind drop-in PyTorch layers",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=["kernels", "horse", "bench"],
-    # horse: the trainer's built-in corpus; kernels: the config tables of the families not measured yet
-    package_data={"bench": ["gates.toml"], "horse": ["corpus/*.txt"], "kernels": ["configs/*.json"]},
+    # horse is the one top-level package: bench/ and tests/ run from a checkout. The kernels live in
+    # horse.kernels, not a top-level `kernels`, whose name is Hugging Face's package that transformers imports.
+    packages=find_packages(include=["horse", "horse.*"]),
+    # horse: the trainer's built-in corpus; horse.kernels: the config tables of the families not measured yet
+    package_data={"horse": ["corpus/*.txt"], "horse.kernels": ["configs/*.json"]},
     python_requires=">=3.11",  # tomllib (bench gates)
     # Loose ranges: a user's CUDA build of PyTorch brings its own Triton, and we keep both.
     # safetensors: the trainer's checkpoints; tqdm: its progress bar.
@@ -18,9 +20,7 @@ setup(
     # build the Hugging Face models that horse.hf's conversions are checked against; pytest-xdist
     # runs the tests on every core (-n auto). pytest 9.2 gives nodes structured ids that xdist 3.8's
     # --dist loadgroup cannot mark, so it spreads an xdist_group over every worker without a word
-    # (pytest-dev/pytest-xdist#1386; tests/conftest.py stops a run where that happens). transformers
-    # 5.25 requires Hugging Face's `kernels` distribution, whose top-level package `kernels` shadows
-    # or is shadowed by ours: transformers then imports ours for theirs and fails.
+    # (pytest-dev/pytest-xdist#1386; tests/conftest.py stops a run where that happens).
     extras_require={
         "test": [
             "pytest>=8,<9.2",
@@ -28,7 +28,7 @@ setup(
             "pytest-xdist>=3",
             "ruff==0.17.6",
             "matplotlib",
-            "transformers<5.25",
+            "transformers",
             "tokenizers",
         ]
     },

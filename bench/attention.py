@@ -4,8 +4,8 @@
 
 The shape of the published numbers (ANCHORS.md): 16K tokens per batch (batch·seqlen = 16384),
 heads·head_dim = 2048, seqlen 512…16K, equal query and key lengths, causal and not, float16.
-Implementations: ours (``kernels.flash_attention``); ours-pointer, the same kernels with TMA off
-(``kernels.attention.USE_TMA = False``, masked pointer loads) to measure what TMA brings;
+Implementations: ours (``horse.kernels.flash_attention``); ours-pointer, the same kernels with TMA off
+(``horse.kernels.attention.USE_TMA = False``, masked pointer loads) to measure what TMA brings;
 ``scaled_dot_product_attention`` under each
 of ``sdpa_kernel(FLASH_ATTENTION)``, ``CUDNN_ATTENTION``, ``EFFICIENT_ATTENTION`` and ``MATH`` (MATH
 only to seqlen 4K: it materialises the S×S scores), on transposed views; ``torch.compile`` of the
@@ -136,7 +136,7 @@ def _ours(name: str = "flash_attention", **options):
     """The kernels package's ``name`` (flash_attention, flash_attention_varlen,
     flash_attention_with_kvcache) called with these keyword arguments; imported here, not at import:
     the CPU path sets TRITON_INTERPRET first."""
-    import kernels
+    from horse import kernels
 
     return functools.partial(getattr(kernels, name), **options)
 
@@ -145,7 +145,7 @@ def check(shape: Shape, causal: bool, device, attention=None, window_size=(-1, -
     """out, dq, dk, dv of ours (or ``attention``) for a random dout against the float32 reference
     (:func:`bench.correctness.check`). Ours runs on the whole shape and must be finite everywhere;
     the reference on the leading block of :func:`checked_batch_heads` (every pair is independent)."""
-    from kernels import reference
+    from horse.kernels import reference
 
     attention = attention or _ours(causal=causal, window_size=window_size)
     torch.manual_seed(0)
@@ -165,8 +165,8 @@ def offsets(lengths, device) -> torch.Tensor:
 def check_packed(lengths, heads: int, head_dim: int, device) -> tuple[dict, bool]:
     """:func:`check` for flash_attention_varlen (causal) on documents of these lengths packed; the
     reference runs each document of the first two heads on its own."""
-    import kernels
-    from kernels import reference
+    from horse import kernels
+    from horse.kernels import reference
 
     torch.manual_seed(0)
     qkv = [t[0].detach().requires_grad_() for t in make_qkv(Shape(1, sum(lengths), heads, head_dim), device)]
@@ -200,7 +200,7 @@ def _sdpa_window(seqlen: int):
 
 
 def _compiled_explicit(shape: Shape, causal: bool):
-    from kernels import reference
+    from horse.kernels import reference
 
     needed = EXPLICIT_MATRICES * shape.batch * shape.heads * shape.seqlen**2 * DTYPE.itemsize
     free = torch.cuda.mem_get_info()[0]
@@ -244,7 +244,7 @@ def _setup(direction: str, make_fn, shape: Shape, pointer_loads=False, make_inpu
     dout as well backward."""
     make_inputs = make_inputs or functools.partial(make_qkv, shape, "cuda")
     read = (3 if direction == "forward" else 5) * shape.numel * DTYPE.itemsize
-    tma_off = "kernels.attention" if pointer_loads else None
+    tma_off = "horse.kernels.attention" if pointer_loads else None
     return timing.setup(make_fn, make_inputs, direction, read, tma_off=tma_off)
 
 
@@ -328,7 +328,7 @@ def decode_inputs(batch: int, cache: int, head_dim: int, device, requires_grad=F
 
 def check_decode(batch: int, cache: int, head_dim: int, device) -> tuple[dict, bool]:
     """Ours against the float64 reference on the same cache (flash_attention_with_kvcache, seqlen_q 1)."""
-    from kernels import reference
+    from horse.kernels import reference
 
     torch.manual_seed(0)
     lengths = torch.full((batch,), cache, dtype=torch.int32)

@@ -6,7 +6,7 @@
 Needs no GPU: Triton compiles for a ``GPUTarget("cuda", capability, 32)`` or ``GPUTarget("hip",
 "gfx942", 64)`` on the CPU; the ``cuobjdump`` and ``nvdisasm`` in Triton's wheel read a cubin, and
 an AMD kernel's assembly (amdgcn) says its own registers, scratch and instructions. Each GPU family
-of ``kernels.runtime.ARCHS`` (A100: sm_80; the 99-KiB Ampere, Ada and consumer Blackwell chips:
+of ``horse.kernels.runtime.ARCHS`` (A100: sm_80; the 99-KiB Ampere, Ada and consumer Blackwell chips:
 sm_86; H100/H200: sm_90; B200/GB300: sm_100; MI300X/MI325X: gfx942) has its own entry in every
 config table, compiled for its target. One row per config: family, kernel, shape class, dtype,
 block sizes, warps, stages, registers (AMD: VGPRs and AGPRs), spill bytes (stack + local; AMD:
@@ -52,8 +52,8 @@ from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
 
 from bench import report
-from kernels import layernorm, runtime
-from kernels.runtime import ARCHS
+from horse.kernels import layernorm, runtime
+from horse.kernels.runtime import ARCHS
 
 NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 CUOBJDUMP, NVDISASM = os.path.join(NVIDIA_BIN, "cuobjdump"), os.path.join(NVIDIA_BIN, "nvdisasm")
@@ -77,7 +77,7 @@ class KernelConfig:
     num_stages: int = 1
     # argument name -> block shape of a TMA descriptor argument (its dtype from pointer_types)
     descriptors: dict = dataclasses.field(default_factory=dict, repr=False)
-    arch: str = "sm90"  # the kernels.runtime.ARCHS family whose table holds this config
+    arch: str = "sm90"  # the horse.kernels.runtime.ARCHS family whose table holds this config
     # tuple argument name -> its length: a kernel's strides tuples (``x.stride()``), i32 elements
     tuples: dict = dataclasses.field(default_factory=dict, repr=False)
     matmul: bool = False  # its tl.dot must lower to tensor-core instructions
@@ -515,7 +515,7 @@ def kernel_config(
     kernel: str, shape_class: str, dtype: torch.dtype, constexprs: dict, warps: int, arch: str,
     stages: int = 1, name: str = "", pointers: dict | None = None, **fields,
 ) -> KernelConfig:  # fmt: skip
-    """The KernelConfig of kernels.<kernel> (``"module._<name>_kernel"``), named <name> unless name is
+    """The KernelConfig of horse.kernels.<kernel> (``"module._<name>_kernel"``), named <name> unless name is
     given. Its pointer types come from KERNEL_POINTERS (pointers: overrides); its strides tuples from
     the kernel's ``<tensor>_strides`` arguments, as the launchers pass them (an attention tile's
     (batch, seqlen, heads), lse's (batch, heads), an MLP matrix's ``x.stride()``); INLINE_PTX, where
@@ -525,7 +525,7 @@ def kernel_config(
     module, function = kernel.split(".")
     typed, fp32, others = KERNEL_POINTERS[module]
     types = dict.fromkeys(typed, TRITON_TYPES[dtype]) | dict.fromkeys(fp32, "fp32") | others
-    arg_names = getattr(importlib.import_module(f"kernels.{module}"), function).arg_names
+    arg_names = getattr(importlib.import_module(f"horse.kernels.{module}"), function).arg_names
     strides = [a for a in arg_names if a.endswith("_strides")]
     tuples = {a: 2 if module == "mlp" or a == "lse_strides" else 3 for a in strides}
     if "INLINE_PTX" in arg_names:
@@ -534,7 +534,8 @@ def kernel_config(
         constexprs = constexprs | {"lse_strides[0]": 1}
         types |= dict.fromkeys(("CU_SEQLENS_Q", "CU_SEQLENS_K"), "i32")
     name = name or function[1:].removesuffix("_kernel")
-    return KernelConfig(name, shape_class, dtype, f"kernels.{kernel}", types | (pointers or {}), constexprs,
+    fn_path = f"horse.kernels.{kernel}"
+    return KernelConfig(name, shape_class, dtype, fn_path, types | (pointers or {}), constexprs,
                         warps, stages, arch=arch, tuples=tuples, **fields)  # fmt: skip
 
 
@@ -598,12 +599,12 @@ def attention_pass_config(
     arch: str = "sm90", head_split: bool = False, output: str = "dkdv",
 ):  # fmt: skip
     """The KernelConfig of attention pass ``name`` (a key of ATTENTION_PASSES) run with the
-    kernels.attention.AttnConfig ``cfg`` at ``head_dim``, mask a key of ATTENTION_MASKS, pointer or
+    horse.kernels.attention.AttnConfig ``cfg`` at ``head_dim``, mask a key of ATTENTION_MASKS, pointer or
     TMA loads, on a padded batch or a packed one (flash_attention_varlen: a program per tile; its TMA
     descriptors built on the device, one per sequence), for GPU family arch; with head_split, the dk/dv
     pass writing float32 partials (a GQA group's query heads split over programs); output, the dk/dv
-    launch's gradients (kernels.attention.dkdv_outputs: one alone reads K and V by pointers)."""
-    from kernels import attention
+    launch's gradients (horse.kernels.attention.dkdv_outputs: one alone reads K and V by pointers)."""
+    from horse.kernels import attention
 
     kernel, by_query, by_key = ATTENTION_PASSES[name]
     block_d = attention.head_dim_block(head_dim)
@@ -627,14 +628,14 @@ def attention_pass_config(
 
 
 def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -> list[KernelConfig]:
-    """Every KernelConfig that entry cfg of kernels.attention's table (a key of ATTENTION_TABLES) at
+    """Every KernelConfig that entry cfg of horse.kernels.attention's table (a key of ATTENTION_TABLES) at
     block_d compiles to on arch: the local mask first (the most live values: a search stops at the
     first failure), then causal and full; a power-of-two head dim and a padded one (3/4 of the
     block); both dtypes; on the table's batches, padded ones with pointer loads (always selectable:
     USE_TMA off, unaligned inputs) and, on sm_90+ where cfg.tma, TMA loads; packed ones likewise. The
     pointer configs take cfg.loads(False)'s tile; a dk/dv entry with split outputs compiles each of its
     launches."""
-    from kernels import attention
+    from horse.kernels import attention
 
     name, batches = ATTENTION_TABLES[table]
     outputs = attention.dkdv_outputs if name == "attn_bwd_dkdv" else lambda _: ("dkdv",)
@@ -655,9 +656,9 @@ def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -
 
 
 def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
-    """Every table entry of kernels.attention for arch (:func:`attention_entry_configs`), the
+    """Every table entry of horse.kernels.attention for arch (:func:`attention_entry_configs`), the
     backward's preprocess for each head dim, padded and packed, and the decode kernels."""
-    from kernels import attention
+    from horse.kernels import attention
 
     configs, dtypes = [], (torch.float16, torch.bfloat16)
     for dtype, block_d, packed in itertools.product(dtypes, sorted(attention.FWD_CONFIGS[arch.name]), (0, 1)):
@@ -711,7 +712,7 @@ def mlp_gemm_config(
     split_k: bool = False, persistent: bool = False,
 ):  # fmt: skip
     """The KernelConfig of MLP GEMM ``table`` (a key of MLP_GEMMS, or gated_<key>) run with the
-    kernels.mlp.GemmConfig ``cfg`` and activation, pointer or TMA loads, for GPU family arch; split_k: a
+    horse.kernels.mlp.GemmConfig ``cfg`` and activation, pointer or TMA loads, for GPU family arch; split_k: a
     forward's split-K variant (partial sums stored, no epilogue); persistent: a forward's persistent
     kernel (TMA)."""
     gated = table.startswith("gated_")
@@ -734,13 +735,13 @@ def mlp_gemm_config(
 
 
 def mlp_entry_configs(table: str, shape_class: str, cfg, arch: runtime.Arch) -> list[KernelConfig]:
-    """Every KernelConfig that entry cfg of kernels.mlp.GEMM_CONFIGS[arch][table] at shape_class
+    """Every KernelConfig that entry cfg of horse.kernels.mlp.GEMM_CONFIGS[arch][table] at shape_class
     compiles to on arch: in both dtypes, for the two activations with the heaviest epilogues (gelu's
     erf and gelu_tanh), with pointer loads (always selectable: USE_TMA off, unaligned inputs) and,
     on sm_90+ where cfg.tma, TMA loads; a forward's small entry (decode-sized M) also in its
-    split-K variant (kernels.mlp.split_k), and a forward entry with cfg.persistent also as the
+    split-K variant (horse.kernels.mlp.split_k), and a forward entry with cfg.persistent also as the
     persistent kernel (TMA loads and stores)."""
-    from kernels import mlp
+    from horse.kernels import mlp
 
     tma_modes = (False, True) if cfg.tma and arch.tma else (False,)
     split_modes = (False, True) if table in ("fwd", "gated_fwd") and shape_class == "small" else (False,)
@@ -757,9 +758,9 @@ def mlp_entry_configs(table: str, shape_class: str, cfg, arch: runtime.Arch) -> 
 
 
 def mlp_configs(arch: runtime.Arch) -> list[KernelConfig]:
-    """Every GEMM table entry of kernels.mlp for arch (:func:`mlp_entry_configs`), and the
+    """Every GEMM table entry of horse.kernels.mlp for arch (:func:`mlp_entry_configs`), and the
     elementwise backward, plain and gated, in both dtypes."""
-    from kernels import mlp
+    from horse.kernels import mlp
 
     configs = []
     for table, entries in mlp.GEMM_CONFIGS[arch.name].items():
@@ -783,7 +784,7 @@ def mlp_configs(arch: runtime.Arch) -> list[KernelConfig]:
     return configs
 
 
-# The loss kernels (kernels.cross_entropy._<name>_kernel) and the flags with the most live values (the
+# The loss kernels (horse.kernels.cross_entropy._<name>_kernel) and the flags with the most live values (the
 # fused one with smoothing and the gradient).
 LOSS_KERNELS = {
     "cross_entropy": {"HAS_SMOOTHING": True, "WRITE_GRAD": True},
@@ -793,10 +794,10 @@ LOSS_KERNELS = {
 
 
 def loss_configs(arch: runtime.Arch) -> list[KernelConfig]:
-    """Every RowConfig that kernels.cross_entropy.row_config can return on arch (one per block size),
+    """Every RowConfig that horse.kernels.cross_entropy.row_config can return on arch (one per block size),
     for its three kernels (LOSS_KERNELS: the fused one, the vocabulary shard's statistics and
     gradient passes), in every dtype."""
-    loss = importlib.import_module("kernels.cross_entropy")  # the module: also the name of a function
+    loss = importlib.import_module("horse.kernels.cross_entropy")  # the module: also the name of a function
     limit = loss.MAX_BLOCK_V
     configs = []
     for dtype, n in itertools.product(TRITON_TYPES, row_sizes(limit)):
@@ -818,7 +819,7 @@ CONFIG_FAMILIES = {
 
 
 def all_configs(archs=tuple(ARCHS)) -> list[KernelConfig]:
-    """Every family's configs for each GPU family named in archs (keys of kernels.runtime.ARCHS)."""
+    """Every family's configs for each GPU family named in archs (keys of horse.kernels.runtime.ARCHS)."""
     return [cfg for name in archs for family in CONFIG_FAMILIES.values() for cfg in family(ARCHS[name])]
 
 

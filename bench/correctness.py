@@ -38,7 +38,7 @@ def check(
     (crop: the block the reference can afford, every element by default). Returns {name: error}
     (names: the output's, then each gradient's) and whether every output and gradient of ours is
     finite, the uncropped part included, and each error within tolerance."""
-    from kernels import runtime  # here, not at import: the CPU path sets TRITON_INTERPRET first
+    from horse.kernels import runtime  # here, not at import: the CPU path sets TRITON_INTERPRET first
 
     grad = any(t.requires_grad for t in inputs)
     with runtime.poison_outputs():

@@ -6,14 +6,14 @@ Two kernels, float16:
 
 * ``linear_cross_entropy``: the LM head and its mean loss, x (tokens, d_model) @ Wᵀ (vocab, d_model)
   then cross-entropy against int64 targets; forward (one call under no_grad) and forward+backward
-  (the loss, then ``torch.autograd.grad`` of it w.r.t. x and W). ours: ``kernels.linear_cross_entropy``;
+  (the loss, then ``torch.autograd.grad`` of it w.r.t. x and W). ours: ``horse.kernels.linear_cross_entropy``;
   eager: ``F.linear`` then ``F.cross_entropy`` of the float32 logits (what autocast runs); compile:
   ``torch.compile`` of eager; liger: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` where it
   imports. FLOPs count the GEMMs (:func:`linear_loss_flops`): 2·T·D·V forward, three times that
   forward+backward. Shapes: GPT-2's head (d_model 768, 1600; vocabulary 50,304) and LLaMA 3 8B's
   (4096, 128,256), at 8K and 16K tokens.
 * ``cross_entropy``: the loss of given logits (tokens, vocab), forward and forward+backward;
-  ``kernels.cross_entropy`` against ``F.cross_entropy`` of the float32 logits, eager and compiled.
+  ``horse.kernels.cross_entropy`` against ``F.cross_entropy`` of the float32 logits, eager and compiled.
   Bytes are what must move (:func:`cross_entropy_bytes`): the logits read once, and in
   forward+backward their gradient written once.
 
@@ -68,7 +68,7 @@ def eager_linear_loss(t: dict) -> torch.Tensor:
 
 
 def ours_linear_loss(t: dict) -> torch.Tensor:
-    import kernels  # here, not at import: the CPU path sets TRITON_INTERPRET first
+    from horse import kernels  # here, not at import: the CPU path sets TRITON_INTERPRET first
 
     return kernels.linear_cross_entropy(t["x"], t["w"], t["target"], ignore_index=IGNORED)
 
@@ -88,7 +88,7 @@ def eager_cross_entropy(t: dict) -> torch.Tensor:
 
 
 def ours_cross_entropy(t: dict) -> torch.Tensor:
-    import kernels
+    from horse import kernels
 
     return kernels.cross_entropy(t["logits"], t["target"], ignore_index=IGNORED)
 
@@ -96,8 +96,8 @@ def ours_cross_entropy(t: dict) -> torch.Tensor:
 def check(tokens: int, d_model: int, vocab: int, device) -> tuple[dict, bool]:
     """Ours's loss, dx and dW against the float32 reference (:func:`bench.correctness.check`). The
     loss is summed here, not averaged, so that each token's dx is O(1), as normalized_error expects."""
-    import kernels
-    from kernels import reference
+    from horse import kernels
+    from horse.kernels import reference
 
     torch.manual_seed(0)
     t = make_inputs(tokens, d_model, vocab, device, requires_grad=True)

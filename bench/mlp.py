@@ -9,7 +9,7 @@ float16. Cases:
 * ``linear_act`` (``gated_linear`` for 7B), forward: the up projection with its activation in the
   epilogue. ours: without grad (nothing saved); ours+save: with grad, so it also writes the
   pre-activation the backward reads (the time cost of saving it); ours-pointer: ours with TMA off
-  (``kernels.mlp.USE_TMA = False``, pointer loads), what TMA brings; matmul: ``torch.matmul`` of
+  (``horse.kernels.mlp.USE_TMA = False``, pointer loads), what TMA brings; matmul: ``torch.matmul`` of
   the same GEMM alone (for 7B one GEMM against the concatenated gate and up weights); addmm-gelu
   (gelu_tanh models only): ``torch._addmm_activation(b, x, Wᵀ, use_gelu=True)``, cuBLASLt's GEMM
   with bias and tanh-approximate GELU in its epilogue, the same work as ours without saving;
@@ -20,7 +20,7 @@ float16. Cases:
 * decode: the same up projection forward at 1, 16 and 64 tokens (split-K in ours), against
   matmul, addmm-gelu and eager.
 * ``mlp`` (``mlp_gated`` for 7B), forward, backward and forward+backward of the whole MLP:
-  ``kernels.fused_mlp`` / ``kernels.fused_gated_mlp`` against ours-pointer (its GEMMs, the
+  ``horse.kernels.fused_mlp`` / ``horse.kernels.fused_gated_mlp`` against ours-pointer (its GEMMs, the
   backward's included, with TMA off), eager and compile. Backward is ``torch.autograd.grad`` of y
   w.r.t. x and every parameter on a graph built once.
 
@@ -45,7 +45,7 @@ from bench import correctness, suite, timing
 
 DTYPE = torch.float16
 TOKENS = (8192, 16384, 32768)
-# Decode-sized batches (M <= 64: kernels.mlp.split_k splits the K loop there), the up projection
+# Decode-sized batches (M <= 64: horse.kernels.mlp.split_k splits the K loop there), the up projection
 # forward only, in the full run.
 DECODE_TOKENS = (1, 16, 64)
 DECODE_BASELINES = ("matmul", "addmm-gelu", "eager")
@@ -170,14 +170,14 @@ def addmm_gelu(model: Model, t: dict) -> torch.Tensor:
 
 
 def _up(ops, model: Model, t: dict) -> torch.Tensor:
-    """The up projection with its activation by ops: the kernels package or kernels.reference."""
+    """The up projection with its activation by ops: the kernels package or horse.kernels.reference."""
     if model.gated:
         return ops.gated_linear(t["x"], t["w_gate"], t["w_up"], activation=model.activation)
     return ops.linear_act(t["x"], t["w_in"], t["b_in"], activation=model.activation)
 
 
 def _mlp(ops, model: Model, t: dict) -> torch.Tensor:
-    """The whole MLP by ops: the kernels package or kernels.reference (the same signatures)."""
+    """The whole MLP by ops: the kernels package or horse.kernels.reference (the same signatures)."""
     if model.gated:
         return ops.fused_gated_mlp(t["x"], t["w_gate"], t["w_up"], t["w_down"], activation=model.activation)
     return ops.fused_mlp(t["x"], t["w_in"], t["b_in"], t["w_out"], t["b_out"], activation=model.activation)
@@ -189,8 +189,8 @@ def _on(ops: str, fn):
     return lambda model, t: fn(importlib.import_module(ops), model, t)
 
 
-ours_up, ours_mlp = _on("kernels", _up), _on("kernels", _mlp)
-reference_up, reference_mlp = _on("kernels.reference", _up), _on("kernels.reference", _mlp)
+ours_up, ours_mlp = _on("horse.kernels", _up), _on("horse.kernels", _mlp)
+reference_up, reference_mlp = _on("horse.kernels.reference", _up), _on("horse.kernels.reference", _mlp)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ def _setup(make_fn, model: Model, tokens: int, direction: str, grad: bool = Fals
     # What one call reads: x, the weights (and dy, about as large as x).
     weights = (3 if model.gated else 2) * model.d_model * model.hidden
     read = (2 * tokens * model.d_model + weights) * DTYPE.itemsize
-    tma_off = "kernels.mlp" if pointer_loads else None
+    tma_off = "horse.kernels.mlp" if pointer_loads else None
     return timing.setup(make_fn, make_copy, direction, read, device, grad, tma_off)
 
 

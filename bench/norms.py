@@ -4,7 +4,7 @@
 
 Cases: fp16, rows 4K-64K, hidden 1K-16K, forward (one call under no_grad) and backward
 (``torch.autograd.grad`` of y w.r.t. x, weight and bias on a graph built once). Ours is
-``kernels.layer_norm`` / ``kernels.rms_norm`` with weight (and bias); eager is
+``horse.kernels.layer_norm`` / ``horse.kernels.rms_norm`` with weight (and bias); eager is
 ``torch.nn.functional.layer_norm`` / ``rms_norm``, the op users call; compile is ``torch.compile``
 of that function. Rates are GB/s of the bytes that must move (:func:`forward_bytes`,
 :func:`backward_bytes`), and gates.toml holds ours to fractions of the measured copy bandwidth.
@@ -51,8 +51,8 @@ def _rms_norm(module):
 
 
 def norms() -> tuple[Norm, ...]:
-    import kernels  # here, not at import: the CPU path sets TRITON_INTERPRET first
-    from kernels import reference
+    from horse import kernels  # here, not at import: the CPU path sets TRITON_INTERPRET first
+    from horse.kernels import reference
 
     functional = torch.nn.functional
     return (

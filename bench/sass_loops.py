@@ -8,7 +8,7 @@ them; a main loop is an innermost one holding tensor-core
 instructions (HGMMA). For each main loop, in code order: instructions per iteration (nop padding
 included, as the anchors count), HGMMA, FMUL, FFMA, MUFU, and instructions per MFLOP of tensor work
 (instructions x warps / MFLOP, the wgmma shapes giving the FLOPs). The config is the table entry of
-``kernels.attention``'s sm90 table for the pass and head dim, compiled as ``bench.compile_report``
+``horse.kernels.attention``'s sm90 table for the pass and head dim, compiled as ``bench.compile_report``
 compiles it (fp16, padded batch; with --pointer, the entry's pointer tile; a dk/dv entry with split
 outputs, each of its launches); needs no GPU.
 """
@@ -96,7 +96,7 @@ def sass_of(config: compile_report.KernelConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kernels import attention
+    from horse.kernels import attention
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kernel", choices=sorted(compile_report.ATTENTION_PASSES))

@@ -56,11 +56,11 @@ import torch
 
 from bench import report, suite, timing
 from horse.device import peak_flops
+from horse.kernels import runtime
 from horse.loss_scale import LossScaler
 from horse.model import GPT, PRESETS, GPTConfig, flops_per_token, preset
 from horse.optim import make_optimizer
 from horse.train import TrainConfig, train_step
-from kernels import runtime
 
 BACKENDS = ("triton", "reference-compile", "reference")
 # The bench suite's implementation names, which bench/gates.toml's baselines use.

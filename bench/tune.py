@@ -6,8 +6,8 @@
     python -m bench.tune attention|mlp --compile-only --arch sm86 [--start-from sm90] [--jobs N]
         [--capability 86 89 120] [--write]
 
-A target is one table entry: an attention pass at a head dim (kernels.attention; the forward's
-packed table too), or an MLP GEMM at a shape class (kernels.mlp). Starting from the entry (the
+A target is one table entry: an attention pass at a head dim (horse.kernels.attention; the forward's
+packed table too), or an MLP GEMM at a shape class (horse.kernels.mlp). Starting from the entry (the
 prediction), the tuner descends. Every neighbour of the current best (block_m, block_n or block_k
 halved or doubled, num_warps 4 <-> 8, num_stages one up or down, TMA on or off (sm_90+), the
 epilogue split halved or doubled, and for the attention forward the programs per SM of a persistent
@@ -22,7 +22,7 @@ head_dim = 2048, float16), causal and not, and the packed forward the bench's ni
 tokens, causal); a backward pass the whole backward with only that pass's entry changed. An MLP
 GEMM times its launcher alone on the bench shape that falls in its class (GPT-2 1.3B or LLaMA 7B at
 16K tokens for large; 124M at 1K tokens or 7B at 512 for medium). The entries tuned are those of
-this GPU's family (kernels.runtime.arch). Stops at --seconds (shared by the targets in order) and
+this GPU's family (horse.kernels.runtime.arch). Stops at --seconds (shared by the targets in order) and
 prints every measurement with TFLOP/s, the table's entry and the best found; --json keeps them.
 The kernel tables are changed from what this measured, never at run time.
 
@@ -31,7 +31,7 @@ candidates (the entry, or --start-from's, then smaller tiles from the largest do
 clean for that family in every variant ``bench.compile_report`` builds of an entry, and why each
 candidate before it failed. --capability builds each variant for each of several GPUs that take the
 family's entries instead (``--arch sm86 --capability 86 89 120``: Ampere, Ada, consumer Blackwell).
---write puts the entries found into kernels/configs/attention.json or mlp.json (kernels.runtime.
+--write puts the entries found into horse/kernels/configs/attention.json or mlp.json (horse.kernels.runtime.
 load_configs reads them; sm90's stand in the kernel files), one a line and the rest of the file as
 it was; the padded and packed forward are then one entry, clean in both's variants.
 """
@@ -53,9 +53,9 @@ import torch
 
 from bench import compile_report, timing
 from bench.report import format_table
-from kernels import attention, mlp, runtime
+from horse.kernels import attention, mlp, runtime
 
-ATTENTION_PASSES = {  # --passes name: (compile report pass, table in kernels.attention)
+ATTENTION_PASSES = {  # --passes name: (compile report pass, table in horse.kernels.attention)
     "fwd": ("attn_fwd", "FWD_CONFIGS"),
     "bwd_dkdv": ("attn_bwd_dkdv", "BWD_DKDV_CONFIGS"),
     "bwd_dq": ("attn_bwd_dq", "BWD_DQ_CONFIGS"),
@@ -67,7 +67,7 @@ MLP_SHAPES = {
     ("dh_bwd", "large"): ("1.3B", 16384), ("dh_bwd", "medium"): ("124M", 1024),
     ("gated_dh_bwd", "large"): ("7B", 16384), ("gated_dh_bwd", "medium"): ("7B", 512),
 }  # fmt: skip
-SHAPE_CLASSES = ("large", "medium", "small")  # the GEMM tables' keys (kernels.mlp.shape_class)
+SHAPE_CLASSES = ("large", "medium", "small")  # the GEMM tables' keys (horse.kernels.mlp.shape_class)
 MIN_GAIN = 0.02  # a neighbour must be this much faster to move: below it, timing noise decides
 TILE_RANGE = (16, 256)
 WARPS = (4, 8)
@@ -334,7 +334,7 @@ class EntrySearch:
     table_entry: object  # the family's entry now
     candidates: list  # the start first
     variants: Callable[[object], list]
-    # Where --write puts the entry found: (table, family, key...) in kernels/configs/<file>.json.
+    # Where --write puts the entry found: (table, family, key...) in horse/kernels/configs/<file>.json.
     entry: tuple = ()
 
 
@@ -439,7 +439,7 @@ def one_per_entry(searches: list[EntrySearch]) -> list[EntrySearch]:
 
 
 def entry_fields(cfg) -> dict:
-    """cfg (an AttnConfig or a GemmConfig) as kernels/configs/*.json holds it: its fields not at
+    """cfg (an AttnConfig or a GemmConfig) as horse/kernels/configs/*.json holds it: its fields not at
     their defaults, a config inside it (AttnConfig.pointer) likewise."""
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
               if f.default is dataclasses.MISSING or getattr(cfg, f.name) != f.default}  # fmt: skip
@@ -447,7 +447,7 @@ def entry_fields(cfg) -> dict:
 
 
 def format_configs(node: dict, indent: str = "") -> str:
-    """A config file's tables as kernels/configs/*.json lays them out: a key a line, an entry on one,
+    """A config file's tables as horse/kernels/configs/*.json lays them out: a key a line, an entry on one,
     so that a diff shows only the entries that changed."""
     if not all(isinstance(value, dict) for value in node.values()):  # an entry (pointer inside: one line)
         return json.dumps(node)
@@ -575,11 +575,11 @@ def _short(c: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     families = parser.add_subparsers(dest="family", required=True)
-    attn_cli = families.add_parser("attention", help="the tables of kernels.attention")
+    attn_cli = families.add_parser("attention", help="the tables of horse.kernels.attention")
     attn_cli.add_argument("--passes", nargs="+", choices=ATTENTION_PASSES, default=list(ATTENTION_PASSES))
     attn_cli.add_argument("--head-dims", nargs="+", type=int, help="default: 128; with --compile-only all")
     attn_cli.add_argument("--seqlen", type=int, default=4096, help="the bench shape's (16K tokens a batch)")
-    mlp_cli = families.add_parser("mlp", help="the GEMM table of kernels.mlp")
+    mlp_cli = families.add_parser("mlp", help="the GEMM table of horse.kernels.mlp")
     gemms = list(dict.fromkeys(g for g, _ in MLP_SHAPES))
     mlp_cli.add_argument("--gemms", nargs="+", choices=gemms, default=gemms)
     mlp_cli.add_argument("--shape-classes", nargs="+", choices=SHAPE_CLASSES, help="default: large medium; "
@@ -597,8 +597,8 @@ def main(argv: list[str] | None = None) -> int:
         family.add_argument("--jobs", type=int, default=os.cpu_count(), help="with --compile-only: parallel "
                             "compilations")  # fmt: skip
         family.add_argument("--write", action="store_true", help="with --compile-only: put each entry found "
-                            "into kernels/configs/<family>.json (the families whose entries are data, not "
-                            "sm90)")  # fmt: skip
+                            "into horse/kernels/configs/<family>.json (the families whose entries are data, "
+                            "not sm90)")  # fmt: skip
         family.add_argument("--capability", nargs="+", type=int, help="with --compile-only: clean when built "
                             "for each of these GPUs that take --arch's entries, e.g. 86 89 120 for sm86 "
                             "(default: the family's own)")  # fmt: skip

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import runtime
+from horse.kernels import runtime
 
 try:  # the nvtx package's ranges are the cheapest; torch.cuda.nvtx needs a CUDA build
     import nvtx

@@ -1,24 +1,24 @@
 """The LM head fused with its cross-entropy loss, for ``GPT.loss`` and its tensor-parallel form:
 rows in chunks, each chunk's logits computed, turned into the loss and their gradient, and
-consumed, so that the (tokens, vocabulary) logits never exist whole (``kernels.cross_entropy``'s
+consumed, so that the (tokens, vocabulary) logits never exist whole (``horse.kernels.cross_entropy``'s
 chunk loop). On the Triton kernels, or on their plain-PyTorch twins (the reference backend).
 """
 
 import torch
 
-from kernels import runtime
-from kernels.cross_entropy import (
+from horse.kernels import runtime
+from horse.kernels.cross_entropy import (
     VocabShard,
     check_options,
     check_target,
     linear_cross_entropy_chunks,
     row_weight,
 )
-from kernels.cross_entropy import linear_cross_entropy as kernels_linear_cross_entropy
+from horse.kernels.cross_entropy import linear_cross_entropy as kernels_linear_cross_entropy
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Mean cross entropy of x Wᵀ by the chunk loop of kernels.cross_entropy
+    """Mean cross entropy of x Wᵀ by the chunk loop of horse.kernels.cross_entropy
     (linear_cross_entropy_chunks). Its gradients (dx a partial sum over the ranks' columns when W is
     a vocabulary shard) are computed in the forward for a loss gradient of 1, then scaled by the real one."""
 
@@ -55,7 +55,7 @@ def linear_cross_entropy(
     weight (V, C), targets (N,) in [0, V) or ignore_index; with a shard, weight holds the rows
     [shard.start, shard.start + V_local) of a vocabulary of shard.vocab, and the shard's collectives
     combine the ranks' chunk statistics. On Triton (use_triton, and x where the kernels run) and no
-    shard it is ``kernels.linear_cross_entropy``, a custom op that torch.compile traces whole. fn
+    shard it is ``horse.kernels.linear_cross_entropy``, a custom op that torch.compile traces whole. fn
     names the caller in errors."""
     use_triton = use_triton and runtime.runs_triton(x)
     if shard is None and use_triton:

@@ -3,14 +3,14 @@
 The norms subclass ``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``, so a state dict loads either way,
 ``isinstance`` checks still hold, and :func:`replace_norms` swaps a whole model in one line.
 :class:`FusedMLP` keeps the GPT-2 or the LLaMA MLP's submodule names, so their state dicts load. Where
-they run follows ``kernels.runtime``: Triton kernels on CUDA tensors, the float32 reference on CPU
+they run follows ``horse.kernels.runtime``: Triton kernels on CUDA tensors, the float32 reference on CPU
 tensors unless ``TRITON_INTERPRET=1`` was set before triton was imported.
 """
 
 import torch
 from torch import nn
 
-import kernels
+from horse import kernels
 
 
 class FusedLayerNorm(nn.LayerNorm):
@@ -120,7 +120,7 @@ class FusedSelfAttention(nn.Module):
 
     ``c_attn`` projects (batch, seqlen, d_model) to q, k and v at once (n_heads + 2 n_kv_heads heads
     of d_model / n_heads), optional rotary embeddings (positions below max_seqlen) turn q and k,
-    ``kernels.flash_attention`` attends (causal by default, window_size (left, right) a sliding window
+    ``horse.kernels.flash_attention`` attends (causal by default, window_size (left, right) a sliding window
     as in flash-attn, -1 unbounded; k and v shared by groups of n_heads / n_kv_heads query heads),
     and ``c_proj`` projects back. Parameter names follow GPT-2
     (nanoGPT's nn.Linear layout), and a state dict with separate ``q_proj``, ``k_proj``, ``v_proj``
@@ -233,11 +233,12 @@ class FusedMLP(nn.Module):
     d_model → hidden and ``c_proj`` hidden → d_model, biases unless ``bias=False``; activation
     defaults to gelu_tanh, GPT-2's (nanoGPT's nn.GELU() is ``activation="gelu"``).
     ``gated=True``, LLaMA: ``down_proj(act(gate_proj(x)) * up_proj(x))``, no biases; activation
-    defaults to silu (SwiGLU). Any of ``kernels.mlp.ACTIVATIONS`` goes.
+    defaults to silu (SwiGLU). Any of ``horse.kernels.mlp.ACTIVATIONS`` goes.
 
     The submodules are plain ``nn.Linear``, so either layout's state dict loads as it is, and this
-    module's loads back into the original. Runs ``kernels.fused_mlp`` / ``kernels.fused_gated_mlp``:
-    float16 or bfloat16 (float32 only on the CPU reference path); no dropout.
+    module's loads back into the original. Runs ``horse.kernels.fused_mlp`` /
+    ``horse.kernels.fused_gated_mlp``: float16 or bfloat16 (float32 only on the CPU reference path); no
+    dropout.
     """
 
     def __init__(

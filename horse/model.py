@@ -7,8 +7,8 @@ Every block is pre-norm: ``h = h + attn(norm_1(h)); h = h + mlp(norm_2(h))``. Wi
 ``"triton"`` each residual add is fused into the norm that follows it (``forward_residual`` of the
 fused norms: one kernel reads the branch output and the stream, writes the new stream and its
 norm), so the blocks pass on ``(x, h)``: the last branch output, not yet added, and the stream.
-Attention runs ``kernels.flash_attention`` and the MLP ``kernels.fused_mlp`` /
-``kernels.fused_gated_mlp`` whenever the compute dtype (autocast's, or the input's) is float16 or
+Attention runs ``horse.kernels.flash_attention`` and the MLP ``horse.kernels.fused_mlp`` /
+``horse.kernels.fused_gated_mlp`` whenever the compute dtype (autocast's, or the input's) is float16 or
 bfloat16; in float32 those two stay on SDPA and nn.Linear, because the matmul kernels take half
 precision only (tl.dot would compute float32 as TF32), while the norms stay fused in every dtype.
 Backend ``"reference"`` runs the same weights on plain torch modules (``nn.LayerNorm``,
@@ -30,8 +30,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the name every PyTorch reader knows)
 from torch import nn
 
-import kernels
-from horse import head_loss
+from horse import head_loss, kernels
 from horse.layers import FusedLayerNorm, FusedRMSNorm, FusedSelfAttention, RotaryEmbedding
 
 BACKENDS = ("triton", "reference")
@@ -187,7 +186,7 @@ def causal_attention(
     """Causal attention on SDPA. q (B, Tq, n_head, hd); k, v (B, Tk, n_kv_heads, hd) with Tk >= Tq,
     the queries being the last Tq positions (the mask is aligned to the bottom-right corner, so new
     tokens decode against a longer cache); with a window, each query also sees only the window keys
-    before its own. Returns (B, Tq, n_head, hd). kernels.flash_attention(q, k, v, causal=True,
+    before its own. Returns (B, Tq, n_head, hd). horse.kernels.flash_attention(q, k, v, causal=True,
     window_size=(window, -1)) takes the same layout and mask."""
     tq, tk = q.shape[1], k.shape[1]
     mask = None

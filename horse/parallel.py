@@ -47,10 +47,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-import kernels
-from horse import head_loss
+from horse import head_loss, kernels
+from horse.kernels.cross_entropy import VocabShard
 from horse.model import GPT, MLP, GPTConfig, KVCache, runs_half_kernels
-from kernels.cross_entropy import VocabShard
 
 
 @dataclass(frozen=True)
@@ -441,7 +440,7 @@ def vocab_parallel_linear_cross_entropy(
     Fused (``horse.head_loss``): rows in chunks, each chunk's logits computed, turned into the
     loss and their gradient, and consumed, on the Triton kernels (use_triton) or their plain-PyTorch
     twins; at tp > 1 one all-reduce of each chunk's row max and one of its sums. At tp=1 on Triton it
-    is ``kernels.linear_cross_entropy``, a custom op that torch.compile traces whole.
+    is ``horse.kernels.linear_cross_entropy``, a custom op that torch.compile traces whole.
     """
     rows = weight.shape[0]
     vocab = rows * parallel.tp_size if vocab_used is None else vocab_used

@@ -60,6 +60,7 @@ from horse import checkpoint, hf, optim, preemption, recipes, run_log
 from horse.data import HeldOut, Loader, load_dataset
 from horse.device import nvtx_range, peak_flops, pick_backend, pick_device, profiler
 from horse.generate import generate
+from horse.kernels import runtime
 from horse.loss_scale import LossScaler
 from horse.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params, preset
 from horse.parallel import (
@@ -71,7 +72,6 @@ from horse.parallel import (
     dp_mean,
     init_from_env,
 )
-from kernels import runtime
 
 TINY = recipes.RECIPES["tiny"]  # TrainConfig's defaults; the command line takes the preset's recipe
 

@@ -15,7 +15,7 @@ if not HAS_CUDA:
 
 from helpers import check_descriptor_strides_in_bytes  # noqa: E402
 
-from kernels import runtime  # noqa: E402
+from horse.kernels import runtime  # noqa: E402
 
 check_descriptor_strides_in_bytes()
 # A pytest-xdist worker takes its share of the cores, not all of them: two workers with two threads

@@ -9,7 +9,7 @@ import socket
 import torch
 
 from bench import timing
-from kernels import runtime
+from horse.kernels import runtime
 
 FLOOR = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 
@@ -64,8 +64,8 @@ def check_descriptor_strides_in_bytes() -> None:
 
 
 def record_tma_choices(monkeypatch, module) -> list:
-    """The verdicts of ``module.tma_usable`` (kernels.attention's or kernels.mlp's) for every launch
-    from now on, in order."""
+    """The verdicts of ``module.tma_usable`` (horse.kernels.attention's or horse.kernels.mlp's) for every
+    launch from now on, in order."""
     choices = []
     decide = module.tma_usable
 

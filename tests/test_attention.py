@@ -1,4 +1,4 @@
-"""Flash attention (kernels.attention) against the float64 truth, forward and backward."""
+"""Flash attention (horse.kernels.attention) against the float64 truth, forward and backward."""
 
 import dataclasses
 import functools
@@ -16,8 +16,8 @@ from helpers import (
     run_family_tables,
 )
 
-import kernels
-from kernels import attention, reference, runtime
+from horse import kernels
+from horse.kernels import attention, reference, runtime
 
 
 @dataclass(frozen=True)

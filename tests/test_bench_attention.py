@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bench import attention, correctness, timing
-from kernels import reference
+from horse.kernels import reference
 
 
 def test_forward_flops_non_causal():
@@ -169,7 +169,7 @@ def test_decode_cases_read_the_cache_once():
 
 @pytest.mark.interpreter
 def test_check_decode_passes_ours_and_fails_a_wrong_result(monkeypatch):
-    import kernels
+    from horse import kernels
 
     errors, ok = attention.check_decode(2, 70, 64, "cpu")
     assert ok and set(errors) == {"out"}, errors
@@ -189,7 +189,7 @@ def test_window_and_packed_flop_counts():
 
 @pytest.mark.interpreter
 def test_check_packed_passes_ours_and_fails_a_wrong_result(monkeypatch):
-    import kernels
+    from horse import kernels
 
     errors, ok = attention.check_packed((40, 1, 77, 0, 19), 2, 64, "cpu")
     assert ok and set(errors) == {"out", "dq", "dk", "dv"}, errors
@@ -207,16 +207,16 @@ def test_interpreter_checks_pass():
 
 
 def test_ours_pointer_times_every_pass_without_tma(monkeypatch):
-    import kernels.attention
+    from horse.kernels import attention as kernels_attention
 
     seen = []
-    call = timing.without_tma(lambda: seen.append(kernels.attention.USE_TMA), "kernels.attention")
+    call = timing.without_tma(lambda: seen.append(kernels_attention.USE_TMA), "horse.kernels.attention")
     call()
-    assert seen == [False] and kernels.attention.USE_TMA is True
+    assert seen == [False] and kernels_attention.USE_TMA is True
     [case] = [c for c in attention.cases(quick=True) if c.implementation == "ours-pointer"][:1]
-    monkeypatch.setattr(timing, "timed_call", lambda *args: lambda: seen.append(kernels.attention.USE_TMA))
+    monkeypatch.setattr(timing, "timed_call", lambda *args: lambda: seen.append(kernels_attention.USE_TMA))
     case.setup()()
-    assert seen == [False, False] and kernels.attention.USE_TMA is True
+    assert seen == [False, False] and kernels_attention.USE_TMA is True
 
 
 @pytest.mark.interpreter
@@ -231,7 +231,7 @@ def test_the_kernels_of_issue_25s_day_load_beside_todays_and_pass_the_bench_chec
     history = subprocess.run(["git", "-C", str(revision.ROOT), "cat-file", "-e", attention.FILED_AT])
     if history.returncode:
         pytest.skip(f"this checkout's git history lacks {attention.FILED_AT} (a shallow clone)")
-    import kernels  # today's ops registered first
+    from horse import kernels  # today's ops registered first
 
     old = revision.kernels_at(attention.FILED_AT)
     assert old.__name__ == f"kernels_{attention.FILED_AT}" and "horse-revisions" in old.attention.__file__

@@ -23,7 +23,7 @@ def test_interpreter_checks_pass():
 
 
 def test_a_wrong_kernel_fails_the_check(monkeypatch):
-    import kernels
+    from horse import kernels
 
     real = kernels.linear_cross_entropy
     monkeypatch.setattr(kernels, "linear_cross_entropy", lambda *args, **kw: 1.05 * real(*args, **kw))

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from bench import timing, tune
-from kernels import runtime
-from kernels.attention import AttnConfig
-from kernels.mlp import GemmConfig
+from horse.kernels import runtime
+from horse.kernels.attention import AttnConfig
+from horse.kernels.mlp import GemmConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,7 +103,7 @@ def test_wrong_results_never_win():
 
 
 def test_targets_point_at_the_tables_and_shapes_of_their_class():
-    from kernels import attention, mlp
+    from horse.kernels import attention, mlp
 
     fwd, packed, dq = tune.attention_targets(["fwd", "bwd_dq"], [64], seqlen=4096)
     assert fwd.table is attention.FWD_CONFIGS["sm90"] and fwd.key == 64 and fwd.persistent and fwd.tma
@@ -276,7 +276,7 @@ def _clean_below(max_area, calls):
 
 
 def test_search_keeps_the_first_clean_candidate_and_says_why_each_before_failed(capsys):
-    from kernels import attention
+    from horse.kernels import attention
 
     [search] = tune.attention_searches(["bwd_dq"], [96], runtime.SM86, start_from=runtime.SM90)
     assert search.table_entry == attention.BWD_DQ_CONFIGS["sm86"][128]
@@ -373,7 +373,7 @@ def test_compile_only_flags_are_checked(argv, message, capsys):
 
 
 def test_compile_only_cli_finds_a_real_entry_clean(tmp_path):
-    from kernels import mlp
+    from horse.kernels import mlp
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     out = tmp_path / "search.json"
@@ -390,7 +390,7 @@ def test_compile_only_cli_finds_a_real_entry_clean(tmp_path):
 
 @pytest.fixture
 def config_copies(tmp_path, monkeypatch):
-    """kernels/configs copied to tmp_path, where --write writes; the compile step a stand-in that
+    """horse/kernels/configs copied to tmp_path, where --write writes; the compile step a stand-in that
     spills above 64x64 tiles, run in this process (no TRITON_INTERPRET check to trip)."""
     from bench import compile_report
 
@@ -404,7 +404,7 @@ def config_copies(tmp_path, monkeypatch):
 
 
 def test_compile_only_write_puts_the_entries_found_into_the_config_file(config_copies, capsys):
-    from kernels import mlp
+    from horse.kernels import mlp
 
     before = (config_copies / "mlp.json").read_text()
     argv = ["mlp", "--compile-only", "--arch", "sm80", "--gemms", "gated_fwd", "--jobs", "1", "--write"]
@@ -429,7 +429,7 @@ def test_compile_only_write_puts_the_entries_found_into_the_config_file(config_c
 
 
 def test_compile_only_write_keeps_one_forward_entry_for_padded_and_packed(config_copies):
-    from kernels import attention
+    from horse.kernels import attention
 
     padded, packed = tune.attention_searches(["fwd"], [64], runtime.SM86)
     [joint] = tune.one_per_entry([padded, packed])

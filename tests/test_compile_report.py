@@ -17,7 +17,7 @@ import triton
 
 from bench import compile_report
 from bench.compile_report import CompileResult, KernelConfig
-from kernels import runtime
+from horse.kernels import runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,7 @@ def test_count_sass_finds_tensor_core_ops_wide_loads_and_tma_loads():
 
 
 def _result(spill_bytes=0, shared_bytes=0, arch="sm90", matmul=False, tensor_cores=0, warps=4):
-    fn = "kernels.layernorm._norm_fwd_kernel"
+    fn = "horse.kernels.layernorm._norm_fwd_kernel"
     cfg = KernelConfig("k", "N<=64", torch.float16, fn, {}, {"BLOCK_N": 64}, warps, arch=arch, matmul=matmul)
     return CompileResult(cfg, 40, spill_bytes, shared_bytes, tensor_cores, 4, 0)
 
@@ -286,7 +286,7 @@ def test_cached_rows_are_reused_a_sample_is_verified_and_a_tampered_row_fails():
 
 
 def test_every_family_has_an_entry_in_every_table():
-    from kernels import attention, mlp
+    from horse.kernels import attention, mlp
 
     for table in (attention.FWD_CONFIGS, attention.PACKED_FWD_CONFIGS, attention.BWD_DKDV_CONFIGS,
                   attention.BWD_DQ_CONFIGS):  # fmt: skip
@@ -328,7 +328,7 @@ def test_an_amd_gpu_takes_its_family_by_its_target(monkeypatch):
 
 
 def test_every_selectable_norm_config_is_in_the_report():
-    from kernels import layernorm
+    from horse.kernels import layernorm
 
     for arch in runtime.ARCHS.values():
         reported = {(c.dtype, c.constexprs["BLOCK_M"], c.constexprs["BLOCK_N"], c.num_warps)
@@ -437,7 +437,7 @@ def test_capability_builds_a_familys_entries_for_another_gpu_that_takes_them():
 
 
 def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
-    from kernels import attention, mlp
+    from horse.kernels import attention, mlp
 
     cfg = attention.AttnConfig(128, 64, 8, 3, tma=True)
     padded = compile_report.attention_entry_configs("FWD_CONFIGS", cfg, 128, runtime.SM90)
@@ -484,7 +484,7 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
 
 
 def test_dkdv_entries_compile_with_float32_partials_for_gqa_head_splits():
-    from kernels import attention
+    from horse.kernels import attention
 
     cfg = attention.AttnConfig(32, 128, 8, 2, tma=True)
     configs = compile_report.attention_entry_configs("BWD_DKDV_CONFIGS", cfg, 64, runtime.SM90)
@@ -543,8 +543,8 @@ def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_wi
     contraction, which Triton 3.10 stops doing by default): every kernel's launch is checked."""
     from triton.runtime.interpreter import GridExecutor  # runs every launch in the interpreter
 
-    import kernels
-    from kernels import attention, layernorm, mlp
+    from horse import kernels
+    from horse.kernels import attention, layernorm, mlp
 
     interpreted = type(layernorm._norm_fwd_kernel)  # the interpreter's stand-in for a JIT function
     launches = []
@@ -580,7 +580,7 @@ def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_wi
     kernels.flash_attention_with_kvcache(q[:, :1], cache, cache.clone(), cache_seqlens=3)  # decode
     logits, target = torch.randn(5, 70, requires_grad=True), torch.randint(0, 70, (5,))
     backward(kernels.cross_entropy(logits, target))
-    loss = sys.modules["kernels.cross_entropy"]  # the module, which kernels.cross_entropy hides
+    loss = sys.modules["horse.kernels.cross_entropy"]  # the module, which horse.kernels.cross_entropy hides
     one_rank = loss.VocabShard(0, 70, all_reduce_max=lambda t: None, all_reduce_sum=lambda t: None)
     xs, ws = torch.randn(5, 16), torch.randn(70, 16)
     loss.linear_cross_entropy_chunks(xs, ws, None, target, torch.ones(5), -100, 0.0, 0.0, True, one_rank)

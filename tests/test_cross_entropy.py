@@ -1,6 +1,6 @@
-"""kernels.cross_entropy and kernels.linear_cross_entropy against F.cross_entropy in float64 (forward,
-dlogits, dx, dW, db) on awkward sizes, with ignore_index, label smoothing and z-loss; the chunk loop's
-plain-PyTorch form; bad input; torch.compile; and the memory the fused loss saves."""
+"""horse.kernels.cross_entropy and horse.kernels.linear_cross_entropy against F.cross_entropy in float64
+(forward, dlogits, dx, dW, db) on awkward sizes, with ignore_index, label smoothing and z-loss; the chunk
+loop's plain-PyTorch form; bad input; torch.compile; and the memory the fused loss saves."""
 
 import dataclasses
 import sys
@@ -13,13 +13,13 @@ from helpers import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import kernels
-import kernels.cross_entropy  # noqa: F401 (the module, which kernels.cross_entropy the function hides)
+import horse.kernels.cross_entropy  # noqa: F401 (the module, which horse.kernels.cross_entropy the function hides)
+from horse import kernels
+from horse.kernels import reference
 from horse.model import GPT, GPTConfig
 from horse.parallel import Parallel, vocab_parallel_linear_cross_entropy
-from kernels import reference
 
-ce = sys.modules["kernels.cross_entropy"]
+ce = sys.modules["horse.kernels.cross_entropy"]
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 OPTIONS = [
     {},

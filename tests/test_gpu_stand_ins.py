@@ -12,9 +12,9 @@ from torch.overrides import TorchFunctionMode
 
 from horse import checkpoint, device, train
 from horse import parallel as horse_parallel
+from horse.kernels import runtime
 from horse.loss_scale import LossScaler
 from horse.parallel import Parallel
-from kernels import runtime
 
 
 class StandInCUDA:

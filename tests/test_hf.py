@@ -9,8 +9,7 @@ import torch
 from helpers import assert_close
 from safetensors.torch import load_file, save_file
 
-import kernels
-from horse import checkpoint, cli, generate, hf, train
+from horse import checkpoint, cli, generate, hf, kernels, train
 from horse.model import GPT, GPTConfig
 from horse.train import TrainConfig
 

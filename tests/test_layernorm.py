@@ -1,4 +1,4 @@
-"""LayerNorm / RMSNorm kernels against the float64 truth, forward and backward (kernels.layernorm)."""
+"""LayerNorm / RMSNorm kernels against the float64 truth, forward and backward (horse.kernels.layernorm)."""
 
 from dataclasses import dataclass
 
@@ -7,8 +7,8 @@ import torch
 import triton
 from helpers import all_pairs, assert_close, record_launches
 
-import kernels
-from kernels import layernorm, reference, runtime
+from horse import kernels
+from horse.kernels import layernorm, reference, runtime
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Rows 1..4099; hidden sizes from 1 past the register-resident limits (16384 forward, 8192

@@ -8,8 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-import kernels
-from horse import layers
+from horse import kernels, layers
 from horse.layers import FusedLayerNorm, FusedRMSNorm, replace_norms
 
 PAIRS = [

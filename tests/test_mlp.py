@@ -1,4 +1,4 @@
-"""The fused MLP kernels (kernels.mlp) against the float64 truth: every output and gradient, for every
+"""The fused MLP kernels (horse.kernels.mlp) against the float64 truth: every output and gradient, for every
 activation, with and without bias, on sizes that are not multiples of the tiles.
 
 The baseline of the accuracy rule is PyTorch at the same precision: the float32 reference with
@@ -27,9 +27,9 @@ from helpers import (
 )
 from torch import nn
 
-import kernels
+from horse import kernels
+from horse.kernels import mlp, reference, runtime
 from horse.layers import FusedMLP
-from kernels import mlp, reference, runtime
 
 ACTIVATIONS = mlp.ACTIVATIONS
 # (M, K, N): every size 1, 33, 100 and 257 appears as M, as K and as N; none is a tile multiple.
@@ -731,7 +731,7 @@ def test_gelu_tanh_by_tanh_approx_stays_within_float16_tolerance_in_the_forward_
     # Pre-activations over [-6, 6]. Worst-case tanh.approx error moves gelu_tanh by 2.46e-4 |z| at
     # most (measured here: 1.48e-3 at z = -6), within the suite's float16 rule; the derivative, whose
     # s (1 - s) z^3 terms multiply it (1.35e-2 at z = -6, 8.3e-3 at z = -5), is not: the backward
-    # keeps the exp2 form (kernels.mlp._act_fwd).
+    # keeps the exp2 form (horse.kernels.mlp._act_fwd).
     z = torch.linspace(-6, 6, 120001, dtype=torch.float64)
     truth, truth_grad = _gelu_tanh_with_tanh_error(z, 0.0)
     for sign in (1, -1):
@@ -763,7 +763,7 @@ def _run_without_interpreter(script: str):
 GELU_TANH_SASS = """
 import collections, json, re, sys
 from bench import compile_report as cr, sass_loops
-from kernels import mlp
+from horse.kernels import mlp
 
 counts = {}
 for table in ("fwd", "gated_fwd", "dh_bwd"):
@@ -795,7 +795,7 @@ def test_gelu_tanh_epilogue_takes_one_mufu_an_element_in_sm90_sass():
 DH_PREFETCH_SASS = """
 import json, torch
 from bench import compile_report as cr, sass_loops
-from kernels import mlp
+from horse.kernels import mlp
 
 placement = {}
 for table in ("dh_bwd", "gated_dh_bwd"):
@@ -812,7 +812,7 @@ print(json.dumps(placement))
 def test_dh_gemm_asks_l2_for_its_saved_tiles_inside_its_k_loop_in_sm90_sass():
     """The sm_90 SASS of the small dh GEMMs (AOT, no GPU), pointer and TMA loads: the L2 prefetch of
     the saved pre-activation (and, gated, of up) is issued inside the K loop (during its last
-    PREFETCH_STEPS steps, kernels.mlp._matmul_tile), one a thread per saved tensor, none elsewhere."""
+    PREFETCH_STEPS steps, horse.kernels.mlp._matmul_tile), one a thread per saved tensor, none elsewhere."""
     run_ = _run_without_interpreter(DH_PREFETCH_SASS)
     for variant, inside in run_.items():
         assert inside == [True] * (2 if variant.startswith("gated") else 1), (variant, inside)

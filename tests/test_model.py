@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import kernels
+from horse import kernels
 from horse.layers import FusedLayerNorm, FusedRMSNorm
 from horse.model import GPT, GPTConfig, KVCache, causal_attention, num_params, preset
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: N812
 from helpers import check_descriptor_strides_in_bytes, free_port
 from torch.distributed.device_mesh import init_device_mesh
 
-import kernels
+from horse import kernels
 from horse.model import GPT, GPTConfig, KVCache
 from horse.parallel import (
     Parallel,

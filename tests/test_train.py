@@ -17,10 +17,10 @@ from helpers import assert_close
 
 from horse import checkpoint, cli, data, device, generate, optim, recipes, train
 from horse.cli import parse_args
+from horse.kernels import runtime
 from horse.model import GPT, GPTConfig
 from horse.optim import lr_at, optimizer_step
 from horse.train import TrainConfig
-from kernels import runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 # A smaller model than the tiny preset, so that a run takes a second or two.

@@ -217,8 +217,8 @@ def linear_cross_entropy(x, weight, target, bias=None, **options) -> torch.Tenso
     return cross_entropy(torch.nn.functional.linear(_upcast(x), _upcast(weight), bias), target, **options)
 
 
-# The per-chunk steps of kernels.cross_entropy's chunk loop in plain PyTorch: the reference backend's
-# form of the fused loss (kernels.cross_entropy.linear_cross_entropy_chunks with use_triton=False),
+# The per-chunk steps of horse.kernels.cross_entropy's chunk loop in plain PyTorch: the reference backend's
+# form of the fused loss (horse.kernels.cross_entropy.linear_cross_entropy_chunks with use_triton=False),
 # each the twin of a Triton kernel there. Rows are (C, V_local) chunks of logits, computed in float32.
 
 

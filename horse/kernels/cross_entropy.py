@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reference, runtime
+from horse.kernels import reference, runtime
 
 MAX_VOCAB = 262144
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -13,7 +13,7 @@ with different strides from each other are copied). float16 or bfloat16
 (every tensor of a call in one dtype), float32 accumulation, outputs in the input dtype.
 float32 inputs raise on the Triton path: tl.dot would run them as TF32 behind the caller's back.
 On CPU tensors without the interpreter, every function runs the float32 reference of
-``kernels.reference`` instead (float32 allowed there), cast to the input's dtype.
+``horse.kernels.reference`` instead (float32 allowed there), cast to the input's dtype.
 
 Forward: one tiled GEMM per projection with act in the epilogue. Tiles go in grouped order
 (GROUP_M row tiles share each weight column tile while it is in L2). The gated kernel makes one
@@ -58,7 +58,8 @@ row stride is not a multiple of 16 bytes, transposed weights, other GPUs and ``U
 loads (one kernel serves both: the ``TMA`` constexpr). sm_90's large and medium forwards run persistent
 (``GemmConfig.persistent``): one program an SM walks the tiles in grouped order and the epilogue subtiles
 leave by TMA stores while the next tile's loads are in flight; other epilogues store by pointers. The GEMM
-tiles come from a table with an entry per GPU family (``kernels.runtime.ARCHS``), clean in the compile report.
+tiles come from a table with an entry per GPU family (``horse.kernels.runtime.ARCHS``), clean in the
+compile report.
 """
 
 import dataclasses
@@ -69,8 +70,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reference, runtime
-from kernels.runtime import inline_ptx
+from horse.kernels import reference, runtime
+from horse.kernels.runtime import inline_ptx
 
 ACTIVATIONS = ("none", "relu", "relu2", "gelu", "gelu_tanh", "silu")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -728,7 +729,7 @@ class GemmConfig:
 # and on sm_90+ where tma is set with TMA loads, and every one lowers to tensor-core instructions
 # with no spills, for every activation (python -m bench.compile_report --filter mlp: its output is
 # the record of how each builds). The sm_90 entries, here, are chosen for speed. The other families'
-# (kernels/configs/mlp.json) are the first candidates, from sm_90's tile and the deepest pipeline
+# (horse/kernels/configs/mlp.json) are the first candidates, from sm_90's tile and the deepest pipeline
 # down, that compile clean there on triton 3.6 and 3.9 (python -m bench.tune mlp --compile-only
 # --arch FAMILY --start-from sm90); none is measured yet (python -m bench.tune mlp on such a GPU
 # refines them).

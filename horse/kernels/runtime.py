@@ -2,7 +2,7 @@
 
 The one switch: tensors on a CUDA device always run the Triton kernels. Tensors on the CPU run the
 Triton kernels in Triton's interpreter when ``TRITON_INTERPRET=1`` was set before ``triton`` was
-first imported (the tests do this), and the float32 references of ``kernels.reference`` otherwise.
+first imported (the tests do this), and the float32 references of ``horse.kernels.reference`` otherwise.
 
 Every config table of the kernels has an entry per GPU family of ``ARCHS`` (A100-class sm80, the
 99-KiB sm86 chips, Hopper sm90, datacenter Blackwell sm100, AMD's MI300 series gfx942); a launch
@@ -295,7 +295,7 @@ CONFIGS_DIR = pathlib.Path(__file__).parent / "configs"
 
 
 def load_configs(name: str, config: type, folder: pathlib.Path | None = None) -> dict:
-    """The config tables in <folder>/<name>.json (default CONFIGS_DIR: kernels/configs), in the file's
+    """The config tables in <folder>/<name>.json (default CONFIGS_DIR: horse/kernels/configs), in the file's
     order: ``{table: {family: ... {key: config(**fields)}}}``, keys that are numbers (head dims) as
     ints. A kernel file keeps its sm90 entries beside their evidence; the families whose entries were
     chosen by compiling alone are read from here, written by ``bench.tune --compile-only --write``

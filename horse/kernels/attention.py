@@ -36,7 +36,7 @@ forward can also run persistent (``programs_per_sm`` in its table), off until me
 
 Tiles, warps and stages come from a table per pass with an entry per GPU family (A100-class sm80,
 the 99-KiB sm86 chips, Hopper sm90, datacenter Blackwell sm100, AMD's MI300 series gfx942:
-``kernels.runtime.ARCHS``), each compiled clean for its family's target in the compile report;
+``horse.kernels.runtime.ARCHS``), each compiled clean for its family's target in the compile report;
 NVIDIA GPUs below compute capability 8.0 and other AMD GPUs raise.
 """
 
@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reference, runtime
+from horse.kernels import reference, runtime
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -943,7 +943,7 @@ class AttnConfig:
 # every mask, with pointer loads, on packed batches, and on sm_90 and sm_100 where tma is set with
 # TMA loads: python -m bench.compile_report --filter attn builds them all, and its output is the
 # record of how each builds. The sm_90 entries, here, are chosen for speed. The other families'
-# (kernels/configs/attention.json) are the first candidates, from sm_90's tile down, that compile
+# (horse/kernels/configs/attention.json) are the first candidates, from sm_90's tile down, that compile
 # clean there on triton 3.6 and 3.9 (python -m bench.tune attention --compile-only --arch FAMILY
 # --start-from sm90; sm86's also for sm_89 and sm_120 with --capability 86 89 120); none is
 # measured yet (python -m bench.tune attention on such a GPU refines them).
