@@ -7,7 +7,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     # horse is the one top-level package: bench/ and tests/ run from a checkout. The kernels live in
-    # horse.kernels, not a top-level `kernels`, whose name is Hugging Face's package that transformers imports.
+    # horse.kernels, not a top-level `kernels`: that is the import name of Hugging Face's package,
+    # which transformers imports.
     packages=find_packages(include=["horse", "horse.*"]),
     # horse: the trainer's built-in corpus; horse.kernels: the config tables of the families not measured yet
     package_data={"horse": ["corpus/*.txt"], "horse.kernels": ["configs/*.json"]},
