@@ -196,7 +196,8 @@ def cross_entropy(
     logits, target, ignore_index: int = -100, reduction: str = "mean", label_smoothing=0.0, z_loss=0.0
 ) -> torch.Tensor:
     """``F.cross_entropy`` of logits (..., V) flattened to rows, against target (...), plus
-    ``z_loss · logsumexp²`` per row; a mean over no rows (all ignored) is 0, not NaN."""
+    ``z_loss · logsumexp²`` per row; a mean over no rows (all ignored) is NaN, as F.cross_entropy's
+    (horse.kernels.linear_cross_entropy's is 0)."""
     z = _upcast(logits).reshape(-1, logits.shape[-1])
     t = target.reshape(-1)
     valid = t != ignore_index
@@ -209,7 +210,7 @@ def cross_entropy(
         return rows.view(target.shape)
     if reduction == "sum":
         return rows.sum()
-    return rows.sum() / valid.sum().clamp(min=1)
+    return rows.sum() / valid.sum()
 
 
 def linear_cross_entropy(x, weight, target, bias=None, **options) -> torch.Tensor:
