@@ -569,7 +569,8 @@ def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_wi
     x = torch.randn(20, 32, **f16, requires_grad=True)
     w1, w2, w3 = (torch.randn(48, 32, **f16).mul_(0.2).requires_grad_() for _ in range(3))
     backward(kernels.linear_act(x, w1, None, activation="gelu"))
-    backward(kernels.linear_act(x[:1, :].repeat(1, 3), w1.repeat(1, 3), None))  # K = 96: split-K
+    split_k_rows = x[:1, :].repeat(1, 3)  # K = 96: split-K
+    backward(kernels.linear_act(split_k_rows, w1.repeat(1, 3), None, activation="gelu_tanh"))
     backward(kernels.gated_linear(x, w1, w2, activation="silu"))
     rows = x.detach().repeat(4, 1)  # M = 80, past the small class: the persistent forwards
     backward(kernels.linear_act(rows, w1, None, activation="gelu"))

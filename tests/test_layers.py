@@ -261,7 +261,7 @@ POSITIONAL = {
     kernels.fused_mlp: (["x", "w_in", "b_in", "w_out", "b_out"], None),
     kernels.fused_gated_mlp: (["x", "w_gate", "w_up", "w_down"], None),
     kernels.flash_attention_with_kvcache: (["q", "k_cache", "v_cache"], None),  # flash-attn's fourth is k
-    kernels.cross_entropy: (["logits", "target"], None),  # F.cross_entropy's third is weight
+    kernels.cross_entropy: (["logits", "target", "weight"], None),  # F.cross_entropy's; weight only None
     kernels.linear_cross_entropy: (["x", "weight", "target", "bias"], None),  # as Liger's (fifth: ce_weight)
     layers.FusedLayerNorm: (None, nn.LayerNorm),
     layers.FusedRMSNorm: (None, nn.RMSNorm),
@@ -304,6 +304,8 @@ def test_a_positional_argument_past_those_raises():
         kernels.flash_attention_varlen(q[0], q[0], q[0], cu, cu, 4, 4, 0.1)
     with pytest.raises(TypeError):
         kernels.linear_act(q, q[0, 0], None, "relu")
+    with pytest.raises(TypeError):
+        kernels.cross_entropy(q[0, 0], torch.zeros(2, dtype=torch.long), None, False)  # F's size_average
     with pytest.raises(TypeError):
         layers.FusedSelfAttention(64, 4, 0.1)  # nn.MultiheadAttention's dropout
     with pytest.raises(TypeError):

@@ -384,7 +384,9 @@ def test_cpu_without_interpreter_uses_the_reference_and_takes_float32(monkeypatc
     monkeypatch.setattr(runtime, "INTERPRET", False)
     t = make_tensors("fused_mlp", (5, 16, 32, 8), torch.float32, "cpu")
     y = kernels.fused_mlp(t["x"], t["w_in"], t["b_in"], t["w_out"], t["b_out"], activation="relu2")
-    assert torch.equal(y, reference.fused_mlp(t["x"], t["w_in"], t["b_in"], t["w_out"], t["b_out"], "relu2"))
+    assert torch.equal(
+        y, reference.fused_mlp(t["x"], t["w_in"], t["b_in"], t["w_out"], t["b_out"], activation="relu2")
+    )
     half = kernels.linear_act(t["x"].half(), t["w_in"].half(), None, activation="silu")
     assert half.dtype == torch.float16
 
@@ -893,6 +895,6 @@ def test_gpt2_up_projections_run_the_persistent_kernel_one_program_an_h200_sm(d_
     monkeypatch.setattr(runtime, "num_sms", lambda device: 132)
     launches = record_launches(monkeypatch, execute=False)
     x, w = torch.empty(8192, d_model, dtype=torch.float16), torch.empty(hidden, d_model, dtype=torch.float16)
-    kernels.linear_act(x, w, torch.empty(hidden, dtype=torch.float16))
-    kernels.gated_linear(x, w, w)
+    kernels.linear_act(x, w, torch.empty(hidden, dtype=torch.float16), activation="gelu_tanh")
+    kernels.gated_linear(x, w, w, activation="silu")
     assert launches == [("_fwd_persistent_kernel", (132,))] * 2

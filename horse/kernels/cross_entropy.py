@@ -27,8 +27,10 @@ V_local) of a vocabulary of V; per chunk the row statistics are reduced over the
 of the max, one of the sum of exponentials, the target's logit and the sum of logits) between a
 statistics kernel and a gradient kernel; no rank ever holds another's logits.
 
-Targets are int64 in [0, V) or ``ignore_index`` (such rows add nothing; a batch with no other row
-gives a loss of 0 and zero gradients). V ranges over 1..262,144, any size.
+Targets are int64 in [0, V) or ``ignore_index`` (such rows add nothing and get zero gradients; the
+"mean" of a batch with no other row is NaN from ``cross_entropy``, as from F.cross_entropy, and 0 from
+``linear_cross_entropy``, the trainer's loss). V ranges over 1..262,144, any size. ``cross_entropy``
+takes logits (N, C) or (C,) only: F.cross_entropy reads N-D logits' classes from dim 1.
 """
 
 from collections.abc import Callable
@@ -385,20 +387,25 @@ def linear_cross_entropy_chunks(
     return loss, dx, dw.to(weight.dtype), db.to(x.dtype if bias is None else bias.dtype)
 
 
-def reduce_loss(loss: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str):
-    """The reduced loss of per-row losses (float32) and d(it)/d(loss_i): a float32 scalar tensor."""
-    if reduction == "none":
-        return loss, torch.ones((), dtype=torch.float32, device=loss.device)
-    if reduction == "sum":
-        return loss.sum(), torch.ones((), dtype=torch.float32, device=loss.device)
-    # mean over the rows not ignored; none left: 0, not PyTorch's 0/0
-    count = (target != ignore_index).sum().clamp(min=1).to(torch.float32)
-    return loss.sum() / count, 1.0 / count
-
-
 def row_weight(target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
-    """d(reduced loss)/d(loss_i), a float32 scalar tensor: 1/n_valid for "mean", else 1."""
-    return reduce_loss(torch.zeros((0,), device=target.device), target, ignore_index, reduction)[1]
+    """d(reduced loss)/d(loss_i), a float32 scalar tensor: 1/n_valid for "mean", else 1. With no valid
+    row it is 1: every row's own gradient is 0 then."""
+    if reduction != "mean":
+        return torch.ones((), dtype=torch.float32, device=target.device)
+    return 1.0 / (target != ignore_index).sum().clamp(min=1).to(torch.float32)
+
+
+def reduce_loss(
+    loss: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str, empty_mean_is_nan: bool
+) -> torch.Tensor:
+    """The reduced loss of per-row losses (float32). "mean" is over the rows not ignored; with none
+    left it is NaN where empty_mean_is_nan (F.cross_entropy's 0/0), else 0."""
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    count = (target != ignore_index).sum().to(torch.float32)
+    return loss.sum() / (count if empty_mean_is_nan else count.clamp(min=1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -441,7 +448,8 @@ def _cross_entropy_fwd_op(logits, target, ignore_index, reduction, label_smoothi
         dlogits = logits.clone() if compute_grad else logits.new_empty((0,))
         options = (ignore_index, label_smoothing, z_loss)
         loss = _chunk_loss_(dlogits if compute_grad else logits, target, dloss, options, False, None)
-    return reduce_loss(loss, target, ignore_index, reduction)[0], dlogits
+    # F.cross_entropy's mean over no rows: NaN (cross_entropy is its drop-in)
+    return reduce_loss(loss, target, ignore_index, reduction, empty_mean_is_nan=True), dlogits
 
 
 def _linear_grads_fake(x, weight, bias, with_grads: bool):
@@ -492,7 +500,8 @@ def _linear_cross_entropy_fwd_op(
     loss, dx, dw, db = linear_cross_entropy_chunks(
         x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss, runtime.runs_triton(x)
     )
-    return reduce_loss(loss, target, ignore_index, reduction)[0], dx, dw, db
+    # a mean over no rows: 0, as the trainer's loss (horse.head_loss), which stops on a NaN
+    return reduce_loss(loss, target, ignore_index, reduction, empty_mean_is_nan=False), dx, dw, db
 
 
 def _linear_bwd_fake(x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss):
@@ -540,6 +549,11 @@ def check_target(fn: str, target: torch.Tensor, rows: tuple[int, ...], vocab: in
     asynchronous device assert (no synchronisation), whose failure names the argument too."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"{fn}: target must be a torch.Tensor, got {type(target).__name__}")
+    if target.dtype.is_floating_point:
+        raise TypeError(
+            f"{fn}: target must hold class indices, int64 (torch.long); got {target.dtype}: class "
+            "probabilities (F.cross_entropy's floating-point targets) are not supported"
+        )
     if target.dtype != torch.int64:
         raise TypeError(f"{fn}: target must be int64 (torch.long), got {target.dtype}")
     if tuple(target.shape) != rows:
@@ -576,29 +590,56 @@ def _wants_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _refuse_unsupported(fn: str, weight, size_average, reduce) -> None:
+    """F.cross_entropy's arguments that cross_entropy lacks: each accepted only at its default, None."""
+    supported = "supported: ignore_index, reduction, label_smoothing, z_loss"
+    if weight is not None:
+        raise ValueError(f"{fn}: weight (F.cross_entropy's per-class weights) is not supported; {supported}")
+    for name, value in (("size_average", size_average), ("reduce", reduce)):
+        if value is not None:
+            raise ValueError(
+                f"{fn}: {name} (F.cross_entropy's deprecated form of reduction) is not supported; pass "
+                f"reduction='mean', 'sum' or 'none' instead ({supported})"
+            )
+
+
 def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
+    weight: None = None,
     *,
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    size_average: None = None,
+    reduce: None = None,
 ) -> torch.Tensor:
-    """Cross-entropy of logits (..., V) against target (...) int64, as ``F.cross_entropy`` of the
-    flattened rows, plus ``z_loss · logsumexp²`` per row (PaLM's z-loss), in float32.
+    """``F.cross_entropy`` of logits (N, C) against target (N,) int64, or of logits (C,) against a
+    0-D target, plus ``z_loss · logsumexp²`` per row (PaLM's z-loss), in float32.
 
-    reduction "mean" (over rows whose target is not ignore_index; 0 when there are none), "sum", or
-    "none" (a (...) tensor, 0 at ignored rows). Returns float32. The gradient of the logits is written
-    in the forward into a buffer of logits' shape and dtype owned by the op (never into logits);
-    only with autograd recording and logits requiring a gradient.
+    Logits of more dimensions raise: F.cross_entropy reads their classes from dim 1 ((N, C, d1, ...)),
+    where a language model's (B, T, V) logits have them last; flatten the rows first,
+    ``cross_entropy(logits.flatten(0, -2), target.flatten())`` (with reduction "none", ``.view(B, T)``
+    the result). reduction "mean" (over rows whose target is not ignore_index; NaN when there are
+    none, as F.cross_entropy's), "sum", or "none" (one value a row, 0 at ignored rows). Targets are
+    class indices; F.cross_entropy's class probabilities, ``weight``, ``size_average`` and ``reduce``
+    raise unless None. Returns float32 (F.cross_entropy returns the logits' dtype). The gradient of
+    the logits is written in the forward into a buffer of logits' shape and dtype owned by the op
+    (never into logits); only with autograd recording and logits requiring a gradient.
     """
     fn = "cross_entropy"
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"{fn}: logits must be a torch.Tensor, got {type(logits).__name__}")
     _check_float(fn, "logits", logits, logits.device)
-    if logits.dim() < 1:
-        raise ValueError(f"{fn}: logits must have a class dimension, got shape {list(logits.shape)}")
+    if logits.dim() not in (1, 2):
+        raise ValueError(
+            f"{fn}: logits must be (N, C) or (C,), got shape {list(logits.shape)}. F.cross_entropy reads "
+            "the classes of N-D input from dim 1, (N, C, d1, ...), where this function would read the last "
+            "dim: flatten the rows first, cross_entropy(logits.flatten(0, -2), target.flatten()), and with "
+            "reduction='none' reshape the result to target's shape"
+        )
+    _refuse_unsupported(fn, weight, size_average, reduce)
     check_options(fn, ignore_index, reduction, label_smoothing, z_loss)
     _check_vocab(fn, "logits", logits.shape[-1])
     check_target(fn, target, tuple(logits.shape[:-1]), logits.shape[-1], ignore_index, logits.device)
@@ -621,7 +662,9 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
 ) -> torch.Tensor:
     """``cross_entropy(x @ weight.T + bias, target, ...)`` without the logits: x (..., H), weight (V, H)
-    as nn.Linear's, bias (V,) or None, target (...) int64; options as :func:`cross_entropy`.
+    as nn.Linear's, bias (V,) or None, target (...) int64 (the classes are the last dim: no ambiguity
+    here); options as :func:`cross_entropy`, except that a mean over no rows (every target ignored)
+    is 0 with zero gradients, not NaN: the trainer's loss, which stops on a NaN.
 
     The matmuls run in x's dtype (autocast's, when on); weight and bias may be float32 masters and
     get float32 gradients. Returns float32: a scalar, or (...) for reduction "none".

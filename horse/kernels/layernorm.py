@@ -529,7 +529,9 @@ def _normalized_size(fn: str, x: torch.Tensor, normalized_shape) -> tuple[tuple[
         )
     n = math.prod(shape)
     if not 1 <= n <= MAX_HIDDEN:
-        raise ValueError(f"{fn}: the normalized size must be in [1, {MAX_HIDDEN}], got {n}")
+        raise ValueError(
+            f"{fn}: normalized_shape {list(shape)} holds {n} elements; the kernels take 1 to {MAX_HIDDEN}"
+        )
     return shape, n
 
 

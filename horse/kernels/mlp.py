@@ -5,7 +5,8 @@
     fused_mlp:       y = act(x W_inᵀ + b_in) W_outᵀ + b_out           (GPT-2: c_fc → GELU → c_proj)
     fused_gated_mlp: y = (act(x W_gateᵀ) ⊙ (x W_upᵀ)) W_downᵀ        (LLaMA: gate_proj, up_proj, down_proj)
 
-act is one of ``none``, ``relu``, ``relu2`` (relu squared), ``gelu`` (erf), ``gelu_tanh`` and ``silu``.
+act is one of ``none``, ``relu``, ``relu2`` (relu squared), ``gelu`` (erf), ``gelu_tanh`` and ``silu``,
+always named by the caller (``activation=``, keyword-only, no default: no function picks one silently).
 x is (..., K) with its leading dims flattened to M rows; weights are nn.Linear's (out_features,
 in_features). Any M, N, K (ragged edges are masked; zero sizes allowed) and any strides: the kernels
 take every stride, so transposed or expanded operands are read in place (only gate and up weights
@@ -1448,7 +1449,7 @@ def _apply(fn: str, op, reference_fn, x, activation: str, params: dict) -> torch
     path reference_fn), y back in x's leading dims. params: the op's tensors after x, by name."""
     x, *tensors = runtime.autocast(x, *params.values())
     if not _validate(fn, x, activation, dict(zip(params, tensors, strict=True))):
-        return reference_fn(x, *tensors, activation).to(x.dtype)
+        return reference_fn(x, *tensors, activation=activation).to(x.dtype)
     x_2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # -1 cannot be inferred when K = 0
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors))
     y = op(x_2d, *tensors, activation, save)[0]
@@ -1460,12 +1461,14 @@ def linear_act(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    activation: str = "gelu_tanh",
+    activation: str,
 ) -> torch.Tensor:
     """``act(x @ weight.T + bias)`` in one GEMM, differentiable in x, weight and bias.
 
     x (..., K); weight (N, K) as nn.Linear's; bias (N,) or None; float16 or bfloat16, all one dtype
-    and device. activation: none, relu, relu2, gelu (erf), gelu_tanh or silu. Returns (..., N) in
+    and device. activation, required: none, relu, relu2, gelu (erf), gelu_tanh or silu; the positional
+    arguments are F.linear's, and ``linear_act(x, weight, bias, activation="none")`` is F.linear (no
+    default: F.linear's arguments alone raise rather than get an activation). Returns (..., N) in
     x's dtype. With grad enabled the pre-activation (M, N) is saved for the backward.
     """
     params = {"weight": weight, "bias": bias}
@@ -1473,7 +1476,7 @@ def linear_act(
 
 
 def gated_linear(
-    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *, activation: str = "silu"
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *, activation: str
 ) -> torch.Tensor:
     """``act(x @ w_gate.T) * (x @ w_up.T)`` in one kernel (SwiGLU with silu, GeGLU with gelu).
 
@@ -1491,7 +1494,7 @@ def fused_mlp(
     w_out: torch.Tensor,
     b_out: torch.Tensor | None,
     *,
-    activation: str = "gelu_tanh",
+    activation: str,
 ) -> torch.Tensor:
     """The GPT-2 MLP ``act(x @ w_in.T + b_in) @ w_out.T + b_out``, differentiable in every tensor.
 
@@ -1509,7 +1512,7 @@ def fused_gated_mlp(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     *,
-    activation: str = "silu",
+    activation: str,
 ) -> torch.Tensor:
     """The LLaMA MLP ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``, differentiable in every tensor.
 

@@ -168,34 +168,36 @@ def apply_activation(z: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"unknown activation {activation!r}")
 
 
-def linear_act(x, weight, bias=None, activation: str = "gelu_tanh") -> torch.Tensor:
+def linear_act(x, weight, bias=None, *, activation: str) -> torch.Tensor:
     """act(x Wᵀ + b), W as nn.Linear's (out_features, in_features)."""
     bias = None if bias is None else _upcast(bias)
     return apply_activation(torch.nn.functional.linear(_upcast(x), _upcast(weight), bias), activation)
 
 
-def gated_linear(x, w_gate, w_up, activation: str = "silu") -> torch.Tensor:
+def gated_linear(x, w_gate, w_up, *, activation: str) -> torch.Tensor:
     """act(x W_gateᵀ) ⊙ (x W_upᵀ): SwiGLU with silu, GeGLU with gelu."""
     x = _upcast(x)
     gate = torch.nn.functional.linear(x, _upcast(w_gate))
     return apply_activation(gate, activation) * torch.nn.functional.linear(x, _upcast(w_up))
 
 
-def fused_mlp(x, w_in, b_in, w_out, b_out, activation: str = "gelu_tanh") -> torch.Tensor:
+def fused_mlp(x, w_in, b_in, w_out, b_out, *, activation: str) -> torch.Tensor:
     """The GPT-2 MLP: act(x W_inᵀ + b_in) W_outᵀ + b_out."""
-    return linear_act(linear_act(x, w_in, b_in, activation), w_out, b_out, "none")
+    return linear_act(linear_act(x, w_in, b_in, activation=activation), w_out, b_out, activation="none")
 
 
-def fused_gated_mlp(x, w_gate, w_up, w_down, activation: str = "silu") -> torch.Tensor:
+def fused_gated_mlp(x, w_gate, w_up, w_down, *, activation: str) -> torch.Tensor:
     """The LLaMA MLP: (act(x W_gateᵀ) ⊙ (x W_upᵀ)) W_downᵀ."""
-    return linear_act(gated_linear(x, w_gate, w_up, activation), w_down, None, "none")
+    h = gated_linear(x, w_gate, w_up, activation=activation)
+    return linear_act(h, w_down, None, activation="none")
 
 
 def cross_entropy(
     logits, target, ignore_index: int = -100, reduction: str = "mean", label_smoothing=0.0, z_loss=0.0
 ) -> torch.Tensor:
     """``F.cross_entropy`` of logits (..., V) flattened to rows, against target (...), plus
-    ``z_loss · logsumexp²`` per row; a mean over no rows (all ignored) is 0, not NaN."""
+    ``z_loss · logsumexp²`` per row; a mean over no rows (all ignored) is NaN, as F.cross_entropy's
+    (horse.kernels.linear_cross_entropy's is 0)."""
     z = _upcast(logits).reshape(-1, logits.shape[-1])
     t = target.reshape(-1)
     valid = t != ignore_index
@@ -208,7 +210,7 @@ def cross_entropy(
         return rows.view(target.shape)
     if reduction == "sum":
         return rows.sum()
-    return rows.sum() / valid.sum().clamp(min=1)
+    return rows.sum() / valid.sum()
 
 
 def linear_cross_entropy(x, weight, target, bias=None, **options) -> torch.Tensor:
