@@ -57,6 +57,15 @@ def poisoned_outputs():
 
 
 @pytest.fixture(autouse=True)
+def triton_language_kept():
+    """Each test leaves triton.language as it found it. runtime.launch does this for our launches;
+    kernels launched otherwise (bench.revision's, of an earlier day, through their own runtime) would
+    leave the interpreter's patches for the sm_90 compiles of a later test in this process."""
+    with runtime.triton_language_kept():
+        yield
+
+
+@pytest.fixture(autouse=True)
 def release_gpu_memory():
     """What a test cached goes back to the driver: the GPU tests share one GPU among several
     processes (pytest-xdist in bench/device_check.sh), and a caching allocator keeps its peak."""

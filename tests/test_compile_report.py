@@ -171,21 +171,41 @@ def _gather(X, Y, x_strides, BLOCK: tl.constexpr):
 """
 
 
-def test_a_strides_tuple_compiles_as_aligned_i32s_with_its_unit_stride_a_constexpr(tmp_path, monkeypatch):
+def _tuple_config(tmp_path, monkeypatch) -> KernelConfig:
     path = tmp_path / "tupled.py"
     path.write_text(TUPLE_KERNEL)
     spec = importlib.util.spec_from_file_location("tupled", path)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "tupled", module)
     spec.loader.exec_module(module)
-    cfg = KernelConfig("k", "any", torch.float16, "tupled._gather", {"X": "fp16", "Y": "fp16"},
-                       {"BLOCK": 64, "x_strides[1]": 1}, arch="sm90", tuples={"x_strides": 2})  # fmt: skip
+    pointers = {"X": "fp16", "Y": "fp16"}
+    constexprs = {"BLOCK": 64, "x_strides[1]": 1}
+    return KernelConfig("k", "any", torch.float16, "tupled._gather", pointers, constexprs, arch="sm90",
+                        tuples={"x_strides": 2})  # fmt: skip
+
+
+def test_a_strides_tuple_compiles_as_aligned_i32s_with_its_unit_stride_a_constexpr(tmp_path, monkeypatch):
+    cfg = _tuple_config(tmp_path, monkeypatch)
     signature, attrs = compile_report._signature(cfg)
     assert signature["x_strides"] == ("i32", "constexpr") and attrs[(2, 0)] == [["tt.divisibility", 16]]
     ttir = compile_report.compile_kernel(cfg).asm["ttir"]
     assert "%x_strides: i32 {tt.divisibility = 16 : i32}" in ttir and "%x_strides_0" not in ttir
     [product] = compile_report.narrow_stride_products(ttir)  # offs * x_strides[0] (splat as %2), 32 bits
     assert product.startswith("%3 = arith.muli %offs, %2 : tensor<64xi32>")
+
+
+@pytest.mark.interpreter
+def test_a_gpu_compile_after_an_interpreted_launch_is_the_compilers_own(tmp_path, monkeypatch):
+    """Triton's interpreter leaves triton.language patched after each device-function call (here
+    rms_norm's tl.sum); runtime.launch puts it back, or a kernel compiled for sm_90 afterwards fails
+    in Triton's code generator. Triton's on-disk cache would hide that: the compile here is fresh."""
+    from horse import kernels
+
+    x = torch.randn(3, 40, dtype=torch.float16)
+    kernels.rms_norm(x, (40,), torch.ones(40, dtype=torch.float16))
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "triton-cache"))
+    ttir = compile_report.compile_kernel(_tuple_config(tmp_path, monkeypatch)).asm["ttir"]
+    assert "%x_strides: i32 {tt.divisibility = 16 : i32}" in ttir
 
 
 def test_a_rows_key_changes_with_the_code_config_target_toolchain_and_reader(tmp_path, monkeypatch):

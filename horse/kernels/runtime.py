@@ -238,11 +238,47 @@ def check_grid(grid: tuple[int, ...], name: str = "kernel") -> tuple[int, ...]:
 
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs):
     """kernel[grid](*args, **kwargs), the one way the package launches a Triton kernel: the grid is
-    checked against CUDA's limits first, and :data:`launch_hooks` see every launch."""
+    checked against CUDA's limits first, and :data:`launch_hooks` see every launch. In the
+    interpreter the launch leaves triton.language as it found it (:func:`triton_language_kept`)."""
     grid = check_grid(grid, kernel.fn.__name__)
     for hook in launch_hooks:
         hook(kernel, grid)
-    return kernel[grid](*args, **kwargs)
+    with triton_language_kept() if INTERPRET else contextlib.nullcontext():
+        return kernel[grid](*args, **kwargs)
+
+
+def _language_namespaces() -> tuple:
+    """What Triton's interpreter patches while it runs a kernel: the language's modules and the
+    classes whose methods it replaces (triton/runtime/interpreter.py, ``_patch_lang``)."""
+    import triton.language as tl
+
+    return (tl, tl.core, tl.math, tl.tensor, tl.dtype, tl.core.tensor_descriptor_base)
+
+
+@contextlib.contextmanager
+def triton_language_kept():
+    """Puts back every attribute of triton.language's modules and classes that changed inside.
+
+    Triton's interpreter (3.6) patches the language for a launch and restores it afterwards, but it
+    also patches it for every device-function call (any @triton.jit helper, triton.language's own
+    ``tl.max`` and ``tl.sum`` among them) and never restores those. The interpreter's versions left
+    behind then run inside a later compile for a GPU in the same process, which fails in Triton's
+    code generator ("'block_argument' object has no attribute 'dtype'") wherever the kernel is not
+    in Triton's on-disk cache yet: the tests' sm_90 compiles failed or passed by which interpreted
+    tests their process had run before."""
+    namespaces = _language_namespaces()
+    saved = [dict(vars(namespace)) for namespace in namespaces]
+    try:
+        yield
+    finally:
+        for namespace, before in zip(namespaces, saved, strict=True):
+            now = dict(vars(namespace))
+            if isinstance(namespace, type):  # a method set on the class over its base's
+                for name in now.keys() - before.keys():
+                    delattr(namespace, name)
+            for name, value in before.items():
+                if now.get(name) is not value:
+                    setattr(namespace, name, value)
 
 
 def _descriptor_memory(size: int, alignment: int, stream) -> torch.Tensor:
