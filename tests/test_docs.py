@@ -173,8 +173,10 @@ def anchors(page: Page) -> set[str]:
 # --- what each command accepts, from its --help ---
 
 HELP_DRIVER = r"""
-import contextlib, io, json, re, runpy, sys
+import contextlib, io, json, re, runpy, sys, warnings
 
+# runpy warns when a module to run was imported already (by one asked before it): nothing to see here.
+warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package", RuntimeWarning)
 subcommands, help_args = re.compile(sys.argv[1], re.MULTILINE), json.loads(sys.argv[3])
 
 def ask(module, words):
