@@ -21,6 +21,7 @@ tensor-parallel shard afterwards, by a plan that swaps its layers for column- an
     python -m horse.model        # the presets: parameters and training FLOPs per token
 """
 
+import argparse
 import math
 import typing
 from dataclasses import dataclass
@@ -452,7 +453,9 @@ def flops_per_token(config: GPTConfig, seq_len: int) -> int:
         return GPT(config).flops_per_token(seq_len)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    description = "The presets: parameters, layers, width, heads and training FLOPs per token."
+    argparse.ArgumentParser(prog="python -m horse.model", description=description).parse_args(argv)
     print(f"{'preset':<10} {'params':>8} {'layers':>6} {'d_model':>7} {'heads':>5}  GFLOP/token (training)")
     for name, make in PRESETS.items():
         config = make()

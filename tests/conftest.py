@@ -1,6 +1,7 @@
 """Test set-up. Without a CUDA device the kernels run in Triton's interpreter: TRITON_INTERPRET=1 must
 be set before triton is first imported, which is why this happens here, at collection's start."""
 
+import collections
 import os
 import sys
 
@@ -47,6 +48,20 @@ def pytest_collection_finish(session):
             f"--dist loadgroup lost the xdist_group of {len(lost)} tests ({lost[0]}), which now run side by "
             f"side: pytest {pytest.__version__} with this pytest-xdist (pytest-dev/pytest-xdist#1386); "
             "install 'pytest<9.2'"), stacklevel=1)  # fmt: skip
+
+
+def pytest_terminal_summary(terminalreporter):
+    # A clean run's summary is its counts: the skips are one line a reason here, not one a test
+    # function (-rs lists those), so a real failure or warning is not lost among them.
+    reasons = collections.Counter(
+        report.longrepr[2].removeprefix("Skipped: ")
+        for report in terminalreporter.stats.get("skipped", [])
+        if isinstance(report.longrepr, tuple)
+    )
+    if reasons:
+        terminalreporter.section("skipped, by reason", sep="-")
+        for reason, count in reasons.most_common():
+            terminalreporter.line(f"{count:5d}  {reason}")
 
 
 @pytest.fixture(autouse=True)
