@@ -260,6 +260,7 @@ def causal_lm_forward(self, *args, **kwargs):
     logits_to_keep = arguments.pop("logits_to_keep", 0)
     if labels is not None and self.loss_function is not ForCausalLMLoss:
         return original(self, *args, **kwargs)
+    _require_plain(self, ("lm_head",), nn.Linear)
     outputs = getattr(self, self.base_model_prefix)(**arguments, **extra)
     hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
     if skip_logits is None:
