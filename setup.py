@@ -18,7 +18,8 @@ setup(
     install_requires=["torch>=2.9", "triton>=3.5", "numpy", "safetensors", "tqdm"],
     # ruff pinned: its formatter changes between releases, and CI checks formatting.
     # matplotlib draws the bench suite's plots (and is tested with it); transformers and tokenizers
-    # build the Hugging Face models that horse.hf's conversions are checked against; pytest-xdist
+    # build the Hugging Face models that horse.hf's conversions and horse.hf.apply are checked against,
+    # accelerate lets transformers.Trainer run (horse.hf.apply's three-step Trainer test); pytest-xdist
     # runs the tests on every core (-n auto). pytest 9.2 gives nodes structured ids that xdist 3.8's
     # --dist loadgroup cannot mark, so it spreads an xdist_group over every worker without a word
     # (pytest-dev/pytest-xdist#1386; tests/conftest.py stops a run where that happens).
@@ -31,6 +32,7 @@ setup(
             "matplotlib",
             "transformers",
             "tokenizers",
+            "accelerate",
         ]
     },
 )

@@ -6,7 +6,9 @@ machine's GPU, gated.
 
 Measures the device's ceilings (copy bandwidth, a large float16 matmul), then times every case of
 the families below under pytest-benchmark with CUDA events (norms, attention, MLP, the fused
-loss, and the end-to-end training step of bench/train.py), ours checked against the float32 reference first
+loss, the end-to-end training step of bench/train.py, and a transformers model's training step with
+horse.hf.apply against its own attention implementations in bench/hf.py), ours checked against the float32
+reference first
 where a family has a check. Prints a table, writes results.json (with the machine) and a PNG per
 kernel to --out (default bench/results/<date>-<gpu>/), and with --gate exits 1 naming each kernel
 and shape below its threshold in bench/gates.toml (a gated case of ours without a result fails as
@@ -34,7 +36,7 @@ import torch
 
 # bench/<name>.py, each with cases(quick) -> list[suite.Case] and interpreter_checks() -> list of
 # (label, errors, passed).
-FAMILIES = ("norms", "attention", "mlp", "loss", "train")
+FAMILIES = ("norms", "attention", "mlp", "loss", "train", "hf")
 BENCH_DIR = Path(__file__).resolve().parent
 
 

@@ -100,7 +100,10 @@ class Result(_Named):
     throughput: float = 0.0  # TFLOP/s or GB/s
     ceiling_fraction: float = 0.0  # of the measured matmul TFLOP/s or copy GB/s
     speedups: dict = field(default_factory=dict)  # ours only: baseline -> baseline time / ours
-    # A benchmark's own metrics beyond these (bench.train: tokens/s, MFU, peak memory).
+    # ours only: baseline -> baseline's peak memory / ours (extra's peak_memory_bytes, where both have it)
+    memory_ratios: dict = field(default_factory=dict)
+    # A benchmark's own metrics beyond these (bench.train: tokens/s, MFU, peak memory; on a GPU every
+    # case's peak_memory_bytes: what it allocated at most beyond what was allocated before its setup).
     extra: dict = field(default_factory=dict)
     samples_ms: list = field(default_factory=list)  # every timed round, in order
 
@@ -149,6 +152,7 @@ class SuitePlugin:
             self.checks[key] = case.check()
         errors, correct = self.checks[key] if case.check is not None else (None, None)
         ours = case.implementation.startswith("ours")  # ours and its variants (ours-pointer, ...)
+        allocated_before = _allocated_bytes()
         try:
             call = case.setup()
             if not ours:
@@ -177,10 +181,25 @@ class SuitePlugin:
                 case.kernel, case.params, case.direction, case.implementation, case.unit, case.work,
                 stats.median * 1e3, stats.q1 * 1e3, stats.q3 * 1e3, stats.rounds, correct, errors,
                 samples_ms=[seconds * 1e3 for seconds in stats.data],
+                extra=_peak_memory(allocated_before),
             )
         )  # fmt: skip
         if correct is False:
             pytest.fail(f"{case.kernel} [{case.shape}] differs from the reference: {errors}")
+
+
+def _allocated_bytes() -> int | None:
+    """The CUDA allocator's bytes in use, its peak statistic reset to them (None without a GPU)."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _peak_memory(allocated_before: int | None) -> dict:
+    if allocated_before is None:
+        return {}
+    return {"peak_memory_bytes": torch.cuda.max_memory_allocated() - allocated_before}
 
 
 def add_metrics(results: list[Result], ceilings: dict) -> None:
@@ -193,6 +212,11 @@ def add_metrics(results: list[Result], ceilings: dict) -> None:
         # Every other result of its kernel, shape and direction.
         others = [r for r in results if r.key[:3] == ours.key[:3] and r is not ours]
         ours.speedups = {r.implementation: r.median_ms / ours.median_ms for r in others}
+        ours.memory_ratios = {
+            r.implementation: r.extra["peak_memory_bytes"] / ours.extra["peak_memory_bytes"]
+            for r in others
+            if r.extra.get("peak_memory_bytes") and ours.extra.get("peak_memory_bytes")
+        }
 
 
 @dataclass(frozen=True)
@@ -200,7 +224,8 @@ class Gate:
     """A threshold from gates.toml: a metric of ours, on the cases it matches, at least ``min``."""
 
     kernel: str  # fnmatch pattern
-    metric: str  # "ceiling_fraction", or "speedup" over ``baseline``
+    # "ceiling_fraction"; "speedup" over ``baseline``; "memory": the baseline's peak memory over ours
+    metric: str
     min: float
     direction: str = "*"
     baseline: str = ""  # an implementation, or "best:PATTERN" for the fastest of those matching
@@ -220,7 +245,7 @@ class Gate:
 
     def baselines(self) -> str:
         """The fnmatch pattern of the baselines this gate compares ours with ("" for none)."""
-        return self.baseline.removeprefix("best:") if self.metric == "speedup" else ""
+        return self.baseline.removeprefix("best:") if self.metric in ("speedup", "memory") else ""
 
     def measure(self, r: Result) -> tuple[float | None, dict]:
         """The gated metric of r (None where no baseline it names was measured on r's shape), and
@@ -229,13 +254,14 @@ class Gate:
         if self.metric == "ceiling_fraction":
             return r.ceiling_fraction, {}
         # A plain baseline is a pattern that matches its own name alone (as in gated_cases).
-        over = {name: s for name, s in r.speedups.items() if fnmatch.fnmatch(name, self.baselines())}
+        ratios = r.speedups if self.metric == "speedup" else r.memory_ratios
+        over = {name: s for name, s in ratios.items() if fnmatch.fnmatch(name, self.baselines())}
         # Against the fastest baseline: the smallest speedup.
         return (min(over.values()) if over else None), over
 
     def describe(self) -> str:
         ceiling = self.metric == "ceiling_fraction"
-        what = "fraction of the device ceiling" if ceiling else f"speedup over {self.baseline}"
+        what = "fraction of the device ceiling" if ceiling else f"{self.metric} over {self.baseline}"
         where = " where " + ", ".join(f"{k} {v}" for k, v in self.where.items()) if self.where else ""
         return f"{self.kernel} {self.direction}: {what} >= {self.min:g}{where}"
 

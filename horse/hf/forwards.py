@@ -1,0 +1,295 @@
+"""The forwards ``horse.hf.apply`` binds to a transformers model's modules, one per kind of module.
+
+Each computes what the module's own forward computes, in the same dtypes, on ``horse.kernels``:
+
+- RMSNorm (LLaMA, Mistral, Qwen2, Qwen3, and Qwen3's per-head q_norm and k_norm): transformers' cast order,
+  ``weight * normalized.to(input dtype)``: ``rms_norm`` without a weight gives the normalized input in its
+  own dtype, and the weight multiplies it as transformers does (a float32 weight on 16-bit activations
+  gives float32, as there).
+- GPT-2's ``nn.LayerNorm``: ``layer_norm`` (in float32 under autocast, as autocast runs layer_norm).
+- The gated MLP: ``fused_gated_mlp`` on gate_proj, up_proj and down_proj's weights.
+- GPT-2's MLP: ``fused_mlp`` on c_fc and c_proj. Conv1D stores its weight (in, out), so ``weight.t()`` is the
+  (out, in) operand the kernel takes, a view (the kernels read any strides); dropout after it as before.
+- The decoder layer: the residual add before the post-attention norm fused into it (``add_rms_norm`` /
+  ``add_layer_norm``), which returns the sum rounded to the activations' dtype, as the unfused add, and the
+  norm of that sum. Only where nothing can tell: the two addends of one dtype, no autocast around a
+  LayerNorm, no hooks on the norm, and the norm running our forward; otherwise the layer adds as before.
+- The causal LM: its loss from the last hidden states by ``linear_cross_entropy`` (:func:`causal_lm_forward`).
+
+A projection these forwards read the weight of must be a plain ``nn.Linear`` (GPT-2: ``Conv1D``) without
+hooks: a LoRA, quantized or hooked layer would be skipped, so its call raises instead, naming it.
+"""
+
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F  # noqa: N812 (the name every PyTorch reader knows)
+from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.pytorch_utils import Conv1D
+from transformers.utils import can_return_tuple
+
+from horse.hf.attention import check_half_precision
+from horse.kernels import (
+    add_layer_norm,
+    add_rms_norm,
+    cross_entropy,
+    fused_gated_mlp,
+    fused_mlp,
+    layer_norm,
+    linear_cross_entropy,
+    rms_norm,
+)
+
+
+def activation_of(act: nn.Module) -> str | None:
+    """Our kernels' name for transformers' activation module act, or None if they have none."""
+    from transformers import activations
+
+    names = {
+        activations.SiLUActivation: "silu",
+        nn.SiLU: "silu",
+        activations.GELUActivation: "gelu",  # erf, in torch or in Python
+        activations.GELUTanh: "gelu_tanh",
+        activations.NewGELUActivation: "gelu_tanh",
+        activations.FastGELUActivation: "gelu_tanh",
+        nn.ReLU: "relu",
+        activations.ReLUSquaredActivation: "relu2",
+    }
+    return names.get(type(act))
+
+
+def unfused_layers(module: nn.Module, names: tuple[str, ...], layer_type: type) -> list[str]:
+    """Those of module's submodules names that a fused forward cannot stand in for: not exactly layer_type (a
+    LoRA, quantized or otherwise wrapped layer), or with hooks that a fused forward would skip."""
+    wrong = []
+    for name in names:
+        layer = getattr(module, name)
+        if type(layer) is not layer_type:
+            wrong.append(f"{name} ({type(layer).__module__}.{type(layer).__qualname__})")
+        elif layer._forward_hooks or layer._forward_pre_hooks:
+            wrong.append(f"{name} (has forward hooks)")
+    return wrong
+
+
+def _require_plain(module: nn.Module, names: tuple[str, ...], layer_type: type) -> None:
+    if wrong := unfused_layers(module, names, layer_type):
+        raise TypeError(
+            f"horse.hf: {type(module).__name__}'s fused forward reads the weights of {', '.join(names)}, but "
+            f"{'; '.join(wrong)} is not a plain {layer_type.__name__}, and would be skipped. Call "
+            "horse.hf.unapply(model) before wrapping layers (PEFT adapters on these, quantization, hooks)."
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Norms
+# ----------------------------------------------------------------------------------------------
+
+
+def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """transformers' RMSNorm: ``weight * (x · rsqrt(mean(x²) + eps)).to(x.dtype)``."""
+    normalized = rms_norm(hidden_states, hidden_states.shape[-1:], None, self.variance_epsilon)
+    return self.weight * normalized
+
+
+def layer_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``nn.LayerNorm``; under autocast in float32, as autocast runs layer_norm."""
+    if torch.is_autocast_enabled(hidden_states.device.type):
+        hidden_states = hidden_states.float()
+    return layer_norm(hidden_states, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+def _fusable(norm: nn.Module, forward, x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether ``norm(residual + x)`` may run as one add-and-norm kernel with no output changed."""
+    return (
+        getattr(norm.forward, "__func__", None) is forward
+        and x.dtype == residual.dtype
+        and not (norm._forward_hooks or norm._forward_pre_hooks)
+    )
+
+
+def _add_rms_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
+    """(norm(residual + x), residual + x)."""
+    if not _fusable(norm, rms_norm_forward, x, residual):
+        hidden_states = residual + x
+        return norm(hidden_states), hidden_states
+    normalized, hidden_states = add_rms_norm(x, residual, x.shape[-1:], None, norm.variance_epsilon)
+    return norm.weight * normalized, hidden_states
+
+
+def _add_layer_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
+    """(norm(x + residual), x + residual)."""
+    if not _fusable(norm, layer_norm_forward, x, residual) or torch.is_autocast_enabled(x.device.type):
+        hidden_states = x + residual
+        return norm(hidden_states), hidden_states
+    return add_layer_norm(x, residual, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+
+# ----------------------------------------------------------------------------------------------
+# MLPs
+# ----------------------------------------------------------------------------------------------
+
+
+def gated_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` (LLaMA, Mistral, Qwen2, Qwen3), one fused call."""
+    _require_plain(self, ("gate_proj", "up_proj", "down_proj"), nn.Linear)
+    check_half_precision(x, type(self).__name__)
+    weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+    return fused_gated_mlp(x, *weights, activation=activation_of(self.act_fn))
+
+
+def gpt2_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's ``dropout(c_proj(act(c_fc(x))))``; Conv1D weights are (in, out): their transposes are views."""
+    _require_plain(self, ("c_fc", "c_proj"), Conv1D)
+    check_half_precision(x, type(self).__name__)
+    fc, proj = self.c_fc, self.c_proj
+    y = fused_mlp(x, fc.weight.t(), fc.bias, proj.weight.t(), proj.bias, activation=activation_of(self.act))
+    return self.dropout(y)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoder layers: the residual add fused into the post-attention norm
+# ----------------------------------------------------------------------------------------------
+
+
+def decoder_layer_forward(
+    self,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    cache=None,
+    use_cache: bool | None = False,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """LLaMA's decoder layer (Mistral's, Qwen2's, Qwen3's alike) with ``post_attention_layernorm(residual +
+    attention)`` as one add_rms_norm."""
+    residual = hidden_states
+    attention_output, _ = self.self_attn(
+        hidden_states=self.input_layernorm(hidden_states),
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache=cache,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    normalized, hidden_states = _add_rms_norm(self.post_attention_layernorm, attention_output, residual)
+    return hidden_states + self.mlp(normalized)
+
+
+def gpt2_block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    cache=None,
+    attention_mask: torch.Tensor | None = None,
+    encoder_hidden_states: torch.Tensor | None = None,
+    encoder_attention_mask: torch.Tensor | None = None,
+    use_cache: bool | None = False,
+    **kwargs,
+) -> torch.Tensor:
+    """GPT-2's block with ``ln_2(attention + residual)`` as one add_layer_norm (cross-attention as before)."""
+    if encoder_hidden_states is not None:
+        return type(self).forward(
+            self, hidden_states, cache, attention_mask, encoder_hidden_states, encoder_attention_mask,
+            use_cache, **kwargs,
+        )  # fmt: skip
+    residual = hidden_states
+    attention_output, _ = self.attn(
+        self.ln_1(hidden_states), cache=cache, attention_mask=attention_mask, use_cache=use_cache, **kwargs
+    )
+    normalized, hidden_states = _add_layer_norm(self.ln_2, attention_output, residual)
+    return hidden_states + self.mlp(normalized)
+
+
+# ----------------------------------------------------------------------------------------------
+# The causal LM: the loss without the logits
+# ----------------------------------------------------------------------------------------------
+
+
+def causal_lm_loss(
+    hidden_states: torch.Tensor,
+    lm_head: nn.Linear,
+    labels: torch.Tensor,
+    logits: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """transformers' ForCausalLMLoss: token t predicts labels[t + 1] (or shift_labels[t]), ignore_index
+    ignored, the mean over the tokens kept, or with num_items_in_batch (gradient accumulation) the sum
+    divided by it. From the logits when given (``cross_entropy``), else from the hidden states and the head's
+    weight (``linear_cross_entropy``: the logits never exist whole)."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    target = shift_labels.reshape(-1).to(hidden_states.device)
+    options = {"ignore_index": ignore_index, "reduction": "sum"}
+    if logits is None:
+        rows = hidden_states.reshape(-1, hidden_states.shape[-1])
+        loss = linear_cross_entropy(rows, lm_head.weight, target, lm_head.bias, **options)
+    else:
+        loss = cross_entropy(logits.reshape(-1, logits.shape[-1]), target, **options)
+    if num_items_in_batch is None:
+        # transformers' mean over the tokens kept: NaN (0/0) when every label is ignored, as there
+        num_items_in_batch = (target != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+@can_return_tuple
+def causal_lm_forward(self, *args, **kwargs):
+    """The causal LM's forward with its loss by :func:`causal_lm_loss`. With labels in training the logits
+    are skipped (``logits=None``); ``skip_logits=False`` asks for them (and True skips them in evaluation,
+    as Trainer asks of Liger-Kernel). A loss function of the caller's own (``model.loss_function = ...``)
+    runs the model's own forward."""
+    skip_logits = kwargs.pop("skip_logits", None)
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            "horse.hf: output_attentions=True: the fused attention never forms the attention weights. Run "
+            "the model with attn_implementation='eager' (or horse.hf.unapply it) to get them."
+        )
+    original = type(self).forward
+    signature = _signature(original)
+    arguments = signature.bind(self, *args, **kwargs).arguments
+    del arguments["self"]
+    extra = arguments.pop("kwargs", {})
+    labels = arguments.pop("labels", None)
+    logits_to_keep = arguments.pop("logits_to_keep", 0)
+    if labels is not None and self.loss_function is not ForCausalLMLoss:
+        return original(self, *args, **kwargs)
+    _require_plain(self, ("lm_head",), nn.Linear)
+    outputs = getattr(self, self.base_model_prefix)(**arguments, **extra)
+    hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+    if skip_logits is None:
+        skip_logits = self.training and labels is not None
+    if skip_logits and labels is None:
+        raise ValueError("horse.hf: skip_logits=True needs labels: without them the logits are the output")
+    logits = None if skip_logits else self.lm_head(hidden_states)
+    loss = None
+    if labels is not None:
+        loss = causal_lm_loss(hidden_states, self.lm_head, labels, logits, **extra)
+    fields = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
+    return signature.return_annotation(loss=loss, logits=logits, **fields)
+
+
+@functools.cache
+def causal_lm_forward_for(model_class: type):
+    """:func:`causal_lm_forward` showing model_class's own forward's signature, for those who read it:
+    Trainer keeps only the batch's columns it names, and passes num_items_in_batch for its **kwargs."""
+
+    @functools.wraps(causal_lm_forward)
+    def forward(self, *args, **kwargs):
+        return causal_lm_forward(self, *args, **kwargs)
+
+    forward.__signature__ = _signature(model_class.forward)
+    return forward
+
+
+@functools.cache
+def _signature(forward) -> inspect.Signature:
+    """A model class's forward's signature; its return annotation is the output class."""
+    return inspect.signature(forward)

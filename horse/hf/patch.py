@@ -1,0 +1,226 @@
+"""Our fused kernels inside a transformers model, in place: ``apply``, ``unapply``, ``AutoHorseForCausalLM``.
+
+``apply(model)`` binds new forwards to the model's own module instances (the parameters, their names and
+the state dict stay as they are, so an optimizer, PEFT and ``save_pretrained`` see the same model) and
+switches its attention to "horse", our entry in transformers' attention interface (``horse.hf.attention``).
+Per family, by ``config.model_type``:
+
+    llama, mistral,   attention (GQA, Mistral's and Qwen2's sliding window), RMSNorm (Qwen3's q_norm and
+    qwen2, qwen3      k_norm too), the gated MLP, the residual add into the post-attention RMSNorm, the loss
+    gpt2              attention, LayerNorm, the MLP, the residual add into ln_2, the loss
+
+Any other model type raises: a model is never left unpatched without a word. Refused at apply, naming what:
+quantized models, cross-attention (GPT-2's add_cross_attention), head dims above 256, logit softcapping,
+MLP biases on a gated MLP, activations the kernels lack, wrapped layers (anything but a plain ``nn.Linear``
+/ ``Conv1D`` where a fused forward reads the weight, hooks on them) and modules whose forward something else
+has replaced already. Refused at call: see ``horse.hf.attention`` and ``horse.hf.forwards``. Float32
+activations on a GPU are refused rather than run on the slow reference (``attention.check_half_precision``).
+"""
+
+import importlib
+import types
+from dataclasses import dataclass
+
+import transformers
+from torch import nn
+from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.pytorch_utils import Conv1D
+
+from horse.hf import attention, forwards
+from horse.kernels.runtime import major_minor
+
+MIN_TRANSFORMERS = (5, 25)
+if major_minor(transformers.__version__) < MIN_TRANSFORMERS:
+    raise ImportError(
+        f"horse.hf.apply needs transformers>={'.'.join(map(str, MIN_TRANSFORMERS))} (its attention and mask "
+        f"interfaces, the `cache` argument); this environment has {transformers.__version__}"
+    )
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+MAX_HEAD_DIM = 256
+_PATCH = "_horse_hf_patch"  # the model's attribute holding what apply changed
+_LLAMA_LIKE = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family's module classes and what replaces each one's forward, with its kind in the report."""
+
+    norm: type
+    norm_kind: str
+    norm_forward: types.FunctionType
+    mlp: type
+    mlp_kind: str
+    mlp_forward: types.FunctionType
+    mlp_layers: tuple[str, ...]  # the projections whose weights the fused MLP reads
+    mlp_layer_type: type
+    mlp_activation: str  # the MLP's attribute holding its activation module
+    layer: type
+    layer_kind: str
+    layer_forward: types.FunctionType
+    attention: type
+    causal_lm: type
+
+
+def family(model_type: str) -> Family:
+    """The Family of a supported config.model_type."""
+    if model_type == "gpt2":
+        from transformers.models.gpt2 import modeling_gpt2 as gpt2
+
+        return Family(
+            nn.LayerNorm, "layer_norm", forwards.layer_norm_forward,
+            gpt2.GPT2MLP, "mlp", forwards.gpt2_mlp_forward, ("c_fc", "c_proj"), Conv1D, "act",
+            gpt2.GPT2Block, "add_layer_norm", forwards.gpt2_block_forward,
+            gpt2.GPT2Attention, gpt2.GPT2LMHeadModel,
+        )  # fmt: skip
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    prefix = _LLAMA_LIKE[model_type]
+    return Family(
+        getattr(module, f"{prefix}RMSNorm"), "rms_norm", forwards.rms_norm_forward,
+        getattr(module, f"{prefix}MLP"), "gated_mlp", forwards.gated_mlp_forward,
+        ("gate_proj", "up_proj", "down_proj"), nn.Linear, "act_fn",
+        getattr(module, f"{prefix}DecoderLayer"), "add_rms_norm", forwards.decoder_layer_forward,
+        getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}ForCausalLM"),
+    )  # fmt: skip
+
+
+def register() -> None:
+    """Make "horse" a name transformers knows: the attention function and, so that padding masks reach it,
+    the mask function (``from_pretrained(..., attn_implementation="horse")`` works after this)."""
+    AttentionInterface.register(attention.NAME, attention.attention)
+    AttentionMaskInterface.register(attention.NAME, attention.padding_mask)
+
+
+@dataclass
+class _Patch:
+    report: dict[str, list[str]]
+    modules: list[nn.Module]  # those given a forward of ours
+    attn_implementations: list[tuple[object, str | None]]  # (config, its attention before apply)
+
+
+def _plan(model: PreTrainedModel, fam: Family) -> list[tuple[str, str, nn.Module, types.FunctionType]]:
+    """(kind, name, module, forward) of every module apply replaces the forward of."""
+    kinds = {
+        fam.norm: (fam.norm_kind, fam.norm_forward),
+        fam.mlp: (fam.mlp_kind, fam.mlp_forward),
+        fam.layer: (fam.layer_kind, fam.layer_forward),
+    }
+    if isinstance(model, fam.causal_lm):
+        kinds[type(model)] = ("linear_cross_entropy", forwards.causal_lm_forward_for(type(model)))
+    plan = []
+    for name, module in model.named_modules():
+        if type(module) in kinds:
+            kind, forward = kinds[type(module)]
+            plan.append((kind, name, module, forward))
+    return plan
+
+
+def _refusals(model: PreTrainedModel, fam: Family, plan) -> list[str]:
+    """What in model the fused forwards cannot run exactly, in words; empty when apply may go on."""
+    config, problems = model.config, []
+    if getattr(model, "is_quantized", False) or getattr(config, "quantization_config", None) is not None:
+        problems.append(f"the model is quantized ({getattr(config, 'quantization_config', None)!r})")
+    if getattr(config, "add_cross_attention", False):
+        problems.append("cross-attention (add_cross_attention=True)")
+    softcapping = {k: v for k, v in config.to_dict().items() if "softcap" in k and v is not None}
+    if softcapping:
+        problems.append(f"logit softcapping {softcapping}")
+    for name, module in model.named_modules():
+        if isinstance(module, fam.attention) and module.head_dim > MAX_HEAD_DIM:
+            problems.append(f"{name}: head_dim {module.head_dim} (the kernels take up to {MAX_HEAD_DIM})")
+    for kind, name, module, _ in plan:
+        if "forward" in module.__dict__:
+            problems.append(
+                f"{name or type(module).__name__}: its forward was replaced already (accelerate hooks, "
+                "another kernel library?), and ours would bypass that"
+            )
+        if kind in ("mlp", "gated_mlp"):
+            wrapped = forwards.unfused_layers(module, fam.mlp_layers, fam.mlp_layer_type)
+            problems += [f"{name}.{layer}" for layer in wrapped]
+            activation = getattr(module, fam.mlp_activation)
+            if forwards.activation_of(activation) is None:
+                problems.append(f"{name}: activation {type(activation).__name__}, which the fused MLP lacks")
+            if kind == "gated_mlp" and any(getattr(module, p).bias is not None for p in fam.mlp_layers):
+                problems.append(f"{name}: MLP biases (mlp_bias=True): the fused gated MLP has none")
+        if kind == "linear_cross_entropy":
+            problems += forwards.unfused_layers(module, ("lm_head",), nn.Linear)
+    return problems
+
+
+def _configs(model: PreTrainedModel) -> list:
+    configs = {id(model.config): model.config}
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            configs.setdefault(id(module.config), module.config)
+    return list(configs.values())
+
+
+def apply(model: PreTrainedModel) -> dict[str, list[str]]:
+    """Run model (a transformers model of a supported family) on our fused kernels, in place.
+
+    Returns {kind: [module names]} of what now runs them ("" names the model itself): "attention",
+    "rms_norm" / "layer_norm", "gated_mlp" / "mlp", "add_rms_norm" / "add_layer_norm" (decoder layers whose
+    post-attention residual add is fused into the norm), "linear_cross_entropy" (the causal LM's loss).
+    Calling it again returns the same report and changes nothing. Raises ValueError for a model type not in
+    SUPPORTED_MODEL_TYPES and for what it refuses (see the module docstring), before changing anything.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"horse.hf.apply takes a transformers PreTrainedModel, got {type(model).__name__} (a PEFT model: "
+            "pass model.get_base_model())"
+        )
+    if (patch := model.__dict__.get(_PATCH)) is not None:
+        return patch.report
+    model_type = model.config.model_type
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"horse.hf.apply: model type {model_type!r} ({type(model).__name__}) is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    fam = family(model_type)
+    plan = _plan(model, fam)
+    if problems := _refusals(model, fam, plan):
+        raise ValueError(f"horse.hf.apply: {type(model).__name__} cannot run the fused kernels exactly: "
+                         + "; ".join(problems))  # fmt: skip
+    register()
+    configs = _configs(model)
+    before = [(config, config._attn_implementation_internal) for config in configs]
+    model.set_attn_implementation(attention.NAME)
+    report = {"attention": [name for name, m in model.named_modules() if isinstance(m, fam.attention)]}
+    for kind, name, module, forward in plan:
+        module.forward = types.MethodType(forward, module)
+        report.setdefault(kind, []).append(name)
+    setattr(model, _PATCH, _Patch(report, [module for _, _, module, _ in plan], before))
+    return report
+
+
+def unapply(model: PreTrainedModel) -> None:
+    """Give model back the forwards and the attention implementation it had before :func:`apply` (a model
+    not patched is left as it is)."""
+    patch = model.__dict__.get(_PATCH)
+    if patch is None:
+        return
+    for module in patch.modules:
+        del module.forward  # the instance's attribute: the class's forward shows through again
+    for config, implementation in patch.attn_implementations:
+        config._attn_implementation_internal = implementation
+    delattr(model, _PATCH)
+
+
+class AutoHorseForCausalLM:
+    """``AutoModelForCausalLM`` whose models come out with :func:`apply` done."""
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs) -> PreTrainedModel:
+        register()  # so that attn_implementation="horse" may be asked for too
+        model = AutoModelForCausalLM.from_pretrained(*args, **kwargs)
+        apply(model)
+        return model
+
+    @classmethod
+    def from_config(cls, config, **kwargs) -> PreTrainedModel:
+        register()
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+        apply(model)
+        return model

@@ -1,0 +1,82 @@
+"""CPU tests of the bench suite's hf family (a transformers model's training step with horse.hf.apply): its
+cases, its gates (tokens/s and peak memory against sdpa, Liger optional) and its interpreter check. Timing
+needs a GPU and is never asserted on."""
+
+import pytest
+import torch
+
+from bench import suite
+
+pytest.importorskip("transformers")
+from bench import hf  # noqa: E402
+
+
+def test_cases_cover_both_models_on_every_implementation_and_quick_keeps_the_gated_ones():
+    cases = hf.cases(quick=False)
+    assert [(c.params["model"], c.implementation) for c in cases] == [
+        (model.name, name) for model in hf.MODELS for name in hf.IMPLEMENTATIONS
+    ]
+    llama, gpt2 = cases[0].params, cases[-1].params
+    assert llama == {"model": "llama-1b", "layers": 16, "d_model": 2048, "batch": 1, "seq_len": 4096}
+    assert gpt2 == {"model": "gpt2-124m", "layers": 12, "d_model": 768, "batch": 16, "seq_len": 1024}
+    assert all(c.direction == "forward+backward" and c.unit == "flop" for c in cases)
+    # 6 N + 12 L d T a token: N is Llama 3.2 1B's 1.236 B parameters (tied head), GPT-2's 124.4 M.
+    assert cases[0].work == pytest.approx((6 * 1.2358e9 + 12 * 16 * 2048 * 4096) * 4096, rel=1e-3)
+    assert cases[-1].work == pytest.approx((6 * 124.44e6 + 12 * 12 * 768 * 1024) * 16 * 1024, rel=1e-3)
+    quick = suite.gated_cases(hf.cases(quick=True), suite.load_gates())
+    assert [(c.params["model"], c.implementation) for c in quick] == [
+        (model.name, name) for model in hf.MODELS for name in ("ours", "sdpa", "liger")
+    ]
+
+
+def _result(implementation: str, median_ms: float, peak_bytes: int) -> suite.Result:
+    params = hf.LLAMA_1B.params
+    return suite.Result(hf.KERNEL, params, "forward+backward", implementation, "flop", 1e12, median_ms,
+                        median_ms, median_ms, 100, True if implementation == "ours" else None,
+                        extra={"peak_memory_bytes": peak_bytes})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "ours_ms, ours_gib, failing",
+    [(90.0, 10, []), (110.0, 10, ["speedup over sdpa"]), (90.0, 13, ["memory over sdpa"])],
+)
+def test_gates_hold_ours_to_sdpas_tokens_per_second_and_peak_memory(ours_ms, ours_gib, failing):
+    results = [_result("ours", ours_ms, ours_gib * 2**30), _result("sdpa", 100.0, 12 * 2**30)]
+    suite.add_metrics(results, {"matmul_tflops": 800.0})
+    assert results[0].memory_ratios == pytest.approx({"sdpa": 12 / ours_gib})
+    verdicts = [v for v in suite.evaluate_gates(results, suite.load_gates()) if v.gate.kernel == hf.KERNEL]
+    assert len(verdicts) == 3  # speedup and memory over sdpa, speedup over Liger (not measured: optional)
+    assert (
+        sorted(v.gate.describe().split(": ")[1].split(" >=")[0] for v in verdicts if not v.passed) == failing
+    )
+    [liger] = [v for v in verdicts if v.gate.baseline == "liger"]
+    assert liger.value is None and liger.passed
+
+
+def test_liger_is_unavailable_for_gpt2_and_where_it_is_not_installed():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(suite.UnavailableError, match="no gpt2"):
+        hf._apply_liger(model, hf.GPT2_124M)
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        with pytest.raises(suite.UnavailableError, match="Liger-Kernel"):
+            hf._apply_liger(model, hf.LLAMA_1B)
+
+
+@pytest.mark.interpreter
+def test_interpreter_check_passes_and_fails_on_a_wrong_gradient(monkeypatch):
+    checks = hf.interpreter_checks()
+    assert [label.split()[1] for label, _, _ in checks] == ["llama-tiny", "gpt2-tiny"]
+    assert all(ok for _, _, ok in checks), checks
+    from horse.hf import forwards
+
+    original = forwards.rms_norm_forward
+
+    def half_the_gradient(self, x):  # the same output, half its gradient: the check must see it
+        y = original(self, x)
+        return y * 0.5 + (y * 0.5).detach()
+
+    monkeypatch.setattr(forwards, "rms_norm_forward", half_the_gradient)
+    errors, ok = hf.interpreter_check(hf.INTERPRETER_MODELS[0])
+    assert not ok, errors

@@ -1,0 +1,431 @@
+"""horse.hf.apply: our kernels inside transformers' own models, against the same models unpatched (eager).
+
+Tiny random models of each family built in code. Most tests run the float32 reference path (the kernels'
+plain-PyTorch twins: ``runtime.INTERPRET`` off), where only the order of operations differs from eager; the
+float16 tests run the Triton kernels in the interpreter. Both hold the suite's accuracy rule
+(``helpers.assert_close``): our error against a float64 eager model at most twice the eager model's own
+error at the same precision, plus a floor. Packed batches are compared with their documents run apart
+(eager attends across documents when a mask is given).
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+from helpers import assert_close
+
+transformers = pytest.importorskip("transformers")
+
+import horse.hf  # noqa: E402
+from horse.kernels import runtime  # noqa: E402
+
+VOCAB = 96
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+# Weights 10x transformers' default spread: activations of order 1, where the activation functions differ
+# (at the default 0.02, gelu and its tanh approximation agree to 1e-7 and a swap of them would pass).
+INIT = 0.2
+
+
+def tiny_config(family: str, **overrides):
+    """A two-layer model of family: hidden 64, 4 query heads over 2 key-value heads (GQA) where the family
+    has them, a sliding window of 5 (shorter than the tests' sequences) for Mistral and Qwen2."""
+    llama_like = {
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    }  # fmt: skip
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(**llama_like),
+        "mistral": lambda: transformers.MistralConfig(**llama_like, sliding_window=5),
+        "qwen2": lambda: transformers.Qwen2Config(
+            **llama_like, use_sliding_window=True, sliding_window=5, max_window_layers=0
+        ),
+        "qwen3": lambda: transformers.Qwen3Config(**llama_like, head_dim=16),
+        "gpt2": lambda: transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            attn_pdrop=0.0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),  # fmt: skip
+    }
+    config = configs[family]()
+    config.initializer_range = INIT
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return config
+
+
+def eager_model(family: str, **overrides):
+    torch.manual_seed(0)
+    config = tiny_config(family, **overrides)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def build(family: str, **overrides):
+    """(eager model, patched deep copy), float32, from one seed, in training mode."""
+    model = eager_model(family, **overrides)
+    model.train()
+    patched = copy.deepcopy(model)
+    horse.hf.apply(patched)
+    return model, patched
+
+
+@pytest.fixture
+def reference_path(monkeypatch):
+    """CPU tensors take the kernels' float32 references, as they do without TRITON_INTERPRET."""
+    monkeypatch.setattr(runtime, "INTERPRET", False)
+
+
+def batch(seqlen: int = 12, rows: int = 2, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (rows, seqlen), generator=generator)
+    labels = ids.clone()
+    labels[:, : seqlen // 4] = -100  # a prompt whose tokens are not predicted
+    return ids, labels
+
+
+def run(model, dtype=None, **inputs):
+    """(loss, logits, {parameter name: gradient}) of one forward and backward with the logits asked for."""
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs, skip_logits=False) if getattr(model, "_horse_hf_patch", None) else model(**inputs)
+    out.loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    return out.loss, out.logits, grads
+
+
+def compare(name, actual, truth, baseline, keep=None):
+    """assert_close over (loss, logits, gradients); keep selects the logits' positions that count."""
+    loss, logits, grads = actual
+    loss_64, logits_64, grads_64 = truth
+    loss_b, logits_b, grads_b = baseline
+    assert_close(f"{name} loss", loss.float(), loss_64, loss_b.float())
+    if keep is not None:
+        logits, logits_64, logits_b = logits[keep], logits_64[keep], logits_b[keep]
+    assert_close(f"{name} logits", logits, logits_64, logits_b)
+    assert grads.keys() == grads_64.keys(), sorted(grads.keys() ^ grads_64.keys())
+    for param in grads:
+        assert_close(f"{name} grad {param}", grads[param], grads_64[param], grads_b[param])
+
+
+def against_eager(family: str, dtype: torch.dtype, keep=None, **inputs):
+    """Our patched model and eager at dtype against the model at float64 on the same inputs. The float64 model
+    runs sdpa: eager's softmax is float32 whatever the inputs, where float64's mask minimum becomes -inf and a
+    padding query that sees no key turns to NaN."""
+    model, patched = build(family)
+    truth_model = copy.deepcopy(model).double()
+    truth_model.set_attn_implementation("sdpa")
+    truth = run(truth_model, **inputs)
+    baseline = run(model.to(dtype), **inputs)
+    actual = run(patched.to(dtype), **inputs)
+    compare(f"{family} {dtype}", actual, truth, baseline, keep)
+    return patched
+
+
+# ----------------------------------------------------------------------------------------------
+# Against eager, family by family
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_loss_and_every_gradient_match_eager_on_the_reference_path(family, reference_path):
+    ids, labels = batch()
+    patched = against_eager(family, torch.float32, input_ids=ids, labels=labels)
+    report = horse.hf.apply(patched)  # applied already: the same report, nothing changed
+    layers = [f"{'transformer.h' if family == 'gpt2' else 'model.layers'}.{i}" for i in range(2)]
+    attention = "attn" if family == "gpt2" else "self_attn"
+    assert report["attention"] == [f"{layer}.{attention}" for layer in layers]
+    assert report["add_layer_norm" if family == "gpt2" else "add_rms_norm"] == layers
+    assert report["linear_cross_entropy"] == [""]
+    norms = 2 * 2 + 1 + (2 * 2 if family == "qwen3" else 0)  # two a layer, the final one, Qwen3's q/k norms
+    assert len(report["layer_norm" if family == "gpt2" else "rms_norm"]) == norms
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_float16_triton_kernels_hold_flash_attns_accuracy_rule(family):
+    ids, labels = batch(seqlen=8)
+    against_eager(family, torch.float16, input_ids=ids, labels=labels)
+
+
+def test_the_training_loss_skips_the_logits_and_matches_the_loss_with_them(reference_path):
+    model, patched = build("llama")
+    ids, labels = batch()
+    fused = patched(input_ids=ids, labels=labels)
+    assert fused.logits is None  # training with labels: linear_cross_entropy, no logits
+    fused.loss.backward()
+    fused_grads = [p.grad.clone() for p in patched.parameters()]
+    patched.zero_grad()
+    with_logits = patched(input_ids=ids, labels=labels, skip_logits=False)
+    with_logits.loss.backward()
+    torch.testing.assert_close(fused.loss, with_logits.loss)
+    for fused_grad, p in zip(fused_grads, patched.parameters(), strict=True):
+        torch.testing.assert_close(fused_grad, p.grad)
+    patched.eval()
+    assert patched(input_ids=ids, labels=labels).logits is not None  # evaluation keeps them
+    assert patched(input_ids=ids).loss is None
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batches_match_eager_where_tokens_are_real(side, reference_path):
+    ids, labels = batch(seqlen=12, rows=3)
+    mask = torch.ones_like(ids)
+    for row, pads in enumerate((0, 3, 7)):
+        where = slice(0, pads) if side == "left" else slice(12 - pads, 12)
+        mask[row, where] = 0
+        labels[row, where] = -100
+    against_eager("llama", torch.float32, keep=mask.bool(), input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def test_sliding_window_with_padding_matches_eager(reference_path):
+    ids, labels = batch(seqlen=12, rows=2)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    labels[1, :4] = -100
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    against_eager("mistral", torch.float32, keep=mask.bool(), **inputs)
+
+
+@pytest.mark.parametrize("how", ["position_ids", "flash_attn_kwargs"])
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_packed_documents_match_the_documents_run_apart(family, how, reference_path):
+    _, patched = build(family)
+    lengths = (5, 8, 3)
+    documents = [batch(seqlen=n, rows=1, seed=i)[0] for i, n in enumerate(lengths)]
+    labels = [d.clone() for d in documents]
+    items = sum(n - 1 for n in lengths)  # tokens predicted: all but each document's first
+    # DataCollatorWithFlattening's batch: one row, labels -100 at each document's first token.
+    collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=how == "flash_attn_kwargs")
+    pairs = list(zip(documents, labels, strict=True))
+    packed = collate([{"input_ids": d[0].tolist(), "labels": y[0].tolist()} for d, y in pairs])
+    loss, logits, grads = run(patched, **packed, num_items_in_batch=items)
+    alone = [run(patched, input_ids=d, labels=y, num_items_in_batch=items) for d, y in pairs]
+    torch.testing.assert_close(loss, sum(a[0] for a in alone), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, torch.cat([a[1] for a in alone], dim=1), rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, sum(a[2][name] for a in alone), rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_gradient_accumulation_matches_one_full_batch(reference_path):
+    """Two micro-batches with num_items_in_batch (Trainer's accumulation) sum to the full batch's mean loss
+    and gradients, as eager's do."""
+    model, patched = build("llama")
+    ids, labels = batch(rows=4)
+    labels[0, 5:] = -100  # uneven counts: a mean per micro-batch would weigh them wrong
+    items = int((labels[:, 1:] != -100).sum())
+    full_loss, _, full_grads = run(patched, input_ids=ids, labels=labels)
+    for m in (patched, model):
+        m.zero_grad()
+        total = 0.0
+        for half in (slice(0, 1), slice(1, 4)):
+            out = m(input_ids=ids[half], labels=labels[half], num_items_in_batch=torch.tensor(items))
+            out.loss.backward()
+            total += out.loss.item()
+        assert total == pytest.approx(full_loss.item(), rel=1e-5)
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(p.grad, full_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_shift_labels_and_ignore_index_as_transformers_takes_them(reference_path):
+    model, patched = build("qwen3")
+    ids, labels = batch()
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    shifted[0, 3:6] = 7  # labels the shift alone would not give
+    sevens = ids.clone()
+    sevens[:, ::3] = 7  # ignored with ignore_index=7
+    every_label_ignored = torch.full_like(labels, -100)  # transformers' mean over no tokens: NaN
+    cases = (
+        {"labels": labels, "shift_labels": shifted},
+        {"labels": sevens, "ignore_index": 7},
+        {"labels": every_label_ignored},
+    )
+    for kwargs in cases:
+        expected = model(input_ids=ids, **kwargs).loss
+        torch.testing.assert_close(patched(input_ids=ids, **kwargs).loss, expected, equal_nan=True)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gpt2"])
+def test_greedy_generation_matches_eager_token_for_token(family, reference_path):
+    model, patched = build(family)
+    model.eval(), patched.eval()
+    ids = batch(seqlen=6, rows=2)[0]
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding, as generation pads
+    options = {"max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
+    for inputs in ({"input_ids": ids[:1]}, {"input_ids": ids, "attention_mask": mask}):
+        torch.testing.assert_close(patched.generate(**inputs, **options), model.generate(**inputs, **options),
+                                   rtol=0, atol=0)  # fmt: skip
+
+
+def test_decode_steps_use_the_kvcache_kernel(monkeypatch, reference_path):
+    calls = []
+    original = horse.hf.attention.flash_attention_with_kvcache
+    monkeypatch.setattr(horse.hf.attention, "flash_attention_with_kvcache",
+                        lambda *a, **k: calls.append(a[0].shape) or original(*a, **k))  # fmt: skip
+    _, patched = build("llama")
+    patched.eval()
+    patched.generate(batch(seqlen=5, rows=1)[0], max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert calls == [torch.Size([1, 1, 4, 16])] * 2 * 2  # 2 decode steps after the prompt, 2 layers each
+
+
+# ----------------------------------------------------------------------------------------------
+# apply and unapply leave the model's parameters and files alone
+# ----------------------------------------------------------------------------------------------
+
+
+def test_apply_keeps_parameters_and_unapply_restores_the_forwards_bit_for_bit(tmp_path, reference_path):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+    ids, labels = batch()
+    before = model(input_ids=ids, labels=labels)
+    params = {name: id(p) for name, p in model.named_parameters()}
+    keys = list(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.save_pretrained(tmp_path / "before")
+
+    report = horse.hf.apply(model)
+    assert model.config._attn_implementation == "horse"
+    assert {name: id(p) for name, p in model.named_parameters()} == params
+    assert list(model.state_dict()) == keys
+    model.save_pretrained(tmp_path / "after")
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "before" / name).read_bytes() == (tmp_path / "after" / name).read_bytes(), name
+    assert json.loads((tmp_path / "after" / "config.json").read_text()).get("attn_implementation") is None
+    patched = {name: p.detach().clone() for name, p in model.named_parameters()}
+    model(input_ids=ids, labels=labels).loss.backward()
+    optimizer.step()  # the optimizer made before apply steps the model's own tensors
+    assert all(not torch.equal(p, patched[name]) for name, p in model.named_parameters())
+    assert horse.hf.apply(model) is report
+
+    horse.hf.unapply(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert not hasattr(model, "_horse_hf_patch")
+    torch.manual_seed(0)
+    fresh = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+    fresh.load_state_dict(model.state_dict())
+    got, expected = model(input_ids=ids, labels=labels), fresh(input_ids=ids, labels=labels)
+    torch.testing.assert_close((got.loss, got.logits), (expected.loss, expected.logits), rtol=0, atol=0)
+    horse.hf.unapply(model)  # not patched: nothing to do
+    assert before.loss.isfinite()
+
+
+def test_attn_implementation_horse_and_auto_horse_load_a_saved_model(tmp_path, reference_path):
+    model, patched = build("qwen3")
+    model.save_pretrained(tmp_path)
+    horse.hf.register()
+    by_name = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="horse")
+    loaded = horse.hf.AutoHorseForCausalLM.from_pretrained(tmp_path)
+    assert by_name.config._attn_implementation == loaded.config._attn_implementation == "horse"
+    ids = batch()[0]
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # the mask function registered with the attention: padding reaches it
+    expected = patched.eval()(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+    for m in (by_name, loaded):
+        torch.testing.assert_close(m(input_ids=ids, attention_mask=mask).logits[mask.bool()], expected)
+
+
+def test_trainer_runs_three_steps_with_the_unpatched_losses(tmp_path, reference_path):
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randint(3, VOCAB, (12, 10), generator=generator)
+    data = [{"input_ids": ids, "labels": ids} for ids in rows]
+    losses = {}
+    for patch in (False, True):
+        model = eager_model("llama")
+        if patch:
+            horse.hf.apply(model)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(patch)), max_steps=3, per_device_train_batch_size=2,
+            gradient_accumulation_steps=2, learning_rate=1e-2, logging_steps=1, save_strategy="no",
+            report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+        )  # fmt: skip
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        assert trainer.model_accepts_loss_kwargs  # num_items_in_batch reaches the fused loss
+        losses[patch] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses[True]) == 3 and all(torch.isfinite(torch.tensor(losses[True])))
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Refusals
+# ----------------------------------------------------------------------------------------------
+
+
+def test_an_unsupported_model_type_is_refused_by_name():
+    config = transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=96
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"'gpt_neox'.*llama, mistral, qwen2, qwen3, gpt2"):
+        horse.hf.apply(model)
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        horse.hf.apply(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    "family, overrides, message",
+    [
+        ("llama", {"head_dim": 320, "num_attention_heads": 1, "num_key_value_heads": 1}, "head_dim 320"),
+        ("llama", {"mlp_bias": True}, "MLP biases"),
+        ("llama", {"hidden_act": "tanh"}, "activation Tanh"),
+        ("llama", {"attn_logit_softcapping": 30.0}, "softcapping"),
+        ("gpt2", {"add_cross_attention": True}, "cross-attention"),
+    ],
+)  # fmt: skip
+def test_configs_the_kernels_cannot_run_exactly_are_refused(family, overrides, message):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
+    with pytest.raises(ValueError, match=message):
+        horse.hf.apply(model)
+    assert not hasattr(model, "_horse_hf_patch") and all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_quantized_and_wrapped_layers_are_refused_by_name(reference_path):
+    class LoraLike(torch.nn.Linear):  # stands in for PEFT's and bitsandbytes' subclasses
+        pass
+
+    model = build("llama")[0]
+    model.config.quantization_config = {"quant_method": "bitsandbytes"}
+    with pytest.raises(ValueError, match="quantized"):
+        horse.hf.apply(model)
+    del model.config.quantization_config
+    model.model.layers[1].mlp.up_proj.__class__ = LoraLike
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj \(.*LoraLike\)"):
+        horse.hf.apply(model)
+    model.model.layers[1].mlp.up_proj.__class__ = torch.nn.Linear
+    horse.hf.apply(model)
+    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda *args: None)  # after apply: at the call
+    with pytest.raises(TypeError, match=r"down_proj \(has forward hooks\)"):
+        model(input_ids=batch()[0])
+
+
+def test_what_the_fused_attention_cannot_do_is_refused_at_the_call(reference_path):
+    model, patched = build("gpt2", attn_pdrop=0.1)
+    ids, labels = batch()
+    with pytest.raises(ValueError, match=r"attention dropout 0\.1.*attn_pdrop=0\.0"):
+        patched(input_ids=ids, labels=labels)
+    patched.eval()  # no dropout in evaluation
+    patched(input_ids=ids)
+    with pytest.raises(ValueError, match="output_attentions"):
+        patched(input_ids=ids, output_attentions=True)
+    _, llama = build("llama")
+    with pytest.raises(ValueError, match="output_attentions"):
+        llama(input_ids=ids, output_attentions=True)
+    with pytest.raises(ValueError, match="4-D attention mask"):
+        llama(input_ids=ids, attention_mask=torch.zeros(2, 1, 12, 12))
+
+
+@pytest.mark.interpreter
+def test_float32_activations_on_the_triton_path_are_refused():
+    _, patched = build("llama")
+    with pytest.raises(TypeError, match=r"float32 activations.*torch_dtype=torch\.bfloat16"):
+        patched(input_ids=batch()[0])
