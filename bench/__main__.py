@@ -99,7 +99,7 @@ def gpu_main(args, pytest_args) -> int:
     plugin = suite.SuitePlugin(cases)
     pytest_code = pytest.main(
         [str(BENCH_DIR / "bench_kernels.py"), "-o", "python_files=bench_*.py",
-         "-o", "python_functions=bench_*", "-p", "no:cacheprovider", "-q",
+         "-o", "python_functions=bench_*", "-p", "no:cacheprovider", "-q", "-ra",
          "--benchmark-columns=median,iqr,rounds", *pytest_args],
         plugins=[plugin],
     )  # fmt: skip
