@@ -51,7 +51,11 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from bench import compile_report, timing
+from bench import timing
+from bench.compile_report import compiler, gate
+from bench.compile_report.attention import ATTENTION_MASKS, attention_entry_configs, attention_pass_config
+from bench.compile_report.config import check_capabilities
+from bench.compile_report.mlp import mlp_entry_configs, mlp_gemm_config
 from bench.report import format_table
 from horse.kernels import attention, mlp, runtime
 
@@ -85,7 +89,7 @@ class Target:
     title: str
     table: dict
     key: object
-    compile_configs: Callable[[object], list]  # candidate -> compile_report.KernelConfig list
+    compile_configs: Callable[[object], list]  # candidate -> bench.compile_report KernelConfig list
     check: Callable[[], bool]  # ours correct with the table as it is now (on the GPU)
     calls: Callable[[], dict]  # mode -> (zero-argument call, FLOPs a call does)
     persistent: bool = False  # candidates include programs_per_sm (the attention forward)
@@ -156,21 +160,21 @@ def descend(start, measure: Callable[[object], Measurement], deadline: float,
 
 
 def compile_failures(configs: list, compile_batch: Callable[[list], list]) -> tuple[list, list[str]]:
-    """The CompileResults of configs (compile_report.KernelConfig) built by compile_batch, and a line
-    per config that spills, exceeds shared memory or misses the tensor cores (compile_report.failures);
-    a config Triton cannot compile at all is the one line."""
+    """The CompileResults of configs (bench.compile_report KernelConfigs) built by compile_batch, and
+    a line per config that spills, exceeds shared memory or misses the tensor cores (gate.failures); a
+    config Triton cannot compile at all is the one line."""
     try:
         results = compile_batch(configs)
     except Exception as error:
         return [], [f"does not compile: {' '.join(str(error).split())[:200]}"]
-    return results, compile_report.failures(results)
+    return results, gate.failures(results)
 
 
 def compiles_clean(configs: list) -> tuple[bool, str]:
-    """Whether every compile_report.KernelConfig compiles clean for its GPU family; the reason, or
+    """Whether every KernelConfig compiles clean for its GPU family; the reason, or
     the registers, as a note."""
     # In this process: a forked worker of a process that holds a CUDA context is unsafe.
-    results, bad = compile_failures(configs, compile_report.compile_configs)
+    results, bad = compile_failures(configs, compiler.compile_configs)
     return not bad, "; ".join(bad) if bad else "registers " + "/".join(str(r.registers) for r in results)
 
 
@@ -212,10 +216,10 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
 
     def variants(pass_name: str, head_dim: int, packed: bool) -> Callable[[object], list]:
         return lambda cfg: [
-            compile_report.attention_pass_config(
+            attention_pass_config(
                 pass_name, cfg.loads(cfg.tma), head_dim, torch.float16, mask, cfg.tma, packed, arch.name
             )
-            for mask in compile_report.ATTENTION_MASKS
+            for mask in ATTENTION_MASKS
         ]
 
     targets = []
@@ -287,7 +291,7 @@ def mlp_targets(gemms, shape_classes, arch: runtime.Arch = runtime.SM90) -> list
             f"mlp {gemm} {shape_class} ({model.name}, {tokens} tokens; {arch.name})",
             mlp.GEMM_CONFIGS[arch.name][gemm], shape_class,
             lambda cfg, g=gemm, c=shape_class, a=model.activation: [
-                compile_report.mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma, arch.name)
+                mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma, arch.name)
             ],
             lambda m=model, t=tokens: bench_mlp.check(m, t, DEVICE, whole_mlp=True)[1],
             functools.partial(_mlp_calls, gemm, model, tokens), tma=arch.tma,
@@ -328,7 +332,7 @@ GEMM_STAGES = (4, 3, 2)
 @dataclasses.dataclass
 class EntrySearch:
     """One table entry of a GPU family to search by compiling alone: candidates in order of
-    preference, and every compile_report.KernelConfig a candidate must compile clean in."""
+    preference, and every KernelConfig a candidate must compile clean in."""
 
     title: str
     table_entry: object  # the family's entry now
@@ -391,7 +395,7 @@ def attention_searches(passes, head_dims, arch: runtime.Arch, start_from: runtim
             searches.append(EntrySearch(
                 f"attention {name}{batch} d={block_d} ({arch.name})", table[arch.name][block_d],
                 attention_candidates(pass_name, start, block_d, tma),
-                lambda cfg, t=table_name, b=block_d: compile_report.attention_entry_configs(t, cfg, b, arch),
+                lambda cfg, t=table_name, b=block_d: attention_entry_configs(t, cfg, b, arch),
                 (padded_table, arch.name, str(block_d)),  # the packed forward reads the padded entries
             ))  # fmt: skip
     return searches
@@ -407,7 +411,7 @@ def mlp_searches(gemms, shape_classes, arch: runtime.Arch, start_from: runtime.A
         searches.append(EntrySearch(
             f"mlp {gemm} {shape_class} ({arch.name})", mlp.GEMM_CONFIGS[arch.name][gemm][shape_class],
             gemm_candidates(start, tma),
-            lambda cfg, g=gemm, c=shape_class: compile_report.mlp_entry_configs(g, c, cfg, arch),
+            lambda cfg, g=gemm, c=shape_class: mlp_entry_configs(g, c, cfg, arch),
             ("GEMM_CONFIGS", arch.name, gemm, shape_class),
         ))  # fmt: skip
     return searches
@@ -469,7 +473,7 @@ def write_entries(path, entries: dict) -> None:
 
 
 def first_failure(configs: list, compile_batch: Callable[[list], list], batch: int) -> str | None:
-    """Why configs (compile_report.KernelConfig) do not all compile clean, or None if they do;
+    """Why configs (bench.compile_report KernelConfigs) do not all compile clean, or None if they do;
     compiled batch at a time (compile_batch: configs -> CompileResults), stopping at the first
     batch that fails."""
     for i in range(0, len(configs), batch):
@@ -645,7 +649,7 @@ def _compile_only(parser: argparse.ArgumentParser, args) -> dict:
     else:
         searches = mlp_searches(args.gemms, args.shape_classes or SHAPE_CLASSES, arch, start_from)
     if args.capability:
-        compile_report.check_capabilities(parser, args.capability, arch.name)
+        check_capabilities(parser, args.capability, arch.name)
         searches = [built_for(search, args.capability) for search in searches]
     path = runtime.CONFIGS_DIR / f"{args.family}.json"
     if args.write:
@@ -656,9 +660,7 @@ def _compile_only(parser: argparse.ArgumentParser, args) -> dict:
         parser.error("unset TRITON_INTERPRET: the interpreter cannot compile kernels")
     jobs, seconds = max(1, args.jobs), math.inf if args.seconds is None else args.seconds
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        report = search_entries(
-            searches, lambda c: compile_report.compile_in_pool(pool, c, jobs), jobs, seconds
-        )
+        report = search_entries(searches, lambda c: compiler.compile_in_pool(pool, c, jobs), jobs, seconds)
     if args.write:
         found = {s.entry: report[s.title]["clean"] for s in searches if report[s.title]["clean"]}
         write_entries(path, {entry: type(searches[0].table_entry)(**cfg) for entry, cfg in found.items()})
