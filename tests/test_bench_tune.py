@@ -187,7 +187,7 @@ def test_every_target_checks_and_times_a_candidate(tiny_targets_on_the_cpu):
 def test_compile_filter_passes_the_tables_and_rejects_shared_memory_over_budget():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     script = (
-        "from bench import tune; from kernels import attention, mlp; "
+        "from bench import tune; from horse.kernels import attention, mlp; "
         "[fwd, packed] = tune.attention_targets(['fwd'], [128], 4096); "
         "[gemm] = tune.mlp_targets(['fwd'], ['medium']); "
         "print(tune.compiles_clean(fwd.compile_configs(attention.FWD_CONFIGS['sm90'][128]))); "
