@@ -47,9 +47,11 @@ def _parse(argv):
     parser.add_argument("--only", nargs="+", choices=FAMILIES, help="these families only")
     parser.add_argument("--out", type=Path, help="directory for results.json and the plots")
     parser.add_argument(
-        "--compare", type=Path, metavar="PREVIOUS.json",
+        "--compare",
+        type=Path,
+        metavar="PREVIOUS.json",
         help="an earlier run's results.json: print each case's time ratio, exit 1 if ours regressed > 5 %%",
-    )  # fmt: skip
+    )
     return parser.parse_known_args(argv)
 
 
@@ -96,11 +98,20 @@ def gpu_main(args, pytest_args) -> int:
         cases = suite.gated_cases(cases, gates)
     plugin = suite.SuitePlugin(cases)
     pytest_code = pytest.main(
-        [str(BENCH_DIR / "bench_kernels.py"), "-o", "python_files=bench_*.py",
-         "-o", "python_functions=bench_*", "-p", "no:cacheprovider", "-q",
-         "--benchmark-columns=median,iqr,rounds", *pytest_args],
+        [
+            str(BENCH_DIR / "bench_kernels.py"),
+            "-o",
+            "python_files=bench_*.py",
+            "-o",
+            "python_functions=bench_*",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "--benchmark-columns=median,iqr,rounds",
+            *pytest_args,
+        ],
         plugins=[plugin],
-    )  # fmt: skip
+    )
     failed = suite.save_and_gate(
         args.out, "results.json", machine, ceilings, plugin.results, gates, cases, plots=True
     )

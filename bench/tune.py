@@ -66,11 +66,15 @@ ATTENTION_PASSES = {  # --passes name: (compile report pass, table in horse.kern
 }
 # MLP GEMM shapes per (gemm, shape class): (model name in bench.mlp.MODELS, tokens).
 MLP_SHAPES = {
-    ("fwd", "large"): ("1.3B", 16384), ("fwd", "medium"): ("124M", 1024),
-    ("gated_fwd", "large"): ("7B", 16384), ("gated_fwd", "medium"): ("7B", 512),
-    ("dh_bwd", "large"): ("1.3B", 16384), ("dh_bwd", "medium"): ("124M", 1024),
-    ("gated_dh_bwd", "large"): ("7B", 16384), ("gated_dh_bwd", "medium"): ("7B", 512),
-}  # fmt: skip
+    ("fwd", "large"): ("1.3B", 16384),
+    ("fwd", "medium"): ("124M", 1024),
+    ("gated_fwd", "large"): ("7B", 16384),
+    ("gated_fwd", "medium"): ("7B", 512),
+    ("dh_bwd", "large"): ("1.3B", 16384),
+    ("dh_bwd", "medium"): ("124M", 1024),
+    ("gated_dh_bwd", "large"): ("7B", 16384),
+    ("gated_dh_bwd", "medium"): ("7B", 512),
+}
 SHAPE_CLASSES = ("large", "medium", "small")  # the GEMM tables' keys (horse.kernels.mlp.shape_class)
 MIN_GAIN = 0.02  # a neighbour must be this much faster to move: below it, timing noise decides
 TILE_RANGE = (16, 256)
@@ -137,9 +141,14 @@ def neighbours(cfg, persistent: bool = False, tma: bool = True) -> list:
     return out
 
 
-def descend(start, measure: Callable[[object], Measurement], deadline: float,
-            clock: Callable[[], float] = time.monotonic, persistent: bool = False,
-            tma: bool = True) -> tuple[object, list[Measurement]]:  # fmt: skip
+def descend(
+    start,
+    measure: Callable[[object], Measurement],
+    deadline: float,
+    clock: Callable[[], float] = time.monotonic,
+    persistent: bool = False,
+    tma: bool = True,
+) -> tuple[object, list[Measurement]]:
     """Best-improvement descent from start over :func:`neighbours`, each config measured once,
     until no neighbour gains MIN_GAIN or the clock passes deadline. Returns (best, measurements)."""
     measured = {start: measure(start)}
@@ -228,13 +237,18 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
         shape = bench_attention.benchmark_shape(seqlen, head_dim)
         for packed in (False, True) if name == "fwd" else (False,):  # packed documents: a table of their own
             table = getattr(attention, "PACKED_FWD_CONFIGS" if packed else table_name)[arch.name]
-            targets.append(Target(
-                f"attention {name}{' packed' if packed else ''} d={head_dim} ({arch.name})", table,
-                attention.head_dim_block(head_dim), variants(pass_name, head_dim, packed),
-                functools.partial(_attention_check, head_dim, packed),
-                functools.partial(_attention_calls, pass_name, shape, packed),
-                persistent=name == "fwd" and not packed, tma=arch.tma,
-            ))  # fmt: skip
+            targets.append(
+                Target(
+                    f"attention {name}{' packed' if packed else ''} d={head_dim} ({arch.name})",
+                    table,
+                    attention.head_dim_block(head_dim),
+                    variants(pass_name, head_dim, packed),
+                    functools.partial(_attention_check, head_dim, packed),
+                    functools.partial(_attention_calls, pass_name, shape, packed),
+                    persistent=name == "fwd" and not packed,
+                    tma=arch.tma,
+                )
+            )
     return targets
 
 
@@ -287,15 +301,19 @@ def mlp_targets(gemms, shape_classes, arch: runtime.Arch = runtime.SM90) -> list
         model, tokens = models[MLP_SHAPES[gemm, shape_class][0]], MLP_SHAPES[gemm, shape_class][1]
         if mlp.shape_class(tokens, model.hidden) != shape_class:
             raise ValueError(f"MLP_SHAPES: {model.name} at {tokens} tokens is not {shape_class}")
-        targets.append(Target(
-            f"mlp {gemm} {shape_class} ({model.name}, {tokens} tokens; {arch.name})",
-            mlp.GEMM_CONFIGS[arch.name][gemm], shape_class,
-            lambda cfg, g=gemm, c=shape_class, a=model.activation: [
-                mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma, arch.name)
-            ],
-            lambda m=model, t=tokens: bench_mlp.check(m, t, DEVICE, whole_mlp=True)[1],
-            functools.partial(_mlp_calls, gemm, model, tokens), tma=arch.tma,
-        ))  # fmt: skip
+        targets.append(
+            Target(
+                f"mlp {gemm} {shape_class} ({model.name}, {tokens} tokens; {arch.name})",
+                mlp.GEMM_CONFIGS[arch.name][gemm],
+                shape_class,
+                lambda cfg, g=gemm, c=shape_class, a=model.activation: [
+                    mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma, arch.name)
+                ],
+                lambda m=model, t=tokens: bench_mlp.check(m, t, DEVICE, whole_mlp=True)[1],
+                functools.partial(_mlp_calls, gemm, model, tokens),
+                tma=arch.tma,
+            )
+        )
     return targets
 
 
@@ -349,15 +367,26 @@ def attention_candidates(pass_name: str, start, block_d: int, tma: bool) -> list
     (tma: the family has it) and pointers. Largest tile first, then the longest side, fewer splits,
     start's warps, more stages, TMA before pointers."""
     by_queries = pass_name == "attn_bwd_dkdv"
-    tiles = [(m, n) for m, n in itertools.product(ATTENTION_TILES, repeat=2)
-             if (m <= n if by_queries else n <= m) and m * n <= start.block_m * start.block_n]  # fmt: skip
+    tiles = [
+        (m, n)
+        for m, n in itertools.product(ATTENTION_TILES, repeat=2)
+        if (m <= n if by_queries else n <= m) and m * n <= start.block_m * start.block_n
+    ]
     splits = (1, 2) if pass_name == "attn_bwd_dkdv" and block_d == 256 else (1,)
     out = [
         dataclasses.replace(start, block_m=m, block_n=n, num_warps=w, num_stages=st, column_splits=sp, tma=t)
         for (m, n), w, st, sp, t in itertools.product(tiles, WARPS, ATTENTION_STAGES, splits, (tma, False))
     ]
-    out.sort(key=lambda c: (-c.block_m * c.block_n, -max(c.block_m, c.block_n), c.column_splits,
-                            c.num_warps != start.num_warps, -c.num_stages, not c.tma))  # fmt: skip
+    out.sort(
+        key=lambda c: (
+            -c.block_m * c.block_n,
+            -max(c.block_m, c.block_n),
+            c.column_splits,
+            c.num_warps != start.num_warps,
+            -c.num_stages,
+            not c.tma,
+        )
+    )
     return list(dict.fromkeys([start, *out]))
 
 
@@ -367,15 +396,24 @@ def gemm_candidates(start, tma: bool) -> list:
     family has it) and pointers, start's group. Largest tile first, start's shape first among equals,
     then the deepest pipeline (block_k times stages), fewer splits, start's warps, TMA first."""
     out = [
-        dataclasses.replace(start, block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st,
-                            epilogue_split=sp, tma=t)
-        for m, n, k in itertools.product(*GEMM_TILES) if m * n <= start.block_m * start.block_n
+        dataclasses.replace(
+            start, block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st, epilogue_split=sp, tma=t
+        )
+        for m, n, k in itertools.product(*GEMM_TILES)
+        if m * n <= start.block_m * start.block_n
         for w, st, sp, t in itertools.product(WARPS, GEMM_STAGES, EPILOGUE_SPLITS, (tma, False))
         if n // sp >= 32
-    ]  # fmt: skip
-    out.sort(key=lambda c: (-c.block_m * c.block_n, (c.block_m, c.block_n) != (start.block_m, start.block_n),
-                            -c.block_k * c.num_stages, c.epilogue_split, c.num_warps != start.num_warps,
-                            not c.tma))  # fmt: skip
+    ]
+    out.sort(
+        key=lambda c: (
+            -c.block_m * c.block_n,
+            (c.block_m, c.block_n) != (start.block_m, start.block_n),
+            -c.block_k * c.num_stages,
+            c.epilogue_split,
+            c.num_warps != start.num_warps,
+            not c.tma,
+        )
+    )
     return list(dict.fromkeys([start, *out]))
 
 
@@ -392,12 +430,15 @@ def attention_searches(passes, head_dims, arch: runtime.Arch, start_from: runtim
             # Without TMA the family starts from the entry's pointer tile, which its candidates then vary.
             start = start if tma else dataclasses.replace(start.loads(False), tma=False)
             batch = " packed" if table_name.startswith("PACKED") else ""
-            searches.append(EntrySearch(
-                f"attention {name}{batch} d={block_d} ({arch.name})", table[arch.name][block_d],
-                attention_candidates(pass_name, start, block_d, tma),
-                lambda cfg, t=table_name, b=block_d: attention_entry_configs(t, cfg, b, arch),
-                (padded_table, arch.name, str(block_d)),  # the packed forward reads the padded entries
-            ))  # fmt: skip
+            searches.append(
+                EntrySearch(
+                    f"attention {name}{batch} d={block_d} ({arch.name})",
+                    table[arch.name][block_d],
+                    attention_candidates(pass_name, start, block_d, tma),
+                    lambda cfg, t=table_name, b=block_d: attention_entry_configs(t, cfg, b, arch),
+                    (padded_table, arch.name, str(block_d)),  # the packed forward reads the padded entries
+                )
+            )
     return searches
 
 
@@ -408,12 +449,15 @@ def mlp_searches(gemms, shape_classes, arch: runtime.Arch, start_from: runtime.A
     for gemm, shape_class in itertools.product(gemms, shape_classes):
         start = mlp.GEMM_CONFIGS[(start_from or arch).name][gemm][shape_class]
         start = start if tma else dataclasses.replace(start, tma=False)
-        searches.append(EntrySearch(
-            f"mlp {gemm} {shape_class} ({arch.name})", mlp.GEMM_CONFIGS[arch.name][gemm][shape_class],
-            gemm_candidates(start, tma),
-            lambda cfg, g=gemm, c=shape_class: mlp_entry_configs(g, c, cfg, arch),
-            ("GEMM_CONFIGS", arch.name, gemm, shape_class),
-        ))  # fmt: skip
+        searches.append(
+            EntrySearch(
+                f"mlp {gemm} {shape_class} ({arch.name})",
+                mlp.GEMM_CONFIGS[arch.name][gemm][shape_class],
+                gemm_candidates(start, tma),
+                lambda cfg, g=gemm, c=shape_class: mlp_entry_configs(g, c, cfg, arch),
+                ("GEMM_CONFIGS", arch.name, gemm, shape_class),
+            )
+        )
     return searches
 
 
@@ -445,8 +489,11 @@ def one_per_entry(searches: list[EntrySearch]) -> list[EntrySearch]:
 def entry_fields(cfg) -> dict:
     """cfg (an AttnConfig or a GemmConfig) as horse/kernels/configs/*.json holds it: its fields not at
     their defaults, a config inside it (AttnConfig.pointer) likewise."""
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-              if f.default is dataclasses.MISSING or getattr(cfg, f.name) != f.default}  # fmt: skip
+    fields = {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if f.default is dataclasses.MISSING or getattr(cfg, f.name) != f.default
+    }
     return {name: entry_fields(v) if dataclasses.is_dataclass(v) else v for name, v in fields.items()}
 
 
@@ -483,9 +530,13 @@ def first_failure(configs: list, compile_batch: Callable[[list], list], batch: i
     return None
 
 
-def search_entries(searches: list[EntrySearch], compile_batch: Callable[[list], list], batch: int = 2,
-                   seconds: float = math.inf,
-                   clock: Callable[[], float] = time.monotonic) -> dict:  # fmt: skip
+def search_entries(
+    searches: list[EntrySearch],
+    compile_batch: Callable[[list], list],
+    batch: int = 2,
+    seconds: float = math.inf,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict:
     """For each search the first candidate that compiles clean in every variant, with the reason
     each earlier candidate failed; stops at seconds. The report as a dict (null: none found)."""
     deadline = clock() + seconds
@@ -586,26 +637,50 @@ def main(argv: list[str] | None = None) -> int:
     mlp_cli = families.add_parser("mlp", help="the GEMM table of horse.kernels.mlp")
     gemms = list(dict.fromkeys(g for g, _ in MLP_SHAPES))
     mlp_cli.add_argument("--gemms", nargs="+", choices=gemms, default=gemms)
-    mlp_cli.add_argument("--shape-classes", nargs="+", choices=SHAPE_CLASSES, help="default: large medium; "
-                         "with --compile-only all (small has no bench shape to time)")  # fmt: skip
+    mlp_cli.add_argument(
+        "--shape-classes",
+        nargs="+",
+        choices=SHAPE_CLASSES,
+        help="default: large medium; with --compile-only all (small has no bench shape to time)",
+    )
     for family in (attn_cli, mlp_cli):
-        family.add_argument("--seconds", type=float, help="time budget, shared by the targets (default: "
-                            "240; with --compile-only none)")  # fmt: skip
+        family.add_argument(
+            "--seconds",
+            type=float,
+            help="time budget, shared by the targets (default: 240; with --compile-only none)",
+        )
         family.add_argument("--json", help="write every measurement here")
-        family.add_argument("--compile-only", action="store_true", help="no GPU: for each entry of --arch, "
-                            "the first candidate (largest tile first) that compiles clean in every variant "
-                            "the compile report builds")  # fmt: skip
+        family.add_argument(
+            "--compile-only",
+            action="store_true",
+            help="no GPU: for each entry of --arch, "
+            "the first candidate (largest tile first) that compiles clean in every variant "
+            "the compile report builds",
+        )
         family.add_argument("--arch", choices=list(runtime.ARCHS), help="with --compile-only: the family")
-        family.add_argument("--start-from", choices=list(runtime.ARCHS), help="with --compile-only: start "
-                            "from this family's entries (default: --arch's own)")  # fmt: skip
-        family.add_argument("--jobs", type=int, default=os.cpu_count(), help="with --compile-only: parallel "
-                            "compilations")  # fmt: skip
-        family.add_argument("--write", action="store_true", help="with --compile-only: put each entry found "
-                            "into horse/kernels/configs/<family>.json (the families whose entries are data, "
-                            "not sm90)")  # fmt: skip
-        family.add_argument("--capability", nargs="+", type=int, help="with --compile-only: clean when built "
-                            "for each of these GPUs that take --arch's entries, e.g. 86 89 120 for sm86 "
-                            "(default: the family's own)")  # fmt: skip
+        family.add_argument(
+            "--start-from",
+            choices=list(runtime.ARCHS),
+            help="with --compile-only: start from this family's entries (default: --arch's own)",
+        )
+        family.add_argument(
+            "--jobs", type=int, default=os.cpu_count(), help="with --compile-only: parallel compilations"
+        )
+        family.add_argument(
+            "--write",
+            action="store_true",
+            help="with --compile-only: put each entry found "
+            "into horse/kernels/configs/<family>.json (the families whose entries are data, "
+            "not sm90)",
+        )
+        family.add_argument(
+            "--capability",
+            nargs="+",
+            type=int,
+            help="with --compile-only: clean when built "
+            "for each of these GPUs that take --arch's entries, e.g. 86 89 120 for sm86 "
+            "(default: the family's own)",
+        )
     args = parser.parse_args(argv)
     report = _compile_only(parser, args) if args.compile_only else _tune(parser, args)
     if args.json:
