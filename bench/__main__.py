@@ -97,21 +97,10 @@ def gpu_main(args, pytest_args) -> int:
     if args.quick:
         cases = suite.gated_cases(cases, gates)
     plugin = suite.SuitePlugin(cases)
-    pytest_code = pytest.main(
-        [
-            str(BENCH_DIR / "bench_kernels.py"),
-            "-o",
-            "python_files=bench_*.py",
-            "-o",
-            "python_functions=bench_*",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            "--benchmark-columns=median,iqr,rounds",
-            *pytest_args,
-        ],
-        plugins=[plugin],
-    )
+    collect_bench = ["-o", "python_files=bench_*.py", "-o", "python_functions=bench_*"]  # not test_*
+    quiet = ["-p", "no:cacheprovider", "-q", "--benchmark-columns=median,iqr,rounds"]
+    pytest_argv = [str(BENCH_DIR / "bench_kernels.py"), *collect_bench, *quiet, *pytest_args]
+    pytest_code = pytest.main(pytest_argv, plugins=[plugin])
     failed = suite.save_and_gate(
         args.out, "results.json", machine, ceilings, plugin.results, gates, cases, plots=True
     )

@@ -272,10 +272,12 @@ def cases(quick: bool) -> list[suite.Case]:
             params,
             implementations(shape, causal, quick),
             DIRECTION_MULTIPLE,
-            functools.partial(direction_flops, shape=shape, causal=causal),
-            "flop",
-            lambda name, make_fn, d, s=shape: _setup(d, make_fn, s, pointer_loads=name == "ours-pointer"),
-            functools.partial(check, shape, causal, "cuda"),
+            work=functools.partial(direction_flops, shape=shape, causal=causal),
+            unit="flop",
+            setup=lambda name, make_fn, d, s=shape: _setup(
+                d, make_fn, s, pointer_loads=name == "ours-pointer"
+            ),
+            check=functools.partial(check, shape, causal, "cuda"),
         )
     return out + decode_cases() if quick else out + window_cases() + packed_cases() + decode_cases()
 
@@ -303,10 +305,10 @@ def window_cases() -> list[suite.Case]:
             params,
             impls,
             DIRECTION_MULTIPLE,
-            functools.partial(direction_flops, shape=shape, causal=True, forward=forward),
-            "flop",
-            lambda name, make_fn, d, s=shape: _setup(d, make_fn, s),
-            functools.partial(check, shape, True, "cuda", window_size=(WINDOW, -1)),
+            work=functools.partial(direction_flops, shape=shape, causal=True, forward=forward),
+            unit="flop",
+            setup=lambda name, make_fn, d, s=shape: _setup(d, make_fn, s),
+            check=functools.partial(check, shape, True, "cuda", window_size=(WINDOW, -1)),
         )
     return out
 
@@ -348,10 +350,10 @@ def packed_cases() -> list[suite.Case]:
         params,
         impls,
         DIRECTION_MULTIPLE,
-        lambda d: direction_flops(d, packed, True, forward),
-        "flop",
-        setup,
-        functools.partial(check_packed, PACKED_LENGTHS, heads, EXTRA_HEAD_DIM, "cuda"),
+        work=lambda d: direction_flops(d, packed, True, forward),
+        unit="flop",
+        setup=setup,
+        check=functools.partial(check_packed, PACKED_LENGTHS, heads, EXTRA_HEAD_DIM, "cuda"),
     )
 
 
@@ -408,10 +410,10 @@ def decode_cases() -> list[suite.Case]:
             params,
             impls,
             ["forward"],
-            lambda d, w=work: w,
-            "byte",
-            lambda name, make_fn, d, i=inputs, w=work: timing.setup(make_fn, i, d, w),
-            functools.partial(check_decode, batch, cache, head_dim, "cuda"),
+            work=lambda d, w=work: w,
+            unit="byte",
+            setup=lambda name, make_fn, d, i=inputs, w=work: timing.setup(make_fn, i, d, w),
+            check=functools.partial(check_decode, batch, cache, head_dim, "cuda"),
         )
     return out
 

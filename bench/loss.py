@@ -128,10 +128,10 @@ def linear_cases(tokens: int, d_model: int, vocab: int, quick=False, device="cud
         params,
         implementations,
         DIRECTIONS,
-        functools.partial(linear_loss_flops, tokens, d_model, vocab),
-        "flop",
-        lambda name, make_fn, d: timing.setup(make_fn, make_copy, d, read, device),
-        functools.partial(check, tokens, d_model, vocab, device),
+        work=functools.partial(linear_loss_flops, tokens, d_model, vocab),
+        unit="flop",
+        setup=lambda name, make_fn, d: timing.setup(make_fn, make_copy, d, read, device),
+        check=functools.partial(check, tokens, d_model, vocab, device),
     )
     return [c for c in cases if not (quick and c.implementation == "compile" and c.direction == "forward")]
 
@@ -154,9 +154,11 @@ def cross_entropy_cases(tokens: int, vocab: int, device="cuda") -> list[suite.Ca
         params,
         implementations,
         DIRECTIONS,
-        functools.partial(cross_entropy_bytes, tokens, vocab, DTYPE.itemsize),
-        "byte",
-        lambda name, make_fn, d: timing.setup(make_fn, make_copy, d, tokens * vocab * DTYPE.itemsize, device),
+        work=functools.partial(cross_entropy_bytes, tokens, vocab, DTYPE.itemsize),
+        unit="byte",
+        setup=lambda name, make_fn, d: timing.setup(
+            make_fn, make_copy, d, tokens * vocab * DTYPE.itemsize, device
+        ),
     )
 
 

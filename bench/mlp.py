@@ -282,25 +282,27 @@ def model_cases(model: Model, tokens: int, quick: bool = False, device="cuda") -
         make_fn, options = impl
         return _setup(make_fn, model, tokens, direction, device=device, **options)
 
-    cases = suite.family_cases(
+    up_cases = suite.family_cases(
         model.gemm_kernel,
         params,
         up,
         ["forward"],
-        lambda d: up_projection_flops(model, tokens),
-        "flop",
-        setup,
-        functools.partial(check, model, tokens, device, False),
-    ) + suite.family_cases(
+        work=lambda d: up_projection_flops(model, tokens),
+        unit="flop",
+        setup=setup,
+        check=functools.partial(check, model, tokens, device, False),
+    )
+    mlp_cases = suite.family_cases(
         model.mlp_kernel,
         params,
         whole,
         suite.DIRECTIONS,
-        functools.partial(mlp_flops, model, tokens),
-        "flop",
-        setup,
-        functools.partial(check, model, tokens, device, True),
+        work=functools.partial(mlp_flops, model, tokens),
+        unit="flop",
+        setup=setup,
+        check=functools.partial(check, model, tokens, device, True),
     )
+    cases = up_cases + mlp_cases
     if quick:  # compile only where a gate holds ours to it: the whole MLP forward+backward
         cases = [c for c in cases if c.implementation != "compile" or c.direction == "forward+backward"]
     return cases
@@ -316,11 +318,8 @@ def cases(quick: bool) -> list[suite.Case]:
     shapes = QUICK_CASES if quick else tuple(itertools.product(MODELS, TOKENS))
     out = [case for model, tokens in shapes for case in model_cases(model, tokens, quick)]
     if not quick:
-        out += [
-            case
-            for model, tokens in itertools.product(MODELS, DECODE_TOKENS)
-            for case in decode_cases(model, tokens)
-        ]
+        for model, tokens in itertools.product(MODELS, DECODE_TOKENS):
+            out += decode_cases(model, tokens)
     return out
 
 

@@ -136,10 +136,10 @@ def cases(quick: bool) -> list[suite.Case]:
                 {"rows": rows, "hidden": hidden},
                 implementations,
                 ("forward", "backward"),
-                lambda d, s=sizes: (forward_bytes if d == "forward" else backward_bytes)(*s),
-                "byte",
-                lambda name, make_fn, d, n=norm, r=rows, h=hidden: _setup(make_fn, n, r, h, d),
-                functools.partial(check, norm, rows, hidden, "cuda"),
+                work=lambda d, s=sizes: (forward_bytes if d == "forward" else backward_bytes)(*s),
+                unit="byte",
+                setup=lambda name, make_fn, d, n=norm, r=rows, h=hidden: _setup(make_fn, n, r, h, d),
+                check=functools.partial(check, norm, rows, hidden, "cuda"),
             )
     return out
 

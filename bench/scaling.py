@@ -378,42 +378,44 @@ def row_dicts(rows: list[Row], tokens_per_step: int) -> list[dict]:
     return out
 
 
+TABLE_COLUMNS = (
+    "preset",
+    "tp",
+    "compute ms",
+    "tp comm ms",
+    "dp ms",
+    "step ms",
+    "tok/s/GPU",
+    "tok/s/group",
+    "tok/s/node",
+    "eff",
+    "comm %",
+)
+
+
 def format_table(entries: list[dict], title: str) -> str:
     """The rows of row_dicts under their title, numbers right-aligned; a row that cannot be predicted
     says why after its preset and tp."""
-    rows = [
-        (
-            "preset",
-            "tp",
-            "compute ms",
-            "tp comm ms",
-            "dp ms",
-            "step ms",
-            "tok/s/GPU",
-            "tok/s/group",
-            "tok/s/node",
-            "eff",
-            "comm %",
-        )
-    ]
+    rows = [TABLE_COLUMNS]
     for e in entries:
-        rows.append(
-            (e["preset"], e["tp"])
-            if e["reason"]
-            else (
-                e["preset"],
-                e["tp"],
-                f"{e['compute_ms']:.2f}",
-                f"{e['comm_ms']:.2f}",
-                f"{e['dp_ms']:.2f}",
-                f"{e['step_ms']:.2f}",
-                f"{e['tokens_per_s_per_gpu']:,.0f}",
-                f"{e['tokens_per_s_per_tp_group']:,.0f}",
-                f"{e['tokens_per_s_per_node']:,.0f}",
-                "n/a" if e["efficiency"] is None else f"{e['efficiency']:.1%}",
-                f"{e['comm_fraction']:.1%}",
-            )
+        if e["reason"]:  # not predicted: the reason follows the row
+            rows.append((e["preset"], e["tp"]))
+            continue
+        efficiency = "n/a" if e["efficiency"] is None else f"{e['efficiency']:.1%}"
+        row = (
+            e["preset"],
+            e["tp"],
+            f"{e['compute_ms']:.2f}",
+            f"{e['comm_ms']:.2f}",
+            f"{e['dp_ms']:.2f}",
+            f"{e['step_ms']:.2f}",
+            f"{e['tokens_per_s_per_gpu']:,.0f}",
+            f"{e['tokens_per_s_per_tp_group']:,.0f}",
+            f"{e['tokens_per_s_per_node']:,.0f}",
+            efficiency,
+            f"{e['comm_fraction']:.1%}",
         )
+        rows.append(row)
     header, *lines = report.format_table(rows, right=True).splitlines()
     lines = [
         line + (f" n/a: {e['reason']}" if e["reason"] else "") for line, e in zip(lines, entries, strict=True)
@@ -448,8 +450,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--nvlink-gbps",
         type=float,
         default=NVLINK_GBPS,
-        help="NVLink bandwidth per GPU per direction, GB/s "
-        "(default: NVLink 4 line rate, 450; NCCL's effective ring bandwidth is ~370)",
+        help="NVLink bandwidth per GPU per direction, GB/s (default: NVLink 4 line rate, 450; NCCL's "
+        "effective ring bandwidth is ~370)",
     )
     parser.add_argument("--latency-us", type=float, default=LATENCY_US, help="per collective")
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="roofline peak (no GPU)")

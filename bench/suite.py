@@ -184,23 +184,22 @@ class SuitePlugin:
         # has queued the call, so the event pair holds the call's GPU time alone.
         benchmark.pedantic(call, setup=lambda: timing.spin(spin_ms), rounds=self.rounds)
         stats = benchmark.stats.stats
-        self.results.append(
-            Result(
-                case.kernel,
-                case.params,
-                case.direction,
-                case.implementation,
-                case.unit,
-                case.work,
-                stats.median * 1e3,
-                stats.q1 * 1e3,
-                stats.q3 * 1e3,
-                stats.rounds,
-                correct,
-                errors,
-                samples_ms=[seconds * 1e3 for seconds in stats.data],
-            )
+        result = Result(
+            case.kernel,
+            case.params,
+            case.direction,
+            case.implementation,
+            case.unit,
+            case.work,
+            median_ms=stats.median * 1e3,
+            q1_ms=stats.q1 * 1e3,
+            q3_ms=stats.q3 * 1e3,
+            rounds=stats.rounds,
+            correct=correct,
+            errors=errors,
+            samples_ms=[seconds * 1e3 for seconds in stats.data],
         )
+        self.results.append(result)
         if correct is False:
             pytest.fail(f"{case.kernel} [{case.shape}] differs from the reference: {errors}")
 
@@ -391,24 +390,23 @@ TABLE_COLUMNS = (
 
 
 def format_table(results: list[Result]) -> str:
-    return report.format_table(
-        [TABLE_COLUMNS]
-        + [
-            (
-                r.kernel,
-                r.direction,
-                r.shape,
-                r.implementation,
-                f"{r.median_ms:.4f}",
-                f"{r.q1_ms:.4f}-{r.q3_ms:.4f}",
-                f"{r.throughput:.1f} {RATES[r.unit][0]}",
-                f"{r.ceiling_fraction:.0%}",
-                f"{min(r.speedups.values()):.2f}x" if r.speedups else "",
-                "" if r.correct is None else ("ok" if r.correct else "WRONG"),
-            )
-            for r in results
-        ]
-    )
+    def cells(r: Result) -> tuple:
+        best_other = f"{min(r.speedups.values()):.2f}x" if r.speedups else ""
+        check = "" if r.correct is None else ("ok" if r.correct else "WRONG")
+        return (
+            r.kernel,
+            r.direction,
+            r.shape,
+            r.implementation,
+            f"{r.median_ms:.4f}",
+            f"{r.q1_ms:.4f}-{r.q3_ms:.4f}",
+            f"{r.throughput:.1f} {RATES[r.unit][0]}",
+            f"{r.ceiling_fraction:.0%}",
+            best_other,
+            check,
+        )
+
+    return report.format_table([TABLE_COLUMNS, *map(cells, results)])
 
 
 def results_dir(gpu: str) -> Path:
@@ -420,29 +418,26 @@ def results_dir(gpu: str) -> Path:
 def write_json(
     path: Path, machine: dict, ceilings: dict, results: list[Result], verdicts: list[GateVerdict]
 ) -> None:
-    path.write_text(
-        json.dumps(
-            {
-                "schema": "little-horse-bench/1",
-                "machine": machine,
-                "ceilings": ceilings,
-                "results": [asdict(r) for r in results],
-                "gates": [
-                    {
-                        "gate": v.gate.describe(),
-                        "kernel": v.subject.kernel,
-                        "direction": v.subject.direction,
-                        "shape": v.subject.params,
-                        "value": v.value,
-                        "over": v.over,
-                        "passed": v.passed,
-                    }
-                    for v in verdicts
-                ],
-            },
-            indent=2,
-        )
-    )
+    gates = [
+        {
+            "gate": v.gate.describe(),
+            "kernel": v.subject.kernel,
+            "direction": v.subject.direction,
+            "shape": v.subject.params,
+            "value": v.value,
+            "over": v.over,
+            "passed": v.passed,
+        }
+        for v in verdicts
+    ]
+    document = {
+        "schema": "little-horse-bench/1",
+        "machine": machine,
+        "ceilings": ceilings,
+        "results": [asdict(r) for r in results],
+        "gates": gates,
+    }
+    path.write_text(json.dumps(document, indent=2))
 
 
 def save_and_gate(

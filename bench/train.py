@@ -168,12 +168,12 @@ def step_result(
         case_params(cfg, config),
         "forward+backward",
         IMPLEMENTATIONS[backend],
-        "flop",
-        per_token * tokens_per_step,
-        median_ms,
-        q1_ms,
-        q3_ms,
-        len(times_ms),
+        unit="flop",
+        work=per_token * tokens_per_step,
+        median_ms=median_ms,
+        q1_ms=q1_ms,
+        q3_ms=q3_ms,
+        rounds=len(times_ms),
         # A step of ours (triton) whose loss is inf or NaN fails every gate.
         correct=math.isfinite(loss) if backend == "triton" else None,
         extra=extra,
@@ -271,20 +271,19 @@ def format_table(results: list[suite.Result]) -> str:
         speedups = [r.speedups.get(IMPLEMENTATIONS[name]) for name in others]
         mfu = "" if x["mfu"] is None else f"{x['mfu']:.1%}"
         gib = f"{x['peak_memory_bytes'] / 2**30:.2f}"
-        rows.append(
-            (
-                x["backend"],
-                f"{r.median_ms:.2f}",
-                f"{r.q1_ms:.2f}-{r.q3_ms:.2f}",
-                f"{x['tokens_per_s']:,.0f}",
-                f"{r.throughput:.1f}",
-                mfu,
-                f"{r.ceiling_fraction:.1%}",
-                gib,
-                str(x["skipped_steps"]),
-                *("" if s is None else f"{s:.2f}x" for s in speedups),
-            )
+        row = (
+            x["backend"],
+            f"{r.median_ms:.2f}",
+            f"{r.q1_ms:.2f}-{r.q3_ms:.2f}",
+            f"{x['tokens_per_s']:,.0f}",
+            f"{r.throughput:.1f}",
+            mfu,
+            f"{r.ceiling_fraction:.1%}",
+            gib,
+            str(x["skipped_steps"]),
+            *("" if s is None else f"{s:.2f}x" for s in speedups),
         )
+        rows.append(row)
         line = f"{KERNEL} {x['preset']} {x['precision']} {x['backend']}: {x['tokens_per_s']:,.0f} tokens/s"
         lines.append(line + (f", MFU {mfu}" if mfu else "") + f", peak memory {gib} GiB")
     return "\n".join([report.format_table(rows), "", *lines])
@@ -382,9 +381,9 @@ def step_cases(cfg: TrainConfig, config: GPTConfig, backends) -> list[suite.Case
         case_params(cfg, config),
         {IMPLEMENTATIONS[b]: b for b in backends},
         ["forward+backward"],
-        lambda d: work,
-        "flop",
-        lambda name, b, d: functools.partial(make_step, cfg, config, b, "cuda"),
+        work=lambda d: work,
+        unit="flop",
+        setup=lambda name, b, d: functools.partial(make_step, cfg, config, b, "cuda"),
     )
 
 
@@ -427,9 +426,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, TrainConfig, GPTConfig]:
     parser.add_argument(
         "--deadline",
         type=float,
-        help="stop timing by this many seconds after the start, warm-up and "
-        "compilation included: each backend stops at its share of what is left (after 2 timed steps at "
-        "least)",
+        help="stop timing by this many seconds after the start, warm-up and compilation included: each "
+        "backend stops at its share of what is left (after 2 timed steps at least)",
     )
     parser.add_argument("--peak-tflops", type=float, help="dense fp16/bf16 peak for MFU (default: by GPU)")
     parser.add_argument("--out", type=Path, help="train.json goes here (default bench/results/<date>-<gpu>)")

@@ -237,18 +237,17 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
         shape = bench_attention.benchmark_shape(seqlen, head_dim)
         for packed in (False, True) if name == "fwd" else (False,):  # packed documents: a table of their own
             table = getattr(attention, "PACKED_FWD_CONFIGS" if packed else table_name)[arch.name]
-            targets.append(
-                Target(
-                    f"attention {name}{' packed' if packed else ''} d={head_dim} ({arch.name})",
-                    table,
-                    attention.head_dim_block(head_dim),
-                    variants(pass_name, head_dim, packed),
-                    functools.partial(_attention_check, head_dim, packed),
-                    functools.partial(_attention_calls, pass_name, shape, packed),
-                    persistent=name == "fwd" and not packed,
-                    tma=arch.tma,
-                )
+            target = Target(
+                title=f"attention {name}{' packed' if packed else ''} d={head_dim} ({arch.name})",
+                table=table,
+                key=attention.head_dim_block(head_dim),
+                compile_configs=variants(pass_name, head_dim, packed),
+                check=functools.partial(_attention_check, head_dim, packed),
+                calls=functools.partial(_attention_calls, pass_name, shape, packed),
+                persistent=name == "fwd" and not packed,
+                tma=arch.tma,
             )
+            targets.append(target)
     return targets
 
 
@@ -301,19 +300,18 @@ def mlp_targets(gemms, shape_classes, arch: runtime.Arch = runtime.SM90) -> list
         model, tokens = models[MLP_SHAPES[gemm, shape_class][0]], MLP_SHAPES[gemm, shape_class][1]
         if mlp.shape_class(tokens, model.hidden) != shape_class:
             raise ValueError(f"MLP_SHAPES: {model.name} at {tokens} tokens is not {shape_class}")
-        targets.append(
-            Target(
-                f"mlp {gemm} {shape_class} ({model.name}, {tokens} tokens; {arch.name})",
-                mlp.GEMM_CONFIGS[arch.name][gemm],
-                shape_class,
-                lambda cfg, g=gemm, c=shape_class, a=model.activation: [
-                    mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma, arch.name)
-                ],
-                lambda m=model, t=tokens: bench_mlp.check(m, t, DEVICE, whole_mlp=True)[1],
-                functools.partial(_mlp_calls, gemm, model, tokens),
-                tma=arch.tma,
-            )
+        target = Target(
+            title=f"mlp {gemm} {shape_class} ({model.name}, {tokens} tokens; {arch.name})",
+            table=mlp.GEMM_CONFIGS[arch.name][gemm],
+            key=shape_class,
+            compile_configs=lambda cfg, g=gemm, c=shape_class, a=model.activation: [
+                mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma, arch.name)
+            ],
+            check=lambda m=model, t=tokens: bench_mlp.check(m, t, DEVICE, whole_mlp=True)[1],
+            calls=functools.partial(_mlp_calls, gemm, model, tokens),
+            tma=arch.tma,
         )
+        targets.append(target)
     return targets
 
 
@@ -430,15 +428,14 @@ def attention_searches(passes, head_dims, arch: runtime.Arch, start_from: runtim
             # Without TMA the family starts from the entry's pointer tile, which its candidates then vary.
             start = start if tma else dataclasses.replace(start.loads(False), tma=False)
             batch = " packed" if table_name.startswith("PACKED") else ""
-            searches.append(
-                EntrySearch(
-                    f"attention {name}{batch} d={block_d} ({arch.name})",
-                    table[arch.name][block_d],
-                    attention_candidates(pass_name, start, block_d, tma),
-                    lambda cfg, t=table_name, b=block_d: attention_entry_configs(t, cfg, b, arch),
-                    (padded_table, arch.name, str(block_d)),  # the packed forward reads the padded entries
-                )
+            search = EntrySearch(
+                title=f"attention {name}{batch} d={block_d} ({arch.name})",
+                table_entry=table[arch.name][block_d],
+                candidates=attention_candidates(pass_name, start, block_d, tma),
+                variants=lambda cfg, t=table_name, b=block_d: attention_entry_configs(t, cfg, b, arch),
+                entry=(padded_table, arch.name, str(block_d)),  # the packed forward reads the padded entries
             )
+            searches.append(search)
     return searches
 
 
@@ -449,15 +446,14 @@ def mlp_searches(gemms, shape_classes, arch: runtime.Arch, start_from: runtime.A
     for gemm, shape_class in itertools.product(gemms, shape_classes):
         start = mlp.GEMM_CONFIGS[(start_from or arch).name][gemm][shape_class]
         start = start if tma else dataclasses.replace(start, tma=False)
-        searches.append(
-            EntrySearch(
-                f"mlp {gemm} {shape_class} ({arch.name})",
-                mlp.GEMM_CONFIGS[arch.name][gemm][shape_class],
-                gemm_candidates(start, tma),
-                lambda cfg, g=gemm, c=shape_class: mlp_entry_configs(g, c, cfg, arch),
-                ("GEMM_CONFIGS", arch.name, gemm, shape_class),
-            )
+        search = EntrySearch(
+            title=f"mlp {gemm} {shape_class} ({arch.name})",
+            table_entry=mlp.GEMM_CONFIGS[arch.name][gemm][shape_class],
+            candidates=gemm_candidates(start, tma),
+            variants=lambda cfg, g=gemm, c=shape_class: mlp_entry_configs(g, c, cfg, arch),
+            entry=("GEMM_CONFIGS", arch.name, gemm, shape_class),
         )
+        searches.append(search)
     return searches
 
 
@@ -653,9 +649,8 @@ def main(argv: list[str] | None = None) -> int:
         family.add_argument(
             "--compile-only",
             action="store_true",
-            help="no GPU: for each entry of --arch, "
-            "the first candidate (largest tile first) that compiles clean in every variant "
-            "the compile report builds",
+            help="no GPU: for each entry of --arch, the first candidate (largest tile first) that compiles "
+            "clean in every variant the compile report builds",
         )
         family.add_argument("--arch", choices=list(runtime.ARCHS), help="with --compile-only: the family")
         family.add_argument(
@@ -669,17 +664,15 @@ def main(argv: list[str] | None = None) -> int:
         family.add_argument(
             "--write",
             action="store_true",
-            help="with --compile-only: put each entry found "
-            "into horse/kernels/configs/<family>.json (the families whose entries are data, "
-            "not sm90)",
+            help="with --compile-only: put each entry found into horse/kernels/configs/<family>.json (the "
+            "families whose entries are data, not sm90)",
         )
         family.add_argument(
             "--capability",
             nargs="+",
             type=int,
-            help="with --compile-only: clean when built "
-            "for each of these GPUs that take --arch's entries, e.g. 86 89 120 for sm86 "
-            "(default: the family's own)",
+            help="with --compile-only: clean when built for each of these GPUs that take --arch's entries, "
+            "e.g. 86 89 120 for sm86 (default: the family's own)",
         )
     args = parser.parse_args(argv)
     report = _compile_only(parser, args) if args.compile_only else _tune(parser, args)
