@@ -49,9 +49,11 @@ def _parse(argv):
     parser.add_argument("--only", nargs="+", choices=FAMILIES, help="these families only")
     parser.add_argument("--out", type=Path, help="directory for results.json and the plots")
     parser.add_argument(
-        "--compare", type=Path, metavar="PREVIOUS.json",
+        "--compare",
+        type=Path,
+        metavar="PREVIOUS.json",
         help="an earlier run's results.json: print each case's time ratio, exit 1 if ours regressed > 5 %%",
-    )  # fmt: skip
+    )
     return parser.parse_known_args(argv)
 
 
@@ -97,12 +99,11 @@ def gpu_main(args, pytest_args) -> int:
     if args.quick:
         cases = suite.gated_cases(cases, gates)
     plugin = suite.SuitePlugin(cases)
-    pytest_code = pytest.main(
-        [str(BENCH_DIR / "bench_kernels.py"), "-o", "python_files=bench_*.py",
-         "-o", "python_functions=bench_*", "-p", "no:cacheprovider", "-q", "-ra",
-         "--benchmark-columns=median,iqr,rounds", *pytest_args],
-        plugins=[plugin],
-    )  # fmt: skip
+    collect_bench = ["-o", "python_files=bench_*.py", "-o", "python_functions=bench_*"]  # not test_*
+    # -q for pytest's own lines, -ra for why a baseline was unavailable (a skip) or a case failed
+    report = ["-p", "no:cacheprovider", "-q", "-ra", "--benchmark-columns=median,iqr,rounds"]
+    pytest_argv = [str(BENCH_DIR / "bench_kernels.py"), *collect_bench, *report, *pytest_args]
+    pytest_code = pytest.main(pytest_argv, plugins=[plugin])
     failed = suite.save_and_gate(
         args.out, "results.json", machine, ceilings, plugin.results, gates, cases, plots=True
     )

@@ -151,10 +151,14 @@ def check(shape: Shape, causal: bool, device, attention=None, window_size=(-1, -
     torch.manual_seed(0)
     batch, heads = checked_batch_heads(shape, REFERENCE_SCORE_ELEMENTS)
     return correctness.check(
-        attention, lambda *qkv: reference.attention(*qkv, causal=causal, window_size=window_size)[0],
-        make_qkv(shape, device, requires_grad=True), NAMES, TOLERANCE, floor=0.0,
+        attention,
+        lambda *qkv: reference.attention(*qkv, causal=causal, window_size=window_size)[0],
+        make_qkv(shape, device, requires_grad=True),
+        NAMES,
+        TOLERANCE,
+        floor=0.0,
         crop=lambda t: t.detach()[:batch, :, :heads],
-    )  # fmt: skip
+    )
 
 
 def offsets(lengths, device) -> torch.Tensor:
@@ -174,8 +178,12 @@ def check_packed(lengths, heads: int, head_dim: int, device) -> tuple[dict, bool
     return correctness.check(
         lambda *a: kernels.flash_attention_varlen(*a, cu, cu, max(lengths), max(lengths), causal=True),
         lambda *a: reference.attention_varlen(*a, cu, cu, causal=True)[0],
-        qkv, NAMES, TOLERANCE, floor=0.0, crop=lambda t: t.detach()[:, :2],
-    )  # fmt: skip
+        qkv,
+        NAMES,
+        TOLERANCE,
+        floor=0.0,
+        crop=lambda t: t.detach()[:, :2],
+    )
 
 
 def _sdpa(backend_name: str | None = None, **options):
@@ -252,14 +260,25 @@ def cases(quick: bool) -> list[suite.Case]:
     sizes = QUICK_SHAPES if quick else [(seqlen, head_dim) for head_dim in HEAD_DIMS for seqlen in SEQLENS]
     out = []
     for shape, causal in itertools.product([benchmark_shape(*s) for s in sizes], (False, True)):
-        params = {"seqlen": shape.seqlen, "head_dim": shape.head_dim, "causal": causal,
-                  "batch": shape.batch, "heads": shape.heads}  # fmt: skip
+        params = {
+            "seqlen": shape.seqlen,
+            "head_dim": shape.head_dim,
+            "causal": causal,
+            "batch": shape.batch,
+            "heads": shape.heads,
+        }
         out += suite.family_cases(
-            "attention", params, implementations(shape, causal, quick), DIRECTION_MULTIPLE,
-            functools.partial(direction_flops, shape=shape, causal=causal), "flop",
-            lambda name, make_fn, d, s=shape: _setup(d, make_fn, s, pointer_loads=name == "ours-pointer"),
-            functools.partial(check, shape, causal, "cuda"),
-        )  # fmt: skip
+            "attention",
+            params,
+            implementations(shape, causal, quick),
+            DIRECTION_MULTIPLE,
+            work=functools.partial(direction_flops, shape=shape, causal=causal),
+            unit="flop",
+            setup=lambda name, make_fn, d, s=shape: _setup(
+                d, make_fn, s, pointer_loads=name == "ours-pointer"
+            ),
+            check=functools.partial(check, shape, causal, "cuda"),
+        )
     return out + decode_cases() if quick else out + window_cases() + packed_cases() + decode_cases()
 
 
@@ -267,8 +286,13 @@ def window_cases() -> list[suite.Case]:
     out = []
     for seqlen in WINDOW_SEQLENS:
         shape = benchmark_shape(seqlen, EXTRA_HEAD_DIM)
-        params = {"seqlen": seqlen, "head_dim": shape.head_dim, "window": WINDOW, "batch": shape.batch,
-                  "heads": shape.heads}  # fmt: skip
+        params = {
+            "seqlen": seqlen,
+            "head_dim": shape.head_dim,
+            "window": WINDOW,
+            "batch": shape.batch,
+            "heads": shape.heads,
+        }
         forward = window_flops(shape.batch, shape.heads, seqlen, shape.head_dim, WINDOW)
         impls = {
             "ours": lambda: _ours(causal=True, window_size=(WINDOW, -1)),
@@ -277,18 +301,27 @@ def window_cases() -> list[suite.Case]:
             "flash-attn": lambda: _flash_attn("flash_attn_func", causal=True, window_size=(WINDOW, 0)),
         }
         out += suite.family_cases(
-            "attention_window", params, impls, DIRECTION_MULTIPLE,
-            functools.partial(direction_flops, shape=shape, causal=True, forward=forward), "flop",
-            lambda name, make_fn, d, s=shape: _setup(d, make_fn, s),
-            functools.partial(check, shape, True, "cuda", window_size=(WINDOW, -1)),
-        )  # fmt: skip
+            "attention_window",
+            params,
+            impls,
+            DIRECTION_MULTIPLE,
+            work=functools.partial(direction_flops, shape=shape, causal=True, forward=forward),
+            unit="flop",
+            setup=lambda name, make_fn, d, s=shape: _setup(d, make_fn, s),
+            check=functools.partial(check, shape, True, "cuda", window_size=(WINDOW, -1)),
+        )
     return out
 
 
 def packed_cases() -> list[suite.Case]:
     heads, longest, device = MODEL_DIM // EXTRA_HEAD_DIM, max(PACKED_LENGTHS), torch.device("cuda")
-    params = {"tokens": sum(PACKED_LENGTHS), "documents": len(PACKED_LENGTHS), "longest": longest,
-              "head_dim": EXTRA_HEAD_DIM, "heads": heads}  # fmt: skip
+    params = {
+        "tokens": sum(PACKED_LENGTHS),
+        "documents": len(PACKED_LENGTHS),
+        "longest": longest,
+        "head_dim": EXTRA_HEAD_DIM,
+        "heads": heads,
+    }
     forward = packed_flops(PACKED_LENGTHS, heads, EXTRA_HEAD_DIM)
     packed = Shape(1, sum(PACKED_LENGTHS), heads, EXTRA_HEAD_DIM)
     padded = Shape(len(PACKED_LENGTHS), longest, heads, EXTRA_HEAD_DIM)
@@ -313,10 +346,15 @@ def packed_cases() -> list[suite.Case]:
         return _setup(direction, make_fn, shape, make_inputs=packed_inputs if shape is packed else None)
 
     return suite.family_cases(
-        "attention_packed", params, impls, DIRECTION_MULTIPLE,
-        lambda d: direction_flops(d, packed, True, forward), "flop", setup,
-        functools.partial(check_packed, PACKED_LENGTHS, heads, EXTRA_HEAD_DIM, "cuda"),
-    )  # fmt: skip
+        "attention_packed",
+        params,
+        impls,
+        DIRECTION_MULTIPLE,
+        work=lambda d: direction_flops(d, packed, True, forward),
+        unit="flop",
+        setup=setup,
+        check=functools.partial(check_packed, PACKED_LENGTHS, heads, EXTRA_HEAD_DIM, "cuda"),
+    )
 
 
 def decode_inputs(batch: int, cache: int, head_dim: int, device, requires_grad=False) -> list[torch.Tensor]:
@@ -335,9 +373,12 @@ def check_decode(batch: int, cache: int, head_dim: int, device) -> tuple[dict, b
     return correctness.check(
         _ours("flash_attention_with_kvcache", causal=True),
         lambda *qkv: reference.attention_kvcache(*qkv, lengths, causal=True),
-        decode_inputs(batch, cache, head_dim, device), ["out"], TOLERANCE, floor=0.0,
+        decode_inputs(batch, cache, head_dim, device),
+        ["out"],
+        TOLERANCE,
+        floor=0.0,
         exact_dtype=torch.float64,
-    )  # fmt: skip
+    )
 
 
 def decode_cases() -> list[suite.Case]:
@@ -354,16 +395,26 @@ def decode_cases() -> list[suite.Case]:
     }
     out = []
     for batch, cache in DECODE_SHAPES:
-        params = {"batch": batch, "cache": cache, "heads": DECODE_HEADS, "kv_heads": DECODE_KV_HEADS,
-                  "head_dim": head_dim}  # fmt: skip
+        params = {
+            "batch": batch,
+            "cache": cache,
+            "heads": DECODE_HEADS,
+            "kv_heads": DECODE_KV_HEADS,
+            "head_dim": head_dim,
+        }
         # What a call must move: the cached keys and values it reads (q and out are tiny).
         work = 2 * batch * cache * DECODE_KV_HEADS * head_dim * DTYPE.itemsize
         inputs = functools.partial(decode_inputs, batch, cache, head_dim, device)
         out += suite.family_cases(
-            "attention_decode", params, impls, ["forward"], lambda d, w=work: w, "byte",
-            lambda name, make_fn, d, i=inputs, w=work: timing.setup(make_fn, i, d, w),
-            functools.partial(check_decode, batch, cache, head_dim, "cuda"),
-        )  # fmt: skip
+            "attention_decode",
+            params,
+            impls,
+            ["forward"],
+            work=lambda d, w=work: w,
+            unit="byte",
+            setup=lambda name, make_fn, d, i=inputs, w=work: timing.setup(make_fn, i, d, w),
+            check=functools.partial(check_decode, batch, cache, head_dim, "cuda"),
+        )
     return out
 
 

@@ -105,8 +105,10 @@ def check(tokens: int, d_model: int, vocab: int, device) -> tuple[dict, bool]:
     return correctness.check(
         lambda x, w: kernels.linear_cross_entropy(x, w, t["target"], **options),
         lambda x, w: reference.linear_cross_entropy(x, w, t["target"], **options),
-        [t["x"], t["w"]], ("loss", "dx", "dw"), TOLERANCE,
-    )  # fmt: skip
+        [t["x"], t["w"]],
+        ("loss", "dx", "dw"),
+        TOLERANCE,
+    )
 
 
 def linear_cases(tokens: int, d_model: int, vocab: int, quick=False, device="cuda") -> list[suite.Case]:
@@ -122,11 +124,15 @@ def linear_cases(tokens: int, d_model: int, vocab: int, quick=False, device="cud
     make_copy = functools.partial(make_inputs, tokens, d_model, vocab, device)
     read = (tokens + vocab) * d_model * DTYPE.itemsize  # x and W
     cases = suite.family_cases(
-        "linear_cross_entropy", params, implementations, DIRECTIONS,
-        functools.partial(linear_loss_flops, tokens, d_model, vocab), "flop",
-        lambda name, make_fn, d: timing.setup(make_fn, make_copy, d, read, device),
-        functools.partial(check, tokens, d_model, vocab, device),
-    )  # fmt: skip
+        "linear_cross_entropy",
+        params,
+        implementations,
+        DIRECTIONS,
+        work=functools.partial(linear_loss_flops, tokens, d_model, vocab),
+        unit="flop",
+        setup=lambda name, make_fn, d: timing.setup(make_fn, make_copy, d, read, device),
+        check=functools.partial(check, tokens, d_model, vocab, device),
+    )
     return [c for c in cases if not (quick and c.implementation == "compile" and c.direction == "forward")]
 
 
@@ -144,10 +150,16 @@ def cross_entropy_cases(tokens: int, vocab: int, device="cuda") -> list[suite.Ca
         return {"logits": logits, "target": target}
 
     return suite.family_cases(
-        "cross_entropy", params, implementations, DIRECTIONS,
-        functools.partial(cross_entropy_bytes, tokens, vocab, DTYPE.itemsize), "byte",
-        lambda name, make_fn, d: timing.setup(make_fn, make_copy, d, tokens * vocab * DTYPE.itemsize, device),
-    )  # fmt: skip
+        "cross_entropy",
+        params,
+        implementations,
+        DIRECTIONS,
+        work=functools.partial(cross_entropy_bytes, tokens, vocab, DTYPE.itemsize),
+        unit="byte",
+        setup=lambda name, make_fn, d: timing.setup(
+            make_fn, make_copy, d, tokens * vocab * DTYPE.itemsize, device
+        ),
+    )
 
 
 def cases(quick: bool) -> list[suite.Case]:

@@ -210,8 +210,10 @@ def check(model: Model, tokens: int, device, whole_mlp: bool) -> tuple[dict, boo
     return correctness.check(
         lambda *ts: ours(model, dict(zip(tensors, ts, strict=True))),
         lambda *ts: reference(model, dict(zip(tensors, ts, strict=True))),
-        list(tensors.values()), ["y", *(f"d{name}" for name in tensors)], TOLERANCE,
-    )  # fmt: skip
+        list(tensors.values()),
+        ["y", *(f"d{name}" for name in tensors)],
+        TOLERANCE,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,8 +221,16 @@ def check(model: Model, tokens: int, device, whole_mlp: bool) -> tuple[dict, boo
 # ----------------------------------------------------------------------------------------------
 
 
-def _setup(make_fn, model: Model, tokens: int, direction: str, grad: bool = False, concat: bool = False,
-           device="cuda", pointer_loads: bool = False):  # fmt: skip
+def _setup(
+    make_fn,
+    model: Model,
+    tokens: int,
+    direction: str,
+    grad: bool = False,
+    concat: bool = False,
+    device="cuda",
+    pointer_loads: bool = False,
+):
     """A setup (:func:`bench.timing.setup`) of fn(tensors); with concat, the gated up projection's
     weights as one (the bare-GEMM baseline: one GEMM, N = 2·hidden); with pointer_loads, ours's GEMMs
     with TMA off for the whole call (ours-pointer)."""
@@ -272,13 +282,27 @@ def model_cases(model: Model, tokens: int, quick: bool = False, device="cuda") -
         make_fn, options = impl
         return _setup(make_fn, model, tokens, direction, device=device, **options)
 
-    cases = suite.family_cases(
-        model.gemm_kernel, params, up, ["forward"], lambda d: up_projection_flops(model, tokens), "flop",
-        setup, functools.partial(check, model, tokens, device, False),
-    ) + suite.family_cases(
-        model.mlp_kernel, params, whole, suite.DIRECTIONS, functools.partial(mlp_flops, model, tokens),
-        "flop", setup, functools.partial(check, model, tokens, device, True),
-    )  # fmt: skip
+    up_cases = suite.family_cases(
+        model.gemm_kernel,
+        params,
+        up,
+        ["forward"],
+        work=lambda d: up_projection_flops(model, tokens),
+        unit="flop",
+        setup=setup,
+        check=functools.partial(check, model, tokens, device, False),
+    )
+    mlp_cases = suite.family_cases(
+        model.mlp_kernel,
+        params,
+        whole,
+        suite.DIRECTIONS,
+        work=functools.partial(mlp_flops, model, tokens),
+        unit="flop",
+        setup=setup,
+        check=functools.partial(check, model, tokens, device, True),
+    )
+    cases = up_cases + mlp_cases
     if quick:  # compile only where a gate holds ours to it: the whole MLP forward+backward
         cases = [c for c in cases if c.implementation != "compile" or c.direction == "forward+backward"]
     return cases
@@ -294,8 +318,8 @@ def cases(quick: bool) -> list[suite.Case]:
     shapes = QUICK_CASES if quick else tuple(itertools.product(MODELS, TOKENS))
     out = [case for model, tokens in shapes for case in model_cases(model, tokens, quick)]
     if not quick:
-        out += [case for model, tokens in itertools.product(MODELS, DECODE_TOKENS)
-                for case in decode_cases(model, tokens)]  # fmt: skip
+        for model, tokens in itertools.product(MODELS, DECODE_TOKENS):
+            out += decode_cases(model, tokens)
     return out
 
 

@@ -132,11 +132,15 @@ def cases(quick: bool) -> list[suite.Case]:
         for rows, hidden in shapes:
             sizes = (rows, hidden, DTYPE.itemsize, DTYPE.itemsize, norm.has_bias)
             out += suite.family_cases(
-                norm.name, {"rows": rows, "hidden": hidden}, implementations, ("forward", "backward"),
-                lambda d, s=sizes: (forward_bytes if d == "forward" else backward_bytes)(*s), "byte",
-                lambda name, make_fn, d, n=norm, r=rows, h=hidden: _setup(make_fn, n, r, h, d),
-                functools.partial(check, norm, rows, hidden, "cuda"),
-            )  # fmt: skip
+                norm.name,
+                {"rows": rows, "hidden": hidden},
+                implementations,
+                ("forward", "backward"),
+                work=lambda d, s=sizes: (forward_bytes if d == "forward" else backward_bytes)(*s),
+                unit="byte",
+                setup=lambda name, make_fn, d, n=norm, r=rows, h=hidden: _setup(make_fn, n, r, h, d),
+                check=functools.partial(check, norm, rows, hidden, "cuda"),
+            )
     return out
 
 

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
-from bench import compile_report
+from bench.compile_report import compiler, disassembly
+from bench.compile_report.attention import (
+    ATTENTION_MASKS,
+    ATTENTION_PASSES,
+    ATTENTION_TABLES,
+    attention_pass_config,
+)
+from bench.compile_report.config import KernelConfig
 
 INSTRUCTION = re.compile(r"/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
 WARPGROUP = 4  # warps that issue one wgmma together
@@ -89,28 +96,28 @@ def describe(loops: list[Loop], num_warps: int) -> str:
     return "\n".join(rows)
 
 
-def sass_of(config: compile_report.KernelConfig) -> str:
-    kernel = compile_report.compile_kernel(config)
+def sass_of(config: KernelConfig) -> str:
+    kernel = compiler.compile_kernel(config)
     target = re.search(r"^\.target sm_(\w+)", kernel.asm["ptx"], re.M).group(1)
-    return compile_report.disassemble([compile_report.machine_code(kernel.asm["cubin"])], target)[0]
+    return disassembly.disassemble([disassembly.machine_code(kernel.asm["cubin"])], target)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
     from horse.kernels import attention
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kernel", choices=sorted(compile_report.ATTENTION_PASSES))
+    parser.add_argument("kernel", choices=sorted(ATTENTION_PASSES))
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--mask", choices=sorted(compile_report.ATTENTION_MASKS), default="full")
+    parser.add_argument("--mask", choices=sorted(ATTENTION_MASKS), default="full")
     parser.add_argument("--pointer", action="store_true", help="pointer loads even where the entry takes TMA")
     args = parser.parse_args(argv)
-    table = next(t for t, (name, _) in compile_report.ATTENTION_TABLES.items() if name == args.kernel)
+    table = next(t for t, (name, _) in ATTENTION_TABLES.items() if name == args.kernel)
     entry = getattr(attention, table)["sm90"][attention.head_dim_block(args.head_dim)]
     tma = entry.tma and not args.pointer
     cfg = entry.loads(tma)
     # A dk/dv entry with split outputs: each of its launches.
     for output in attention.dkdv_outputs(cfg) if args.kernel == "attn_bwd_dkdv" else ("dkdv",):
-        config = compile_report.attention_pass_config(
+        config = attention_pass_config(
             args.kernel, cfg, args.head_dim, torch.float16, args.mask, tma, output=output
         )
         launch = "" if output == "dkdv" else f" {output}"

@@ -177,8 +177,15 @@ def comm_bytes_per_gpu(config: GPTConfig, tp: int, batch: int, seq: int, sequenc
     )
 
 
-def comm_ms(config: GPTConfig, tp: int, batch: int, seq: int, sequence_parallel: bool, nvlink_gbps: float,
-            latency_us: float) -> float:  # fmt: skip
+def comm_ms(
+    config: GPTConfig,
+    tp: int,
+    batch: int,
+    seq: int,
+    sequence_parallel: bool,
+    nvlink_gbps: float,
+    latency_us: float,
+) -> float:
     """Time of one step's tp collectives: bytes over the per-direction bandwidth plus a latency each."""
     calls = sum(c.count for c in collectives(config, tp, batch, seq, sequence_parallel))
     seconds = comm_bytes_per_gpu(config, tp, batch, seq, sequence_parallel) / (nvlink_gbps * 1e9)
@@ -246,8 +253,16 @@ def memory_bytes_per_rank(config: GPTConfig, tp: int, batch: int, seq: int, sequ
     return norms + row_biases + loss + OPTIMIZER_BYTES_PER_PARAM * local_params(config, tp)
 
 
-def estimate_compute_ms(config: GPTConfig, tp: int, batch: int, seq: int, sequence_parallel: bool,
-                        peak_tflops: float, efficiency: float, hbm_gbps: float) -> float:  # fmt: skip
+def estimate_compute_ms(
+    config: GPTConfig,
+    tp: int,
+    batch: int,
+    seq: int,
+    sequence_parallel: bool,
+    peak_tflops: float,
+    efficiency: float,
+    hbm_gbps: float,
+) -> float:
     """Roofline compute time of one rank: FLOPs at efficiency × peak plus memory-bound bytes over HBM."""
     flops_s = flops_per_rank(config, tp, batch, seq) / (peak_tflops * 1e12 * efficiency)
     memory_s = memory_bytes_per_rank(config, tp, batch, seq, sequence_parallel) / (hbm_gbps * 1e9)
@@ -363,18 +378,44 @@ def row_dicts(rows: list[Row], tokens_per_step: int) -> list[dict]:
     return out
 
 
+TABLE_COLUMNS = (
+    "preset",
+    "tp",
+    "compute ms",
+    "tp comm ms",
+    "dp ms",
+    "step ms",
+    "tok/s/GPU",
+    "tok/s/group",
+    "tok/s/node",
+    "eff",
+    "comm %",
+)
+
+
 def format_table(entries: list[dict], title: str) -> str:
     """The rows of row_dicts under their title, numbers right-aligned; a row that cannot be predicted
     says why after its preset and tp."""
-    rows = [("preset", "tp", "compute ms", "tp comm ms", "dp ms", "step ms", "tok/s/GPU", "tok/s/group",
-             "tok/s/node", "eff", "comm %")]  # fmt: skip
+    rows = [TABLE_COLUMNS]
     for e in entries:
-        rows.append((e["preset"], e["tp"]) if e["reason"] else (
-            e["preset"], e["tp"], f"{e['compute_ms']:.2f}", f"{e['comm_ms']:.2f}", f"{e['dp_ms']:.2f}",
-            f"{e['step_ms']:.2f}", f"{e['tokens_per_s_per_gpu']:,.0f}",
-            f"{e['tokens_per_s_per_tp_group']:,.0f}", f"{e['tokens_per_s_per_node']:,.0f}",
-            "n/a" if e["efficiency"] is None else f"{e['efficiency']:.1%}", f"{e['comm_fraction']:.1%}",
-        ))  # fmt: skip
+        if e["reason"]:  # not predicted: the reason follows the row
+            rows.append((e["preset"], e["tp"]))
+            continue
+        efficiency = "n/a" if e["efficiency"] is None else f"{e['efficiency']:.1%}"
+        row = (
+            e["preset"],
+            e["tp"],
+            f"{e['compute_ms']:.2f}",
+            f"{e['comm_ms']:.2f}",
+            f"{e['dp_ms']:.2f}",
+            f"{e['step_ms']:.2f}",
+            f"{e['tokens_per_s_per_gpu']:,.0f}",
+            f"{e['tokens_per_s_per_tp_group']:,.0f}",
+            f"{e['tokens_per_s_per_node']:,.0f}",
+            efficiency,
+            f"{e['comm_fraction']:.1%}",
+        )
+        rows.append(row)
     header, *lines = report.format_table(rows, right=True).splitlines()
     lines = [
         line + (f" n/a: {e['reason']}" if e["reason"] else "") for line, e in zip(lines, entries, strict=True)
@@ -406,9 +447,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument(
-        "--nvlink-gbps", type=float, default=NVLINK_GBPS, help="NVLink bandwidth per GPU per direction, GB/s "
-        "(default: NVLink 4 line rate, 450; NCCL's effective ring bandwidth is ~370)",
-    )  # fmt: skip
+        "--nvlink-gbps",
+        type=float,
+        default=NVLINK_GBPS,
+        help="NVLink bandwidth per GPU per direction, GB/s (default: NVLink 4 line rate, 450; NCCL's "
+        "effective ring bandwidth is ~370)",
+    )
     parser.add_argument("--latency-us", type=float, default=LATENCY_US, help="per collective")
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="roofline peak (no GPU)")
     parser.add_argument("--efficiency", type=float, default=EFFICIENCY, help="roofline fraction of peak")

@@ -69,8 +69,16 @@ class Case(_Named):
         return f"{self.kernel}[{self.shape}]-{self.direction}-{self.implementation}"
 
 
-def family_cases(kernel: str, params: dict, implementations: dict, directions, work: Callable[[str], float],
-                 unit: str, setup: Callable, check: Callable | None = None) -> list[Case]:  # fmt: skip
+def family_cases(
+    kernel: str,
+    params: dict,
+    implementations: dict,
+    directions,
+    work: Callable[[str], float],
+    unit: str,
+    setup: Callable,
+    check: Callable | None = None,
+) -> list[Case]:
     """A case per implementation (name -> what setup builds it from) and direction, in that order:
     work(direction) FLOPs or bytes, setup(name, implementation, direction), and check on ours alone."""
     return [
@@ -166,9 +174,13 @@ class SuitePlugin:
             pytest.skip(f"{case.implementation} unavailable: {' '.join(str(error).split())[:300]}")
         benchmark.group = f"{case.kernel} {case.direction} {case.shape}"
         benchmark.extra_info.update(
-            kernel=case.kernel, params=case.params, direction=case.direction,
-            implementation=case.implementation, work=case.work, unit=case.unit,
-        )  # fmt: skip
+            kernel=case.kernel,
+            params=case.params,
+            direction=case.direction,
+            implementation=case.implementation,
+            work=case.work,
+            unit=case.unit,
+        )
         for _ in range(self.warmup):
             call()
         spin_ms = timing.spin_ahead_ms(timing.host_ms_per_call(call))
@@ -176,14 +188,23 @@ class SuitePlugin:
         # has queued the call, so the event pair holds the call's GPU time alone.
         benchmark.pedantic(call, setup=lambda: timing.spin(spin_ms), rounds=self.rounds)
         stats = benchmark.stats.stats
-        self.results.append(
-            Result(
-                case.kernel, case.params, case.direction, case.implementation, case.unit, case.work,
-                stats.median * 1e3, stats.q1 * 1e3, stats.q3 * 1e3, stats.rounds, correct, errors,
-                samples_ms=[seconds * 1e3 for seconds in stats.data],
-                extra=_peak_memory(allocated_before),
-            )
-        )  # fmt: skip
+        result = Result(
+            case.kernel,
+            case.params,
+            case.direction,
+            case.implementation,
+            case.unit,
+            case.work,
+            median_ms=stats.median * 1e3,
+            q1_ms=stats.q1 * 1e3,
+            q3_ms=stats.q3 * 1e3,
+            rounds=stats.rounds,
+            correct=correct,
+            errors=errors,
+            samples_ms=[seconds * 1e3 for seconds in stats.data],
+            extra=_peak_memory(allocated_before),
+        )
+        self.results.append(result)
         if correct is False:
             pytest.fail(f"{case.kernel} [{case.shape}] differs from the reference: {errors}")
 
@@ -380,17 +401,38 @@ def compare(results: list[Result], previous: dict, expected: list[Case]) -> tupl
     return lines, failures
 
 
-TABLE_COLUMNS = ("kernel", "direction", "shape", "impl", "ms", "q1-q3 ms", "rate", "ceiling", "vs best other",
-                 "check")  # fmt: skip
+TABLE_COLUMNS = (
+    "kernel",
+    "direction",
+    "shape",
+    "impl",
+    "ms",
+    "q1-q3 ms",
+    "rate",
+    "ceiling",
+    "vs best other",
+    "check",
+)
 
 
 def format_table(results: list[Result]) -> str:
-    return report.format_table([TABLE_COLUMNS] + [(
-        r.kernel, r.direction, r.shape, r.implementation, f"{r.median_ms:.4f}",
-        f"{r.q1_ms:.4f}-{r.q3_ms:.4f}", f"{r.throughput:.1f} {RATES[r.unit][0]}",
-        f"{r.ceiling_fraction:.0%}", f"{min(r.speedups.values()):.2f}x" if r.speedups else "",
-        "" if r.correct is None else ("ok" if r.correct else "WRONG"),
-    ) for r in results])  # fmt: skip
+    def cells(r: Result) -> tuple:
+        best_other = f"{min(r.speedups.values()):.2f}x" if r.speedups else ""
+        check = "" if r.correct is None else ("ok" if r.correct else "WRONG")
+        return (
+            r.kernel,
+            r.direction,
+            r.shape,
+            r.implementation,
+            f"{r.median_ms:.4f}",
+            f"{r.q1_ms:.4f}-{r.q3_ms:.4f}",
+            f"{r.throughput:.1f} {RATES[r.unit][0]}",
+            f"{r.ceiling_fraction:.0%}",
+            best_other,
+            check,
+        )
+
+    return report.format_table([TABLE_COLUMNS, *map(cells, results)])
 
 
 def results_dir(gpu: str) -> Path:
@@ -402,23 +444,39 @@ def results_dir(gpu: str) -> Path:
 def write_json(
     path: Path, machine: dict, ceilings: dict, results: list[Result], verdicts: list[GateVerdict]
 ) -> None:
-    path.write_text(json.dumps({
+    gates = [
+        {
+            "gate": v.gate.describe(),
+            "kernel": v.subject.kernel,
+            "direction": v.subject.direction,
+            "shape": v.subject.params,
+            "value": v.value,
+            "over": v.over,
+            "passed": v.passed,
+        }
+        for v in verdicts
+    ]
+    document = {
         "schema": "little-horse-bench/1",
         "machine": machine,
         "ceilings": ceilings,
         "results": [asdict(r) for r in results],
-        "gates": [
-            {"gate": v.gate.describe(), "kernel": v.subject.kernel, "direction": v.subject.direction,
-             "shape": v.subject.params, "value": v.value, "over": v.over, "passed": v.passed}
-            for v in verdicts
-        ],
-    }, indent=2))  # fmt: skip
+        "gates": gates,
+    }
+    path.write_text(json.dumps(document, indent=2))
 
 
 def save_and_gate(
-    out: Path | None, name: str, machine: dict, ceilings: dict, results: list[Result], gates: list[Gate],
-    expected: list[Case], table: Callable[[list[Result]], str] = format_table, plots: bool = False,
-) -> list[GateVerdict]:  # fmt: skip
+    out: Path | None,
+    name: str,
+    machine: dict,
+    ceilings: dict,
+    results: list[Result],
+    gates: list[Gate],
+    expected: list[Case],
+    table: Callable[[list[Result]], str] = format_table,
+    plots: bool = False,
+) -> list[GateVerdict]:
     """Add the metrics to results (:func:`add_metrics`) and print them as table formats them; gate
     them (:func:`evaluate_gates`: an expected case of ours without one is "not measured"), write them
     with their verdicts to out/name (out: default :func:`results_dir`), with plots a PNG per kernel

@@ -97,8 +97,14 @@ def rotate(copies: list, fn: Callable, no_grad: bool = False) -> Callable[[], ob
     return call
 
 
-def timed_call(fn: Callable, make_inputs: Callable, direction: str, bytes_per_copy: int, device="cuda",
-               grad: bool = False) -> Callable[[], object]:  # fmt: skip
+def timed_call(
+    fn: Callable,
+    make_inputs: Callable,
+    direction: str,
+    bytes_per_copy: int,
+    device="cuda",
+    grad: bool = False,
+) -> Callable[[], object]:
     """The call a benchmark times: one direction of fn on rotated copies of its inputs.
 
     ``make_inputs(requires_grad)`` builds one copy: a list of tensors, passed as ``fn(*inputs)``, or
@@ -145,8 +151,15 @@ def without_tma(call: Callable[[], T], module: str) -> Callable[[], T]:
     return timed
 
 
-def setup(make_fn: Callable[[], Callable], make_inputs: Callable, direction: str, bytes_per_copy: int,
-          device="cuda", grad: bool = False, tma_off: str | None = None) -> Callable:  # fmt: skip
+def setup(
+    make_fn: Callable[[], Callable],
+    make_inputs: Callable,
+    direction: str,
+    bytes_per_copy: int,
+    device="cuda",
+    grad: bool = False,
+    tma_off: str | None = None,
+) -> Callable:
     """A case's setup (``suite.Case.setup``): on the device, fn = make_fn() and its :func:`timed_call`,
     with tma_off (a kernels module) :func:`without_tma`."""
 
@@ -191,8 +204,9 @@ def spin_ahead_ms(host_ms: float, calls: int = 1) -> float:
     return 2 * host_ms * calls + 0.1
 
 
-def time_gpu(fn: Callable[[T], object], inputs: Sequence[T], warmup: int = 10, repeats: int = 100,
-             batch: int = 20) -> Timing:  # fmt: skip
+def time_gpu(
+    fn: Callable[[T], object], inputs: Sequence[T], warmup: int = 10, repeats: int = 100, batch: int = 20
+) -> Timing:
     """GPU time of ``fn(inputs[i])`` on the current CUDA device and stream, i cycling over inputs.
 
     ``warmup`` untimed calls, then ``repeats`` calls, each between its own pair of CUDA events,

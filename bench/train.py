@@ -134,9 +134,16 @@ def case_params(cfg: TrainConfig, config: GPTConfig) -> dict:
     }
 
 
-def step_result(cfg: TrainConfig, config: GPTConfig, backend: str, times_ms: list[float],
-                peak_memory_bytes: int, skipped_steps: int, loss: float,
-                peak: float | None) -> suite.Result:  # fmt: skip
+def step_result(
+    cfg: TrainConfig,
+    config: GPTConfig,
+    backend: str,
+    times_ms: list[float],
+    peak_memory_bytes: int,
+    skipped_steps: int,
+    loss: float,
+    peak: float | None,
+) -> suite.Result:
     """A backend's timed steps as a bench-suite result, the training metrics in ``extra``."""
     seq_len = cfg.seq_len or config.block_size
     tokens_per_step = cfg.batch_size * seq_len * cfg.grad_accum
@@ -157,11 +164,21 @@ def step_result(cfg: TrainConfig, config: GPTConfig, backend: str, times_ms: lis
         "loss": loss,
     }
     return suite.Result(
-        KERNEL, case_params(cfg, config), "forward+backward", IMPLEMENTATIONS[backend], "flop",
-        per_token * tokens_per_step, median_ms, q1_ms, q3_ms, len(times_ms),
+        KERNEL,
+        case_params(cfg, config),
+        "forward+backward",
+        IMPLEMENTATIONS[backend],
+        unit="flop",
+        work=per_token * tokens_per_step,
+        median_ms=median_ms,
+        q1_ms=q1_ms,
+        q3_ms=q3_ms,
+        rounds=len(times_ms),
         # A step of ours (triton) whose loss is inf or NaN fails every gate.
-        correct=math.isfinite(loss) if backend == "triton" else None, extra=extra, samples_ms=times_ms,
-    )  # fmt: skip
+        correct=math.isfinite(loss) if backend == "triton" else None,
+        extra=extra,
+        samples_ms=times_ms,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,8 +186,13 @@ def step_result(cfg: TrainConfig, config: GPTConfig, backend: str, times_ms: lis
 # ----------------------------------------------------------------------------------------------
 
 
-def time_steps(step: Callable[[], tuple[torch.Tensor, bool]], warmup: int, steps: int, seconds: float | None,
-               stop_at: float | None = None) -> tuple[list[float], int, int, float]:  # fmt: skip
+def time_steps(
+    step: Callable[[], tuple[torch.Tensor, bool]],
+    warmup: int,
+    steps: int,
+    seconds: float | None,
+    stop_at: float | None = None,
+) -> tuple[list[float], int, int, float]:
     """GPU times (ms) of up to ``steps`` steps after ``warmup`` untimed ones, stopping after
     ``seconds`` of timing or at ``stop_at`` (a ``time.perf_counter()``: warm-up included), whichever
     comes first, but after at least 2 steps; returns (times, peak memory in bytes, skipped steps,
@@ -199,8 +221,15 @@ def time_steps(step: Callable[[], tuple[torch.Tensor, bool]], warmup: int, steps
     return times, torch.cuda.max_memory_allocated(), skipped, loss.item()
 
 
-def measure(cfg: TrainConfig, config: GPTConfig, backend: str, warmup: int, steps: int, seconds: float | None,
-            stop_at: float | None = None) -> suite.Result:  # fmt: skip
+def measure(
+    cfg: TrainConfig,
+    config: GPTConfig,
+    backend: str,
+    warmup: int,
+    steps: int,
+    seconds: float | None,
+    stop_at: float | None = None,
+) -> suite.Result:
     """One backend's result on the current GPU; frees its model, optimizer and compiled graphs after."""
     try:
         host_start = time.perf_counter()
@@ -224,19 +253,37 @@ def format_table(results: list[suite.Result]) -> str:
     """A row per backend: step time, tokens/s, TFLOP/s, MFU, fraction of matmul, memory, speedups; then
     a line per backend with its tokens/s, MFU and peak memory."""
     others = [r.extra["backend"] for r in results if r.implementation != "ours"]
-    columns = ("backend", "step ms", "q1-q3 ms", "tokens/s", "TFLOP/s", "MFU", "of matmul", "peak GiB",
-               "skipped", *(f"vs {name}" for name in others))  # fmt: skip
+    columns = (
+        "backend",
+        "step ms",
+        "q1-q3 ms",
+        "tokens/s",
+        "TFLOP/s",
+        "MFU",
+        "of matmul",
+        "peak GiB",
+        "skipped",
+        *(f"vs {name}" for name in others),
+    )
     rows, lines = [columns], []
     for r in results:
         x = r.extra
         speedups = [r.speedups.get(IMPLEMENTATIONS[name]) for name in others]
         mfu = "" if x["mfu"] is None else f"{x['mfu']:.1%}"
         gib = f"{x['peak_memory_bytes'] / 2**30:.2f}"
-        rows.append((
-            x["backend"], f"{r.median_ms:.2f}", f"{r.q1_ms:.2f}-{r.q3_ms:.2f}", f"{x['tokens_per_s']:,.0f}",
-            f"{r.throughput:.1f}", mfu, f"{r.ceiling_fraction:.1%}", gib, str(x["skipped_steps"]),
+        row = (
+            x["backend"],
+            f"{r.median_ms:.2f}",
+            f"{r.q1_ms:.2f}-{r.q3_ms:.2f}",
+            f"{x['tokens_per_s']:,.0f}",
+            f"{r.throughput:.1f}",
+            mfu,
+            f"{r.ceiling_fraction:.1%}",
+            gib,
+            str(x["skipped_steps"]),
             *("" if s is None else f"{s:.2f}x" for s in speedups),
-        ))  # fmt: skip
+        )
+        rows.append(row)
         line = f"{KERNEL} {x['preset']} {x['precision']} {x['backend']}: {x['tokens_per_s']:,.0f} tokens/s"
         lines.append(line + (f", MFU {mfu}" if mfu else "") + f", peak memory {gib} GiB")
     return "\n".join([report.format_table(rows), "", *lines])
@@ -330,9 +377,14 @@ def step_cases(cfg: TrainConfig, config: GPTConfig, backends) -> list[suite.Case
     seq_len = cfg.seq_len or config.block_size
     work = flops_per_token(config, seq_len) * cfg.batch_size * seq_len * cfg.grad_accum
     return suite.family_cases(
-        KERNEL, case_params(cfg, config), {IMPLEMENTATIONS[b]: b for b in backends}, ["forward+backward"],
-        lambda d: work, "flop", lambda name, b, d: functools.partial(make_step, cfg, config, b, "cuda"),
-    )  # fmt: skip
+        KERNEL,
+        case_params(cfg, config),
+        {IMPLEMENTATIONS[b]: b for b in backends},
+        ["forward+backward"],
+        work=lambda d: work,
+        unit="flop",
+        setup=lambda name, b, d: functools.partial(make_step, cfg, config, b, "cuda"),
+    )
 
 
 def cases(quick: bool) -> list[suite.Case]:
@@ -372,10 +424,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, TrainConfig, GPTConfig]:
     parser.add_argument("--steps", type=int, default=50, help="timed steps per backend, at most")
     parser.add_argument("--seconds", type=float, help="stop timing after this, shared by the backends")
     parser.add_argument(
-        "--deadline", type=float, help="stop timing by this many seconds after the start, warm-up and "
-        "compilation included: each backend stops at its share of what is left (after 2 timed steps at "
-        "least)",
-    )  # fmt: skip
+        "--deadline",
+        type=float,
+        help="stop timing by this many seconds after the start, warm-up and compilation included: each "
+        "backend stops at its share of what is left (after 2 timed steps at least)",
+    )
     parser.add_argument("--peak-tflops", type=float, help="dense fp16/bf16 peak for MFU (default: by GPU)")
     parser.add_argument("--out", type=Path, help="train.json goes here (default bench/results/<date>-<gpu>)")
     parser.add_argument("--gate", action="store_true", help="exit 1 if triton misses a train_step gate")

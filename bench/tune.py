@@ -51,7 +51,11 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from bench import compile_report, timing
+from bench import timing
+from bench.compile_report import compiler, gate
+from bench.compile_report.attention import ATTENTION_MASKS, attention_entry_configs, attention_pass_config
+from bench.compile_report.config import check_capabilities
+from bench.compile_report.mlp import mlp_entry_configs, mlp_gemm_config
 from bench.report import format_table
 from horse.kernels import attention, mlp, runtime
 
@@ -62,11 +66,15 @@ ATTENTION_PASSES = {  # --passes name: (compile report pass, table in horse.kern
 }
 # MLP GEMM shapes per (gemm, shape class): (model name in bench.mlp.MODELS, tokens).
 MLP_SHAPES = {
-    ("fwd", "large"): ("1.3B", 16384), ("fwd", "medium"): ("124M", 1024),
-    ("gated_fwd", "large"): ("7B", 16384), ("gated_fwd", "medium"): ("7B", 512),
-    ("dh_bwd", "large"): ("1.3B", 16384), ("dh_bwd", "medium"): ("124M", 1024),
-    ("gated_dh_bwd", "large"): ("7B", 16384), ("gated_dh_bwd", "medium"): ("7B", 512),
-}  # fmt: skip
+    ("fwd", "large"): ("1.3B", 16384),
+    ("fwd", "medium"): ("124M", 1024),
+    ("gated_fwd", "large"): ("7B", 16384),
+    ("gated_fwd", "medium"): ("7B", 512),
+    ("dh_bwd", "large"): ("1.3B", 16384),
+    ("dh_bwd", "medium"): ("124M", 1024),
+    ("gated_dh_bwd", "large"): ("7B", 16384),
+    ("gated_dh_bwd", "medium"): ("7B", 512),
+}
 SHAPE_CLASSES = ("large", "medium", "small")  # the GEMM tables' keys (horse.kernels.mlp.shape_class)
 MIN_GAIN = 0.02  # a neighbour must be this much faster to move: below it, timing noise decides
 TILE_RANGE = (16, 256)
@@ -85,7 +93,7 @@ class Target:
     title: str
     table: dict
     key: object
-    compile_configs: Callable[[object], list]  # candidate -> compile_report.KernelConfig list
+    compile_configs: Callable[[object], list]  # candidate -> bench.compile_report KernelConfig list
     check: Callable[[], bool]  # ours correct with the table as it is now (on the GPU)
     calls: Callable[[], dict]  # mode -> (zero-argument call, FLOPs a call does)
     persistent: bool = False  # candidates include programs_per_sm (the attention forward)
@@ -133,9 +141,14 @@ def neighbours(cfg, persistent: bool = False, tma: bool = True) -> list:
     return out
 
 
-def descend(start, measure: Callable[[object], Measurement], deadline: float,
-            clock: Callable[[], float] = time.monotonic, persistent: bool = False,
-            tma: bool = True) -> tuple[object, list[Measurement]]:  # fmt: skip
+def descend(
+    start,
+    measure: Callable[[object], Measurement],
+    deadline: float,
+    clock: Callable[[], float] = time.monotonic,
+    persistent: bool = False,
+    tma: bool = True,
+) -> tuple[object, list[Measurement]]:
     """Best-improvement descent from start over :func:`neighbours`, each config measured once,
     until no neighbour gains MIN_GAIN or the clock passes deadline. Returns (best, measurements)."""
     measured = {start: measure(start)}
@@ -156,21 +169,21 @@ def descend(start, measure: Callable[[object], Measurement], deadline: float,
 
 
 def compile_failures(configs: list, compile_batch: Callable[[list], list]) -> tuple[list, list[str]]:
-    """The CompileResults of configs (compile_report.KernelConfig) built by compile_batch, and a line
-    per config that spills, exceeds shared memory or misses the tensor cores (compile_report.failures);
-    a config Triton cannot compile at all is the one line."""
+    """The CompileResults of configs (bench.compile_report KernelConfigs) built by compile_batch, and
+    a line per config that spills, exceeds shared memory or misses the tensor cores (gate.failures); a
+    config Triton cannot compile at all is the one line."""
     try:
         results = compile_batch(configs)
     except Exception as error:
         return [], [f"does not compile: {' '.join(str(error).split())[:200]}"]
-    return results, compile_report.failures(results)
+    return results, gate.failures(results)
 
 
 def compiles_clean(configs: list) -> tuple[bool, str]:
-    """Whether every compile_report.KernelConfig compiles clean for its GPU family; the reason, or
+    """Whether every KernelConfig compiles clean for its GPU family; the reason, or
     the registers, as a note."""
     # In this process: a forked worker of a process that holds a CUDA context is unsafe.
-    results, bad = compile_failures(configs, compile_report.compile_configs)
+    results, bad = compile_failures(configs, compiler.compile_configs)
     return not bad, "; ".join(bad) if bad else "registers " + "/".join(str(r.registers) for r in results)
 
 
@@ -212,10 +225,10 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
 
     def variants(pass_name: str, head_dim: int, packed: bool) -> Callable[[object], list]:
         return lambda cfg: [
-            compile_report.attention_pass_config(
+            attention_pass_config(
                 pass_name, cfg.loads(cfg.tma), head_dim, torch.float16, mask, cfg.tma, packed, arch.name
             )
-            for mask in compile_report.ATTENTION_MASKS
+            for mask in ATTENTION_MASKS
         ]
 
     targets = []
@@ -224,13 +237,17 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
         shape = bench_attention.benchmark_shape(seqlen, head_dim)
         for packed in (False, True) if name == "fwd" else (False,):  # packed documents: a table of their own
             table = getattr(attention, "PACKED_FWD_CONFIGS" if packed else table_name)[arch.name]
-            targets.append(Target(
-                f"attention {name}{' packed' if packed else ''} d={head_dim} ({arch.name})", table,
-                attention.head_dim_block(head_dim), variants(pass_name, head_dim, packed),
-                functools.partial(_attention_check, head_dim, packed),
-                functools.partial(_attention_calls, pass_name, shape, packed),
-                persistent=name == "fwd" and not packed, tma=arch.tma,
-            ))  # fmt: skip
+            target = Target(
+                title=f"attention {name}{' packed' if packed else ''} d={head_dim} ({arch.name})",
+                table=table,
+                key=attention.head_dim_block(head_dim),
+                compile_configs=variants(pass_name, head_dim, packed),
+                check=functools.partial(_attention_check, head_dim, packed),
+                calls=functools.partial(_attention_calls, pass_name, shape, packed),
+                persistent=name == "fwd" and not packed,
+                tma=arch.tma,
+            )
+            targets.append(target)
     return targets
 
 
@@ -283,15 +300,18 @@ def mlp_targets(gemms, shape_classes, arch: runtime.Arch = runtime.SM90) -> list
         model, tokens = models[MLP_SHAPES[gemm, shape_class][0]], MLP_SHAPES[gemm, shape_class][1]
         if mlp.shape_class(tokens, model.hidden) != shape_class:
             raise ValueError(f"MLP_SHAPES: {model.name} at {tokens} tokens is not {shape_class}")
-        targets.append(Target(
-            f"mlp {gemm} {shape_class} ({model.name}, {tokens} tokens; {arch.name})",
-            mlp.GEMM_CONFIGS[arch.name][gemm], shape_class,
-            lambda cfg, g=gemm, c=shape_class, a=model.activation: [
-                compile_report.mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma, arch.name)
+        target = Target(
+            title=f"mlp {gemm} {shape_class} ({model.name}, {tokens} tokens; {arch.name})",
+            table=mlp.GEMM_CONFIGS[arch.name][gemm],
+            key=shape_class,
+            compile_configs=lambda cfg, g=gemm, c=shape_class, a=model.activation: [
+                mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma, arch.name)
             ],
-            lambda m=model, t=tokens: bench_mlp.check(m, t, DEVICE, whole_mlp=True)[1],
-            functools.partial(_mlp_calls, gemm, model, tokens), tma=arch.tma,
-        ))  # fmt: skip
+            check=lambda m=model, t=tokens: bench_mlp.check(m, t, DEVICE, whole_mlp=True)[1],
+            calls=functools.partial(_mlp_calls, gemm, model, tokens),
+            tma=arch.tma,
+        )
+        targets.append(target)
     return targets
 
 
@@ -328,7 +348,7 @@ GEMM_STAGES = (4, 3, 2)
 @dataclasses.dataclass
 class EntrySearch:
     """One table entry of a GPU family to search by compiling alone: candidates in order of
-    preference, and every compile_report.KernelConfig a candidate must compile clean in."""
+    preference, and every KernelConfig a candidate must compile clean in."""
 
     title: str
     table_entry: object  # the family's entry now
@@ -345,15 +365,26 @@ def attention_candidates(pass_name: str, start, block_d: int, tma: bool) -> list
     (tma: the family has it) and pointers. Largest tile first, then the longest side, fewer splits,
     start's warps, more stages, TMA before pointers."""
     by_queries = pass_name == "attn_bwd_dkdv"
-    tiles = [(m, n) for m, n in itertools.product(ATTENTION_TILES, repeat=2)
-             if (m <= n if by_queries else n <= m) and m * n <= start.block_m * start.block_n]  # fmt: skip
+    tiles = [
+        (m, n)
+        for m, n in itertools.product(ATTENTION_TILES, repeat=2)
+        if (m <= n if by_queries else n <= m) and m * n <= start.block_m * start.block_n
+    ]
     splits = (1, 2) if pass_name == "attn_bwd_dkdv" and block_d == 256 else (1,)
     out = [
         dataclasses.replace(start, block_m=m, block_n=n, num_warps=w, num_stages=st, column_splits=sp, tma=t)
         for (m, n), w, st, sp, t in itertools.product(tiles, WARPS, ATTENTION_STAGES, splits, (tma, False))
     ]
-    out.sort(key=lambda c: (-c.block_m * c.block_n, -max(c.block_m, c.block_n), c.column_splits,
-                            c.num_warps != start.num_warps, -c.num_stages, not c.tma))  # fmt: skip
+    out.sort(
+        key=lambda c: (
+            -c.block_m * c.block_n,
+            -max(c.block_m, c.block_n),
+            c.column_splits,
+            c.num_warps != start.num_warps,
+            -c.num_stages,
+            not c.tma,
+        )
+    )
     return list(dict.fromkeys([start, *out]))
 
 
@@ -363,15 +394,24 @@ def gemm_candidates(start, tma: bool) -> list:
     family has it) and pointers, start's group. Largest tile first, start's shape first among equals,
     then the deepest pipeline (block_k times stages), fewer splits, start's warps, TMA first."""
     out = [
-        dataclasses.replace(start, block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st,
-                            epilogue_split=sp, tma=t)
-        for m, n, k in itertools.product(*GEMM_TILES) if m * n <= start.block_m * start.block_n
+        dataclasses.replace(
+            start, block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st, epilogue_split=sp, tma=t
+        )
+        for m, n, k in itertools.product(*GEMM_TILES)
+        if m * n <= start.block_m * start.block_n
         for w, st, sp, t in itertools.product(WARPS, GEMM_STAGES, EPILOGUE_SPLITS, (tma, False))
         if n // sp >= 32
-    ]  # fmt: skip
-    out.sort(key=lambda c: (-c.block_m * c.block_n, (c.block_m, c.block_n) != (start.block_m, start.block_n),
-                            -c.block_k * c.num_stages, c.epilogue_split, c.num_warps != start.num_warps,
-                            not c.tma))  # fmt: skip
+    ]
+    out.sort(
+        key=lambda c: (
+            -c.block_m * c.block_n,
+            (c.block_m, c.block_n) != (start.block_m, start.block_n),
+            -c.block_k * c.num_stages,
+            c.epilogue_split,
+            c.num_warps != start.num_warps,
+            not c.tma,
+        )
+    )
     return list(dict.fromkeys([start, *out]))
 
 
@@ -388,12 +428,14 @@ def attention_searches(passes, head_dims, arch: runtime.Arch, start_from: runtim
             # Without TMA the family starts from the entry's pointer tile, which its candidates then vary.
             start = start if tma else dataclasses.replace(start.loads(False), tma=False)
             batch = " packed" if table_name.startswith("PACKED") else ""
-            searches.append(EntrySearch(
-                f"attention {name}{batch} d={block_d} ({arch.name})", table[arch.name][block_d],
-                attention_candidates(pass_name, start, block_d, tma),
-                lambda cfg, t=table_name, b=block_d: compile_report.attention_entry_configs(t, cfg, b, arch),
-                (padded_table, arch.name, str(block_d)),  # the packed forward reads the padded entries
-            ))  # fmt: skip
+            search = EntrySearch(
+                title=f"attention {name}{batch} d={block_d} ({arch.name})",
+                table_entry=table[arch.name][block_d],
+                candidates=attention_candidates(pass_name, start, block_d, tma),
+                variants=lambda cfg, t=table_name, b=block_d: attention_entry_configs(t, cfg, b, arch),
+                entry=(padded_table, arch.name, str(block_d)),  # the packed forward reads the padded entries
+            )
+            searches.append(search)
     return searches
 
 
@@ -404,12 +446,14 @@ def mlp_searches(gemms, shape_classes, arch: runtime.Arch, start_from: runtime.A
     for gemm, shape_class in itertools.product(gemms, shape_classes):
         start = mlp.GEMM_CONFIGS[(start_from or arch).name][gemm][shape_class]
         start = start if tma else dataclasses.replace(start, tma=False)
-        searches.append(EntrySearch(
-            f"mlp {gemm} {shape_class} ({arch.name})", mlp.GEMM_CONFIGS[arch.name][gemm][shape_class],
-            gemm_candidates(start, tma),
-            lambda cfg, g=gemm, c=shape_class: compile_report.mlp_entry_configs(g, c, cfg, arch),
-            ("GEMM_CONFIGS", arch.name, gemm, shape_class),
-        ))  # fmt: skip
+        search = EntrySearch(
+            title=f"mlp {gemm} {shape_class} ({arch.name})",
+            table_entry=mlp.GEMM_CONFIGS[arch.name][gemm][shape_class],
+            candidates=gemm_candidates(start, tma),
+            variants=lambda cfg, g=gemm, c=shape_class: mlp_entry_configs(g, c, cfg, arch),
+            entry=("GEMM_CONFIGS", arch.name, gemm, shape_class),
+        )
+        searches.append(search)
     return searches
 
 
@@ -441,8 +485,11 @@ def one_per_entry(searches: list[EntrySearch]) -> list[EntrySearch]:
 def entry_fields(cfg) -> dict:
     """cfg (an AttnConfig or a GemmConfig) as horse/kernels/configs/*.json holds it: its fields not at
     their defaults, a config inside it (AttnConfig.pointer) likewise."""
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-              if f.default is dataclasses.MISSING or getattr(cfg, f.name) != f.default}  # fmt: skip
+    fields = {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if f.default is dataclasses.MISSING or getattr(cfg, f.name) != f.default
+    }
     return {name: entry_fields(v) if dataclasses.is_dataclass(v) else v for name, v in fields.items()}
 
 
@@ -469,7 +516,7 @@ def write_entries(path, entries: dict) -> None:
 
 
 def first_failure(configs: list, compile_batch: Callable[[list], list], batch: int) -> str | None:
-    """Why configs (compile_report.KernelConfig) do not all compile clean, or None if they do;
+    """Why configs (bench.compile_report KernelConfigs) do not all compile clean, or None if they do;
     compiled batch at a time (compile_batch: configs -> CompileResults), stopping at the first
     batch that fails."""
     for i in range(0, len(configs), batch):
@@ -479,9 +526,13 @@ def first_failure(configs: list, compile_batch: Callable[[list], list], batch: i
     return None
 
 
-def search_entries(searches: list[EntrySearch], compile_batch: Callable[[list], list], batch: int = 2,
-                   seconds: float = math.inf,
-                   clock: Callable[[], float] = time.monotonic) -> dict:  # fmt: skip
+def search_entries(
+    searches: list[EntrySearch],
+    compile_batch: Callable[[list], list],
+    batch: int = 2,
+    seconds: float = math.inf,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict:
     """For each search the first candidate that compiles clean in every variant, with the reason
     each earlier candidate failed; stops at seconds. The report as a dict (null: none found)."""
     deadline = clock() + seconds
@@ -582,26 +633,47 @@ def main(argv: list[str] | None = None) -> int:
     mlp_cli = families.add_parser("mlp", help="the GEMM table of horse.kernels.mlp")
     gemms = list(dict.fromkeys(g for g, _ in MLP_SHAPES))
     mlp_cli.add_argument("--gemms", nargs="+", choices=gemms, default=gemms)
-    mlp_cli.add_argument("--shape-classes", nargs="+", choices=SHAPE_CLASSES, help="default: large medium; "
-                         "with --compile-only all (small has no bench shape to time)")  # fmt: skip
+    mlp_cli.add_argument(
+        "--shape-classes",
+        nargs="+",
+        choices=SHAPE_CLASSES,
+        help="default: large medium; with --compile-only all (small has no bench shape to time)",
+    )
     for family in (attn_cli, mlp_cli):
-        family.add_argument("--seconds", type=float, help="time budget, shared by the targets (default: "
-                            "240; with --compile-only none)")  # fmt: skip
+        family.add_argument(
+            "--seconds",
+            type=float,
+            help="time budget, shared by the targets (default: 240; with --compile-only none)",
+        )
         family.add_argument("--json", help="write every measurement here")
-        family.add_argument("--compile-only", action="store_true", help="no GPU: for each entry of --arch, "
-                            "the first candidate (largest tile first) that compiles clean in every variant "
-                            "the compile report builds")  # fmt: skip
+        family.add_argument(
+            "--compile-only",
+            action="store_true",
+            help="no GPU: for each entry of --arch, the first candidate (largest tile first) that compiles "
+            "clean in every variant the compile report builds",
+        )
         family.add_argument("--arch", choices=list(runtime.ARCHS), help="with --compile-only: the family")
-        family.add_argument("--start-from", choices=list(runtime.ARCHS), help="with --compile-only: start "
-                            "from this family's entries (default: --arch's own)")  # fmt: skip
-        family.add_argument("--jobs", type=int, default=os.cpu_count(), help="with --compile-only: parallel "
-                            "compilations")  # fmt: skip
-        family.add_argument("--write", action="store_true", help="with --compile-only: put each entry found "
-                            "into horse/kernels/configs/<family>.json (the families whose entries are data, "
-                            "not sm90)")  # fmt: skip
-        family.add_argument("--capability", nargs="+", type=int, help="with --compile-only: clean when built "
-                            "for each of these GPUs that take --arch's entries, e.g. 86 89 120 for sm86 "
-                            "(default: the family's own)")  # fmt: skip
+        family.add_argument(
+            "--start-from",
+            choices=list(runtime.ARCHS),
+            help="with --compile-only: start from this family's entries (default: --arch's own)",
+        )
+        family.add_argument(
+            "--jobs", type=int, default=os.cpu_count(), help="with --compile-only: parallel compilations"
+        )
+        family.add_argument(
+            "--write",
+            action="store_true",
+            help="with --compile-only: put each entry found into horse/kernels/configs/<family>.json (the "
+            "families whose entries are data, not sm90)",
+        )
+        family.add_argument(
+            "--capability",
+            nargs="+",
+            type=int,
+            help="with --compile-only: clean when built for each of these GPUs that take --arch's entries, "
+            "e.g. 86 89 120 for sm86 (default: the family's own)",
+        )
     args = parser.parse_args(argv)
     report = _compile_only(parser, args) if args.compile_only else _tune(parser, args)
     if args.json:
@@ -645,7 +717,7 @@ def _compile_only(parser: argparse.ArgumentParser, args) -> dict:
     else:
         searches = mlp_searches(args.gemms, args.shape_classes or SHAPE_CLASSES, arch, start_from)
     if args.capability:
-        compile_report.check_capabilities(parser, args.capability, arch.name)
+        check_capabilities(parser, args.capability, arch.name)
         searches = [built_for(search, args.capability) for search in searches]
     path = runtime.CONFIGS_DIR / f"{args.family}.json"
     if args.write:
@@ -656,9 +728,7 @@ def _compile_only(parser: argparse.ArgumentParser, args) -> dict:
         parser.error("unset TRITON_INTERPRET: the interpreter cannot compile kernels")
     jobs, seconds = max(1, args.jobs), math.inf if args.seconds is None else args.seconds
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        report = search_entries(
-            searches, lambda c: compile_report.compile_in_pool(pool, c, jobs), jobs, seconds
-        )
+        report = search_entries(searches, lambda c: compiler.compile_in_pool(pool, c, jobs), jobs, seconds)
     if args.write:
         found = {s.entry: report[s.title]["clean"] for s in searches if report[s.title]["clean"]}
         write_entries(path, {entry: type(searches[0].table_entry)(**cfg) for entry, cfg in found.items()})

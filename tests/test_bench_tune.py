@@ -262,7 +262,7 @@ def test_gemm_candidates_keep_32_columns_an_epilogue_subtile():
 
 def _clean_below(max_area, calls):
     """A compile_batch whose configs spill when their tile holds more than max_area scores."""
-    from bench.compile_report import CompileResult
+    from bench.compile_report.compiler import CompileResult
 
     def compile_batch(configs):
         calls.append(len(configs))
@@ -320,7 +320,7 @@ def test_a_compile_error_is_a_reason_not_a_crash():
 
 
 def test_a_search_built_for_several_gpus_needs_every_variant_clean_on_each():
-    from bench.compile_report import CompileResult
+    from bench.compile_report.compiler import CompileResult
 
     [search] = tune.attention_searches(["bwd_dq"], [16], runtime.SM86)
     several = tune.built_for(search, [86, 89, 120])
@@ -392,14 +392,14 @@ def test_compile_only_cli_finds_a_real_entry_clean(tmp_path):
 def config_copies(tmp_path, monkeypatch):
     """horse/kernels/configs copied to tmp_path, where --write writes; the compile step a stand-in that
     spills above 64x64 tiles, run in this process (no TRITON_INTERPRET check to trip)."""
-    from bench import compile_report
+    from bench.compile_report import compiler
 
     for name in ("attention", "mlp"):
         (tmp_path / f"{name}.json").write_text((runtime.CONFIGS_DIR / f"{name}.json").read_text())
     monkeypatch.setattr(runtime, "CONFIGS_DIR", tmp_path)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     fake = _clean_below(64 * 64, [])
-    monkeypatch.setattr(compile_report, "compile_in_pool", lambda pool, configs, jobs: fake(configs))
+    monkeypatch.setattr(compiler, "compile_in_pool", lambda pool, configs, jobs: fake(configs))
     return tmp_path
 
 

@@ -16,7 +16,12 @@ import torch
 import triton
 
 from bench import compile_report
-from bench.compile_report import CompileResult, KernelConfig
+from bench.compile_report import cache, compiler, disassembly, gate
+from bench.compile_report.attention import attention_entry_configs
+from bench.compile_report.compiler import CompileResult
+from bench.compile_report.config import TRITON_TYPES, KernelConfig, describe
+from bench.compile_report.mlp import mlp_entry_configs
+from bench.compile_report.norms import norm_configs
 from horse.kernels import runtime
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,17 +64,17 @@ amdhsa.kernels:
 
 
 def test_parse_amdgcn_counts_registers_scratch_mfma_and_wide_loads():
-    assert compile_report.parse_amdgcn(AMDGCN) == (256, 412, 2, 2)
+    assert disassembly.parse_amdgcn(AMDGCN) == (256, 412, 2, 2)
     with pytest.raises(ValueError, match="private_segment_fixed_size"):
-        compile_report.parse_amdgcn(AMDGCN.replace(".private_segment_fixed_size", ".other"))
+        disassembly.parse_amdgcn(AMDGCN.replace(".private_segment_fixed_size", ".other"))
 
 
 def test_parse_resource_usage_counts_stack_and_local_as_spills():
-    assert compile_report.parse_resource_usage(RESOURCE_USAGE) == (70, 24)
+    assert disassembly.parse_resource_usage(RESOURCE_USAGE) == (70, 24)
 
 
 def test_count_sass_finds_tensor_core_ops_wide_loads_and_tma_loads():
-    assert compile_report.count_sass(SASS) == (3, 2, 1)
+    assert disassembly.count_sass(SASS) == (3, 2, 1)
 
 
 def _result(spill_bytes=0, shared_bytes=0, arch="sm90", matmul=False, tensor_cores=0, warps=4):
@@ -79,22 +84,22 @@ def _result(spill_bytes=0, shared_bytes=0, arch="sm90", matmul=False, tensor_cor
 
 
 def test_gate_fails_spills_and_shared_memory_over_the_family_limit():
-    assert compile_report.failures([_result()]) == []
-    assert compile_report.failures([_result(shared_bytes=runtime.SM90.max_shared_bytes)]) == []
-    [spill] = compile_report.failures([_result(spill_bytes=8)])
+    assert gate.failures([_result()]) == []
+    assert gate.failures([_result(shared_bytes=runtime.SM90.max_shared_bytes)]) == []
+    [spill] = gate.failures([_result(spill_bytes=8)])
     assert "spills 8 bytes" in spill
-    [smem] = compile_report.failures([_result(shared_bytes=runtime.SM90.max_shared_bytes + 1)])
+    [smem] = gate.failures([_result(shared_bytes=runtime.SM90.max_shared_bytes + 1)])
     assert "shared memory" in smem
     # What fits an H100's block does not fit an RTX 4090's (99 KiB).
-    [smem] = compile_report.failures([_result(shared_bytes=runtime.SM86.max_shared_bytes + 1, arch="sm86")])
+    [smem] = gate.failures([_result(shared_bytes=runtime.SM86.max_shared_bytes + 1, arch="sm86")])
     assert smem.startswith("sm86 ") and "max 101376" in smem
 
 
 def test_gate_fails_more_than_1024_threads_a_block():
-    assert compile_report.failures([_result(warps=32), _result(arch="gfx942", warps=16)]) == []
-    [wide] = compile_report.failures([_result(arch="gfx942", warps=32)])  # wavefronts of 64
+    assert gate.failures([_result(warps=32), _result(arch="gfx942", warps=16)]) == []
+    [wide] = gate.failures([_result(arch="gfx942", warps=32)])  # wavefronts of 64
     assert wide.startswith("gfx942 ") and "2048 threads a block (max 1024)" in wide
-    [smem] = compile_report.failures([_result(shared_bytes=65537, arch="gfx942")])  # 64 KiB of LDS
+    [smem] = gate.failures([_result(shared_bytes=65537, arch="gfx942")])  # 64 KiB of LDS
     assert "max 65536" in smem
 
 
@@ -110,21 +115,21 @@ def test_a_config_triton_cannot_compile_is_a_failing_row_and_the_report_goes_on(
             asm={"amdgcn": AMDGCN, "ttir": ""}, metadata=SimpleNamespace(shared=1024, arch="gfx942")
         )
 
-    monkeypatch.setattr(compile_report, "compile_kernel", compile_kernel)
-    results = compile_report.compile_configs([crashing, built])
+    monkeypatch.setattr(compiler, "compile_kernel", compile_kernel)
+    results = compiler.compile_configs([crashing, built])
     assert results[0].error == "PassManager::run failed in TritonGPUHoistTMEMAlloc"
     assert results[1].error == "" and (results[1].registers, results[1].target) == (256, "gfx942")
-    [crash, scratch] = compile_report.failures(results)  # AMDGCN's 412 bytes of scratch: a spill
+    [crash, scratch] = gate.failures(results)  # AMDGCN's 412 bytes of scratch: a spill
     assert crash.startswith("gfx942 k N<=64 fp16") and crash.endswith("does not compile: " + results[0].error)
     assert "warps 8: spills 412 bytes" in scratch
-    crashed_row = compile_report.format_table(results).splitlines()[1].split()
+    crashed_row = gate.format_table(results).splitlines()[1].split()
     assert crashed_row[-7:] == ["-"] * 6 + ["error"]
 
 
 def test_gate_fails_a_matmul_kernel_without_tensor_cores():
-    [slow] = compile_report.failures([_result(matmul=True)])
+    [slow] = gate.failures([_result(matmul=True)])
     assert "no tensor-core instructions" in slow
-    assert compile_report.failures([_result(matmul=True, tensor_cores=16)]) == []
+    assert gate.failures([_result(matmul=True, tensor_cores=16)]) == []
 
 
 KEYED_KERNEL = """{above}
@@ -186,11 +191,11 @@ def _tuple_config(tmp_path, monkeypatch) -> KernelConfig:
 
 def test_a_strides_tuple_compiles_as_aligned_i32s_with_its_unit_stride_a_constexpr(tmp_path, monkeypatch):
     cfg = _tuple_config(tmp_path, monkeypatch)
-    signature, attrs = compile_report._signature(cfg)
+    signature, attrs = compiler._signature(cfg)
     assert signature["x_strides"] == ("i32", "constexpr") and attrs[(2, 0)] == [["tt.divisibility", 16]]
-    ttir = compile_report.compile_kernel(cfg).asm["ttir"]
+    ttir = compiler.compile_kernel(cfg).asm["ttir"]
     assert "%x_strides: i32 {tt.divisibility = 16 : i32}" in ttir and "%x_strides_0" not in ttir
-    [product] = compile_report.narrow_stride_products(ttir)  # offs * x_strides[0] (splat as %2), 32 bits
+    [product] = disassembly.narrow_stride_products(ttir)  # offs * x_strides[0] (splat as %2), 32 bits
     assert product.startswith("%3 = arith.muli %offs, %2 : tensor<64xi32>")
 
 
@@ -204,18 +209,18 @@ def test_a_gpu_compile_after_an_interpreted_launch_is_the_compilers_own(tmp_path
     x = torch.randn(3, 40, dtype=torch.float16)
     kernels.rms_norm(x, (40,), torch.ones(40, dtype=torch.float16))
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "triton-cache"))
-    ttir = compile_report.compile_kernel(_tuple_config(tmp_path, monkeypatch)).asm["ttir"]
+    ttir = compiler.compile_kernel(_tuple_config(tmp_path, monkeypatch)).asm["ttir"]
     assert "%x_strides: i32 {tt.divisibility = 16 : i32}" in ttir
 
 
 def test_a_rows_key_changes_with_the_code_config_target_toolchain_and_reader(tmp_path, monkeypatch):
     cfg = _keyed_module(tmp_path, monkeypatch, "keyed_a")
-    key = compile_report.row_key(cfg)
-    assert compile_report.row_key(_keyed_module(tmp_path, monkeypatch, "keyed_same")) == key  # by content
+    key = cache.row_key(cfg)
+    assert cache.row_key(_keyed_module(tmp_path, monkeypatch, "keyed_same")) == key  # by content
     # Lines added above the kernels (another kernel) move them in the file, not in their code.
     moved = _keyed_module(tmp_path, monkeypatch, "keyed_moved", above="\n# a comment\n\n")
     assert moved.fn.starting_line_number != cfg.fn.starting_line_number
-    assert compile_report.row_key(moved) == key
+    assert cache.row_key(moved) == key
     changed = {
         "a called jit function's source": _keyed_module(tmp_path, monkeypatch, "keyed_helper", factor=3),
         "the kernel's source": _keyed_module(tmp_path, monkeypatch, "keyed_body", compare="<="),
@@ -226,19 +231,17 @@ def test_a_rows_key_changes_with_the_code_config_target_toolchain_and_reader(tmp
         "the family": dataclasses.replace(cfg, arch="sm80"),
         "the target": dataclasses.replace(cfg, capability=100),
     }
-    keys = {what: compile_report.row_key(c) for what, c in changed.items()}
+    keys = {what: cache.row_key(c) for what, c in changed.items()}
     assert key not in keys.values() and len(set(keys.values())) == len(keys), keys
     # A Triton release (its own cache of the toolchain string), and the code that reads a row.
-    monkeypatch.setattr(compile_report, "toolchain", functools.cache(compile_report.toolchain.__wrapped__))
+    monkeypatch.setattr(cache, "toolchain", functools.cache(cache.toolchain.__wrapped__))
     monkeypatch.setattr(triton, "__version__", triton.__version__ + ".post1")
-    assert compile_report.row_key(cfg) != key
+    assert cache.row_key(cfg) != key
     monkeypatch.undo()
-    assert compile_report.row_key(_keyed_module(tmp_path, monkeypatch, "keyed_a")) == key
-    monkeypatch.setattr(
-        compile_report, "reader_hash", functools.cache(compile_report.reader_hash.__wrapped__)
-    )
-    monkeypatch.setattr(compile_report, "ROW_READERS", (*compile_report.ROW_READERS, compile_report.describe))
-    assert compile_report.row_key(cfg) != key
+    assert cache.row_key(_keyed_module(tmp_path, monkeypatch, "keyed_a")) == key
+    monkeypatch.setattr(cache, "reader_hash", functools.cache(cache.reader_hash.__wrapped__))
+    monkeypatch.setattr(cache, "ROW_READERS", (*cache.ROW_READERS, describe))
+    assert cache.row_key(cfg) != key
 
 
 def _fake_build(built: list):
@@ -259,50 +262,46 @@ def test_cached_rows_are_reused_a_sample_is_verified_and_a_tampered_row_fails():
     groups = {(c.arch, c.kernel) for c in configs}
     assert len(configs) > 100 and len(groups) == 6
     built = []
-    first = compile_report.prove(configs, keys, {}, 60, 0, _fake_build(built))
+    first = cache.prove(configs, keys, {}, 60, 0, _fake_build(built))
     assert (first.built, first.reused, first.verified, first.differ) == (len(configs), 0, 0, [])
-    cache = compile_report.updated_entries({}, first, set(keys))
-    assert list(cache) == keys and cache["key0"]["config"] == compile_report.describe(configs[0])
+    entries = cache.updated_entries({}, first, set(keys))
+    assert list(entries) == keys and entries["key0"]["config"] == describe(configs[0])
 
     built.clear()
-    again = compile_report.prove(configs, keys, cache, 60, 0, _fake_build(built))
+    again = cache.prove(configs, keys, entries, 60, 0, _fake_build(built))
     assert (again.built, again.reused, again.verified, again.differ) == (0, len(configs), 60, [])
     assert len(built) == 60 and {(c.arch, c.kernel) for c in built} == groups
-    assert [compile_report.row_values(r) for r in again.results] == [e["row"] for e in cache.values()]
-    sample = compile_report.verification_sample
+    assert [cache.row_values(r) for r in again.results] == [e["row"] for e in entries.values()]
+    sample = cache.verification_sample
     assert built == [configs[i] for i in sample(configs, 60, 0)]  # the same sample for the same seed
     assert sample(configs, 60, 1) != sample(configs, 60, 0)
     assert len(sample(configs, 2, 0)) == 6 and sample(configs, 0, 0) == []  # one of each (family, kernel)
 
     built.clear()
-    trusted = compile_report.prove(configs, keys, cache, 0, 0, _fake_build(built))
+    trusted = cache.prove(configs, keys, entries, 0, 0, _fake_build(built))
     assert (trusted.built, trusted.verified, built) == (0, 0, [])
-    tampered = {key: {**entry, "row": list(entry["row"])} for key, entry in cache.items()}
+    tampered = {key: {**entry, "row": list(entry["row"])} for key, entry in entries.items()}
     tampered["key5"]["row"][0] += 1
-    checked = compile_report.prove(configs, keys, tampered, len(configs), 0, _fake_build([]))
+    checked = cache.prove(configs, keys, tampered, len(configs), 0, _fake_build([]))
     [line] = checked.differ
-    assert line.startswith(compile_report.describe(configs[5]) + ": cached row [")
+    assert line.startswith(describe(configs[5]) + ": cached row [")
     # A cached row goes through the gate like a fresh one: a spill in the file fails the report.
     tampered["key5"]["row"][1] = 8
-    [spill] = compile_report.failures(
-        compile_report.prove(configs, keys, tampered, 0, 0, _fake_build([])).results
-    )
+    [spill] = gate.failures(cache.prove(configs, keys, tampered, 0, 0, _fake_build([])).results)
     assert spill.endswith("spills 8 bytes")
     tampered["key5"]["row"][1] = 0
     tampered["key5"]["row"][-1] = ["%9 = arith.muli %x, %stride_xm : i32"]  # narrow_stride_products
-    [narrow] = compile_report.failures(
-        compile_report.prove(configs, keys, tampered, 0, 0, _fake_build([])).results
-    )
+    [narrow] = gate.failures(cache.prove(configs, keys, tampered, 0, 0, _fake_build([])).results)
     assert "a 32-bit stride product" in narrow and "%9 = arith.muli" in narrow
 
     changed = ["changed0", *keys[1:]]
     built.clear()
-    after = compile_report.prove(configs, changed, cache, 0, 0, _fake_build(built))
+    after = cache.prove(configs, changed, entries, 0, 0, _fake_build(built))
     assert (after.built, after.reused, built) == (1, len(configs) - 1, configs[:1])
     failed = dataclasses.replace(after.results[0], error="ptxas died")
     after.fresh["changed0"] = failed
-    assert "key0" not in compile_report.updated_entries(cache, after, set(changed))  # stale: dropped
-    assert "changed0" not in compile_report.updated_entries(cache, after, set(changed))  # errors: not kept
+    assert "key0" not in cache.updated_entries(entries, after, set(changed))  # stale: dropped
+    assert "changed0" not in cache.updated_entries(entries, after, set(changed))  # errors: not kept
 
 
 def test_every_family_has_an_entry_in_every_table():
@@ -351,10 +350,13 @@ def test_every_selectable_norm_config_is_in_the_report():
     from horse.kernels import layernorm
 
     for arch in runtime.ARCHS.values():
-        reported = {(c.dtype, c.constexprs["BLOCK_M"], c.constexprs["BLOCK_N"], c.num_warps)
-                    for c in compile_report.norm_configs(arch) if "BLOCK_M" in c.constexprs}  # fmt: skip
+        reported = {
+            (c.dtype, c.constexprs["BLOCK_M"], c.constexprs["BLOCK_N"], c.num_warps)
+            for c in norm_configs(arch)
+            if "BLOCK_M" in c.constexprs
+        }
         for n, backward, dtype in itertools.product(
-            range(1, layernorm.MAX_HIDDEN + 1, 97), (False, True), compile_report.TRITON_TYPES
+            range(1, layernorm.MAX_HIDDEN + 1, 97), (False, True), TRITON_TYPES
         ):
             cfg = layernorm.row_config(n, backward, dtype, arch)
             assert (dtype, cfg.block_m, cfg.block_n, cfg.num_warps) in reported, (
@@ -414,10 +416,10 @@ def test_real_compile_of_one_kernel_for_three_gpu_families_then_its_rows_from_th
 
 AMD_MATMUL = """
 import json
-from bench import compile_report as cr
+from bench.compile_report import all_configs, compiler, disassembly
 
-[cfg] = [c for c in cr.all_configs(["gfx942"]) if c.kernel == "mlp_fwd" and c.dtype_name == "fp16"][:1]
-[r] = cr.compile_configs([cfg])
+[cfg] = [c for c in all_configs(["gfx942"]) if c.kernel == "mlp_fwd" and c.dtype_name == "fp16"][:1]
+[r] = compiler.compile_configs([cfg])
 print(json.dumps([r.registers, r.spill_bytes, r.shared_bytes, r.tensor_core_instructions, r.target]))
 """
 
@@ -460,7 +462,7 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
     from horse.kernels import attention, mlp
 
     cfg = attention.AttnConfig(128, 64, 8, 3, tma=True)
-    padded = compile_report.attention_entry_configs("FWD_CONFIGS", cfg, 128, runtime.SM90)
+    padded = attention_entry_configs("FWD_CONFIGS", cfg, 128, runtime.SM90)
     assert len(padded) == 3 * 2 * 2 * 2  # masks, head dims 128 and 96, dtypes, TMA and pointers
     assert padded[0].constexprs["LOCAL"] and not any(c.constexprs["VARLEN"] for c in padded)
     assert {c.constexprs["HEAD_DIM"] for c in padded} == {128, 96} and sum(
@@ -468,11 +470,11 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
     ) == 12
     # A packed batch's forward builds its descriptors on the device: TMA configs without descriptor
     # arguments.
-    packed = compile_report.attention_entry_configs("PACKED_FWD_CONFIGS", cfg, 128, runtime.SM90)
+    packed = attention_entry_configs("PACKED_FWD_CONFIGS", cfg, 128, runtime.SM90)
     assert len(packed) == 24 and all(c.constexprs["VARLEN"] and not c.descriptors for c in packed)
     assert sum(c.constexprs["TMA"] for c in packed) == 12
     # An entry with a pointer key block of its own compiles its pointer configs at that block.
-    split = compile_report.attention_entry_configs(
+    split = attention_entry_configs(
         "FWD_CONFIGS",
         dataclasses.replace(cfg, pointer=dataclasses.replace(cfg, block_n=32)),
         128,
@@ -482,10 +484,8 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
     # A dk/dv entry with split outputs compiles each launch (dv, dk), K and V by pointers under TMA;
     # its pointer tile, the fused pass.
     fused = attention.AttnConfig(16, 64, 8, 2, column_splits=2)
-    dkdv = compile_report.attention_entry_configs(
-        "BWD_DKDV_CONFIGS", attention.AttnConfig(64, 128, 8, 1, split_outputs=True, pointer=fused), 256,
-        runtime.SM90,
-    )  # fmt: skip
+    split_dkdv = attention.AttnConfig(64, 128, 8, 1, split_outputs=True, pointer=fused)
+    dkdv = attention_entry_configs("BWD_DKDV_CONFIGS", split_dkdv, 256, runtime.SM90)
     # Packed batches' by TMA too, their descriptors built on the device (no descriptor arguments).
     tma = [c for c in dkdv if c.constexprs["TMA"]]
     assert [c.constexprs["OUTPUT"] for c in tma] == ["dv", "dk"] * (len(tma) // 2) and len(tma) == 60
@@ -494,20 +494,23 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
     assert {(c.constexprs["OUTPUT"], c.constexprs["BLOCK_M"]) for c in dkdv if not c.constexprs["TMA"]} == {
         ("dkdv", 16)
     }
-    bwd = compile_report.attention_entry_configs("BWD_DQ_CONFIGS", cfg, 128, runtime.SM80)
+    bwd = attention_entry_configs("BWD_DQ_CONFIGS", cfg, 128, runtime.SM80)
     assert len(bwd) == 24 and not any(c.descriptors for c in bwd)  # padded and packed, no TMA on sm_80
     gemm = mlp.GemmConfig(128, 128, 64, 8, 8, 4)
-    assert len(compile_report.mlp_entry_configs("fwd", "large", gemm, runtime.SM90)) == 8
-    assert len(compile_report.mlp_entry_configs("fwd", "large", gemm, runtime.SM86)) == 4
-    assert all(c in compile_report.all_configs(["sm86"]) for c in compile_report.attention_entry_configs(
-        "BWD_DKDV_CONFIGS", attention.BWD_DKDV_CONFIGS["sm86"][64], 64, runtime.SM86))  # fmt: skip
+    assert len(mlp_entry_configs("fwd", "large", gemm, runtime.SM90)) == 8
+    assert len(mlp_entry_configs("fwd", "large", gemm, runtime.SM86)) == 4
+    sm86_dkdv = attention_entry_configs(
+        "BWD_DKDV_CONFIGS", attention.BWD_DKDV_CONFIGS["sm86"][64], 64, runtime.SM86
+    )
+    sm86_configs = compile_report.all_configs(["sm86"])
+    assert all(c in sm86_configs for c in sm86_dkdv)
 
 
 def test_dkdv_entries_compile_with_float32_partials_for_gqa_head_splits():
     from horse.kernels import attention
 
     cfg = attention.AttnConfig(32, 128, 8, 2, tma=True)
-    configs = compile_report.attention_entry_configs("BWD_DKDV_CONFIGS", cfg, 64, runtime.SM90)
+    configs = attention_entry_configs("BWD_DKDV_CONFIGS", cfg, 64, runtime.SM90)
     split = [c for c in configs if "head split" in c.shape_class]
     assert len(configs) == 48 + 12 and len(split) == 12  # masks x (padded, packed) x (TMA, pointers)
     assert all(c.pointer_types["DK"] == c.pointer_types["DV"] == "fp32" for c in split)
@@ -516,23 +519,23 @@ def test_dkdv_entries_compile_with_float32_partials_for_gqa_head_splits():
 
 SASS_AGREEMENT = """
 import json, subprocess, tempfile
-from bench import compile_report as cr
+from bench.compile_report import all_configs, compiler, disassembly
 
 wanted = [("sm90", "mlp_fwd"), ("sm90", "rms_norm_bwd_split_row"), ("sm80", "mlp_fwd"),
           ("sm90", "attn_bwd_preprocess")]
 configs = []
 for arch, kernel in wanted:
-    found = [c for c in cr.all_configs([arch]) if c.kernel == kernel and c.dtype_name == "fp16"]
+    found = [c for c in all_configs([arch]) if c.kernel == kernel and c.dtype_name == "fp16"]
     configs += [c for c in found if c.shape_class.startswith("small")][:2] or found[:1]
-batched = cr.compile_configs(configs)
+batched = compiler.compile_configs(configs)
 alone = []
 for cfg in configs:  # cuobjdump's SASS of each cubin on its own: what the batch must agree with
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(cr.compile_kernel(cfg).asm["cubin"])
+        cubin.write(compiler.compile_kernel(cfg).asm["cubin"])
         cubin.flush()
-        sass = subprocess.run([cr.CUOBJDUMP, "--dump-sass", cubin.name], capture_output=True,
+        sass = subprocess.run([disassembly.CUOBJDUMP, "--dump-sass", cubin.name], capture_output=True,
                               text=True, check=True).stdout
-    alone.append(cr.count_sass(sass))
+    alone.append(disassembly.count_sass(sass))
 print(json.dumps({"archs": [c.arch for c in configs], "kernels": [r.config.kernel for r in batched],
                   "expected": [c.kernel for c in configs], "batched": [[r.tensor_core_instructions,
                   r.global_loads_128, r.tma_loads] for r in batched], "alone": alone}))
@@ -629,23 +632,23 @@ NARROW_TTIR = """
 
 
 def test_gate_fails_32_bit_stride_products():
-    products = compile_report.narrow_stride_products(NARROW_TTIR)
+    products = disassembly.narrow_stride_products(NARROW_TTIR)
     assert [p.split(" = ")[0] for p in products] == ["%tile_3", "%step", "%head"]  # not the 64-bit one
-    [narrow] = compile_report.failures([dataclasses.replace(_result(), narrow_stride_products=products)])
+    [narrow] = gate.failures([dataclasses.replace(_result(), narrow_stride_products=products)])
     assert "a 32-bit stride product, which wraps past 2**31 elements: %tile_3 = arith.muli" in narrow
     assert "(and 2 more)" in narrow
 
 
 WIDE_OFFSETS = """
 import json
-from bench import compile_report as cr
+from bench.compile_report import all_configs, compiler, disassembly
 
 configs = {}
-for c in cr.all_configs(["sm90"]):
+for c in all_configs(["sm90"]):
     if not c.descriptors and c.kernel.startswith(("attn", "mlp")):
         configs.setdefault((c.kernel, c.constexprs.get("VARLEN")), c)
 print(json.dumps({f"{k} {v}": r.narrow_stride_products for (k, v), r in
-                  zip(configs, cr.compile_configs(list(configs.values())), strict=True)}))
+                  zip(configs, compiler.compile_configs(list(configs.values())), strict=True)}))
 """
 
 

@@ -386,10 +386,10 @@ def test_gpu_gpt2_124m_head_matches_and_saves_memory(dtype):
 
 
 def test_every_block_the_rule_picks_is_in_the_compile_report():
-    from bench import compile_report
+    from bench.compile_report.loss import loss_configs
 
     for arch in ce.runtime.ARCHS.values():
-        built = {(c.constexprs["BLOCK_V"], c.num_warps) for c in compile_report.loss_configs(arch)}
+        built = {(c.constexprs["BLOCK_V"], c.num_warps) for c in loss_configs(arch)}
         for n_cols in (1, 7, 1000, 4097, 50304, 262144):
             cfg = ce.row_config(n_cols, arch)
             assert (cfg.block_v, cfg.num_warps) in built, (arch.name, n_cols)

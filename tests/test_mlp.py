@@ -764,14 +764,15 @@ def _run_without_interpreter(script: str):
 
 GELU_TANH_SASS = """
 import collections, json, re, sys
-from bench import compile_report as cr, sass_loops
+from bench import sass_loops
+from bench.compile_report.mlp import mlp_gemm_config
 from horse.kernels import mlp
 
 counts = {}
 for table in ("fwd", "gated_fwd", "dh_bwd"):
     cfg = mlp.GEMM_CONFIGS["sm90"][table]["small"]
     for inline_ptx in (True, False) if table != "dh_bwd" else (None,):
-        kc = cr.mlp_gemm_config(table, "small", cfg, mlp.SUPPORTED_DTYPES[0], "gelu_tanh", True)
+        kc = mlp_gemm_config(table, "small", cfg, mlp.SUPPORTED_DTYPES[0], "gelu_tanh", True)
         if inline_ptx is not None:
             kc.constexprs["INLINE_PTX"] = inline_ptx
         mufu = collections.Counter(re.findall(r"MUFU\\.(\\w+)", sass_loops.sass_of(kc)))
@@ -796,14 +797,15 @@ def test_gelu_tanh_epilogue_takes_one_mufu_an_element_in_sm90_sass():
 
 DH_PREFETCH_SASS = """
 import json, torch
-from bench import compile_report as cr, sass_loops
+from bench import sass_loops
+from bench.compile_report.mlp import mlp_gemm_config
 from horse.kernels import mlp
 
 placement = {}
 for table in ("dh_bwd", "gated_dh_bwd"):
     cfg = mlp.GEMM_CONFIGS["sm90"][table]["small"]
     for tma in (False, True):
-        sass = sass_loops.sass_of(cr.mlp_gemm_config(table, "small", cfg, torch.float16, "gelu", tma))
+        sass = sass_loops.sass_of(mlp_gemm_config(table, "small", cfg, torch.float16, "gelu", tma))
         (loop,) = sass_loops.main_loops(sass)
         prefetches = [offset for offset, text in sass_loops.parse(sass) if "CCTL.E.PF2" in text]
         placement[f"{table} {tma}"] = [loop.start <= offset <= loop.end for offset in prefetches]

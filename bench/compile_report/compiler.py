@@ -1,0 +1,157 @@
+"""Compile configs with Triton for their GPU family's targets, and read each one's row from what was
+built (:class:`CompileResult`): registers and spills (cuobjdump), shared memory (Triton's metadata),
+instruction counts (the SASS of all of a worker's kernels for one target from one nvdisasm call; on
+AMD, the amdgcn), and the 32-bit stride products of the TTIR. A change to this code invalidates
+every cached row (``bench.compile_report.cache.ROW_READERS``).
+"""
+
+import dataclasses
+import math
+import re
+import subprocess
+import tempfile
+from concurrent.futures import Executor
+
+import triton
+from triton.compiler import ASTSource
+
+from bench.compile_report.config import KernelConfig
+from bench.compile_report.disassembly import (
+    CUOBJDUMP,
+    count_sass,
+    disassemble,
+    machine_code,
+    narrow_stride_products,
+    parse_amdgcn,
+    parse_resource_usage,
+)
+from horse.kernels import runtime
+from horse.kernels.runtime import ARCHS
+
+MAX_CHUNK = 32  # configs a worker compiles before disassembling them together
+FLOAT_SCALARS = {"eps", "softmax_scale", "label_smoothing", "z_loss"}  # every other scalar: an i32
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileResult:
+    config: KernelConfig
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+    tensor_core_instructions: int
+    global_loads_128: int
+    tma_loads: int
+    target: str = ""  # the machine code's: "sm_90a" (as the PTX names it), "gfx942"
+    error: str = ""  # why Triton could not compile it ("" when it did; the counts are then 0)
+    narrow_stride_products: tuple[str, ...] = ()  # see narrow_stride_products()
+
+
+def _signature(cfg: KernelConfig) -> tuple[dict, dict]:
+    signature, attrs = {}, {}
+    for index, name in enumerate(cfg.fn.arg_names):
+        if name in cfg.constexprs:
+            signature[name] = "constexpr"
+        elif name in cfg.descriptors:
+            block_shape = ",".join(str(d) for d in cfg.descriptors[name])
+            signature[name] = f"tensordesc<{cfg.pointer_types[name]}[{block_shape}]>"
+        elif name in cfg.pointer_types:
+            signature[name] = "*" + cfg.pointer_types[name]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif name in cfg.tuples:
+            elements = []
+            for i in range(cfg.tuples[name]):
+                elements.append("constexpr" if f"{name}[{i}]" in cfg.constexprs else "i32")
+                if elements[-1] == "i32":
+                    attrs[(index, i)] = [["tt.divisibility", 16]]
+            signature[name] = tuple(elements)
+        elif name in FLOAT_SCALARS:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name in ("N", "K") or name.startswith("stride"):
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, attrs
+
+
+def _constexprs(cfg: KernelConfig) -> dict:
+    """cfg.constexprs as ASTSource takes them: a tuple element ``"x_strides[1]"`` by its path."""
+    constexprs = {}
+    for key, value in cfg.constexprs.items():
+        name, _, element = key.partition("[")
+        constexprs[(cfg.fn.arg_names.index(name), int(element[:-1])) if element else key] = value
+    return constexprs
+
+
+def compile_kernel(cfg: KernelConfig):
+    """Triton's compiled kernel of cfg for its target: its asm has "ptx" and "cubin" (NVIDIA), or
+    "amdgcn" and "hsaco" (AMD)."""
+    signature, attrs = _signature(cfg)
+    source = ASTSource(cfg.fn, signature, constexprs=_constexprs(cfg), attrs=attrs)
+    return triton.compile(source, target=cfg.gpu_target, options=_options(cfg))
+
+
+def _options(cfg: KernelConfig) -> dict:
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **runtime.COMPILE_OPTIONS}
+
+
+def compile_configs(configs: list[KernelConfig]) -> list[CompileResult]:
+    """Compile configs, then read each cubin's registers and spills (cuobjdump) and the SASS of all
+    that share a target in one disassembly; an AMD kernel's from its assembly. A config Triton
+    fails to compile (a compiler crash on some Triton version) is a result with its error, so the
+    report goes on and names it."""
+    results: list[CompileResult | None] = [None] * len(configs)
+    nvidia = []  # (index in configs, compiled kernel)
+    ttirs = {}  # index in configs -> its kernel's TTIR
+    for i, cfg in enumerate(configs):
+        try:
+            kernel = compile_kernel(cfg)
+        except Exception as error:
+            results[i] = CompileResult(cfg, 0, 0, 0, 0, 0, 0, error=" ".join(str(error).split())[:200])
+            continue
+        ttirs[i] = kernel.asm["ttir"]
+        if ARCHS[cfg.arch].hip_target:
+            results[i] = _read_amd(cfg, kernel)
+        else:
+            nvidia.append((i, kernel))
+    read = _read_nvidia([configs[i] for i, _ in nvidia], [kernel for _, kernel in nvidia])
+    for (i, _), result in zip(nvidia, read, strict=True):
+        results[i] = result
+    for i, ttir in ttirs.items():
+        results[i] = dataclasses.replace(results[i], narrow_stride_products=narrow_stride_products(ttir))
+    return results
+
+
+def _read_amd(cfg: KernelConfig, kernel) -> CompileResult:
+    registers, spills, mfma, loads_128 = parse_amdgcn(kernel.asm["amdgcn"])
+    shared = kernel.metadata.shared
+    return CompileResult(cfg, registers, spills, shared, mfma, loads_128, 0, kernel.metadata.arch)
+
+
+def _read_nvidia(configs: list[KernelConfig], compiled: list) -> list[CompileResult]:
+    usage = []
+    for kernel in compiled:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(kernel.asm["cubin"])
+            cubin.flush()
+            usage.append(parse_resource_usage(subprocess.run(
+                [CUOBJDUMP, "--dump-resource-usage", cubin.name], capture_output=True, text=True, check=True
+            ).stdout))  # fmt: skip
+    targets = [re.search(r"^\.target sm_(\w+)", kernel.asm["ptx"], re.M).group(1) for kernel in compiled]
+    sass = [""] * len(compiled)
+    for target in set(targets):
+        indices = [i for i, t in enumerate(targets) if t == target]
+        codes = [machine_code(compiled[i].asm["cubin"]) for i in indices]
+        for i, text in zip(indices, disassemble(codes, target), strict=True):
+            sass[i] = text
+    return [
+        CompileResult(cfg, *usage[i], compiled[i].metadata.shared, *count_sass(sass[i]), f"sm_{targets[i]}")
+        for i, cfg in enumerate(configs)
+    ]
+
+
+def compile_in_pool(pool: Executor, configs: list[KernelConfig], workers: int) -> list[CompileResult]:
+    """compile_configs over a pool of workers, in chunks of up to MAX_CHUNK configs (each chunk one
+    disassembly per target), the results in the order of configs."""
+    chunk = max(1, min(MAX_CHUNK, math.ceil(len(configs) / workers)))
+    chunks = [configs[i : i + chunk] for i in range(0, len(configs), chunk)]
+    return [result for results in pool.map(compile_configs, chunks) for result in results]
