@@ -57,9 +57,11 @@ from bench.compile_report.attention import ATTENTION_MASKS, attention_entry_conf
 from bench.compile_report.config import check_capabilities
 from bench.compile_report.mlp import mlp_entry_configs, mlp_gemm_config
 from bench.report import format_table
-from horse.kernels import attention, mlp, runtime
+from horse.kernels import mlp, runtime
+from horse.kernels.attention import configs as attention_configs
+from horse.kernels.attention.launch import Packed, attention_bwd, attention_fwd
 
-ATTENTION_PASSES = {  # --passes name: (compile report pass, table in horse.kernels.attention)
+ATTENTION_PASSES = {  # --passes name: (compile report pass, table in horse.kernels.attention.configs)
     "fwd": ("attn_fwd", "FWD_CONFIGS"),
     "bwd_dkdv": ("attn_bwd_dkdv", "BWD_DKDV_CONFIGS"),
     "bwd_dq": ("attn_bwd_dq", "BWD_DQ_CONFIGS"),
@@ -236,11 +238,11 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
         pass_name, table_name = ATTENTION_PASSES[name]
         shape = bench_attention.benchmark_shape(seqlen, head_dim)
         for packed in (False, True) if name == "fwd" else (False,):  # packed documents: a table of their own
-            table = getattr(attention, "PACKED_FWD_CONFIGS" if packed else table_name)[arch.name]
+            table = getattr(attention_configs, "PACKED_FWD_CONFIGS" if packed else table_name)[arch.name]
             target = Target(
                 title=f"attention {name}{' packed' if packed else ''} d={head_dim} ({arch.name})",
                 table=table,
-                key=attention.head_dim_block(head_dim),
+                key=attention_configs.head_dim_block(head_dim),
                 compile_configs=variants(pass_name, head_dim, packed),
                 check=functools.partial(_attention_check, head_dim, packed),
                 calls=functools.partial(_attention_calls, pass_name, shape, packed),
@@ -273,18 +275,18 @@ def _attention_calls(pass_name: str, shape, packed: bool) -> dict:
         documents = bench_attention.Shape(1, sum(lengths), shape.heads, shape.head_dim)
         q, k, v = (t[0] for t in bench_attention.make_qkv(documents, DEVICE))  # (tokens, heads, head_dim)
         cu = bench_attention.offsets(lengths, DEVICE)
-        batch = attention.Packed(cu, cu, max(lengths), max(lengths))
-        call = functools.partial(attention.attention_fwd, q, k, v, True, scale, packed=batch)
+        batch = Packed(cu, cu, max(lengths), max(lengths))
+        call = functools.partial(attention_fwd, q, k, v, True, scale, packed=batch)
         return {"causal": (call, bench_attention.packed_flops(lengths, shape.heads, shape.head_dim))}
     direction = "forward" if pass_name == "attn_fwd" else "backward"
     q, k, v = bench_attention.make_qkv(shape, torch.device(DEVICE))
     calls = {}
     for causal in (False, True):
-        call = functools.partial(attention.attention_fwd, q, k, v, causal, scale)
+        call = functools.partial(attention_fwd, q, k, v, causal, scale)
         if direction == "backward":
             out, lse = call()
             dout = torch.randn_like(out)
-            call = functools.partial(attention.attention_bwd, dout, None, q, k, v, out, lse, causal, scale)
+            call = functools.partial(attention_bwd, dout, None, q, k, v, out, lse, causal, scale)
         flops = bench_attention.direction_flops(direction, shape, causal)
         calls["causal" if causal else "full"] = (call, flops)
     return calls
@@ -419,11 +421,11 @@ def attention_searches(passes, head_dims, arch: runtime.Arch, start_from: runtim
     """An EntrySearch per attention table entry of arch for the passes (the forward's packed table
     too) at the head dims, starting from start_from's entry (default: arch's own)."""
     tma, searches = arch.tma, []
-    block_dims = list(dict.fromkeys(attention.head_dim_block(d) for d in head_dims))
+    block_dims = list(dict.fromkeys(attention_configs.head_dim_block(d) for d in head_dims))
     for name, block_d in itertools.product(passes, block_dims):
         pass_name, padded_table = ATTENTION_PASSES[name]
         for table_name in (padded_table, "PACKED_FWD_CONFIGS") if name == "fwd" else (padded_table,):
-            table = getattr(attention, table_name)
+            table = getattr(attention_configs, table_name)
             start = table[(start_from or arch).name][block_d]
             # Without TMA the family starts from the entry's pointer tile, which its candidates then vary.
             start = start if tma else dataclasses.replace(start.loads(False), tma=False)
@@ -710,9 +712,9 @@ def _compile_only(parser: argparse.ArgumentParser, args) -> dict:
         parser.error("--compile-only: name the GPU family to search with --arch")
     arch, start_from = runtime.ARCHS[args.arch], args.start_from and runtime.ARCHS[args.start_from]
     if args.family == "attention":
-        head_dims = args.head_dims or sorted(attention.FWD_CONFIGS[arch.name])
-        if max(head_dims) > attention.MAX_HEAD_DIM or min(head_dims) < 1:
-            parser.error(f"--head-dims: 1 to {attention.MAX_HEAD_DIM}, got {head_dims}")
+        head_dims = args.head_dims or sorted(attention_configs.FWD_CONFIGS[arch.name])
+        if max(head_dims) > attention_configs.MAX_HEAD_DIM or min(head_dims) < 1:
+            parser.error(f"--head-dims: 1 to {attention_configs.MAX_HEAD_DIM}, got {head_dims}")
         searches = attention_searches(args.passes, head_dims, arch, start_from)
     else:
         searches = mlp_searches(args.gemms, args.shape_classes or SHAPE_CLASSES, arch, start_from)

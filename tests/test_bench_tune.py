@@ -14,7 +14,8 @@ import torch
 
 from bench import timing, tune
 from horse.kernels import runtime
-from horse.kernels.attention import AttnConfig
+from horse.kernels.attention import configs as attention_configs
+from horse.kernels.attention.configs import AttnConfig
 from horse.kernels.mlp import GemmConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,20 +104,20 @@ def test_wrong_results_never_win():
 
 
 def test_targets_point_at_the_tables_and_shapes_of_their_class():
-    from horse.kernels import attention, mlp
+    from horse.kernels import mlp
 
     fwd, packed, dq = tune.attention_targets(["fwd", "bwd_dq"], [64], seqlen=4096)
-    assert fwd.table is attention.FWD_CONFIGS["sm90"] and fwd.key == 64 and fwd.persistent and fwd.tma
+    assert fwd.table is attention_configs.FWD_CONFIGS["sm90"] and fwd.key == 64 and fwd.persistent and fwd.tma
     # Packed batches load by TMA through per-sequence descriptors, a program per tile: no persistence.
-    assert packed.table is attention.PACKED_FWD_CONFIGS["sm90"] and packed.key == 64
+    assert packed.table is attention_configs.PACKED_FWD_CONFIGS["sm90"] and packed.key == 64
     assert not packed.persistent and packed.tma
-    assert dq.table is attention.BWD_DQ_CONFIGS["sm90"] and not dq.persistent
+    assert dq.table is attention_configs.BWD_DQ_CONFIGS["sm90"] and not dq.persistent
     targets = tune.mlp_targets(["fwd", "gated_fwd", "dh_bwd", "gated_dh_bwd"], ["large", "medium"])
     assert len(targets) == 8  # each (gemm, class) shape checked to fall in its class
     assert targets[0].table is mlp.GEMM_CONFIGS["sm90"]["fwd"] and targets[0].key == "large"
     a100, a100_packed = tune.attention_targets(["fwd"], [128], seqlen=4096, arch=runtime.SM80)
-    assert a100.table is attention.FWD_CONFIGS["sm80"] and not a100.tma  # no TMA before sm_90
-    assert a100_packed.table is attention.PACKED_FWD_CONFIGS["sm80"]
+    assert a100.table is attention_configs.FWD_CONFIGS["sm80"] and not a100.tma  # no TMA before sm_90
+    assert a100_packed.table is attention_configs.PACKED_FWD_CONFIGS["sm80"]
     assert a100_packed.table is not a100.table  # tuning one never edits the other
 
 
@@ -187,13 +188,13 @@ def test_every_target_checks_and_times_a_candidate(tiny_targets_on_the_cpu):
 def test_compile_filter_passes_the_tables_and_rejects_shared_memory_over_budget():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     script = (
-        "from bench import tune; from horse.kernels import attention, mlp; "
+        "from bench import tune; from horse.kernels import mlp; from horse.kernels.attention import configs; "
         "[fwd, packed] = tune.attention_targets(['fwd'], [128], 4096); "
         "[gemm] = tune.mlp_targets(['fwd'], ['medium']); "
-        "print(tune.compiles_clean(fwd.compile_configs(attention.FWD_CONFIGS['sm90'][128]))); "
-        "print(tune.compiles_clean(fwd.compile_configs(attention.AttnConfig(128, 256, 8, 4, tma=False)))); "
+        "print(tune.compiles_clean(fwd.compile_configs(configs.FWD_CONFIGS['sm90'][128]))); "
+        "print(tune.compiles_clean(fwd.compile_configs(configs.AttnConfig(128, 256, 8, 4, tma=False)))); "
         "print(tune.compiles_clean(gemm.compile_configs(mlp.GEMM_CONFIGS['sm90']['fwd']['medium']))); "
-        "variants = packed.compile_configs(attention.PACKED_FWD_CONFIGS['sm90'][128]); "
+        "variants = packed.compile_configs(configs.PACKED_FWD_CONFIGS['sm90'][128]); "
         "print(tune.compiles_clean(variants)); print(sorted(c.shape_class for c in variants))"
     )
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
@@ -276,11 +277,12 @@ def _clean_below(max_area, calls):
 
 
 def test_search_keeps_the_first_clean_candidate_and_says_why_each_before_failed(capsys):
-    from horse.kernels import attention
 
     [search] = tune.attention_searches(["bwd_dq"], [96], runtime.SM86, start_from=runtime.SM90)
-    assert search.table_entry == attention.BWD_DQ_CONFIGS["sm86"][128]
-    assert search.candidates[0] == dataclasses.replace(attention.BWD_DQ_CONFIGS["sm90"][128], tma=False)
+    assert search.table_entry == attention_configs.BWD_DQ_CONFIGS["sm86"][128]
+    assert search.candidates[0] == dataclasses.replace(
+        attention_configs.BWD_DQ_CONFIGS["sm90"][128], tma=False
+    )
     calls = []
     report = tune.search_entries([search], _clean_below(64 * 64, calls), batch=2)
     result = report[search.title]
@@ -429,7 +431,6 @@ def test_compile_only_write_puts_the_entries_found_into_the_config_file(config_c
 
 
 def test_compile_only_write_keeps_one_forward_entry_for_padded_and_packed(config_copies):
-    from horse.kernels import attention
 
     padded, packed = tune.attention_searches(["fwd"], [64], runtime.SM86)
     [joint] = tune.one_per_entry([padded, packed])
@@ -439,8 +440,10 @@ def test_compile_only_write_keeps_one_forward_entry_for_padded_and_packed(config
     assert tune.main([*argv, "--jobs", "1", "--write"]) == 0
     tables = runtime.load_configs("attention", AttnConfig, config_copies)
     got = tables["FWD_CONFIGS"]["sm86"][64]
-    assert got.block_m * got.block_n == 64 * 64 and got != attention.FWD_CONFIGS["sm86"][64]
-    assert tables["BWD_DQ_CONFIGS"] == {f: t for f, t in attention.BWD_DQ_CONFIGS.items() if f != "sm90"}
+    assert got.block_m * got.block_n == 64 * 64 and got != attention_configs.FWD_CONFIGS["sm86"][64]
+    assert tables["BWD_DQ_CONFIGS"] == {
+        f: t for f, t in attention_configs.BWD_DQ_CONFIGS.items() if f != "sm90"
+    }
     with pytest.raises(SystemExit) as exit_info:  # sm90's entries live in the kernel file
         tune.main(["attention", "--compile-only", "--arch", "sm90", "--write"])
     assert exit_info.value.code == 2

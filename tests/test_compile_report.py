@@ -305,10 +305,11 @@ def test_cached_rows_are_reused_a_sample_is_verified_and_a_tampered_row_fails():
 
 
 def test_every_family_has_an_entry_in_every_table():
-    from horse.kernels import attention, mlp
+    from horse.kernels import mlp
+    from horse.kernels.attention import configs as attention_configs
 
-    for table in (attention.FWD_CONFIGS, attention.PACKED_FWD_CONFIGS, attention.BWD_DKDV_CONFIGS,
-                  attention.BWD_DQ_CONFIGS):  # fmt: skip
+    for table in (attention_configs.FWD_CONFIGS, attention_configs.PACKED_FWD_CONFIGS,
+                  attention_configs.BWD_DKDV_CONFIGS, attention_configs.BWD_DQ_CONFIGS):  # fmt: skip
         assert set(table) == set(runtime.ARCHS)
         assert all(set(entries) == {16, 32, 64, 128, 256} for entries in table.values())
     assert set(mlp.GEMM_CONFIGS) == set(runtime.ARCHS)
@@ -459,9 +460,10 @@ def test_capability_builds_a_familys_entries_for_another_gpu_that_takes_them():
 
 
 def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
-    from horse.kernels import attention, mlp
+    from horse.kernels import mlp
+    from horse.kernels.attention import configs as attention_configs
 
-    cfg = attention.AttnConfig(128, 64, 8, 3, tma=True)
+    cfg = attention_configs.AttnConfig(128, 64, 8, 3, tma=True)
     padded = attention_entry_configs("FWD_CONFIGS", cfg, 128, runtime.SM90)
     assert len(padded) == 3 * 2 * 2 * 2  # masks, head dims 128 and 96, dtypes, TMA and pointers
     assert padded[0].constexprs["LOCAL"] and not any(c.constexprs["VARLEN"] for c in padded)
@@ -483,8 +485,8 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
     assert {(c.constexprs["TMA"], c.constexprs["BLOCK_N"]) for c in split} == {(True, 64), (False, 32)}
     # A dk/dv entry with split outputs compiles each launch (dv, dk), K and V by pointers under TMA;
     # its pointer tile, the fused pass.
-    fused = attention.AttnConfig(16, 64, 8, 2, column_splits=2)
-    split_dkdv = attention.AttnConfig(64, 128, 8, 1, split_outputs=True, pointer=fused)
+    fused = attention_configs.AttnConfig(16, 64, 8, 2, column_splits=2)
+    split_dkdv = attention_configs.AttnConfig(64, 128, 8, 1, split_outputs=True, pointer=fused)
     dkdv = attention_entry_configs("BWD_DKDV_CONFIGS", split_dkdv, 256, runtime.SM90)
     # Packed batches' by TMA too, their descriptors built on the device (no descriptor arguments).
     tma = [c for c in dkdv if c.constexprs["TMA"]]
@@ -500,16 +502,16 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
     assert len(mlp_entry_configs("fwd", "large", gemm, runtime.SM90)) == 8
     assert len(mlp_entry_configs("fwd", "large", gemm, runtime.SM86)) == 4
     sm86_dkdv = attention_entry_configs(
-        "BWD_DKDV_CONFIGS", attention.BWD_DKDV_CONFIGS["sm86"][64], 64, runtime.SM86
+        "BWD_DKDV_CONFIGS", attention_configs.BWD_DKDV_CONFIGS["sm86"][64], 64, runtime.SM86
     )
     sm86_configs = compile_report.all_configs(["sm86"])
     assert all(c in sm86_configs for c in sm86_dkdv)
 
 
 def test_dkdv_entries_compile_with_float32_partials_for_gqa_head_splits():
-    from horse.kernels import attention
+    from horse.kernels.attention.configs import AttnConfig
 
-    cfg = attention.AttnConfig(32, 128, 8, 2, tma=True)
+    cfg = AttnConfig(32, 128, 8, 2, tma=True)
     configs = attention_entry_configs("BWD_DKDV_CONFIGS", cfg, 64, runtime.SM90)
     split = [c for c in configs if "head split" in c.shape_class]
     assert len(configs) == 48 + 12 and len(split) == 12  # masks x (padded, packed) x (TMA, pointers)
@@ -608,7 +610,8 @@ def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_wi
     one_rank = loss.VocabShard(0, 70, all_reduce_max=lambda t: None, all_reduce_sum=lambda t: None)
     xs, ws = torch.randn(5, 16), torch.randn(70, 16)
     loss.linear_cross_entropy_chunks(xs, ws, None, target, torch.ones(5), -100, 0.0, 0.0, True, one_rank)
-    defined = {name for module in (attention, layernorm, mlp, loss) for name, value in vars(module).items()
+    modules = (attention.forward, attention.backward, attention.decode, layernorm, mlp, loss)
+    defined = {name for module in modules for name, value in vars(module).items()
                if isinstance(value, interpreted) and name.endswith("_kernel")}  # fmt: skip
     assert {name for name, _ in launches} == defined
     assert all(options == runtime.COMPILE_OPTIONS for _, options in launches), launches
