@@ -392,13 +392,17 @@ def test_compile_only_cli_finds_a_real_entry_clean(tmp_path):
 
 @pytest.fixture
 def config_copies(tmp_path, monkeypatch):
-    """horse/kernels/configs copied to tmp_path, where --write writes; the compile step a stand-in that
-    spills above 64x64 tiles, run in this process (no TRITON_INTERPRET check to trip)."""
+    """The config files copied to tmp_path, where --write writes (mlp.json, attention/configs.json); the
+    compile step a stand-in that spills above 64x64 tiles, run in this process (no TRITON_INTERPRET
+    check to trip)."""
     from bench.compile_report import compiler
 
-    for name in ("attention", "mlp"):
-        (tmp_path / f"{name}.json").write_text((runtime.CONFIGS_DIR / f"{name}.json").read_text())
+    (tmp_path / "mlp.json").write_text((runtime.CONFIGS_DIR / "mlp.json").read_text())
     monkeypatch.setattr(runtime, "CONFIGS_DIR", tmp_path)
+    (tmp_path / "attention").mkdir()
+    attention_file = tmp_path / "attention" / "configs.json"
+    attention_file.write_text(attention_configs.CONFIG_FILE.read_text())
+    monkeypatch.setattr(attention_configs, "CONFIG_FILE", attention_file)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     fake = _clean_below(64 * 64, [])
     monkeypatch.setattr(compiler, "compile_in_pool", lambda pool, configs, jobs: fake(configs))
@@ -430,29 +434,44 @@ def test_compile_only_write_puts_the_entries_found_into_the_config_file(config_c
     assert f"wrote 3 entries to {config_copies / 'mlp.json'}" in capsys.readouterr().out
 
 
-def test_compile_only_write_keeps_one_forward_entry_for_padded_and_packed(config_copies):
+def attention_tables(config_copies) -> dict:
+    """The attention tables as the copy of their config file holds them."""
+    return runtime.load_configs("configs", AttnConfig, config_copies / "attention")
 
+
+def test_compile_only_write_keeps_one_forward_entry_for_padded_and_packed(config_copies):
     padded, packed = tune.attention_searches(["fwd"], [64], runtime.SM86)
     [joint] = tune.one_per_entry([padded, packed])
     start = joint.candidates[0]
     assert joint.variants(start) == padded.variants(start) + packed.variants(start)
     argv = ["attention", "--compile-only", "--arch", "sm86", "--passes", "fwd", "--head-dims", "64"]
     assert tune.main([*argv, "--jobs", "1", "--write"]) == 0
-    tables = runtime.load_configs("attention", AttnConfig, config_copies)
+    tables = attention_tables(config_copies)
     got = tables["FWD_CONFIGS"]["sm86"][64]
     assert got.block_m * got.block_n == 64 * 64 and got != attention_configs.FWD_CONFIGS["sm86"][64]
-    assert tables["BWD_DQ_CONFIGS"] == {
-        f: t for f, t in attention_configs.BWD_DQ_CONFIGS.items() if f != "sm90"
-    }
-    with pytest.raises(SystemExit) as exit_info:  # sm90's entries live in the kernel file
-        tune.main(["attention", "--compile-only", "--arch", "sm90", "--write"])
+    assert tables["BWD_DQ_CONFIGS"] == attention_configs.BWD_DQ_CONFIGS
+
+
+def test_compile_only_writes_sm90s_entries_too_and_refuses_a_family_the_file_lacks(config_copies):
+    argv = ["attention", "--compile-only", "--arch", "sm90", "--passes", "bwd_dq", "--head-dims", "64"]
+    assert tune.main([*argv, "--jobs", "1", "--write"]) == 0
+    tables = attention_tables(config_copies)
+    got = tables["BWD_DQ_CONFIGS"]["sm90"][64]
+    assert got.block_m * got.block_n == 64 * 64 and got != attention_configs.BWD_DQ_CONFIGS["sm90"][64]
+    assert tables["FWD_CONFIGS"] == attention_configs.FWD_CONFIGS  # the rest as it was
+    without_gfx942 = json.loads(attention_configs.CONFIG_FILE.read_text())
+    for table in without_gfx942.values():
+        del table["gfx942"]
+    attention_configs.CONFIG_FILE.write_text(json.dumps(without_gfx942))
+    with pytest.raises(SystemExit) as exit_info:
+        tune.main(["attention", "--compile-only", "--arch", "gfx942", "--write"])
     assert exit_info.value.code == 2
 
 
 def test_an_entry_with_its_own_pointer_tile_is_written_and_read_back(config_copies):
     # sm100 started from sm90's head-dim-128 forward carries its pointer tile (AttnConfig.pointer).
     entry = AttnConfig(128, 128, 8, 3, pointer=AttnConfig(128, 64, 8, 3))
-    tune.write_entries(config_copies / "attention.json", {("FWD_CONFIGS", "sm100", "128"): entry})
-    tables = runtime.load_configs("attention", AttnConfig, config_copies)
+    tune.write_entries(attention_configs.CONFIG_FILE, {("FWD_CONFIGS", "sm100", "128"): entry})
+    tables = attention_tables(config_copies)
     assert tables["FWD_CONFIGS"]["sm100"][128] == entry
     assert tables["FWD_CONFIGS"]["sm100"][64] == AttnConfig(128, 128, 8, 3)  # the rest as it was

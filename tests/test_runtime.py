@@ -83,14 +83,15 @@ def test_config_files_load_as_tables_and_ship_with_the_package():
     from horse.kernels import mlp
     from horse.kernels.attention import configs as attention_configs
 
-    tables = runtime.load_configs("attention", attention_configs.AttnConfig)
-    others = [name for name in runtime.ARCHS if name != "sm90"]
-    for name in ("FWD_CONFIGS", "BWD_DKDV_CONFIGS", "BWD_DQ_CONFIGS"):
-        table = getattr(attention_configs, name)
-        assert set(tables[name]) == set(others) and list(table) == ["sm90", *tables[name]]
-        for family in others:  # head dims as ints, in order: attn_config looks them up by number
+    path = attention_configs.CONFIG_FILE
+    assert path == ROOT / "horse" / "kernels" / "attention" / "configs.json"
+    tables = runtime.load_configs(path.stem, attention_configs.AttnConfig, path.parent)
+    for name in ("FWD_CONFIGS", "BWD_DKDV_CONFIGS", "BWD_DQ_CONFIGS"):  # sm90's as well
+        assert set(tables[name]) == set(runtime.ARCHS) and tables[name] == getattr(attention_configs, name)
+        for family in runtime.ARCHS:  # head dims as ints, in order: attn_config looks them up by number
             assert list(tables[name][family]) == [16, 32, 64, 128, 256]
             assert all(isinstance(cfg, attention_configs.AttnConfig) for cfg in tables[name][family].values())
+    others = [name for name in runtime.ARCHS if name != "sm90"]
     gemms = runtime.load_configs("mlp", mlp.GemmConfig)["GEMM_CONFIGS"]
     assert list(mlp.GEMM_CONFIGS) == ["sm90", *gemms] and set(gemms) == set(others)
     assert all(
