@@ -199,6 +199,51 @@ def test_a_strides_tuple_compiles_as_aligned_i32s_with_its_unit_stride_a_constex
     assert product.startswith("%3 = arith.muli %offs, %2 : tensor<64xi32>")
 
 
+GROUPED_KERNEL = """
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+
+@JITFunction
+def _grouped(tensors, sizes, strides, BLOCK: tl.constexpr):
+    X, Y = tensors
+    rows, N = sizes
+    x_strides, y_strides = strides
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(X + offs * x_strides[0] + x_strides[1], mask=offs < rows)
+    tl.store(Y + offs * y_strides[0], x, mask=offs < N)
+"""
+
+
+def test_a_tuple_of_named_elements_types_each_as_an_argument_of_its_name(tmp_path, monkeypatch):
+    # Grouped arguments compile as the arguments they group would: pointers and N 16-aligned, a plain
+    # size not, a strides tuple inside the group as any strides tuple (its unit stride a constexpr).
+    path = tmp_path / "grouped.py"
+    path.write_text(GROUPED_KERNEL)
+    spec = importlib.util.spec_from_file_location("grouped", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "grouped", module)
+    spec.loader.exec_module(module)
+    tuples = {"tensors": ("X", "Y"), "sizes": ("rows", "N"), "strides": ("x_strides", "y_strides")}
+    tuples |= {"x_strides": 2, "y_strides": 2}
+    cfg = KernelConfig("k", "any", torch.float16, "grouped._grouped", {"X": "fp16", "Y": "fp16"},
+                       {"BLOCK": 64, "y_strides[1]": 1}, arch="sm90", tuples=tuples)  # fmt: skip
+    signature, attrs = compiler._signature(cfg)
+    assert signature == {
+        "tensors": ("*fp16", "*fp16"),
+        "sizes": ("i32", "i32"),
+        "strides": (("i32", "i32"), ("i32", "constexpr")),
+        "BLOCK": "constexpr",
+    }
+    aligned = [["tt.divisibility", 16]]
+    assert attrs == {(0, 0): aligned, (0, 1): aligned, (1, 1): aligned, (2, 0, 0): aligned,
+                     (2, 0, 1): aligned, (2, 1, 0): aligned}  # fmt: skip
+    assert compiler._constexprs(cfg) == {"BLOCK": 64, (2, 1, 1): 1}
+    ttir = compiler.compile_kernel(cfg).asm["ttir"]
+    assert "%sizes: i32 loc" in ttir  # rows: no alignment
+    assert ttir.count("tt.divisibility = 16") == 6
+
+
 @pytest.mark.interpreter
 def test_a_gpu_compile_after_an_interpreted_launch_is_the_compilers_own(tmp_path, monkeypatch):
     """Triton's interpreter leaves triton.language patched after each device-function call (here
@@ -466,7 +511,7 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
     cfg = attention_configs.AttnConfig(128, 64, 8, 3, tma=True)
     padded = attention_entry_configs("FWD_CONFIGS", cfg, 128, runtime.SM90)
     assert len(padded) == 3 * 2 * 2 * 2  # masks, head dims 128 and 96, dtypes, TMA and pointers
-    assert padded[0].constexprs["LOCAL"] and not any(c.constexprs["VARLEN"] for c in padded)
+    assert padded[0].constexprs["MASK"] == "local" and not any(c.constexprs["VARLEN"] for c in padded)
     assert {c.constexprs["HEAD_DIM"] for c in padded} == {128, 96} and sum(
         bool(c.descriptors) for c in padded
     ) == 12

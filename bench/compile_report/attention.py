@@ -26,11 +26,47 @@ ATTENTION_TABLES = {
 }
 
 
-# The mask variants each pass compiles to: none, the causal diagonal, a sliding window.
-ATTENTION_MASKS = {
-    "full": {"CAUSAL": False, "LOCAL": False},
-    "causal": {"CAUSAL": True, "LOCAL": False},
-    "local": {"CAUSAL": False, "LOCAL": True},
+# The mask variants each pass compiles to (its MASK): none, the causal diagonal, a sliding window.
+ATTENTION_MASKS = ("full", "causal", "local")
+
+# The kernels' tuple arguments, element by element, as the launchers pack them (each tensor's strides
+# a tuple of its own): the report types an element as it would an argument of its name.
+SEQUENCES = {
+    "cu_seqlens": ("CU_SEQLENS_Q", "CU_SEQLENS_K"),
+    "seqlens": ("seqlen_q", "seqlen_k"),
+    "window": ("window_left", "window_right"),
+}
+KERNEL_TUPLES = {
+    "forward._attn_fwd_kernel": {
+        **SEQUENCES,
+        "sizes": ("batch", "heads", "group_size"),
+        "strides": ("q_strides", "k_strides", "v_strides", "o_strides", "lse_strides"),
+    },
+    "backward._attn_bwd_dkdv_kernel": {
+        **SEQUENCES,
+        "row_stats": ("LSE_LOG2", "DELTA"),
+        "sizes": ("heads", "kv_heads", "group_size", "heads_per_split", "split_seqs"),
+        "strides": (
+            "q_strides",
+            "k_strides",
+            "v_strides",
+            "do_strides",
+            "dk_strides",
+            "dv_strides",
+            "lse_strides",
+        ),
+    },
+    "backward._attn_bwd_dq_kernel": {
+        **SEQUENCES,
+        "row_stats": ("LSE", "DELTA"),
+        "sizes": ("heads", "group_size"),
+        "strides": ("q_strides", "k_strides", "v_strides", "do_strides", "dq_strides", "lse_strides"),
+    },
+    "decode._attn_decode_kernel": {
+        "window": SEQUENCES["window"],
+        "sizes": ("kv_heads", "group_size"),
+        "strides": ("q_strides", "k_strides", "v_strides"),
+    },
 }
 
 
@@ -47,7 +83,7 @@ def attention_pass_config(
     output: str = "dkdv",
 ):
     """The KernelConfig of attention pass ``name`` (a key of ATTENTION_PASSES) run with the AttnConfig
-    ``cfg`` (horse.kernels.attention.configs) at ``head_dim``, mask a key of ATTENTION_MASKS, pointer or
+    ``cfg`` (horse.kernels.attention.configs) at ``head_dim``, mask one of ATTENTION_MASKS, pointer or
     TMA loads, on a padded batch or a packed one (flash_attention_varlen: a program per tile; its TMA
     descriptors built on the device, one per sequence), for GPU family arch; with head_split, the dk/dv
     pass writing float32 partials (a GQA group's query heads split over programs); output, the dk/dv
@@ -62,7 +98,7 @@ def attention_pass_config(
         "BLOCK_D": block_d,
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
-        **ATTENTION_MASKS[mask],
+        "MASK": mask,
         "TMA": tma,
         "VARLEN": packed,
     }
@@ -93,6 +129,7 @@ def attention_pass_config(
         arch,
         cfg.num_stages,
         pointers=pointers,
+        tuples=KERNEL_TUPLES[kernel],
         descriptors=descriptors,
         matmul=True,
     )
@@ -163,7 +200,7 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
         shape_class = f"d={head_dim}" + ("" if mask == "full" else f" {mask}")
         dims = {"HEAD_DIM": head_dim, "BLOCK_D": block_d}
         for block_m in dict.fromkeys((16, cfg.block_m)):
-            constexprs = {**dims, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, **ATTENTION_MASKS[mask]}
+            constexprs = {**dims, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "MASK": mask}
             configs.append(
                 kernel_config(
                     "attention.decode._attn_decode_kernel",
@@ -173,6 +210,7 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
                     cfg.num_warps,
                     arch.name,
                     cfg.num_stages,
+                    tuples=KERNEL_TUPLES["decode._attn_decode_kernel"],
                     matmul=True,
                 )
             )

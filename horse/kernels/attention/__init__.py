@@ -29,8 +29,9 @@ together spills (head dim 256 on sm_90), dv and dk take a launch each (``split_o
 
 Tiles move by TMA on Hopper and newer (sm_90+): descriptors whose loads read out-of-bounds rows and
 head-dim columns as zeros and whose stores drop them. Unaligned inputs (start or strides not
-multiples of 16 bytes), other GPUs, ``USE_TMA = False`` and table entries whose TMA tile spilled take
-masked pointer loads (some at a tile of their own: ``AttnConfig.pointer``); one kernel serves both.
+multiples of 16 bytes), other GPUs, ``launch.USE_TMA = False`` and table entries whose TMA tile spilled
+take masked pointer loads (some at a tile of their own: ``AttnConfig.pointer``); one kernel serves
+both.
 Causal forward and dq passes run their longest query blocks first, so the tail is short ones; the
 forward can also run persistent (``programs_per_sm`` in its table), off until measured faster.
 
@@ -45,7 +46,7 @@ Where each part lives, in the order a call takes them:
 - ``ops.py``: the custom ops (``torch.ops.horse.flash_attn_fwd``, ``flash_attn_bwd``) and autograd.
 - ``launch.py``: the host launchers of every pass; ``launch.USE_TMA`` turns TMA off.
 - ``configs.py``: :class:`~horse.kernels.attention.configs.AttnConfig` and the tables of tiles, read
-  from ``configs.json`` beside it.
+  from ``configs.json`` beside it; why each entry stands: ``TUNING.md``.
 - ``forward.py``, ``backward.py``, ``decode.py``: the kernels of each pass; ``masks.py`` and
   ``tiles.py``: the device helpers they share (which keys a query sees; where a tile lies).
 """

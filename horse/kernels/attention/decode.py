@@ -19,25 +19,25 @@ def _attn_decode_kernel(
     softmax_scale,
     seqlen_q,
     keys_per_split,  # a multiple of BLOCK_N: no key block straddles two splits
-    window_left,
-    window_right,  # with LOCAL, as in _attn_fwd_kernel
-    kv_heads,
-    group_size,
-    q_strides,
-    k_strides,
-    v_strides,  # as in _attn_fwd_kernel
+    window,  # (left, right), with LOCAL, as in _attn_fwd_kernel
+    sizes,  # (kv_heads, group_size)
+    strides,  # (q, k, v), as in _attn_fwd_kernel
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    LOCAL: tl.constexpr,
+    MASK: tl.constexpr,  # "full", "causal" or "local"
     INLINE_PTX: tl.constexpr,
 ):
     # grid = (batch * kv_heads, splits, cdiv(group_size * seqlen_q, BLOCK_M)): keys
     # [split * keys_per_split, + keys_per_split) of one sequence against BLOCK_M rows of its query
     # heads sharing kv head kv_h, row r being query r % seqlen_q of head kv_h * group_size + r //
     # seqlen_q: a GQA group's heads fill the tile that one decoded token would leave 1/16 full.
+    CAUSAL: tl.constexpr = MASK == "causal"
+    LOCAL: tl.constexpr = MASK == "local"
+    window_left, _ = window
+    kv_heads, group_size = sizes
+    q_strides, k_strides, v_strides = strides
     b = tl.program_id(0) // kv_heads  # batch x kv heads on axis 0: it may pass axis 1's 65,535
     kv_h = tl.program_id(0) % kv_heads
     split = tl.program_id(1)
@@ -61,14 +61,33 @@ def _attn_decode_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qk_scale = softmax_scale * 1.4426950408889634
+    k_view = (K, b, k_strides, seqlen_k)
+    v_view = (V, b, v_strides, seqlen_k)
     # The forward's block with the rows' positions as query indices (and seqlen_q = seqlen_k: the
     # diagonal offset is 0); every block masked: the pass is bound by reading the cache.
     for start_n in range(start, end, BLOCK_N):
         acc, l_i, m_i = _attn_fwd_block(
-            acc, l_i, m_i, q, K, V, b, kv_h, positions, start_n, k_strides, v_strides, seqlen_k, seqlen_k,
-            window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, LOCAL, False,
-            INLINE_PTX,
-        )  # fmt: skip
+            acc=acc,
+            l_i=l_i,
+            m_i=m_i,
+            q=q,
+            offs_m=positions,
+            start_n=start_n,
+            k_view=k_view,
+            v_view=v_view,
+            kv_h=kv_h,
+            seqlens=(seqlen_k, seqlen_k),
+            window=window,
+            qk_scale=qk_scale,
+            HEAD_DIM=HEAD_DIM,
+            BLOCK_N=BLOCK_N,
+            BLOCK_D=BLOCK_D,
+            MASKED=True,
+            CAUSAL=CAUSAL,
+            LOCAL=LOCAL,
+            TMA=False,
+            INLINE_PTX=INLINE_PTX,
+        )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     has_key = l_i > 0.0
     lse = tl.where(

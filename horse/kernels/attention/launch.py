@@ -43,8 +43,8 @@ def tma_usable(cfg: AttnConfig, *tensors: torch.Tensor) -> bool:
     """Whether a pass with cfg moves its tiles by TMA: ``USE_TMA`` and the table entry allow it and
     :func:`runtime.tma_compatible` holds (odd head dims and unaligned views take the pointer path).
     Packed batches too: every pass builds a descriptor per sequence on the device for them (see
-    _sequence_descriptor), as one of the whole packed tensor would let a tile's store spill into the
-    next sequence's rows."""
+    _sequence_view), as one of the whole packed tensor would let a tile's store spill into the next
+    sequence's rows."""
     return USE_TMA and cfg.tma and runtime.tma_compatible(*tensors)
 
 
@@ -53,13 +53,14 @@ def _operand(t: torch.Tensor, block_s: int, block_d: int, tma: bool):
     return runtime.tma_operand(t, (1, block_s, 1, block_d), tma)
 
 
-def _mask(causal: bool, window: tuple[int, int], seqlen_q: int, seqlen_k: int) -> tuple[int, int, dict]:
-    """The kernels' window arguments and mask constexprs for a normalized (causal, window): a window
-    side of -1 reaches past every key."""
-    local = window != (-1, -1)
+def _mask(causal: bool, window: tuple[int, int], seqlen_q: int, seqlen_k: int) -> tuple[tuple[int, int], str]:
+    """The kernels' window (left, right) and MASK ("full", "causal" or "local") for a normalized
+    (causal, window): a window side of -1 reaches past every key."""
     unbounded = seqlen_q + seqlen_k
-    left, right = (unbounded if side < 0 else side for side in window)
-    return left, right, {"CAUSAL": causal and not local, "LOCAL": local}
+    sides = tuple(unbounded if side < 0 else side for side in window)
+    if window != (-1, -1):
+        return sides, "local"
+    return sides, "causal" if causal else "full"
 
 
 @dataclass(frozen=True)
@@ -86,26 +87,31 @@ def _shape(q: torch.Tensor, k: torch.Tensor, packed: Packed | None) -> tuple[int
 def _descriptors(tma: bool, packed: Packed | None):
     """(host_tma, launch) of a pass whose tiles move by TMA (tma) or not: descriptors made on the
     host for a padded batch; a packed batch's kernel builds its own on the device, bounded by each
-    sequence (_sequence_descriptor), and is launched with an allocator for them."""
+    sequence (_sequence_view), and is launched with an allocator for them."""
     host_tma = tma and packed is None
     launch = runtime.launch_building_descriptors if tma and packed is not None else runtime.launch
     return host_tma, launch
 
 
-def _pass_args(q, k, v, lse, causal, window, softmax_scale, packed: Packed | None) -> dict:
+def _pass_args(q, k, lse, causal, window, softmax_scale, packed: Packed | None) -> dict:
     """The launch arguments the forward and both backward passes share: a packed batch's offsets (lse,
-    never read, when not packed), the scale, the mask, the heads, the strides of q, k, v and lse (the
-    backward's delta and lse_log2 share lse's) and the head dims."""
-    _, seqlen_q, seqlen_k, heads, kv_heads, head_dim = _shape(q, k, packed)
-    window_left, window_right, mask = _mask(causal, window, seqlen_q, seqlen_k)
-    cu_q, cu_k = (lse, lse) if packed is None else (packed.cu_seqlens_q, packed.cu_seqlens_k)
+    never read, when not packed), the scale, the sequence lengths (a packed batch's longest), the
+    window and the mask, the head dims, and the compile options."""
+    _, seqlen_q, seqlen_k, _, _, head_dim = _shape(q, k, packed)
+    window, mask = _mask(causal, window, seqlen_q, seqlen_k)
+    cu_seqlens = (lse, lse) if packed is None else (packed.cu_seqlens_q, packed.cu_seqlens_k)
     return dict(
-        CU_SEQLENS_Q=cu_q, CU_SEQLENS_K=cu_k, softmax_scale=softmax_scale, seqlen_q=seqlen_q,
-        seqlen_k=seqlen_k, window_left=window_left, window_right=window_right, heads=heads,
-        group_size=heads // kv_heads, q_strides=_strides(q), k_strides=_strides(k), v_strides=_strides(v),
-        lse_strides=_lse_strides(lse), HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim),
-        VARLEN=packed is not None, **mask, INLINE_PTX=runtime.inline_ptx(q), **runtime.COMPILE_OPTIONS,
-    )  # fmt: skip
+        cu_seqlens=cu_seqlens,
+        softmax_scale=softmax_scale,
+        seqlens=(seqlen_q, seqlen_k),
+        window=window,
+        HEAD_DIM=head_dim,
+        BLOCK_D=head_dim_block(head_dim),
+        MASK=mask,
+        VARLEN=packed is not None,
+        INLINE_PTX=runtime.inline_ptx(q),
+        **runtime.COMPILE_OPTIONS,
+    )
 
 
 def attention_fwd(
@@ -119,7 +125,7 @@ def attention_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward on validated inputs and a window normalized by :func:`normalize_mask`; returns out
     like q and lse float32: (batch, heads, seqlen_q), or (heads, total_q) for a packed batch."""
-    batch, seqlen_q, _, heads, _, head_dim = _shape(q, k, packed)
+    batch, seqlen_q, _, heads, kv_heads, head_dim = _shape(q, k, packed)
     out = runtime.empty(q.shape, q.dtype, q.device)
     lse_shape = (batch, heads, seqlen_q) if packed is None else (heads, q.shape[0])
     lse = runtime.empty(lse_shape, torch.float32, q.device)
@@ -137,14 +143,18 @@ def attention_fwd(
     programs = min(tiles, cfg.programs_per_sm * runtime.num_sms(q.device)) if persistent else tiles
     if programs == 0:  # a packed batch of empty sequences
         return out, lse
+    args = _pass_args(q, k, lse, causal, window, softmax_scale, packed) | dict(
+        sizes=(batch, heads, heads // kv_heads),
+        strides=(_strides(q), _strides(k), _strides(v), _strides(out), _lse_strides(lse)),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        TMA=tma,
+        PERSISTENT=persistent,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     with runtime.device_guard(q):
-        launch(
-            _attn_fwd_kernel, (programs,),
-            q_tiles, k_tiles, v_tiles, out_tiles, lse, batch=batch, o_strides=_strides(out),
-            **_pass_args(q, k, v, lse, causal, window, softmax_scale, packed),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, PERSISTENT=persistent,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+        launch(_attn_fwd_kernel, (programs,), q_tiles, k_tiles, v_tiles, out_tiles, lse, **args)
     return out, lse
 
 
@@ -169,7 +179,7 @@ def attention_decode(
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_cache, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group_size = heads // kv_heads
-    window_left, window_right, mask = _mask(causal, window, seqlen_q, seqlen_cache)
+    window, mask = _mask(causal, window, seqlen_q, seqlen_cache)
     block_d = head_dim_block(head_dim)
     cfg = configs.attn_config(configs.DECODE_CONFIGS, head_dim, q.device)
     rows = group_size * seqlen_q
@@ -181,22 +191,40 @@ def attention_decode(
     out = runtime.empty(q.shape, q.dtype, q.device)
     o_split = runtime.empty((splits, batch, heads, seqlen_q, head_dim), torch.float32, q.device)
     lse_split = runtime.empty((splits, batch, heads, seqlen_q), torch.float32, q.device)
+    args = dict(
+        softmax_scale=softmax_scale,
+        seqlen_q=seqlen_q,
+        keys_per_split=keys_per_split,
+        window=window,
+        sizes=(kv_heads, group_size),
+        strides=(_strides(q), _strides(k_cache), _strides(v_cache)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        MASK=mask,
+        INLINE_PTX=runtime.inline_ptx(q),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **runtime.COMPILE_OPTIONS,
+    )
+    out_rows = batch * heads * seqlen_q  # (batch, heads, seqlen_q): each the reduce of its splits
+    reduce_args = dict(
+        splits=splits,
+        rows=out_rows,
+        heads=heads,
+        seqlen_q=seqlen_q,
+        o_strides=_strides(out),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_S=configs.DECODE_REDUCE_BLOCK_S,
+        num_warps=configs.DECODE_REDUCE_NUM_WARPS,
+        **runtime.COMPILE_OPTIONS,
+    )
     with runtime.device_guard(q):
-        runtime.launch(
-            _attn_decode_kernel, (batch * kv_heads, splits, row_tiles),
-            q, k_cache, v_cache, o_split, lse_split, seqlens_k, softmax_scale=softmax_scale,
-            seqlen_q=seqlen_q, keys_per_split=keys_per_split, window_left=window_left,
-            window_right=window_right, kv_heads=kv_heads, group_size=group_size, q_strides=_strides(q),
-            k_strides=_strides(k_cache), v_strides=_strides(v_cache), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_M=block_m, BLOCK_N=cfg.block_n, **mask, INLINE_PTX=runtime.inline_ptx(q),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **runtime.COMPILE_OPTIONS,
-        )  # fmt: skip
-        runtime.launch(
-            _attn_decode_reduce_kernel, (batch * heads * seqlen_q,),
-            o_split, lse_split, out, splits, batch * heads * seqlen_q, heads, seqlen_q, _strides(out),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=configs.DECODE_REDUCE_BLOCK_S,
-            num_warps=configs.DECODE_REDUCE_NUM_WARPS, **runtime.COMPILE_OPTIONS,
-        )  # fmt: skip
+        grid = (batch * kv_heads, splits, row_tiles)
+        runtime.launch(_attn_decode_kernel, grid, q, k_cache, v_cache, o_split, lse_split, seqlens_k, **args)
+        runtime.launch(_attn_decode_reduce_kernel, (out_rows,), o_split, lse_split, out, **reduce_args)
     return out
 
 
@@ -246,16 +274,29 @@ def attention_bwd(
     dv = runtime.empty(v.shape if needs[1] else (0,), v.dtype, v.device)
     if q.shape[0] == 0 or k.shape[0] == 0 or not any(needs):  # nothing to compute
         return dq.zero_(), dk.zero_(), dv.zero_()
-    args = _pass_args(q, k, v, lse, causal, window, softmax_scale, packed) | {"do_strides": _strides(dout)}
+    args = _pass_args(q, k, lse, causal, window, softmax_scale, packed)
+    # Each pass's strides: q, k, v, dO, its outputs', then lse's (delta and lse_log2 share them).
+    q_k_v_do_strides = (_strides(q), _strides(k), _strides(v), _strides(dout))
+    preprocess_args = dict(
+        CU_SEQLENS_Q=args["cu_seqlens"][0],
+        seqlen_q=seqlen_q,
+        heads=heads,
+        o_strides=_strides(out),
+        do_strides=_strides(dout),
+        lse_strides=_lse_strides(lse),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=configs.PREPROCESS_BLOCK_M,
+        HAS_DLSE=dlse is not None,
+        VARLEN=packed is not None,
+        num_warps=configs.PREPROCESS_NUM_WARPS,
+        **runtime.COMPILE_OPTIONS,
+    )
     with runtime.device_guard(q):
         grid = (triton.cdiv(seqlen_q, configs.PREPROCESS_BLOCK_M) * batch * heads,)
-        runtime.launch(
-            _attn_bwd_preprocess_kernel, grid,
-            out, dout, lse, dlse if dlse is not None else delta, delta, lse_log2, args["CU_SEQLENS_Q"],
-            seqlen_q, heads, _strides(out), _strides(dout), args["lse_strides"],
-            HEAD_DIM=head_dim, BLOCK_D=block_d, VARLEN=packed is not None, BLOCK_M=configs.PREPROCESS_BLOCK_M,
-            HAS_DLSE=dlse is not None, num_warps=configs.PREPROCESS_NUM_WARPS, **runtime.COMPILE_OPTIONS,
-        )  # fmt: skip
+        dlse_or_unread = dlse if dlse is not None else delta
+        tensors = (out, dout, lse, dlse_or_unread, delta, lse_log2)
+        runtime.launch(_attn_bwd_preprocess_kernel, grid, *tensors, **preprocess_args)
         if needs[1]:
             cfg = configs.attn_config(configs.BWD_DKDV_CONFIGS, head_dim, q.device)
             # dk and dv stand for the float32 partials of head splits: new, contiguous, as aligned.
@@ -275,15 +316,20 @@ def attention_bwd(
                 _operand(t, cfg.block_n, block_d, host_tma and not cfg.split_outputs) for t in (k, v)
             )
             dk_tiles, dv_tiles = (_operand(t, cfg.block_n, block_d, host_tma) for t in (dk_out, dv_out))
+            dkdv_args = args | dict(
+                sizes=(heads, kv_heads, heads // kv_heads, heads_per_split, k.shape[0]),
+                strides=(*q_k_v_do_strides, _strides(dk_out), _strides(dv_out), _lse_strides(lse)),
+                BLOCK_D_OUT=block_d // cfg.column_splits,
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                TMA=tma,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+            )
+            grid = (programs, splits * cfg.column_splits)
+            tensors = (q_tiles, k_tiles, v_tiles, do_tiles, (lse_log2, delta), dk_tiles, dv_tiles)
             for output in dkdv_outputs(cfg):
-                launch(
-                    _attn_bwd_dkdv_kernel, (programs, splits * cfg.column_splits),
-                    q_tiles, k_tiles, v_tiles, do_tiles, lse_log2, delta, dk_tiles, dv_tiles, **args,
-                    kv_heads=kv_heads, heads_per_split=heads_per_split, split_seqs=k.shape[0],
-                    dk_strides=_strides(dk_out), dv_strides=_strides(dv_out),
-                    BLOCK_D_OUT=block_d // cfg.column_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                    TMA=tma, OUTPUT=output, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                )  # fmt: skip
+                launch(_attn_bwd_dkdv_kernel, grid, *tensors, **dkdv_args, OUTPUT=output)
             if splits > 1:  # torch's sum over the splits: the same order every run
                 dk.copy_(dk_out.view(splits, *k.shape).sum(0))
                 dv.copy_(dv_out.view(splits, *v.shape).sum(0))
@@ -294,10 +340,15 @@ def attention_bwd(
             q_tiles, do_tiles, dq_tiles = (_operand(t, cfg.block_m, block_d, host_tma) for t in (q, dout, dq))
             k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, host_tma) for t in (k, v))
             grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
-            launch(
-                _attn_bwd_dq_kernel, grid,
-                q_tiles, k_tiles, v_tiles, do_tiles, lse, delta, dq_tiles, **args, dq_strides=_strides(dq),
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, num_warps=cfg.num_warps,
+            dq_args = args | dict(
+                sizes=(heads, heads // kv_heads),
+                strides=(*q_k_v_do_strides, _strides(dq), _lse_strides(lse)),
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                TMA=tma,
+                num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
-            )  # fmt: skip
+            )
+            tensors = (q_tiles, k_tiles, v_tiles, do_tiles, (lse, delta), dq_tiles)
+            launch(_attn_bwd_dq_kernel, grid, *tensors, **dq_args)
     return dq, dk, dv

@@ -1,6 +1,10 @@
 """Which keys a query sees, in blocks: the device helpers every attention pass shares to walk the
 key (or query) blocks of a tile and to mask the scores of the blocks that cross the causal
 diagonal, a sliding window's edges or the end of the sequence.
+
+The passes hand them the sequence lengths as ``seqlens``, (seqlen_q, seqlen_k), and the window as
+``window``, (left, right): query i sees keys i + seqlen_k - seqlen_q - left to i + seqlen_k -
+seqlen_q + right (the launchers make an unbounded side reach past every key).
 """
 
 import triton
@@ -9,14 +13,21 @@ import triton.language as tl
 
 @triton.jit
 def _key_range(
-    start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, LOCAL: tl.constexpr,
-):  # fmt: skip
+    start_m,
+    seqlens,
+    window,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
+):
     """Keys a query block [start_m, start_m + BLOCK_M) attends to, in key blocks from start:
     [unmasked_start, unmasked_end) are visible to every query of the block; [start, unmasked_start)
     (only with LOCAL: the window's left edge, see :func:`_local_masked_blocks`) and
     [unmasked_end, end) (the causal diagonal or the window's right edge, and the ragged last key
     block) need the mask."""
+    seqlen_q, seqlen_k = seqlens
+    window_left, window_right = window
     causal_offset = seqlen_k - seqlen_q
     start = 0
     unmasked_start = 0
@@ -61,22 +72,23 @@ def _key_loop(keys, masked: tl.constexpr, BLOCK_N: tl.constexpr, LOCAL: tl.const
     masked ones (1) of :func:`_key_range`'s keys: key block starts, or with LOCAL and masked the
     masked blocks' numbers, which :func:`_masked_key_block` turns into starts. A pass calls it once
     per loop (``tl.static_range(2)``: two compiled loops), the masked count after the unmasked loop,
-    so it is not live through it. The pass calls _key_range once, before both: called in here, the
-    sm_90 head-dim-64 local forward took 254 registers instead of 250."""
+    so it is not live through it; and _key_range once, before both (called in here it took more
+    registers: TUNING.md)."""
     start, unmasked_start, unmasked_end, end = keys
     lo, hi, step, before = unmasked_start, unmasked_end, BLOCK_N, 0
     if masked:
         lo, hi = unmasked_end, end
     if masked and LOCAL:
         lo, step = 0, 1
-        hi, before = _local_masked_blocks(start, unmasked_start, unmasked_end, end, BLOCK_N)
+        hi, before = _local_masked_blocks(start, unmasked_start, unmasked_end, end, BLOCK_N=BLOCK_N)
     return lo, hi, step, (start, before, unmasked_end)
 
 
 @triton.jit
-def _in_window(q_pos, k_pos, causal_offset, window_left, window_right, LOCAL: tl.constexpr):
+def _in_window(q_pos, k_pos, causal_offset, window, LOCAL: tl.constexpr):
     """Whether query q_pos sees key k_pos (broadcast shapes) under the causal mask, or with LOCAL
     the sliding window; keys past seqlen_k are the caller's to mask."""
+    window_left, window_right = window
     diagonal = q_pos + causal_offset
     if LOCAL:
         visible = (k_pos >= diagonal - window_left) & (k_pos <= diagonal + window_right)
@@ -86,16 +98,18 @@ def _in_window(q_pos, k_pos, causal_offset, window_left, window_right, LOCAL: tl
 
 
 @triton.jit
-def _visible(
-    offs_m, offs_n, seqlen_k, causal_offset, window_left, window_right, CAUSAL: tl.constexpr,
-    LOCAL: tl.constexpr,
-):  # fmt: skip
+def _visible(offs_m, offs_n, seqlen_k, causal_offset, window, CAUSAL: tl.constexpr, LOCAL: tl.constexpr):
     """(BLOCK_M, BLOCK_N) mask of the scores query offs_m may give key offs_n."""
     visible = offs_n[None, :] < seqlen_k
     if CAUSAL or LOCAL:
-        visible = visible & _in_window(
-            offs_m[:, None], offs_n[None, :], causal_offset, window_left, window_right, LOCAL
+        in_window = _in_window(
+            q_pos=offs_m[:, None],
+            k_pos=offs_n[None, :],
+            causal_offset=causal_offset,
+            window=window,
+            LOCAL=LOCAL,
         )
+        visible = visible & in_window
     return visible
 
 
@@ -108,10 +122,8 @@ def _causal_scores(
     first visible one. Keys past seqlen_k need no test: a query before seqlen_q sees none (j <= i +
     seqlen_k - seqlen_q) and the rows past seqlen_q are never stored. The column is the tile's index,
     the row's limit one subtraction: one compare and one select per score. LLVM's SLP vectorizer
-    packs 32 of the compares into a bit vector, spent as 70 extra instructions of bit juggling per
-    iteration; INLINE_PTX (NVIDIA) writes each pair as PTX it cannot pack (sm_90, head dim 128: the
-    forward's diagonal loop 825 before the raw-score max, 693 plain, 625 with PTX; the dk/dv loop
-    327 with tl.where on p, 291 with PTX)."""
+    packs the compares into bit vectors (tens of extra instructions an iteration); INLINE_PTX
+    (NVIDIA) writes each pair as PTX it cannot pack (TUNING.md)."""
     cols = tl.arange(0, BLOCK)[None, :]
     if TRANSPOSED:
         limit = (offs - (causal_offset + start))[:, None]  # the key's first visible query
@@ -121,8 +133,12 @@ def _causal_scores(
         qk = tl.inline_asm_elementwise(
             "{ .reg .pred hidden; setp." + ("lt" if TRANSPOSED else "gt") + ".s32 hidden, $2, $3; "
             "selp.f32 $0, 0fFF800000, $1, hidden; }",
-            "=r,r,r,r", [qk, cols, limit], dtype=tl.float32, is_pure=True, pack=1,
-        )  # fmt: skip
+            "=r,r,r,r",
+            [qk, cols, limit],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
     else:
         qk = tl.where((cols >= limit) if TRANSPOSED else (cols <= limit), qk, float("-inf"))
     return qk

@@ -39,12 +39,14 @@ _MASK_AND_SEQUENCES = (
     "bool causal, float softmax_scale, SymInt window_left, SymInt window_right, Tensor? cu_seqlens_q, "
     "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k"
 )
+_FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_MASK_AND_SEQUENCES}) -> (Tensor, Tensor)"
+_BWD_SCHEMA = (
+    "(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    f"{_MASK_AND_SEQUENCES}, bool[] needs) -> (Tensor, Tensor, Tensor)"
+)
 
 
-@runtime.custom_op(
-    "flash_attn_fwd", _attn_fwd_fake, _backward, _setup_context,
-    schema=f"(Tensor q, Tensor k, Tensor v, {_MASK_AND_SEQUENCES}) -> (Tensor, Tensor)",
-)  # fmt: skip
+@runtime.custom_op("flash_attn_fwd", _attn_fwd_fake, _backward, _setup_context, schema=_FWD_SCHEMA)
 def _attn_fwd_op(q, k, v, causal, softmax_scale, window_left, window_right, *sequences):
     return attention_fwd(q, k, v, causal, softmax_scale, (window_left, window_right), _packed(*sequences))
 
@@ -55,11 +57,7 @@ def _attn_bwd_fake(dout, dlse, q, k, v, *args):
     return tuple(t.new_empty(t.shape if need else (0,)) for t, need in zip((q, k, v), wanted, strict=True))
 
 
-@runtime.custom_op(
-    "flash_attn_bwd", _attn_bwd_fake,
-    schema="(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-    f"{_MASK_AND_SEQUENCES}, bool[] needs) -> (Tensor, Tensor, Tensor)",
-)  # fmt: skip
+@runtime.custom_op("flash_attn_bwd", _attn_bwd_fake, schema=_BWD_SCHEMA)
 def _attn_bwd_op(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, *rest):
     *sequences, needs = rest
     window = (window_left, window_right)
