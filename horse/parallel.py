@@ -612,7 +612,7 @@ def check_divisible(config: GPTConfig, tp: int) -> None:
         raise ValueError(f"tensor parallel size {tp} must divide {', '.join(bad)}")
 
 
-class Split(NamedTuple):
+class ShardSpec(NamedTuple):
     """How a tensor is cut over the tp ranks: along ``dim`` in tp equal slices, in rank order; with
     ``sections`` (consecutive sizes along dim), each section so, a rank's shard being its slice of
     every section, in order."""
@@ -633,17 +633,17 @@ def is_sharded(name: str) -> bool:
     return style is not None and style.dim_of(param) is not None
 
 
-def shard_spec(name: str, config: GPTConfig) -> Split | None:
+def shard_spec(name: str, config: GPTConfig) -> ShardSpec | None:
     """How the parameter (or its optimizer state) ``name`` is cut over the tp ranks, by GPT_PLAN;
     None when it is replicated (whole on every rank). A wrapper's prefix on name is ignored."""
     style, param = _param_style(name)
     dim = None if style is None else style.dim_of(param)
     if dim is None:
         return None
-    return Split(dim, style.sections(config) if style.sections else None)
+    return ShardSpec(dim, style.sections(config) if style.sections else None)
 
 
-def shard(full: torch.Tensor, spec: Split | None, rank: int, size: int) -> torch.Tensor:
+def shard(full: torch.Tensor, spec: ShardSpec | None, rank: int, size: int) -> torch.Tensor:
     """This rank's shard of a full tensor (a copy of it when replicated)."""
     if spec is None:
         return full.clone()
@@ -652,7 +652,7 @@ def shard(full: torch.Tensor, spec: Split | None, rank: int, size: int) -> torch
     return torch.cat([piece.chunk(size, dim=dim)[rank] for piece in pieces], dim=dim).contiguous()
 
 
-def unshard(shards: list[torch.Tensor], spec: Split | None) -> torch.Tensor:
+def unshard(shards: list[torch.Tensor], spec: ShardSpec | None) -> torch.Tensor:
     """The full tensor from every rank's shard, in rank order (the first when replicated)."""
     if spec is None:
         return shards[0].clone()
@@ -693,9 +693,13 @@ class _LossOf(nn.Module):
         return self.loss(idx, targets)
 
 
-def data_parallel(model: GPT, loss: Callable, parallel: Parallel) -> DistributedDataParallel:
+def data_parallel(model: GPT, loss: Callable, parallel: Parallel) -> Callable:
     """loss (model.loss or its compiled form) under DDP over the data-parallel group: the replicas'
-    gradients are averaged in buckets during the backward (``no_sync()`` skips that)."""
+    gradients are averaged in buckets during the backward (``no_sync()`` skips that); at dp=1, loss
+    itself. The trainer's one place for data parallelism: after tensor parallelism, before the
+    optimizer is built."""
+    if parallel.dp_size == 1:
+        return loss
     device_ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
     return DistributedDataParallel(_LossOf(model, loss), device_ids, process_group=parallel.dp_group)
 
