@@ -49,9 +49,15 @@ TP = 2
 GPT2 = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, d_model=32)
 # LLaMA's own head, and a vocabulary padded past the ids in use: rank 1 holds padding columns.
 LLAMA = dataclasses.replace(
-    GPT2, norm="rmsnorm", mlp="swiglu", positions="rotary", n_kv_heads=2, bias=False, tie_embeddings=False,
+    GPT2,
+    norm="rmsnorm",
+    mlp="swiglu",
+    positions="rotary",
+    n_kv_heads=2,
+    bias=False,
+    tie_embeddings=False,
     vocab_used=50,
-)  # fmt: skip
+)
 
 
 def _spawn(worker, *args) -> None:
