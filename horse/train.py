@@ -42,11 +42,19 @@ are its steps: ``loop`` (train a step, evaluate, log, save, stop on a signal), t
 (the closing line and a sample).
 """
 
+import os
+import sys
+
+# `python horse/train.py` puts horse/ itself first on sys.path, where its modules would stand in for
+# top-level packages of their names: horse/kernels/ for Hugging Face's `kernels`, which transformers
+# imports (then "cannot import name 'CUDAProperties' from 'kernels'"). The package is found as `horse`.
+if __name__ == "__main__" and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
+    sys.path.pop(0)
+
 import contextlib
 import dataclasses
 import json
 import math
-import os
 import signal
 import time
 import typing
