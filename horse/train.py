@@ -583,7 +583,7 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
 
     recipes.check_data(cfg)
     train_split, val_split, tokenizer = load_dataset(cfg.data)
-    config = _architecture(cfg, overrides, tokenizer.vocab_size, parallel)
+    config = _architecture(cfg, overrides, tokenizer.vocab_size)
     seq_len = cfg.seq_len or config.block_size
     if seq_len > config.block_size:
         raise ValueError(
@@ -599,6 +599,7 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     ckpt, damaged = checkpoint.resume_point(out_dir, resume, config, parallel, cfg.strict_resume)
     for warning in damaged:
         log(f"warning: {warning}")
+    check_divisible(config, parallel.tp_size)  # a resumed checkpoint said so already, naming itself
 
     model = make_model(
         cfg, config, backend, parallel, device, pretrained=bool(cfg.init_from) and ckpt is None
@@ -643,14 +644,11 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     return run
 
 
-def _architecture(cfg: TrainConfig, overrides: dict, data_vocab: int, parallel: Parallel) -> GPTConfig:
-    """The model's config: --init-from's, or the preset's, with the model flags; it must split over tp."""
+def _architecture(cfg: TrainConfig, overrides: dict, data_vocab: int) -> GPTConfig:
+    """The model's config: --init-from's, or the preset's, with the model flags."""
     if cfg.init_from:
-        config = hf.pretrained_config_for(cfg.init_from, overrides, data_vocab)
-    else:
-        config = model_config(cfg, overrides, data_vocab)
-    check_divisible(config, parallel.tp_size)
-    return config
+        return hf.pretrained_config_for(cfg.init_from, overrides, data_vocab)
+    return model_config(cfg, overrides, data_vocab)
 
 
 def make_model(
