@@ -1,8 +1,12 @@
 """Tensor parallelism inside a node, data parallelism across nodes (Megatron-style, on torch.distributed).
 
-A 2-D device mesh ``(dp, tp)``: the tp ranks of one dp index hold the shards of one model replica
-and see the same batch; the dp ranks hold the same shard of different replicas and see different
-batches. Launched with torchrun; NCCL on GPUs, gloo on the CPU (the tests).
+A 3-D device mesh ``(dp_replicate, dp_shard, tp)``: the tp ranks of one data-parallel index hold
+the shards of one model replica and see the same batch; the data-parallel ranks (dp_replicate x
+dp_shard of them) hold the same tp shard of different replicas and see different batches. With
+dp_shard 1 they each hold all of it and average their gradients with DDP; with dp_shard > 1, FSDP2
+shards the parameters, gradients and optimizer state over the dp_shard ranks and replicates that
+over dp_replicate (HSDP; ``fully_shard_gpt``). Launched with torchrun; NCCL on GPUs, gloo on the
+CPU (the tests).
 
 The model (``horse.model.GPT``) is dense; one table, ``GPT_PLAN``, says per module how it splits
 over the tp ranks (by rows, by columns, by heads, or not at all, and which tensor-parallel form
