@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import command_line_flags, free_port
+from helpers import assert_close, command_line_flags, free_port
 from safetensors.torch import load_file
 
 from horse import checkpoint, optim, recipes, train
@@ -207,6 +207,40 @@ def test_layouts_that_do_not_fit_the_world_name_the_values(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)  # one process: FSDP needs torchrun's ranks
     with pytest.raises(ValueError, match=r"--dp-shard 2 x --tp 1 = 2 must divide the world size 1"):
         train.train(train.TrainConfig(dp_shard=2, device="cpu"))
+
+
+@pytest.mark.interpreter
+def test_the_fused_kernels_take_fsdps_gathered_float16_parameters():
+    """One process, FSDP2 over a mesh of one rank (its gathers still copy each block's parameters,
+    cast to float16, into FSDP's own buffers): the triton backend's loss and gradients within the
+    suite's accuracy rule, against the float64 model, of the reference backend's under the same."""
+    torch.manual_seed(0)
+    config = train.model_config(
+        train.TrainConfig(), {"n_layer": 1, "d_model": 32, "n_head": 2, "block_size": 16}, 256
+    )
+    truth = GPT(config).double()
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    truth.loss(idx, idx).backward()
+    results = {"truth": [truth.loss(idx, idx)] + [p.grad for p in truth.parameters()]}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+        one_rank = Parallel(dp_shard_size=2, fsdp_mesh=mesh)  # fsdp: the flag; the mesh: one rank
+        for backend in ("reference", "triton"):
+            model = GPT(config, backend)
+            model.load_state_dict({k: v.float() for k, v in truth.state_dict().items()})
+            loss_fn = fully_shard_gpt(model, one_rank, torch.float16)
+            with torch.autocast("cpu", torch.float16):
+                loss = loss_fn(idx, idx)
+            loss.backward()
+            results[backend] = [loss.detach()] + [p.grad.full_tensor() for p in model.parameters()]
+    finally:
+        dist.destroy_process_group()
+    names = ["loss"] + [name for name, _ in truth.named_parameters()]
+    for name, actual, want, baseline in zip(
+        names, results["triton"], results["truth"], results["reference"], strict=True
+    ):
+        assert_close(name, actual, want, baseline)
 
 
 # ----------------------------------------------------------------------------------------------
