@@ -189,9 +189,10 @@ def save(
     keep_last: int = 3,
     parallel: Parallel | None = None,
 ) -> Path:
-    """Write checkpoint ``step`` of model (a horse GPT, or this rank's shard of one), its optimizer
-    and state into out_dir; then keep the newest keep_last. Every rank calls it (it holds
-    collectives); when any rank cannot write, every rank raises SaveError."""
+    """Write checkpoint ``step`` of model (a horse GPT, or this rank's tp shard of one, FSDP-sharded
+    or not), its optimizer and state into out_dir, each rank its own piece; then keep the newest
+    keep_last. Every rank calls it (it holds collectives); when any rank cannot write, every rank
+    raises SaveError."""
     parallel = parallel or Parallel()
     out_dir = Path(out_dir)
     final = out_dir / f"ckpt_{step:07d}"
@@ -712,7 +713,7 @@ def save_run(out_dir, step, model, optimizer, scaler, loader, cfg, tokenizer, ke
 
 
 def restore_run(ckpt: Path, model, optimizer, scaler, loader, parallel: Parallel) -> int:
-    """Load everything a checkpoint holds back into place, resharded to this run's tp size; returns
+    """Load everything a checkpoint holds back into place, resharded to this run's layout; returns
     its step."""
     state = load(ckpt, model, optimizer, parallel)
     if scaler.is_enabled() and state["scaler"]:
@@ -728,7 +729,7 @@ def restore_run(ckpt: Path, model, optimizer, scaler, loader, parallel: Parallel
 
 
 def export(ckpt: str | Path, out: str | Path) -> Path:
-    """Write the whole model of checkpoint ckpt (a checkpoint or run directory, any tp size) into
+    """Write the whole model of checkpoint ckpt (a checkpoint or run directory, any layout) into
     one safetensors file, config and tokenizer name in its metadata; a BPE tokenizer.json is
     copied beside it. Returns the checkpoint exported."""
     ckpt, out = resolve(ckpt), Path(out)
@@ -768,7 +769,7 @@ def verify_main(run: Path, parser: argparse.ArgumentParser) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m horse.checkpoint", description="Checkpoint tools.")
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("export", help="the whole model in one safetensors file (from any tp size)")
+    p = commands.add_parser("export", help="the whole model in one safetensors file (from any layout)")
     p.add_argument("ckpt", metavar="CKPT_OR_RUN_DIR", help="a checkpoint, or a run's newest complete one")
     p.add_argument("--out", required=True, metavar="OUT", help="the .safetensors file (hf: a folder)")
     p.add_argument(

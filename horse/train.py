@@ -276,7 +276,8 @@ def train_step(
     """One optimizer step of cfg.grad_accum micro-batches (next_batch() gives each (x, y)): forward
     under autocast, scaled backward, then ``horse.optim.optimizer_step``. loss_fn is model.loss or
     its DDP wrapper (``horse.parallel.data_parallel``), whose gradients are all-reduced in the last
-    micro-batch's backward only. Returns (the mean loss over the data-parallel replicas, a CPU
+    micro-batch's backward only; under FSDP2 every micro-batch's backward reduce-scatters into
+    the sharded gradients. Returns (the mean loss over the data-parallel replicas, a CPU
     tensor; gradient norm; skipped)."""
     parallel = parallel or Parallel()
     ddp = isinstance(loss_fn, nn.parallel.DistributedDataParallel)
@@ -351,8 +352,9 @@ class Run:
     cfg: the flags as given (config.json and the checkpoints keep them); step_cfg: train_step's,
         with the grad_accum that --batch-tokens sets
     config: the model's architecture; backend, precision, device: where and how it computes
-    model: this rank's shard of the GPT (float32 master weights); loss_fn: what the steps call,
-        model.loss or its compiled form, under DDP at dp > 1 (``horse.parallel.data_parallel``)
+    model: this rank's shard of the GPT (float32 master weights; under FSDP2 DTensors of its rows);
+        loss_fn: what the steps call, model.loss or its compiled form, under DDP at dp > 1, or
+        model.loss gathering what it needs under FSDP2 (``horse.parallel.data_parallel``)
     autocast: a fresh context for each forward: fp16/bf16 autocast, or a null context in fp32
     train_loader, held_out, tokenizer: the data, read by this rank's data-parallel replica
     max_steps, tokens_per_step, flops_per_step: the whole job's; peak_flops: one device's, for MFU
@@ -403,7 +405,7 @@ class Run:
 
     def restore(self, ckpt: Path) -> None:
         """Continue from ckpt: weights, optimizer, loss scaler, RNGs and data position, resharded to
-        this run's tp size (``horse.checkpoint.restore_run``)."""
+        this run's layout (``horse.checkpoint.restore_run``)."""
         self.step = checkpoint.restore_run(
             ckpt, self.model, self.optimizer, self.scaler, self.train_loader, self.parallel
         )
