@@ -1,8 +1,12 @@
 """Tensor parallelism inside a node, data parallelism across nodes (Megatron-style, on torch.distributed).
 
-A 2-D device mesh ``(dp, tp)``: the tp ranks of one dp index hold the shards of one model replica
-and see the same batch; the dp ranks hold the same shard of different replicas and see different
-batches. Launched with torchrun; NCCL on GPUs, gloo on the CPU (the tests).
+A 3-D device mesh ``(dp_replicate, dp_shard, tp)``: the tp ranks of one data-parallel index hold
+the shards of one model replica and see the same batch; the data-parallel ranks (dp_replicate x
+dp_shard of them) hold the same tp shard of different replicas and see different batches. With
+dp_shard 1 they each hold all of it and average their gradients with DDP; with dp_shard > 1, FSDP2
+shards the parameters, gradients and optimizer state over the dp_shard ranks and replicates that
+over dp_replicate (HSDP; ``fully_shard_gpt``). Launched with torchrun; NCCL on GPUs, gloo on the
+CPU (the tests).
 
 The model (``horse.model.GPT``) is dense; one table, ``GPT_PLAN``, says per module how it splits
 over the tp ranks (by rows, by columns, by heads, or not at all, and which tensor-parallel form
@@ -37,8 +41,10 @@ function takes its process group from the ``Parallel`` it is given; nothing is g
 """
 
 import functools
+import itertools
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -48,6 +54,8 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 (the name every PyTorch reader knows)
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from horse import head_loss, kernels
@@ -59,7 +67,14 @@ from horse.model import GPT, MLP, GPTConfig, KVCache, runs_half_kernels
 class Parallel:
     """Where this process sits. Without torch.distributed (one process) every size is 1, groups None.
 
-    tp_group / dp_group: the process groups of this rank's tensor- and data-parallel peers
+    dp_rank / dp_size: this rank's data-parallel replica (its slice of each batch) among all of them:
+        dp_size = dp_replicate x dp_shard, dp_rank = replicate index x dp_shard + shard index
+    dp_shard_size: the data-parallel ranks that shard the parameters, gradients and optimizer state
+        among them (FSDP2); 1: each replica holds them whole (DDP)
+    tp_group / dp_group / dp_shard_group: the process groups of this rank's tensor-parallel,
+        data-parallel and dp-shard peers (dp_shard_group is None without FSDP)
+    fsdp_mesh: the mesh FSDP2 shards over: ("dp_shard",), or ("dp_replicate", "dp_shard") for HSDP;
+        None without FSDP
     sequence_parallel: norms and residual adds run on sequence shards between the tp regions
     """
 
@@ -70,6 +85,9 @@ class Parallel:
     tp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
     sequence_parallel: bool = False
+    dp_shard_size: int = 1
+    dp_shard_group: dist.ProcessGroup | None = None
+    fsdp_mesh: DeviceMesh | None = None
 
     @property
     def rank(self) -> int:
@@ -83,16 +101,62 @@ class Parallel:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def fsdp(self) -> bool:
+        """Whether FSDP2 shards the parameters, gradients and optimizer state (dp_shard > 1)."""
+        return self.dp_shard_size > 1
 
-def init_from_env(tp: int = 1, sequence_parallel: bool = False, device_type: str | None = None) -> Parallel:
+    @property
+    def dp_shard_rank(self) -> int:
+        return self.dp_rank % self.dp_shard_size
+
+    @property
+    def dp_replicate_size(self) -> int:
+        return self.dp_size // self.dp_shard_size
+
+    @property
+    def dp_replicate_rank(self) -> int:
+        return self.dp_rank // self.dp_shard_size
+
+
+def check_layout(world: int, tp: int, dp_shard: int = 1, dp_replicate: int | None = None) -> int:
+    """dp_replicate (given, or the data-parallel ranks left over), after checking that
+    dp_replicate x dp_shard x tp is the world size; a ValueError naming the values otherwise."""
+    for name, value in (("--tp", tp), ("--dp-shard", dp_shard), ("--dp-replicate", dp_replicate)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if world % (tp * dp_shard):
+        if dp_shard == 1:
+            raise ValueError(f"--tp {tp} must divide the world size {world}")
+        raise ValueError(
+            f"--dp-shard {dp_shard} x --tp {tp} = {dp_shard * tp} must divide the world size {world}"
+        )
+    if dp_replicate is None:
+        return world // (tp * dp_shard)
+    if dp_replicate * dp_shard * tp != world:
+        raise ValueError(
+            f"--dp-replicate {dp_replicate} x --dp-shard {dp_shard} x --tp {tp} = "
+            f"{dp_replicate * dp_shard * tp} is not the world size {world}"
+        )
+    return dp_replicate
+
+
+def init_from_env(
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    device_type: str | None = None,
+    dp_shard: int = 1,
+    dp_replicate: int | None = None,
+) -> Parallel:
     """The process groups of a torchrun launch (WORLD_SIZE in the environment), or a single process.
 
-    tp must divide the world size; dp = world size / tp. Ranks of one node are consecutive under
-    torchrun, so tp ranks (consecutive in the mesh's last dimension) share a node's NVLink.
+    A 3-D device mesh (dp_replicate, dp_shard, tp) whose sizes multiply to the world size
+    (:func:`check_layout`; dp_replicate defaults to what is left over). Ranks of one node are
+    consecutive under torchrun, so tp ranks (consecutive in the mesh's last dimension) share a
+    node's NVLink, and the dp_shard ranks come next: at tp 1 a node's 8 GPUs shard among them.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if tp < 1 or world % tp:
-        raise ValueError(f"--tp {tp} must be at least 1 and divide the world size {world}")
+    dp_replicate = check_layout(world, tp, dp_shard, dp_replicate)
     if world == 1:
         return Parallel(sequence_parallel=sequence_parallel and tp > 1)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -105,15 +169,29 @@ def init_from_env(tp: int = 1, sequence_parallel: bool = False, device_type: str
     if not dist.is_initialized():
         # device_id: NCCL binds the communicator to this GPU up front (no guess from the rank).
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", device_id=device)
-    mesh = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    names = ("dp_replicate", "dp_shard", "tp")
+    mesh = init_device_mesh(device_type, (dp_replicate, dp_shard, tp), mesh_dim_names=names)
+    replicate_rank, shard_rank = mesh.get_local_rank("dp_replicate"), mesh.get_local_rank("dp_shard")
+    if dp_shard == 1:
+        dp_group = mesh.get_group("dp_replicate")
+    elif dp_replicate == 1:
+        dp_group = mesh.get_group("dp_shard")
+    else:  # both: the one group of every data-parallel rank, for the loss's mean and evaluation
+        dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+    fsdp_mesh = None
+    if dp_shard > 1:  # a 2-D mesh makes FSDP2 hybrid: sharded on dp_shard, replicated on dp_replicate
+        fsdp_mesh = mesh["dp_shard"] if dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
     return Parallel(
         tp_rank=mesh.get_local_rank("tp"),
         tp_size=tp,
-        dp_rank=mesh.get_local_rank("dp"),
-        dp_size=world // tp,
+        dp_rank=replicate_rank * dp_shard + shard_rank,
+        dp_size=dp_replicate * dp_shard,
         tp_group=mesh.get_group("tp"),
-        dp_group=mesh.get_group("dp"),
+        dp_group=dp_group,
         sequence_parallel=sequence_parallel and tp > 1,
+        dp_shard_size=dp_shard,
+        dp_shard_group=mesh.get_group("dp_shard") if dp_shard > 1 else None,
+        fsdp_mesh=fsdp_mesh,
     )
 
 
@@ -693,15 +771,63 @@ class _LossOf(nn.Module):
         return self.loss(idx, targets)
 
 
-def data_parallel(model: GPT, loss: Callable, parallel: Parallel) -> Callable:
-    """loss (model.loss or its compiled form) under DDP over the data-parallel group: the replicas'
-    gradients are averaged in buckets during the backward (``no_sync()`` skips that); at dp=1, loss
-    itself. The trainer's one place for data parallelism: after tensor parallelism, before the
-    optimizer is built."""
+def data_parallel(
+    model: GPT, loss: Callable, parallel: Parallel, compute_dtype: torch.dtype | None = None
+) -> Callable:
+    """Data parallelism over parallel's data-parallel ranks, applied after tensor parallelism and
+    before the optimizer is built; returns what the training step calls. The trainer's one place
+    for it:
+
+    * dp_shard 1 (DDP): loss (model.loss or its compiled form) under DDP over the data-parallel
+      group: the replicas' gradients are averaged in buckets during the backward (``no_sync()``
+      skips that); at dp=1, loss itself.
+    * dp_shard > 1 (FSDP2, :func:`fully_shard_gpt`): the model's parameters, gradients and
+      optimizer state sharded over the dp_shard ranks (and replicated over dp_replicate, HSDP);
+      loss must be model.loss (its blocks may be compiled), and model.loss is returned, now
+      gathering the parameters it needs.
+    """
+    if parallel.fsdp:
+        if loss != model.loss:
+            raise ValueError("data_parallel: under FSDP the loss is model.loss (compile its blocks instead)")
+        return fully_shard_gpt(model, parallel, compute_dtype)
     if parallel.dp_size == 1:
         return loss
     device_ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
     return DistributedDataParallel(_LossOf(model, loss), device_ids, process_group=parallel.dp_group)
+
+
+def fully_shard_gpt(model: GPT, parallel: Parallel, compute_dtype: torch.dtype | None = None) -> Callable:
+    """Shard model (this rank's tensor-parallel shard of a GPT, on its device) over the dp_shard
+    ranks with FSDP2, torchtitan's way; returns model.loss, which gathers what it needs.
+
+    One ``fully_shard`` per block and one at the root (the embeddings, the final norm, the LM
+    head): each parameter becomes a DTensor cut by rows (dim 0) over parallel.fsdp_mesh (a
+    tensor-parallel shard is cut again, as an ordinary tensor: FSDP's groups hold the ranks of
+    one tp index). A block's parameters are all-gathered before its forward and again before its
+    backward, the next block's gather issued early (prefetched) so that it overlaps this block's
+    compute; its gradients are reduce-scattered (averaged over every data-parallel rank, all-reduced
+    over dp_replicate) as soon as its backward ends. The last block keeps its parameters gathered
+    from its forward to its backward, which comes next. Mixed precision (compute_dtype float16 or
+    bfloat16): FSDP2's MixedPrecisionPolicy gathers the parameters in that dtype (half the bytes)
+    and reduces the gradients in float32 into the float32 sharded master weights and their float32
+    gradients; the optimizer steps on those shards.
+    """
+    # A block returns its MLP's output, a view when nn.Linear flattens (B, T, C); FSDP warns that an
+    # in-place op on it would skip its hooks. The blocks' outputs are only ever added out of place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1
+        fully_shard(block, mesh=parallel.fsdp_mesh, reshard_after_forward=not last, mp_policy=policy)
+    fully_shard(model, mesh=parallel.fsdp_mesh, mp_policy=policy)
+    for previous, block in itertools.pairwise(blocks):
+        previous.set_modules_to_forward_prefetch([block])
+        block.set_modules_to_backward_prefetch([previous])
+    # GPT.loss is not forward: FSDP's root hooks (gather the embeddings and the head, and start
+    # the backward's bookkeeping) must run around it too.
+    register_fsdp_forward_method(model, "loss")
+    return model.loss
 
 
 def dp_mean(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
@@ -713,18 +839,25 @@ def dp_mean(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
     return x
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of t: a DTensor's local shard (FSDP2's parameters, their gradients and
+    optimizer state: rows of the tensor-parallel shard), t itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def allreduce_sequence_parallel_grads(model: nn.Module, parallel: Parallel) -> None:
     """Sum over tp ranks the gradients of the replicated parameters that run on sequence chunks.
 
     Under sequence parallelism each rank's norms and row-parallel biases see only its chunk of the
     sequence, so their gradients are partial sums; call this after the backward, before the grad
     norm and the step. The position table is added before the sequence is split, so its gradient
-    is whole on every rank already. No-op without sequence parallelism.
+    is whole on every rank already. Under FSDP the tp ranks of one dp-shard index hold the same
+    rows of these gradients: their local shards are summed. No-op without sequence parallelism.
     """
     if not parallel.sequence_parallel:
         return
     grads = [
-        p.grad
+        local(p.grad)
         for name, p in model.named_parameters()
         if p.grad is not None and not is_sharded(name) and not name.endswith("wpe.weight")
     ]
@@ -737,15 +870,16 @@ def allreduce_sequence_parallel_grads(model: nn.Module, parallel: Parallel) -> N
 
 
 def global_grad_norm(named_params: Iterable[tuple[str, nn.Parameter]], parallel: Parallel) -> torch.Tensor:
-    """The L2 norm (float32 scalar, the same on every tp rank) of the whole model's gradients,
-    each parameter counted once: the squares of the sharded ones summed over tp ranks, the
-    replicated ones (identical on every tp rank) taken from this rank. Not reduced over dp: DDP has
-    averaged the gradients there already. named_params: ``model.named_parameters()``, of the model
-    or its DDP wrapper; parameters without a gradient are skipped."""
+    """The L2 norm (float32 scalar, the same on every rank) of the whole model's gradients, each
+    parameter counted once: the squares of the tp-sharded ones summed over tp ranks, the
+    tp-replicated ones (identical on every tp rank) taken from this rank; under FSDP each rank's
+    rows of both summed over the dp-shard ranks first. Not reduced over the replicas: DDP or FSDP
+    has averaged the gradients there already. named_params: ``model.named_parameters()``, of the
+    model or its DDP wrapper; parameters without a gradient are skipped."""
     sharded, replicated = [], []
     for name, p in named_params:
         if p.grad is not None:
-            (sharded if is_sharded(name) else replicated).append(p.grad)
+            (sharded if is_sharded(name) else replicated).append(local(p.grad))
     device = (sharded + replicated)[0].device
 
     def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -754,17 +888,37 @@ def global_grad_norm(named_params: Iterable[tuple[str, nn.Parameter]], parallel:
             return torch.zeros((), device=device)
         return torch.nn.utils.get_total_norm(grads).float().square()
 
-    sharded_sum = sum_of_squares(sharded)
+    sums = torch.stack([sum_of_squares(sharded), sum_of_squares(replicated)])
+    if parallel.fsdp:  # each dp-shard rank holds its rows of every gradient
+        dist.all_reduce(sums, group=parallel.dp_shard_group)
+    sharded_sum, replicated_sum = sums
     if parallel.tp_size > 1:
         dist.all_reduce(sharded_sum, group=parallel.tp_group)
-    return (sharded_sum + sum_of_squares(replicated)).sqrt()
+    return (sharded_sum + replicated_sum).sqrt()
 
 
 def found_nonfinite(flag: torch.Tensor, parallel: Parallel) -> torch.Tensor:
     """Whether any rank of the world found an inf or NaN: flag (any dtype, nonzero where this rank
     did, e.g. a GradScaler's found_inf) reduced by max over every rank, so that all of them skip the
-    step or all take it. Returns a bool scalar tensor."""
+    step or all take it (under FSDP each rank checked only its own rows). Returns a bool scalar
+    tensor."""
     flag = flag.detach().float().amax()  # a new tensor: the caller's flag is left alone
     if parallel.distributed:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
     return flag > 0
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds of the model's parameters, their gradients (those present) and the
+    optimizer's state, counted from the tensors (a DTensor's local shard only)."""
+
+    def total(tensors: Iterable[torch.Tensor]) -> int:
+        return sum(local(t).numel() * t.element_size() for t in tensors)
+
+    params = list(model.parameters())
+    moments = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    return {
+        "parameters": total(params),
+        "gradients": total(p.grad for p in params if p.grad is not None),
+        "optimizer": total(moments),
+    }

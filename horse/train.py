@@ -9,14 +9,17 @@ device or, under torchrun, tensor parallel inside a node and data parallel acros
     python -m horse.train --out-dir runs/x --resume        # continue from the newest complete checkpoint,
                                                            #   with the flags in runs/x/config.json
     torchrun --standalone --nproc-per-node 8 horse/train.py --tp 8 --sequence-parallel ...
+    torchrun --standalone --nproc-per-node 8 horse/train.py --dp-shard 8 ...     # FSDP2
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint HOST:29500 --rdzv-id JOB --max-restarts 3 horse/train.py --tp 8 \\
         --out-dir /shared/runs/x ...
 
 Parallel runs: --tp ranks (consecutive, so one node's) split each layer (``horse.parallel``); the
 world size over tp is the data-parallel size, whose replicas read different slices of every
-batch (--batch-size is per replica) and average their gradients with DDP. Only rank 0 prints and
-writes metrics; checkpoints are sharded by tp rank and reshard on resume (``horse.checkpoint``).
+batch (--batch-size is per replica) and average their gradients with DDP, or, with --dp-shard N,
+shard the parameters, gradients and optimizer state over N of them with FSDP2 (--dp-replicate
+copies of that group: HSDP). Only rank 0 prints and writes metrics; checkpoints are written in
+pieces, each rank its own, and reshard on resume to any layout (``horse.checkpoint``).
 A job that torchrun restarts (--max-restarts) resumes from its newest complete checkpoint by
 itself; without --out-dir the run directory is named after the launch's id, which a restart keeps.
 Restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment: otherwise the
@@ -99,6 +102,8 @@ class TrainConfig:
     strict_resume: with --resume, a damaged newest checkpoint is an error, not a warning and an older one
     init_from: start from these weights (a Hugging Face folder, or a run or checkpoint); the model is theirs
     tp: tensor-parallel size: ranks that split each layer (under torchrun; divides the world size)
+    dp_shard: data-parallel ranks that shard the parameters, gradients and optimizer state (FSDP2); 1: DDP
+    dp_replicate: replicas of each --dp-shard group (HSDP); default: the data-parallel ranks left over
     sequence_parallel: with --tp, norms and residual adds run on sequence shards (T must divide by tp)
     batch_size: sequences per micro-batch, per data-parallel replica
     seq_len: tokens per sequence; default: the model's block_size
@@ -147,6 +152,8 @@ class TrainConfig:
     strict_resume: bool = False
     init_from: str = ""
     tp: int = 1
+    dp_shard: int = 1
+    dp_replicate: int | None = None
     sequence_parallel: bool = False
     batch_size: int = 32
     seq_len: int | None = None
@@ -189,10 +196,10 @@ class TrainConfig:
 
     def __post_init__(self):
         at_least_1 = (
-            "tp batch_size grad_accum max_steps eval_interval eval_tokens log_interval loss_scale_window "
-            "loss_scale_hysteresis max_skipped_steps"
+            "tp dp_shard batch_size grad_accum max_steps eval_interval eval_tokens log_interval "
+            "loss_scale_window loss_scale_hysteresis max_skipped_steps"
         )
-        for name in at_least_1.split() + ["seq_len", "max_tokens", "batch_tokens"]:
+        for name in at_least_1.split() + ["dp_replicate", "seq_len", "max_tokens", "batch_tokens"]:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{flag(name)} must be at least 1, got {value}")
@@ -269,7 +276,8 @@ def train_step(
     """One optimizer step of cfg.grad_accum micro-batches (next_batch() gives each (x, y)): forward
     under autocast, scaled backward, then ``horse.optim.optimizer_step``. loss_fn is model.loss or
     its DDP wrapper (``horse.parallel.data_parallel``), whose gradients are all-reduced in the last
-    micro-batch's backward only. Returns (the mean loss over the data-parallel replicas, a CPU
+    micro-batch's backward only; under FSDP2 every micro-batch's backward reduce-scatters into
+    the sharded gradients. Returns (the mean loss over the data-parallel replicas, a CPU
     tensor; gradient norm; skipped)."""
     parallel = parallel or Parallel()
     ddp = isinstance(loss_fn, nn.parallel.DistributedDataParallel)
@@ -298,10 +306,19 @@ def train_step(
 def evaluate(model: GPT, held_out: HeldOut, autocast, parallel: Parallel) -> float:
     """Mean loss over the held-out tokens, each once: the same tokens at every evaluation."""
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)  # loss sum, tokens
+    device = next(model.parameters()).device
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, tokens
+    batches = 0
     with autocast():
         for x, y in held_out.batches():
             total += torch.stack([model.loss(x, y).double() * y.numel(), torch.tensor(y.numel())])
+            batches += 1
+        if (
+            parallel.fsdp
+        ):  # FSDP's gathers are collectives: as many forwards as the busiest rank, the extra unused
+            idle = torch.zeros(1, held_out.seq_len, dtype=torch.long, device=device)
+            for _ in range(held_out.most_batches - batches):
+                model.loss(idle, idle)
     model.train()
     if parallel.dp_size > 1:  # each replica evaluated its own windows
         dist.all_reduce(total, group=parallel.dp_group)
@@ -317,7 +334,7 @@ def train(cfg: TrainConfig, overrides: dict | None = None) -> list[dict]:
     """Run cfg (model flags in overrides) on this process, or on every rank of a torchrun launch;
     returns this session's per-step metrics records."""
     device = pick_device(cfg.device)
-    parallel = init_from_env(cfg.tp, cfg.sequence_parallel, device)
+    parallel = init_from_env(cfg.tp, cfg.sequence_parallel, device, cfg.dp_shard, cfg.dp_replicate)
     try:
         run = set_up(cfg, overrides or {}, parallel, device)
         run.loop()
@@ -335,8 +352,9 @@ class Run:
     cfg: the flags as given (config.json and the checkpoints keep them); step_cfg: train_step's,
         with the grad_accum that --batch-tokens sets
     config: the model's architecture; backend, precision, device: where and how it computes
-    model: this rank's shard of the GPT (float32 master weights); loss_fn: what the steps call,
-        model.loss or its compiled form, under DDP at dp > 1 (``horse.parallel.data_parallel``)
+    model: this rank's shard of the GPT (float32 master weights; under FSDP2 DTensors of its rows);
+        loss_fn: what the steps call, model.loss or its compiled form, under DDP at dp > 1, or
+        model.loss gathering what it needs under FSDP2 (``horse.parallel.data_parallel``)
     autocast: a fresh context for each forward: fp16/bf16 autocast, or a null context in fp32
     train_loader, held_out, tokenizer: the data, read by this rank's data-parallel replica
     max_steps, tokens_per_step, flops_per_step: the whole job's; peak_flops: one device's, for MFU
@@ -387,7 +405,7 @@ class Run:
 
     def restore(self, ckpt: Path) -> None:
         """Continue from ckpt: weights, optimizer, loss scaler, RNGs and data position, resharded to
-        this run's tp size (``horse.checkpoint.restore_run``)."""
+        this run's layout (``horse.checkpoint.restore_run``)."""
         self.step = checkpoint.restore_run(
             ckpt, self.model, self.optimizer, self.scaler, self.train_loader, self.parallel
         )
@@ -535,7 +553,8 @@ class Run:
     def sample(self) -> None:
         """Print --sample-tokens tokens generated after --sample-prompt (temperature 0.8, top-k 40)."""
         cfg, model = self.cfg, self.model
-        if self.parallel.tp_size > 1:  # generation runs on a whole model: the shards just saved, gathered
+        if self.parallel.tp_size > 1 or self.parallel.fsdp:  # generation runs on a whole model: the
+            # pieces just saved, assembled
             model = GPT(self.config, self.backend).to(self.device)
             checkpoint.load_weights(self.last_ckpt, model)
         model.eval()
@@ -566,7 +585,7 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
 
     recipes.check_data(cfg)
     train_split, val_split, tokenizer = load_dataset(cfg.data)
-    config = _architecture(cfg, overrides, tokenizer.vocab_size, parallel)
+    config = _architecture(cfg, overrides, tokenizer.vocab_size)
     seq_len = cfg.seq_len or config.block_size
     if seq_len > config.block_size:
         raise ValueError(
@@ -582,13 +601,18 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     ckpt, damaged = checkpoint.resume_point(out_dir, resume, config, parallel, cfg.strict_resume)
     for warning in damaged:
         log(f"warning: {warning}")
+    check_divisible(config, parallel.tp_size)  # a resumed checkpoint said so already, naming itself
 
     model = make_model(
         cfg, config, backend, parallel, device, pretrained=bool(cfg.init_from) and ckpt is None
     )
-    loss_fn = recipes.compile_loss(model, parallel.tp_size == 1) if cfg.compile else model.loss
-    loss_fn = data_parallel(model, loss_fn, parallel)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    loss_fn = model.loss
+    if cfg.compile and parallel.fsdp:  # each block, before FSDP wraps it (torchtitan's order)
+        recipes.compile_blocks(model, fullgraph=parallel.tp_size == 1)
+    elif cfg.compile:
+        loss_fn = recipes.compile_loss(model, fullgraph=parallel.tp_size == 1)
+    loss_fn = data_parallel(model, loss_fn, parallel, dtype)
     dp = {"dp_rank": parallel.dp_rank, "dp_size": parallel.dp_size}
     tokens_per_step = cfg.batch_size * seq_len * grad_accum * parallel.dp_size  # the whole job's
     run = Run(
@@ -622,14 +646,11 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     return run
 
 
-def _architecture(cfg: TrainConfig, overrides: dict, data_vocab: int, parallel: Parallel) -> GPTConfig:
-    """The model's config: --init-from's, or the preset's, with the model flags; it must split over tp."""
+def _architecture(cfg: TrainConfig, overrides: dict, data_vocab: int) -> GPTConfig:
+    """The model's config: --init-from's, or the preset's, with the model flags."""
     if cfg.init_from:
-        config = hf.pretrained_config_for(cfg.init_from, overrides, data_vocab)
-    else:
-        config = model_config(cfg, overrides, data_vocab)
-    check_divisible(config, parallel.tp_size)
-    return config
+        return hf.pretrained_config_for(cfg.init_from, overrides, data_vocab)
+    return model_config(cfg, overrides, data_vocab)
 
 
 def make_model(
@@ -666,9 +687,12 @@ def _log_start(run: Run, backend_note: str, train_split: Split, val_split: Split
     if parallel.distributed:
         sequence_parallel = " (sequence parallel)" if parallel.sequence_parallel else ""
         restart = f" | restart {run.restarts}" if run.restarts else ""
+        fsdp = ""
+        if parallel.fsdp:
+            fsdp = f" (FSDP2: dp_replicate {parallel.dp_replicate_size} x dp_shard {parallel.dp_shard_size})"
         run.log(
             f"parallel: {parallel.world_size} processes ({dist.get_backend()}) = tp {parallel.tp_size}"
-            f"{sequence_parallel} x dp {parallel.dp_size}{restart}"
+            f"{sequence_parallel} x dp {parallel.dp_size}{fsdp}{restart}"
         )
     run.log(
         f"model {cfg.init_from or cfg.preset}: {num_params(config) / 1e6:.2f}M parameters, "

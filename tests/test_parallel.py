@@ -367,7 +367,7 @@ def test_divisibility_errors_name_the_field():
         check_divisible(LLAMA, 4)
     with pytest.raises(ValueError, match="must divide mlp_hidden 102$"):
         parallelize(GPT(dataclasses.replace(GPT2, mlp_hidden=102)), Parallel(tp_size=4))
-    with pytest.raises(ValueError, match="--tp 3 must .* divide the world size 1"):
+    with pytest.raises(ValueError, match="--tp 3 must divide the world size 1"):
         init_from_env(tp=3)
 
 
