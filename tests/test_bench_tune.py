@@ -15,7 +15,7 @@ import torch
 from bench import timing, tune
 from horse.kernels import runtime
 from horse.kernels.attention import AttnConfig
-from horse.kernels.mlp import GemmConfig
+from horse.kernels.mlp.configs import GemmConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,7 @@ def test_targets_point_at_the_tables_and_shapes_of_their_class():
     assert dq.table is attention.BWD_DQ_CONFIGS["sm90"] and not dq.persistent
     targets = tune.mlp_targets(["fwd", "gated_fwd", "dh_bwd", "gated_dh_bwd"], ["large", "medium"])
     assert len(targets) == 8  # each (gemm, class) shape checked to fall in its class
-    assert targets[0].table is mlp.GEMM_CONFIGS["sm90"]["fwd"] and targets[0].key == "large"
+    assert targets[0].table is mlp.configs.GEMM_CONFIGS["sm90"]["fwd"] and targets[0].key == "large"
     a100, a100_packed = tune.attention_targets(["fwd"], [128], seqlen=4096, arch=runtime.SM80)
     assert a100.table is attention.FWD_CONFIGS["sm80"] and not a100.tma  # no TMA before sm_90
     assert a100_packed.table is attention.PACKED_FWD_CONFIGS["sm80"]
@@ -187,12 +187,12 @@ def test_every_target_checks_and_times_a_candidate(tiny_targets_on_the_cpu):
 def test_compile_filter_passes_the_tables_and_rejects_shared_memory_over_budget():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     script = (
-        "from bench import tune; from horse.kernels import attention, mlp; "
+        "from bench import tune; from horse.kernels import attention; from horse.kernels.mlp import configs; "
         "[fwd, packed] = tune.attention_targets(['fwd'], [128], 4096); "
         "[gemm] = tune.mlp_targets(['fwd'], ['medium']); "
         "print(tune.compiles_clean(fwd.compile_configs(attention.FWD_CONFIGS['sm90'][128]))); "
         "print(tune.compiles_clean(fwd.compile_configs(attention.AttnConfig(128, 256, 8, 4, tma=False)))); "
-        "print(tune.compiles_clean(gemm.compile_configs(mlp.GEMM_CONFIGS['sm90']['fwd']['medium']))); "
+        "print(tune.compiles_clean(gemm.compile_configs(configs.GEMM_CONFIGS['sm90']['fwd']['medium']))); "
         "variants = packed.compile_configs(attention.PACKED_FWD_CONFIGS['sm90'][128]); "
         "print(tune.compiles_clean(variants)); print(sorted(c.shape_class for c in variants))"
     )
@@ -384,7 +384,8 @@ def test_compile_only_cli_finds_a_real_entry_clean(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     [result] = json.loads(out.read_text()).values()
-    assert result["clean"] == result["table"] == dataclasses.asdict(mlp.GEMM_CONFIGS["sm80"]["fwd"]["small"])
+    entry = mlp.configs.GEMM_CONFIGS["sm80"]["fwd"]["small"]
+    assert result["clean"] == result["table"] == dataclasses.asdict(entry)
     assert result["rejected"] == [] and "first clean 64x64x64 w4 s4 (the table's)" in run.stdout
 
 
@@ -411,12 +412,12 @@ def test_compile_only_write_puts_the_entries_found_into_the_config_file(config_c
     assert tune.main(argv) == 0
     after = (config_copies / "mlp.json").read_text()
     tables = runtime.load_configs("mlp", GemmConfig, config_copies)["GEMM_CONFIGS"]
-    assert "sm90" not in tables and list(tables) == [f for f in mlp.GEMM_CONFIGS if f != "sm90"]
+    assert "sm90" not in tables and list(tables) == [f for f in mlp.configs.GEMM_CONFIGS if f != "sm90"]
     moved = 0
     for family, gemms in tables.items():
         for gemm, classes in gemms.items():
             for shape_class, got in classes.items():
-                entry = mlp.GEMM_CONFIGS[family][gemm][shape_class]
+                entry = mlp.configs.GEMM_CONFIGS[family][gemm][shape_class]
                 if (family, gemm) != ("sm80", "gated_fwd") or entry.block_m * entry.block_n <= 64 * 64:
                     assert got == entry
                 else:  # the first candidate clean in the stand-in

@@ -89,8 +89,8 @@ def test_config_files_load_as_tables_and_ship_with_the_package():
         for family in others:  # head dims as ints, in order: attn_config looks them up by number
             assert list(tables[name][family]) == [16, 32, 64, 128, 256]
             assert all(isinstance(cfg, attention.AttnConfig) for cfg in tables[name][family].values())
-    gemms = runtime.load_configs("mlp", mlp.GemmConfig)["GEMM_CONFIGS"]
-    assert list(mlp.GEMM_CONFIGS) == ["sm90", *gemms] and set(gemms) == set(others)
+    gemms = runtime.load_configs("mlp", mlp.configs.GemmConfig)["GEMM_CONFIGS"]
+    assert list(mlp.configs.GEMM_CONFIGS) == ["sm90", *gemms] and set(gemms) == set(others)
     assert all(
         list(classes) == ["large", "medium", "small"] for gemm in gemms.values() for classes in gemm.values()
     )
