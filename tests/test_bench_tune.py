@@ -391,37 +391,40 @@ def test_compile_only_cli_finds_a_real_entry_clean(tmp_path):
 
 @pytest.fixture
 def config_copies(tmp_path, monkeypatch):
-    """horse/kernels/configs copied to tmp_path, where --write writes; the compile step a stand-in that
-    spills above 64x64 tiles, run in this process (no TRITON_INTERPRET check to trip)."""
+    """The families' config files copied to tmp_path as <family>.json, where --write writes; the
+    compile step a stand-in that spills above 64x64 tiles, run in this process (no TRITON_INTERPRET
+    check to trip)."""
     from bench.compile_report import compiler
 
-    for name in ("attention", "mlp"):
-        (tmp_path / f"{name}.json").write_text((runtime.CONFIGS_DIR / f"{name}.json").read_text())
-    monkeypatch.setattr(runtime, "CONFIGS_DIR", tmp_path)
+    for name, path in tune.CONFIG_FILES.items():
+        (tmp_path / f"{name}.json").write_text(path.read_text())
+        monkeypatch.setitem(tune.CONFIG_FILES, name, tmp_path / f"{name}.json")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     fake = _clean_below(64 * 64, [])
     monkeypatch.setattr(compiler, "compile_in_pool", lambda pool, configs, jobs: fake(configs))
     return tmp_path
 
 
-def test_compile_only_write_puts_the_entries_found_into_the_config_file(config_copies, capsys):
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_compile_only_write_puts_the_entries_found_into_the_config_file(arch, config_copies, capsys):
+    # The MLP's file holds every family's entries, sm90's among them.
     from horse.kernels import mlp
 
     before = (config_copies / "mlp.json").read_text()
-    argv = ["mlp", "--compile-only", "--arch", "sm80", "--gemms", "gated_fwd", "--jobs", "1", "--write"]
+    argv = ["mlp", "--compile-only", "--arch", arch, "--gemms", "gated_fwd", "--jobs", "1", "--write"]
     assert tune.main(argv) == 0
     after = (config_copies / "mlp.json").read_text()
     tables = runtime.load_configs("mlp", GemmConfig, config_copies)["GEMM_CONFIGS"]
-    assert "sm90" not in tables and list(tables) == [f for f in mlp.configs.GEMM_CONFIGS if f != "sm90"]
+    assert list(tables) == list(mlp.configs.GEMM_CONFIGS)
     moved = 0
     for family, gemms in tables.items():
         for gemm, classes in gemms.items():
             for shape_class, got in classes.items():
                 entry = mlp.configs.GEMM_CONFIGS[family][gemm][shape_class]
-                if (family, gemm) != ("sm80", "gated_fwd") or entry.block_m * entry.block_n <= 64 * 64:
+                if (family, gemm) != (arch, "gated_fwd") or entry.block_m * entry.block_n <= 64 * 64:
                     assert got == entry
-                else:  # the first candidate clean in the stand-in
-                    assert got.block_m * got.block_n == 64 * 64 and got.tma is False
+                else:  # the first candidate clean in the stand-in: TMA where the family has it
+                    assert got.block_m * got.block_n == 64 * 64 and got.tma is runtime.ARCHS[arch].tma
                     moved += 1
     assert moved == 2  # large and medium; small's 64x64 entry was clean
     changed = [b for a, b in zip(before.splitlines(), after.splitlines(), strict=True) if a != b]
@@ -442,7 +445,7 @@ def test_compile_only_write_keeps_one_forward_entry_for_padded_and_packed(config
     got = tables["FWD_CONFIGS"]["sm86"][64]
     assert got.block_m * got.block_n == 64 * 64 and got != attention.FWD_CONFIGS["sm86"][64]
     assert tables["BWD_DQ_CONFIGS"] == {f: t for f, t in attention.BWD_DQ_CONFIGS.items() if f != "sm90"}
-    with pytest.raises(SystemExit) as exit_info:  # sm90's entries live in the kernel file
+    with pytest.raises(SystemExit) as exit_info:  # attention's sm90 entries live in the kernel file
         tune.main(["attention", "--compile-only", "--arch", "sm90", "--write"])
     assert exit_info.value.code == 2
 

@@ -64,8 +64,9 @@ compile report.
 
 The package, a module per concern, in the order a call takes them: ``ops`` (the public functions,
 their validation and the custom ops), ``launch`` (the host launchers; ``launch.USE_TMA``),
-``configs`` (the GEMM tables and the rules that pick an entry), ``forward`` and ``backward`` (the
-kernels), ``gemm`` (the device helpers both share).
+``configs`` (the rules that pick a GEMM table entry; the tables are data, ``configs.json``, and
+TUNING.md beside them says why each entry is what it is), ``forward`` and ``backward`` (the kernels),
+``gemm`` (the device helpers both share).
 """
 
 from horse.kernels.mlp.configs import SUPPORTED_DTYPES
