@@ -775,7 +775,7 @@ for table in ("fwd", "gated_fwd", "dh_bwd"):
     for inline_ptx in (True, False) if table != "dh_bwd" else (None,):
         kc = mlp_gemm_config(table, "small", cfg, mlp.SUPPORTED_DTYPES[0], "gelu_tanh", True)
         if inline_ptx is not None:
-            kc.constexprs["INLINE_PTX"] = inline_ptx
+            kc.constexprs["EPILOGUE"] = kc.constexprs["EPILOGUE"]._replace(inline_ptx=inline_ptx)
         mufu = collections.Counter(re.findall(r"MUFU\\.(\\w+)", sass_loops.sass_of(kc)))
         elements = cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
         counts[f"{table} {inline_ptx}"] = [dict(mufu), elements]
@@ -785,7 +785,7 @@ print(json.dumps(counts))
 
 def test_gelu_tanh_epilogue_takes_one_mufu_an_element_in_sm90_sass():
     """The sm_90 SASS of the small forward GEMMs with gelu_tanh (AOT compiles, no GPU): with
-    INLINE_PTX one MUFU.TANH an element of the tile and no EX2; the exp2 form (the interpreter's
+    inline_ptx one MUFU.TANH an element of the tile and no EX2; the exp2 form (the interpreter's
     path, and the backward's) an EX2 and an RCP an element. Two RCP outside the epilogue either way."""
     counts = _run_without_interpreter(GELU_TANH_SASS)
     for table in ("fwd", "gated_fwd"):
@@ -903,3 +903,57 @@ def test_gpt2_up_projections_run_the_persistent_kernel_one_program_an_h200_sm(d_
     kernels.linear_act(x, w, torch.empty(hidden, dtype=torch.float16), activation="gelu_tanh")
     kernels.gated_linear(x, w, w, activation="silu")
     assert launches == [("_fwd_persistent_kernel", (132,))] * 2
+
+
+# (M, K, H, D): the small class (M = 1, split-K: 2 column tiles of 64 for the interpreter's 4 stand-in
+# SMs, K = 264 in 5 steps), the medium one and, with LARGE_OUTPUTS lowered, the large one.
+LAUNCH_SHAPES = [(1, 264, 72, 24), (100, 40, 72, 24), (257, 40, 136, 24)]
+
+
+@pytest.mark.parametrize("family", list(runtime.ARCHS))
+def test_every_launch_takes_constexprs_the_compile_report_builds(family, device, monkeypatch):
+    # The report's rows stand for the launches only if each launch's constexprs (the Epilogue group
+    # among them) and warps are one of its configs': every launch of the four functions, forward and
+    # backward, on family's table at its real tiles, as a GPU of the family makes them (inline PTX on
+    # NVIDIA), in float16 with gelu (the report builds every kernel with it). The launchers are
+    # walked; no kernel runs. Stages where the launch sets them (the elementwise kernels take
+    # Triton's default).
+    from bench.compile_report.mlp import mlp_configs
+
+    if device != "cpu":
+        pytest.skip("the walk needs no GPU")
+    run_family_tables(monkeypatch, family, mlp.configs, "INTERPRETER_GEMM_BLOCKS", "gemm_config")
+    monkeypatch.setattr(mlp.configs, "LARGE_OUTPUTS", 2**15)
+    monkeypatch.setattr(mlp.launch, "inline_ptx", lambda t: not runtime.ARCHS[family].hip_target)
+    launches = []
+    monkeypatch.setattr(runtime, "launch", lambda kernel, grid, *args, **kw: launches.append((kernel, kw)))
+    for kind, sizes in itertools.product(
+        ["linear_act", "gated_linear", "fused_mlp", "fused_gated_mlp"], LAUNCH_SHAPES
+    ):
+        if kind in ("linear_act", "gated_linear"):
+            sizes = sizes[:3]
+        run(lambda t, kind=kind: call_ours(kind, t, "gelu"), make_tensors(kind, sizes, torch.float16, device))
+    options = {"num_warps", "num_stages", *runtime.COMPILE_OPTIONS}
+    built = mlp_configs(runtime.ARCHS[family])
+
+    def built_for(kernel, kwargs) -> bool:
+        constexprs = {k: v for k, v in kwargs.items() if k not in options}
+        return any(
+            cfg.fn is kernel
+            and {k: v for k, v in cfg.constexprs.items() if "[" not in k} == constexprs
+            and cfg.num_warps == kwargs["num_warps"]
+            and cfg.num_stages == kwargs.get("num_stages", cfg.num_stages)
+            for cfg in built
+        )
+
+    tables = mlp.configs.GEMM_CONFIGS[family].values()
+    persistent = (
+        {"_fwd_persistent_kernel"} if any(c.persistent for t in tables for c in t.values()) else set()
+    )
+    names = {kernel.__name__ for kernel, _ in launches}
+    assert (
+        names
+        == {"_fwd_kernel", "_split_k_epilogue_kernel", "_dh_act_bwd_kernel", "_act_bwd_kernel"} | persistent
+    )
+    for kernel, kwargs in launches:
+        assert built_for(kernel, kwargs), (kernel.__name__, kwargs)

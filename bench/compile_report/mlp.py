@@ -9,19 +9,20 @@ import torch
 from bench.compile_report.config import KernelConfig, kernel_config
 from horse.kernels import runtime
 
-# MLP GEMM tables, each with a bias and gated ("gated_<table>": GATED on, no bias): kernel (module of
-# horse.kernels.mlp and name), the flags that keep the most values live (stored pre-activation,
-# recomputed h) with unit strides as constexprs (x, dy and the weights row-major; the backward reads
-# W_out transposed, unit stride along N), and each TMA descriptor's block as (rows, columns) dims.
+# MLP GEMM tables, each with a bias and gated ("gated_<table>": gated, no bias), built with the
+# epilogue that keeps the most values live (Epilogue.store: the stored pre-activation, the recomputed
+# h): kernel (module of horse.kernels.mlp and name), unit strides as constexprs (x, dy and the weights
+# row-major; the backward reads W_out transposed, unit stride along N), and each TMA descriptor's
+# block as (rows, columns) dims.
 MLP_GEMMS = {
     "fwd": (
         "forward._fwd_kernel",
-        {"STORE_PRE": True, "x_strides[1]": 1, "w_strides[1]": 1},
+        {"x_strides[1]": 1, "w_strides[1]": 1},
         {"X": "mk", "W": "nk", "WU": "nk"},
     ),
     "dh_bwd": (
         "backward._dh_act_bwd_kernel",
-        {"STORE_H": True, "dy_strides[1]": 1, "w_strides[0]": 1},
+        {"dy_strides[1]": 1, "w_strides[0]": 1},
         {"DY": "mk", "W": "kn"},
     ),
 }
@@ -30,6 +31,11 @@ MLP_GEMMS = {
 # The forwards' persistent kernel (TMA only): its descriptors (the outputs' in epilogue subtiles, "s").
 # Both forward kernels take GATED; a plain forward is passed W for WU and PRE for UP, which it does not read.
 MLP_PERSISTENT_TILES = {"X": "mk", "W": "nk", "WU": "nk", "Y": "ms", "PRE": "ms", "UP": "ms"}
+
+
+def _inline_ptx(arch: str) -> bool:
+    """Epilogue.inline_ptx as the launchers set it (runtime.inline_ptx) on a GPU of family arch."""
+    return not runtime.ARCHS[arch].hip_target
 
 
 def mlp_gemm_config(
@@ -47,19 +53,26 @@ def mlp_gemm_config(
     horse.kernels.mlp.configs.GemmConfig ``cfg`` and activation, pointer or TMA loads, for GPU family
     arch; split_k: a forward's split-K variant (partial sums stored, no epilogue); persistent: a
     forward's persistent kernel (TMA)."""
+    from horse.kernels.mlp.configs import Epilogue
+
     gated = table.startswith("gated_")
-    kernel, flags, tiles = MLP_GEMMS[table.removeprefix("gated_")]
+    kernel, unit_strides, tiles = MLP_GEMMS[table.removeprefix("gated_")]
     dims = {"m": cfg.block_m, "n": cfg.block_n, "k": cfg.block_k, "s": cfg.block_n // cfg.epilogue_split}
+    epilogue = Epilogue(
+        activation,
+        gated,
+        has_bias=not gated,
+        store=True,
+        split=cfg.epilogue_split,
+        inline_ptx=_inline_ptx(arch),
+    )
     constexprs = {
-        "ACTIVATION": activation,
-        "GATED": gated,
-        "HAS_BIAS": not gated,
-        **flags,
+        "EPILOGUE": epilogue,
+        **unit_strides,
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
         "BLOCK_K": cfg.block_k,
         "GROUP_M": cfg.group_m,
-        "EPILOGUE_SPLIT": cfg.epilogue_split,
         "TMA": tma,
     }
     if kernel == "forward._fwd_kernel":
@@ -122,14 +135,11 @@ def mlp_configs(arch: runtime.Arch) -> list[KernelConfig]:
     activations = ("gelu", "gelu_tanh")
     for gated, dtype, activation in itertools.product((False, True), configs.SUPPORTED_DTYPES, activations):
         cfg = configs.GEMM_CONFIGS[arch.name]["gated_fwd" if gated else "fwd"]["small"]
-        constexprs = {
-            "ACTIVATION": activation,
-            "HAS_BIAS": not gated,
-            "STORE_PRE": True,
-            "GATED": gated,
-            "BLOCK_M": cfg.block_m,
-            "BLOCK_N": cfg.block_n,
-        }
+        # The forward's epilogue, unsplit, as _fwd_gemm passes it.
+        epilogue = configs.Epilogue(
+            activation, gated, has_bias=not gated, store=True, inline_ptx=_inline_ptx(arch.name)
+        )
+        constexprs = {"EPILOGUE": epilogue, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}
         kernel_configs.append(
             kernel_config(
                 "mlp.forward._split_k_epilogue_kernel",
@@ -144,9 +154,7 @@ def mlp_configs(arch: runtime.Arch) -> list[KernelConfig]:
     row = configs.ACT_BWD_CONFIG
     for dtype, gated in itertools.product(configs.SUPPORTED_DTYPES, (False, True)):
         constexprs = {
-            "ACTIVATION": "gelu",
-            "GATED": gated,
-            "HAS_BIAS": not gated,
+            "EPILOGUE": configs.Epilogue("gelu", gated, has_bias=not gated, store=False),
             "dh_strides[1]": 1,
             "BLOCK_M": row.block_m,
             "BLOCK_N": row.block_n,

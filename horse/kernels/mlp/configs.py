@@ -6,6 +6,7 @@ elementwise backward's one config.
 import dataclasses
 import pathlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -31,6 +32,19 @@ class GemmConfig:
     # A forward's persistent kernel (one program an SM walking the tiles, epilogue stored by TMA) where
     # its operands and outputs take TMA (launch._persistent); the tiled kernel otherwise.
     persistent: bool = False
+
+
+class Epilogue(NamedTuple):
+    """What a kernel's epilogue computes: the one constexpr group (EPILOGUE) every MLP kernel takes."""
+
+    activation: str  # act: one of horse.kernels.mlp.ACTIVATIONS
+    gated: bool  # act(gate) ⊙ up: a second accumulator in the forward, the product rule in the backward
+    has_bias: bool  # the forward adds b; the backward sums db's partials
+    store: bool  # the forward stores pre (and up) for the backward; the dh GEMM stores h for dW_out
+    split: int = 1  # the column subtiles it runs on, one after another (GemmConfig.epilogue_split)
+    # An NVIDIA GPU, not the interpreter (runtime.inline_ptx): gelu_tanh by tanh.approx in the
+    # forward, the dh GEMM's L2 prefetch of its saved tiles.
+    inline_ptx: bool = False
 
 
 # The GEMM tables, data beside this file: GEMM_CONFIGS[family][kernel][shape class], family as

@@ -6,9 +6,8 @@ partial store, the L2 prefetch of the dh GEMM's saved tiles and the epilogue's c
 import triton
 import triton.language as tl
 
-# The dh GEMM asks L2 for its epilogue's saved tiles this many K steps before its loop ends: at ~7.5
-# dense fp16 TFLOP/s an SM (an H200's), a 128x256x64 step takes ~0.6 us; two, about twice a DRAM
-# load's latency (an estimate: no GPU has timed it).
+# The dh GEMM asks L2 for its epilogue's saved tiles this many K steps before its loop ends: about
+# twice a DRAM load's latency (an estimate; TUNING.md).
 PREFETCH_STEPS = tl.constexpr(2)
 
 
@@ -79,45 +78,62 @@ def _matmul_tile(
     X,
     W,
     WU,
-    pid_m,
-    pid_n,
-    M,
-    N,
-    K,
+    tile,
+    shape,
     x_strides,
     w_strides,
-    k_first,
-    k_last,
+    k_range,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TMA: tl.constexpr,
     W_KN: tl.constexpr,
     GATED: tl.constexpr,
-    PRE=None,
-    UP=None,
+    SAVED=None,
     PREFETCH: tl.constexpr = 0,
 ):
-    """The (BLOCK_M, BLOCK_N) float32 tiles (pid_m, pid_n) of x Wᵀ and, GATED, of x WUᵀ (WU like W,
-    W_KN false; one pass over x, two accumulators; otherwise WU is not read and the second is zeros),
-    summed over K steps k_first to k_last - 1 (of BLOCK_K each; :func:`_k_range`).
+    """The (BLOCK_M, BLOCK_N) float32 tiles tile = (pid_m, pid_n) of x Wᵀ and, GATED, of x WUᵀ (WU
+    like W, W_KN false; one pass over x, two accumulators; otherwise WU is not read and the second
+    is zeros), summed over K steps k_range = (first, last + 1) of BLOCK_K each (:func:`_k_range`).
+    shape is (M, N, K): x is (M, K), W (N, K).
 
     With TMA, X is a descriptor of x (M, K) and W one of W (N, K), or with W_KN of Wᵀ (K, N) as
     stored (a descriptor needs a unit stride in its last dimension); their loads read elements past
     the edges as zeros. Otherwise X and W are pointers, walked through their strides.
 
-    PREFETCH (the dh GEMM's epilogue input, NVIDIA only): 1 asks L2 for PRE's (M, N) tile (pid_m,
-    pid_n) during the last PREFETCH_STEPS K steps, 2 for UP's too (:func:`_prefetch_saved`).
+    PREFETCH (the dh GEMM's epilogue input, NVIDIA only): 1 asks L2 for the (M, N) tile of SAVED =
+    (PRE, UP)'s PRE during the last PREFETCH_STEPS K steps, 2 for UP's too (:func:`_prefetch_saved`).
     """
+    pid_m, pid_n = tile
+    M, N, K = shape
+    k_first, k_last = k_range
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     start_m = pid_m * BLOCK_M
     start_n = pid_n * BLOCK_N
     k_prefetch = tl.maximum(k_last - PREFETCH_STEPS, k_first)
-    if TMA:
-        for k in range(k_first, k_last):
-            if PREFETCH and k == k_prefetch:
-                _prefetch_saved(PRE, UP, start_m, start_n, M, N, PREFETCH == 2, BLOCK_M, BLOCK_N)
+    if not TMA:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        x_offs, w_offs = _operand_offsets(
+            offs_m, offs_n, offs_k, M=M, N=N, x_strides=x_strides, w_strides=w_strides
+        )
+        x_step, w_step = _k_steps(x_strides, w_strides, BLOCK_K=BLOCK_K)
+        x_ptrs = X + x_offs + k_first * x_step
+        w_ptrs = W + w_offs + k_first * w_step
+        wu_ptrs = WU + w_offs + k_first * w_step
+    for k in range(k_first, k_last):
+        if PREFETCH and k == k_prefetch:
+            _prefetch_saved(
+                SAVED,
+                start=(start_m, start_n),
+                shape=(M, N),
+                GATED=PREFETCH == 2,
+                BLOCK_M=BLOCK_M,
+                BLOCK_N=BLOCK_N,
+            )
+        if TMA:
             x = X.load([start_m, k * BLOCK_K])
             if W_KN:
                 w = W.load([k * BLOCK_K, start_n])
@@ -126,18 +142,7 @@ def _matmul_tile(
             acc = tl.dot(x, w, acc)
             if GATED:
                 acc_up = tl.dot(x, tl.trans(WU.load([start_n, k * BLOCK_K])), acc_up)
-    else:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        x_offs, w_offs = _operand_offsets(offs_m, offs_n, offs_k, M, N, x_strides, w_strides)
-        x_step, w_step = _k_steps(x_strides, w_strides, BLOCK_K)
-        x_ptrs = X + x_offs + k_first * x_step
-        w_ptrs = W + w_offs + k_first * w_step
-        wu_ptrs = WU + w_offs + k_first * w_step
-        for k in range(k_first, k_last):
-            if PREFETCH and k == k_prefetch:
-                _prefetch_saved(PRE, UP, start_m, start_n, M, N, PREFETCH == 2, BLOCK_M, BLOCK_N)
+        else:
             k_mask = offs_k < K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
@@ -153,12 +158,13 @@ def _matmul_tile(
 
 
 @triton.jit
-def _prefetch_saved(
-    PRE, UP, start_m, start_n, M, N, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """Ask L2 for the saved pre (and up) tile (BLOCK_M, BLOCK_N) at (start_m, start_n) of the (M, N)
-    contiguous PRE and UP (16-bit): one prefetch a 128-byte line, its row and column kept inside the
-    tensor, so that the epilogue's loads of the tile hit L2."""
+def _prefetch_saved(SAVED, start, shape, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Ask L2 for the saved pre (and up) tile (BLOCK_M, BLOCK_N) at start = (row, column) of the (M,
+    N) = shape contiguous SAVED = (PRE, UP) (16-bit): one prefetch a 128-byte line, its row and
+    column kept inside the tensor, so that the epilogue's loads of the tile hit L2."""
+    PRE, UP = SAVED
+    start_m, start_n = start
+    M, N = shape
     LINE: tl.constexpr = 64  # 16-bit elements a 128-byte line
     LINES: tl.constexpr = BLOCK_N // LINE if BLOCK_N > LINE else 1
     rows = tl.minimum(start_m + tl.arange(0, BLOCK_M), M - 1)
@@ -166,31 +172,37 @@ def _prefetch_saved(
     lines = rows.to(tl.int64)[:, None] * N + cols[None, :]
     for T in tl.static_range(2 if GATED else 1):  # pre, and gated up
         tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [(UP if T else PRE) + lines], dtype=tl.int32,
-            is_pure=False, pack=1,
-        )  # fmt: skip
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
+            "=r,l",
+            [(UP if T else PRE) + lines],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
 
 @triton.jit
-def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The left and right (BLOCK_M, BLOCK_N // 2) column halves of a tile."""
-    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+def _halves(acc):
+    """The left and right (rows, columns // 2) column halves of a tile."""
+    rows: tl.constexpr = acc.shape[0]
+    columns: tl.constexpr = acc.shape[1]
+    return tl.split(tl.permute(tl.reshape(acc, (rows, 2, columns // 2)), (0, 2, 1)))
 
 
 @triton.jit
-def _subtile(acc, INDEX: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Column subtile INDEX of SPLIT (1, 2 or 4) equal ones of a (BLOCK_M, BLOCK_N) tile.
+def _subtile(acc, INDEX: tl.constexpr, SPLIT: tl.constexpr):
+    """Column subtile INDEX of SPLIT (1, 2 or 4) equal ones of a tile.
 
     The reshape, permute and split move no data in the MMA accumulator's register layout.
     """
     if SPLIT == 1:
         sub = acc
     else:
-        left, right = _halves(acc, BLOCK_M, BLOCK_N)
+        left, right = _halves(acc)
         half = left if INDEX < SPLIT // 2 else right
         if SPLIT == 2:
             sub = half
         else:
-            left, right = _halves(half, BLOCK_M, BLOCK_N // 2)
+            left, right = _halves(half)
             sub = left if INDEX % 2 == 0 else right
     return sub

@@ -9,7 +9,7 @@ import triton
 from horse.kernels import reference, runtime
 from horse.kernels.mlp import configs
 from horse.kernels.mlp.backward import _act_bwd_kernel, _dh_act_bwd_kernel
-from horse.kernels.mlp.configs import ACT_BWD_CONFIG, SPLIT_K_EPILOGUE_WARPS, GemmConfig
+from horse.kernels.mlp.configs import ACT_BWD_CONFIG, SPLIT_K_EPILOGUE_WARPS, Epilogue, GemmConfig
 from horse.kernels.mlp.forward import _fwd_kernel, _fwd_persistent_kernel, _split_k_epilogue_kernel
 from horse.kernels.runtime import inline_ptx
 
@@ -24,10 +24,20 @@ def _grid(cfg: GemmConfig, M: int, N: int, splits: int = 1) -> tuple[int, ...]:
 
 
 def _launch_options(cfg: GemmConfig, tma: bool | None) -> dict:
-    """The constexprs and options of a GEMM launch; tma None for the persistent kernels (TMA only)."""
-    blocks = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}
-    options = {"EPILOGUE_SPLIT": cfg.epilogue_split, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    return blocks | options | ({} if tma is None else {"TMA": tma}) | runtime.COMPILE_OPTIONS
+    """The tile's constexprs and the launch options of a GEMM kernel; tma None for the persistent
+    kernels (TMA only: no TMA constexpr). The epilogue split travels in the kernel's Epilogue."""
+    options = {
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "GROUP_M": cfg.group_m,
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+        **runtime.COMPILE_OPTIONS,
+    }
+    if tma is not None:
+        options["TMA"] = tma
+    return options
 
 
 def _persistent(cfg: GemmConfig, tma: bool, splits: int, y: torch.Tensor) -> bool:
@@ -84,7 +94,14 @@ def _fwd_gemm(
     w_tiles = runtime.tma_operand(weight, (cfg.block_n, cfg.block_k), tma)
     wu_tiles = runtime.tma_operand(w_up, (cfg.block_n, cfg.block_k), tma) if gated else w_tiles
     b = bias if bias is not None else x if gated else weight  # a dummy pointer without a bias
-    flags = {"ACTIVATION": activation, "GATED": gated, "HAS_BIAS": bias is not None, "STORE_PRE": store_pre}
+    epilogue = Epilogue(
+        activation,
+        gated,
+        has_bias=bias is not None,
+        store=store_pre,
+        split=cfg.epilogue_split,
+        inline_ptx=inline_ptx(x),
+    )
     splits = configs.split_k(cfg, M, N, K, x.device)
     partial = runtime.empty(((1 + gated) * splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
     with runtime.device_guard(x):
@@ -94,19 +111,19 @@ def _fwd_gemm(
             runtime.launch(
                 _fwd_persistent_kernel, (programs,),
                 x_tiles, w_tiles, wu_tiles, b, *_output_tiles(cfg, y, pre, up), M, N, K,
-                **flags, INLINE_PTX=inline_ptx(x), **_launch_options(cfg, None),
+                EPILOGUE=epilogue, **_launch_options(cfg, None),
             )  # fmt: skip
         else:
             runtime.launch(
                 _fwd_kernel, _grid(cfg, M, N, splits),
                 x_tiles, w_tiles, wu_tiles, b, y, pre, up, partial, M, N, K, x.stride(), weight.stride(),
-                **flags, SPLIT_K=splits > 1, INLINE_PTX=inline_ptx(x), **_launch_options(cfg, tma),
+                EPILOGUE=epilogue, SPLIT_K=splits > 1, **_launch_options(cfg, tma),
             )  # fmt: skip
         if splits > 1:  # the epilogue, after the float32 partials' sum in split order, in the GEMM's tiles
             runtime.launch(
                 _split_k_epilogue_kernel, (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m)),
-                partial, bias if bias is not None else y, y, pre, up, M, N, splits, **flags,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INLINE_PTX=inline_ptx(y),
+                partial, bias if bias is not None else y, y, pre, up, M, N, splits,
+                EPILOGUE=epilogue._replace(split=1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 num_warps=SPLIT_K_EPILOGUE_WARPS, **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
     return y, pre, up
@@ -155,6 +172,14 @@ def _dh_act_bwd(
         (triton.cdiv(M, cfg.block_m), N) if has_bias else (0,), torch.float32, pre.device
     )
     if M > 0 and N > 0:
+        epilogue = Epilogue(
+            activation,
+            gated,
+            has_bias=has_bias,
+            store=store_h,
+            split=cfg.epilogue_split,
+            inline_ptx=inline_ptx(pre),
+        )
         w = w_out.t()  # (N, K) view of the (K, N) weight: dh = dy (w_outᵀ)ᵀ, read in place
         # TMA reads w_out as stored, (block_k, block_n) tiles: a descriptor needs its unit stride last.
         tma = tma_usable(cfg, dy, w_out)
@@ -164,9 +189,7 @@ def _dh_act_bwd(
             runtime.launch(
                 _dh_act_bwd_kernel, _grid(cfg, M, N),
                 dy_tiles, w_tiles, pre, up if gated else pre, dpre_rows, dup_rows, h, db_partial, M, N, K,
-                dy.stride(), w.stride(), stride_dpre,
-                ACTIVATION=activation, GATED=gated, STORE_H=store_h, HAS_BIAS=has_bias,
-                INLINE_PTX=inline_ptx(pre), **_launch_options(cfg, tma),
+                dy.stride(), w.stride(), stride_dpre, EPILOGUE=epilogue, **_launch_options(cfg, tma),
             )  # fmt: skip
     return dpre, h, _db(db_partial, has_bias, pre.dtype)
 
@@ -191,8 +214,7 @@ def _act_bwd(
             runtime.launch(
                 _act_bwd_kernel, grid,
                 dh, pre, up if gated else pre, dpre_rows, dup_rows, db_partial, M, N, rows_per_program,
-                dh.stride(), stride_dpre,
-                ACTIVATION=activation, GATED=gated, HAS_BIAS=has_bias,
+                dh.stride(), stride_dpre, EPILOGUE=Epilogue(activation, gated, has_bias, store=False),
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
     return dpre, _db(db_partial, has_bias, pre.dtype)
