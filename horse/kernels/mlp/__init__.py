@@ -20,9 +20,9 @@ Forward: one tiled GEMM per projection with act in the epilogue. Tiles go in gro
 (GROUP_M row tiles share each weight column tile while it is in L2). The gated kernel makes one
 pass over x with two accumulators, so x W_gateᵀ and x W_upᵀ reach memory only when the backward
 needs them. Decode-sized M (at most 64 rows) with fewer output tiles than SMs splits the K loop
-over programs (:func:`split_k`: at least one program an SM) and a second kernel adds the float32
+over programs (``configs.split_k``: at least one program an SM) and a second kernel adds the float32
 partials in a fixed order and runs the same epilogue (repeatable: no atomics). gelu_tanh in these
-epilogues is tanh.approx on NVIDIA GPUs (one MUFU an element; see ``_act_fwd``). The
+epilogues is tanh.approx on NVIDIA GPUs (one MUFU an element; see ``forward._act_fwd``). The
 down projection is a bare ``torch.matmul`` (cuBLAS, bias in its epilogue): it has nothing to fuse.
 
 Backward: dpre = dh ⊙ act'(pre); dx = dpre W; dW = dpreᵀ x; db = Σ_rows dpre. In the MLPs the
@@ -55,12 +55,13 @@ NaN gradients (act'(-inf) = inf x 0). With activation ``none`` the output is lef
 Operand tiles move by TMA on Hopper and newer (sm_90+): x and weight tiles (dy and W_out in the backward's)
 come through tensor descriptors, whose loads read out-of-bounds elements as zeros (no masks in the K loop);
 W_out is read as stored, in (K, N) tiles (a descriptor needs its unit stride last). Operands whose start or
-row stride is not a multiple of 16 bytes, transposed weights, other GPUs and ``USE_TMA = False`` take pointer
-loads (one kernel serves both: the ``TMA`` constexpr). sm_90's large and medium forwards run persistent
-(``GemmConfig.persistent``): one program an SM walks the tiles in grouped order and the epilogue subtiles
-leave by TMA stores while the next tile's loads are in flight; other epilogues store by pointers. The GEMM
-tiles come from a table with an entry per GPU family (``horse.kernels.runtime.ARCHS``), clean in the
-compile report.
+row stride is not a multiple of 16 bytes, transposed weights, other GPUs and ``launch.USE_TMA = False``
+take pointer loads (one kernel serves both: the ``TMA`` constexpr). sm_90's large and medium forwards run
+persistent (``configs.GemmConfig.persistent``): one program an SM walks the tiles in grouped order and the
+epilogue subtiles leave by TMA stores while the next tile's loads are in flight; other epilogues store by
+pointers. The GEMM tiles come from a table with an entry per GPU family (``horse.kernels.runtime.ARCHS``),
+clean in the compile report. Every kernel takes what its epilogue computes as one constexpr group,
+``configs.Epilogue`` (activation, gated, bias, what it stores, its column subtiles, inline PTX).
 
 The package, a module per concern, in the order a call takes them: ``ops`` (the public functions,
 their validation and the custom ops), ``launch`` (the host launchers; ``launch.USE_TMA``),

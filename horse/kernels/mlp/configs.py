@@ -54,8 +54,15 @@ GEMM_CONFIGS = runtime.load_configs(CONFIG_FILE.stem, GemmConfig, CONFIG_FILE.pa
 
 # Small, unequal tiles in the interpreter: quick there, several tiles cross every edge, and the
 # epilogue runs split, so the CPU tests run the subtile code too.
-INTERPRETER_GEMM_BLOCKS = {"block_m": 32, "block_n": 64, "block_k": 32, "group_m": 2, "num_warps": 4,
-                           "num_stages": 1, "epilogue_split": 4}  # fmt: skip
+INTERPRETER_GEMM_BLOCKS = {
+    "block_m": 32,
+    "block_n": 64,
+    "block_k": 32,
+    "group_m": 2,
+    "num_warps": 4,
+    "num_stages": 1,
+    "epilogue_split": 4,
+}
 
 
 # From this many outputs on, the large class's 128 x 256 tiles fill about two waves of an H200's
