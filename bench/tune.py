@@ -31,8 +31,8 @@ candidates (the entry, or --start-from's, then smaller tiles from the largest do
 clean for that family in every variant ``bench.compile_report`` builds of an entry, and why each
 candidate before it failed. --capability builds each variant for each of several GPUs that take the
 family's entries instead (``--arch sm86 --capability 86 89 120``: Ampere, Ada, consumer Blackwell).
---write puts the entries found into the family's config file (CONFIG_FILES: attention's
-horse/kernels/configs/attention.json, whose sm90 entries stand in the kernel file; the MLP's
+--write puts the entries found into the family's config file (:func:`config_file`: attention's
+horse/kernels/configs/attention.json, whose sm90 entries stand in the kernel file; mlp's
 horse/kernels/mlp/configs.json, every family's), one a line and the rest of the file as it was; the
 padded and packed forward are then one entry, clean in both's variants.
 """
@@ -78,8 +78,6 @@ MLP_SHAPES = {
     ("gated_dh_bwd", "large"): ("7B", 16384),
     ("gated_dh_bwd", "medium"): ("7B", 512),
 }
-# Each family's config file, which --write rewrites (horse.kernels.runtime.load_configs reads them).
-CONFIG_FILES = {"attention": runtime.CONFIGS_DIR / "attention.json", "mlp": mlp_tables.CONFIG_FILE}
 SHAPE_CLASSES = ("large", "medium", "small")  # the GEMM tables' keys (horse.kernels.mlp.configs.shape_class)
 MIN_GAIN = 0.02  # a neighbour must be this much faster to move: below it, timing noise decides
 TILE_RANGE = (16, 256)
@@ -488,8 +486,15 @@ def one_per_entry(searches: list[EntrySearch]) -> list[EntrySearch]:
     return list(merged.values())
 
 
+def config_file(family: str) -> pathlib.Path:
+    """The config file of kernel family ("attention", "mlp") that its tables load and --write updates."""
+    if family == "mlp":
+        return mlp_tables.CONFIG_FILE
+    return runtime.CONFIGS_DIR / f"{family}.json"
+
+
 def entry_fields(cfg) -> dict:
-    """cfg (an AttnConfig or a GemmConfig) as a config file (CONFIG_FILES) holds it: its fields not at
+    """cfg (an AttnConfig or a GemmConfig) as a config file holds it: its fields not at
     their defaults, a config inside it (AttnConfig.pointer) likewise."""
     fields = {
         f.name: getattr(cfg, f.name)
@@ -500,7 +505,7 @@ def entry_fields(cfg) -> dict:
 
 
 def format_configs(node: dict, indent: str = "") -> str:
-    """A config file's tables as CONFIG_FILES lay them out: a key a line, an entry on one,
+    """A config file's tables as the config files lay them out: a key a line, an entry on one,
     so that a diff shows only the entries that changed."""
     if not all(isinstance(value, dict) for value in node.values()):  # an entry (pointer inside: one line)
         return json.dumps(node)
@@ -725,7 +730,7 @@ def _compile_only(parser: argparse.ArgumentParser, args) -> dict:
     if args.capability:
         check_capabilities(parser, args.capability, arch.name)
         searches = [built_for(search, args.capability) for search in searches]
-    path = CONFIG_FILES[args.family]
+    path = config_file(args.family)
     if args.write:
         if args.arch not in next(iter(json.loads(path.read_text()).values())):
             parser.error(f"--write: {path} holds no {args.arch} entries (sm90's stand in the kernel files)")

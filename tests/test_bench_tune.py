@@ -15,6 +15,7 @@ import torch
 from bench import timing, tune
 from horse.kernels import runtime
 from horse.kernels.attention import AttnConfig
+from horse.kernels.mlp import configs as mlp_configs
 from horse.kernels.mlp.configs import GemmConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -391,14 +392,17 @@ def test_compile_only_cli_finds_a_real_entry_clean(tmp_path):
 
 @pytest.fixture
 def config_copies(tmp_path, monkeypatch):
-    """The families' config files copied to tmp_path as <family>.json, where --write writes; the
+    """The config files copied to tmp_path, where --write writes (attention.json, mlp/configs.json); the
     compile step a stand-in that spills above 64x64 tiles, run in this process (no TRITON_INTERPRET
     check to trip)."""
     from bench.compile_report import compiler
 
-    for name, path in tune.CONFIG_FILES.items():
-        (tmp_path / f"{name}.json").write_text(path.read_text())
-        monkeypatch.setitem(tune.CONFIG_FILES, name, tmp_path / f"{name}.json")
+    (tmp_path / "attention.json").write_text((runtime.CONFIGS_DIR / "attention.json").read_text())
+    monkeypatch.setattr(runtime, "CONFIGS_DIR", tmp_path)
+    (tmp_path / "mlp").mkdir()
+    mlp_file = tmp_path / "mlp" / "configs.json"
+    mlp_file.write_text(mlp_configs.CONFIG_FILE.read_text())
+    monkeypatch.setattr(mlp_configs, "CONFIG_FILE", mlp_file)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     fake = _clean_below(64 * 64, [])
     monkeypatch.setattr(compiler, "compile_in_pool", lambda pool, configs, jobs: fake(configs))
@@ -408,19 +412,18 @@ def config_copies(tmp_path, monkeypatch):
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])
 def test_compile_only_write_puts_the_entries_found_into_the_config_file(arch, config_copies, capsys):
     # The MLP's file holds every family's entries, sm90's among them.
-    from horse.kernels import mlp
-
-    before = (config_copies / "mlp.json").read_text()
+    mlp_file = config_copies / "mlp" / "configs.json"
+    before = mlp_file.read_text()
     argv = ["mlp", "--compile-only", "--arch", arch, "--gemms", "gated_fwd", "--jobs", "1", "--write"]
     assert tune.main(argv) == 0
-    after = (config_copies / "mlp.json").read_text()
-    tables = runtime.load_configs("mlp", GemmConfig, config_copies)["GEMM_CONFIGS"]
-    assert list(tables) == list(mlp.configs.GEMM_CONFIGS)
+    after = mlp_file.read_text()
+    tables = runtime.load_configs("configs", GemmConfig, mlp_file.parent)["GEMM_CONFIGS"]
+    assert list(tables) == list(mlp_configs.GEMM_CONFIGS)
     moved = 0
     for family, gemms in tables.items():
         for gemm, classes in gemms.items():
             for shape_class, got in classes.items():
-                entry = mlp.configs.GEMM_CONFIGS[family][gemm][shape_class]
+                entry = mlp_configs.GEMM_CONFIGS[family][gemm][shape_class]
                 if (family, gemm) != (arch, "gated_fwd") or entry.block_m * entry.block_n <= 64 * 64:
                     assert got == entry
                 else:  # the first candidate clean in the stand-in: TMA where the family has it
@@ -429,7 +432,7 @@ def test_compile_only_write_puts_the_entries_found_into_the_config_file(arch, co
     assert moved == 2  # large and medium; small's 64x64 entry was clean
     changed = [b for a, b in zip(before.splitlines(), after.splitlines(), strict=True) if a != b]
     assert len(changed) == moved and all('"block_m": 64, "block_n": 64' in line for line in changed)
-    assert f"wrote 3 entries to {config_copies / 'mlp.json'}" in capsys.readouterr().out
+    assert f"wrote 3 entries to {mlp_file}" in capsys.readouterr().out
 
 
 def test_compile_only_write_keeps_one_forward_entry_for_padded_and_packed(config_copies):
