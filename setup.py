@@ -10,8 +10,12 @@ setup(
     # horse.kernels, not a top-level `kernels`: that is the import name of Hugging Face's package,
     # which transformers imports.
     packages=find_packages(include=["horse", "horse.*"]),
-    # horse: the trainer's built-in corpus; horse.kernels: the config tables of the families not measured yet
-    package_data={"horse": ["corpus/*.txt"], "horse.kernels": ["configs/*.json"]},
+    # horse: the trainer's built-in corpus; horse.kernels and its family packages: their config tables
+    package_data={
+        "horse": ["corpus/*.txt"],
+        "horse.kernels": ["configs/*.json"],
+        "horse.kernels.mlp": ["configs.json"],
+    },
     python_requires=">=3.11",  # tomllib (bench gates)
     # Loose ranges: a user's CUDA build of PyTorch brings its own Triton, and we keep both.
     # safetensors: the trainer's checkpoints; tqdm: its progress bar.

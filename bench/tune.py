@@ -31,9 +31,10 @@ candidates (the entry, or --start-from's, then smaller tiles from the largest do
 clean for that family in every variant ``bench.compile_report`` builds of an entry, and why each
 candidate before it failed. --capability builds each variant for each of several GPUs that take the
 family's entries instead (``--arch sm86 --capability 86 89 120``: Ampere, Ada, consumer Blackwell).
---write puts the entries found into horse/kernels/configs/attention.json or mlp.json (horse.kernels.runtime.
-load_configs reads them; sm90's stand in the kernel files), one a line and the rest of the file as
-it was; the padded and packed forward are then one entry, clean in both's variants.
+--write puts the entries found into the family's config file (:func:`config_file`: attention's
+horse/kernels/configs/attention.json, whose sm90 entries stand in the kernel file; mlp's
+horse/kernels/mlp/configs.json, every family's), one a line and the rest of the file as it was; the
+padded and packed forward are then one entry, clean in both's variants.
 """
 
 import argparse
@@ -57,7 +58,9 @@ from bench.compile_report.attention import ATTENTION_MASKS, attention_entry_conf
 from bench.compile_report.config import check_capabilities
 from bench.compile_report.mlp import mlp_entry_configs, mlp_gemm_config
 from bench.report import format_table
-from horse.kernels import attention, mlp, runtime
+from horse.kernels import attention, runtime
+from horse.kernels.mlp import configs as mlp_tables
+from horse.kernels.mlp import launch as mlp_launch
 
 ATTENTION_PASSES = {  # --passes name: (compile report pass, table in horse.kernels.attention)
     "fwd": ("attn_fwd", "FWD_CONFIGS"),
@@ -75,7 +78,7 @@ MLP_SHAPES = {
     ("gated_dh_bwd", "large"): ("7B", 16384),
     ("gated_dh_bwd", "medium"): ("7B", 512),
 }
-SHAPE_CLASSES = ("large", "medium", "small")  # the GEMM tables' keys (horse.kernels.mlp.shape_class)
+SHAPE_CLASSES = ("large", "medium", "small")  # the GEMM tables' keys (horse.kernels.mlp.configs.shape_class)
 MIN_GAIN = 0.02  # a neighbour must be this much faster to move: below it, timing noise decides
 TILE_RANGE = (16, 256)
 WARPS = (4, 8)
@@ -298,11 +301,11 @@ def mlp_targets(gemms, shape_classes, arch: runtime.Arch = runtime.SM90) -> list
     targets = []
     for gemm, shape_class in itertools.product(gemms, shape_classes):
         model, tokens = models[MLP_SHAPES[gemm, shape_class][0]], MLP_SHAPES[gemm, shape_class][1]
-        if mlp.shape_class(tokens, model.hidden) != shape_class:
+        if mlp_tables.shape_class(tokens, model.hidden) != shape_class:
             raise ValueError(f"MLP_SHAPES: {model.name} at {tokens} tokens is not {shape_class}")
         target = Target(
             title=f"mlp {gemm} {shape_class} ({model.name}, {tokens} tokens; {arch.name})",
-            table=mlp.GEMM_CONFIGS[arch.name][gemm],
+            table=mlp_tables.GEMM_CONFIGS[arch.name][gemm],
             key=shape_class,
             compile_configs=lambda cfg, g=gemm, c=shape_class, a=model.activation: [
                 mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma, arch.name)
@@ -324,14 +327,15 @@ def _mlp_calls(gemm: str, model, tokens: int) -> dict:
     # (tokens, d_model) x (d_model, hidden), twice in the gated forward; dh = dy W_out is the same.
     flops = (2 if gemm == "gated_fwd" else 1) * bench_mlp.gemm_flops(tokens, model.hidden, model.d_model)
     if gemm == "fwd":
-        call = functools.partial(mlp.linear_act_fwd, x, t["w_in"], t["b_in"], act, False)
+        call = functools.partial(mlp_launch.linear_act_fwd, x, t["w_in"], t["b_in"], act, False)
     elif gemm == "gated_fwd":
-        call = functools.partial(mlp.gated_linear_fwd, x, t["w_gate"], t["w_up"], act, False)
+        call = functools.partial(mlp_launch.gated_linear_fwd, x, t["w_gate"], t["w_up"], act, False)
     else:
         gated = gemm == "gated_dh_bwd"
         pre, up = (torch.randn(tokens, model.hidden, dtype=x.dtype, device=x.device) for _ in range(2))
         dy, w_out = torch.randn_like(x), t["w_down"] if gated else t["w_out"]
-        call = functools.partial(mlp._dh_act_bwd, dy, w_out, pre, up if gated else None, act, not gated)
+        saved_up = up if gated else None
+        call = functools.partial(mlp_launch._dh_act_bwd, dy, w_out, pre, saved_up, act, not gated)
     return {"gemm": (call, flops)}
 
 
@@ -354,7 +358,7 @@ class EntrySearch:
     table_entry: object  # the family's entry now
     candidates: list  # the start first
     variants: Callable[[object], list]
-    # Where --write puts the entry found: (table, family, key...) in horse/kernels/configs/<file>.json.
+    # Where --write puts the entry found: (table, family, key...) in the family's config file.
     entry: tuple = ()
 
 
@@ -444,11 +448,11 @@ def mlp_searches(gemms, shape_classes, arch: runtime.Arch, start_from: runtime.A
     start_from's entry (default: arch's own)."""
     tma, searches = arch.tma, []
     for gemm, shape_class in itertools.product(gemms, shape_classes):
-        start = mlp.GEMM_CONFIGS[(start_from or arch).name][gemm][shape_class]
+        start = mlp_tables.GEMM_CONFIGS[(start_from or arch).name][gemm][shape_class]
         start = start if tma else dataclasses.replace(start, tma=False)
         search = EntrySearch(
             title=f"mlp {gemm} {shape_class} ({arch.name})",
-            table_entry=mlp.GEMM_CONFIGS[arch.name][gemm][shape_class],
+            table_entry=mlp_tables.GEMM_CONFIGS[arch.name][gemm][shape_class],
             candidates=gemm_candidates(start, tma),
             variants=lambda cfg, g=gemm, c=shape_class: mlp_entry_configs(g, c, cfg, arch),
             entry=("GEMM_CONFIGS", arch.name, gemm, shape_class),
@@ -482,8 +486,15 @@ def one_per_entry(searches: list[EntrySearch]) -> list[EntrySearch]:
     return list(merged.values())
 
 
+def config_file(family: str) -> pathlib.Path:
+    """The config file of kernel family ("attention", "mlp") that its tables load and --write updates."""
+    if family == "mlp":
+        return mlp_tables.CONFIG_FILE
+    return runtime.CONFIGS_DIR / f"{family}.json"
+
+
 def entry_fields(cfg) -> dict:
-    """cfg (an AttnConfig or a GemmConfig) as horse/kernels/configs/*.json holds it: its fields not at
+    """cfg (an AttnConfig or a GemmConfig) as a config file holds it: its fields not at
     their defaults, a config inside it (AttnConfig.pointer) likewise."""
     fields = {
         f.name: getattr(cfg, f.name)
@@ -494,7 +505,7 @@ def entry_fields(cfg) -> dict:
 
 
 def format_configs(node: dict, indent: str = "") -> str:
-    """A config file's tables as horse/kernels/configs/*.json lays them out: a key a line, an entry on one,
+    """A config file's tables as the config files lay them out: a key a line, an entry on one,
     so that a diff shows only the entries that changed."""
     if not all(isinstance(value, dict) for value in node.values()):  # an entry (pointer inside: one line)
         return json.dumps(node)
@@ -630,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     attn_cli.add_argument("--passes", nargs="+", choices=ATTENTION_PASSES, default=list(ATTENTION_PASSES))
     attn_cli.add_argument("--head-dims", nargs="+", type=int, help="default: 128; with --compile-only all")
     attn_cli.add_argument("--seqlen", type=int, default=4096, help="the bench shape's (16K tokens a batch)")
-    mlp_cli = families.add_parser("mlp", help="the GEMM table of horse.kernels.mlp")
+    mlp_cli = families.add_parser("mlp", help="the GEMM table of horse.kernels.mlp.configs")
     gemms = list(dict.fromkeys(g for g, _ in MLP_SHAPES))
     mlp_cli.add_argument("--gemms", nargs="+", choices=gemms, default=gemms)
     mlp_cli.add_argument(
@@ -664,8 +675,8 @@ def main(argv: list[str] | None = None) -> int:
         family.add_argument(
             "--write",
             action="store_true",
-            help="with --compile-only: put each entry found into horse/kernels/configs/<family>.json (the "
-            "families whose entries are data, not sm90)",
+            help="with --compile-only: put each entry found into the family's config file "
+            "(horse/kernels/configs/attention.json, without sm90; horse/kernels/mlp/configs.json)",
         )
         family.add_argument(
             "--capability",
@@ -719,7 +730,7 @@ def _compile_only(parser: argparse.ArgumentParser, args) -> dict:
     if args.capability:
         check_capabilities(parser, args.capability, arch.name)
         searches = [built_for(search, args.capability) for search in searches]
-    path = runtime.CONFIGS_DIR / f"{args.family}.json"
+    path = config_file(args.family)
     if args.write:
         if args.arch not in next(iter(json.loads(path.read_text()).values())):
             parser.error(f"--write: {path} holds no {args.arch} entries (sm90's stand in the kernel files)")

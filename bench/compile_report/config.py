@@ -87,8 +87,9 @@ def row_sizes(limit: int) -> list[int]:
     return [2**p for p in range(limit.bit_length())] + [2 * limit]
 
 
-# Each kernel module's pointer arguments, over all its kernels: in the input's dtype, in float32, and
-# of other types. A padded attention batch passes a float32 placeholder for cu_seqlens (a packed one, i32).
+# Each kernel module's (or family package's) pointer arguments, over all its kernels: in the input's
+# dtype, in float32, and of other types. A padded attention batch passes a float32 placeholder for
+# cu_seqlens (a packed one, i32).
 KERNEL_POINTERS = {
     "layernorm": (
         ("X", "RESIDUAL", "W", "B", "Y", "RESIDUAL_OUT", "DY", "DRESIDUAL_OUT", "DX"),
@@ -121,19 +122,21 @@ def kernel_config(
     pointers: dict | None = None,
     **fields,
 ) -> KernelConfig:
-    """The KernelConfig of horse.kernels.<kernel> (``"module._<name>_kernel"``), named <name> unless name is
-    given. Its pointer types come from KERNEL_POINTERS (pointers: overrides); its strides tuples from
-    the kernel's ``<tensor>_strides`` arguments, as the launchers pass them (an attention tile's
-    (batch, seqlen, heads), lse's (batch, heads), an MLP matrix's ``x.stride()``); INLINE_PTX, where
-    the kernel takes it, as runtime.inline_ptx sets it (on NVIDIA); with VARLEN (a packed batch), i32
-    cu_seqlens and lse (heads, total_q) read by first row, as flash_attention_varlen passes them.
-    fields: descriptors, matmul."""
-    module, function = kernel.split(".")
-    typed, fp32, others = KERNEL_POINTERS[module]
+    """The KernelConfig of horse.kernels.<kernel> (``"module._<name>_kernel"``, or in a family's package
+    ``"family.module._<name>_kernel"``), named <name> unless name is given. Its pointer types come from
+    KERNEL_POINTERS (pointers: overrides); its strides tuples from the kernel's ``<tensor>_strides``
+    arguments, as the launchers pass them (an attention tile's (batch, seqlen, heads), lse's (batch,
+    heads), an MLP matrix's ``x.stride()``); INLINE_PTX, where the kernel takes it, as
+    runtime.inline_ptx sets it (on NVIDIA); with VARLEN (a packed batch), i32 cu_seqlens and lse
+    (heads, total_q) read by first row, as flash_attention_varlen passes them. fields: descriptors,
+    matmul."""
+    module, function = kernel.rsplit(".", 1)
+    kernels_module = module.split(".")[0]  # the module, or the family's package, in horse.kernels
+    typed, fp32, others = KERNEL_POINTERS[kernels_module]
     types = dict.fromkeys(typed, TRITON_TYPES[dtype]) | dict.fromkeys(fp32, "fp32") | others
     arg_names = getattr(importlib.import_module(f"horse.kernels.{module}"), function).arg_names
     strides = [a for a in arg_names if a.endswith("_strides")]
-    tuples = {a: 2 if module == "mlp" or a == "lse_strides" else 3 for a in strides}
+    tuples = {a: 2 if kernels_module == "mlp" or a == "lse_strides" else 3 for a in strides}
     if "INLINE_PTX" in arg_names:
         constexprs = constexprs | {"INLINE_PTX": not ARCHS[arch].hip_target}
     if constexprs.get("VARLEN"):

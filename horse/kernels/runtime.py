@@ -331,12 +331,11 @@ CONFIGS_DIR = pathlib.Path(__file__).parent / "configs"
 
 
 def load_configs(name: str, config: type, folder: pathlib.Path | None = None) -> dict:
-    """The config tables in <folder>/<name>.json (default CONFIGS_DIR: horse/kernels/configs), in the file's
-    order: ``{table: {family: ... {key: config(**fields)}}}``, keys that are numbers (head dims) as
-    ints. A kernel file keeps its sm90 entries beside their evidence; the families whose entries were
-    chosen by compiling alone are read from here, written by ``bench.tune --compile-only --write``
-    (not measured on their GPUs), and the compile report's output, not a comment, records how each
-    builds."""
+    """The config tables in <folder>/<name>.json (default CONFIGS_DIR: horse/kernels/configs; a family
+    package's folder for the file beside its kernels, as horse/kernels/mlp/configs.json), in the
+    file's order: ``{table: {family: ... {key: config(**fields)}}}``, keys that are numbers (head dims)
+    as ints. ``bench.tune --compile-only --write`` writes them; the compile report's output, not a
+    comment, records how each entry builds, and a family's TUNING.md why it was chosen."""
 
     def build(node: dict):
         if not all(isinstance(value, dict) for value in node.values()):  # an entry, not a table
