@@ -54,17 +54,32 @@ class Model:
     @property
     def params(self) -> dict:
         config = self.make_config()  # GPT-2's config maps these names onto n_layer and n_embd
-        return {"model": self.name, "layers": config.num_hidden_layers, "d_model": config.hidden_size,
-                "batch": self.batch, "seq_len": self.seq_len}  # fmt: skip
+        return {
+            "model": self.name,
+            "layers": config.num_hidden_layers,
+            "d_model": config.hidden_size,
+            "batch": self.batch,
+            "seq_len": self.seq_len,
+        }
 
 
 LLAMA_1B = Model(
-    "llama-1b", "llama",
-    {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-     "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 4096,
-     "tie_word_embeddings": True, "rope_theta": 500000.0},
-    batch=1, seq_len=4096,
-)  # fmt: skip
+    "llama-1b",
+    "llama",
+    {
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+        "rope_theta": 500000.0,
+    },
+    batch=1,
+    seq_len=4096,
+)
 # Dropout off everywhere (our attention refuses attention dropout, and the others should do the same work).
 GPT2_124M = Model(
     "gpt2-124m", "gpt2", {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}, batch=16, seq_len=1024
@@ -150,23 +165,51 @@ def cases(quick: bool) -> list[suite.Case]:
         with torch.device("meta"):
             work = flops_per_step(build(spec, "sdpa", "meta"), spec)
         result += suite.family_cases(
-            KERNEL, spec.params, {name: name for name in IMPLEMENTATIONS}, ["forward+backward"],
-            lambda direction, work=work: work, "flop",
+            KERNEL,
+            spec.params,
+            {name: name for name in IMPLEMENTATIONS},
+            ["forward+backward"],
+            lambda direction, work=work: work,
+            "flop",
             lambda name, implementation, direction, spec=spec: functools.partial(make_step, spec, name),
             functools.partial(check, spec),
-        )  # fmt: skip
+        )
     return result
 
 
 # Tiny models for the interpreter: two layers, GQA in the LLaMA, 16 tokens a sequence.
 INTERPRETER_MODELS = (
-    Model("llama-tiny", "llama",
-          {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2}, batch=2, seq_len=16),
-    Model("gpt2-tiny", "gpt2",
-          {"vocab_size": 96, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64, "attn_pdrop": 0.0,
-           "resid_pdrop": 0.0, "embd_pdrop": 0.0}, batch=2, seq_len=16),
-)  # fmt: skip
+    Model(
+        "llama-tiny",
+        "llama",
+        {
+            "vocab_size": 96,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
+        batch=2,
+        seq_len=16,
+    ),
+    Model(
+        "gpt2-tiny",
+        "gpt2",
+        {
+            "vocab_size": 96,
+            "n_embd": 64,
+            "n_layer": 2,
+            "n_head": 4,
+            "n_positions": 64,
+            "attn_pdrop": 0.0,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+        },
+        batch=2,
+        seq_len=16,
+    ),
+)
 FLOOR = 1e-3  # float16's, as the tests' accuracy rule (times the largest magnitude)
 
 
@@ -190,8 +233,10 @@ def interpreter_check(spec: Model) -> tuple[dict, bool]:
         ("grads", ours[1], baseline[1], truth[1]),
     ):
         error = max((g - t).abs().max().item() for g, t in zip(got, true, strict=True))
-        allowed = max(2 * (b - t).abs().max().item() + FLOOR * max(1.0, t.abs().max().item())
-                      for b, t in zip(base, true, strict=True))  # fmt: skip
+        allowed = max(
+            2 * (b - t).abs().max().item() + FLOOR * max(1.0, t.abs().max().item())
+            for b, t in zip(base, true, strict=True)
+        )
         errors[name] = error
         passed &= error <= allowed
     return errors, passed

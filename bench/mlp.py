@@ -9,7 +9,7 @@ float16. Cases:
 * ``linear_act`` (``gated_linear`` for 7B), forward: the up projection with its activation in the
   epilogue. ours: without grad (nothing saved); ours+save: with grad, so it also writes the
   pre-activation the backward reads (the time cost of saving it); ours-pointer: ours with TMA off
-  (``horse.kernels.mlp.USE_TMA = False``, pointer loads), what TMA brings; matmul: ``torch.matmul`` of
+  (``horse.kernels.mlp.launch.USE_TMA = False``, pointer loads), what TMA brings; matmul: ``torch.matmul`` of
   the same GEMM alone (for 7B one GEMM against the concatenated gate and up weights); addmm-gelu
   (gelu_tanh models only): ``torch._addmm_activation(b, x, Wᵀ, use_gelu=True)``, cuBLASLt's GEMM
   with bias and tanh-approximate GELU in its epilogue, the same work as ours without saving;
@@ -45,7 +45,7 @@ from bench import correctness, suite, timing
 
 DTYPE = torch.float16
 TOKENS = (8192, 16384, 32768)
-# Decode-sized batches (M <= 64: horse.kernels.mlp.split_k splits the K loop there), the up projection
+# Decode-sized batches (M <= 64: horse.kernels.mlp.configs.split_k splits the K loop there), the up projection
 # forward only, in the full run.
 DECODE_TOKENS = (1, 16, 64)
 DECODE_BASELINES = ("matmul", "addmm-gelu", "eager")
@@ -242,7 +242,7 @@ def _setup(
     # What one call reads: x, the weights (and dy, about as large as x).
     weights = (3 if model.gated else 2) * model.d_model * model.hidden
     read = (2 * tokens * model.d_model + weights) * DTYPE.itemsize
-    tma_off = "horse.kernels.mlp" if pointer_loads else None
+    tma_off = "horse.kernels.mlp.launch" if pointer_loads else None
     return timing.setup(make_fn, make_copy, direction, read, device, grad, tma_off)
 
 

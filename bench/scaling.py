@@ -1,6 +1,8 @@
-"""Scaling beyond one GPU on paper: a model of tensor-parallel step time at tp = 1, 2, 4, 8.
+"""Scaling beyond one GPU on paper: a model of tensor-parallel step time at tp = 1, 2, 4, 8, and of
+DDP, FSDP2 and HSDP across nodes.
 
     python -m bench.scaling [--presets gpt2-124m gpt2-350m] [--sequence-parallel] [--json FILE]
+    python -m bench.scaling --models llama-8b llama-70b --nodes 4
 
 One training step of one model replica spread over tp GPUs (Megatron's plan, horse/parallel.py)
 costs, on each rank, its share of the compute plus the tensor-parallel collectives, with no overlap
@@ -59,6 +61,23 @@ Tokens/s per GPU is B·T / step / tp; per tp group (one replica) B·T / step; pe
 B·T / step · 8 / tp. Efficiency is tokens/s per GPU at tp over that at tp = 1 (strong scaling of
 one replica: the model does not grow with tp, unlike Megatron's weak-scaling 92/85/75 % at
 tp 2/4/8, which grows the model with tp).
+
+Data parallelism over --nodes nodes (a second table, always ESTIMATED: roofline compute, modelled
+collectives), for the presets and Llama 3's 8B and 70B shapes (--models), in each layout of
+``horse.parallel``'s mesh: DDP over the ranks left by tp; FSDP2 over the rest of a node, replicated
+across nodes (HSDP); FSDP2 over every rank. Per GPU: the training state it holds (16 bytes a
+parameter of float32 weight, gradient and AdamW moments, 1/dp_shard of that under FSDP, plus the
+float16 root and two blocks FSDP keeps gathered; DDP adds its float32 bucket copy of the gradients;
+activations not counted) against --hbm-gb; and the step: compute, the tp collectives, and the
+data-parallel ones (:func:`data_parallel_collectives`: DDP's bucketed all-reduce; FSDP's float16
+all-gather of each block before its forward and again before its backward, the float32
+reduce-scatter of its gradients, HSDP's all-reduce of each shard over the replicas), over NVLink
+when the group stays inside a node and over --internode-gbps (400 Gb/s InfiniBand a GPU: 50 GB/s)
+when it spans nodes. Overlap (:func:`data_parallel_ms`): DDP's all-reduce hides behind the
+backward; FSDP's traffic behind the neighbouring blocks' compute, except the first gathers and the
+last reduce-scatters. For each model it names the layout of most tokens/s per GPU whose state fits.
+Not modelled: activations, contention between the tp and dp traffic, NCCL's efficiency below line
+rate.
 """
 
 import argparse
@@ -73,7 +92,7 @@ from pathlib import Path
 import torch
 
 from bench import report, timing
-from horse.model import GPT, GPTConfig, preset
+from horse.model import GPT, PRESETS, GPTConfig, preset
 from horse.parallel import Parallel, check_divisible, parallelize
 
 DEFAULT_PRESETS = ("gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b")
@@ -213,15 +232,29 @@ def exposed_dp_ms(dp_ms: float, compute_ms: float) -> float:
 # ----------------------------------------------------------------------------------------------
 
 
-def local_params(config: GPTConfig, tp: int) -> int:
-    """Parameters one tp rank holds: sharded as horse.parallel.shard_spec, the rest replicated."""
+def block_params(config: GPTConfig, tp: int) -> int:
+    """Parameters of one block on a tp rank: sharded as horse.parallel.shard_spec, the rest replicated."""
     d, hidden, bias = config.d_model, config.hidden, int(config.bias)
     qkv = (config.n_head + 2 * config.kv_heads) * config.head_dim
     norm = d * (1 + bias) if config.norm == "layernorm" else d
     mlp = 3 * d * hidden // tp if config.mlp == "swiglu" else 2 * d * hidden // tp + bias * (hidden // tp + d)
     attn = d * qkv // tp + bias * qkv // tp + config.n_head * config.head_dim * d // tp + bias * d
+    return attn + mlp + 2 * norm
+
+
+def root_params(config: GPTConfig, tp: int) -> int:
+    """Parameters outside the blocks on a tp rank: the token embedding and, untied, the LM head (by
+    vocabulary rows), the position table and the final norm (whole)."""
+    d = config.d_model
+    heads = 1 if config.tie_embeddings else 2
     positions = config.block_size * d if config.positions == "learned" else 0
-    return config.n_layer * (attn + mlp + 2 * norm) + config.vocab_size * d // tp + positions + norm
+    final_norm = d * (1 + int(config.bias)) if config.norm == "layernorm" else d
+    return heads * config.vocab_size * d // tp + positions + final_norm
+
+
+def local_params(config: GPTConfig, tp: int) -> int:
+    """Parameters one tp rank holds."""
+    return config.n_layer * block_params(config, tp) + root_params(config, tp)
 
 
 def flops_per_rank(config: GPTConfig, tp: int, batch: int, seq: int) -> float:
@@ -439,6 +472,300 @@ def best_node_line(entries: list[dict]) -> str:
     )
 
 
+# ----------------------------------------------------------------------------------------------
+# Data parallelism over nodes: DDP, FSDP2 and HSDP, on paper
+# ----------------------------------------------------------------------------------------------
+
+INTERNODE_GBPS = 50.0  # one 400 Gb/s InfiniBand NIC per GPU (DGX H100/H200), per direction, line rate
+HBM_GB = 141.0  # an H200's memory
+GATHER_BYTES = 2  # FSDP2 gathers the parameters in the compute dtype (float16)
+MASTER_BYTES = 16  # per parameter: the float32 weight, its float32 gradient, AdamW's two float32 moments
+DDP_BUCKET_COPY_BYTES = 4  # DDP's buckets: a second float32 copy of the gradients, for its all-reduce
+DP_MODELS = (*DEFAULT_PRESETS, "llama-8b", "llama-70b")
+# Llama 3's shapes (its config.json: 8B and 70B): GQA with 8 kv heads, SwiGLU, RMSNorm, rotary,
+# an untied head over a 128,256-token vocabulary; 8.03B and 70.55B parameters.
+LLAMA_SHAPES = {
+    "llama-8b": GPTConfig(
+        vocab_size=128256,
+        block_size=8192,
+        n_layer=32,
+        n_head=32,
+        n_kv_heads=8,
+        d_model=4096,
+        mlp_hidden=14336,
+        positions="rotary",
+        norm="rmsnorm",
+        mlp="swiglu",
+        bias=False,
+        rope_base=500000.0,
+        tie_embeddings=False,
+    ),
+    "llama-70b": GPTConfig(
+        vocab_size=128256,
+        block_size=8192,
+        n_layer=80,
+        n_head=64,
+        n_kv_heads=8,
+        d_model=8192,
+        mlp_hidden=28672,
+        positions="rotary",
+        norm="rmsnorm",
+        mlp="swiglu",
+        bias=False,
+        rope_base=500000.0,
+        tie_embeddings=False,
+    ),
+}
+
+
+def model_config(name: str) -> GPTConfig:
+    """A preset of horse.model, or one of the Llama shapes."""
+    return LLAMA_SHAPES[name] if name in LLAMA_SHAPES else preset(name)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks of a job split: tp inside a node, dp_shard FSDP2 ranks (1: DDP) next, then
+    dp_replicate copies of that group (the rest), as ``horse.parallel.init_from_env`` lays them out."""
+
+    tp: int
+    dp_shard: int
+    dp_replicate: int
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp_shard * self.dp_replicate
+
+    def __str__(self) -> str:
+        if self.dp_shard == 1:
+            return f"tp {self.tp} x DDP {self.dp_replicate}"
+        return f"tp {self.tp} x dp_shard {self.dp_shard} x dp_replicate {self.dp_replicate}"
+
+
+def layouts(nodes: int) -> list[Layout]:
+    """For each tp of one node: DDP over the rest; FSDP over the rest of a node, replicated across
+    nodes (HSDP); and, on several nodes, FSDP over every rank."""
+    world = nodes * GPUS_PER_NODE
+    found = []
+    for tp in TP_SIZES:
+        found.append(Layout(tp, 1, world // tp))
+        if GPUS_PER_NODE // tp > 1:
+            found.append(Layout(tp, GPUS_PER_NODE // tp, nodes))
+        if nodes > 1:
+            found.append(Layout(tp, world // tp, 1))
+    return found
+
+
+def state_bytes_per_gpu(config: GPTConfig, layout: Layout) -> float:
+    """Bytes of training state a GPU holds, activations aside: the float32 weights, gradients and
+    AdamW moments of its tp shard (16 a parameter), plus DDP's bucket copy of the gradients, or
+    with FSDP 1/dp_shard of the 16 plus the gathered float16 parameters of the root (kept from the
+    forward to the backward) and of a block and the next (prefetched)."""
+    local = local_params(config, layout.tp)
+    if layout.dp_shard == 1:
+        return (MASTER_BYTES + DDP_BUCKET_COPY_BYTES) * local
+    gathered = GATHER_BYTES * (root_params(config, layout.tp) + 2 * block_params(config, layout.tp))
+    return MASTER_BYTES * local / layout.dp_shard + gathered
+
+
+@dataclass(frozen=True)
+class DataParallelCollective(Collective):
+    """A data-parallel collective: over which group, overlapping which part of the step."""
+
+    group: str = "dp_shard"  # or "dp_replicate"
+    phase: str = "backward"  # or "forward"
+
+
+def data_parallel_collectives(config: GPTConfig, layout: Layout) -> list[DataParallelCollective]:
+    """One step's data-parallel collectives on one GPU, as horse.parallel.data_parallel runs them.
+
+    DDP: the float32 gradients all-reduced over the replicas, in 25 MiB buckets, during the
+    backward. FSDP2 (``fully_shard_gpt``): before each block's forward an all-gather of its float16
+    parameters, again before its backward (but the last block's, kept), and after it a
+    reduce-scatter of its float32 gradients; the root's (embeddings, final norm, head) gathered
+    once and reduce-scattered once; with dp_replicate > 1 (HSDP) each shard's gradients then
+    all-reduced over the replicas.
+    """
+    local = local_params(config, layout.tp)
+    if layout.dp_shard == 1:
+        if layout.dp_replicate == 1:
+            return []
+        buckets = math.ceil(GRAD_BYTES * local / DDP_BUCKET_BYTES)
+        size = GRAD_BYTES * local / buckets
+        return [DataParallelCollective("ddp_grads", "all_reduce", size, buckets, group="dp_replicate")]
+    block, root, n = block_params(config, layout.tp), root_params(config, layout.tp), config.n_layer
+    out = [
+        DataParallelCollective("root_gather", "all_gather", GATHER_BYTES * root, 1, phase="forward"),
+        DataParallelCollective("block_gather", "all_gather", GATHER_BYTES * block, n, phase="forward"),
+        DataParallelCollective("block_regather", "all_gather", GATHER_BYTES * block, n - 1),
+        DataParallelCollective("block_grads", "reduce_scatter", GRAD_BYTES * block, n),
+        DataParallelCollective("root_grads", "reduce_scatter", GRAD_BYTES * root, 1),
+    ]
+    if layout.dp_replicate > 1:
+        shard = GRAD_BYTES / layout.dp_shard
+        out.append(
+            DataParallelCollective("block_replicas", "all_reduce", shard * block, n, group="dp_replicate")
+        )
+        out.append(
+            DataParallelCollective("root_replicas", "all_reduce", shard * root, 1, group="dp_replicate")
+        )
+    return out
+
+
+def collective_ms(
+    c: DataParallelCollective, layout: Layout, nvlink_gbps: float, internode_gbps: float, latency_us: float
+) -> float:
+    """Time of one of c's calls: ring bytes over NVLink when its group is inside a node (tp x
+    dp_shard consecutive ranks for dp_shard, every rank for dp_replicate), else over the slower
+    links between nodes; plus a latency."""
+    size = layout.dp_shard if c.group == "dp_shard" else layout.dp_replicate
+    span = layout.tp * layout.dp_shard if c.group == "dp_shard" else layout.world
+    gbps = nvlink_gbps if span <= GPUS_PER_NODE else internode_gbps
+    return ring_factor(c.kind, size) * c.size_bytes / (gbps * 1e9) * 1e3 + latency_us * 1e-3
+
+
+def data_parallel_ms(
+    config: GPTConfig,
+    layout: Layout,
+    compute_ms: float,
+    nvlink_gbps: float,
+    internode_gbps: float,
+    latency_us: float,
+) -> tuple[float, float]:
+    """(all of one step's data-parallel collectives, what of them the compute does not hide) in ms.
+
+    DDP's all-reduce hides behind the backward (BACKWARD_SHARE of the compute). FSDP's gathers hide
+    behind the forward's compute and its gathers and reduce-scatters behind the backward's, each
+    overlapping a neighbouring block's compute, except the first gathers (the root's and block 0's,
+    with nothing to compute before them) and the last reduce-scatters (block 0's and the root's,
+    with nothing after them).
+    """
+    calls = data_parallel_collectives(config, layout)
+    one = {c.name: collective_ms(c, layout, nvlink_gbps, internode_gbps, latency_us) for c in calls}
+    total = sum(one[c.name] * c.count for c in calls)
+    backward_compute = BACKWARD_SHARE * compute_ms
+    if layout.dp_shard == 1:
+        return total, max(0.0, total - backward_compute)
+    unhidden = one["root_gather"] + one["block_gather"] + one["block_grads"] + one["root_grads"]
+    unhidden += one.get("block_replicas", 0.0) + one.get("root_replicas", 0.0)
+    forward = sum(one[c.name] * c.count for c in calls if c.phase == "forward")
+    backward = total - forward
+    hidden_forward = forward - one["root_gather"] - one["block_gather"]
+    hidden_backward = backward - (unhidden - one["root_gather"] - one["block_gather"])
+    exposed = max(0.0, hidden_forward - (compute_ms - backward_compute))
+    exposed += max(0.0, hidden_backward - backward_compute)
+    return total, unhidden + exposed
+
+
+@dataclass(frozen=True)
+class DataParallelRow:
+    """One (model, layout) prediction; None times with the reason where the model cannot split."""
+
+    model: str
+    layout: Layout
+    state_gb: float | None = None
+    compute_ms: float | None = None
+    tp_ms: float | None = None
+    dp_ms: float | None = None
+    dp_exposed_ms: float | None = None
+    reason: str | None = None
+
+    @property
+    def step_ms(self) -> float | None:
+        return None if self.reason else self.compute_ms + self.tp_ms + self.dp_exposed_ms
+
+
+def predict_data_parallel_row(args: argparse.Namespace, name: str, layout: Layout) -> DataParallelRow:
+    """Model name in layout: the roofline compute of a tp rank (its optimizer's memory-bound share
+    over dp_shard under FSDP), the tensor-parallel collectives (not overlapped) and the
+    data-parallel ones (overlapped, :func:`data_parallel_ms`)."""
+    config = model_config(name)
+    try:
+        check_divisible(config, layout.tp)
+    except ValueError as error:
+        return DataParallelRow(name, layout, reason=str(error))
+    shape = (config, layout.tp, args.batch_size, args.seq_len, args.sequence_parallel)
+    compute = estimate_compute_ms(*shape, args.peak_tflops, args.efficiency, args.hbm_gbps)
+    optimizer_bytes = OPTIMIZER_BYTES_PER_PARAM * local_params(config, layout.tp)
+    compute -= optimizer_bytes * (1 - 1 / layout.dp_shard) / (args.hbm_gbps * 1e9) * 1e3
+    tp = comm_ms(*shape, args.nvlink_gbps, args.latency_us)
+    links = (args.nvlink_gbps, args.internode_gbps, args.latency_us)
+    dp, exposed = data_parallel_ms(config, layout, compute, *links)
+    state = state_bytes_per_gpu(config, layout) / 1e9
+    return DataParallelRow(name, layout, state, compute, tp, dp, exposed)
+
+
+DATA_PARALLEL_COLUMNS = (
+    "model",
+    "layout",
+    "GB/GPU",
+    "fits",
+    "compute ms",
+    "tp ms",
+    "dp ms",
+    "exposed",
+    "step ms",
+    "tok/s/GPU",
+)
+
+
+def data_parallel_entries(rows: list[DataParallelRow], tokens_per_step: int, hbm_gb: float) -> list[dict]:
+    """Rows with their derived columns, as printed and as written to --json."""
+    out = []
+    for r in rows:
+        entry = asdict(r) | {"layout": str(r.layout), "step_ms": r.step_ms}
+        if r.reason is None:
+            entry |= {
+                "fits": r.state_gb <= hbm_gb,
+                "tokens_per_s_per_gpu": tokens_per_step / (r.step_ms * 1e-3) / r.layout.tp,
+            }
+        out.append(entry)
+    return out
+
+
+def format_data_parallel_table(entries: list[dict], title: str) -> str:
+    rows = [DATA_PARALLEL_COLUMNS]
+    for e in entries:
+        if e["reason"]:
+            rows.append((e["model"], e["layout"]))
+            continue
+        rows.append(
+            (
+                e["model"],
+                e["layout"],
+                f"{e['state_gb']:.1f}",
+                "yes" if e["fits"] else "no",
+                f"{e['compute_ms']:.1f}",
+                f"{e['tp_ms']:.1f}",
+                f"{e['dp_ms']:.1f}",
+                f"{e['dp_exposed_ms']:.1f}",
+                f"{e['step_ms']:.1f}",
+                f"{e['tokens_per_s_per_gpu']:,.0f}",
+            )
+        )
+    header, *lines = report.format_table(rows, right=True).splitlines()
+    lines = [
+        line + (f" n/a: {e['reason']}" if e["reason"] else "") for line, e in zip(lines, entries, strict=True)
+    ]
+    return "\n".join([title, header, "-" * len(header), *lines])
+
+
+def pick_lines(entries: list[dict], nodes: int) -> list[str]:
+    """Per model, the layout of most tokens/s per GPU whose state fits; or that none fits."""
+    lines = []
+    for model in dict.fromkeys(e["model"] for e in entries):
+        fitting = [e for e in entries if e["model"] == model and e["reason"] is None and e["fits"]]
+        if not fitting:
+            lines.append(f"{model} on {nodes} node(s): no layout fits its state in {HBM_GB:.0f} GB")
+            continue
+        best = max(fitting, key=lambda e: e["tokens_per_s_per_gpu"])
+        lines.append(
+            f"{model} on {nodes} node(s): {best['layout']} ({best['state_gb']:.1f} GB of state a GPU, "
+            f"{best['tokens_per_s_per_gpu']:,.0f} tokens/s a GPU)"
+        )
+    return lines
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.scaling", description=__doc__.split("\n")[0])
     parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
@@ -458,10 +785,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--efficiency", type=float, default=EFFICIENCY, help="roofline fraction of peak")
     parser.add_argument("--hbm-gbps", type=float, default=HBM_GBPS, help="roofline memory bandwidth")
     parser.add_argument("--estimate", action="store_true", help="the roofline even where a GPU is present")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=list(DP_MODELS),
+        help="the data-parallel table's models: presets, llama-8b, llama-70b",
+    )
+    parser.add_argument("--nodes", type=int, default=2, help="the data-parallel table's nodes of 8 GPUs")
+    parser.add_argument(
+        "--internode-gbps",
+        type=float,
+        default=INTERNODE_GBPS,
+        help="bandwidth between nodes per GPU per direction, GB/s (default: a 400 Gb/s NIC per GPU)",
+    )
+    parser.add_argument("--hbm-gb", type=float, default=HBM_GB, help="a GPU's memory, for the fits column")
     parser.add_argument("--json", metavar="FILE", help="also write the rows and settings here")
     args = parser.parse_args(argv)
     for name in args.presets:
         preset(name)  # an unknown name fails here, before any timing
+    for name in args.models:
+        if name not in LLAMA_SHAPES and name not in PRESETS:
+            parser.error(f"--models: {name!r} is neither a preset ({', '.join(PRESETS)}) nor a Llama shape")
+    if args.nodes < 1:
+        parser.error(f"--nodes must be at least 1, got {args.nodes}")
     if any(tp < 1 or GPUS_PER_NODE % tp for tp in args.tp):
         parser.error(f"--tp sizes must divide {GPUS_PER_NODE}, got {args.tp}")
     if args.sequence_parallel and any(args.seq_len % tp for tp in args.tp):
@@ -492,10 +838,38 @@ def main(argv: list[str] | None = None) -> None:
     entries = row_dicts(rows, args.batch_size * args.seq_len)
     print(format_table(entries, title))
     print(best_node_line(entries))
+    dp_title = (
+        f"\nData parallelism over {args.nodes} node(s) of {GPUS_PER_NODE} GPUs: DDP, FSDP2 and HSDP, "
+        f"ESTIMATED (roofline compute at {100 * args.efficiency:.0f}% of {args.peak_tflops:.0f} TFLOP/s, "
+        "modelled collectives), not measured\n"
+        f"batch {args.batch_size} x seq {args.seq_len} per tp group; collectives over NVLink "
+        f"{args.nvlink_gbps:.0f} GB/s inside a node, {args.internode_gbps:.0f} GB/s per GPU between nodes, "
+        f"{args.latency_us:.0f} us each\n"
+        "GB/GPU: float32 weights, gradients and AdamW state (+ DDP's gradient buckets; FSDP: / dp_shard, "
+        "+ the gathered float16 root and two blocks), activations not counted; "
+        f"fits: under {args.hbm_gb:.0f} GB\n"
+        "dp ms: every data-parallel collective; exposed: what compute does not hide (DDP's all-reduce behind "
+        "the backward; FSDP's all-gathers and reduce-scatters behind the neighbouring blocks)"
+    )
+    dp_rows = [
+        predict_data_parallel_row(args, name, layout)
+        for name in args.models
+        for layout in layouts(args.nodes)
+    ]
+    dp_entries = data_parallel_entries(dp_rows, args.batch_size * args.seq_len, args.hbm_gb)
+    print(format_data_parallel_table(dp_entries, dp_title))
+    print("\n".join(pick_lines(dp_entries, args.nodes)))
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k != "json"} | {"measured": measured}
         machine = timing.machine_info(torch.device("cuda") if measured else None)
-        document = {"settings": settings, "machine": machine, "title": title, "rows": entries}
+        document = {
+            "settings": settings,
+            "machine": machine,
+            "title": title,
+            "rows": entries,
+            "data_parallel_title": dp_title,
+            "data_parallel_rows": dp_entries,
+        }
         Path(args.json).write_text(json.dumps(document, indent=2))
 
 

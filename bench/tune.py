@@ -32,7 +32,7 @@ clean for that family in every variant ``bench.compile_report`` builds of an ent
 candidate before it failed. --capability builds each variant for each of several GPUs that take the
 family's entries instead (``--arch sm86 --capability 86 89 120``: Ampere, Ada, consumer Blackwell).
 --write puts the entries found into the family's config file (:func:`config_file`: attention's
-horse/kernels/attention/configs.json, mlp's horse/kernels/configs/mlp.json, which the kernels' tables
+horse/kernels/attention/configs.json, mlp's horse/kernels/mlp/configs.json, which the kernels' tables
 load), one a line and the rest of the file as it was; the padded and packed forward are then one
 entry, clean in both's variants.
 """
@@ -58,9 +58,11 @@ from bench.compile_report.attention import ATTENTION_MASKS, attention_entry_conf
 from bench.compile_report.config import check_capabilities
 from bench.compile_report.mlp import mlp_entry_configs, mlp_gemm_config
 from bench.report import format_table
-from horse.kernels import mlp, runtime
+from horse.kernels import runtime
 from horse.kernels.attention import configs as attention_configs
 from horse.kernels.attention.launch import Packed, attention_bwd, attention_fwd
+from horse.kernels.mlp import configs as mlp_tables
+from horse.kernels.mlp import launch as mlp_launch
 
 ATTENTION_PASSES = {  # --passes name: (compile report pass, table in horse.kernels.attention.configs)
     "fwd": ("attn_fwd", "FWD_CONFIGS"),
@@ -78,7 +80,7 @@ MLP_SHAPES = {
     ("gated_dh_bwd", "large"): ("7B", 16384),
     ("gated_dh_bwd", "medium"): ("7B", 512),
 }
-SHAPE_CLASSES = ("large", "medium", "small")  # the GEMM tables' keys (horse.kernels.mlp.shape_class)
+SHAPE_CLASSES = ("large", "medium", "small")  # the GEMM tables' keys (horse.kernels.mlp.configs.shape_class)
 MIN_GAIN = 0.02  # a neighbour must be this much faster to move: below it, timing noise decides
 TILE_RANGE = (16, 256)
 WARPS = (4, 8)
@@ -301,11 +303,11 @@ def mlp_targets(gemms, shape_classes, arch: runtime.Arch = runtime.SM90) -> list
     targets = []
     for gemm, shape_class in itertools.product(gemms, shape_classes):
         model, tokens = models[MLP_SHAPES[gemm, shape_class][0]], MLP_SHAPES[gemm, shape_class][1]
-        if mlp.shape_class(tokens, model.hidden) != shape_class:
+        if mlp_tables.shape_class(tokens, model.hidden) != shape_class:
             raise ValueError(f"MLP_SHAPES: {model.name} at {tokens} tokens is not {shape_class}")
         target = Target(
             title=f"mlp {gemm} {shape_class} ({model.name}, {tokens} tokens; {arch.name})",
-            table=mlp.GEMM_CONFIGS[arch.name][gemm],
+            table=mlp_tables.GEMM_CONFIGS[arch.name][gemm],
             key=shape_class,
             compile_configs=lambda cfg, g=gemm, c=shape_class, a=model.activation: [
                 mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma, arch.name)
@@ -327,14 +329,15 @@ def _mlp_calls(gemm: str, model, tokens: int) -> dict:
     # (tokens, d_model) x (d_model, hidden), twice in the gated forward; dh = dy W_out is the same.
     flops = (2 if gemm == "gated_fwd" else 1) * bench_mlp.gemm_flops(tokens, model.hidden, model.d_model)
     if gemm == "fwd":
-        call = functools.partial(mlp.linear_act_fwd, x, t["w_in"], t["b_in"], act, False)
+        call = functools.partial(mlp_launch.linear_act_fwd, x, t["w_in"], t["b_in"], act, False)
     elif gemm == "gated_fwd":
-        call = functools.partial(mlp.gated_linear_fwd, x, t["w_gate"], t["w_up"], act, False)
+        call = functools.partial(mlp_launch.gated_linear_fwd, x, t["w_gate"], t["w_up"], act, False)
     else:
         gated = gemm == "gated_dh_bwd"
         pre, up = (torch.randn(tokens, model.hidden, dtype=x.dtype, device=x.device) for _ in range(2))
         dy, w_out = torch.randn_like(x), t["w_down"] if gated else t["w_out"]
-        call = functools.partial(mlp._dh_act_bwd, dy, w_out, pre, up if gated else None, act, not gated)
+        saved_up = up if gated else None
+        call = functools.partial(mlp_launch._dh_act_bwd, dy, w_out, pre, saved_up, act, not gated)
     return {"gemm": (call, flops)}
 
 
@@ -447,11 +450,11 @@ def mlp_searches(gemms, shape_classes, arch: runtime.Arch, start_from: runtime.A
     start_from's entry (default: arch's own)."""
     tma, searches = arch.tma, []
     for gemm, shape_class in itertools.product(gemms, shape_classes):
-        start = mlp.GEMM_CONFIGS[(start_from or arch).name][gemm][shape_class]
+        start = mlp_tables.GEMM_CONFIGS[(start_from or arch).name][gemm][shape_class]
         start = start if tma else dataclasses.replace(start, tma=False)
         search = EntrySearch(
             title=f"mlp {gemm} {shape_class} ({arch.name})",
-            table_entry=mlp.GEMM_CONFIGS[arch.name][gemm][shape_class],
+            table_entry=mlp_tables.GEMM_CONFIGS[arch.name][gemm][shape_class],
             candidates=gemm_candidates(start, tma),
             variants=lambda cfg, g=gemm, c=shape_class: mlp_entry_configs(g, c, cfg, arch),
             entry=("GEMM_CONFIGS", arch.name, gemm, shape_class),
@@ -487,9 +490,7 @@ def one_per_entry(searches: list[EntrySearch]) -> list[EntrySearch]:
 
 def config_file(family: str) -> pathlib.Path:
     """The config file of kernel family ("attention", "mlp") that its tables load and --write updates."""
-    if family == "attention":
-        return attention_configs.CONFIG_FILE
-    return runtime.CONFIGS_DIR / f"{family}.json"
+    return {"attention": attention_configs.CONFIG_FILE, "mlp": mlp_tables.CONFIG_FILE}[family]
 
 
 def entry_fields(cfg) -> dict:
@@ -640,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     attn_cli.add_argument("--passes", nargs="+", choices=ATTENTION_PASSES, default=list(ATTENTION_PASSES))
     attn_cli.add_argument("--head-dims", nargs="+", type=int, help="default: 128; with --compile-only all")
     attn_cli.add_argument("--seqlen", type=int, default=4096, help="the bench shape's (16K tokens a batch)")
-    mlp_cli = families.add_parser("mlp", help="the GEMM table of horse.kernels.mlp")
+    mlp_cli = families.add_parser("mlp", help="the GEMM table of horse.kernels.mlp.configs")
     gemms = list(dict.fromkeys(g for g, _ in MLP_SHAPES))
     mlp_cli.add_argument("--gemms", nargs="+", choices=gemms, default=gemms)
     mlp_cli.add_argument(
@@ -675,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
             "--write",
             action="store_true",
             help="with --compile-only: put each entry found into the family's config file "
-            "(horse/kernels/attention/configs.json, horse/kernels/configs/mlp.json)",
+            "(horse/kernels/attention/configs.json, horse/kernels/mlp/configs.json)",
         )
         family.add_argument(
             "--capability",

@@ -1,4 +1,4 @@
-"""Checkpoints: one directory per step, written whole or not at all, one shard per tensor-parallel rank.
+"""Checkpoints: one directory per step, written whole or not at all, in pieces that each rank writes.
 
     OUT/ckpt_0001000/model.safetensors   the float32 master weights; the model config and the
                                          tokenizer's name in the metadata, so the file stands alone
@@ -7,26 +7,41 @@
                                          tensors and containers, so torch.load(weights_only=True)
                                          reads it
     OUT/ckpt_0001000/tokenizer.json      the BPE tokenizer, when the data had one
-    OUT/ckpt_0001000/manifest.json       the tensor-parallel size and every file above, with its
-                                         size and SHA-256
+    OUT/ckpt_0001000/manifest.json       the layout (tp size, dp_shard), every file above with its
+                                         size and SHA-256, and every tensor's whole shape and the
+                                         rows each FSDP piece holds
 
 With tensor parallelism each tp rank writes its own shard, ``model-tp01-of-04.safetensors`` and
-``state-tp01-of-04.pt`` (under the unsharded parameter names), and the data-parallel replicas
-of it (dp rank > 0) write nothing. Every file goes into a temporary directory; when every rank
-has written its files, rank 0 writes the manifest and renames the directory into place, so a run
-killed mid-write leaves no directory that :func:`latest` would pick up, and only then deletes the
-checkpoints beyond --keep-last. A save that fails on any rank (a full disk, permissions, an I/O
-error) raises :class:`SaveError` on every rank, leaving the older checkpoints as they were.
-Across nodes OUT must be a shared file system.
+``state-tp01-of-04.pt`` (under the unsharded parameter names). With FSDP2 (--dp-shard N) each
+of those shards is cut again by rows, as FSDP holds it, and every dp-shard rank writes its rows of
+every tensor, weights and AdamW's moments alike: ``model-tp01-of-04-fsdp02-of-08.safetensors``
+(``model-fsdp02-of-08.safetensors`` at tp 1). No rank gathers more than it holds, and the
+data-parallel replicas of a piece (DDP's dp ranks, HSDP's dp_replicate > 0) write nothing. Every
+file goes into a temporary directory; when every rank has written its files, rank 0 writes the
+manifest and renames the directory into place, so a run killed mid-write leaves no directory
+that :func:`latest` would pick up, and only then deletes the checkpoints beyond --keep-last. A
+save that fails on any rank (a full disk, permissions, an I/O error) raises :class:`SaveError` on
+every rank, leaving the older checkpoints as they were. Across nodes OUT must be a shared file
+system.
+
+Our own format rather than torch.distributed.checkpoint: the tensor-parallel shards are plain
+tensors cut by ``horse.parallel``'s plan (c_attn's rows in q, k and v sections, which no single
+DTensor placement expresses), so DCP would see every tp rank's piece under one name; the plan
+reshards them, and the format stays the one that ``verify``, ``export`` and checkpoints written
+before FSDP share.
 
 Resuming verifies before it trusts: :func:`newest_good` checks the sizes and checksums of the
 newest checkpoint and falls back to older ones, saying what failed. Check a run by hand with
 
     python -m horse.checkpoint verify RUN_OR_CKPT_DIR      (exit status 1 when any is damaged)
 
-Loading reshards: a checkpoint saved at tp=2 resumes at tp=1 or tp=4 (the weights and AdamW's
-moments, which have the parameters' shapes, are gathered whole and split again). Export writes one
-consolidated file that ``horse.generate`` and ``GPT(config).load_state_dict`` take:
+Loading reshards: a checkpoint saved at any (dp_replicate, dp_shard, tp) resumes at any other
+(a tp that divides the model's heads, MLP width and vocabulary). Each rank builds its tensors one
+at a time from just the pieces it needs: at the same tp, the rows of its own tp shard that its
+new FSDP piece covers, read with safetensors' ``get_slice`` (and the optimizer's from a
+memory-mapped ``torch.load``); at another tp, one whole tensor at a time, cut by the plan again.
+Export writes one consolidated file, assembled a tensor at a time, that ``horse.generate`` and
+``GPT(config).load_state_dict`` take:
 
     python -m horse.checkpoint export CKPT_OR_RUN_DIR --out model.safetensors
     python -m horse.checkpoint export CKPT_OR_RUN_DIR --format hf --out DIR    (horse.hf: a folder
@@ -37,6 +52,7 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -48,22 +64,29 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from horse.data import BPETokenizer
 from horse.model import GPTConfig
-from horse.parallel import Parallel, gather_state_dicts, shard, shard_spec, shard_state_dict, unshard
+from horse.parallel import Parallel, check_divisible, local, shard, shard_spec, unshard
 
 WEIGHTS, STATE, MANIFEST = "model.safetensors", "state.pt", "manifest.json"
 _NAME = re.compile(r"ckpt_(\d{7,})")
 
 
-def shard_files(tp_rank: int, tp_size: int) -> tuple[str, str]:
-    """(weights, state) file names of tp rank tp_rank's shard; model.safetensors and state.pt at tp=1."""
-    if tp_size == 1:
+def shard_files(tp_rank: int, tp_size: int, dp_shard_rank: int = 0, dp_shard: int = 1) -> tuple[str, str]:
+    """(weights, state) file names of the piece of tp rank tp_rank's shard that dp-shard rank
+    dp_shard_rank holds; model.safetensors and state.pt at tp 1 without FSDP."""
+    tags = []
+    if tp_size > 1:
+        tags.append(f"tp{tp_rank:02d}-of-{tp_size:02d}")
+    if dp_shard > 1:
+        tags.append(f"fsdp{dp_shard_rank:02d}-of-{dp_shard:02d}")
+    if not tags:
         return WEIGHTS, STATE
-    tag = f"tp{tp_rank:02d}-of-{tp_size:02d}"
+    tag = "-".join(tags)
     return f"model-{tag}.safetensors", f"state-{tag}.pt"
 
 
@@ -92,9 +115,9 @@ def _written(path: Path) -> dict:
     return _digest(path)
 
 
-def _on_every_rank(work: Callable[[], dict], parallel: Parallel) -> dict:
-    """work() on this rank, then a wait for every rank (it holds a collective): the union of their
-    results, or SaveError on every rank when work() raised on any."""
+def _on_every_rank(work: Callable[[], dict], parallel: Parallel) -> list[dict]:
+    """work() on this rank, then a wait for every rank (it holds a collective): every rank's
+    result, in rank order, or SaveError on every rank when work() raised on any."""
     try:
         result, error = work(), None
     except Exception as e:  # on a full disk safetensors raises SafetensorError, torch.save RuntimeError
@@ -106,7 +129,7 @@ def _on_every_rank(work: Callable[[], dict], parallel: Parallel) -> dict:
     failed = [f"rank {r}: {e}" if parallel.distributed else e for r, (_, e) in enumerate(gathered) if e]
     if failed:
         raise SaveError("; ".join(failed))
-    return {k: v for part, _ in gathered for k, v in part.items()}
+    return [part for part, _ in gathered]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,8 +160,11 @@ def _by_name(state: dict, names: list[str]) -> dict:
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
-    """optimizer.state_dict() with parameter names in place of positions."""
-    return _by_name(optimizer.state_dict(), _positions(optimizer, model))
+    """optimizer.state_dict() with parameter names in place of positions, each tensor this rank's
+    plain local one (under FSDP2 its rows of the parameter's shape: AdamW's moments)."""
+    state = _by_name(optimizer.state_dict(), _positions(optimizer, model))
+    state["state"] = {name: {k: local(v) for k, v in entry.items()} for name, entry in state["state"].items()}
+    return state
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, state: dict) -> None:
@@ -163,9 +189,10 @@ def save(
     keep_last: int = 3,
     parallel: Parallel | None = None,
 ) -> Path:
-    """Write checkpoint ``step`` of model (a horse GPT, or this rank's shard of one), its optimizer
-    and state into out_dir; then keep the newest keep_last. Every rank calls it (it holds
-    collectives); when any rank cannot write, every rank raises SaveError."""
+    """Write checkpoint ``step`` of model (a horse GPT, or this rank's tp shard of one, FSDP-sharded
+    or not), its optimizer and state into out_dir, each rank its own piece; then keep the newest
+    keep_last. Every rank calls it (it holds collectives); when any rank cannot write, every rank
+    raises SaveError."""
     parallel = parallel or Parallel()
     out_dir = Path(out_dir)
     final = out_dir / f"ckpt_{step:07d}"
@@ -177,28 +204,45 @@ def save(
             tmp.mkdir(parents=True)
         return {}
 
-    def write_shard() -> dict:
-        if parallel.dp_rank != 0:  # the other dp ranks hold copies of the same shard
+    def write_piece() -> dict:
+        if parallel.dp_replicate_rank != 0:  # the other replicas hold copies of the same pieces
             return {}
-        weights_file, state_file = shard_files(parallel.tp_rank, parallel.tp_size)
-        weights = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+        t, s = parallel.tp_rank, parallel.dp_shard_rank
+        weights_file, state_file = shard_files(t, parallel.tp_size, s, parallel.dp_shard_size)
+        weights = {name: local(w).detach().contiguous() for name, w in model.state_dict().items()}
         metadata = {
             "config": json.dumps(dataclasses.asdict(model.config)),
             "tokenizer": tokenizer,
-            "tp_rank": str(parallel.tp_rank),
+            "tp_rank": str(t),
             "tp_size": str(parallel.tp_size),
+            "dp_shard_rank": str(s),
+            "dp_shard": str(parallel.dp_shard_size),
         }
         save_file(weights, tmp / weights_file, metadata=metadata)
         torch.save(state | {"optimizer": optimizer_state(optimizer, model)}, tmp / state_file)
-        return {f: _written(tmp / f) for f in (weights_file, state_file)}
+        return {
+            "files": {f: _written(tmp / f) for f in (weights_file, state_file)},
+            "piece": {
+                "tp_rank": t,
+                "dp_shard_rank": s,
+                "shapes": {n: list(w.shape) for n, w in weights.items()},
+            },
+        }
 
-    def finish(files: dict) -> dict:
+    def finish(pieces: list[dict]) -> dict:
         if parallel.rank != 0:
             return {}
+        files = {f: digest for piece in pieces for f, digest in piece.get("files", {}).items()}
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / tokenizer_file.name)
             files[tokenizer_file.name] = _written(tmp / tokenizer_file.name)
-        manifest = {"step": step, "tp_size": parallel.tp_size, "files": dict(sorted(files.items()))}
+        manifest = {
+            "step": step,
+            "tp_size": parallel.tp_size,
+            "dp_shard": parallel.dp_shard_size,
+            "files": dict(sorted(files.items())),
+            "tensors": _tensor_table([p["piece"] for p in pieces if p], model.config, parallel.tp_size),
+        }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync(tmp / MANIFEST)
         _fsync(tmp)
@@ -213,8 +257,8 @@ def save(
 
     try:
         _on_every_rank(start, parallel)
-        files = _on_every_rank(write_shard, parallel)
-        _on_every_rank(lambda: finish(files), parallel)  # no rank reads the run before the rename
+        pieces = _on_every_rank(write_piece, parallel)
+        _on_every_rank(lambda: finish(pieces), parallel)  # no rank reads the run before the rename
     except BaseException as e:  # a full disk, or a second signal (horse.preemption) mid-save
         if parallel.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -232,6 +276,24 @@ def save(
         for leftover in out_dir.glob(".ckpt_*"):  # of saves cut short (a kill), never to be redone
             shutil.rmtree(leftover, ignore_errors=True)
     return final
+
+
+def _tensor_table(pieces: list[dict], config: GPTConfig, tp: int) -> dict:
+    """The manifest's "tensors": for each tensor its whole shape and the rows of its tp shard that
+    each FSDP piece holds, as bounds: piece s holds rows [rows[s], rows[s + 1]) (one piece, all
+    rows, without FSDP); from the shapes the pieces' writers reported."""
+    by_shard = sorted((p for p in pieces if p["tp_rank"] == 0), key=lambda p: p["dp_shard_rank"])
+    table = {}
+    for name, shape in by_shard[0]["shapes"].items():
+        starts = [0]
+        for piece in by_shard:
+            starts.append(starts[-1] + piece["shapes"][name][0])
+        whole = [starts[-1], *shape[1:]]  # the tp shard's
+        spec = shard_spec(name, config) if tp > 1 else None
+        if spec is not None:
+            whole[spec.dim] *= tp
+        table[name] = {"shape": whole, "rows": starts}
+    return table
 
 
 # ----------------------------------------------------------------------------------------------
@@ -336,6 +398,7 @@ def resume_point(
     ckpt, warnings = newest_good(out_dir, parallel, strict)
     if ckpt is not None:
         check_config(ckpt, config)
+        check_reshardable(ckpt, config, parallel)
     return ckpt, warnings
 
 
@@ -361,14 +424,33 @@ def resolve(path: str | Path) -> Path:
     return newest
 
 
+def layout(ckpt: str | Path) -> tuple[int, int]:
+    """(tp size, dp_shard) that checkpoint ckpt was saved at: (1, 1) for an exported file, dp_shard
+    1 for a checkpoint written before FSDP."""
+    ckpt = Path(ckpt)
+    if ckpt.is_file():
+        return 1, 1
+    manifest = _manifest(ckpt)
+    return manifest["tp_size"], manifest.get("dp_shard", 1)
+
+
 def tp_size(ckpt: str | Path) -> int:
     """The tensor-parallel size checkpoint ckpt was saved at (1 for an exported file)."""
-    ckpt = Path(ckpt)
-    return 1 if ckpt.is_file() else _manifest(ckpt)["tp_size"]
+    return layout(ckpt)[0]
 
 
-def _weights_file(ckpt: Path, tp_rank: int = 0) -> Path:
-    return ckpt if ckpt.is_file() else ckpt / shard_files(tp_rank, tp_size(ckpt))[0]
+def describe_layout(tp: int, dp_shard: int, dp_replicate: int | None = None) -> str:
+    """ "dp_replicate 2 x dp_shard 2 x tp 1" (without dp_replicate: a checkpoint's, which has none)."""
+    replicate = "" if dp_replicate is None else f"dp_replicate {dp_replicate} x "
+    return f"{replicate}dp_shard {dp_shard} x tp {tp}"
+
+
+def _weights_file(ckpt: Path) -> Path:
+    """The first weights file of ckpt (every one holds the config), or ckpt itself, a file."""
+    if ckpt.is_file():
+        return ckpt
+    tp, dp_shard = layout(ckpt)
+    return ckpt / shard_files(0, tp, 0, dp_shard)[0]
 
 
 def read_metadata(ckpt: str | Path) -> tuple[GPTConfig, str]:
@@ -393,88 +475,218 @@ def check_config(ckpt: str | Path, config: GPTConfig) -> None:
         raise ValueError(f"checkpoint {ckpt} holds a different model: {diff}")
 
 
-def _for_this_rank(read: Callable[[int], dict], saved_tp: int, config: GPTConfig, parallel: Parallel) -> dict:
-    """This rank's shard of a state dict saved in saved_tp shards (read(r): shard r's dict): its own
-    file when the tp size is unchanged, else every shard gathered whole and split again."""
-    if saved_tp == parallel.tp_size:
-        return read(parallel.tp_rank)
-    full = gather_state_dicts([read(r) for r in range(saved_tp)], config)
-    return shard_state_dict(full, config, parallel.tp_rank, parallel.tp_size)
+def check_reshardable(ckpt: str | Path, config: GPTConfig, parallel: Parallel) -> None:
+    """Raise, naming both layouts and why, unless ckpt (of a model of config) can be resharded to
+    parallel's: its tp must split the model (any dp_shard can take any rows)."""
+    try:
+        check_divisible(config, parallel.tp_size)
+    except ValueError as e:
+        saved = describe_layout(*layout(ckpt))
+        asked = describe_layout(parallel.tp_size, parallel.dp_shard_size, parallel.dp_replicate_size)
+        raise ValueError(
+            f"checkpoint {ckpt} (saved at {saved}) cannot be resharded to {asked}: {e}"
+        ) from None
+
+
+def local_rows(t: torch.Tensor) -> tuple[int, int]:
+    """The rows [start, stop) of its tensor-parallel shard that this rank holds of t: all of them,
+    or under FSDP2 its piece, which DTensor's Shard(0) cuts as torch.chunk does."""
+    if not isinstance(t, DTensor):
+        return 0, t.shape[0]
+    (dim,) = [d for d, placement in enumerate(t.placements) if isinstance(placement, Shard)]
+    rows, pieces = t.shape[0], t.device_mesh.size(dim)
+    chunk = -(-rows // pieces)
+    start = min(rows, t.device_mesh.get_local_rank(dim) * chunk)
+    stop = min(rows, start + chunk)
+    if stop - start != local(t).shape[0]:
+        raise RuntimeError(f"FSDP holds {local(t).shape[0]} rows here, not torch.chunk's [{start}, {stop})")
+    return start, stop
+
+
+class Pieces:
+    """The tensors of checkpoint ckpt (a directory, or an exported file) read from the pieces its
+    files hold: tp shards cut by the plan, each cut by rows into dp_shard pieces. Files are opened
+    once and read lazily: a slice reads just its rows."""
+
+    def __init__(self, ckpt: str | Path):
+        self.ckpt = Path(ckpt)
+        manifest = {"tp_size": 1} if self.ckpt.is_file() else _manifest(self.ckpt)
+        self.tp_size, self.dp_shard = layout(self.ckpt)
+        tensors = manifest.get("tensors", {})
+        self.rows = {name: list(itertools.pairwise(entry["rows"])) for name, entry in tensors.items()}
+        self.shapes = {name: entry["shape"] for name, entry in tensors.items()}
+        self.legacy = manifest.get("legacy", False)  # written before tp: the optimizer by position
+        self.config = read_metadata(self.ckpt)[0]
+        self.names: list[str] | None = None  # the optimizer's parameters by position, for a legacy one
+        self._weights, self._states = {}, {}
+
+    def _files(self, tp_rank: int, dp_shard_rank: int) -> tuple[Path, Path]:
+        if self.ckpt.is_file():
+            return self.ckpt, self.ckpt.with_suffix(".pt")
+        names = shard_files(tp_rank, self.tp_size, dp_shard_rank, self.dp_shard)
+        return self.ckpt / names[0], self.ckpt / names[1]
+
+    def weights(self, tp_rank: int = 0, dp_shard_rank: int = 0):
+        """The safetensors file of one piece, opened (its get_slice reads parts)."""
+        key = (tp_rank, dp_shard_rank)
+        if key not in self._weights:
+            self._weights[key] = safe_open(self._files(*key)[0], framework="pt")
+        return self._weights[key]
+
+    def state(self, tp_rank: int = 0, dp_shard_rank: int = 0) -> dict:
+        """The state file of one piece, memory-mapped (a slice reads just its pages); its
+        optimizer keyed by parameter name."""
+        key = (tp_rank, dp_shard_rank)
+        if key not in self._states:
+            state = torch.load(self._files(*key)[1], map_location="cpu", weights_only=True, mmap=True)
+            if self.legacy:
+                state["optimizer"] = _by_name(state["optimizer"], self.names)
+            self._states[key] = state
+        return self._states[key]
+
+    def tensor_names(self) -> list[str]:
+        return list(self.weights().keys())
+
+    def _piece(self, name: str, key: str | None, tp_rank: int, dp_shard_rank: int):
+        if key is None:
+            return self.weights(tp_rank, dp_shard_rank).get_slice(name)
+        return self.state(tp_rank, dp_shard_rank)["optimizer"]["state"][name][key]
+
+    def _piece_rows(self, name: str, tp_rank: int) -> list[tuple[int, int]]:
+        if name in self.rows:
+            return self.rows[name]
+        rows = self.weights(tp_rank).get_slice(name).get_shape()[0]  # before FSDP: one piece
+        return [(0, rows)]
+
+    def shard_shape(self, name: str, tp: int) -> list[int]:
+        """The shape of a tp rank's shard of tensor name at tensor-parallel size tp."""
+        if name in self.shapes:
+            whole = list(self.shapes[name])
+        else:  # before FSDP: the shards' shape, times the saved tp along the cut dim
+            whole = list(self.weights().get_slice(name).get_shape())
+            spec = shard_spec(name, self.config) if self.tp_size > 1 else None
+            if spec is not None:
+                whole[spec.dim] *= self.tp_size
+        spec = shard_spec(name, self.config) if tp > 1 else None
+        if spec is not None:
+            whole[spec.dim] //= tp
+        return whole
+
+    def shard_rows(
+        self, name: str, key: str | None, tp_rank: int, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor:
+        """Rows [start, stop) (default: all) of saved tp rank tp_rank's shard of tensor name (key:
+        an entry of its optimizer state, "exp_avg"; None: the weight), from the pieces that hold them."""
+        pieces = self._piece_rows(name, tp_rank)
+        stop = pieces[-1][1] if stop is None else stop
+        parts = [
+            self._piece(name, key, tp_rank, s)[max(a, start) - a : min(b, stop) - a]
+            for s, (a, b) in enumerate(pieces)
+            if max(a, start) < min(b, stop)
+        ]
+        if not parts:  # no rows (an FSDP piece of a tensor with fewer rows than ranks)
+            return self._piece(name, key, tp_rank, 0)[0:0]
+        return torch.cat(parts)
+
+    def whole(self, name: str, key: str | None = None) -> torch.Tensor:
+        """The whole tensor name (or its optimizer state's entry key), assembled by the plan."""
+        spec = shard_spec(name, self.config) if self.tp_size > 1 else None
+        if spec is None:
+            return self.shard_rows(name, key, 0)
+        return unshard([self.shard_rows(name, key, t) for t in range(self.tp_size)], spec)
+
+    def for_rank(
+        self, name: str, key: str | None, tp_rank: int, tp: int, rows: tuple[int, int]
+    ) -> torch.Tensor:
+        """Rows [start, stop) of tp rank tp_rank's shard at tensor-parallel size tp: read from the
+        pieces of the same shard when the tp is the saved one (or the tensor is not split),
+        else from the whole tensor, cut by the plan."""
+        spec = shard_spec(name, self.config)
+        if tp == self.tp_size or spec is None:
+            return self.shard_rows(name, key, tp_rank if spec is not None else 0, *rows)
+        return shard(self.whole(name, key), spec, tp_rank, tp)[slice(*rows)]
 
 
 def full_weights(ckpt: str | Path) -> dict[str, torch.Tensor]:
-    """The whole model's weights (on the CPU) of a checkpoint saved at any tp size."""
-    ckpt = Path(ckpt)
-    shards = [load_file(_weights_file(ckpt, r)) for r in range(tp_size(ckpt))]
-    return gather_state_dicts(shards, read_metadata(ckpt)[0])
+    """The whole model's weights (on the CPU) of a checkpoint saved at any layout."""
+    pieces = Pieces(ckpt)
+    return {name: pieces.whole(name) for name in pieces.tensor_names()}
 
 
 def load_weights(ckpt: str | Path, model: nn.Module, parallel: Parallel | None = None) -> None:
-    """Load ckpt's weights into model (this rank's shard of one under tensor parallelism), or raise
-    naming every tensor that does not fit."""
-    parallel = parallel or Parallel()
-    ckpt = Path(ckpt)
-    config, _ = read_metadata(ckpt)
-    weights = _for_this_rank(lambda r: load_file(_weights_file(ckpt, r)), tp_size(ckpt), config, parallel)
-    expected = model.state_dict()
-    problems = [f"missing {k}" for k in expected.keys() - weights.keys()]
-    problems += [f"unexpected {k}" for k in weights.keys() - expected.keys()]
+    """Load ckpt's weights into model (this rank's shard of one under tensor parallelism, its
+    pieces under FSDP), or raise naming every tensor that does not fit."""
+    _load_weights(Pieces(ckpt), model, parallel or Parallel())
+
+
+def _load_weights(pieces: Pieces, model: nn.Module, parallel: Parallel) -> None:
+    ckpt = pieces.ckpt
+    expected = model.state_dict(keep_vars=True)
+    saved = pieces.tensor_names()
+    problems = [f"missing {k}" for k in expected.keys() - set(saved)]
+    problems += [f"unexpected {k}" for k in set(saved) - expected.keys()]
     problems += [
-        f"{k} is {list(weights[k].shape)}, the model's is {list(v.shape)}"
+        f"{k} is {shape}, the model's is {list(v.shape)}"
         for k, v in expected.items()
-        if k in weights and weights[k].shape != v.shape
+        if k in saved and (shape := pieces.shard_shape(k, parallel.tp_size)) != list(v.shape)
     ]
     if problems:
         raise ValueError(f"checkpoint {ckpt} does not fit this model: {'; '.join(sorted(problems))}")
-    model.load_state_dict(weights)
+    with torch.no_grad():
+        for name, t in expected.items():
+            local(t).copy_(pieces.for_rank(name, None, parallel.tp_rank, parallel.tp_size, local_rows(t)))
 
 
-def load_state(ckpt: str | Path, tp_rank: int = 0) -> dict:
-    """The state file of tp rank tp_rank's shard, as saved (the optimizer keyed by parameter name)."""
+def load_state(ckpt: str | Path, tp_rank: int = 0, dp_shard_rank: int = 0) -> dict:
+    """The state file of one piece (tp rank tp_rank's, dp-shard rank dp_shard_rank's), as saved
+    (the optimizer keyed by parameter name)."""
     ckpt = Path(ckpt)
-    path = ckpt / shard_files(tp_rank, tp_size(ckpt))[1]
-    return torch.load(path, map_location="cpu", weights_only=True)
+    tp, dp_shard = layout(ckpt)
+    return torch.load(
+        ckpt / shard_files(tp_rank, tp, dp_shard_rank, dp_shard)[1], map_location="cpu", weights_only=True
+    )
 
 
-def _reshard_optimizer(shards: list[dict], config: GPTConfig, parallel: Parallel) -> dict:
-    """This rank's optimizer state from every saved tp rank's: the per-parameter tensors (AdamW's
-    exp_avg and exp_avg_sq, the parameter's shape) gathered and split like the parameter; scalars
-    (the step count), the same on every rank, from the first."""
+def _optimizer_for_rank(pieces: Pieces, model: nn.Module, parallel: Parallel) -> dict:
+    """This rank's optimizer state (keyed by name) from the checkpoint's pieces: each tensor of a
+    parameter's shape (AdamW's exp_avg and exp_avg_sq) cut like the parameter, as a DTensor of the
+    parameter's placement under FSDP; scalars (the step count), the same on every rank, as saved."""
+    params = dict(model.named_parameters())
+    saved = pieces.state()["optimizer"]
     state = {}
-    for name, entry in shards[0]["state"].items():
-        spec = shard_spec(name, config)
-        state[name] = {
-            key: shard(
-                unshard([s["state"][name][key] for s in shards], spec),
-                spec,
-                parallel.tp_rank,
-                parallel.tp_size,
-            )
-            if value.dim() > 0
-            else value
-            for key, value in entry.items()
-        }
-    return {"state": state, "param_groups": shards[0]["param_groups"]}
+    for name, entry in saved["state"].items():
+        param = params[name]
+        state[name] = {}
+        for key, value in entry.items():
+            if value.dim() == 0:
+                state[name][key] = value.clone()
+                continue
+            rows = local_rows(param)
+            mine = pieces.for_rank(name, key, parallel.tp_rank, parallel.tp_size, rows).to(param.device)
+            if isinstance(param, DTensor):
+                mine = DTensor.from_local(
+                    mine, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+                )
+            state[name][key] = mine
+    return {"state": state, "param_groups": saved["param_groups"]}
 
 
 def load(
     ckpt: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, parallel: Parallel | None = None
 ) -> dict:
-    """Load ckpt's weights and optimizer state into model and optimizer, resharded to parallel's tp
-    size; returns the rest of the saved state (step, scaler, RNG, loader, train config)."""
+    """Load ckpt's weights and optimizer state into model and optimizer, resharded to parallel's
+    layout; returns the rest of the saved state (step, scaler, RNG, loader, train config): this
+    rank's own piece's when the layout is the saved one."""
     parallel = parallel or Parallel()
-    ckpt = Path(ckpt)
-    load_weights(ckpt, model, parallel)
-    manifest = _manifest(ckpt)
-    same_tp = manifest["tp_size"] == parallel.tp_size  # then this rank's own shard is enough
-    states = [load_state(ckpt, r) for r in ([parallel.tp_rank] if same_tp else range(manifest["tp_size"]))]
-    saved = [s.pop("optimizer") for s in states]
-    if manifest.get("legacy"):  # written before tensor parallelism: by position, in today's order
-        saved = [_by_name(o, _positions(optimizer, model)) for o in saved]
-    if not same_tp:
-        saved = [_reshard_optimizer(saved, read_metadata(ckpt)[0], parallel)]
-    load_optimizer_state(optimizer, model, saved[0])
-    return states[0]
+    pieces = Pieces(ckpt)
+    _load_weights(pieces, model, parallel)
+    pieces.names = _positions(optimizer, model)
+    load_optimizer_state(optimizer, model, _optimizer_for_rank(pieces, model, parallel))
+    same = (pieces.tp_size, pieces.dp_shard) == (parallel.tp_size, parallel.dp_shard_size)
+    own = (parallel.tp_rank, parallel.dp_shard_rank) if same else (0, 0)
+    rest = dict(pieces.state(*own))
+    rest.pop("optimizer")
+    return rest
 
 
 # ----------------------------------------------------------------------------------------------
@@ -501,7 +713,7 @@ def save_run(out_dir, step, model, optimizer, scaler, loader, cfg, tokenizer, ke
 
 
 def restore_run(ckpt: Path, model, optimizer, scaler, loader, parallel: Parallel) -> int:
-    """Load everything a checkpoint holds back into place, resharded to this run's tp size; returns
+    """Load everything a checkpoint holds back into place, resharded to this run's layout; returns
     its step."""
     state = load(ckpt, model, optimizer, parallel)
     if scaler.is_enabled() and state["scaler"]:
@@ -517,7 +729,7 @@ def restore_run(ckpt: Path, model, optimizer, scaler, loader, parallel: Parallel
 
 
 def export(ckpt: str | Path, out: str | Path) -> Path:
-    """Write the whole model of checkpoint ckpt (a checkpoint or run directory, any tp size) into
+    """Write the whole model of checkpoint ckpt (a checkpoint or run directory, any layout) into
     one safetensors file, config and tokenizer name in its metadata; a BPE tokenizer.json is
     copied beside it. Returns the checkpoint exported."""
     ckpt, out = resolve(ckpt), Path(out)
@@ -557,7 +769,7 @@ def verify_main(run: Path, parser: argparse.ArgumentParser) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m horse.checkpoint", description="Checkpoint tools.")
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("export", help="the whole model in one safetensors file (from any tp size)")
+    p = commands.add_parser("export", help="the whole model in one safetensors file (from any layout)")
     p.add_argument("ckpt", metavar="CKPT_OR_RUN_DIR", help="a checkpoint, or a run's newest complete one")
     p.add_argument("--out", required=True, metavar="OUT", help="the .safetensors file (hf: a folder)")
     p.add_argument(
@@ -580,7 +792,9 @@ def main(argv: list[str] | None = None) -> None:
             ckpt = export(args.ckpt, args.out)
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
-    print(f"wrote {args.out}: the whole model of {ckpt} (saved at tp={tp_size(ckpt)})")
+    tp, dp_shard = layout(ckpt)
+    fsdp = f", dp_shard={dp_shard}" if dp_shard > 1 else ""
+    print(f"wrote {args.out}: the whole model of {ckpt} (saved at tp={tp}{fsdp})")
 
 
 if __name__ == "__main__":

@@ -672,6 +672,8 @@ class HeldOut:
         )
         self.starts = starts[dp_rank::dp_size]
         self.tokens = needed * seq_len  # over all the ranks
+        most_windows = -(-needed // dp_size)  # rank 0's: it takes the first window of every dp_size
+        self.most_batches = -(-most_windows // batch_size)  # the busiest rank's batches
 
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(input, target) batches, (batch_size or fewer, seq_len) int64 each."""

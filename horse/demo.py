@@ -30,8 +30,9 @@ def _max_errors(ref_module: nn.Module, fused: nn.Module, x: torch.Tensor, residu
     """Largest |fused - reference| over y and every gradient; the reference runs in float32."""
     ref32 = ref_module.float()
     xs = [x.detach().clone().requires_grad_(), x.detach().float().requires_grad_()]
-    rs = [None, None] if residual is None else [residual.detach().clone().requires_grad_(),
-                                                 residual.detach().float().requires_grad_()]  # fmt: skip
+    rs = [None, None]
+    if residual is not None:
+        rs = [residual.detach().clone().requires_grad_(), residual.detach().float().requires_grad_()]
     dy = torch.randn_like(x)
     if residual is None:
         y = fused(xs[0])

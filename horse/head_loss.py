@@ -28,9 +28,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dloss = row_weight(targets, ignore_index, "mean")
         wants_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         rows, dx, dweight, _ = linear_cross_entropy_chunks(
-            x, weight, None, targets, dloss if wants_grad else None, ignore_index, label_smoothing, z_loss,
-            use_triton, shard,
-        )  # fmt: skip
+            x,
+            weight,
+            bias=None,
+            target=targets,
+            dloss=dloss if wants_grad else None,  # None: the chunk loop computes no gradients
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            use_triton=use_triton,
+            shard=shard,
+        )
         ctx.save_for_backward(dx, dweight)
         return rows.sum() * dloss
 

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from horse.parallel import Parallel, found_nonfinite
+from horse.parallel import Parallel, found_nonfinite, local
 
 
 class LossScaler:
@@ -78,10 +78,13 @@ class LossScaler:
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients (float32 master weights, one device) by the scale in
-        place, and find whether any rank's hold an inf or NaN: one all-reduce (MAX) over the world."""
+        place, and find whether any rank's hold an inf or NaN: one all-reduce (MAX) over the world.
+        Under FSDP each rank checks the rows of the gradients it holds (their local shards)."""
         if not self.enabled:
             return
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [
+            local(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+        ]
         found_inf = torch.zeros(1, device=grads[0].device)
         inv_scale = torch.full((1,), 1.0 / self.scale_factor, device=grads[0].device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)

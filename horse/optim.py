@@ -40,8 +40,8 @@ def optimizer_step(
     parallel: Parallel | None = None,
 ) -> tuple[float, bool]:
     """Unscale, clip and step; returns (gradient norm, skipped). The norm is the whole model's, each
-    parameter counted once over the tp ranks. With fp16 a step whose gradients hold an inf or NaN
-    (on any rank) is skipped (weights and AdamW's moments untouched)."""
+    parameter counted once over the tp ranks and its FSDP shards. With fp16 a step whose gradients
+    hold an inf or NaN (on any rank, in any shard) is skipped (weights and AdamW's moments untouched)."""
     parallel = parallel or Parallel()
     scaler.unscale_(optimizer)
     params = [(name, p) for name, p in model.named_parameters() if p.grad is not None]

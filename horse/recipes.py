@@ -21,7 +21,8 @@ and say how to make it (the built-in corpus is bytes, for the tiny model).
 Running the model. ``--compile`` runs the training loss under torch.compile: the Triton kernels
 are registered custom ops with fake implementations, so the whole forward and backward is one
 graph (fullgraph at tp=1, where a graph break is an error; at tp > 1 the collectives of
-``horse.parallel`` are left to Dynamo). ``--activation-checkpointing`` keeps only each block's
+``horse.parallel`` are left to Dynamo); under FSDP2 (--dp-shard) each block is compiled on its
+own, inside FSDP's hooks, as torchtitan does. ``--activation-checkpointing`` keeps only each block's
 inputs in the forward and recomputes the block in the backward: the activations of one block at
 a time instead of all of them, for one more forward of the blocks.
 """
@@ -146,6 +147,15 @@ def grad_accum(cfg, seq_len: int, dp_size: int) -> int:
 def compile_loss(model, fullgraph: bool):
     """model.loss under torch.compile; fullgraph: a graph break is an error, not a silent split."""
     return torch.compile(model.loss, fullgraph=fullgraph)
+
+
+def compile_blocks(model, fullgraph: bool) -> None:
+    """Each of model's blocks under torch.compile, in place (its forward, after activation
+    checkpointing wrapped it), for FSDP2 to wrap next: its hooks gather a block's parameters
+    around the compiled forward, and the embeddings, the LM head and the loss run eagerly.
+    Parameter names do not change (no ``_orig_mod.``), so checkpoints do not either."""
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward, fullgraph=fullgraph)
 
 
 def checkpoint_blocks(model) -> None:

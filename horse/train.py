@@ -9,14 +9,17 @@ device or, under torchrun, tensor parallel inside a node and data parallel acros
     python -m horse.train --out-dir runs/x --resume        # continue from the newest complete checkpoint,
                                                            #   with the flags in runs/x/config.json
     torchrun --standalone --nproc-per-node 8 horse/train.py --tp 8 --sequence-parallel ...
+    torchrun --standalone --nproc-per-node 8 horse/train.py --dp-shard 8 ...     # FSDP2
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint HOST:29500 --rdzv-id JOB --max-restarts 3 horse/train.py --tp 8 \\
         --out-dir /shared/runs/x ...
 
 Parallel runs: --tp ranks (consecutive, so one node's) split each layer (``horse.parallel``); the
 world size over tp is the data-parallel size, whose replicas read different slices of every
-batch (--batch-size is per replica) and average their gradients with DDP. Only rank 0 prints and
-writes metrics; checkpoints are sharded by tp rank and reshard on resume (``horse.checkpoint``).
+batch (--batch-size is per replica) and average their gradients with DDP, or, with --dp-shard N,
+shard the parameters, gradients and optimizer state over N of them with FSDP2 (--dp-replicate
+copies of that group: HSDP). Only rank 0 prints and writes metrics; checkpoints are written in
+pieces, each rank its own, and reshard on resume to any layout (``horse.checkpoint``).
 A job that torchrun restarts (--max-restarts) resumes from its newest complete checkpoint by
 itself; without --out-dir the run directory is named after the launch's id, which a restart keeps.
 Restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment: otherwise the
@@ -36,14 +39,26 @@ every --log-interval steps (tokens/s of the whole job, MFU per GPU). Data, forwa
 the optimizer step are NVTX ranges (see them with ``nsys profile``); --profile-steps N records a
 torch.profiler trace to OUT/trace.json (``horse.device``). The optimizer and its schedule live in
 ``horse.optim``, the fp16 loss scaler in ``horse.loss_scale``, what a checkpoint holds in
-``horse.checkpoint``: this module keeps the config and the loop.
+``horse.checkpoint``: this module keeps the config and the run. A run is a :class:`Run`, its state,
+which :func:`set_up` builds (data, model, optimizer, a checkpoint resumed from) and whose methods
+are its steps: ``loop`` (train a step, evaluate, log, save, stop on a signal), then ``finish``
+(the closing line and a sample).
 """
+
+import os
+import sys
+
+# `python horse/train.py` puts horse/ itself first on sys.path, where its modules would stand in for
+# top-level packages of their names: horse/kernels/ for Hugging Face's `kernels`, which transformers
+# imports (then "cannot import name 'CUDAProperties' from 'kernels'"). The package is found as `horse`.
+if __name__ == "__main__" and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
+    sys.path.pop(0)
 
 import contextlib
 import dataclasses
 import json
 import math
-import os
+import signal
 import time
 import typing
 from collections.abc import Callable
@@ -57,7 +72,7 @@ from torch import nn
 from tqdm import tqdm
 
 from horse import checkpoint, hf, optim, preemption, recipes, run_log
-from horse.data import HeldOut, Loader, load_dataset
+from horse.data import BPETokenizer, ByteTokenizer, HeldOut, Loader, Split, load_dataset
 from horse.device import nvtx_range, peak_flops, pick_backend, pick_device, profiler
 from horse.generate import generate
 from horse.kernels import runtime
@@ -87,6 +102,8 @@ class TrainConfig:
     strict_resume: with --resume, a damaged newest checkpoint is an error, not a warning and an older one
     init_from: start from these weights (a Hugging Face folder, or a run or checkpoint); the model is theirs
     tp: tensor-parallel size: ranks that split each layer (under torchrun; divides the world size)
+    dp_shard: data-parallel ranks that shard the parameters, gradients and optimizer state (FSDP2); 1: DDP
+    dp_replicate: replicas of each --dp-shard group (HSDP); default: the data-parallel ranks left over
     sequence_parallel: with --tp, norms and residual adds run on sequence shards (T must divide by tp)
     batch_size: sequences per micro-batch, per data-parallel replica
     seq_len: tokens per sequence; default: the model's block_size
@@ -135,6 +152,8 @@ class TrainConfig:
     strict_resume: bool = False
     init_from: str = ""
     tp: int = 1
+    dp_shard: int = 1
+    dp_replicate: int | None = None
     sequence_parallel: bool = False
     batch_size: int = 32
     seq_len: int | None = None
@@ -177,10 +196,10 @@ class TrainConfig:
 
     def __post_init__(self):
         at_least_1 = (
-            "tp batch_size grad_accum max_steps eval_interval eval_tokens log_interval loss_scale_window "
-            "loss_scale_hysteresis max_skipped_steps"
+            "tp dp_shard batch_size grad_accum max_steps eval_interval eval_tokens log_interval "
+            "loss_scale_window loss_scale_hysteresis max_skipped_steps"
         )
-        for name in at_least_1.split() + ["seq_len", "max_tokens", "batch_tokens"]:
+        for name in at_least_1.split() + ["dp_replicate", "seq_len", "max_tokens", "batch_tokens"]:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{flag(name)} must be at least 1, got {value}")
@@ -257,7 +276,8 @@ def train_step(
     """One optimizer step of cfg.grad_accum micro-batches (next_batch() gives each (x, y)): forward
     under autocast, scaled backward, then ``horse.optim.optimizer_step``. loss_fn is model.loss or
     its DDP wrapper (``horse.parallel.data_parallel``), whose gradients are all-reduced in the last
-    micro-batch's backward only. Returns (the mean loss over the data-parallel replicas, a CPU
+    micro-batch's backward only; under FSDP2 every micro-batch's backward reduce-scatters into
+    the sharded gradients. Returns (the mean loss over the data-parallel replicas, a CPU
     tensor; gradient norm; skipped)."""
     parallel = parallel or Parallel()
     ddp = isinstance(loss_fn, nn.parallel.DistributedDataParallel)
@@ -286,10 +306,19 @@ def train_step(
 def evaluate(model: GPT, held_out: HeldOut, autocast, parallel: Parallel) -> float:
     """Mean loss over the held-out tokens, each once: the same tokens at every evaluation."""
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)  # loss sum, tokens
+    device = next(model.parameters()).device
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, tokens
+    batches = 0
     with autocast():
         for x, y in held_out.batches():
             total += torch.stack([model.loss(x, y).double() * y.numel(), torch.tensor(y.numel())])
+            batches += 1
+        if (
+            parallel.fsdp
+        ):  # FSDP's gathers are collectives: as many forwards as the busiest rank, the extra unused
+            idle = torch.zeros(1, held_out.seq_len, dtype=torch.long, device=device)
+            for _ in range(held_out.most_batches - batches):
+                model.loss(idle, idle)
     model.train()
     if parallel.dp_size > 1:  # each replica evaluated its own windows
         dist.all_reduce(total, group=parallel.dp_group)
@@ -297,7 +326,7 @@ def evaluate(model: GPT, held_out: HeldOut, autocast, parallel: Parallel) -> flo
 
 
 # ----------------------------------------------------------------------------------------------
-# The run
+# The run: its state, set up once, and the steps the loop takes on it
 # ----------------------------------------------------------------------------------------------
 
 
@@ -305,36 +334,264 @@ def train(cfg: TrainConfig, overrides: dict | None = None) -> list[dict]:
     """Run cfg (model flags in overrides) on this process, or on every rank of a torchrun launch;
     returns this session's per-step metrics records."""
     device = pick_device(cfg.device)
-    parallel = init_from_env(cfg.tp, cfg.sequence_parallel, device)
+    parallel = init_from_env(cfg.tp, cfg.sequence_parallel, device, cfg.dp_shard, cfg.dp_replicate)
     try:
-        return _train(cfg, overrides or {}, parallel, device)
+        run = set_up(cfg, overrides or {}, parallel, device)
+        run.loop()
+        run.finish()
+        return run.records
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -> list[dict]:
+@dataclass
+class Run:
+    """A training run on this process: what its steps read and change. :func:`set_up` builds it.
+
+    cfg: the flags as given (config.json and the checkpoints keep them); step_cfg: train_step's,
+        with the grad_accum that --batch-tokens sets
+    config: the model's architecture; backend, precision, device: where and how it computes
+    model: this rank's shard of the GPT (float32 master weights; under FSDP2 DTensors of its rows);
+        loss_fn: what the steps call, model.loss or its compiled form, under DDP at dp > 1, or
+        model.loss gathering what it needs under FSDP2 (``horse.parallel.data_parallel``)
+    autocast: a fresh context for each forward: fp16/bf16 autocast, or a null context in fp32
+    train_loader, held_out, tokenizer: the data, read by this rank's data-parallel replica
+    max_steps, tokens_per_step, flops_per_step: the whole job's; peak_flops: one device's, for MFU
+    restarts: torchrun's restart count (0: the first launch); start_time: perf_counter at the start
+    preemption: the signal handler the loop installs (``horse.preemption``)
+    step: optimizer steps done; resumed_from, last_ckpt: the checkpoint resumed from, the newest saved
+    records: this session's metrics, one a step
+    """
+
+    cfg: TrainConfig
+    step_cfg: TrainConfig
+    config: GPTConfig
+    backend: str
+    precision: str
+    device: str
+    parallel: Parallel
+    model: GPT
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    scaler: LossScaler
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    train_loader: Loader
+    held_out: HeldOut
+    tokenizer: ByteTokenizer | BPETokenizer
+    out_dir: Path
+    max_steps: int
+    tokens_per_step: int
+    flops_per_step: int
+    peak_flops: float | None
+    restarts: int
+    start_time: float
+    preemption: preemption.Preemption
+    step: int = 0
+    resumed_from: Path | None = None
+    last_ckpt: Path | None = None
+    records: list[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def main_rank(self) -> bool:
+        """Rank 0: the only one that prints and writes metrics."""
+        return self.parallel.rank == 0
+
+    def log(self, text: str) -> None:
+        if self.main_rank:
+            print(text)
+
+    # Checkpoints, both ways: the run's one place that saves and restores its state.
+
+    def restore(self, ckpt: Path) -> None:
+        """Continue from ckpt: weights, optimizer, loss scaler, RNGs and data position, resharded to
+        this run's layout (``horse.checkpoint.restore_run``)."""
+        self.step = checkpoint.restore_run(
+            ckpt, self.model, self.optimizer, self.scaler, self.train_loader, self.parallel
+        )
+        self.resumed_from = self.last_ckpt = ckpt
+
+    def save(self, preempted: bool = False) -> None:
+        """Write this step's checkpoint; a second signal during the save aborts it. A save that fails
+        stops the run, unless --on-save-error continue, the step is not the last and no signal asked
+        for it: then the run goes on and tries again at the next interval."""
+        try:
+            with self.preemption.saving():
+                self.last_ckpt = checkpoint.save_run(
+                    self.out_dir,
+                    self.step,
+                    self.model,
+                    self.optimizer,
+                    self.scaler,
+                    self.train_loader,
+                    self.cfg,
+                    self.tokenizer,
+                    self.cfg.keep_last,
+                    self.parallel,
+                )
+        except checkpoint.SaveError as e:
+            if self.cfg.on_save_error == "stop" or self.step == self.max_steps or preempted:
+                raise
+            interval = self.cfg.ckpt_interval
+            retry = min(self.max_steps, (self.step // interval + 1) * interval)
+            self.log(f"warning: {e}; training goes on (--on-save-error continue), next try: step {retry}")
+
+    # The loop and its steps.
+
+    def loop(self) -> None:
+        """Train from the step resumed (or 0) to max_steps: each step's record goes to
+        OUT/metrics.jsonl, validation when due, a checkpoint when due and at the end. A signal of
+        --save-on-signal saves the step it lands in and exits 75 (``horse.preemption``)."""
+        cfg = self.cfg
+        resumed_step = self.step if self.resumed_from is not None else None
+        metrics_path = run_log.start(self.out_dir, cfg, self.config, resumed_step) if self.main_rank else None
+        bar = tqdm(
+            total=self.max_steps,
+            initial=self.step,
+            unit="step",
+            disable=None if self.main_rank else True,
+            dynamic_ncols=True,
+        )
+        metrics_file = open(metrics_path, "a") if self.main_rank else contextlib.nullcontext()  # noqa: SIM115
+        profile = profiler(cfg.profile_steps, self.out_dir, self.device)
+        with metrics_file as metrics, profile as trace, self.preemption:
+            while self.step < self.max_steps:
+                self.fail_if_asked()
+                record = self.train_one_step()
+                last = self.step == self.max_steps
+                if self.step % cfg.eval_interval == 0 or last:
+                    record["val_loss"] = evaluate(self.model, self.held_out, self.autocast, self.parallel)
+                self.report(record, metrics, bar)
+                signum = self.preemption.agreed()  # a collective: every rank stops after the same step
+                if signum is not None:
+                    self.stop_on_signal(signum)  # saves this step, then exits 75
+                checkpoint_due = cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0
+                if checkpoint_due or last:
+                    self.save()
+                if trace is not None:
+                    trace.step()
+        bar.close()
+
+    def fail_if_asked(self) -> None:
+        """Fault injection, --fail-at-step: rank 1 (rank 0 when alone) raises in that step, on the
+        first launch only, so that a torchrun restart resumes past it."""
+        failing_rank = min(1, self.parallel.world_size - 1)
+        in_flight = self.step + 1
+        if in_flight == self.cfg.fail_at_step and self.parallel.rank == failing_rank and self.restarts == 0:
+            raise RuntimeError(
+                f"--fail-at-step {self.cfg.fail_at_step}: injected failure on rank {failing_rank}"
+            )
+
+    def train_one_step(self) -> dict:
+        """One optimizer step (:func:`train_step`) at the schedule's learning rate; returns its record."""
+        t0 = time.perf_counter()
+        lr = optim.lr_at(self.step, self.max_steps, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss, grad_norm, skipped = train_step(
+            self.loss_fn,
+            self.train_loader.next,
+            self.model,
+            self.optimizer,
+            self.scaler,
+            self.step_cfg,
+            self.parallel,
+            self.autocast,
+        )
+        loss = loss.item()
+        dt = time.perf_counter() - t0
+        self.step += 1
+        if not math.isfinite(loss):  # fp16 too: no loss scale makes an inf forward finite
+            raise FloatingPointError(
+                f"loss is {loss} at step {self.step}: training diverged (try a lower --lr)"
+            )
+        self.scaler.check(self.step, loss)
+        peak = self.peak_flops
+        return {
+            "step": self.step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "loss_scale": self.scaler.get_scale() if self.scaler.is_enabled() else None,
+            "skipped": skipped,
+            "tokens": self.step * self.tokens_per_step,
+            "tokens_per_s": self.tokens_per_step / dt,
+            "mfu": self.flops_per_step / dt / (peak * self.parallel.world_size) if peak else None,
+            "time_s": time.perf_counter() - self.start_time,
+        }
+
+    def report(self, record: dict, metrics: typing.TextIO | None, bar: tqdm) -> None:
+        """A step's record to metrics.jsonl and this session's records; a console line when due
+        (every --log-interval steps, the last, an evaluation, a skipped step); the progress bar."""
+        step = record["step"]
+        if self.main_rank:
+            due = step % self.cfg.log_interval == 0 or step == self.max_steps
+            if due or "val_loss" in record or record["skipped"]:
+                tqdm.write(run_log.line(record, self.max_steps))
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+        self.records.append(record)
+        bar.set_postfix_str(f"loss {record['loss']:.4f}")
+        bar.update()
+
+    def stop_on_signal(self, signum: signal.Signals) -> None:
+        """Save the step just finished and exit 75 (``horse.preemption.Preempted``): resumable."""
+        self.save(preempted=True)
+        self.log(
+            f"preempted: {signum.name} during step {self.step}; step {self.step} finished and saved in "
+            f"{self.last_ckpt}; exiting {preemption.PREEMPTED} (continue with --resume)"
+        )
+        raise preemption.Preempted()
+
+    def finish(self) -> None:
+        """The closing log line, then, with --sample-tokens, a sample of the trained model's text."""
+        elapsed = time.perf_counter() - self.start_time
+        self.log(f"done: {self.step} steps in {elapsed:.0f} s; checkpoint {self.last_ckpt}")
+        if self.cfg.sample_tokens and self.main_rank:
+            self.sample()
+
+    def sample(self) -> None:
+        """Print --sample-tokens tokens generated after --sample-prompt (temperature 0.8, top-k 40)."""
+        cfg, model = self.cfg, self.model
+        if self.parallel.tp_size > 1 or self.parallel.fsdp:  # generation runs on a whole model: the
+            # pieces just saved, assembled
+            model = GPT(self.config, self.backend).to(self.device)
+            checkpoint.load_weights(self.last_ckpt, model)
+        model.eval()
+        prompt = torch.tensor([self.tokenizer.encode(cfg.sample_prompt)], device=self.device)
+        generator = torch.Generator(self.device).manual_seed(cfg.seed)
+        vocab = self.tokenizer.vocab_size
+        with self.autocast():
+            out = generate(model, prompt, cfg.sample_tokens, 0.8, 40, vocab, generator)
+        print(f"----- sample: {cfg.sample_tokens} tokens, temperature 0.8, top-k 40 -----")
+        print(self.tokenizer.decode(out[0].tolist()))
+        print(f"----- more: python -m horse.generate --ckpt {self.out_dir} --prompt ...")
+
+
+# ----------------------------------------------------------------------------------------------
+# Setting a run up
+# ----------------------------------------------------------------------------------------------
+
+
+def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -> Run:
+    """Everything before the first step: the data, the model (this rank's tensor-parallel shard,
+    then data parallel), the optimizer and loss scaler, and the state of the checkpoint resumed
+    from, if any; the run's start is logged."""
     start_time = time.perf_counter()
     precision = cfg.precision or ("fp16" if device == "cuda" else "fp32")
     backend, backend_note = pick_backend(cfg.backend, device)
-    main_rank = parallel.rank == 0  # the only one that prints and writes metrics
-    log = print if main_rank else lambda *args: None
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    log = print if parallel.rank == 0 else lambda text: None
 
     recipes.check_data(cfg)
     train_split, val_split, tokenizer = load_dataset(cfg.data)
-    if cfg.init_from:
-        config = hf.pretrained_config_for(cfg.init_from, overrides, tokenizer.vocab_size)
-    else:
-        config = model_config(cfg, overrides, tokenizer.vocab_size)
-    check_divisible(config, parallel.tp_size)
+    config = _architecture(cfg, overrides, tokenizer.vocab_size)
     seq_len = cfg.seq_len or config.block_size
     if seq_len > config.block_size:
         raise ValueError(
             f"--seq-len {seq_len} exceeds the model's block_size {config.block_size} (see --block-size)"
         )
     grad_accum = recipes.grad_accum(cfg, seq_len, parallel.dp_size)
-    step_cfg = dataclasses.replace(cfg, grad_accum=grad_accum)  # train_step's; config.json keeps cfg's
     if cfg.sample_tokens and not tokenizer.encode(cfg.sample_prompt):
         raise ValueError("--sample-prompt must not be empty when --sample-tokens is above 0")
     # Under torchrun, named after the launch's id: the same on every rank and node, and after a restart.
@@ -344,153 +601,118 @@ def _train(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     ckpt, damaged = checkpoint.resume_point(out_dir, resume, config, parallel, cfg.strict_resume)
     for warning in damaged:
         log(f"warning: {warning}")
+    check_divisible(config, parallel.tp_size)  # a resumed checkpoint said so already, naming itself
 
-    # float32 master weights, autocast computes in fp16/bf16; at tp > 1 this rank's shard, cut from
-    # the whole model initialised from the seed, so every tp size starts from the same weights.
+    model = make_model(
+        cfg, config, backend, parallel, device, pretrained=bool(cfg.init_from) and ckpt is None
+    )
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    loss_fn = model.loss
+    if cfg.compile and parallel.fsdp:  # each block, before FSDP wraps it (torchtitan's order)
+        recipes.compile_blocks(model, fullgraph=parallel.tp_size == 1)
+    elif cfg.compile:
+        loss_fn = recipes.compile_loss(model, fullgraph=parallel.tp_size == 1)
+    loss_fn = data_parallel(model, loss_fn, parallel, dtype)
+    dp = {"dp_rank": parallel.dp_rank, "dp_size": parallel.dp_size}
+    tokens_per_step = cfg.batch_size * seq_len * grad_accum * parallel.dp_size  # the whole job's
+    run = Run(
+        cfg=cfg,
+        step_cfg=dataclasses.replace(cfg, grad_accum=grad_accum),
+        config=config,
+        backend=backend,
+        precision=precision,
+        device=device,
+        parallel=parallel,
+        model=model,
+        loss_fn=loss_fn,
+        optimizer=optim.make_optimizer(model, cfg, device),
+        scaler=LossScaler.from_config(cfg, precision == "fp16", parallel),
+        autocast=(lambda: torch.autocast(device, dtype)) if dtype else contextlib.nullcontext,
+        train_loader=Loader(train_split, cfg.batch_size, seq_len, cfg.seed, device, **dp),
+        held_out=HeldOut(val_split, cfg.eval_tokens, seq_len, cfg.batch_size, device, **dp),
+        tokenizer=tokenizer,
+        out_dir=out_dir,
+        max_steps=math.ceil(cfg.max_tokens / tokens_per_step) if cfg.max_tokens else cfg.max_steps,
+        tokens_per_step=tokens_per_step,
+        flops_per_step=flops_per_token(config, seq_len) * tokens_per_step,  # the whole model's
+        peak_flops=peak_flops(device, cfg.peak_tflops),
+        restarts=restarts,
+        start_time=start_time,
+        preemption=preemption.Preemption(preemption.parse_signals(cfg.save_on_signal), device),
+    )
+    if ckpt is not None:
+        run.restore(ckpt)
+    _log_start(run, backend_note, train_split, val_split, seq_len)
+    return run
+
+
+def _architecture(cfg: TrainConfig, overrides: dict, data_vocab: int) -> GPTConfig:
+    """The model's config: --init-from's, or the preset's, with the model flags."""
+    if cfg.init_from:
+        return hf.pretrained_config_for(cfg.init_from, overrides, data_vocab)
+    return model_config(cfg, overrides, data_vocab)
+
+
+def make_model(
+    cfg: TrainConfig, config: GPTConfig, backend: str, parallel: Parallel, device: str, pretrained: bool
+) -> GPT:
+    """This rank's shard of the model, on device: float32 master weights (autocast computes in
+    fp16/bf16), initialised whole from --seed and cut by the tensor-parallel plan
+    (``horse.parallel.build_model``), so every tp size starts from the same weights; then
+    --init-from's weights when pretrained, and --activation-checkpointing. Data parallelism comes
+    after (``horse.parallel.data_parallel``)."""
     model = build_model(config, backend, parallel, device, cfg.seed)
     model.fused_loss = cfg.fused_loss
-    if cfg.init_from and ckpt is None:
+    if pretrained:
         hf.load_pretrained(cfg.init_from, model, parallel)
     if cfg.activation_checkpointing:
         recipes.checkpoint_blocks(model)
-    loss_fn = recipes.compile_loss(model, parallel.tp_size == 1) if cfg.compile else model.loss
-    if parallel.dp_size > 1:  # gradients averaged over the replicas in buckets, during the backward
-        loss_fn = data_parallel(model, loss_fn, parallel)
-    optimizer = optim.make_optimizer(model, cfg, device)
-    scaler = LossScaler.from_config(cfg, precision == "fp16", parallel)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
-    autocast = (lambda: torch.autocast(device, dtype)) if dtype else contextlib.nullcontext
-    dp = {"dp_rank": parallel.dp_rank, "dp_size": parallel.dp_size}
-    train_loader = Loader(train_split, cfg.batch_size, seq_len, cfg.seed, device, **dp)
-    held_out = HeldOut(val_split, cfg.eval_tokens, seq_len, cfg.batch_size, device, **dp)
-    tokens_per_step = cfg.batch_size * seq_len * grad_accum * parallel.dp_size  # the whole job's
-    max_steps = math.ceil(cfg.max_tokens / tokens_per_step) if cfg.max_tokens else cfg.max_steps
-    step = 0
-    if ckpt is not None:
-        step = checkpoint.restore_run(ckpt, model, optimizer, scaler, train_loader, parallel)
+    return model
 
-    flops_per_step = flops_per_token(config, seq_len) * tokens_per_step  # the whole model's
-    peak = peak_flops(device, cfg.peak_tflops)
-    where = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-    note = backend_note
-    if device == "cpu" and backend == "triton" and not runtime.INTERPRET:
-        note = " (on the CPU with TRITON_INTERPRET unset: the fused layers run their float32 reference)"
-    log(f"horse.train on {where} | backend {backend}{note} | precision {precision}")
-    log(recipes.describe(cfg))
-    if parallel.distributed:
-        log(
-            f"parallel: {parallel.world_size} processes ({dist.get_backend()}) = tp {parallel.tp_size}"
-            f"{' (sequence parallel)' if parallel.sequence_parallel else ''} x dp {parallel.dp_size}"
-            + (f" | restart {restarts}" if restarts else "")
+
+def _log_start(run: Run, backend_note: str, train_split: Split, val_split: Split, seq_len: int) -> None:
+    """The run's first lines: where it computes, the recipe, the parallel layout, the model, the
+    data and batch, the run directory."""
+    cfg, config, parallel = run.cfg, run.config, run.parallel
+    if run.device == "cuda":
+        where = torch.cuda.get_device_name()
+    else:
+        where = f"CPU ({torch.get_num_threads()} threads)"
+    if run.device == "cpu" and run.backend == "triton" and not runtime.INTERPRET:
+        backend_note = (
+            " (on the CPU with TRITON_INTERPRET unset: the fused layers run their float32 reference)"
         )
-    log(
+    run.log(f"horse.train on {where} | backend {run.backend}{backend_note} | precision {run.precision}")
+    run.log(recipes.describe(cfg))
+    if parallel.distributed:
+        sequence_parallel = " (sequence parallel)" if parallel.sequence_parallel else ""
+        restart = f" | restart {run.restarts}" if run.restarts else ""
+        fsdp = ""
+        if parallel.fsdp:
+            fsdp = f" (FSDP2: dp_replicate {parallel.dp_replicate_size} x dp_shard {parallel.dp_shard_size})"
+        run.log(
+            f"parallel: {parallel.world_size} processes ({dist.get_backend()}) = tp {parallel.tp_size}"
+            f"{sequence_parallel} x dp {parallel.dp_size}{fsdp}{restart}"
+        )
+    run.log(
         f"model {cfg.init_from or cfg.preset}: {num_params(config) / 1e6:.2f}M parameters, "
         f"{config.n_layer} layers, d_model "
         f"{config.d_model}, {config.n_head} heads ({config.kv_heads} kv), vocabulary {config.vocab_size}, "
         f"{config.positions} positions, {config.norm}, {config.mlp} | "
-        f"{flops_per_step / tokens_per_step / 1e9:.3f} GFLOP per token"
+        f"{run.flops_per_step / run.tokens_per_step / 1e9:.3f} GFLOP per token"
     )
-    log(
-        f"data {train_split.name}: {sum(map(len, train_split.shards)):,} train / "
-        f"{sum(map(len, val_split.shards)):,} val tokens ({tokenizer.name}, evaluated on the first "
-        f"{held_out.tokens:,}) | {cfg.batch_size} x {seq_len} tokens x {grad_accum} x dp "
-        f"{parallel.dp_size} = {tokens_per_step:,} tokens per step, {max_steps} steps"
+    train_tokens = sum(map(len, train_split.shards))
+    val_tokens = sum(map(len, val_split.shards))
+    run.log(
+        f"data {train_split.name}: {train_tokens:,} train / {val_tokens:,} val tokens ({run.tokenizer.name}, "
+        f"evaluated on the first {run.held_out.tokens:,}) | {cfg.batch_size} x {seq_len} tokens x "
+        f"{run.step_cfg.grad_accum} x dp {parallel.dp_size} = {run.tokens_per_step:,} tokens per step, "
+        f"{run.max_steps} steps"
     )
-    log(f"out {out_dir}" + (f" | resumed from {ckpt.name}" if ckpt is not None else ""))
+    resumed = f" | resumed from {run.resumed_from.name}" if run.resumed_from is not None else ""
+    run.log(f"out {run.out_dir}{resumed}")
     if warning := preemption.restart_store_warning():
-        log(warning)
-
-    metrics_path = run_log.start(out_dir, cfg, config, step if ckpt else None) if main_rank else None
-
-    records = []
-    last_ckpt = ckpt
-    saved = (model, optimizer, scaler, train_loader, cfg, tokenizer, cfg.keep_last, parallel)  # by save_run
-    failing_rank = min(1, parallel.world_size - 1)
-    bar = tqdm(
-        total=max_steps, initial=step, unit="step", disable=None if main_rank else True, dynamic_ncols=True
-    )
-    metrics_file = open(metrics_path, "a") if main_rank else contextlib.nullcontext()  # noqa: SIM115
-    preempt = preemption.Preemption(preemption.parse_signals(cfg.save_on_signal), device)
-    with metrics_file as metrics, profiler(cfg.profile_steps, out_dir, device) as trace, preempt:
-        while step < max_steps:
-            if step + 1 == cfg.fail_at_step and parallel.rank == failing_rank and restarts == 0:
-                raise RuntimeError(
-                    f"--fail-at-step {cfg.fail_at_step}: injected failure on rank {failing_rank}"
-                )
-            t0 = time.perf_counter()
-            lr = optim.lr_at(step, max_steps, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss, grad_norm, skipped = train_step(
-                loss_fn, train_loader.next, model, optimizer, scaler, step_cfg, parallel, autocast
-            )
-            loss = loss.item()
-            dt = time.perf_counter() - t0
-            step += 1
-            if not math.isfinite(loss):  # fp16 too: no loss scale makes an inf forward finite
-                raise FloatingPointError(
-                    f"loss is {loss} at step {step}: training diverged (try a lower --lr)"
-                )
-            scaler.check(step, loss)
-
-            record = {
-                "step": step,
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "loss_scale": scaler.get_scale() if scaler.is_enabled() else None,
-                "skipped": skipped,
-                "tokens": step * tokens_per_step,
-                "tokens_per_s": tokens_per_step / dt,
-                "mfu": flops_per_step / dt / (peak * parallel.world_size) if peak else None,
-                "time_s": time.perf_counter() - start_time,
-            }
-            if step % cfg.eval_interval == 0 or step == max_steps:
-                record["val_loss"] = evaluate(model, held_out, autocast, parallel)
-            if main_rank and (
-                step % cfg.log_interval == 0 or step == max_steps or "val_loss" in record or skipped
-            ):
-                tqdm.write(run_log.line(record, max_steps))
-            if main_rank:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-            records.append(record)
-            bar.set_postfix_str(f"loss {loss:.4f}")
-            bar.update()
-            signum = preempt.agreed()  # a collective: every rank stops after the same step
-            if (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == max_steps or signum:
-                try:
-                    with preempt.saving():  # where a second signal aborts
-                        last_ckpt = checkpoint.save_run(out_dir, step, *saved)
-                except checkpoint.SaveError as e:
-                    if cfg.on_save_error == "stop" or step == max_steps or signum:
-                        raise
-                    retry = min(max_steps, (step // cfg.ckpt_interval + 1) * cfg.ckpt_interval)
-                    log(f"warning: {e}; training goes on (--on-save-error continue), next try: step {retry}")
-            if signum:
-                log(
-                    f"preempted: {signum.name} during step {step}; step {step} finished and saved in "
-                    f"{last_ckpt}; exiting {preemption.PREEMPTED} (continue with --resume)"
-                )
-                raise preemption.Preempted()
-            if trace is not None:
-                trace.step()
-    bar.close()
-
-    log(f"done: {step} steps in {time.perf_counter() - start_time:.0f} s; checkpoint {last_ckpt}")
-    if cfg.sample_tokens and main_rank:
-        if parallel.tp_size > 1:  # generation runs on a whole model: the shards just saved, gathered
-            model = GPT(config, backend).to(device)
-            checkpoint.load_weights(last_ckpt, model)
-        model.eval()
-        prompt = torch.tensor([tokenizer.encode(cfg.sample_prompt)], device=device)
-        generator = torch.Generator(device).manual_seed(cfg.seed)
-        with autocast():
-            out = generate(model, prompt, cfg.sample_tokens, 0.8, 40, tokenizer.vocab_size, generator)
-        print(f"----- sample: {cfg.sample_tokens} tokens, temperature 0.8, top-k 40 -----")
-        print(tokenizer.decode(out[0].tolist()))
-        print(f"----- more: python -m horse.generate --ckpt {out_dir} --prompt ...")
-    return records
+        run.log(warning)
 
 
 if __name__ == "__main__":

@@ -64,8 +64,8 @@ def check_descriptor_strides_in_bytes() -> None:
 
 
 def record_tma_choices(monkeypatch, module) -> list:
-    """The verdicts of ``module.tma_usable`` (horse.kernels.attention.launch's, horse.kernels.mlp's) for
-    every launch from now on, in order."""
+    """The verdicts of ``module.tma_usable`` (horse.kernels.attention.launch's or horse.kernels.mlp.launch's)
+    for every launch from now on, in order."""
     choices = []
     decide = module.tma_usable
 

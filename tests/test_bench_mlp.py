@@ -145,10 +145,10 @@ def test_addmm_gelu_is_tanh_gelu_with_bias_and_refuses_other_activations():
 
 
 def test_ours_pointer_times_every_gemm_without_tma(monkeypatch):
-    from horse.kernels import mlp as kernels_mlp
+    from horse.kernels.mlp import launch as kernels_mlp
 
     seen = []
-    call = timing.without_tma(lambda: seen.append(kernels_mlp.USE_TMA), "horse.kernels.mlp")
+    call = timing.without_tma(lambda: seen.append(kernels_mlp.USE_TMA), "horse.kernels.mlp.launch")
     call()
     assert seen == [False] and kernels_mlp.USE_TMA is True
     pointer = [c for c in mlp.cases(quick=True) if c.implementation == "ours-pointer"]
@@ -162,7 +162,7 @@ def test_ours_pointer_times_every_gemm_without_tma(monkeypatch):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("model", [GPT2, LLAMA], ids=["gpt2", "llama"])
 def test_decode_cases_run_and_check(model, monkeypatch):
-    # One token: ours takes the split-K path (horse.kernels.mlp.split_k) and its check passes.
+    # One token: ours takes the split-K path (horse.kernels.mlp.configs.split_k) and its check passes.
     monkeypatch.setattr(
         mlp.timing, "rotating_inputs", lambda make_copy, bytes_per_copy, device: [make_copy()]
     )

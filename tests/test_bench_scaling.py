@@ -84,16 +84,101 @@ def test_dp_allreduce_by_hand():
     assert scaling.exposed_dp_ms(dp_ms=1.0, compute_ms=12.0) == 0
 
 
+UNTIED = dataclasses.replace(LLAMA_LIKE, tie_embeddings=False)  # LLaMA's own LM head
+
+
 @pytest.mark.parametrize(
     "config, tp",
-    [(SMALL, 1), (SMALL, 2), (SMALL, 4), (LLAMA_LIKE, 1), (LLAMA_LIKE, 2), (preset("gpt2-350m"), 4)],
+    [
+        (SMALL, 1),
+        (SMALL, 2),
+        (SMALL, 4),
+        (LLAMA_LIKE, 1),
+        (LLAMA_LIKE, 2),
+        (UNTIED, 2),
+        (preset("gpt2-350m"), 4),
+    ],
 )
 def test_local_params_count_what_a_rank_holds(config, tp):
     with torch.device("meta"):
         rank = parallelize(GPT(config, "reference"), Parallel(tp_size=tp))
     assert scaling.local_params(config, tp) == rank.num_params()
+    block = sum(p.numel() for p in rank.blocks[0].parameters())
+    assert scaling.block_params(config, tp) == block
+    assert scaling.root_params(config, tp) == rank.num_params() - config.n_layer * block
     if tp == 1:
         assert scaling.local_params(config, 1) == num_params(config)
+
+
+def test_the_llama_shapes_are_llama_3s_sizes():
+    assert num_params(scaling.LLAMA_SHAPES["llama-8b"]) == 8_030_261_248
+    assert num_params(scaling.LLAMA_SHAPES["llama-70b"]) == 70_553_706_496
+
+
+def _dp_bytes(config, layout) -> float:
+    """Bytes a GPU sends in one step's data-parallel collectives (ring), by the model's list."""
+    calls = scaling.data_parallel_collectives(config, layout)
+    size = {"dp_shard": layout.dp_shard, "dp_replicate": layout.dp_replicate}
+    return sum(c.count * scaling.ring_factor(c.kind, size[c.group]) * c.size_bytes for c in calls)
+
+
+def test_fsdp_and_hsdp_collectives_and_state_by_hand():
+    config, n = SMALL, SMALL.n_layer
+    block, root = scaling.block_params(config, 1), scaling.root_params(config, 1)
+    local = n * block + root
+    fsdp = scaling.Layout(tp=1, dp_shard=4, dp_replicate=1)
+    # float16 gathers: every block and the root before the forward, every block but the last again
+    # before the backward; float32 reduce-scatters of every gradient; a ring moves 3/4 of each.
+    gathered = 2 * (local + (n - 1) * block)
+    assert _dp_bytes(config, fsdp) == pytest.approx(0.75 * (gathered + 4 * local))
+    calls = {c.name: c.count for c in scaling.data_parallel_collectives(config, fsdp)}
+    assert calls == {
+        "root_gather": 1,
+        "block_gather": n,
+        "block_regather": n - 1,
+        "block_grads": n,
+        "root_grads": 1,
+    }
+    # HSDP: then each quarter of the float32 gradients all-reduced over the 2 replicas.
+    hsdp = scaling.Layout(tp=1, dp_shard=4, dp_replicate=2)
+    assert _dp_bytes(config, hsdp) == pytest.approx(_dp_bytes(config, fsdp) + 1.0 * 4 * local / 4)
+    ddp = scaling.Layout(tp=1, dp_shard=1, dp_replicate=8)
+    assert _dp_bytes(config, ddp) == pytest.approx(1.75 * 4 * local)
+    # State: 16 bytes a parameter (+4 of DDP's buckets), or a quarter of 16 and the float16 root
+    # and two blocks gathered.
+    assert scaling.state_bytes_per_gpu(config, ddp) == 20 * local
+    assert scaling.state_bytes_per_gpu(config, fsdp) == 16 * local / 4 + 2 * (root + 2 * block)
+
+
+def test_what_the_compute_hides_and_which_links_carry_it():
+    config = preset("gpt2-350m")
+    fsdp = scaling.Layout(tp=2, dp_shard=4, dp_replicate=2)  # shards inside a node, replicas across
+    total, exposed = scaling.data_parallel_ms(config, fsdp, 1e9, 450.0, 50.0, 0.0)
+    # Behind ample compute, only what nothing can overlap: the first gathers (the root's, block 0's)
+    # and the last reduce-scatters (block 0's, the root's) with their all-reduces over the replicas.
+    one = {
+        c.name: scaling.collective_ms(c, fsdp, 450.0, 50.0, 0.0)
+        for c in scaling.data_parallel_collectives(config, fsdp)
+    }
+    first_and_last = (
+        "root_gather",
+        "block_gather",
+        "block_grads",
+        "root_grads",
+        "block_replicas",
+        "root_replicas",
+    )
+    assert exposed == pytest.approx(sum(one[name] for name in first_and_last))
+    assert scaling.data_parallel_ms(config, fsdp, 0.0, 450.0, 50.0, 0.0) == pytest.approx((total, total))
+    ddp = scaling.Layout(tp=2, dp_shard=1, dp_replicate=8)
+    ddp_total, _ = scaling.data_parallel_ms(config, ddp, 0.0, 450.0, 50.0, 0.0)
+    assert scaling.data_parallel_ms(config, ddp, 3.0, 450.0, 50.0, 0.0)[1] == pytest.approx(ddp_total - 2.0)
+    # A shard group inside a node rides NVLink; one that spans nodes the links between them.
+    gather = scaling.data_parallel_collectives(config, fsdp)[0]
+    inside = scaling.collective_ms(gather, fsdp, 450.0, 50.0, 0.0)
+    across = scaling.collective_ms(gather, scaling.Layout(2, 8, 1), 450.0, 50.0, 0.0)
+    assert inside == pytest.approx(0.75 * gather.size_bytes / 450e9 * 1e3)
+    assert across == pytest.approx(0.875 * gather.size_bytes / 50e9 * 1e3)
 
 
 def test_memory_bound_work_of_the_stream_shrinks_with_tp_only_under_sequence_parallelism():
@@ -163,6 +248,18 @@ def test_the_rank_step_a_gpu_would_time_runs_and_trains(config, tp):
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
 
 
+def test_the_data_parallel_table_is_estimated_and_picks_a_layout_that_fits(capsys, tmp_path):
+    out_json = tmp_path / "scaling.json"
+    scaling.main(["--presets", "gpt2-124m", "--models", "gpt2-350m", "llama-70b", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert "Data parallelism over 2 node(s) of 8 GPUs: DDP, FSDP2 and HSDP, ESTIMATED" in out
+    rows = {(r["model"], r["layout"]): r for r in json.loads(out_json.read_text())["data_parallel_rows"]}
+    assert rows[("llama-70b", "tp 8 x DDP 2")]["fits"] is False  # 70.6B x 20 bytes / 8 = 176 GB a GPU
+    assert rows[("llama-70b", "tp 8 x dp_shard 2 x dp_replicate 1")]["fits"] is True
+    picked = [line for line in out.splitlines() if line.startswith("llama-70b on 2 node(s): ")]
+    assert len(picked) == 1 and "dp_shard" in picked[0]
+
+
 def test_bad_flags_fail_before_any_work():
     with pytest.raises(ValueError, match="unknown preset"):
         scaling.parse_args(["--presets", "gpt9"])
@@ -170,3 +267,7 @@ def test_bad_flags_fail_before_any_work():
         scaling.parse_args(["--tp", "3"])
     with pytest.raises(SystemExit):
         scaling.parse_args(["--sequence-parallel", "--seq-len", "1022"])
+    with pytest.raises(SystemExit):
+        scaling.parse_args(["--models", "llama-9b"])
+    with pytest.raises(SystemExit):
+        scaling.parse_args(["--nodes", "0"])

@@ -16,7 +16,8 @@ from bench import timing, tune
 from horse.kernels import runtime
 from horse.kernels.attention import configs as attention_configs
 from horse.kernels.attention.configs import AttnConfig
-from horse.kernels.mlp import GemmConfig
+from horse.kernels.mlp import configs as mlp_configs
+from horse.kernels.mlp.configs import GemmConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,7 +115,7 @@ def test_targets_point_at_the_tables_and_shapes_of_their_class():
     assert dq.table is attention_configs.BWD_DQ_CONFIGS["sm90"] and not dq.persistent
     targets = tune.mlp_targets(["fwd", "gated_fwd", "dh_bwd", "gated_dh_bwd"], ["large", "medium"])
     assert len(targets) == 8  # each (gemm, class) shape checked to fall in its class
-    assert targets[0].table is mlp.GEMM_CONFIGS["sm90"]["fwd"] and targets[0].key == "large"
+    assert targets[0].table is mlp.configs.GEMM_CONFIGS["sm90"]["fwd"] and targets[0].key == "large"
     a100, a100_packed = tune.attention_targets(["fwd"], [128], seqlen=4096, arch=runtime.SM80)
     assert a100.table is attention_configs.FWD_CONFIGS["sm80"] and not a100.tma  # no TMA before sm_90
     assert a100_packed.table is attention_configs.PACKED_FWD_CONFIGS["sm80"]
@@ -188,12 +189,13 @@ def test_every_target_checks_and_times_a_candidate(tiny_targets_on_the_cpu):
 def test_compile_filter_passes_the_tables_and_rejects_shared_memory_over_budget():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     script = (
-        "from bench import tune; from horse.kernels import mlp; from horse.kernels.attention import configs; "
+        "from bench import tune; from horse.kernels.attention import configs; "
+        "from horse.kernels.mlp.configs import GEMM_CONFIGS; "
         "[fwd, packed] = tune.attention_targets(['fwd'], [128], 4096); "
         "[gemm] = tune.mlp_targets(['fwd'], ['medium']); "
         "print(tune.compiles_clean(fwd.compile_configs(configs.FWD_CONFIGS['sm90'][128]))); "
         "print(tune.compiles_clean(fwd.compile_configs(configs.AttnConfig(128, 256, 8, 4, tma=False)))); "
-        "print(tune.compiles_clean(gemm.compile_configs(mlp.GEMM_CONFIGS['sm90']['fwd']['medium']))); "
+        "print(tune.compiles_clean(gemm.compile_configs(GEMM_CONFIGS['sm90']['fwd']['medium']))); "
         "variants = packed.compile_configs(configs.PACKED_FWD_CONFIGS['sm90'][128]); "
         "print(tune.compiles_clean(variants)); print(sorted(c.shape_class for c in variants))"
     )
@@ -386,57 +388,58 @@ def test_compile_only_cli_finds_a_real_entry_clean(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     [result] = json.loads(out.read_text()).values()
-    assert result["clean"] == result["table"] == dataclasses.asdict(mlp.GEMM_CONFIGS["sm80"]["fwd"]["small"])
+    entry = mlp.configs.GEMM_CONFIGS["sm80"]["fwd"]["small"]
+    assert result["clean"] == result["table"] == dataclasses.asdict(entry)
     assert result["rejected"] == [] and "first clean 64x64x64 w4 s4 (the table's)" in run.stdout
 
 
 @pytest.fixture
 def config_copies(tmp_path, monkeypatch):
-    """The config files copied to tmp_path, where --write writes (mlp.json, attention/configs.json); the
-    compile step a stand-in that spills above 64x64 tiles, run in this process (no TRITON_INTERPRET
-    check to trip)."""
+    """The config files copied to tmp_path, where --write writes (attention/configs.json, mlp/configs.json);
+    the compile step a stand-in that spills above 64x64 tiles, run in this process (no
+    TRITON_INTERPRET check to trip)."""
     from bench.compile_report import compiler
 
-    (tmp_path / "mlp.json").write_text((runtime.CONFIGS_DIR / "mlp.json").read_text())
-    monkeypatch.setattr(runtime, "CONFIGS_DIR", tmp_path)
-    (tmp_path / "attention").mkdir()
-    attention_file = tmp_path / "attention" / "configs.json"
-    attention_file.write_text(attention_configs.CONFIG_FILE.read_text())
-    monkeypatch.setattr(attention_configs, "CONFIG_FILE", attention_file)
+    for family, family_configs in (("attention", attention_configs), ("mlp", mlp_configs)):
+        (tmp_path / family).mkdir()
+        config_file = tmp_path / family / "configs.json"
+        config_file.write_text(family_configs.CONFIG_FILE.read_text())
+        monkeypatch.setattr(family_configs, "CONFIG_FILE", config_file)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     fake = _clean_below(64 * 64, [])
     monkeypatch.setattr(compiler, "compile_in_pool", lambda pool, configs, jobs: fake(configs))
     return tmp_path
 
 
-def test_compile_only_write_puts_the_entries_found_into_the_config_file(config_copies, capsys):
-    from horse.kernels import mlp
-
-    before = (config_copies / "mlp.json").read_text()
-    argv = ["mlp", "--compile-only", "--arch", "sm80", "--gemms", "gated_fwd", "--jobs", "1", "--write"]
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_compile_only_write_puts_the_entries_found_into_the_config_file(arch, config_copies, capsys):
+    # The MLP's file holds every family's entries, sm90's among them.
+    mlp_file = config_copies / "mlp" / "configs.json"
+    before = mlp_file.read_text()
+    argv = ["mlp", "--compile-only", "--arch", arch, "--gemms", "gated_fwd", "--jobs", "1", "--write"]
     assert tune.main(argv) == 0
-    after = (config_copies / "mlp.json").read_text()
-    tables = runtime.load_configs("mlp", GemmConfig, config_copies)["GEMM_CONFIGS"]
-    assert "sm90" not in tables and list(tables) == [f for f in mlp.GEMM_CONFIGS if f != "sm90"]
+    after = mlp_file.read_text()
+    tables = runtime.load_configs(mlp_file, GemmConfig)["GEMM_CONFIGS"]
+    assert list(tables) == list(mlp_configs.GEMM_CONFIGS)
     moved = 0
     for family, gemms in tables.items():
         for gemm, classes in gemms.items():
             for shape_class, got in classes.items():
-                entry = mlp.GEMM_CONFIGS[family][gemm][shape_class]
-                if (family, gemm) != ("sm80", "gated_fwd") or entry.block_m * entry.block_n <= 64 * 64:
+                entry = mlp_configs.GEMM_CONFIGS[family][gemm][shape_class]
+                if (family, gemm) != (arch, "gated_fwd") or entry.block_m * entry.block_n <= 64 * 64:
                     assert got == entry
-                else:  # the first candidate clean in the stand-in
-                    assert got.block_m * got.block_n == 64 * 64 and got.tma is False
+                else:  # the first candidate clean in the stand-in: TMA where the family has it
+                    assert got.block_m * got.block_n == 64 * 64 and got.tma is runtime.ARCHS[arch].tma
                     moved += 1
     assert moved == 2  # large and medium; small's 64x64 entry was clean
     changed = [b for a, b in zip(before.splitlines(), after.splitlines(), strict=True) if a != b]
     assert len(changed) == moved and all('"block_m": 64, "block_n": 64' in line for line in changed)
-    assert f"wrote 3 entries to {config_copies / 'mlp.json'}" in capsys.readouterr().out
+    assert f"wrote 3 entries to {mlp_file}" in capsys.readouterr().out
 
 
 def attention_tables(config_copies) -> dict:
     """The attention tables as the copy of their config file holds them."""
-    return runtime.load_configs("configs", AttnConfig, config_copies / "attention")
+    return runtime.load_configs(config_copies / "attention" / "configs.json", AttnConfig)
 
 
 def test_compile_only_write_keeps_one_forward_entry_for_padded_and_packed(config_copies):

@@ -357,11 +357,10 @@ def test_every_family_has_an_entry_in_every_table():
                   attention_configs.BWD_DKDV_CONFIGS, attention_configs.BWD_DQ_CONFIGS):  # fmt: skip
         assert set(table) == set(runtime.ARCHS)
         assert all(set(entries) == {16, 32, 64, 128, 256} for entries in table.values())
-    assert set(mlp.GEMM_CONFIGS) == set(runtime.ARCHS)
-    for tables in mlp.GEMM_CONFIGS.values():
-        assert {k: set(v) for k, v in tables.items()} == {
-            k: set(v) for k, v in mlp.GEMM_CONFIGS["sm90"].items()
-        }
+    gemm_tables = mlp.configs.GEMM_CONFIGS
+    assert set(gemm_tables) == set(runtime.ARCHS)
+    for tables in gemm_tables.values():
+        assert {k: set(v) for k, v in tables.items()} == {k: set(v) for k, v in gemm_tables["sm90"].items()}
     for name, arch in runtime.ARCHS.items():
         configs = compile_report.all_configs([name])
         assert {c.arch for c in configs} == {name}
@@ -543,7 +542,7 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
     }
     bwd = attention_entry_configs("BWD_DQ_CONFIGS", cfg, 128, runtime.SM80)
     assert len(bwd) == 24 and not any(c.descriptors for c in bwd)  # padded and packed, no TMA on sm_80
-    gemm = mlp.GemmConfig(128, 128, 64, 8, 8, 4)
+    gemm = mlp.configs.GemmConfig(128, 128, 64, 8, 8, 4)
     assert len(mlp_entry_configs("fwd", "large", gemm, runtime.SM90)) == 8
     assert len(mlp_entry_configs("fwd", "large", gemm, runtime.SM86)) == 4
     sm86_dkdv = attention_entry_configs(
@@ -655,7 +654,15 @@ def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_wi
     one_rank = loss.VocabShard(0, 70, all_reduce_max=lambda t: None, all_reduce_sum=lambda t: None)
     xs, ws = torch.randn(5, 16), torch.randn(70, 16)
     loss.linear_cross_entropy_chunks(xs, ws, None, target, torch.ones(5), -100, 0.0, 0.0, True, one_rank)
-    modules = (attention.forward, attention.backward, attention.decode, layernorm, mlp, loss)
+    modules = (
+        attention.forward,
+        attention.backward,
+        attention.decode,
+        layernorm,
+        mlp.forward,
+        mlp.backward,
+        loss,
+    )
     defined = {name for module in modules for name, value in vars(module).items()
                if isinstance(value, interpreted) and name.endswith("_kernel")}  # fmt: skip
     assert {name for name, _ in launches} == defined

@@ -11,6 +11,7 @@ bit patterns. The elementwise backward has no dot, and is tested in bfloat16 her
 """
 
 import copy
+import functools
 import itertools
 import zlib
 
@@ -205,13 +206,14 @@ def test_every_gpu_familys_gemm_tiles_match_reference(family, device, monkeypatc
     # small class, 100 x 72 outputs the medium one and 257 x 136 the large one.
     if device != "cpu":
         pytest.skip("a GPU launches its own family's entries (the other tests)")
-    chosen = run_family_tables(monkeypatch, family, mlp, "INTERPRETER_GEMM_BLOCKS", "gemm_config")
-    monkeypatch.setattr(mlp, "LARGE_OUTPUTS", 2**15)
+    chosen = run_family_tables(monkeypatch, family, mlp.configs, "INTERPRETER_GEMM_BLOCKS", "gemm_config")
+    monkeypatch.setattr(mlp.configs, "LARGE_OUTPUTS", 2**15)
     sizes = ((40, 72), (100, 72), (257, 136))
     for kind, (M, H) in itertools.product(("fused_mlp", "fused_gated_mlp"), sizes):
         tensors = make_tensors(kind, (M, 40, H, 24), torch.float16, device, seed=_seed(family, kind, M))
         check(kind, tensors, "gelu_tanh")
-    assert chosen == {cfg for classes in mlp.GEMM_CONFIGS[family].values() for cfg in classes.values()}
+    tables = mlp.configs.GEMM_CONFIGS[family]
+    assert chosen == {cfg for classes in tables.values() for cfg in classes.values()}
 
 
 # K, H and D multiples of 8 (rows of 16-byte multiples in float16, as TMA needs), none a tile
@@ -234,17 +236,17 @@ GEMM_TABLES = {
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointer"])
 @pytest.mark.parametrize("kind", list(TMA_SHAPES))
 def test_tma_and_pointer_loads_both_match_reference(kind, use_tma, device, monkeypatch):
-    monkeypatch.setattr(mlp, "USE_TMA", use_tma)
-    choices = record_tma_choices(monkeypatch, mlp)
+    monkeypatch.setattr(mlp.launch, "USE_TMA", use_tma)
+    choices = record_tma_choices(monkeypatch, mlp.launch)
     sizes = TMA_SHAPES[kind]
     check(kind, make_tensors(kind, sizes, torch.float16, device, seed=_seed(kind, "tma")), "gelu")
     M, N = sizes[0], sizes[-2 if kind.startswith("fused") else -1]
-    allowed = [mlp.gemm_config(table, M, N, torch.device(device)).tma for table in GEMM_TABLES[kind]]
+    allowed = [mlp.configs.gemm_config(table, M, N, torch.device(device)).tma for table in GEMM_TABLES[kind]]
     assert choices == [use_tma and a and device_has_tma(device) for a in allowed]
 
 
 def test_unaligned_operands_take_the_pointer_path(device, monkeypatch):
-    choices = record_tma_choices(monkeypatch, mlp)
+    choices = record_tma_choices(monkeypatch, mlp.launch)
     # K = 33 and H = 100: rows of x, w_in (66 bytes) and w_out (200) are not multiples of 16.
     check("fused_mlp", make_tensors("fused_mlp", (100, 33, 100, 40), torch.float16, device, seed=9), "gelu")
     assert choices == [False, False]
@@ -298,12 +300,12 @@ def test_elementwise_backward_in_bfloat16(activation, kind, device):
     pres = {w: torch.nn.functional.linear(t["x"].float(), t[w].float(), bias).bfloat16() for w in weights}
     dy, x = t["dy"], t["x"]
     if gated:
-        dx, dw_gate_up = mlp.gated_linear_bwd(
+        dx, dw_gate_up = mlp.launch.gated_linear_bwd(
             dy, x, t["w_gate"], t["w_up"], *pres.values(), activation, [True] * 3
         )
         grads = (dx, *dw_gate_up.tensor_split(2))  # one GEMM's (2N, K): [dW_gate; dW_up]
     else:
-        grads = mlp.linear_act_bwd(dy, x, t["weight"], pres["weight"], True, activation, [True] * 2)
+        grads = mlp.launch.linear_act_bwd(dy, x, t["weight"], pres["weight"], True, activation, [True] * 2)
     ours = dict(zip(["dx"] + [f"d{w}" for w in weights] + ([] if gated else ["dbias"]), grads, strict=True))
 
     def graph(leaves, round_to):
@@ -360,8 +362,8 @@ def test_backward_is_deterministic(kind, device):
 @pytest.mark.parametrize("kind", ["linear_act", "gated_linear", "fused_mlp", "fused_gated_mlp"])
 def test_without_grad_nothing_is_saved_and_the_output_is_the_same(kind, device, monkeypatch):
     store_pre = []  # the flag each forward launch got
-    launch = mlp._fwd_gemm
-    monkeypatch.setattr(mlp, "_fwd_gemm", lambda *args: store_pre.append(args[-1]) or launch(*args))
+    launch = mlp.launch._fwd_gemm
+    monkeypatch.setattr(mlp.launch, "_fwd_gemm", lambda *args: store_pre.append(args[-1]) or launch(*args))
     sizes = (33, 40, 50) if kind.endswith("linear") or kind == "linear_act" else (33, 40, 50, 24)
     inputs = {k: v for k, v in make_tensors(kind, sizes, torch.float16, device).items() if k != "dy"}
     with torch.no_grad():
@@ -391,11 +393,10 @@ def test_cpu_without_interpreter_uses_the_reference_and_takes_float32(monkeypatc
     assert half.dtype == torch.float16
 
 
+# Each with an activation (required, keyword-only), so that a case fails only on what it names.
 LINEAR, GATED, MLP, GATED_MLP = (
-    kernels.linear_act,
-    kernels.gated_linear,
-    kernels.fused_mlp,
-    kernels.fused_gated_mlp,
+    functools.partial(fn, activation="gelu_tanh")
+    for fn in (kernels.linear_act, kernels.gated_linear, kernels.fused_mlp, kernels.fused_gated_mlp)
 )
 BAD_INPUTS = [
     (lambda t: LINEAR(t["x"], t["w_in"][:, :8]), ValueError,
@@ -582,7 +583,7 @@ def test_gpu_every_shape_class_and_dtype(shape, kind, dtype):
 @pytest.mark.parametrize("kind", ["linear_act", "gated_linear", "fused_mlp", "fused_gated_mlp"])
 def test_gpu_pointer_loads(kind, dtype, monkeypatch):
     # Aligned shapes take TMA in the other GPU tests; here every GEMM takes the pointer path.
-    monkeypatch.setattr(mlp, "USE_TMA", False)
+    monkeypatch.setattr(mlp.launch, "USE_TMA", False)
     sizes = (1000, 768, 3072, 768)[: 3 if kind in ("linear_act", "gated_linear") else 4]
     check(kind, make_tensors(kind, sizes, dtype, "cuda"), "silu" if "gated" in kind else "gelu_tanh")
 
@@ -733,7 +734,7 @@ def test_gelu_tanh_by_tanh_approx_stays_within_float16_tolerance_in_the_forward_
     # Pre-activations over [-6, 6]. Worst-case tanh.approx error moves gelu_tanh by 2.46e-4 |z| at
     # most (measured here: 1.48e-3 at z = -6), within the suite's float16 rule; the derivative, whose
     # s (1 - s) z^3 terms multiply it (1.35e-2 at z = -6, 8.3e-3 at z = -5), is not: the backward
-    # keeps the exp2 form (horse.kernels.mlp._act_fwd).
+    # keeps the exp2 form (horse.kernels.mlp.forward._act_fwd).
     z = torch.linspace(-6, 6, 120001, dtype=torch.float64)
     truth, truth_grad = _gelu_tanh_with_tanh_error(z, 0.0)
     for sign in (1, -1):
@@ -770,11 +771,11 @@ from horse.kernels import mlp
 
 counts = {}
 for table in ("fwd", "gated_fwd", "dh_bwd"):
-    cfg = mlp.GEMM_CONFIGS["sm90"][table]["small"]
+    cfg = mlp.configs.GEMM_CONFIGS["sm90"][table]["small"]
     for inline_ptx in (True, False) if table != "dh_bwd" else (None,):
         kc = mlp_gemm_config(table, "small", cfg, mlp.SUPPORTED_DTYPES[0], "gelu_tanh", True)
         if inline_ptx is not None:
-            kc.constexprs["INLINE_PTX"] = inline_ptx
+            kc.constexprs["EPILOGUE"] = kc.constexprs["EPILOGUE"]._replace(inline_ptx=inline_ptx)
         mufu = collections.Counter(re.findall(r"MUFU\\.(\\w+)", sass_loops.sass_of(kc)))
         elements = cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
         counts[f"{table} {inline_ptx}"] = [dict(mufu), elements]
@@ -784,7 +785,7 @@ print(json.dumps(counts))
 
 def test_gelu_tanh_epilogue_takes_one_mufu_an_element_in_sm90_sass():
     """The sm_90 SASS of the small forward GEMMs with gelu_tanh (AOT compiles, no GPU): with
-    INLINE_PTX one MUFU.TANH an element of the tile and no EX2; the exp2 form (the interpreter's
+    inline_ptx one MUFU.TANH an element of the tile and no EX2; the exp2 form (the interpreter's
     path, and the backward's) an EX2 and an RCP an element. Two RCP outside the epilogue either way."""
     counts = _run_without_interpreter(GELU_TANH_SASS)
     for table in ("fwd", "gated_fwd"):
@@ -803,7 +804,7 @@ from horse.kernels import mlp
 
 placement = {}
 for table in ("dh_bwd", "gated_dh_bwd"):
-    cfg = mlp.GEMM_CONFIGS["sm90"][table]["small"]
+    cfg = mlp.configs.GEMM_CONFIGS["sm90"][table]["small"]
     for tma in (False, True):
         sass = sass_loops.sass_of(mlp_gemm_config(table, "small", cfg, torch.float16, "gelu", tma))
         (loop,) = sass_loops.main_loops(sass)
@@ -816,7 +817,8 @@ print(json.dumps(placement))
 def test_dh_gemm_asks_l2_for_its_saved_tiles_inside_its_k_loop_in_sm90_sass():
     """The sm_90 SASS of the small dh GEMMs (AOT, no GPU), pointer and TMA loads: the L2 prefetch of
     the saved pre-activation (and, gated, of up) is issued inside the K loop (during its last
-    PREFETCH_STEPS steps, horse.kernels.mlp._matmul_tile), one a thread per saved tensor, none elsewhere."""
+    PREFETCH_STEPS steps, horse.kernels.mlp.gemm._matmul_tile), one a thread per saved tensor, none
+    elsewhere."""
     run_ = _run_without_interpreter(DH_PREFETCH_SASS)
     for variant, inside in run_.items():
         assert inside == [True] * (2 if variant.startswith("gated") else 1), (variant, inside)
@@ -840,7 +842,7 @@ def test_decode_rows_split_k_and_match_reference(M, kind, device, monkeypatch):
     sms = runtime.num_sms(torch.device(device))
     launches = record_launches(monkeypatch)
     check(kind, make_tensors(kind, (M, 257, 33), torch.float16, device, seed=M), "gelu_tanh")
-    tiles = triton.cdiv(M, mlp.gemm_config("fwd", M, 33, torch.device(device)).block_m)
+    tiles = triton.cdiv(M, mlp.configs.gemm_config("fwd", M, 33, torch.device(device)).block_m)
     splits = triton.cdiv(sms, tiles)
     assert launches[:2] == [("_fwd_kernel", (tiles, splits)), ("_split_k_epilogue_kernel", (1, tiles))]
     assert tiles * splits >= sms
@@ -853,15 +855,16 @@ def test_split_k_fills_an_h200_at_decode_sizes_only():
     # The launcher's rule on the sm90 table with an H200's 132 SMs (no GPU needed): GPT-2 124M's up
     # projection at M = 1 is 48 tiles of 64 x 64, split 3 ways (K = 768, 12 steps) -> 144 programs;
     # LLaMA 7B's gated one (172 tiles), 65 rows and a one-step K stay unsplit.
-    cfg, gated = mlp.GEMM_CONFIGS["sm90"]["fwd"]["small"], mlp.GEMM_CONFIGS["sm90"]["gated_fwd"]["small"]
+    sm90 = mlp.configs.GEMM_CONFIGS["sm90"]
+    cfg, gated = sm90["fwd"]["small"], sm90["gated_fwd"]["small"]
     h200 = torch.device("cpu")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(runtime, "num_sms", lambda device: 132)
-        assert mlp.split_k(cfg, 1, 3072, 768, h200) == 3 and 48 * 3 >= 132
-        assert mlp.split_k(cfg, 64, 1024, 4096, h200) == 9  # 16 tiles, 64 K steps
-        assert mlp.split_k(cfg, 64, 1024, 64, h200) == 1  # one K step: nothing to split
-        assert mlp.split_k(gated, 1, 11008, 4096, h200) == 1
-        assert mlp.split_k(cfg, 65, 3072, 768, h200) == 1
+        assert mlp.configs.split_k(cfg, 1, 3072, 768, h200) == 3 and 48 * 3 >= 132
+        assert mlp.configs.split_k(cfg, 64, 1024, 4096, h200) == 9  # 16 tiles, 64 K steps
+        assert mlp.configs.split_k(cfg, 64, 1024, 64, h200) == 1  # one K step: nothing to split
+        assert mlp.configs.split_k(gated, 1, 11008, 4096, h200) == 1
+        assert mlp.configs.split_k(cfg, 65, 3072, 768, h200) == 1
 
 
 # (M, K, N) past the small class: K a multiple of 8 (TMA operands), none a tile multiple; every one more
@@ -873,12 +876,12 @@ PERSISTENT_SHAPES = [(1, 40, 264), (100, 264, 72), (257, 24, 136), (100, 40, 65)
 @pytest.mark.parametrize("sizes", PERSISTENT_SHAPES, ids=_id)
 @pytest.mark.parametrize("kind", ["linear_act", "gated_linear"])
 def test_persistent_forward_walks_several_tiles_per_program(kind, sizes, device, monkeypatch):
-    monkeypatch.setattr(mlp, "SMALL_ROWS", 0)  # M = 1 takes the medium (persistent) entry too
+    monkeypatch.setattr(mlp.configs, "SMALL_ROWS", 0)  # M = 1 takes the medium (persistent) entry too
     launches = record_launches(monkeypatch)
     check(kind, make_tensors(kind, sizes, torch.float16, device, seed=_seed(kind, sizes)), "gelu_tanh")
     M, _, N = sizes
     table = "fwd" if kind == "linear_act" else "gated_fwd"
-    cfg = mlp.gemm_config(table, M, N, torch.device(device))
+    cfg = mlp.configs.gemm_config(table, M, N, torch.device(device))
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     sms = runtime.num_sms(torch.device(device))
     if cfg.persistent and N % 8 == 0:
@@ -893,10 +896,64 @@ def test_persistent_forward_walks_several_tiles_per_program(kind, sizes, device,
 def test_gpt2_up_projections_run_the_persistent_kernel_one_program_an_h200_sm(d_model, hidden, monkeypatch):
     # The bench's GPT-2 cases (bench.mlp, 8192 tokens) on sm90's table with an H200's 132 SMs: the
     # launcher is walked, no kernel runs (too large for the interpreter).
-    run_family_tables(monkeypatch, "sm90", mlp, "INTERPRETER_GEMM_BLOCKS", "gemm_config")
+    run_family_tables(monkeypatch, "sm90", mlp.configs, "INTERPRETER_GEMM_BLOCKS", "gemm_config")
     monkeypatch.setattr(runtime, "num_sms", lambda device: 132)
     launches = record_launches(monkeypatch, execute=False)
     x, w = torch.empty(8192, d_model, dtype=torch.float16), torch.empty(hidden, d_model, dtype=torch.float16)
     kernels.linear_act(x, w, torch.empty(hidden, dtype=torch.float16), activation="gelu_tanh")
     kernels.gated_linear(x, w, w, activation="silu")
     assert launches == [("_fwd_persistent_kernel", (132,))] * 2
+
+
+# (M, K, H, D): the small class (M = 1, split-K: 2 column tiles of 64 for the interpreter's 4 stand-in
+# SMs, K = 264 in 5 steps), the medium one and, with LARGE_OUTPUTS lowered, the large one.
+LAUNCH_SHAPES = [(1, 264, 72, 24), (100, 40, 72, 24), (257, 40, 136, 24)]
+
+
+@pytest.mark.parametrize("family", list(runtime.ARCHS))
+def test_every_launch_takes_constexprs_the_compile_report_builds(family, device, monkeypatch):
+    # The report's rows stand for the launches only if each launch's constexprs (the Epilogue group
+    # among them) and warps are one of its configs': every launch of the four functions, forward and
+    # backward, on family's table at its real tiles, as a GPU of the family makes them (inline PTX on
+    # NVIDIA), in float16 with gelu (the report builds every kernel with it). The launchers are
+    # walked; no kernel runs. Stages where the launch sets them (the elementwise kernels take
+    # Triton's default).
+    from bench.compile_report.mlp import mlp_configs
+
+    if device != "cpu":
+        pytest.skip("the walk needs no GPU")
+    run_family_tables(monkeypatch, family, mlp.configs, "INTERPRETER_GEMM_BLOCKS", "gemm_config")
+    monkeypatch.setattr(mlp.configs, "LARGE_OUTPUTS", 2**15)
+    monkeypatch.setattr(mlp.launch, "inline_ptx", lambda t: not runtime.ARCHS[family].hip_target)
+    launches = []
+    monkeypatch.setattr(runtime, "launch", lambda kernel, grid, *args, **kw: launches.append((kernel, kw)))
+    for kind, sizes in itertools.product(
+        ["linear_act", "gated_linear", "fused_mlp", "fused_gated_mlp"], LAUNCH_SHAPES
+    ):
+        if kind in ("linear_act", "gated_linear"):
+            sizes = sizes[:3]
+        run(lambda t, kind=kind: call_ours(kind, t, "gelu"), make_tensors(kind, sizes, torch.float16, device))
+    options = {"num_warps", "num_stages", *runtime.COMPILE_OPTIONS}
+    built = mlp_configs(runtime.ARCHS[family])
+
+    def built_for(kernel, kwargs) -> bool:
+        constexprs = {k: v for k, v in kwargs.items() if k not in options}
+        return any(
+            cfg.fn is kernel
+            and {k: v for k, v in cfg.constexprs.items() if "[" not in k} == constexprs
+            and cfg.num_warps == kwargs["num_warps"]
+            and cfg.num_stages == kwargs.get("num_stages", cfg.num_stages)
+            for cfg in built
+        )
+
+    tables = mlp.configs.GEMM_CONFIGS[family].values()
+    persistent = (
+        {"_fwd_persistent_kernel"} if any(c.persistent for t in tables for c in t.values()) else set()
+    )
+    names = {kernel.__name__ for kernel, _ in launches}
+    assert (
+        names
+        == {"_fwd_kernel", "_split_k_epilogue_kernel", "_dh_act_bwd_kernel", "_act_bwd_kernel"} | persistent
+    )
+    for kernel, kwargs in launches:
+        assert built_for(kernel, kwargs), (kernel.__name__, kwargs)

@@ -77,8 +77,26 @@ def test_the_wheel_installs_horse_alone_with_its_data(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert top_level == {"horse"}
-    for data in ("horse/kernels/attention/configs.json", "horse/kernels/configs/mlp.json"):
+    for data in ("horse/kernels/attention/configs.json", "horse/kernels/mlp/configs.json"):
         assert data in names
     assert "horse/corpus/tinyshakespeare.txt" in names
     packages = {str(path.parent.relative_to(ROOT)) for path in (ROOT / "horse").rglob("__init__.py")}
     assert packages <= {name.rsplit("/", 1)[0] for name in names}, "a horse subpackage is missing"
+
+
+def test_the_trainer_as_a_script_leaves_top_level_kernels_to_hugging_face():
+    # `python horse/train.py` (the README's command) puts horse/ first on sys.path, where horse/kernels
+    # would be found as the top-level `kernels` that transformers imports. Run as that command starts.
+    code = f"""
+import importlib.util, runpy, sys
+sys.path.insert(0, {str(ROOT / "horse")!r})
+sys.argv = ["horse/train.py", "--help"]
+try:
+    runpy.run_path({str(ROOT / "horse" / "train.py")!r}, run_name="__main__")
+except SystemExit:
+    pass
+spec = importlib.util.find_spec("kernels")
+print(spec and spec.origin)
+"""
+    origin = _run_python(code, ROOT).strip().splitlines()[-1]
+    assert not origin.startswith(str(ROOT / "horse")), origin

@@ -85,15 +85,17 @@ def test_config_files_load_as_tables_and_ship_with_the_package():
 
     path = attention_configs.CONFIG_FILE
     assert path == ROOT / "horse" / "kernels" / "attention" / "configs.json"
-    tables = runtime.load_configs(path.stem, attention_configs.AttnConfig, path.parent)
+    tables = runtime.load_configs(path, attention_configs.AttnConfig)
     for name in ("FWD_CONFIGS", "BWD_DKDV_CONFIGS", "BWD_DQ_CONFIGS"):  # sm90's as well
         assert set(tables[name]) == set(runtime.ARCHS) and tables[name] == getattr(attention_configs, name)
         for family in runtime.ARCHS:  # head dims as ints, in order: attn_config looks them up by number
             assert list(tables[name][family]) == [16, 32, 64, 128, 256]
             assert all(isinstance(cfg, attention_configs.AttnConfig) for cfg in tables[name][family].values())
-    others = [name for name in runtime.ARCHS if name != "sm90"]
-    gemms = runtime.load_configs("mlp", mlp.GemmConfig)["GEMM_CONFIGS"]
-    assert list(mlp.GEMM_CONFIGS) == ["sm90", *gemms] and set(gemms) == set(others)
+    # The MLP's file, beside its kernels, holds every family's GEMM tables, sm90's too.
+    config_file = mlp.configs.CONFIG_FILE
+    assert config_file.parent == Path(mlp.__file__).parent
+    gemms = runtime.load_configs(config_file, mlp.configs.GemmConfig)["GEMM_CONFIGS"]
+    assert gemms == mlp.configs.GEMM_CONFIGS and set(gemms) == set(runtime.ARCHS)
     assert all(
         list(classes) == ["large", "medium", "small"] for gemm in gemms.values() for classes in gemm.values()
     )

@@ -155,9 +155,15 @@ def _unpadded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
     # Queries are the last seqlen_q tokens of each row (left padding, as transformers assumes with a cache).
     queries = keys if seqlen_q == mask.shape[1] else _recent.get(sequences_of_mask, mask[:, -seqlen_q:])
     out = flash_attention_varlen(
-        q[queries.rows], k[keys.rows], v[keys.rows],
-        queries.cu_seqlens, keys.cu_seqlens, queries.max_seqlen, keys.max_seqlen, **options,
-    )  # fmt: skip
+        q[queries.rows],
+        k[keys.rows],
+        v[keys.rows],
+        queries.cu_seqlens,
+        keys.cu_seqlens,
+        queries.max_seqlen,
+        keys.max_seqlen,
+        **options,
+    )
     return out.new_zeros(batch, seqlen_q, heads, head_dim).index_put_(queries.rows, out)
 
 
@@ -166,9 +172,15 @@ def _packed(q, k, v, documents: Sequences, documents_k: Sequences, options: dict
     batch, seqlen_q, heads, head_dim = q.shape
     q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))  # (batch · seqlen, heads, head_dim)
     out = flash_attention_varlen(
-        q, k, v, documents.cu_seqlens, documents_k.cu_seqlens, documents.max_seqlen, documents_k.max_seqlen,
+        q,
+        k,
+        v,
+        documents.cu_seqlens,
+        documents_k.cu_seqlens,
+        documents.max_seqlen,
+        documents_k.max_seqlen,
         **options,
-    )  # fmt: skip
+    )
     return out.view(batch, seqlen_q, heads, head_dim)
 
 

@@ -193,9 +193,15 @@ def gpt2_block_forward(
     """GPT-2's block with ``ln_2(attention + residual)`` as one add_layer_norm (cross-attention as before)."""
     if encoder_hidden_states is not None:
         return type(self).forward(
-            self, hidden_states, cache, attention_mask, encoder_hidden_states, encoder_attention_mask,
-            use_cache, **kwargs,
-        )  # fmt: skip
+            self,
+            hidden_states,
+            cache,
+            attention_mask,
+            encoder_hidden_states,
+            encoder_attention_mask,
+            use_cache,
+            **kwargs,
+        )
     residual = hidden_states
     attention_output, _ = self.attn(
         self.ln_1(hidden_states), cache=cache, attention_mask=attention_mask, use_cache=use_cache, **kwargs

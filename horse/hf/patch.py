@@ -69,20 +69,39 @@ def family(model_type: str) -> Family:
         from transformers.models.gpt2 import modeling_gpt2 as gpt2
 
         return Family(
-            nn.LayerNorm, "layer_norm", forwards.layer_norm_forward,
-            gpt2.GPT2MLP, "mlp", forwards.gpt2_mlp_forward, ("c_fc", "c_proj"), Conv1D, "act",
-            gpt2.GPT2Block, "add_layer_norm", forwards.gpt2_block_forward,
-            gpt2.GPT2Attention, gpt2.GPT2LMHeadModel,
-        )  # fmt: skip
+            norm=nn.LayerNorm,
+            norm_kind="layer_norm",
+            norm_forward=forwards.layer_norm_forward,
+            mlp=gpt2.GPT2MLP,
+            mlp_kind="mlp",
+            mlp_forward=forwards.gpt2_mlp_forward,
+            mlp_layers=("c_fc", "c_proj"),
+            mlp_layer_type=Conv1D,
+            mlp_activation="act",
+            layer=gpt2.GPT2Block,
+            layer_kind="add_layer_norm",
+            layer_forward=forwards.gpt2_block_forward,
+            attention=gpt2.GPT2Attention,
+            causal_lm=gpt2.GPT2LMHeadModel,
+        )
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     prefix = _LLAMA_LIKE[model_type]
     return Family(
-        getattr(module, f"{prefix}RMSNorm"), "rms_norm", forwards.rms_norm_forward,
-        getattr(module, f"{prefix}MLP"), "gated_mlp", forwards.gated_mlp_forward,
-        ("gate_proj", "up_proj", "down_proj"), nn.Linear, "act_fn",
-        getattr(module, f"{prefix}DecoderLayer"), "add_rms_norm", forwards.decoder_layer_forward,
-        getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}ForCausalLM"),
-    )  # fmt: skip
+        norm=getattr(module, f"{prefix}RMSNorm"),
+        norm_kind="rms_norm",
+        norm_forward=forwards.rms_norm_forward,
+        mlp=getattr(module, f"{prefix}MLP"),
+        mlp_kind="gated_mlp",
+        mlp_forward=forwards.gated_mlp_forward,
+        mlp_layers=("gate_proj", "up_proj", "down_proj"),
+        mlp_layer_type=nn.Linear,
+        mlp_activation="act_fn",
+        layer=getattr(module, f"{prefix}DecoderLayer"),
+        layer_kind="add_rms_norm",
+        layer_forward=forwards.decoder_layer_forward,
+        attention=getattr(module, f"{prefix}Attention"),
+        causal_lm=getattr(module, f"{prefix}ForCausalLM"),
+    )
 
 
 def register() -> None:
@@ -181,8 +200,10 @@ def apply(model: PreTrainedModel) -> dict[str, list[str]]:
     fam = family(model_type)
     plan = _plan(model, fam)
     if problems := _refusals(model, fam, plan):
-        raise ValueError(f"horse.hf.apply: {type(model).__name__} cannot run the fused kernels exactly: "
-                         + "; ".join(problems))  # fmt: skip
+        raise ValueError(
+            f"horse.hf.apply: {type(model).__name__} cannot run the fused kernels exactly: "
+            + "; ".join(problems)
+        )
     register()
     configs = _configs(model)
     before = [(config, config._attn_implementation_internal) for config in configs]

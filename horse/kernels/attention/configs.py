@@ -47,7 +47,7 @@ class AttnConfig:
 
 
 CONFIG_FILE = pathlib.Path(__file__).with_name("configs.json")  # bench.tune --write updates it
-_TABLES = runtime.load_configs(CONFIG_FILE.stem, AttnConfig, folder=CONFIG_FILE.parent)
+_TABLES = runtime.load_configs(CONFIG_FILE, AttnConfig)
 # Each table: GPU family (runtime.arch) -> padded head dim (16 ... 256) -> entry.
 FWD_CONFIGS = _TABLES["FWD_CONFIGS"]
 # Packed batches' forward: the padded entries (TMA descriptors built per sequence on the device), a
