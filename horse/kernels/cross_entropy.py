@@ -434,9 +434,12 @@ _OPTIONS = "SymInt ignore_index, str reduction, float label_smoothing, float z_l
 
 
 @runtime.custom_op(
-    "cross_entropy_fwd", _cross_entropy_fake, _cross_entropy_backward, _cross_entropy_setup,
+    "cross_entropy_fwd",
+    _cross_entropy_fake,
+    _cross_entropy_backward,
+    _cross_entropy_setup,
     schema=f"(Tensor logits, Tensor target, {_OPTIONS}) -> (Tensor, Tensor)",
-)  # fmt: skip
+)
 def _cross_entropy_fwd_op(logits, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad):
     dloss = row_weight(target, ignore_index, reduction) if compute_grad else None
     if runtime.runs_triton(logits):
@@ -487,10 +490,13 @@ def _linear_backward(ctx, dloss, _ddx, _ddw, _ddb):
 
 
 @runtime.custom_op(
-    "linear_cross_entropy_fwd", _linear_fwd_fake, _linear_backward, _linear_setup,
+    "linear_cross_entropy_fwd",
+    _linear_fwd_fake,
+    _linear_backward,
+    _linear_setup,
     schema=f"(Tensor x, Tensor weight, Tensor? bias, Tensor target, {_OPTIONS}) -> "
     "(Tensor, Tensor, Tensor, Tensor)",
-)  # fmt: skip
+)
 def _linear_cross_entropy_fwd_op(
     x, weight, bias, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad
 ):
@@ -520,9 +526,16 @@ def _linear_cross_entropy_bwd_op(
     z_loss: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _, dx, dw, db = linear_cross_entropy_chunks(
-        x, weight, bias, target, dloss.contiguous(), ignore_index, label_smoothing, z_loss,
+        x,
+        weight,
+        bias,
+        target,
+        dloss.contiguous(),
+        ignore_index,
+        label_smoothing,
+        z_loss,
         runtime.runs_triton(x),
-    )  # fmt: skip
+    )
     return dx, dw, db
 
 
@@ -644,9 +657,14 @@ def cross_entropy(
     _check_vocab(fn, "logits", logits.shape[-1])
     check_target(fn, target, tuple(logits.shape[:-1]), logits.shape[-1], ignore_index, logits.device)
     loss, _ = _cross_entropy_fwd_op(
-        _rows(logits), target.reshape(-1), ignore_index, reduction, float(label_smoothing), float(z_loss),
+        _rows(logits),
+        target.reshape(-1),
+        ignore_index,
+        reduction,
+        float(label_smoothing),
+        float(z_loss),
         _wants_grad(logits),
-    )  # fmt: skip
+    )
     return loss.view(target.shape) if reduction == "none" else loss
 
 
@@ -689,7 +707,14 @@ def linear_cross_entropy(
     check_target(fn, target, tuple(x.shape[:-1]), vocab, ignore_index, x.device)
     (x,) = runtime.autocast(x)  # the weight stays as given: the op casts it, its gradient keeps its dtype
     loss, *_ = _linear_cross_entropy_fwd_op(
-        _rows(x), _rows(weight), bias, target.reshape(-1), ignore_index, reduction,
-        float(label_smoothing), float(z_loss), _wants_grad(x, weight, bias),
-    )  # fmt: skip
+        _rows(x),
+        _rows(weight),
+        bias,
+        target.reshape(-1),
+        ignore_index,
+        reduction,
+        float(label_smoothing),
+        float(z_loss),
+        _wants_grad(x, weight, bias),
+    )
     return loss.view(target.shape) if reduction == "none" else loss
