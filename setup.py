@@ -10,10 +10,10 @@ setup(
     # horse.kernels, not a top-level `kernels`: that is the import name of Hugging Face's package,
     # which transformers imports.
     packages=find_packages(include=["horse", "horse.*"]),
-    # horse: the trainer's built-in corpus; horse.kernels and its family packages: their config tables
+    # horse: the trainer's built-in corpus; the kernel families: their config tables, beside their kernels
     package_data={
         "horse": ["corpus/*.txt"],
-        "horse.kernels": ["configs/*.json"],
+        "horse.kernels.attention": ["configs.json"],
         "horse.kernels.mlp": ["configs.json"],
     },
     python_requires=">=3.11",  # tomllib (bench gates)

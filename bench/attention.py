@@ -5,7 +5,7 @@
 The shape of the published numbers (ANCHORS.md): 16K tokens per batch (batch·seqlen = 16384),
 heads·head_dim = 2048, seqlen 512…16K, equal query and key lengths, causal and not, float16.
 Implementations: ours (``horse.kernels.flash_attention``); ours-pointer, the same kernels with TMA off
-(``horse.kernels.attention.USE_TMA = False``, masked pointer loads) to measure what TMA brings;
+(``horse.kernels.attention.launch.USE_TMA = False``, masked pointer loads) to measure what TMA brings;
 ``scaled_dot_product_attention`` under each
 of ``sdpa_kernel(FLASH_ATTENTION)``, ``CUDNN_ATTENTION``, ``EFFICIENT_ATTENTION`` and ``MATH`` (MATH
 only to seqlen 4K: it materialises the S×S scores), on transposed views; ``torch.compile`` of the
@@ -252,7 +252,7 @@ def _setup(direction: str, make_fn, shape: Shape, pointer_loads=False, make_inpu
     dout as well backward."""
     make_inputs = make_inputs or functools.partial(make_qkv, shape, "cuda")
     read = (3 if direction == "forward" else 5) * shape.numel * DTYPE.itemsize
-    tma_off = "horse.kernels.attention" if pointer_loads else None
+    tma_off = "horse.kernels.attention.launch" if pointer_loads else None
     return timing.setup(make_fn, make_inputs, direction, read, tma_off=tma_off)
 
 

@@ -7,10 +7,10 @@ the out-of-line mbarrier waits sit after the EXIT and branch back into the loop,
 them; a main loop is an innermost one holding tensor-core
 instructions (HGMMA). For each main loop, in code order: instructions per iteration (nop padding
 included, as the anchors count), HGMMA, FMUL, FFMA, MUFU, and instructions per MFLOP of tensor work
-(instructions x warps / MFLOP, the wgmma shapes giving the FLOPs). The config is the table entry of
-``horse.kernels.attention``'s sm90 table for the pass and head dim, compiled as ``bench.compile_report``
-compiles it (fp16, padded batch; with --pointer, the entry's pointer tile; a dk/dv entry with split
-outputs, each of its launches); needs no GPU.
+(instructions x warps / MFLOP, the wgmma shapes giving the FLOPs). The config is the entry of the
+pass's sm90 table (``horse.kernels.attention.configs``) at the head dim, compiled as
+``bench.compile_report`` compiles it (fp16, padded batch; with --pointer, the entry's pointer tile; a
+dk/dv entry with split outputs, each of its launches); needs no GPU.
 """
 
 import argparse
@@ -103,7 +103,7 @@ def sass_of(config: KernelConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from horse.kernels import attention
+    from horse.kernels.attention import configs
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kernel", choices=sorted(ATTENTION_PASSES))
@@ -112,11 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pointer", action="store_true", help="pointer loads even where the entry takes TMA")
     args = parser.parse_args(argv)
     table = next(t for t, (name, _) in ATTENTION_TABLES.items() if name == args.kernel)
-    entry = getattr(attention, table)["sm90"][attention.head_dim_block(args.head_dim)]
+    entry = getattr(configs, table)["sm90"][configs.head_dim_block(args.head_dim)]
     tma = entry.tma and not args.pointer
     cfg = entry.loads(tma)
     # A dk/dv entry with split outputs: each of its launches.
-    for output in attention.dkdv_outputs(cfg) if args.kernel == "attn_bwd_dkdv" else ("dkdv",):
+    for output in configs.dkdv_outputs(cfg) if args.kernel == "attn_bwd_dkdv" else ("dkdv",):
         config = attention_pass_config(
             args.kernel, cfg, args.head_dim, torch.float16, args.mask, tma, output=output
         )

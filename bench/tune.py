@@ -32,9 +32,9 @@ clean for that family in every variant ``bench.compile_report`` builds of an ent
 candidate before it failed. --capability builds each variant for each of several GPUs that take the
 family's entries instead (``--arch sm86 --capability 86 89 120``: Ampere, Ada, consumer Blackwell).
 --write puts the entries found into the family's config file (:func:`config_file`: attention's
-horse/kernels/configs/attention.json, whose sm90 entries stand in the kernel file; mlp's
-horse/kernels/mlp/configs.json, every family's), one a line and the rest of the file as it was; the
-padded and packed forward are then one entry, clean in both's variants.
+horse/kernels/attention/configs.json, mlp's horse/kernels/mlp/configs.json, which the kernels' tables
+load), one a line and the rest of the file as it was; the padded and packed forward are then one
+entry, clean in both's variants.
 """
 
 import argparse
@@ -58,11 +58,13 @@ from bench.compile_report.attention import ATTENTION_MASKS, attention_entry_conf
 from bench.compile_report.config import check_capabilities
 from bench.compile_report.mlp import mlp_entry_configs, mlp_gemm_config
 from bench.report import format_table
-from horse.kernels import attention, runtime
+from horse.kernels import runtime
+from horse.kernels.attention import configs as attention_configs
+from horse.kernels.attention.launch import Packed, attention_bwd, attention_fwd
 from horse.kernels.mlp import configs as mlp_tables
 from horse.kernels.mlp import launch as mlp_launch
 
-ATTENTION_PASSES = {  # --passes name: (compile report pass, table in horse.kernels.attention)
+ATTENTION_PASSES = {  # --passes name: (compile report pass, table in horse.kernels.attention.configs)
     "fwd": ("attn_fwd", "FWD_CONFIGS"),
     "bwd_dkdv": ("attn_bwd_dkdv", "BWD_DKDV_CONFIGS"),
     "bwd_dq": ("attn_bwd_dq", "BWD_DQ_CONFIGS"),
@@ -239,11 +241,11 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
         pass_name, table_name = ATTENTION_PASSES[name]
         shape = bench_attention.benchmark_shape(seqlen, head_dim)
         for packed in (False, True) if name == "fwd" else (False,):  # packed documents: a table of their own
-            table = getattr(attention, "PACKED_FWD_CONFIGS" if packed else table_name)[arch.name]
+            table = getattr(attention_configs, "PACKED_FWD_CONFIGS" if packed else table_name)[arch.name]
             target = Target(
                 title=f"attention {name}{' packed' if packed else ''} d={head_dim} ({arch.name})",
                 table=table,
-                key=attention.head_dim_block(head_dim),
+                key=attention_configs.head_dim_block(head_dim),
                 compile_configs=variants(pass_name, head_dim, packed),
                 check=functools.partial(_attention_check, head_dim, packed),
                 calls=functools.partial(_attention_calls, pass_name, shape, packed),
@@ -276,18 +278,18 @@ def _attention_calls(pass_name: str, shape, packed: bool) -> dict:
         documents = bench_attention.Shape(1, sum(lengths), shape.heads, shape.head_dim)
         q, k, v = (t[0] for t in bench_attention.make_qkv(documents, DEVICE))  # (tokens, heads, head_dim)
         cu = bench_attention.offsets(lengths, DEVICE)
-        batch = attention.Packed(cu, cu, max(lengths), max(lengths))
-        call = functools.partial(attention.attention_fwd, q, k, v, True, scale, packed=batch)
+        batch = Packed(cu, cu, max(lengths), max(lengths))
+        call = functools.partial(attention_fwd, q, k, v, True, scale, packed=batch)
         return {"causal": (call, bench_attention.packed_flops(lengths, shape.heads, shape.head_dim))}
     direction = "forward" if pass_name == "attn_fwd" else "backward"
     q, k, v = bench_attention.make_qkv(shape, torch.device(DEVICE))
     calls = {}
     for causal in (False, True):
-        call = functools.partial(attention.attention_fwd, q, k, v, causal, scale)
+        call = functools.partial(attention_fwd, q, k, v, causal, scale)
         if direction == "backward":
             out, lse = call()
             dout = torch.randn_like(out)
-            call = functools.partial(attention.attention_bwd, dout, None, q, k, v, out, lse, causal, scale)
+            call = functools.partial(attention_bwd, dout, None, q, k, v, out, lse, causal, scale)
         flops = bench_attention.direction_flops(direction, shape, causal)
         calls["causal" if causal else "full"] = (call, flops)
     return calls
@@ -358,7 +360,7 @@ class EntrySearch:
     table_entry: object  # the family's entry now
     candidates: list  # the start first
     variants: Callable[[object], list]
-    # Where --write puts the entry found: (table, family, key...) in the family's config file.
+    # Where --write puts the entry found: (table, family, key...) in the family's config_file.
     entry: tuple = ()
 
 
@@ -423,11 +425,11 @@ def attention_searches(passes, head_dims, arch: runtime.Arch, start_from: runtim
     """An EntrySearch per attention table entry of arch for the passes (the forward's packed table
     too) at the head dims, starting from start_from's entry (default: arch's own)."""
     tma, searches = arch.tma, []
-    block_dims = list(dict.fromkeys(attention.head_dim_block(d) for d in head_dims))
+    block_dims = list(dict.fromkeys(attention_configs.head_dim_block(d) for d in head_dims))
     for name, block_d in itertools.product(passes, block_dims):
         pass_name, padded_table = ATTENTION_PASSES[name]
         for table_name in (padded_table, "PACKED_FWD_CONFIGS") if name == "fwd" else (padded_table,):
-            table = getattr(attention, table_name)
+            table = getattr(attention_configs, table_name)
             start = table[(start_from or arch).name][block_d]
             # Without TMA the family starts from the entry's pointer tile, which its candidates then vary.
             start = start if tma else dataclasses.replace(start.loads(False), tma=False)
@@ -488,9 +490,7 @@ def one_per_entry(searches: list[EntrySearch]) -> list[EntrySearch]:
 
 def config_file(family: str) -> pathlib.Path:
     """The config file of kernel family ("attention", "mlp") that its tables load and --write updates."""
-    if family == "mlp":
-        return mlp_tables.CONFIG_FILE
-    return runtime.CONFIGS_DIR / f"{family}.json"
+    return {"attention": attention_configs.CONFIG_FILE, "mlp": mlp_tables.CONFIG_FILE}[family]
 
 
 def entry_fields(cfg) -> dict:
@@ -676,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
             "--write",
             action="store_true",
             help="with --compile-only: put each entry found into the family's config file "
-            "(horse/kernels/configs/attention.json, without sm90; horse/kernels/mlp/configs.json)",
+            "(horse/kernels/attention/configs.json, horse/kernels/mlp/configs.json)",
         )
         family.add_argument(
             "--capability",
@@ -721,9 +721,9 @@ def _compile_only(parser: argparse.ArgumentParser, args) -> dict:
         parser.error("--compile-only: name the GPU family to search with --arch")
     arch, start_from = runtime.ARCHS[args.arch], args.start_from and runtime.ARCHS[args.start_from]
     if args.family == "attention":
-        head_dims = args.head_dims or sorted(attention.FWD_CONFIGS[arch.name])
-        if max(head_dims) > attention.MAX_HEAD_DIM or min(head_dims) < 1:
-            parser.error(f"--head-dims: 1 to {attention.MAX_HEAD_DIM}, got {head_dims}")
+        head_dims = args.head_dims or sorted(attention_configs.FWD_CONFIGS[arch.name])
+        if max(head_dims) > attention_configs.MAX_HEAD_DIM or min(head_dims) < 1:
+            parser.error(f"--head-dims: 1 to {attention_configs.MAX_HEAD_DIM}, got {head_dims}")
         searches = attention_searches(args.passes, head_dims, arch, start_from)
     else:
         searches = mlp_searches(args.gemms, args.shape_classes or SHAPE_CLASSES, arch, start_from)
@@ -733,7 +733,7 @@ def _compile_only(parser: argparse.ArgumentParser, args) -> dict:
     path = config_file(args.family)
     if args.write:
         if args.arch not in next(iter(json.loads(path.read_text()).values())):
-            parser.error(f"--write: {path} holds no {args.arch} entries (sm90's stand in the kernel files)")
+            parser.error(f"--write: {path} holds no {args.arch} entries")
         searches = one_per_entry(searches)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the interpreter cannot compile kernels")

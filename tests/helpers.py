@@ -64,7 +64,7 @@ def check_descriptor_strides_in_bytes() -> None:
 
 
 def record_tma_choices(monkeypatch, module) -> list:
-    """The verdicts of ``module.tma_usable`` (horse.kernels.attention's or horse.kernels.mlp.launch's)
+    """The verdicts of ``module.tma_usable`` (horse.kernels.attention.launch's or horse.kernels.mlp.launch's)
     for every launch from now on, in order."""
     choices = []
     decide = module.tma_usable

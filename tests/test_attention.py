@@ -17,7 +17,8 @@ from helpers import (
 )
 
 from horse import kernels
-from horse.kernels import attention, reference, runtime
+from horse.kernels import reference, runtime
+from horse.kernels.attention import configs, launch
 
 
 @dataclass(frozen=True)
@@ -158,8 +159,8 @@ def test_window_reads_only_the_key_blocks_inside_it(device):
     shape = Shape(1, 1, 300, 2, 2, 64)
     q, k, v = make_qkv(shape, torch.float16, device)
     block_n = max(
-        attention.attn_config(t, 64, torch.device(device)).block_n
-        for t in (attention.FWD_CONFIGS, attention.BWD_DQ_CONFIGS)
+        configs.attn_config(t, 64, torch.device(device)).block_n
+        for t in (configs.FWD_CONFIGS, configs.BWD_DQ_CONFIGS)
     )
     unread = (shape.seqlen_k - 1 - 33) // block_n * block_n
     poisoned_k, poisoned_v = (t.detach().clone() for t in (k, v))
@@ -293,8 +294,8 @@ def test_varlen_equals_padded_batches_of_its_sequences(device):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointer"])
 def test_varlen_forward_by_tma_and_by_pointers_matches_reference(use_tma, causal, device, monkeypatch):
-    monkeypatch.setattr(attention, "USE_TMA", use_tma)
-    choices = record_tma_choices(monkeypatch, attention)
+    monkeypatch.setattr(launch, "USE_TMA", use_tma)
+    choices = record_tma_choices(monkeypatch, launch)
     case = ([1, 45, 130, 2], [3, 45, 150, 1], 2, 1, 64)
     check_varlen(case, causal, (-1, -1), torch.float16, device)
     assert choices[0] == (use_tma and device_has_tma(device)), "the forward's choice of loads"
@@ -311,13 +312,13 @@ def test_varlen_forward_by_tma_and_by_pointers_matches_reference(use_tma, causal
 )
 def test_varlen_backward_by_tma_matches_reference(case, causal, window, device, monkeypatch):
     arch = runtime.arch(torch.device(device)).name
-    for table in (attention.BWD_DKDV_CONFIGS, attention.BWD_DQ_CONFIGS):
+    for table in (configs.BWD_DKDV_CONFIGS, configs.BWD_DQ_CONFIGS):
         monkeypatch.setitem(
             table, arch, {d: dataclasses.replace(c, tma=True) for d, c in table[arch].items()}
         )
-    dkdv = attention.BWD_DKDV_CONFIGS[arch]
+    dkdv = configs.BWD_DKDV_CONFIGS[arch]
     dkdv[256] = dataclasses.replace(dkdv[256], split_outputs=True, column_splits=1, pointer=None)
-    choices = record_tma_choices(monkeypatch, attention)
+    choices = record_tma_choices(monkeypatch, launch)
     launches = record_launches(monkeypatch)
     check_varlen(case, causal, window, torch.float16, device)
     assert choices == [device_has_tma(device)] * 3, "forward, dk/dv and dq by TMA"
@@ -424,7 +425,7 @@ def test_gqa_dkdv_split_over_query_heads_matches_reference(shape, causal, split,
     # Few key blocks: the dk/dv pass shares each group's query heads among programs (132 SMs stand in
     # for a GPU's in the interpreter); one SM makes the grid large enough without a split.
     if not split:
-        monkeypatch.setattr(attention, "INTERPRETER_NUM_SMS", 1)
+        monkeypatch.setattr(launch, "INTERPRETER_NUM_SMS", 1)
     launches = record_launches(monkeypatch)
     check(shape, causal, torch.float16, device)
     (grid,) = dkdv_grids(launches)
@@ -473,9 +474,9 @@ def test_dkdv_split_outputs_match_reference(shape, causal, window, device, monke
     arch = runtime.arch(torch.device(device)).name
     split = {
         d: dataclasses.replace(c, split_outputs=True, column_splits=1, pointer=None)
-        for d, c in attention.BWD_DKDV_CONFIGS[arch].items()
+        for d, c in configs.BWD_DKDV_CONFIGS[arch].items()
     }
-    monkeypatch.setitem(attention.BWD_DKDV_CONFIGS, arch, split)
+    monkeypatch.setitem(configs.BWD_DKDV_CONFIGS, arch, split)
     launches = record_launches(monkeypatch)
     check(shape, causal, torch.float16, device, window_size=window)
     assert len(dkdv_grids(launches)) == 2
@@ -485,7 +486,7 @@ def test_dkdv_split_outputs_match_reference(shape, causal, window, device, monke
 def test_mqa_dkdv_launches_two_programs_per_sm(head_dim, monkeypatch):
     # MQA, batch 1, 4K keys on an H200 (132 SMs) at the sm90 table's tiles: 32 key blocks of 128 at
     # head dim 128 alone would leave 100 SMs idle. Grids only (the interpreter is too slow here).
-    monkeypatch.setattr(attention, "INTERPRETER_BLOCKS", {})
+    monkeypatch.setattr(configs, "INTERPRETER_BLOCKS", {})
     launches = record_launches(monkeypatch, execute=False)
     q, k, v = make_qkv(Shape(1, 4096, 4096, 16, 1, head_dim), torch.float16, "cpu")
     kernels.flash_attention(q, k, v, causal=True).sum().backward()
@@ -666,18 +667,18 @@ def test_autocast_runs_float32_inputs_in_half_precision(device):
     ids=lambda v: {True: "tma", False: "pointer", (-1, -1): "causal", (50, -1): "window"}.get(v, str(v)),
 )  # fmt: skip
 def test_tma_and_pointer_loads_both_match_reference(shape, window, use_tma, device, monkeypatch):
-    monkeypatch.setattr(attention, "USE_TMA", use_tma)
-    choices = record_tma_choices(monkeypatch, attention)
+    monkeypatch.setattr(launch, "USE_TMA", use_tma)
+    choices = record_tma_choices(monkeypatch, launch)
     check(shape, True, torch.float16, device, window_size=window)
     # Every pass's table entry allows TMA at these head dims (the dk/dv pass at 80 pads to 128).
-    allowed = [attention.attn_config(table, shape.head_dim, torch.device(device)).tma for table in
-               (attention.FWD_CONFIGS, attention.BWD_DKDV_CONFIGS, attention.BWD_DQ_CONFIGS)]  # fmt: skip
+    allowed = [configs.attn_config(table, shape.head_dim, torch.device(device)).tma for table in
+               (configs.FWD_CONFIGS, configs.BWD_DKDV_CONFIGS, configs.BWD_DQ_CONFIGS)]  # fmt: skip
     assert choices == [use_tma and a and device_has_tma(device) for a in allowed]
 
 
 def test_unaligned_strides_take_the_pointer_path(device, monkeypatch):
     # head_dim 20: a row of one head is 40 bytes, not a multiple of TMA's 16.
-    choices = record_tma_choices(monkeypatch, attention)
+    choices = record_tma_choices(monkeypatch, launch)
     check(Shape(2, 33, 40, 3, 1, 20), True, torch.float16, device)
     assert choices == [False, False, False]
     choices.clear()
@@ -691,10 +692,8 @@ def test_unaligned_strides_take_the_pointer_path(device, monkeypatch):
 def test_persistent_forward_matches_reference(causal, device, monkeypatch):
     # 2 programs per SM loop over all the tiles (5 query blocks x 8 heads in the interpreter).
     arch = runtime.arch(torch.device(device)).name
-    persistent = {
-        d: dataclasses.replace(c, programs_per_sm=2) for d, c in attention.FWD_CONFIGS[arch].items()
-    }
-    monkeypatch.setitem(attention.FWD_CONFIGS, arch, persistent)
+    persistent = {d: dataclasses.replace(c, programs_per_sm=2) for d, c in configs.FWD_CONFIGS[arch].items()}
+    monkeypatch.setitem(configs.FWD_CONFIGS, arch, persistent)
     launches = []
     num_sms = runtime.num_sms
     monkeypatch.setattr(runtime, "num_sms", lambda d: launches.append(num_sms(d)) or launches[-1])
@@ -708,10 +707,10 @@ def test_every_gpu_familys_tiles_match_reference(family, device, monkeypatch):
     # real tile shape (pointer loads before sm_90), a head dim per padded block, two of them padded.
     if device != "cpu":
         pytest.skip("a GPU launches its own family's entries (the other tests)")
-    chosen = run_family_tables(monkeypatch, family, attention, "INTERPRETER_BLOCKS", "attn_config")
+    chosen = run_family_tables(monkeypatch, family, configs, "INTERPRETER_BLOCKS", "attn_config")
     for head_dim in (12, 32, 64, 96, 256):
         check(Shape(1, 150, 140, 2, 1, head_dim), True, torch.float16, device)
-    tables = (attention.FWD_CONFIGS, attention.BWD_DKDV_CONFIGS, attention.BWD_DQ_CONFIGS)
+    tables = (configs.FWD_CONFIGS, configs.BWD_DKDV_CONFIGS, configs.BWD_DQ_CONFIGS)
     assert chosen == {cfg for table in tables for cfg in table[family].values()}
 
 
@@ -726,12 +725,12 @@ def test_every_gpu_familys_tiles_match_reference(family, device, monkeypatch):
 def test_gpu_pointer_loads_and_persistent_forward(shape, causal, mode, dtype, monkeypatch):
     # The default GPU tests take TMA (aligned inputs) and a program per tile; these take the others.
     if mode == "pointer":
-        monkeypatch.setattr(attention, "USE_TMA", False)
+        monkeypatch.setattr(launch, "USE_TMA", False)
     else:
         arch = runtime.arch(torch.device("cuda")).name
-        table = attention.FWD_CONFIGS[arch]
+        table = configs.FWD_CONFIGS[arch]
         monkeypatch.setitem(
-            attention.FWD_CONFIGS,
+            configs.FWD_CONFIGS,
             arch,
             {d: dataclasses.replace(c, programs_per_sm=1) for d, c in table.items()},
         )
@@ -793,7 +792,7 @@ def test_gpu_more_than_65535_heads(packed):
 def test_rows_past_2_31_elements_are_addressed_in_64_bits(use_tma, device, monkeypatch):
     # q's rows 2**30 elements apart (a view into a larger buffer): its third row starts past 2**31,
     # where row * stride in 32 bits wraps. 4 GiB of address space; only the rows' pages are touched.
-    monkeypatch.setattr(attention, "USE_TMA", use_tma)
+    monkeypatch.setattr(launch, "USE_TMA", use_tma)
     shape = Shape(1, 3, 5, 2, 2, 16)
     q, k, v = make_qkv(shape, torch.float16, device)
     row_stride = 2**30
@@ -947,16 +946,16 @@ def test_kvcache_int_lengths_and_whole_cache_match_a_tensor_of_lengths(device):
 def test_kvcache_splits_the_keys_and_packs_the_group(device, monkeypatch):
     # The cases above run split: record the launches of one of them.
     launches = []
-    decode = attention.attention_decode
+    decode = launch.attention_decode
 
     def spy(q, k_cache, *args):
-        cfg = attention.attn_config(attention.DECODE_CONFIGS, q.shape[-1], q.device)
-        launches.append(attention.decode_splits(k_cache.shape[2] * q.shape[0], k_cache.shape[1], cfg.block_n,
+        cfg = configs.attn_config(configs.DECODE_CONFIGS, q.shape[-1], q.device)
+        launches.append(launch.decode_splits(k_cache.shape[2] * q.shape[0], k_cache.shape[1], cfg.block_n,
                                                 runtime.num_sms(q.device)))  # fmt: skip
         return decode(q, k_cache, *args)
 
-    monkeypatch.setattr(attention, "attention_decode", spy)
-    monkeypatch.setattr(attention, "DECODE_REDUCE_BLOCK_S", 2)  # the reduce's loop over the splits
+    monkeypatch.setattr(launch, "attention_decode", spy)
+    monkeypatch.setattr(configs, "DECODE_REDUCE_BLOCK_S", 2)  # the reduce's loop over the splits
     q, k_cache, v_cache = make_qkv(Shape(1, 1, 400, 8, 1, 64), torch.float16, device, requires_grad=False)
     out = kernels.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=300)
     assert launches[0] > 2
@@ -964,7 +963,7 @@ def test_kvcache_splits_the_keys_and_packs_the_group(device, monkeypatch):
     truth = reference.attention_kvcache(*(t.double() for t in (q, k_cache, v_cache)), lengths)
     baseline = reference.attention_kvcache(q, k_cache, v_cache, lengths).to(out.dtype)
     assert_close("out", out, truth, baseline)
-    assert attention.decode_splits(1, 4096, 64, 132) == 64  # 2 programs per SM at batch 1, MQA
+    assert launch.decode_splits(1, 4096, 64, 132) == 64  # 2 programs per SM at batch 1, MQA
 
 
 def test_kvcache_bad_input_is_named():

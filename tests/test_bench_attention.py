@@ -207,16 +207,16 @@ def test_interpreter_checks_pass():
 
 
 def test_ours_pointer_times_every_pass_without_tma(monkeypatch):
-    from horse.kernels import attention as kernels_attention
+    from horse.kernels.attention import launch
 
     seen = []
-    call = timing.without_tma(lambda: seen.append(kernels_attention.USE_TMA), "horse.kernels.attention")
+    call = timing.without_tma(lambda: seen.append(launch.USE_TMA), "horse.kernels.attention.launch")
     call()
-    assert seen == [False] and kernels_attention.USE_TMA is True
+    assert seen == [False] and launch.USE_TMA is True
     [case] = [c for c in attention.cases(quick=True) if c.implementation == "ours-pointer"][:1]
-    monkeypatch.setattr(timing, "timed_call", lambda *args: lambda: seen.append(kernels_attention.USE_TMA))
+    monkeypatch.setattr(timing, "timed_call", lambda *args: lambda: seen.append(launch.USE_TMA))
     case.setup()()
-    assert seen == [False, False] and kernels_attention.USE_TMA is True
+    assert seen == [False, False] and launch.USE_TMA is True
 
 
 @pytest.mark.interpreter

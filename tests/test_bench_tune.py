@@ -14,7 +14,8 @@ import torch
 
 from bench import timing, tune
 from horse.kernels import runtime
-from horse.kernels.attention import AttnConfig
+from horse.kernels.attention import configs as attention_configs
+from horse.kernels.attention.configs import AttnConfig
 from horse.kernels.mlp import configs as mlp_configs
 from horse.kernels.mlp.configs import GemmConfig
 
@@ -104,20 +105,20 @@ def test_wrong_results_never_win():
 
 
 def test_targets_point_at_the_tables_and_shapes_of_their_class():
-    from horse.kernels import attention, mlp
+    from horse.kernels import mlp
 
     fwd, packed, dq = tune.attention_targets(["fwd", "bwd_dq"], [64], seqlen=4096)
-    assert fwd.table is attention.FWD_CONFIGS["sm90"] and fwd.key == 64 and fwd.persistent and fwd.tma
+    assert fwd.table is attention_configs.FWD_CONFIGS["sm90"] and fwd.key == 64 and fwd.persistent and fwd.tma
     # Packed batches load by TMA through per-sequence descriptors, a program per tile: no persistence.
-    assert packed.table is attention.PACKED_FWD_CONFIGS["sm90"] and packed.key == 64
+    assert packed.table is attention_configs.PACKED_FWD_CONFIGS["sm90"] and packed.key == 64
     assert not packed.persistent and packed.tma
-    assert dq.table is attention.BWD_DQ_CONFIGS["sm90"] and not dq.persistent
+    assert dq.table is attention_configs.BWD_DQ_CONFIGS["sm90"] and not dq.persistent
     targets = tune.mlp_targets(["fwd", "gated_fwd", "dh_bwd", "gated_dh_bwd"], ["large", "medium"])
     assert len(targets) == 8  # each (gemm, class) shape checked to fall in its class
     assert targets[0].table is mlp.configs.GEMM_CONFIGS["sm90"]["fwd"] and targets[0].key == "large"
     a100, a100_packed = tune.attention_targets(["fwd"], [128], seqlen=4096, arch=runtime.SM80)
-    assert a100.table is attention.FWD_CONFIGS["sm80"] and not a100.tma  # no TMA before sm_90
-    assert a100_packed.table is attention.PACKED_FWD_CONFIGS["sm80"]
+    assert a100.table is attention_configs.FWD_CONFIGS["sm80"] and not a100.tma  # no TMA before sm_90
+    assert a100_packed.table is attention_configs.PACKED_FWD_CONFIGS["sm80"]
     assert a100_packed.table is not a100.table  # tuning one never edits the other
 
 
@@ -188,13 +189,14 @@ def test_every_target_checks_and_times_a_candidate(tiny_targets_on_the_cpu):
 def test_compile_filter_passes_the_tables_and_rejects_shared_memory_over_budget():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     script = (
-        "from bench import tune; from horse.kernels import attention; from horse.kernels.mlp import configs; "
+        "from bench import tune; from horse.kernels.attention import configs; "
+        "from horse.kernels.mlp.configs import GEMM_CONFIGS; "
         "[fwd, packed] = tune.attention_targets(['fwd'], [128], 4096); "
         "[gemm] = tune.mlp_targets(['fwd'], ['medium']); "
-        "print(tune.compiles_clean(fwd.compile_configs(attention.FWD_CONFIGS['sm90'][128]))); "
-        "print(tune.compiles_clean(fwd.compile_configs(attention.AttnConfig(128, 256, 8, 4, tma=False)))); "
-        "print(tune.compiles_clean(gemm.compile_configs(configs.GEMM_CONFIGS['sm90']['fwd']['medium']))); "
-        "variants = packed.compile_configs(attention.PACKED_FWD_CONFIGS['sm90'][128]); "
+        "print(tune.compiles_clean(fwd.compile_configs(configs.FWD_CONFIGS['sm90'][128]))); "
+        "print(tune.compiles_clean(fwd.compile_configs(configs.AttnConfig(128, 256, 8, 4, tma=False)))); "
+        "print(tune.compiles_clean(gemm.compile_configs(GEMM_CONFIGS['sm90']['fwd']['medium']))); "
+        "variants = packed.compile_configs(configs.PACKED_FWD_CONFIGS['sm90'][128]); "
         "print(tune.compiles_clean(variants)); print(sorted(c.shape_class for c in variants))"
     )
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
@@ -277,11 +279,12 @@ def _clean_below(max_area, calls):
 
 
 def test_search_keeps_the_first_clean_candidate_and_says_why_each_before_failed(capsys):
-    from horse.kernels import attention
 
     [search] = tune.attention_searches(["bwd_dq"], [96], runtime.SM86, start_from=runtime.SM90)
-    assert search.table_entry == attention.BWD_DQ_CONFIGS["sm86"][128]
-    assert search.candidates[0] == dataclasses.replace(attention.BWD_DQ_CONFIGS["sm90"][128], tma=False)
+    assert search.table_entry == attention_configs.BWD_DQ_CONFIGS["sm86"][128]
+    assert search.candidates[0] == dataclasses.replace(
+        attention_configs.BWD_DQ_CONFIGS["sm90"][128], tma=False
+    )
     calls = []
     report = tune.search_entries([search], _clean_below(64 * 64, calls), batch=2)
     result = report[search.title]
@@ -392,17 +395,16 @@ def test_compile_only_cli_finds_a_real_entry_clean(tmp_path):
 
 @pytest.fixture
 def config_copies(tmp_path, monkeypatch):
-    """The config files copied to tmp_path, where --write writes (attention.json, mlp/configs.json); the
-    compile step a stand-in that spills above 64x64 tiles, run in this process (no TRITON_INTERPRET
-    check to trip)."""
+    """The config files copied to tmp_path, where --write writes (attention/configs.json, mlp/configs.json);
+    the compile step a stand-in that spills above 64x64 tiles, run in this process (no
+    TRITON_INTERPRET check to trip)."""
     from bench.compile_report import compiler
 
-    (tmp_path / "attention.json").write_text((runtime.CONFIGS_DIR / "attention.json").read_text())
-    monkeypatch.setattr(runtime, "CONFIGS_DIR", tmp_path)
-    (tmp_path / "mlp").mkdir()
-    mlp_file = tmp_path / "mlp" / "configs.json"
-    mlp_file.write_text(mlp_configs.CONFIG_FILE.read_text())
-    monkeypatch.setattr(mlp_configs, "CONFIG_FILE", mlp_file)
+    for family, family_configs in (("attention", attention_configs), ("mlp", mlp_configs)):
+        (tmp_path / family).mkdir()
+        config_file = tmp_path / family / "configs.json"
+        config_file.write_text(family_configs.CONFIG_FILE.read_text())
+        monkeypatch.setattr(family_configs, "CONFIG_FILE", config_file)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     fake = _clean_below(64 * 64, [])
     monkeypatch.setattr(compiler, "compile_in_pool", lambda pool, configs, jobs: fake(configs))
@@ -417,7 +419,7 @@ def test_compile_only_write_puts_the_entries_found_into_the_config_file(arch, co
     argv = ["mlp", "--compile-only", "--arch", arch, "--gemms", "gated_fwd", "--jobs", "1", "--write"]
     assert tune.main(argv) == 0
     after = mlp_file.read_text()
-    tables = runtime.load_configs("configs", GemmConfig, mlp_file.parent)["GEMM_CONFIGS"]
+    tables = runtime.load_configs(mlp_file, GemmConfig)["GEMM_CONFIGS"]
     assert list(tables) == list(mlp_configs.GEMM_CONFIGS)
     moved = 0
     for family, gemms in tables.items():
@@ -435,28 +437,44 @@ def test_compile_only_write_puts_the_entries_found_into_the_config_file(arch, co
     assert f"wrote 3 entries to {mlp_file}" in capsys.readouterr().out
 
 
-def test_compile_only_write_keeps_one_forward_entry_for_padded_and_packed(config_copies):
-    from horse.kernels import attention
+def attention_tables(config_copies) -> dict:
+    """The attention tables as the copy of their config file holds them."""
+    return runtime.load_configs(config_copies / "attention" / "configs.json", AttnConfig)
 
+
+def test_compile_only_write_keeps_one_forward_entry_for_padded_and_packed(config_copies):
     padded, packed = tune.attention_searches(["fwd"], [64], runtime.SM86)
     [joint] = tune.one_per_entry([padded, packed])
     start = joint.candidates[0]
     assert joint.variants(start) == padded.variants(start) + packed.variants(start)
     argv = ["attention", "--compile-only", "--arch", "sm86", "--passes", "fwd", "--head-dims", "64"]
     assert tune.main([*argv, "--jobs", "1", "--write"]) == 0
-    tables = runtime.load_configs("attention", AttnConfig, config_copies)
+    tables = attention_tables(config_copies)
     got = tables["FWD_CONFIGS"]["sm86"][64]
-    assert got.block_m * got.block_n == 64 * 64 and got != attention.FWD_CONFIGS["sm86"][64]
-    assert tables["BWD_DQ_CONFIGS"] == {f: t for f, t in attention.BWD_DQ_CONFIGS.items() if f != "sm90"}
-    with pytest.raises(SystemExit) as exit_info:  # attention's sm90 entries live in the kernel file
-        tune.main(["attention", "--compile-only", "--arch", "sm90", "--write"])
+    assert got.block_m * got.block_n == 64 * 64 and got != attention_configs.FWD_CONFIGS["sm86"][64]
+    assert tables["BWD_DQ_CONFIGS"] == attention_configs.BWD_DQ_CONFIGS
+
+
+def test_compile_only_writes_sm90s_entries_too_and_refuses_a_family_the_file_lacks(config_copies):
+    argv = ["attention", "--compile-only", "--arch", "sm90", "--passes", "bwd_dq", "--head-dims", "64"]
+    assert tune.main([*argv, "--jobs", "1", "--write"]) == 0
+    tables = attention_tables(config_copies)
+    got = tables["BWD_DQ_CONFIGS"]["sm90"][64]
+    assert got.block_m * got.block_n == 64 * 64 and got != attention_configs.BWD_DQ_CONFIGS["sm90"][64]
+    assert tables["FWD_CONFIGS"] == attention_configs.FWD_CONFIGS  # the rest as it was
+    without_gfx942 = json.loads(attention_configs.CONFIG_FILE.read_text())
+    for table in without_gfx942.values():
+        del table["gfx942"]
+    attention_configs.CONFIG_FILE.write_text(json.dumps(without_gfx942))
+    with pytest.raises(SystemExit) as exit_info:
+        tune.main(["attention", "--compile-only", "--arch", "gfx942", "--write"])
     assert exit_info.value.code == 2
 
 
 def test_an_entry_with_its_own_pointer_tile_is_written_and_read_back(config_copies):
     # sm100 started from sm90's head-dim-128 forward carries its pointer tile (AttnConfig.pointer).
     entry = AttnConfig(128, 128, 8, 3, pointer=AttnConfig(128, 64, 8, 3))
-    tune.write_entries(config_copies / "attention.json", {("FWD_CONFIGS", "sm100", "128"): entry})
-    tables = runtime.load_configs("attention", AttnConfig, config_copies)
+    tune.write_entries(attention_configs.CONFIG_FILE, {("FWD_CONFIGS", "sm100", "128"): entry})
+    tables = attention_tables(config_copies)
     assert tables["FWD_CONFIGS"]["sm100"][128] == entry
     assert tables["FWD_CONFIGS"]["sm100"][64] == AttnConfig(128, 128, 8, 3)  # the rest as it was

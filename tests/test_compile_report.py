@@ -199,6 +199,51 @@ def test_a_strides_tuple_compiles_as_aligned_i32s_with_its_unit_stride_a_constex
     assert product.startswith("%3 = arith.muli %offs, %2 : tensor<64xi32>")
 
 
+GROUPED_KERNEL = """
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+
+@JITFunction
+def _grouped(tensors, sizes, strides, BLOCK: tl.constexpr):
+    X, Y = tensors
+    rows, N = sizes
+    x_strides, y_strides = strides
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(X + offs * x_strides[0] + x_strides[1], mask=offs < rows)
+    tl.store(Y + offs * y_strides[0], x, mask=offs < N)
+"""
+
+
+def test_a_tuple_of_named_elements_types_each_as_an_argument_of_its_name(tmp_path, monkeypatch):
+    # Grouped arguments compile as the arguments they group would: pointers and N 16-aligned, a plain
+    # size not, a strides tuple inside the group as any strides tuple (its unit stride a constexpr).
+    path = tmp_path / "grouped.py"
+    path.write_text(GROUPED_KERNEL)
+    spec = importlib.util.spec_from_file_location("grouped", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "grouped", module)
+    spec.loader.exec_module(module)
+    tuples = {"tensors": ("X", "Y"), "sizes": ("rows", "N"), "strides": ("x_strides", "y_strides")}
+    tuples |= {"x_strides": 2, "y_strides": 2}
+    cfg = KernelConfig("k", "any", torch.float16, "grouped._grouped", {"X": "fp16", "Y": "fp16"},
+                       {"BLOCK": 64, "y_strides[1]": 1}, arch="sm90", tuples=tuples)  # fmt: skip
+    signature, attrs = compiler._signature(cfg)
+    assert signature == {
+        "tensors": ("*fp16", "*fp16"),
+        "sizes": ("i32", "i32"),
+        "strides": (("i32", "i32"), ("i32", "constexpr")),
+        "BLOCK": "constexpr",
+    }
+    aligned = [["tt.divisibility", 16]]
+    assert attrs == {(0, 0): aligned, (0, 1): aligned, (1, 1): aligned, (2, 0, 0): aligned,
+                     (2, 0, 1): aligned, (2, 1, 0): aligned}  # fmt: skip
+    assert compiler._constexprs(cfg) == {"BLOCK": 64, (2, 1, 1): 1}
+    ttir = compiler.compile_kernel(cfg).asm["ttir"]
+    assert "%sizes: i32 loc" in ttir  # rows: no alignment
+    assert ttir.count("tt.divisibility = 16") == 6
+
+
 @pytest.mark.interpreter
 def test_a_gpu_compile_after_an_interpreted_launch_is_the_compilers_own(tmp_path, monkeypatch):
     """Triton's interpreter leaves triton.language patched after each device-function call (here
@@ -305,10 +350,11 @@ def test_cached_rows_are_reused_a_sample_is_verified_and_a_tampered_row_fails():
 
 
 def test_every_family_has_an_entry_in_every_table():
-    from horse.kernels import attention, mlp
+    from horse.kernels import mlp
+    from horse.kernels.attention import configs as attention_configs
 
-    for table in (attention.FWD_CONFIGS, attention.PACKED_FWD_CONFIGS, attention.BWD_DKDV_CONFIGS,
-                  attention.BWD_DQ_CONFIGS):  # fmt: skip
+    for table in (attention_configs.FWD_CONFIGS, attention_configs.PACKED_FWD_CONFIGS,
+                  attention_configs.BWD_DKDV_CONFIGS, attention_configs.BWD_DQ_CONFIGS):  # fmt: skip
         assert set(table) == set(runtime.ARCHS)
         assert all(set(entries) == {16, 32, 64, 128, 256} for entries in table.values())
     gemm_tables = mlp.configs.GEMM_CONFIGS
@@ -458,12 +504,13 @@ def test_capability_builds_a_familys_entries_for_another_gpu_that_takes_them():
 
 
 def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
-    from horse.kernels import attention, mlp
+    from horse.kernels import mlp
+    from horse.kernels.attention import configs as attention_configs
 
-    cfg = attention.AttnConfig(128, 64, 8, 3, tma=True)
+    cfg = attention_configs.AttnConfig(128, 64, 8, 3, tma=True)
     padded = attention_entry_configs("FWD_CONFIGS", cfg, 128, runtime.SM90)
     assert len(padded) == 3 * 2 * 2 * 2  # masks, head dims 128 and 96, dtypes, TMA and pointers
-    assert padded[0].constexprs["LOCAL"] and not any(c.constexprs["VARLEN"] for c in padded)
+    assert padded[0].constexprs["MASK"] == "local" and not any(c.constexprs["VARLEN"] for c in padded)
     assert {c.constexprs["HEAD_DIM"] for c in padded} == {128, 96} and sum(
         bool(c.descriptors) for c in padded
     ) == 12
@@ -482,8 +529,8 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
     assert {(c.constexprs["TMA"], c.constexprs["BLOCK_N"]) for c in split} == {(True, 64), (False, 32)}
     # A dk/dv entry with split outputs compiles each launch (dv, dk), K and V by pointers under TMA;
     # its pointer tile, the fused pass.
-    fused = attention.AttnConfig(16, 64, 8, 2, column_splits=2)
-    split_dkdv = attention.AttnConfig(64, 128, 8, 1, split_outputs=True, pointer=fused)
+    fused = attention_configs.AttnConfig(16, 64, 8, 2, column_splits=2)
+    split_dkdv = attention_configs.AttnConfig(64, 128, 8, 1, split_outputs=True, pointer=fused)
     dkdv = attention_entry_configs("BWD_DKDV_CONFIGS", split_dkdv, 256, runtime.SM90)
     # Packed batches' by TMA too, their descriptors built on the device (no descriptor arguments).
     tma = [c for c in dkdv if c.constexprs["TMA"]]
@@ -499,16 +546,16 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
     assert len(mlp_entry_configs("fwd", "large", gemm, runtime.SM90)) == 8
     assert len(mlp_entry_configs("fwd", "large", gemm, runtime.SM86)) == 4
     sm86_dkdv = attention_entry_configs(
-        "BWD_DKDV_CONFIGS", attention.BWD_DKDV_CONFIGS["sm86"][64], 64, runtime.SM86
+        "BWD_DKDV_CONFIGS", attention_configs.BWD_DKDV_CONFIGS["sm86"][64], 64, runtime.SM86
     )
     sm86_configs = compile_report.all_configs(["sm86"])
     assert all(c in sm86_configs for c in sm86_dkdv)
 
 
 def test_dkdv_entries_compile_with_float32_partials_for_gqa_head_splits():
-    from horse.kernels import attention
+    from horse.kernels.attention.configs import AttnConfig
 
-    cfg = attention.AttnConfig(32, 128, 8, 2, tma=True)
+    cfg = AttnConfig(32, 128, 8, 2, tma=True)
     configs = attention_entry_configs("BWD_DKDV_CONFIGS", cfg, 64, runtime.SM90)
     split = [c for c in configs if "head split" in c.shape_class]
     assert len(configs) == 48 + 12 and len(split) == 12  # masks x (padded, packed) x (TMA, pointers)
@@ -607,7 +654,15 @@ def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_wi
     one_rank = loss.VocabShard(0, 70, all_reduce_max=lambda t: None, all_reduce_sum=lambda t: None)
     xs, ws = torch.randn(5, 16), torch.randn(70, 16)
     loss.linear_cross_entropy_chunks(xs, ws, None, target, torch.ones(5), -100, 0.0, 0.0, True, one_rank)
-    modules = (attention, layernorm, mlp.forward, mlp.backward, loss)
+    modules = (
+        attention.forward,
+        attention.backward,
+        attention.decode,
+        layernorm,
+        mlp.forward,
+        mlp.backward,
+        loss,
+    )
     defined = {name for module in modules for name, value in vars(module).items()
                if isinstance(value, interpreted) and name.endswith("_kernel")}  # fmt: skip
     assert {name for name, _ in launches} == defined

@@ -2,11 +2,12 @@
 names), every command they show answers ``--help``, and every ``--flag`` they name is one that its
 command accepts.
 
-The docs are README.md, docs/ and the README of a top-level folder. A command is ``python -m
-MODULE`` (``.venv/bin/python``, ``python3``), ``python path/to/script.py`` or ``torchrun``, in a
-code block or an inline code span; its flags are those on its line, the line's comment included. A
-flag written outside a command (``--tp N`` in a sentence) must be accepted by one of the commands
-shown on the same page: a page that speaks of a flag shows the command it belongs to.
+The docs are README.md, docs/, the README of a top-level folder and those inside horse/ (the
+kernels'). A command is ``python -m MODULE`` (``.venv/bin/python``, ``python3``), ``python
+path/to/script.py`` or ``torchrun``, in a code block or an inline code span; its flags are those on
+its line, the line's comment included. A flag written outside a command (``--tp N`` in a sentence)
+must be accepted by one of the commands shown on the same page: a page that speaks of a flag shows
+the command it belongs to.
 
 What a command accepts is read from its ``--help``, asked once per session: the modules one after
 another in one process (torch is imported once), each script in a process of its own (it runs with
@@ -234,7 +235,8 @@ def _ask_script(script: Target) -> dict[Target, dict[str, tuple[int, str]]]:
 
 @pytest.fixture(scope="module")
 def pages() -> list[Page]:
-    paths = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted(ROOT.glob("*/README.md"))]
+    folders = sorted(ROOT.glob("*/README.md")) + sorted((ROOT / "horse").rglob("README.md"))
+    paths = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *dict.fromkeys(folders)]
     return [
         read_page(path) for path in paths if not any(p.startswith(".") for p in path.relative_to(ROOT).parts)
     ]

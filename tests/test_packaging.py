@@ -77,7 +77,7 @@ def test_the_wheel_installs_horse_alone_with_its_data(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert top_level == {"horse"}
-    for data in ("horse/kernels/configs/attention.json", "horse/kernels/mlp/configs.json"):
+    for data in ("horse/kernels/attention/configs.json", "horse/kernels/mlp/configs.json"):
         assert data in names
     assert "horse/corpus/tinyshakespeare.txt" in names
     packages = {str(path.parent.relative_to(ROOT)) for path in (ROOT / "horse").rglob("__init__.py")}

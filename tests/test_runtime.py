@@ -47,7 +47,7 @@ def test_every_kernel_launch_goes_through_the_grid_check():
     for path in sorted(set(package.rglob("*.py")) - {package / "runtime.py"}):
         code = "\n".join(line.split("#")[0] for line in path.read_text().splitlines())
         assert not direct.findall(code), f"{path.name} launches a kernel without runtime.launch"
-    assert "runtime.launch(" in (package / "attention.py").read_text()
+    assert "runtime.launch(" in (package / "attention" / "launch.py").read_text()
 
 
 def test_a_launch_building_descriptors_has_an_allocator_and_leaves_the_callers():
@@ -80,19 +80,21 @@ def test_a_launch_building_descriptors_has_an_allocator_and_leaves_the_callers()
 
 
 def test_config_files_load_as_tables_and_ship_with_the_package():
-    from horse.kernels import attention, mlp
+    from horse.kernels import mlp
+    from horse.kernels.attention import configs as attention_configs
 
-    tables = runtime.load_configs("attention", attention.AttnConfig)
-    others = [name for name in runtime.ARCHS if name != "sm90"]
-    for name in ("FWD_CONFIGS", "BWD_DKDV_CONFIGS", "BWD_DQ_CONFIGS"):
-        assert set(tables[name]) == set(others) and list(getattr(attention, name)) == ["sm90", *tables[name]]
-        for family in others:  # head dims as ints, in order: attn_config looks them up by number
+    path = attention_configs.CONFIG_FILE
+    assert path == ROOT / "horse" / "kernels" / "attention" / "configs.json"
+    tables = runtime.load_configs(path, attention_configs.AttnConfig)
+    for name in ("FWD_CONFIGS", "BWD_DKDV_CONFIGS", "BWD_DQ_CONFIGS"):  # sm90's as well
+        assert set(tables[name]) == set(runtime.ARCHS) and tables[name] == getattr(attention_configs, name)
+        for family in runtime.ARCHS:  # head dims as ints, in order: attn_config looks them up by number
             assert list(tables[name][family]) == [16, 32, 64, 128, 256]
-            assert all(isinstance(cfg, attention.AttnConfig) for cfg in tables[name][family].values())
+            assert all(isinstance(cfg, attention_configs.AttnConfig) for cfg in tables[name][family].values())
     # The MLP's file, beside its kernels, holds every family's GEMM tables, sm90's too.
     config_file = mlp.configs.CONFIG_FILE
     assert config_file.parent == Path(mlp.__file__).parent
-    gemms = runtime.load_configs(config_file.stem, mlp.configs.GemmConfig, config_file.parent)["GEMM_CONFIGS"]
+    gemms = runtime.load_configs(config_file, mlp.configs.GemmConfig)["GEMM_CONFIGS"]
     assert gemms == mlp.configs.GEMM_CONFIGS and set(gemms) == set(runtime.ARCHS)
     assert all(
         list(classes) == ["large", "medium", "small"] for gemm in gemms.values() for classes in gemm.values()

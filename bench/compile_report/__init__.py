@@ -15,8 +15,10 @@ compiled for.
 Pointers, strides, N and K are compiled as multiples of 16, the specialisation Triton picks on a
 GPU for aligned tensors with hidden sizes that are multiples of 16 (the usual case); a stride of 1
 is a constexpr there, so configs name their unit strides in their constexprs (an element of a
-strides tuple as ``"x_strides[1]"``). The report must run without ``TRITON_INTERPRET=1``, which
-replaces the kernels by interpreted functions.
+strides tuple as ``"x_strides[1]"``). A kernel's tuple arguments (``seqlens``, ``strides``...) are
+typed element by element as the arguments they group would be (``KernelConfig.tuples`` names them).
+The report must run without ``TRITON_INTERPRET=1``, which replaces the kernels by interpreted
+functions.
 
 Where each step lives, in the order a run takes them:
 

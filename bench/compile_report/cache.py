@@ -29,6 +29,7 @@ CACHE_FILE = os.path.join(BENCH_DIR, "compile_report_cache.json")
 VERIFY_AT_LEAST = 60  # reused rows compiled afresh each run to check the file against the compiler
 # The code that turns a config into its row: a change to any of it invalidates every cached row.
 ROW_READERS = (
+    compiler._elements,
     compiler._signature,
     compiler._constexprs,
     compiler._options,

@@ -46,40 +46,56 @@ class CompileResult:
     narrow_stride_products: tuple[str, ...] = ()  # see narrow_stride_products()
 
 
+def _elements(cfg: KernelConfig, name: str) -> tuple[str, ...]:
+    """The names of the elements of tuple argument (or tuple element) name: ``"x_strides[i]"`` for a
+    strides tuple, cfg.tuples' names for another."""
+    elements = cfg.tuples[name]
+    return tuple(f"{name}[{i}]" for i in range(elements)) if isinstance(elements, int) else elements
+
+
 def _signature(cfg: KernelConfig) -> tuple[dict, dict]:
-    signature, attrs = {}, {}
-    for index, name in enumerate(cfg.fn.arg_names):
+    """The signature of cfg's kernel as Triton's compiler takes it, and the alignment attributes of its
+    arguments by path (an argument (index,), a tuple's element (index, i), a nested one's (index, i,
+    j)). A tuple's element is typed as an argument of its name would be; a strides tuple's elements
+    are i32 multiples of 16, as pointers are 16-aligned and N and K multiples of 16."""
+    attrs = {}
+
+    def typed(name: str, path: tuple[int, ...], in_strides: bool = False):
         if name in cfg.constexprs:
-            signature[name] = "constexpr"
-        elif name in cfg.descriptors:
+            return "constexpr"
+        if name in cfg.descriptors:
             block_shape = ",".join(str(d) for d in cfg.descriptors[name])
-            signature[name] = f"tensordesc<{cfg.pointer_types[name]}[{block_shape}]>"
-        elif name in cfg.pointer_types:
-            signature[name] = "*" + cfg.pointer_types[name]
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        elif name in cfg.tuples:
-            elements = []
-            for i in range(cfg.tuples[name]):
-                elements.append("constexpr" if f"{name}[{i}]" in cfg.constexprs else "i32")
-                if elements[-1] == "i32":
-                    attrs[(index, i)] = [["tt.divisibility", 16]]
-            signature[name] = tuple(elements)
-        elif name in FLOAT_SCALARS:
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-            if name in ("N", "K") or name.startswith("stride"):
-                attrs[(index,)] = [["tt.divisibility", 16]]
+            return f"tensordesc<{cfg.pointer_types[name]}[{block_shape}]>"
+        if name in cfg.pointer_types:
+            attrs[path] = [["tt.divisibility", 16]]
+            return "*" + cfg.pointer_types[name]
+        if name in cfg.tuples:
+            strides = isinstance(cfg.tuples[name], int)
+            elements = _elements(cfg, name)
+            return tuple(typed(element, (*path, i), strides) for i, element in enumerate(elements))
+        if name in FLOAT_SCALARS:
+            return "fp32"
+        if in_strides or name in ("N", "K") or name.startswith("stride"):
+            attrs[path] = [["tt.divisibility", 16]]
+        return "i32"
+
+    signature = {name: typed(name, (index,)) for index, name in enumerate(cfg.fn.arg_names)}
     return signature, attrs
 
 
 def _constexprs(cfg: KernelConfig) -> dict:
-    """cfg.constexprs as ASTSource takes them: a tuple element ``"x_strides[1]"`` by its path."""
-    constexprs = {}
-    for key, value in cfg.constexprs.items():
-        name, _, element = key.partition("[")
-        constexprs[(cfg.fn.arg_names.index(name), int(element[:-1])) if element else key] = value
-    return constexprs
+    """cfg.constexprs as ASTSource takes them: an argument by its name, a tuple's element (``"x_strides[1]"``,
+    or a name cfg.tuples gives) by its path."""
+    paths = {}
+
+    def visit(name: str, path: tuple[int, ...]):
+        paths[name] = path
+        for i, element in enumerate(_elements(cfg, name) if name in cfg.tuples else ()):
+            visit(element, (*path, i))
+
+    for index, name in enumerate(cfg.fn.arg_names):
+        visit(name, (index,))
+    return {key if key in cfg.fn.arg_names else paths[key]: value for key, value in cfg.constexprs.items()}
 
 
 def compile_kernel(cfg: KernelConfig):

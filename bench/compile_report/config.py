@@ -30,7 +30,8 @@ class KernelConfig:
     # argument name -> block shape of a TMA descriptor argument (its dtype from pointer_types)
     descriptors: dict = dataclasses.field(default_factory=dict, repr=False)
     arch: str = "sm90"  # the horse.kernels.runtime.ARCHS family whose table holds this config
-    # tuple argument name -> its length: a kernel's strides tuples (``x.stride()``), i32 elements
+    # tuple argument name -> its length, for a strides tuple (``x.stride()``: i32 multiples of 16), or
+    # the names of its elements, each typed as an argument of that name (a tuple itself when named here)
     tuples: dict = dataclasses.field(default_factory=dict, repr=False)
     matmul: bool = False  # its tl.dot must lower to tensor-core instructions
     capability: int = 0  # the target compiled for; 0: its family's own (another with --capability)
@@ -120,12 +121,14 @@ def kernel_config(
     stages: int = 1,
     name: str = "",
     pointers: dict | None = None,
+    tuples: dict | None = None,
     **fields,
 ) -> KernelConfig:
     """The KernelConfig of horse.kernels.<kernel> (``"module._<name>_kernel"``, or in a family's package
     ``"family.module._<name>_kernel"``), named <name> unless name is given. Its pointer types come from
-    KERNEL_POINTERS (pointers: overrides); its strides tuples from the kernel's ``<tensor>_strides``
-    arguments, as the launchers pass them (an attention tile's (batch, seqlen, heads), lse's (batch,
+    KERNEL_POINTERS (pointers: overrides); its other tuple arguments from tuples (name -> its elements'
+    names, as KernelConfig.tuples), and its strides tuples from the ``<tensor>_strides`` arguments and
+    elements, as the launchers pass them (an attention tile's (batch, seqlen, heads), lse's (batch,
     heads), an MLP matrix's ``x.stride()``); INLINE_PTX, where the kernel takes it, as
     runtime.inline_ptx sets it (on NVIDIA); with VARLEN (a packed batch), i32 cu_seqlens and lse
     (heads, total_q) read by first row, as flash_attention_varlen passes them. fields: descriptors,
@@ -135,8 +138,10 @@ def kernel_config(
     typed, fp32, others = KERNEL_POINTERS[kernels_module]
     types = dict.fromkeys(typed, TRITON_TYPES[dtype]) | dict.fromkeys(fp32, "fp32") | others
     arg_names = getattr(importlib.import_module(f"horse.kernels.{module}"), function).arg_names
-    strides = [a for a in arg_names if a.endswith("_strides")]
-    tuples = {a: 2 if kernels_module == "mlp" or a == "lse_strides" else 3 for a in strides}
+    tuples = dict(tuples or {})
+    names = [*arg_names, *(element for elements in tuples.values() for element in elements)]
+    strides = [a for a in names if a.endswith("_strides")]
+    tuples |= {a: 2 if kernels_module == "mlp" or a == "lse_strides" else 3 for a in strides}
     if "INLINE_PTX" in arg_names:
         constexprs = constexprs | {"INLINE_PTX": not ARCHS[arch].hip_target}
     if constexprs.get("VARLEN"):

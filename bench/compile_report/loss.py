@@ -14,6 +14,20 @@ LOSS_KERNELS = {
     "cross_entropy_grad": {},
 }
 
+# The loss kernels' tuple arguments, each element typed as the argument of its name would be
+# (bench.compile_report.compiler._signature): the launchers pass (label_smoothing, z_loss), the fused
+# kernel's row strides and the statistics kernel's (M, N) as tuples. Flattened, the arguments keep their
+# order.
+COEFFICIENTS = ("label_smoothing", "z_loss")
+LOSS_TUPLES = {
+    "cross_entropy": {
+        "strides": ("stride_logits", "stride_dlogits", "dloss_stride"),
+        "coefficients": COEFFICIENTS,
+    },
+    "cross_entropy_stats": {"sizes": ("M", "N")},
+    "cross_entropy_grad": {"coefficients": COEFFICIENTS},
+}
+
 
 def loss_configs(arch: runtime.Arch) -> list[KernelConfig]:
     """Every RowConfig that horse.kernels.cross_entropy.row_config can return on arch (one per block size),
@@ -28,5 +42,9 @@ def loss_configs(arch: runtime.Arch) -> list[KernelConfig]:
         for name, flags in LOSS_KERNELS.items():
             constexprs = flags | {"BLOCK_V": cfg.block_v}
             kernel = f"cross_entropy._{name}_kernel"
-            configs.append(kernel_config(kernel, shape_class, dtype, constexprs, cfg.num_warps, arch.name))
+            configs.append(
+                kernel_config(
+                    kernel, shape_class, dtype, constexprs, cfg.num_warps, arch.name, tuples=LOSS_TUPLES[name]
+                )
+            )
     return configs

@@ -18,6 +18,23 @@ NORM_KERNELS = {
 }
 
 
+# The norm kernels' tuple arguments by direction, each element typed as the argument of its name would be
+# (bench.compile_report.compiler._signature): the launchers pass (mean, rstd), (M, N[, rows_per_program])
+# and the row strides as tuples.
+NORM_TUPLES = {
+    "fwd": {
+        "row_stats": ("MEAN", "RSTD"),
+        "sizes": ("M", "N"),
+        "strides": ("stride_x_row", "stride_res_row"),
+    },
+    "bwd": {
+        "row_stats": ("MEAN", "RSTD"),
+        "sizes": ("M", "N", "rows_per_program"),
+        "strides": ("stride_dy_row", "stride_dres_row", "stride_x_row"),
+    },
+}
+
+
 def norm_configs(arch: runtime.Arch) -> list[KernelConfig]:
     """Every RowConfig that layernorm.row_config can return on arch, for LayerNorm (residual, weight,
     bias) and RMSNorm (residual, weight), the variants with the most live values, in every dtype."""
@@ -49,6 +66,7 @@ def norm_configs(arch: runtime.Arch) -> list[KernelConfig]:
                     cfg.num_warps,
                     arch.name,
                     name=f"{norm}_{direction}{split}",
+                    tuples=NORM_TUPLES[direction],
                 )
             )
     return configs

@@ -31,6 +31,10 @@ Targets are int64 in [0, V) or ``ignore_index`` (such rows add nothing and get z
 "mean" of a batch with no other row is NaN from ``cross_entropy``, as from F.cross_entropy, and 0 from
 ``linear_cross_entropy``, the trainer's loss). V ranges over 1..262,144, any size. ``cross_entropy``
 takes logits (N, C) or (C,) only: F.cross_entropy reads N-D logits' classes from dim 1.
+
+The kernels' arguments come in groups, as the launchers pack them: ``coefficients`` (label_smoothing,
+z_loss: ε and λ), the fused kernel's ``strides`` (its tensors' row strides) and the statistics kernel's
+``sizes`` (M, N); kernels are launched and device helpers called by keyword.
 """
 
 from collections.abc import Callable
@@ -73,9 +77,11 @@ def _row_stats(ROW, N, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _write_grad(ROW, DROW, N, target_col, lse, scale, label_smoothing, z_loss, vocab, BLOCK_V: tl.constexpr):
-    """DROW = scale · (softmax(z) (1 + 2 λ lse) - (1 - ε) onehot(target_col) - ε / vocab), in DROW's dtype.
-    Each element is read before it is written, so DROW may be ROW (in place)."""
+def _write_grad(ROW, DROW, N, target_col, lse, scale, coefficients, vocab, BLOCK_V: tl.constexpr):
+    """DROW = scale · (softmax(z) (1 + 2 λ lse) - (1 - ε) onehot(target_col) - ε / vocab), in DROW's dtype,
+    with coefficients (ε, λ) = (label_smoothing, z_loss). Each element is read before it is written, so
+    DROW may be ROW (in place)."""
+    label_smoothing, z_loss = coefficients
     p_scale = 1.0 + 2.0 * z_loss * lse
     for start in range(0, N, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
@@ -95,22 +101,21 @@ def _cross_entropy_kernel(
     LOSS,  # (M,) float32: loss_i, 0 on ignored rows
     LSE,  # (M,) float32
     N,
-    stride_logits,
-    stride_dlogits,
-    dloss_stride,
+    strides,  # (stride_logits, stride_dlogits, dloss_stride): the row strides of LOGITS, DLOGITS, DLOSS
     ignore_index,
-    label_smoothing,
-    z_loss,
+    coefficients,  # (label_smoothing, z_loss): ε and λ
     HAS_SMOOTHING: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     # grid = (M,)
+    stride_logits, stride_dlogits, dloss_stride = strides
+    label_smoothing, z_loss = coefficients
     row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 on large logits
     logits_row = LOGITS + row * stride_logits
     target = tl.load(TARGET + row)
     ignored = target == ignore_index
-    m, d, sum_z = _row_stats(logits_row, N, HAS_SMOOTHING, BLOCK_V)
+    m, d, sum_z = _row_stats(logits_row, N=N, HAS_SMOOTHING=HAS_SMOOTHING, BLOCK_V=BLOCK_V)
     lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(d)
     target_logit = tl.load(logits_row + target, mask=~ignored, other=0.0).to(tl.float32)
     loss = lse * (1.0 + z_loss * lse) - (1.0 - label_smoothing) * target_logit
@@ -122,9 +127,16 @@ def _cross_entropy_kernel(
         scale = tl.where(ignored, 0.0, tl.load(DLOSS + row * dloss_stride))
         col = tl.where(ignored, -1, target)
         _write_grad(
-            logits_row, DLOGITS + row * stride_dlogits, N, col, tl.where(ignored, 0.0, lse), scale,
-            label_smoothing, z_loss, N, BLOCK_V,
-        )  # fmt: skip
+            logits_row,
+            DROW=DLOGITS + row * stride_dlogits,
+            N=N,
+            target_col=col,
+            lse=tl.where(ignored, 0.0, lse),
+            scale=scale,
+            coefficients=coefficients,
+            vocab=N,
+            BLOCK_V=BLOCK_V,
+        )
 
 
 @triton.jit
@@ -132,17 +144,17 @@ def _cross_entropy_stats_kernel(
     LOGITS,  # (M, N), row stride stride_logits: this rank's vocabulary columns
     TARGET,  # (M,) int64: column of the target in this shard (outside [0, N): another rank's)
     STATS,  # (4, M) float32: max, Σ exp(z - max), the target's logit (0 if not here), Σ z
-    M,
-    N,
+    sizes,  # (M, N)
     stride_logits,
     HAS_SMOOTHING: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     # grid = (M,)
+    M, N = sizes
     row = tl.program_id(0).to(tl.int64)
     logits_row = LOGITS + row * stride_logits
     target = tl.load(TARGET + row)
-    m, d, sum_z = _row_stats(logits_row, N, HAS_SMOOTHING, BLOCK_V)
+    m, d, sum_z = _row_stats(logits_row, N=N, HAS_SMOOTHING=HAS_SMOOTHING, BLOCK_V=BLOCK_V)
     here = (target >= 0) & (target < N)
     tl.store(STATS + row, m)
     tl.store(STATS + M + row, d)
@@ -158,18 +170,24 @@ def _cross_entropy_grad_kernel(
     SCALE,  # (M,) float32: d(reduced loss)/d(loss_i), 0 on ignored rows
     N,
     stride_logits,
-    vocab,
-    label_smoothing,
-    z_loss,
+    vocab,  # the whole vocabulary's size (N: this shard's columns)
+    coefficients,  # (label_smoothing, z_loss): ε and λ
     BLOCK_V: tl.constexpr,
 ):
     # grid = (M,)
     row = tl.program_id(0).to(tl.int64)
     logits_row = LOGITS + row * stride_logits
     _write_grad(
-        logits_row, logits_row, N, tl.load(TARGET + row), tl.load(LSE + row), tl.load(SCALE + row),
-        label_smoothing, z_loss, vocab, BLOCK_V,
-    )  # fmt: skip
+        logits_row,
+        DROW=logits_row,
+        N=N,
+        target_col=tl.load(TARGET + row),
+        lse=tl.load(LSE + row),
+        scale=tl.load(SCALE + row),
+        coefficients=coefficients,
+        vocab=vocab,
+        BLOCK_V=BLOCK_V,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,8 +213,9 @@ def row_config(n_cols: int, arch: runtime.Arch) -> RowConfig:
     return RowConfig(block_v, max(1, min(16, block_v // (8 * arch.warp_size))))
 
 
-def _scalars(label_smoothing: float, z_loss: float) -> dict:
-    return {"label_smoothing": float(label_smoothing), "z_loss": float(z_loss)}
+def _coefficients(label_smoothing: float, z_loss: float) -> tuple[float, float]:
+    """The kernels' coefficients argument, floats (an int 0 would compile another kernel)."""
+    return float(label_smoothing), float(z_loss)
 
 
 def cross_entropy_fwd(
@@ -222,14 +241,27 @@ def cross_entropy_fwd(
     write_grad = dloss is not None
     out = dlogits if write_grad else logits
     dloss = dloss if write_grad else loss
+    dloss_stride = dloss.stride(0) if dloss.dim() else 0  # 0: one value for every row
     with runtime.device_guard(logits):
         runtime.launch(
-            _cross_entropy_kernel, (M,),
-            logits, out, target, dloss, loss, lse,
-            V, logits.stride(0), out.stride(0), dloss.stride(0) if dloss.dim() else 0, ignore_index,
-            **_scalars(label_smoothing, z_loss), HAS_SMOOTHING=label_smoothing > 0, WRITE_GRAD=write_grad,
-            BLOCK_V=cfg.block_v, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
-        )  # fmt: skip
+            _cross_entropy_kernel,
+            (M,),
+            LOGITS=logits,
+            DLOGITS=out,
+            TARGET=target,
+            DLOSS=dloss,
+            LOSS=loss,
+            LSE=lse,
+            N=V,
+            strides=(logits.stride(0), out.stride(0), dloss_stride),
+            ignore_index=ignore_index,
+            coefficients=_coefficients(label_smoothing, z_loss),
+            HAS_SMOOTHING=label_smoothing > 0,
+            WRITE_GRAD=write_grad,
+            BLOCK_V=cfg.block_v,
+            num_warps=cfg.num_warps,
+            **runtime.COMPILE_OPTIONS,
+        )
     return loss, lse
 
 
@@ -242,10 +274,18 @@ def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor, smoothing: b
     cfg = row_config(V, runtime.arch(logits.device))
     with runtime.device_guard(logits):
         runtime.launch(
-            _cross_entropy_stats_kernel, (M,),
-            logits, target, stats, M, V, logits.stride(0), HAS_SMOOTHING=smoothing,
-            BLOCK_V=cfg.block_v, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
-        )  # fmt: skip
+            _cross_entropy_stats_kernel,
+            (M,),
+            LOGITS=logits,
+            TARGET=target,
+            STATS=stats,
+            sizes=(M, V),
+            stride_logits=logits.stride(0),
+            HAS_SMOOTHING=smoothing,
+            BLOCK_V=cfg.block_v,
+            num_warps=cfg.num_warps,
+            **runtime.COMPILE_OPTIONS,
+        )
     return stats
 
 
@@ -265,10 +305,20 @@ def cross_entropy_grad_(
     cfg = row_config(V, runtime.arch(logits.device))
     with runtime.device_guard(logits):
         runtime.launch(
-            _cross_entropy_grad_kernel, (M,),
-            logits, target, lse, scale, V, logits.stride(0), vocab, **_scalars(label_smoothing, z_loss),
-            BLOCK_V=cfg.block_v, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
-        )  # fmt: skip
+            _cross_entropy_grad_kernel,
+            (M,),
+            LOGITS=logits,
+            TARGET=target,
+            LSE=lse,
+            SCALE=scale,
+            N=V,
+            stride_logits=logits.stride(0),
+            vocab=vocab,
+            coefficients=_coefficients(label_smoothing, z_loss),
+            BLOCK_V=cfg.block_v,
+            num_warps=cfg.num_warps,
+            **runtime.COMPILE_OPTIONS,
+        )
 
 
 @dataclass(frozen=True)
@@ -434,9 +484,12 @@ _OPTIONS = "SymInt ignore_index, str reduction, float label_smoothing, float z_l
 
 
 @runtime.custom_op(
-    "cross_entropy_fwd", _cross_entropy_fake, _cross_entropy_backward, _cross_entropy_setup,
+    "cross_entropy_fwd",
+    _cross_entropy_fake,
+    _cross_entropy_backward,
+    _cross_entropy_setup,
     schema=f"(Tensor logits, Tensor target, {_OPTIONS}) -> (Tensor, Tensor)",
-)  # fmt: skip
+)
 def _cross_entropy_fwd_op(logits, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad):
     dloss = row_weight(target, ignore_index, reduction) if compute_grad else None
     if runtime.runs_triton(logits):
@@ -487,10 +540,13 @@ def _linear_backward(ctx, dloss, _ddx, _ddw, _ddb):
 
 
 @runtime.custom_op(
-    "linear_cross_entropy_fwd", _linear_fwd_fake, _linear_backward, _linear_setup,
+    "linear_cross_entropy_fwd",
+    _linear_fwd_fake,
+    _linear_backward,
+    _linear_setup,
     schema=f"(Tensor x, Tensor weight, Tensor? bias, Tensor target, {_OPTIONS}) -> "
     "(Tensor, Tensor, Tensor, Tensor)",
-)  # fmt: skip
+)
 def _linear_cross_entropy_fwd_op(
     x, weight, bias, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad
 ):
@@ -520,9 +576,16 @@ def _linear_cross_entropy_bwd_op(
     z_loss: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _, dx, dw, db = linear_cross_entropy_chunks(
-        x, weight, bias, target, dloss.contiguous(), ignore_index, label_smoothing, z_loss,
+        x,
+        weight,
+        bias,
+        target,
+        dloss.contiguous(),
+        ignore_index,
+        label_smoothing,
+        z_loss,
         runtime.runs_triton(x),
-    )  # fmt: skip
+    )
     return dx, dw, db
 
 
@@ -644,9 +707,14 @@ def cross_entropy(
     _check_vocab(fn, "logits", logits.shape[-1])
     check_target(fn, target, tuple(logits.shape[:-1]), logits.shape[-1], ignore_index, logits.device)
     loss, _ = _cross_entropy_fwd_op(
-        _rows(logits), target.reshape(-1), ignore_index, reduction, float(label_smoothing), float(z_loss),
+        _rows(logits),
+        target.reshape(-1),
+        ignore_index,
+        reduction,
+        float(label_smoothing),
+        float(z_loss),
         _wants_grad(logits),
-    )  # fmt: skip
+    )
     return loss.view(target.shape) if reduction == "none" else loss
 
 
@@ -689,7 +757,14 @@ def linear_cross_entropy(
     check_target(fn, target, tuple(x.shape[:-1]), vocab, ignore_index, x.device)
     (x,) = runtime.autocast(x)  # the weight stays as given: the op casts it, its gradient keeps its dtype
     loss, *_ = _linear_cross_entropy_fwd_op(
-        _rows(x), _rows(weight), bias, target.reshape(-1), ignore_index, reduction,
-        float(label_smoothing), float(z_loss), _wants_grad(x, weight, bias),
-    )  # fmt: skip
+        _rows(x),
+        _rows(weight),
+        bias,
+        target.reshape(-1),
+        ignore_index,
+        reduction,
+        float(label_smoothing),
+        float(z_loss),
+        _wants_grad(x, weight, bias),
+    )
     return loss.view(target.shape) if reduction == "none" else loss

@@ -18,6 +18,10 @@ depend only on the shape and the device, never on timing, so gradients are bit-i
 run (no atomics). Rows longer than 8,192 elements are split into column blocks of 4,096, one
 program each, launched side by side; each adds the rest of its row to the row sums dx needs by
 reading the other blocks as their own programs read them (from L2), so dy and h leave DRAM once.
+
+The kernels' arguments come in groups, as the launchers pack them: ``row_stats`` (mean, rstd),
+``sizes`` (M, N; the backward's also rows_per_program) and ``strides`` (the tensors' row strides);
+the device helpers take the tensors they read as one tuple and are called by keyword.
 """
 
 import math
@@ -40,21 +44,19 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _load_normalized_input(
-    X,
-    RESIDUAL,
-    RESIDUAL_OUT,
+    inputs,
     rows,
     row_mask,
     start,
-    stride_x_row,
-    stride_res_row,
     N,
     BLOCK_N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     STORE_RESIDUAL: tl.constexpr,
 ):
     """Columns start to start + BLOCK_N of rows: the (BLOCK_M, BLOCK_N) tile of h = x [+ residual] in
-    float32, h rounded to x's dtype; with the columns, their mask and the tile's."""
+    float32, h rounded to x's dtype; with the columns, their mask and the tile's. inputs is the
+    forward kernel's (X, stride_x_row, RESIDUAL, stride_res_row, RESIDUAL_OUT)."""
+    X, stride_x_row, RESIDUAL, stride_res_row, RESIDUAL_OUT = inputs
     cols = start + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]
@@ -85,12 +87,9 @@ def _norm_fwd_kernel(
     B,  # (N,)
     Y,  # (M, N) contiguous
     RESIDUAL_OUT,  # (M, N) contiguous; h = x + residual, written when HAS_RESIDUAL
-    MEAN,  # (M,) float32; written unless IS_RMS
-    RSTD,  # (M,) float32
-    M,
-    N,
-    stride_x_row,
-    stride_res_row,
+    row_stats,  # (MEAN, RSTD): (M,) float32 each; MEAN written unless IS_RMS
+    sizes,  # (M, N)
+    strides,  # (stride_x_row, stride_res_row): the row strides of X and RESIDUAL
     eps,
     IS_RMS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -101,14 +100,24 @@ def _norm_fwd_kernel(
     ROW_IN_REGISTERS: tl.constexpr,
 ):
     # grid = (cdiv(M, BLOCK_M),)
+    MEAN, RSTD = row_stats
+    M, N = sizes
+    stride_x_row, stride_res_row = strides
+    inputs = (X, stride_x_row, RESIDUAL, stride_res_row, RESIDUAL_OUT)  # what _load_normalized_input reads
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     rows = rows.to(tl.int64)  # row * stride passes 2**31 on large tensors
     if ROW_IN_REGISTERS:
         x, cols, col_mask, mask = _load_normalized_input(
-            X, RESIDUAL, RESIDUAL_OUT, rows, row_mask, 0, stride_x_row, stride_res_row, N, BLOCK_N,
-            HAS_RESIDUAL, True,
-        )  # fmt: skip
+            inputs,
+            rows=rows,
+            row_mask=row_mask,
+            start=0,
+            N=N,
+            BLOCK_N=BLOCK_N,
+            HAS_RESIDUAL=HAS_RESIDUAL,
+            STORE_RESIDUAL=True,
+        )
         if IS_RMS:
             xc = x
         else:
@@ -117,7 +126,15 @@ def _norm_fwd_kernel(
             xc = tl.where(mask, x - mean[:, None], 0.0)
         rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
         tl.store(RSTD + rows, rstd, mask=row_mask)
-        y = _affine(xc * rstd[:, None], W, B, cols, col_mask, HAS_WEIGHT, HAS_BIAS)
+        y = _affine(
+            xc * rstd[:, None],
+            W=W,
+            B=B,
+            cols=cols,
+            col_mask=col_mask,
+            HAS_WEIGHT=HAS_WEIGHT,
+            HAS_BIAS=HAS_BIAS,
+        )
         tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     else:
         # Pass 1: statistics, merging each chunk's (count, mean, M2) into the running ones.
@@ -126,9 +143,15 @@ def _norm_fwd_kernel(
         m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
             x, cols, col_mask, mask = _load_normalized_input(
-                X, RESIDUAL, RESIDUAL_OUT, rows, row_mask, start, stride_x_row, stride_res_row, N, BLOCK_N,
-                HAS_RESIDUAL, True,
-            )  # fmt: skip
+                inputs,
+                rows=rows,
+                row_mask=row_mask,
+                start=start,
+                N=N,
+                BLOCK_N=BLOCK_N,
+                HAS_RESIDUAL=HAS_RESIDUAL,
+                STORE_RESIDUAL=True,
+            )
             if IS_RMS:
                 m2 += tl.sum(x * x, axis=1)
             else:
@@ -148,19 +171,34 @@ def _norm_fwd_kernel(
         # RESIDUAL_OUT: another thread of this program may have written it, with no barrier.
         for start in range(0, N, BLOCK_N):
             x, cols, col_mask, mask = _load_normalized_input(
-                X, RESIDUAL, RESIDUAL_OUT, rows, row_mask, start, stride_x_row, stride_res_row, N, BLOCK_N,
-                HAS_RESIDUAL, False,
-            )  # fmt: skip
+                inputs,
+                rows=rows,
+                row_mask=row_mask,
+                start=start,
+                N=N,
+                BLOCK_N=BLOCK_N,
+                HAS_RESIDUAL=HAS_RESIDUAL,
+                STORE_RESIDUAL=False,
+            )
             xc = x if IS_RMS else x - mean[:, None]
-            y = _affine(xc * rstd[:, None], W, B, cols, col_mask, HAS_WEIGHT, HAS_BIAS)
+            y = _affine(
+                xc * rstd[:, None],
+                W=W,
+                B=B,
+                cols=cols,
+                col_mask=col_mask,
+                HAS_WEIGHT=HAS_WEIGHT,
+                HAS_BIAS=HAS_BIAS,
+            )
             tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _load_rows(
-    DY, X, MEAN, RSTD, rows, cols, row_mask, col_mask, stride_dy_row, stride_x_row, IS_RMS: tl.constexpr
-):
-    """dy and h of a (BLOCK_M, BLOCK_N) tile as stored, and the rows' mean and rstd."""
+def _load_rows(inputs, rows, cols, row_mask, col_mask, IS_RMS: tl.constexpr):
+    """dy and h of a (BLOCK_M, BLOCK_N) tile as stored, and the rows' mean and rstd. inputs is the
+    backward kernel's (DY, stride_dy_row, X, stride_x_row, (MEAN, RSTD))."""
+    DY, stride_dy_row, X, stride_x_row, row_stats = inputs
+    MEAN, RSTD = row_stats
     mask = row_mask[:, None] & col_mask[None, :]
     dy = tl.load(DY + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0)
     x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
@@ -195,17 +233,12 @@ def _norm_bwd_kernel(
     DRESIDUAL_OUT,  # (M, N), row stride stride_dres_row: gradient of h; read when HAS_DRESIDUAL
     X,  # (M, N), row stride stride_x_row: the normalised input h
     W,  # (N,)
-    MEAN,  # (M,) float32
-    RSTD,  # (M,) float32
+    row_stats,  # (MEAN, RSTD): (M,) float32 each, as the forward wrote them (MEAN unread if IS_RMS)
     DX,  # (M, N) contiguous
     DW_PARTIAL,  # (cdiv(M, rows_per_program), N) float32: this program's sum over its rows
     DB_PARTIAL,  # (cdiv(M, rows_per_program), N) float32
-    M,
-    N,
-    rows_per_program,
-    stride_dy_row,
-    stride_dres_row,
-    stride_x_row,
+    sizes,  # (M, N, rows_per_program): rows_per_program, the rows of a program's slab
+    strides,  # (stride_dy_row, stride_dres_row, stride_x_row): the row strides of DY, DRESIDUAL_OUT, X
     IS_RMS: tl.constexpr,
     HAS_DRESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
@@ -220,12 +253,15 @@ def _norm_bwd_kernel(
     # grid = (cdiv(N, BLOCK_N), cdiv(M, rows_per_program)). A slab's column blocks are neighbours in
     # launch order: they run side by side and walk the same rows in step, so the sweep's reads of a
     # row's other blocks come from L2, where their owners' reads have just put them.
+    M, N, rows_per_program = sizes
+    stride_dy_row, stride_dres_row, stride_x_row = strides
+    inputs = (DY, stride_dy_row, X, stride_x_row, row_stats)  # what _load_rows reads
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     col_start = pid_n * BLOCK_N
     cols = col_start + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    w = _load_weight(W, cols, col_mask, HAS_WEIGHT)  # once per program, not once per row
+    w = _load_weight(W, cols=cols, col_mask=col_mask, HAS_WEIGHT=HAS_WEIGHT)  # once per program, not per row
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     row_start = pid_m * rows_per_program
@@ -239,9 +275,13 @@ def _norm_bwd_kernel(
         # 8192 spilled 40-56 bytes on sm_80-sm_90 with it).
         first_rows = row_start + tl.arange(0, BLOCK_M)
         next_tile = _load_rows(
-            DY, X, MEAN, RSTD, first_rows.to(tl.int64), cols, first_rows < row_end, col_mask,
-            stride_dy_row, stride_x_row, IS_RMS,
-        )  # fmt: skip
+            inputs,
+            rows=first_rows.to(tl.int64),
+            cols=cols,
+            row_mask=first_rows < row_end,
+            col_mask=col_mask,
+            IS_RMS=IS_RMS,
+        )
     for block_start in range(row_start, row_end, BLOCK_M):
         rows = block_start + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
@@ -249,15 +289,21 @@ def _norm_bwd_kernel(
         mask = row_mask[:, None] & col_mask[None, :]
         if ROW_IN_TILE:
             dy, x, mean, rstd = _load_rows(
-                DY, X, MEAN, RSTD, rows, cols, row_mask, col_mask, stride_dy_row, stride_x_row, IS_RMS
+                inputs, rows=rows, cols=cols, row_mask=row_mask, col_mask=col_mask, IS_RMS=IS_RMS
             )
         else:
             dy, x, mean, rstd = next_tile
             next_tile = _load_rows(
-                DY, X, MEAN, RSTD, rows + BLOCK_M, cols, rows + BLOCK_M < row_end, col_mask,
-                stride_dy_row, stride_x_row, IS_RMS,
-            )  # fmt: skip
-        dy, x_hat, wdy = _bwd_tile(dy, x, w, mean, rstd, mask, IS_RMS, HAS_WEIGHT)
+                inputs,
+                rows=rows + BLOCK_M,
+                cols=cols,
+                row_mask=rows + BLOCK_M < row_end,
+                col_mask=col_mask,
+                IS_RMS=IS_RMS,
+            )
+        dy, x_hat, wdy = _bwd_tile(
+            dy, x=x, w=w, mean=mean, rstd=rstd, mask=mask, IS_RMS=IS_RMS, HAS_WEIGHT=HAS_WEIGHT
+        )
         if HAS_DX:
             sum_xhat_wdy = tl.sum(x_hat * wdy, axis=1)
             sum_wdy = tl.sum(wdy, axis=1)
@@ -267,14 +313,25 @@ def _norm_bwd_kernel(
                         0, SWEEP_BLOCK_N
                     )
                     sweep_mask = sweep_cols < N
-                    w_other = _load_weight(W, sweep_cols, sweep_mask, HAS_WEIGHT)
+                    w_other = _load_weight(W, cols=sweep_cols, col_mask=sweep_mask, HAS_WEIGHT=HAS_WEIGHT)
                     dy_other, x_other, _, _ = _load_rows(
-                        DY, X, MEAN, RSTD, rows, sweep_cols, row_mask, sweep_mask, stride_dy_row,
-                        stride_x_row, IS_RMS,
-                    )  # fmt: skip
+                        inputs,
+                        rows=rows,
+                        cols=sweep_cols,
+                        row_mask=row_mask,
+                        col_mask=sweep_mask,
+                        IS_RMS=IS_RMS,
+                    )
                     other_mask = row_mask[:, None] & sweep_mask[None, :]
                     _, x_hat_other, wdy_other = _bwd_tile(
-                        dy_other, x_other, w_other, mean, rstd, other_mask, IS_RMS, HAS_WEIGHT
+                        dy_other,
+                        x=x_other,
+                        w=w_other,
+                        mean=mean,
+                        rstd=rstd,
+                        mask=other_mask,
+                        IS_RMS=IS_RMS,
+                        HAS_WEIGHT=HAS_WEIGHT,
                     )
                     sum_xhat_wdy += tl.sum(x_hat_other * wdy_other, axis=1)
                     sum_wdy += tl.sum(wdy_other, axis=1)
@@ -401,14 +458,28 @@ def norm_fwd(
     residual_in = _dummy_if_none(residual, x)
     with runtime.device_guard(x):
         runtime.launch(
-            _norm_fwd_kernel, (triton.cdiv(M, cfg.block_m),),
-            x, residual_in, _dummy_if_none(weight, x), _dummy_if_none(bias, x), y,
-            residual_out, mean, rstd,
-            M, N, x.stride(0), residual_in.stride(0), eps,
-            IS_RMS=rms, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            ROW_IN_REGISTERS=cfg.row_in_registers, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
-        )  # fmt: skip
+            _norm_fwd_kernel,
+            (triton.cdiv(M, cfg.block_m),),
+            X=x,
+            RESIDUAL=residual_in,
+            W=_dummy_if_none(weight, x),
+            B=_dummy_if_none(bias, x),
+            Y=y,
+            RESIDUAL_OUT=residual_out,
+            row_stats=(mean, rstd),
+            sizes=(M, N),
+            strides=(x.stride(0), residual_in.stride(0)),
+            eps=eps,
+            IS_RMS=rms,
+            HAS_RESIDUAL=residual is not None,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            ROW_IN_REGISTERS=cfg.row_in_registers,
+            num_warps=cfg.num_warps,
+            **runtime.COMPILE_OPTIONS,
+        )
     return y, residual_out, mean, rstd
 
 
@@ -453,14 +524,31 @@ def norm_bwd(
         dres = _dummy_if_none(dresidual_out, dy)
         with runtime.device_guard(x):
             runtime.launch(
-                _norm_bwd_kernel, grid,
-                dy, dres, x, _dummy_if_none(weight, x), mean, rstd, dx, dw_partial, db_partial,
-                M, N, rows_per_program, dy.stride(0), dres.stride(0), x.stride(0),
-                IS_RMS=rms, HAS_DRESIDUAL=dresidual_out is not None,
-                HAS_WEIGHT=weight is not None, HAS_BIAS=needs_db, HAS_DX=needs_dx, HAS_DW=needs_dw,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ROW_IN_TILE=cfg.row_in_registers,
-                SWEEP_BLOCK_N=BWD_SWEEP_BLOCK_N, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
-            )  # fmt: skip
+                _norm_bwd_kernel,
+                grid,
+                DY=dy,
+                DRESIDUAL_OUT=dres,
+                X=x,
+                W=_dummy_if_none(weight, x),
+                row_stats=(mean, rstd),
+                DX=dx,
+                DW_PARTIAL=dw_partial,
+                DB_PARTIAL=db_partial,
+                sizes=(M, N, rows_per_program),
+                strides=(dy.stride(0), dres.stride(0), x.stride(0)),
+                IS_RMS=rms,
+                HAS_DRESIDUAL=dresidual_out is not None,
+                HAS_WEIGHT=weight is not None,
+                HAS_BIAS=needs_db,
+                HAS_DX=needs_dx,
+                HAS_DW=needs_dw,
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                ROW_IN_TILE=cfg.row_in_registers,
+                SWEEP_BLOCK_N=BWD_SWEEP_BLOCK_N,
+                num_warps=cfg.num_warps,
+                **runtime.COMPILE_OPTIONS,
+            )
     param_dtype = weight.dtype if weight is not None else x.dtype
     # Stage two of the reduction: a fixed-order sum over the programs' partial rows. Without the
     # parameter, an empty tensor of its dtype all the same (the fake kernel's).

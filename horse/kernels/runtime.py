@@ -327,19 +327,17 @@ def custom_op(name: str, fake, backward=None, setup_context=None, schema: str | 
     return register
 
 
-CONFIGS_DIR = pathlib.Path(__file__).parent / "configs"
-
-
-def load_configs(name: str, config: type, folder: pathlib.Path | None = None) -> dict:
-    """The config tables in <folder>/<name>.json (default CONFIGS_DIR: horse/kernels/configs; a family
-    package's folder for the file beside its kernels, as horse/kernels/mlp/configs.json), in the
-    file's order: ``{table: {family: ... {key: config(**fields)}}}``, keys that are numbers (head dims)
-    as ints. ``bench.tune --compile-only --write`` writes them; the compile report's output, not a
-    comment, records how each entry builds, and a family's TUNING.md why it was chosen."""
+def load_configs(path: pathlib.Path, config: type) -> dict:
+    """The config tables of a kernel family's configs.json (path: the file beside its kernels, as
+    horse/kernels/mlp/configs.json), in the file's order: ``{table: {family: ... {key:
+    config(**fields)}}}``, keys that are numbers (head dims) as ints. ``bench.tune --compile-only
+    --write`` writes entries found by compiling (not measured on their GPUs); the compile report's
+    output, not a comment, records how each entry builds, and the family's TUNING.md why it was
+    chosen."""
 
     def build(node: dict):
         if not all(isinstance(value, dict) for value in node.values()):  # an entry, not a table
             return config(**{k: build(v) if isinstance(v, dict) else v for k, v in node.items()})
         return {int(key) if key.isdigit() else key: build(value) for key, value in node.items()}
 
-    return build(json.loads(((folder or CONFIGS_DIR) / f"{name}.json").read_text()))
+    return build(json.loads(path.read_text()))

@@ -50,7 +50,7 @@ class Epilogue(NamedTuple):
 # The GEMM tables, data beside this file: GEMM_CONFIGS[family][kernel][shape class], family as
 # runtime.arch names it, shape class as shape_class does. TUNING.md says why each entry is what it is.
 CONFIG_FILE = pathlib.Path(__file__).with_name("configs.json")
-GEMM_CONFIGS = runtime.load_configs(CONFIG_FILE.stem, GemmConfig, CONFIG_FILE.parent)["GEMM_CONFIGS"]
+GEMM_CONFIGS = runtime.load_configs(CONFIG_FILE, GemmConfig)["GEMM_CONFIGS"]
 
 # Small, unequal tiles in the interpreter: quick there, several tiles cross every edge, and the
 # epilogue runs split, so the CPU tests run the subtile code too.

@@ -1,0 +1,631 @@
+"""The backward passes: a preprocess of the rows (delta and lse in log2 units), a pass per key block
+for dk and dv, a pass per query block for dq. No atomics: every gradient is bit-identical run to run.
+
+The kernels' arguments come in groups, as :func:`horse.kernels.attention.launch.attention_bwd` packs
+them (``cu_seqlens``, ``seqlens``, ``window`` as in the forward; ``row_stats``, the preprocess's
+outputs; ``sizes``, the head counts; ``strides``, a tuple per tensor); the device helpers take views
+of the tensors (``tiles.py``) and are called by keyword.
+"""
+
+import triton
+import triton.language as tl
+
+from horse.kernels.attention.masks import (
+    _causal_scores,
+    _in_window,
+    _key_loop,
+    _key_range,
+    _masked_key_block,
+    _visible,
+)
+from horse.kernels.attention.tiles import _load_tile, _sequence, _sequence_view, _store_tile
+
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(
+    OUT,  # (batch, seqlen_q, heads, head_dim)
+    DO,  # (batch, seqlen_q, heads, head_dim)
+    LSE,  # (batch, heads, seqlen_q) float32, natural log, from the forward
+    DLSE,  # (batch, heads, seqlen_q) float32; read when HAS_DLSE
+    DELTA,  # (batch, heads, seqlen_q) float32: rowsum(dO * O) - dlse
+    LSE_LOG2,  # (batch, heads, seqlen_q) float32: lse in log2 units, +inf where lse = -inf
+    CU_SEQLENS_Q,  # as in _attn_fwd_kernel
+    seqlen_q,
+    heads,
+    o_strides,
+    do_strides,
+    lse_strides,  # as in _attn_fwd_kernel; DLSE, DELTA and LSE_LOG2 share them
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): batch x heads on axis 0, whose 2**31 - 1
+    # programs CUDA allows (65,535 on axis 1), a (batch, head)'s query blocks side by side.
+    m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    batch_head = tl.program_id(0) // m_blocks
+    b = batch_head // heads
+    h = batch_head % heads
+    start_m = tl.program_id(0) % m_blocks * BLOCK_M
+    q_seq, seqlen_q = _sequence(CU_SEQLENS_Q, b=b, seqlen=seqlen_q, VARLEN=VARLEN)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    o = _load_tile(
+        (OUT, q_seq, o_strides, seqlen_q),
+        head=h,
+        row=start_m,
+        col=0,
+        HEAD_DIM=HEAD_DIM,
+        BLOCK_S=BLOCK_M,
+        BLOCK_C=BLOCK_D,
+        MASK_ROWS=True,
+        TMA=False,
+    )
+    do = _load_tile(
+        (DO, q_seq, do_strides, seqlen_q),
+        head=h,
+        row=start_m,
+        col=0,
+        HEAD_DIM=HEAD_DIM,
+        BLOCK_S=BLOCK_M,
+        BLOCK_C=BLOCK_D,
+        MASK_ROWS=True,
+        TMA=False,
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    row = q_seq.to(tl.int64) * lse_strides[0] + h.to(tl.int64) * lse_strides[1] + offs_m
+    if HAS_DLSE:
+        # d lse_i / d s_ij = p_ij, which folds into ds = p * (dp - delta) as a shift of delta.
+        delta -= tl.load(DLSE + row, mask=offs_m < seqlen_q, other=0.0)
+    tl.store(DELTA + row, delta, mask=offs_m < seqlen_q)
+    # Converted once here, not in every (key block, query block) step of the dk/dv pass (TUNING.md).
+    lse = tl.load(LSE + row, mask=offs_m < seqlen_q, other=0.0)
+    lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(LSE_LOG2 + row, lse_log2, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _load_row_stats(LSE, DELTA, offs_m, seqlen_q):
+    """lse in log2 units, +inf where a row sees no key or lies past seqlen_q, so that p = 0 there."""
+    lse = tl.load(LSE + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = tl.load(DELTA + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    return lse, delta
+
+
+@triton.jit
+def _load_query_tile(
+    view,
+    head,
+    start_m,
+    col,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """:func:`_load_tile` of the query block at start_m, rows masked. Pointer loads move the block's
+    first row into the base pointer, so that the per-row offsets are the same in every block (fewer
+    instructions an iteration: TUNING.md)."""
+    if TMA:
+        tile = _load_tile(
+            view,
+            head=head,
+            row=start_m,
+            col=col,
+            HEAD_DIM=HEAD_DIM,
+            BLOCK_S=BLOCK_S,
+            BLOCK_C=BLOCK_C,
+            MASK_ROWS=True,
+            TMA=TMA,
+        )
+    else:
+        X, seq, strides, seqlen = view
+        from_first_row = (X + tl.cast(start_m, tl.int64) * strides[1], seq, strides, seqlen - start_m)
+        tile = _load_tile(
+            from_first_row,
+            head=head,
+            row=0,
+            col=col,
+            HEAD_DIM=HEAD_DIM,
+            BLOCK_S=BLOCK_S,
+            BLOCK_C=BLOCK_C,
+            MASK_ROWS=True,
+            TMA=TMA,
+        )
+    return tile
+
+
+@triton.jit
+def _attn_bwd_dkdv_block(
+    grads,
+    kv,
+    queries,
+    offs_n,
+    start_m,
+    unmasked_m,
+    col,
+    seqlens,
+    window,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr,
+    MASKED: tl.constexpr,
+    LOCAL: tl.constexpr,
+    TMA: tl.constexpr,
+    INLINE_PTX: tl.constexpr,
+    OUTPUT: tl.constexpr,
+):
+    """grads (dk, dv) after the query block at start_m: kv is the key block's (k, v) tiles (keys
+    offs_n), queries (q_view, do_view, (LSE_LOG2, DELTA) at the head's first row, head). Works on the
+    transposed scores (keys x queries) so dk and dv accumulate in (BLOCK_N, head-dim columns [col, +
+    BLOCK_D_OUT)): all of them, or a slice, q and dO then read twice. OUTPUT: "dkdv" accumulates both,
+    "dk" or "dv" one (the other is returned as it came). MASKED: the causal mask, or with LOCAL the
+    window."""
+    dk, dv = grads
+    k, v = kv
+    q_view, do_view, row_stats, h = queries
+    LSE_LOG2, DELTA = row_stats
+    seqlen_q, seqlen_k = seqlens
+    window_left, window_right = window
+    q = _load_query_tile(
+        q_view, head=h, start_m=start_m, col=0, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_M, BLOCK_C=BLOCK_D, TMA=TMA
+    )
+    do = _load_query_tile(
+        do_view, head=h, start_m=start_m, col=0, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_M, BLOCK_C=BLOCK_D, TMA=TMA
+    )
+    if BLOCK_D_OUT < BLOCK_D:
+        tl.static_assert(not TMA, "a descriptor loads whole rows of the head dim")
+        q_out = _load_query_tile(
+            q_view,
+            head=h,
+            start_m=start_m,
+            col=col,
+            HEAD_DIM=HEAD_DIM,
+            BLOCK_S=BLOCK_M,
+            BLOCK_C=BLOCK_D_OUT,
+            TMA=TMA,
+        )
+        do_out = _load_query_tile(
+            do_view,
+            head=h,
+            start_m=start_m,
+            col=col,
+            HEAD_DIM=HEAD_DIM,
+            BLOCK_S=BLOCK_M,
+            BLOCK_C=BLOCK_D_OUT,
+            TMA=TMA,
+        )
+    else:
+        q_out = q
+        do_out = do
+    # lse in log2 units (+inf where a row sees no key: p = 0), addressed from the block's first row as
+    # in _load_query_tile. Rows past seqlen_q load 0: q and dO load as zeros there, so p dO and ds q
+    # vanish.
+    rows = tl.arange(0, BLOCK_M)
+    lse = tl.load(LSE_LOG2 + start_m + rows, mask=rows < seqlen_q - start_m, other=0.0)
+    delta = tl.load(DELTA + start_m + rows, mask=rows < seqlen_q - start_m, other=0.0)
+    qk_t = tl.dot(k, tl.trans(q))  # (BLOCK_N, BLOCK_M)
+    if MASKED and not LOCAL:  # causal; keys past seqlen_k are dropped by the store
+        if start_m < unmasked_m:  # a uniform branch: only the query blocks crossing the diagonal
+            qk_t = _causal_scores(
+                qk_t,
+                offs=offs_n,
+                start=start_m,
+                causal_offset=seqlen_k - seqlen_q,
+                BLOCK=BLOCK_M,
+                TRANSPOSED=True,
+                INLINE_PTX=INLINE_PTX,
+            )
+    p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
+    if MASKED and LOCAL and OUTPUT == "dkdv":
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        visible = _in_window(
+            q_pos=offs_m[None, :],
+            k_pos=offs_n[:, None],
+            causal_offset=seqlen_k - seqlen_q,
+            window=window,
+            LOCAL=LOCAL,
+        )
+        p_t = tl.where(visible, p_t, 0.0)
+    elif MASKED and LOCAL:
+        # Key i sees the block's queries [first_query, + window_left + window_right]: _in_window's test
+        # moved to the key, a column index against a per-key bound as _causal_scores transposed: fewer
+        # instructions and no spill for dv alone at head dim 256, a spill in the fused pass (TUNING.md).
+        first_query = (offs_n - (seqlen_k - seqlen_q + start_m + window_right))[:, None]
+        cols = tl.arange(0, BLOCK_M)[None, :]
+        p_t = tl.where((cols >= first_query) & (cols <= first_query + (window_left + window_right)), p_t, 0.0)
+    if OUTPUT != "dk":
+        dv = tl.dot(p_t.to(do.dtype), do_out, dv)
+    if OUTPUT != "dv":
+        if OUTPUT == "dkdv":
+            dp_t = tl.dot(v, tl.trans(do)) - delta[None, :]
+        else:  # delta as the accumulator's start: dk alone spilled without (TUNING.md)
+            dp_t = tl.dot(v, tl.trans(do), tl.zeros_like(p_t) - delta[None, :])
+        dk = tl.dot((p_t * dp_t).to(q.dtype), q_out, dk)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,  # as in the forward; DO like Q
+    row_stats,  # (LSE_LOG2, DELTA): (batch, heads, seqlen_q) float32, from _attn_bwd_preprocess_kernel
+    DK,
+    DV,  # like K, V, or float32 partials of head_splits such stacked on the batch (rows, packed) axis
+    cu_seqlens,  # as in _attn_fwd_kernel; Q, K, V, DO, DK, DV are TMA descriptors with TMA (padded)
+    softmax_scale,
+    seqlens,
+    window,  # as in _attn_fwd_kernel
+    sizes,  # (heads, kv_heads, group_size, heads_per_split, split_seqs): with head splits a program takes
+    # heads_per_split query heads of its group (else group_size), its partials split_seqs rows (batch;
+    # packed: total keys) after the previous split's
+    strides,  # (q, k, v, do, dk, dv, lse), as in _attn_fwd_kernel; LSE_LOG2 and DELTA share lse's
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_D_OUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,  # "full", "causal" or "local"
+    TMA: tl.constexpr,
+    VARLEN: tl.constexpr,
+    INLINE_PTX: tl.constexpr,  # as in _attn_fwd_kernel
+    OUTPUT: tl.constexpr,  # "dkdv", or one of them: "dk", "dv" (AttnConfig.split_outputs)
+):
+    # grid = (cdiv(seqlen_k, BLOCK_N) * batch * kv_heads, head_splits * BLOCK_D // BLOCK_D_OUT): one
+    # key block, query heads [split * heads_per_split, + heads_per_split) of its group, dk and/or dv
+    # columns [column * BLOCK_D_OUT, + BLOCK_D_OUT). Batch x heads goes on axis 0 (2**31 - 1
+    # programs; 65,535 on axis 1), a (batch, head)'s key blocks side by side, so the programs running
+    # together share its queries in L2. With head splits (GQA/MQA grids too small for the GPU), each
+    # split writes its partial dk and dv to its own slice of DK and DV (seq), summed afterwards
+    # in a fixed order: no atomics.
+    CAUSAL: tl.constexpr = MASK == "causal"
+    LOCAL: tl.constexpr = MASK == "local"
+    LSE_LOG2, DELTA = row_stats
+    seqlen_q, seqlen_k = seqlens
+    window_left, window_right = window
+    heads, kv_heads, group_size, heads_per_split, split_seqs = sizes
+    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, lse_strides = strides
+    n_blocks = tl.cdiv(seqlen_k, BLOCK_N)
+    start_n = tl.program_id(0) % n_blocks * BLOCK_N
+    batch_kv_head = tl.program_id(0) // n_blocks
+    b = batch_kv_head // kv_heads
+    kv_h = batch_kv_head % kv_heads
+    q_seq, seqlen_q = _sequence(cu_seqlens[0], b=b, seqlen=seqlen_q, VARLEN=VARLEN)
+    k_seq, seqlen_k = _sequence(cu_seqlens[1], b=b, seqlen=seqlen_k, VARLEN=VARLEN)
+    if VARLEN and start_n >= seqlen_k:  # the grid covers the longest sequence
+        return
+    columns = BLOCK_D // BLOCK_D_OUT
+    col = tl.program_id(1) % columns * BLOCK_D_OUT
+    split = tl.program_id(1) // columns
+    q_view = (Q, q_seq, q_strides, seqlen_q)
+    do_view = (DO, q_seq, do_strides, seqlen_q)
+    if VARLEN and TMA:
+        # Views of this sequence's rows alone, as in the forward; DK's and DV's of its rows in this
+        # split's slice, built here: after the loop they spilled (TUNING.md).
+        q_view = _sequence_view(q_view, heads=heads, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_M, BLOCK_C=BLOCK_D)
+        do_view = _sequence_view(do_view, heads=heads, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_M, BLOCK_C=BLOCK_D)
+        out_seq = k_seq + split * split_seqs
+        if OUTPUT != "dv":
+            dk_view = _sequence_view(
+                (DK, out_seq, dk_strides, seqlen_k),
+                heads=kv_heads,
+                HEAD_DIM=HEAD_DIM,
+                BLOCK_S=BLOCK_N,
+                BLOCK_C=BLOCK_D,
+            )
+        if OUTPUT != "dk":
+            dv_view = _sequence_view(
+                (DV, out_seq, dv_strides, seqlen_k),
+                heads=kv_heads,
+                HEAD_DIM=HEAD_DIM,
+                BLOCK_S=BLOCK_N,
+                BLOCK_C=BLOCK_D,
+            )
+    first_head = split * heads_per_split
+    last_head = tl.minimum(first_head + heads_per_split, group_size)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    # One output: K and V come by pointers (the launcher passes no descriptors for them), which feeds
+    # wgmma from shared memory (TUNING.md).
+    KV_TMA: tl.constexpr = TMA and OUTPUT == "dkdv"
+    k_view = (K, k_seq, k_strides, seqlen_k)
+    v_view = (V, k_seq, v_strides, seqlen_k)
+    if VARLEN and KV_TMA:
+        k_view = _sequence_view(k_view, heads=kv_heads, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_N, BLOCK_C=BLOCK_D)
+        v_view = _sequence_view(v_view, heads=kv_heads, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_N, BLOCK_C=BLOCK_D)
+    k = _load_tile(
+        k_view,
+        head=kv_h,
+        row=start_n,
+        col=0,
+        HEAD_DIM=HEAD_DIM,
+        BLOCK_S=BLOCK_N,
+        BLOCK_C=BLOCK_D,
+        MASK_ROWS=True,
+        TMA=KV_TMA,
+    )
+    v = k  # dv alone never reads V
+    if OUTPUT != "dv":
+        v = _load_tile(
+            v_view,
+            head=kv_h,
+            row=start_n,
+            col=0,
+            HEAD_DIM=HEAD_DIM,
+            BLOCK_S=BLOCK_N,
+            BLOCK_C=BLOCK_D,
+            MASK_ROWS=True,
+            TMA=KV_TMA,
+        )
+    dk = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
+    qk_scale = softmax_scale * 1.4426950408889634
+    # Queries before the first that sees key start_n (causal or local), and after the last (local),
+    # contribute nothing. Causal: one loop, the mask behind a uniform branch taken by the query blocks
+    # before unmasked_m (those crossing the diagonal); two loops (masked, unmasked) spilled (TUNING.md).
+    causal_offset = seqlen_k - seqlen_q
+    # A packed batch's causal dk launch by TMA runs as the window (-1, 0), the causal mask itself: its
+    # causal build spilled (TUNING.md).
+    WINDOW: tl.constexpr = LOCAL or (CAUSAL and VARLEN and TMA and OUTPUT == "dk")
+    if WINDOW and not LOCAL:
+        window_left = seqlen_q + seqlen_k  # reaches past every key, as _mask's unbounded side
+        window_right = 0
+    lo = 0
+    hi = seqlen_q
+    if WINDOW:
+        lo = tl.maximum(start_n - causal_offset - window_right, 0) // BLOCK_M * BLOCK_M
+        hi = tl.minimum(start_n + BLOCK_N - causal_offset + window_left, seqlen_q)
+    elif CAUSAL:
+        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
+    # Causal: query blocks from unmasked_m on see every key of the block (none crosses the diagonal).
+    unmasked_m = tl.cdiv(start_n + BLOCK_N - 1 - causal_offset, BLOCK_M) * BLOCK_M
+    for g in range(first_head, last_head):
+        h = kv_h * group_size + g
+        row0 = q_seq.to(tl.int64) * lse_strides[0] + h.to(tl.int64) * lse_strides[1]
+        for start_m in range(lo, hi, BLOCK_M):
+            dk, dv = _attn_bwd_dkdv_block(
+                grads=(dk, dv),
+                kv=(k, v),
+                queries=(q_view, do_view, (LSE_LOG2 + row0, DELTA + row0), h),
+                offs_n=offs_n,
+                start_m=start_m,
+                unmasked_m=unmasked_m,
+                col=col,
+                seqlens=(seqlen_q, seqlen_k),
+                window=(window_left, window_right),
+                qk_scale=qk_scale,
+                HEAD_DIM=HEAD_DIM,
+                BLOCK_M=BLOCK_M,
+                BLOCK_D=BLOCK_D,
+                BLOCK_D_OUT=BLOCK_D_OUT,
+                MASKED=CAUSAL or LOCAL,
+                LOCAL=WINDOW,
+                TMA=TMA,
+                INLINE_PTX=INLINE_PTX,
+                OUTPUT=OUTPUT,
+            )
+    seq = k_seq + split * split_seqs  # with head splits, the first row of this split's float32 partials
+    if not (VARLEN and TMA):  # (with both, views of DK's and DV's descriptors of those rows, above)
+        dk_view = (DK, seq, dk_strides, seqlen_k)
+        dv_view = (DV, seq, dv_strides, seqlen_k)
+    if OUTPUT != "dv":
+        dk *= softmax_scale
+        _store_tile(
+            dk_view,
+            dk,
+            head=kv_h,
+            row=start_n,
+            col=col,
+            HEAD_DIM=HEAD_DIM,
+            BLOCK_S=BLOCK_N,
+            BLOCK_C=BLOCK_D_OUT,
+            TMA=TMA,
+        )
+    if OUTPUT != "dk":
+        _store_tile(
+            dv_view,
+            dv,
+            head=kv_h,
+            row=start_n,
+            col=col,
+            HEAD_DIM=HEAD_DIM,
+            BLOCK_S=BLOCK_N,
+            BLOCK_C=BLOCK_D_OUT,
+            TMA=TMA,
+        )
+
+
+@triton.jit
+def _attn_bwd_dq_block(
+    dq,
+    queries,
+    k_view,
+    v_view,
+    kv_h,
+    offs_m,
+    start_n,
+    seqlens,
+    window,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
+    TMA: tl.constexpr,
+    INLINE_PTX: tl.constexpr,
+):
+    """dq after the key block at start_n (K and V read in head kv_h of their views): queries is the
+    query block's (q, do, lse, delta), lse in log2 units; MASKED as in the forward's block."""
+    q, do, lse, delta = queries
+    seqlen_q, seqlen_k = seqlens
+    k = _load_tile(
+        k_view,
+        head=kv_h,
+        row=start_n,
+        col=0,
+        HEAD_DIM=HEAD_DIM,
+        BLOCK_S=BLOCK_N,
+        BLOCK_C=BLOCK_D,
+        MASK_ROWS=MASKED,
+        TMA=TMA,
+    )
+    v = _load_tile(
+        v_view,
+        head=kv_h,
+        row=start_n,
+        col=0,
+        HEAD_DIM=HEAD_DIM,
+        BLOCK_S=BLOCK_N,
+        BLOCK_C=BLOCK_D,
+        MASK_ROWS=MASKED,
+        TMA=TMA,
+    )
+    qk = tl.dot(q, tl.trans(k))
+    if MASKED and CAUSAL:
+        qk = _causal_scores(
+            qk,
+            offs=offs_m,
+            start=start_n,
+            causal_offset=seqlen_k - seqlen_q,
+            BLOCK=BLOCK_N,
+            TRANSPOSED=False,
+            INLINE_PTX=INLINE_PTX,
+        )
+    p = tl.math.exp2(qk * qk_scale - lse[:, None])
+    if MASKED and not CAUSAL:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        visible = _visible(
+            offs_m=offs_m,
+            offs_n=offs_n,
+            seqlen_k=seqlen_k,
+            causal_offset=seqlen_k - seqlen_q,
+            window=window,
+            CAUSAL=CAUSAL,
+            LOCAL=LOCAL,
+        )
+        p = tl.where(visible, p, 0.0)
+    ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq)
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    row_stats,  # (LSE, DELTA): as in _attn_bwd_dkdv_kernel, LSE the forward's
+    DQ,  # like Q; Q, K, V, DO, DQ are TMA descriptors with TMA (padded)
+    cu_seqlens,  # as in _attn_fwd_kernel
+    softmax_scale,
+    seqlens,
+    window,  # as in _attn_fwd_kernel
+    sizes,  # (heads, group_size)
+    strides,  # (q, k, v, do, dq, lse), as in _attn_fwd_kernel; DELTA shares lse's
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,  # "full", "causal" or "local"
+    TMA: tl.constexpr,
+    VARLEN: tl.constexpr,
+    INLINE_PTX: tl.constexpr,  # as in _attn_fwd_kernel
+):
+    # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): as the preprocess, batch x heads on axis 0.
+    CAUSAL: tl.constexpr = MASK == "causal"
+    LOCAL: tl.constexpr = MASK == "local"
+    LSE, DELTA = row_stats
+    seqlen_q, seqlen_k = seqlens
+    heads, group_size = sizes
+    q_strides, k_strides, v_strides, do_strides, dq_strides, lse_strides = strides
+    m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    m_block = tl.program_id(0) % m_blocks
+    if CAUSAL:  # the longest query blocks first, as in the forward
+        m_block = m_blocks - 1 - m_block
+    start_m = m_block * BLOCK_M
+    batch_head = tl.program_id(0) // m_blocks
+    b = batch_head // heads
+    h = batch_head % heads
+    kv_h = h // group_size
+    q_seq, seqlen_q = _sequence(cu_seqlens[0], b=b, seqlen=seqlen_q, VARLEN=VARLEN)
+    k_seq, seqlen_k = _sequence(cu_seqlens[1], b=b, seqlen=seqlen_k, VARLEN=VARLEN)
+    if VARLEN and start_m >= seqlen_q:  # the grid covers the longest sequence
+        return
+    q_view = (Q, q_seq, q_strides, seqlen_q)
+    do_view = (DO, q_seq, do_strides, seqlen_q)
+    dq_view = (DQ, q_seq, dq_strides, seqlen_q)
+    k_view = (K, k_seq, k_strides, seqlen_k)
+    v_view = (V, k_seq, v_strides, seqlen_k)
+    if VARLEN and TMA:  # views of this sequence's rows alone, as in the forward
+        q_view = _sequence_view(q_view, heads=heads, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_M, BLOCK_C=BLOCK_D)
+        do_view = _sequence_view(do_view, heads=heads, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_M, BLOCK_C=BLOCK_D)
+        kv_heads = heads // group_size
+        k_view = _sequence_view(k_view, heads=kv_heads, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_N, BLOCK_C=BLOCK_D)
+        v_view = _sequence_view(v_view, heads=kv_heads, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_N, BLOCK_C=BLOCK_D)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = _load_tile(
+        q_view,
+        head=h,
+        row=start_m,
+        col=0,
+        HEAD_DIM=HEAD_DIM,
+        BLOCK_S=BLOCK_M,
+        BLOCK_C=BLOCK_D,
+        MASK_ROWS=True,
+        TMA=TMA,
+    )
+    do = _load_tile(
+        do_view,
+        head=h,
+        row=start_m,
+        col=0,
+        HEAD_DIM=HEAD_DIM,
+        BLOCK_S=BLOCK_M,
+        BLOCK_C=BLOCK_D,
+        MASK_ROWS=True,
+        TMA=TMA,
+    )
+    row0 = q_seq.to(tl.int64) * lse_strides[0] + h.to(tl.int64) * lse_strides[1]
+    lse, delta = _load_row_stats(LSE=LSE + row0, DELTA=DELTA + row0, offs_m=offs_m, seqlen_q=seqlen_q)
+    qk_scale = softmax_scale * 1.4426950408889634
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    seqlens = (seqlen_q, seqlen_k)
+    keys = _key_range(
+        start_m, seqlens=seqlens, window=window, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LOCAL=LOCAL
+    )
+    for masked in tl.static_range(2):  # the unmasked key blocks, then the masked ones, as in the forward
+        lo, hi, step, blocks = _key_loop(keys, masked=masked, BLOCK_N=BLOCK_N, LOCAL=LOCAL)
+        for n in range(lo, hi, step):
+            start_n = _masked_key_block(n, blocks=blocks, BLOCK_N=BLOCK_N) if masked and LOCAL else n
+            dq = _attn_bwd_dq_block(
+                dq=dq,
+                queries=(q, do, lse, delta),
+                k_view=k_view,
+                v_view=v_view,
+                kv_h=kv_h,
+                offs_m=offs_m,
+                start_n=start_n,
+                seqlens=seqlens,
+                window=window,
+                qk_scale=qk_scale,
+                HEAD_DIM=HEAD_DIM,
+                BLOCK_N=BLOCK_N,
+                BLOCK_D=BLOCK_D,
+                MASKED=masked,
+                CAUSAL=CAUSAL,
+                LOCAL=LOCAL,
+                TMA=TMA,
+                INLINE_PTX=INLINE_PTX,
+            )
+    dq *= softmax_scale
+    if VARLEN and TMA:
+        dq_view = _sequence_view(dq_view, heads=heads, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_M, BLOCK_C=BLOCK_D)
+    _store_tile(
+        dq_view, dq, head=h, row=start_m, col=0, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_M, BLOCK_C=BLOCK_D, TMA=TMA
+    )

@@ -1,0 +1,94 @@
+"""The attention passes' tiles: :class:`AttnConfig`; a table per pass with an entry per GPU family
+(``horse.kernels.runtime.ARCHS``) and padded head dim, read from ``configs.json`` beside this file;
+the rules and fixed tiles of the small passes (decode and its reduce, the backward's preprocess).
+
+Every table entry compiles for its family's target with tensor-core instructions, no spills and
+within its shared memory, in both dtypes and every mask, with pointer loads, on packed batches and,
+where tma is set on sm_90 and sm_100, with TMA loads: ``python -m bench.compile_report --filter attn``
+builds them all, and its output is the record of how each builds. The sm90 entries were chosen for
+speed; the other families' are the first candidates, from sm90's tile down, that compile clean there
+(``python -m bench.tune attention --compile-only --arch FAMILY --start-from sm90 --write``), not
+measured yet. What was tried for each entry and why it stands: TUNING.md beside this file.
+"""
+
+import dataclasses
+import pathlib
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from horse.kernels import runtime
+
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Tile of one attention pass: BLOCK_M queries by BLOCK_N keys, its warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    column_splits: int = 1  # dk/dv pass: its head-dim columns shared among this many programs
+    tma: bool = True  # q/k/v/o tiles by TMA (tensor descriptors) where the GPU and strides allow
+    # Forward: 0 launches a program per tile; n > 0 launches n per SM, each looping over tiles.
+    programs_per_sm: int = 0
+    # The config taken when tiles move by pointers (None: this one), for entries whose TMA tile spills there.
+    pointer: "AttnConfig | None" = None
+    # dk/dv pass: dv and dk by two launches of their own, one accumulator live in each (5 GEMMs against
+    # the fused pass's 4: the scores computed twice).
+    split_outputs: bool = False
+
+    def loads(self, tma: bool) -> "AttnConfig":
+        """The config a launch takes with TMA loads (tma) or with pointers."""
+        return self if tma or self.pointer is None else self.pointer
+
+
+CONFIG_FILE = pathlib.Path(__file__).with_name("configs.json")  # bench.tune --write updates it
+_TABLES = runtime.load_configs(CONFIG_FILE, AttnConfig)
+# Each table: GPU family (runtime.arch) -> padded head dim (16 ... 256) -> entry.
+FWD_CONFIGS = _TABLES["FWD_CONFIGS"]
+# Packed batches' forward: the padded entries (TMA descriptors built per sequence on the device), a
+# dict of its own per family so that tuning one table (bench.tune) never edits the other.
+PACKED_FWD_CONFIGS = {arch: dict(table) for arch, table in FWD_CONFIGS.items()}
+# block_n is the key block each program owns (dk, dv accumulate there); block_m the query step.
+BWD_DKDV_CONFIGS = _TABLES["BWD_DKDV_CONFIGS"]
+BWD_DQ_CONFIGS = _TABLES["BWD_DQ_CONFIGS"]
+# Decode (flash_attention_with_kvcache): BLOCK_M query rows (a GQA group's heads x the new tokens)
+# by BLOCK_N cached keys, pointer loads (the rows are gathered across heads), the same rule on every
+# family; a tile of 16 rows (the smallest tl.dot) when the group's rows fit in it, and at head dim
+# 256, where 64 rows spilled with the window.
+DECODE_CONFIGS = {
+    arch: {
+        block_d: AttnConfig(16, 32, 4, 2, tma=False)
+        if block_d == 256
+        else AttnConfig(64, 64, 4, 2, tma=False)
+        for block_d in (16, 32, 64, 128, 256)
+    }
+    for arch in ("sm80", "sm86", "sm90", "sm100", "gfx942")
+}
+DECODE_REDUCE_NUM_WARPS = 8  # at 4 the head-dim-256 reduce spilled 8 bytes on sm_80
+DECODE_REDUCE_BLOCK_S = 16  # splits the reduce loads at a time: up to 2 per SM, 264 on an H200
+# Small, unequal tiles in the interpreter: quick there, and several blocks cross every boundary.
+INTERPRETER_BLOCKS = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1, "pointer": None}
+PREPROCESS_BLOCK_M = 64
+# At 4 warps the 64 x 128 tiles of o and dO spilled 8-32 bytes on sm_100 (at 48-56 registers).
+PREPROCESS_NUM_WARPS = 8
+
+
+def head_dim_block(head_dim: int) -> int:
+    """Head dims are padded to a power of two of at least 16, the smallest tl.dot reduction."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def attn_config(table: dict, head_dim: int, device: torch.device) -> AttnConfig:
+    """The entry of table (FWD_CONFIGS, ...) for head_dim on device's GPU family."""
+    cfg = table[runtime.arch(device).name][head_dim_block(head_dim)]
+    return dataclasses.replace(cfg, **INTERPRETER_BLOCKS) if runtime.INTERPRET else cfg
+
+
+def dkdv_outputs(cfg: AttnConfig) -> tuple[str, ...]:
+    """The dk/dv pass's launches under cfg, by their OUTPUT: one for both, or one each."""
+    return ("dv", "dk") if cfg.split_outputs else ("dkdv",)
