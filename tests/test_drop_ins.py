@@ -321,7 +321,7 @@ def test_layer_norm_is_f_layer_norm_or_refuses(case, device):
 
 # F.rms_norm itself warns, once a process, that a float32 weight on float16 input leaves its fused path:
 # the truth's warning, in the cases that walk exactly that input (both, as either may run first).
-F_RMS_NORM_WARNS = pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+F_RMS_NORM_WARNS = pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight:UserWarning")
 
 
 @F_RMS_NORM_WARNS
