@@ -174,6 +174,36 @@ def test_an_all_ignored_batch_gives_zero_gradients_and_a_mean_of_nan_or_zero(fus
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("one_rank", [False, True], ids=["whole", "one-rank-shard"])
+def test_no_gradient_is_computed_where_autograd_records_none(monkeypatch, one_rank):
+    """Under torch.no_grad (the trainer's evaluation), and for inputs that need no gradient, the steps
+    get no dloss: the forward computes no gradient."""
+    dlosses = []
+
+    def spy(real, dloss_at: int):
+        def call(*args):
+            dlosses.append(args[dloss_at])
+            return real(*args)
+
+        return call
+
+    monkeypatch.setattr(ce, "cross_entropy_rows", spy(ce.cross_entropy_rows, 2))
+    monkeypatch.setattr(ce, "linear_cross_entropy_chunks", spy(ce.linear_cross_entropy_chunks, 4))
+    (x, w), target = _linear_case(9, 16, 40, torch.float32, bias=False)
+    logits = x @ w.T
+    shard = _one_rank(40) if one_rank else None
+    x.requires_grad_(), logits.requires_grad_()
+    with torch.no_grad():
+        ce.head_loss(x, w, target, use_triton=True, shard=shard)
+        ce.head_loss(logits, None, target, use_triton=True, shard=shard)
+    ce.head_loss(x.detach(), w, target, use_triton=True, shard=shard)
+    assert dlosses == [None] * 3
+    ce.head_loss(x, w, target, use_triton=True, shard=shard)
+    ce.head_loss(logits, None, target, use_triton=True, shard=shard)
+    assert len(dlosses) == 5 and all(dloss is not None for dloss in dlosses[3:])
+
+
+@pytest.mark.interpreter
 def test_linear_cross_entropy_gradients_repeat_bit_for_bit(monkeypatch):
     monkeypatch.setattr(ce, "CHUNK_BYTES", 5 * 211 * 2)
     tensors, target = _linear_case(31, 16, 211, torch.float16, bias=True)

@@ -615,15 +615,14 @@ class _CrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx, x, weight, bias, target, shard, use_triton, ignore_index, reduction, label_smoothing, z_loss
-    ):
+    def forward(ctx, x, weight, bias, target, shard, use_triton, wants_grad, options):
         # x (N, V_local) logits, or (N, H) with weight (V_local, H), bias (V_local,) or None; target (N,)
+        ignore_index, reduction, label_smoothing, z_loss = options
         ctx.steps = (shard, use_triton, ignore_index, label_smoothing, z_loss)
         ctx.per_row = reduction == "none"
         ctx.recompute = weight is not None and ctx.per_row
         ctx.has_bias = bias is not None
-        in_forward = any(ctx.needs_input_grad[:3]) and not ctx.recompute
+        in_forward = wants_grad and not ctx.recompute
         dloss = row_weight(target, ignore_index, reduction) if in_forward else None
         loss, *grads = _loss_and_grads(x, weight, bias, target, dloss, *ctx.steps)
         ctx.save_for_backward(*((x, weight, bias, target) if ctx.recompute else grads))
@@ -640,7 +639,15 @@ class _CrossEntropy(torch.autograd.Function):
             scale = dloss[:, None] if ctx.per_row else dloss
             grads = [None if g is None else (g * scale).to(g.dtype) for g in ctx.saved_tensors]
         dx, dweight, dbias = grads
-        return dx, dweight, dbias if ctx.has_bias else None, *[None] * 7
+        return dx, dweight, dbias if ctx.has_bias else None, None, None, None, None, None
+
+
+def _cross_entropy(x, weight, bias, target, shard, use_triton, options: tuple) -> torch.Tensor:
+    """The loss by its autograd. options: (ignore_index, reduction, label_smoothing, z_loss). The forward
+    computes gradients only where autograd records (its ctx.needs_input_grad says True under
+    torch.no_grad too)."""
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    return _CrossEntropy.apply(x, weight, bias, target, shard, use_triton, wants_grad, options)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -758,7 +765,7 @@ def cross_entropy(
     check_target(fn, target, tuple(logits.shape[:-1]), logits.shape[-1], ignore_index, logits.device)
     options = (ignore_index, reduction, float(label_smoothing), float(z_loss))
     use_triton = runtime.runs_triton(logits)
-    loss = _CrossEntropy.apply(_rows(logits), None, None, target.reshape(-1), None, use_triton, *options)
+    loss = _cross_entropy(_rows(logits), None, None, target.reshape(-1), None, use_triton, options)
     return loss.view(target.shape) if reduction == "none" else loss
 
 
@@ -802,7 +809,7 @@ def linear_cross_entropy(
     (x,) = runtime.autocast(x)  # the weight stays as given: the op casts it, its gradient keeps its dtype
     options = (ignore_index, reduction, float(label_smoothing), float(z_loss))
     use_triton = runtime.runs_triton(x)
-    loss = _CrossEntropy.apply(_rows(x), _rows(weight), bias, target.reshape(-1), None, use_triton, *options)
+    loss = _cross_entropy(_rows(x), _rows(weight), bias, target.reshape(-1), None, use_triton, options)
     return loss.view(target.shape) if reduction == "none" else loss
 
 
@@ -833,4 +840,4 @@ def head_loss(
         (x,) = runtime.autocast(x)  # the weight stays as given, as in linear_cross_entropy
     use_triton = use_triton and runtime.runs_triton(x)
     options = (ignore_index, "mean", float(label_smoothing), float(z_loss))
-    return _CrossEntropy.apply(x, weight, None, target, shard, use_triton, *options)
+    return _cross_entropy(x, weight, None, target, shard, use_triton, options)
