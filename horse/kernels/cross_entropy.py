@@ -457,13 +457,12 @@ def cross_entropy_rows(
     in a new tensor of logits' shape and dtype (logits are left alone); without, it is empty.
     """
     grad = dloss is not None
+    options = (ignore_index, label_smoothing, z_loss)
     if use_triton and shard is None:  # one launch reads the logits and writes their gradient
         dlogits = runtime.empty(logits.shape if grad else (0,), logits.dtype, logits.device)
-        options = (ignore_index, label_smoothing, z_loss)
         loss, _ = cross_entropy_fwd(logits, target, dloss, dlogits if grad else None, *options)
         return loss, dlogits
     dlogits = logits.clone() if grad else logits.new_empty((0,))
-    options = (ignore_index, label_smoothing, z_loss)
     return _chunk_loss_(dlogits if grad else logits, target, dloss, options, use_triton, shard), dlogits
 
 
