@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the name every PyTorch reader knows)
 from torch import nn
 
-from horse import head_loss, kernels
+from horse import kernels
+from horse.kernels.cross_entropy import head_loss
 from horse.layers import FusedLayerNorm, FusedRMSNorm, FusedSelfAttention, RotaryEmbedding
 
 BACKENDS = ("triton", "reference")
@@ -414,14 +415,14 @@ class GPT(nn.Module):
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of next-token prediction; idx, targets (B, T). With fused_loss (the
         default) the LM head and the loss run fused in row chunks and the logits never exist whole
-        (``horse.head_loss``): the Triton kernels on backend triton, their plain-PyTorch twins on
-        reference."""
+        (``horse.kernels.cross_entropy.head_loss``): the Triton kernels on backend triton, their
+        plain-PyTorch twins on reference."""
         if not self.fused_loss:
             return F.cross_entropy(self(idx).flatten(0, 1), targets.flatten())
         head = self.head_weight[: self.config.vocab_used]  # the rows in use
         y = self.features(idx).flatten(0, 1)  # (B·T, C)
         use_triton = self.backend == "triton"
-        return head_loss.linear_cross_entropy(y, head, targets.flatten(), use_triton, fn="GPT.loss")
+        return head_loss(y, head, targets.flatten(), use_triton=use_triton, fn="GPT.loss")
 
     def num_params(self) -> int:
         """Parameters (a tensor-parallel rank's own), a tied embedding / LM head counted once."""

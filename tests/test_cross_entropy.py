@@ -17,7 +17,6 @@ import horse.kernels.cross_entropy  # noqa: F401 (the module, which horse.kernel
 from horse import kernels
 from horse.kernels import reference
 from horse.model import GPT, GPTConfig
-from horse.parallel import Parallel, vocab_parallel_linear_cross_entropy
 
 ce = sys.modules["horse.kernels.cross_entropy"]
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -175,6 +174,36 @@ def test_an_all_ignored_batch_gives_zero_gradients_and_a_mean_of_nan_or_zero(fus
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("one_rank", [False, True], ids=["whole", "one-rank-shard"])
+def test_no_gradient_is_computed_where_autograd_records_none(monkeypatch, one_rank):
+    """Under torch.no_grad (the trainer's evaluation), and for inputs that need no gradient, the steps
+    get no dloss: the forward computes no gradient."""
+    dlosses = []
+
+    def spy(real, dloss_at: int):
+        def call(*args):
+            dlosses.append(args[dloss_at])
+            return real(*args)
+
+        return call
+
+    monkeypatch.setattr(ce, "cross_entropy_rows", spy(ce.cross_entropy_rows, 2))
+    monkeypatch.setattr(ce, "linear_cross_entropy_chunks", spy(ce.linear_cross_entropy_chunks, 4))
+    (x, w), target = _linear_case(9, 16, 40, torch.float32, bias=False)
+    logits = x @ w.T
+    shard = _one_rank(40) if one_rank else None
+    x.requires_grad_(), logits.requires_grad_()
+    with torch.no_grad():
+        ce.head_loss(x, w, target, use_triton=True, shard=shard)
+        ce.head_loss(logits, None, target, use_triton=True, shard=shard)
+    ce.head_loss(x.detach(), w, target, use_triton=True, shard=shard)
+    assert dlosses == [None] * 3
+    ce.head_loss(x, w, target, use_triton=True, shard=shard)
+    ce.head_loss(logits, None, target, use_triton=True, shard=shard)
+    assert len(dlosses) == 5 and all(dloss is not None for dloss in dlosses[3:])
+
+
+@pytest.mark.interpreter
 def test_linear_cross_entropy_gradients_repeat_bit_for_bit(monkeypatch):
     monkeypatch.setattr(ce, "CHUNK_BYTES", 5 * 211 * 2)
     tensors, target = _linear_case(31, 16, 211, torch.float16, bias=True)
@@ -232,13 +261,16 @@ def test_bad_input_raises_naming_the_argument(call, error, message):
 def test_custom_ops_pass_opcheck_and_compile_fullgraph():
     tensors, target = _linear_case(11, 16, 70, torch.float32, bias=True)
     x, w, b = [t.requires_grad_() for t in tensors]
-    ops = torch.ops.horse
-    linear_args = (x, w, b, target, -100, "mean", 0.1, 0.0, True)
-    torch.library.opcheck(ops.linear_cross_entropy_fwd.default, linear_args)
-    torch.library.opcheck(ops.cross_entropy_fwd.default, (x @ w.T, target, -100, "none", 0.0, 1e-3, True))
-    dloss = torch.rand(11)
-    bwd_args = (x.detach(), w.detach(), None, target, dloss, -100, 0.0, 0.0)  # a backward: no graph
-    torch.library.opcheck(ops.linear_cross_entropy_bwd.default, bwd_args)
+    ops, plain = torch.ops.horse, (x.detach(), w.detach(), b.detach())  # the ops take no gradients
+    dloss = torch.rand(11)  # a backward's: one gradient a row
+    torch.library.opcheck(
+        ops.linear_cross_entropy_chunks.default, (*plain, target, dloss, -100, 0.1, 0.0, True)
+    )
+    torch.library.opcheck(
+        ops.linear_cross_entropy_chunks.default, (*plain, target, None, -100, 0.0, 0.0, True)
+    )
+    logits = plain[0] @ plain[1].T
+    torch.library.opcheck(ops.cross_entropy_rows.default, (logits, target, dloss, -100, 0.0, 1e-3, True))
 
     def loss_fn(x, w, b):
         logits = x @ w.T
@@ -309,6 +341,34 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+def _one_rank(vocab: int):
+    """The whole vocabulary as one rank's shard, its collectives identities. head_loss runs a shard's
+    chunk loop as Python, where a dispatch mode sees its allocations; inside the custom op it runs on
+    a whole vocabulary, a mode sees only the op's outputs."""
+    return ce.VocabShard(0, vocab, all_reduce_max=lambda t: None, all_reduce_sum=lambda t: None)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "plain-pytorch"])
+@pytest.mark.parametrize("logits", [False, True], ids=["head", "logits"])
+def test_head_loss_on_a_one_rank_shard_is_the_custom_ops(monkeypatch, logits, use_triton):
+    """tp 1's shard (identity collectives) runs the statistics and gradient steps as Python; the whole
+    vocabulary runs the ops (on Triton, the one-launch kernel): the same loss and gradients."""
+    monkeypatch.setattr(ce, "CHUNK_BYTES", 6 * 97 * 2)
+    (x, w), target = _linear_case(29, 12, 97, torch.float16, bias=False)
+    if logits:
+        x, w = F.linear(x, w), None
+    results = []
+    for shard in (None, _one_rank(97)):
+        x_in, w_in = (None if t is None else t.clone().requires_grad_() for t in (x, w))
+        inputs = [t for t in (x_in, w_in) if t is not None]
+        options = {"label_smoothing": 0.1, "z_loss": 1e-3}
+        loss = ce.head_loss(x_in, w_in, target, use_triton=use_triton, shard=shard, **options)
+        results.append((loss, *torch.autograd.grad(loss * 3.0, inputs)))
+    for name, got, want in zip(("loss", "dx", "dW"), *results, strict=False):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6, msg=name)
+
+
 def _loss_peak_bytes(fused: bool, rows: int, hidden: int, vocab: int, device: str) -> int:
     """Peak bytes the LM head and its loss allocate through the forward and backward: x (rows,
     hidden) float16 and a float32 master weight (vocab, hidden), as the trainer hands them to it
@@ -317,8 +377,8 @@ def _loss_peak_bytes(fused: bool, rows: int, hidden: int, vocab: int, device: st
     w = torch.randn(vocab, hidden, device=device).requires_grad_()
     target = torch.randint(0, vocab, (rows,), device=device)
     with LiveBytes(x, w, target) as memory:
-        if fused:  # the reference backend's path: the chunk loop on plain PyTorch
-            loss = vocab_parallel_linear_cross_entropy(x[None], w, target[None], Parallel(), use_triton=False)
+        if fused:  # the reference backend's: the chunk loop on plain PyTorch, as Python (_one_rank)
+            loss = ce.head_loss(x, w, target, use_triton=False, shard=_one_rank(vocab))
         else:
             loss = F.cross_entropy(F.linear(x, w.half()).float(), target)
         loss.backward()

@@ -96,13 +96,13 @@ def loss_cases(dtype, bias):
     x, weight = _randn(M, K, dtype=dtype), _randn(37, K, dtype=dtype)  # 37 classes: not a block multiple
     b = _randn(37, dtype=dtype) if bias else None
     target = torch.tensor([3, -100, 0, 36, 5, -100, 9, 1, 2])  # two rows ignored
-    logits = (x @ weight.T).detach().requires_grad_()
-    plain = _plain((x, weight, b))
+    logits, plain = (x @ weight.T).detach(), _plain((x, weight, b))  # no autograd: the ops take none
     return [
-        (OPS.linear_cross_entropy_fwd, (x, weight, b, target, -100, "mean", 0.1, 1e-3, True)),
-        (OPS.linear_cross_entropy_fwd, (x, weight, b, target, -100, "none", 0.0, 0.0, False)),
-        (OPS.cross_entropy_fwd, (logits, target, -100, "sum", 0.1, 1e-3, True)),
-        (OPS.linear_cross_entropy_bwd, (*plain, target, torch.rand(M), -100, 0.1, 1e-3)),
+        (OPS.linear_cross_entropy_chunks, (*plain, target, torch.ones(()), -100, 0.1, 1e-3, True)),
+        (OPS.linear_cross_entropy_chunks, (*plain, target, None, -100, 0.0, 0.0, True)),
+        (OPS.linear_cross_entropy_chunks, (*plain, target, torch.rand(M), -100, 0.1, 1e-3, False)),
+        (OPS.cross_entropy_rows, (logits, target, torch.ones(()), -100, 0.1, 1e-3, True)),
+        (OPS.cross_entropy_rows, (logits, target, torch.rand(M), -100, 0.0, 0.0, False)),
     ]
 
 

@@ -27,6 +27,15 @@ V_local) of a vocabulary of V; per chunk the row statistics are reduced over the
 of the max, one of the sum of exponentials, the target's logit and the sum of logits) between a
 statistics kernel and a gradient kernel; no rank ever holds another's logits.
 
+One autograd (``_CrossEntropy``) serves both losses and every caller: the public functions, and
+:func:`head_loss`, the model's loss and its tensor-parallel head's (with a shard, or of logits split by
+vocabulary). Its forward computes the loss and the inputs' gradients, its backward scales them. On the
+whole vocabulary it calls the custom ops ``horse::cross_entropy_rows`` and
+``horse::linear_cross_entropy_chunks``, which torch.compile takes whole; a shard's collectives are
+Python callables that cannot pass an op's schema, so with a shard it calls the same functions
+directly. The chunk steps run on the Triton kernels or, on the model's reference backend and on a CPU
+outside Triton's interpreter, on their plain-PyTorch twins (``*_torch``).
+
 Targets are int64 in [0, V) or ``ignore_index`` (such rows add nothing and get zero gradients; the
 "mean" of a batch with no other row is NaN from ``cross_entropy``, as from F.cross_entropy, and 0 from
 ``linear_cross_entropy``, the trainer's loss). V ranges over 1..262,144, any size. ``cross_entropy``
@@ -44,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from horse.kernels import reference, runtime
+from horse.kernels import runtime
 
 MAX_VOCAB = 262144
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -266,7 +275,7 @@ def cross_entropy_fwd(
 
 
 def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor, smoothing: bool) -> torch.Tensor:
-    """(4, M) float32 of logits (M, V_local) as :func:`reference.cross_entropy_stats` returns them."""
+    """(4, M) float32 of logits (M, V_local) as :func:`cross_entropy_stats_torch` returns them."""
     M, V = logits.shape
     stats = runtime.empty((4, M), torch.float32, logits.device)
     if M == 0:
@@ -298,7 +307,7 @@ def cross_entropy_grad_(
     label_smoothing: float,
     z_loss: float,
 ) -> None:
-    """Overwrite logits (M, V_local) by scale_i · ∂loss_i/∂logits (:func:`reference.cross_entropy_grad_`)."""
+    """Overwrite logits (M, V_local) by scale_i · ∂loss_i/∂logits (:func:`cross_entropy_grad_torch_`)."""
     M, V = logits.shape
     if M == 0:
         return
@@ -319,6 +328,46 @@ def cross_entropy_grad_(
             num_warps=cfg.num_warps,
             **runtime.COMPILE_OPTIONS,
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# The chunk steps on plain PyTorch: the statistics and gradient kernels' twins (the model's reference
+# backend, and the CPU outside Triton's interpreter), on chunks of logits (C, V_local) in float32
+# ----------------------------------------------------------------------------------------------
+
+
+def finite_or_zero(row_max: torch.Tensor) -> torch.Tensor:
+    """The row max to shift by before exp: 0 for a row of -inf logits (else exp(-inf - -inf) = NaN)."""
+    return torch.where(row_max == float("-inf"), 0.0, row_max)
+
+
+def cross_entropy_stats_torch(logits: torch.Tensor, target: torch.Tensor, smoothing: bool) -> torch.Tensor:
+    """:func:`cross_entropy_stats` on plain PyTorch: (4, C), each row's max, Σ exp(z - max), the logit at
+    column target (0 where target is outside [0, V_local): another shard's, or ignored) and, with
+    smoothing, Σ z (else 0)."""
+    z = logits.to(torch.float32, copy=True)  # the chunk's one float32 copy; the rest is in place
+    row_max = z.amax(dim=-1)
+    here = (target >= 0) & (target < z.shape[1])
+    target_logit = z.gather(1, target.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
+    sum_z = z.sum(dim=-1) if smoothing else torch.zeros_like(row_max)
+    sum_exp = z.sub_(finite_or_zero(row_max)[:, None]).exp_().sum(dim=-1)
+    return torch.stack([row_max, sum_exp, torch.where(here, target_logit, 0.0), sum_z])
+
+
+def cross_entropy_grad_torch_(logits, target, lse, scale, vocab: int, label_smoothing: float, z_loss: float):
+    """:func:`cross_entropy_grad_` on plain PyTorch: overwrite logits (C, V_local) by scale_i · (softmax(z)
+    (1 + 2 λ lse) - (1 - ε) onehot(target) - ε / vocab), lse over the whole vocabulary, target the
+    column here (outside [0, V_local): none)."""
+    g = logits.to(torch.float32, copy=True).sub_(lse[:, None]).exp_()  # one float32 copy, then in place
+    g.mul_((1 + 2 * z_loss * lse)[:, None]).sub_(label_smoothing / vocab)
+    here = ((target >= 0) & (target < g.shape[1])).to(g.dtype)[:, None]
+    g.scatter_add_(1, target.clamp(0, g.shape[1] - 1)[:, None], -(1 - label_smoothing) * here)
+    logits.copy_(g.mul_(scale[:, None]))
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss of a chunk, of logits, and of the LM head in chunks
+# ----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -350,6 +399,17 @@ def chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype, device: torch.device
     return max(1, min(n_rows, budget // (vocab * dtype.itemsize)))
 
 
+def cross_entropy_loss_from_stats(stats, ignored, vocab: int, label_smoothing: float, z_loss: float):
+    """(loss, lse) per row from the whole vocabulary's statistics (4, C) (:func:`cross_entropy_stats`,
+    reduced over the shards); ignored rows lose 0."""
+    row_max, sum_exp, target_logit, sum_z = stats
+    lse = finite_or_zero(row_max) + torch.log(sum_exp)
+    loss = lse * (1 + z_loss * lse) - (1 - label_smoothing) * target_logit
+    if label_smoothing > 0:
+        loss = loss - label_smoothing * sum_z / vocab
+    return torch.where(ignored, 0.0, loss), lse
+
+
 def _chunk_loss_(logits, target, dloss, options: tuple, use_triton: bool, shard: VocabShard | None):
     """Loss (C,) of a chunk of logits (C, V_local) with its targets (C,); with dloss the gradient
     replaces the logits. options: (ignore_index, label_smoothing, z_loss)."""
@@ -363,22 +423,47 @@ def _chunk_loss_(logits, target, dloss, options: tuple, use_triton: bool, shard:
     if use_triton:
         stats = cross_entropy_stats(logits, local, smoothing)
     else:
-        stats = reference.cross_entropy_stats(logits, local, smoothing)
+        stats = cross_entropy_stats_torch(logits, local, smoothing)
     if shard is not None:
         row_max = stats[0].clone()
         shard.all_reduce_max(row_max)
-        stats[1] *= torch.exp(stats[0] - reference.finite_or_zero(row_max))
+        stats[1] *= torch.exp(stats[0] - finite_or_zero(row_max))
         stats[0] = row_max
         sums = stats[1:].contiguous()  # one all-reduce for the three sums
         shard.all_reduce_sum(sums)
         stats[1:] = sums
-    loss, lse = reference.cross_entropy_loss_from_stats(stats, ignored, vocab, label_smoothing, z_loss)
+    loss, lse = cross_entropy_loss_from_stats(stats, ignored, vocab, label_smoothing, z_loss)
     if dloss is not None:
         scale = torch.where(ignored, 0.0, dloss.float().expand(target.shape)).contiguous()
         lse = torch.where(ignored, 0.0, lse)
-        grad_ = cross_entropy_grad_ if use_triton else reference.cross_entropy_grad_
+        grad_ = cross_entropy_grad_ if use_triton else cross_entropy_grad_torch_
         grad_(logits, local, lse, scale, vocab, label_smoothing, z_loss)
     return loss
+
+
+def cross_entropy_rows(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    dloss: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    use_triton: bool,
+    shard: VocabShard | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss of logits (M, V_local) against target (M,) as one chunk: (loss (M,) float32, dlogits).
+
+    With dloss (a float32 scalar or (M,): d(reduced loss)/d(loss_i)), dlogits is dloss_i · ∂loss_i/∂logits
+    in a new tensor of logits' shape and dtype (logits are left alone); without, it is empty.
+    """
+    grad = dloss is not None
+    options = (ignore_index, label_smoothing, z_loss)
+    if use_triton and shard is None:  # one launch reads the logits and writes their gradient
+        dlogits = runtime.empty(logits.shape if grad else (0,), logits.dtype, logits.device)
+        loss, _ = cross_entropy_fwd(logits, target, dloss, dlogits if grad else None, *options)
+        return loss, dlogits
+    dlogits = logits.clone() if grad else logits.new_empty((0,))
+    return _chunk_loss_(dlogits if grad else logits, target, dloss, options, use_triton, shard), dlogits
 
 
 def linear_cross_entropy_chunks(
@@ -459,134 +544,109 @@ def reduce_loss(
 
 
 # ----------------------------------------------------------------------------------------------
-# Custom ops and autograd
+# Custom ops and the autograd
 # ----------------------------------------------------------------------------------------------
 
-
-def _cross_entropy_fake(logits, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad):
-    loss = logits.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32)
-    return loss, logits.new_empty(logits.shape if compute_grad else (0,))
+# The options both ops take after their tensors, in torch's schema language.
+_OPTIONS = "SymInt ignore_index, float label_smoothing, float z_loss, bool use_triton"
 
 
-def _cross_entropy_setup(ctx, inputs, output):
-    ctx.save_for_backward(output[1])
-    ctx.per_row = inputs[3] == "none"
-
-
-def _cross_entropy_backward(ctx, dloss, _ddlogits):
-    (dlogits,) = ctx.saved_tensors
-    scale = dloss[:, None] if ctx.per_row else dloss
-    return (dlogits * scale).to(dlogits.dtype), None, None, None, None, None, None
-
-
-# The options both forward ops take after their tensors, in torch's schema language.
-_OPTIONS = "SymInt ignore_index, str reduction, float label_smoothing, float z_loss, bool compute_grad"
+def _rows_fake(logits, target, dloss, ignore_index, label_smoothing, z_loss, use_triton):
+    dlogits = logits.new_empty(logits.shape if dloss is not None else (0,))
+    return logits.new_empty(target.shape, dtype=torch.float32), dlogits
 
 
 @runtime.custom_op(
-    "cross_entropy_fwd",
-    _cross_entropy_fake,
-    _cross_entropy_backward,
-    _cross_entropy_setup,
-    schema=f"(Tensor logits, Tensor target, {_OPTIONS}) -> (Tensor, Tensor)",
+    "cross_entropy_rows",
+    _rows_fake,
+    schema=f"(Tensor logits, Tensor target, Tensor? dloss, {_OPTIONS}) -> (Tensor, Tensor)",
 )
-def _cross_entropy_fwd_op(logits, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad):
-    dloss = row_weight(target, ignore_index, reduction) if compute_grad else None
-    if runtime.runs_triton(logits):
-        dlogits = runtime.empty(logits.shape if compute_grad else (0,), logits.dtype, logits.device)
-        loss, _ = cross_entropy_fwd(
-            logits, target, dloss, dlogits if compute_grad else None, ignore_index, label_smoothing, z_loss
-        )
-    else:
-        dlogits = logits.clone() if compute_grad else logits.new_empty((0,))
-        options = (ignore_index, label_smoothing, z_loss)
-        loss = _chunk_loss_(dlogits if compute_grad else logits, target, dloss, options, False, None)
-    # F.cross_entropy's mean over no rows: NaN (cross_entropy is its drop-in)
-    return reduce_loss(loss, target, ignore_index, reduction, empty_mean_is_nan=True), dlogits
+def _cross_entropy_rows_op(logits, target, dloss, ignore_index, label_smoothing, z_loss, use_triton):
+    return cross_entropy_rows(logits, target, dloss, ignore_index, label_smoothing, z_loss, use_triton)
 
 
-def _linear_grads_fake(x, weight, bias, with_grads: bool):
+def _chunks_fake(x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss, use_triton):
+    grad = dloss is not None
     return (
-        x.new_empty(x.shape if with_grads else (0,)),
-        weight.new_empty(weight.shape if with_grads else (0,)),
-        x.new_empty((0,)) if bias is None else bias.new_empty(bias.shape if with_grads else (0,)),
+        x.new_empty(target.shape, dtype=torch.float32),
+        x.new_empty(x.shape if grad else (0,)),
+        weight.new_empty(weight.shape if grad else (0,)),
+        x.new_empty((0,)) if bias is None else bias.new_empty(bias.shape if grad else (0,)),
     )
 
 
-def _linear_fwd_fake(x, weight, bias, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad):
-    loss = x.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32)
-    return loss, *_linear_grads_fake(x, weight, bias, compute_grad and reduction != "none")
-
-
-def _linear_setup(ctx, inputs, output):
-    x, weight, bias, target, ignore_index, reduction, label_smoothing, z_loss, _ = inputs
-    _, dx, dw, db = output
-    ctx.recompute = reduction == "none"
-    ctx.has_bias = bias is not None
-    ctx.options = (ignore_index, label_smoothing, z_loss)
-    if ctx.recompute:
-        ctx.save_for_backward(x, weight, bias, target)
-    else:
-        ctx.save_for_backward(dx, dw, db)
-
-
-def _linear_backward(ctx, dloss, _ddx, _ddw, _ddb):
-    if ctx.recompute:
-        x, weight, bias, target = ctx.saved_tensors
-        dx, dw, db = _linear_cross_entropy_bwd_op(x, weight, bias, target, dloss, *ctx.options)
-    else:  # computed in the forward for a reduced loss of gradient 1: scale by the real one
-        dx, dw, db = ((g * dloss).to(g.dtype) for g in ctx.saved_tensors)
-    return dx, dw, db if ctx.has_bias else None, None, None, None, None, None, None
-
-
 @runtime.custom_op(
-    "linear_cross_entropy_fwd",
-    _linear_fwd_fake,
-    _linear_backward,
-    _linear_setup,
-    schema=f"(Tensor x, Tensor weight, Tensor? bias, Tensor target, {_OPTIONS}) -> "
+    "linear_cross_entropy_chunks",
+    _chunks_fake,
+    schema=f"(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? dloss, {_OPTIONS}) -> "
     "(Tensor, Tensor, Tensor, Tensor)",
 )
-def _linear_cross_entropy_fwd_op(
-    x, weight, bias, target, ignore_index, reduction, label_smoothing, z_loss, compute_grad
+def _linear_cross_entropy_chunks_op(
+    x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss, use_triton
 ):
-    # "none": the gradient needs the incoming per-row gradient; the backward runs the chunks again
-    in_forward = compute_grad and reduction != "none"
-    dloss = row_weight(target, ignore_index, reduction) if in_forward else None
-    loss, dx, dw, db = linear_cross_entropy_chunks(
-        x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss, runtime.runs_triton(x)
-    )
-    # a mean over no rows: 0, as the trainer's loss (horse.head_loss), which stops on a NaN
-    return reduce_loss(loss, target, ignore_index, reduction, empty_mean_is_nan=False), dx, dw, db
+    options = (ignore_index, label_smoothing, z_loss)
+    return linear_cross_entropy_chunks(x, weight, bias, target, dloss, *options, use_triton)
 
 
-def _linear_bwd_fake(x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss):
-    return _linear_grads_fake(x, weight, bias, True)
+def _loss_and_grads(x, weight, bias, target, dloss, shard, use_triton, ignore_index, label_smoothing, z_loss):
+    """(loss (N,), dx, dweight, dbias) of the logits x (weight None; dweight, dbias None then) or of the
+    head x Wᵀ + b. On the whole vocabulary through the custom ops, which torch.compile takes whole; a
+    shard's collectives cannot pass an op's schema, so a shard runs the same functions as Python."""
+    options = (ignore_index, label_smoothing, z_loss)
+    if weight is None:
+        if shard is None:
+            loss, dlogits = _cross_entropy_rows_op(x, target, dloss, *options, use_triton)
+        else:
+            loss, dlogits = cross_entropy_rows(x, target, dloss, *options, use_triton, shard)
+        return loss, dlogits, None, None
+    if shard is None:
+        return _linear_cross_entropy_chunks_op(x, weight, bias, target, dloss, *options, use_triton)
+    return linear_cross_entropy_chunks(x, weight, bias, target, dloss, *options, use_triton, shard)
 
 
-@runtime.custom_op("linear_cross_entropy_bwd", _linear_bwd_fake)
-def _linear_cross_entropy_bwd_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    dloss: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, dx, dw, db = linear_cross_entropy_chunks(
-        x,
-        weight,
-        bias,
-        target,
-        dloss.contiguous(),
-        ignore_index,
-        label_smoothing,
-        z_loss,
-        runtime.runs_triton(x),
-    )
-    return dx, dw, db
+class _CrossEntropy(torch.autograd.Function):
+    """The loss's one autograd: of logits x (weight None) or of the LM head x Wᵀ + b, on the whole
+    vocabulary (shard None) or on a shard of it (at tp > 1; ``head_loss``).
+
+    The forward computes the inputs' gradients with the loss, for a gradient of 1 of the reduced loss
+    (of each row's loss for "none"), and the backward scales them by the real one. The head's "none"
+    instead runs the chunks again in the backward with each row's own gradient: dW sums over rows.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, shard, use_triton, wants_grad, options):
+        # x (N, V_local) logits, or (N, H) with weight (V_local, H), bias (V_local,) or None; target (N,)
+        ignore_index, reduction, label_smoothing, z_loss = options
+        ctx.steps = (shard, use_triton, ignore_index, label_smoothing, z_loss)
+        ctx.per_row = reduction == "none"
+        ctx.recompute = weight is not None and ctx.per_row
+        ctx.has_bias = bias is not None
+        in_forward = wants_grad and not ctx.recompute
+        dloss = row_weight(target, ignore_index, reduction) if in_forward else None
+        loss, *grads = _loss_and_grads(x, weight, bias, target, dloss, *ctx.steps)
+        ctx.save_for_backward(*((x, weight, bias, target) if ctx.recompute else grads))
+        # a mean over no rows: F.cross_entropy's NaN for logits (cross_entropy is its drop-in); 0 for the
+        # head, the trainer's loss, which stops on a NaN
+        return reduce_loss(loss, target, ignore_index, reduction, empty_mean_is_nan=weight is None)
+
+    @staticmethod
+    def backward(ctx, dloss):
+        if ctx.recompute:
+            x, weight, bias, target = ctx.saved_tensors
+            _, *grads = _loss_and_grads(x, weight, bias, target, dloss.contiguous(), *ctx.steps)
+        else:  # computed in the forward for a reduced loss of gradient 1 (per row: the logits' rows)
+            scale = dloss[:, None] if ctx.per_row else dloss
+            grads = [None if g is None else (g * scale).to(g.dtype) for g in ctx.saved_tensors]
+        dx, dweight, dbias = grads
+        return dx, dweight, dbias if ctx.has_bias else None, None, None, None, None, None
+
+
+def _cross_entropy(x, weight, bias, target, shard, use_triton, options: tuple) -> torch.Tensor:
+    """The loss by its autograd. options: (ignore_index, reduction, label_smoothing, z_loss). The forward
+    computes gradients only where autograd records (its ctx.needs_input_grad says True under
+    torch.no_grad too)."""
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    return _CrossEntropy.apply(x, weight, bias, target, shard, use_triton, wants_grad, options)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -649,10 +709,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(1) == 1 or t.shape[1] == 1 else t.contiguous()
 
 
-def _wants_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def _refuse_unsupported(fn: str, weight, size_average, reduce) -> None:
     """F.cross_entropy's arguments that cross_entropy lacks: each accepted only at its default, None."""
     supported = "supported: ignore_index, reduction, label_smoothing, z_loss"
@@ -706,15 +762,9 @@ def cross_entropy(
     check_options(fn, ignore_index, reduction, label_smoothing, z_loss)
     _check_vocab(fn, "logits", logits.shape[-1])
     check_target(fn, target, tuple(logits.shape[:-1]), logits.shape[-1], ignore_index, logits.device)
-    loss, _ = _cross_entropy_fwd_op(
-        _rows(logits),
-        target.reshape(-1),
-        ignore_index,
-        reduction,
-        float(label_smoothing),
-        float(z_loss),
-        _wants_grad(logits),
-    )
+    options = (ignore_index, reduction, float(label_smoothing), float(z_loss))
+    use_triton = runtime.runs_triton(logits)
+    loss = _cross_entropy(_rows(logits), None, None, target.reshape(-1), None, use_triton, options)
     return loss.view(target.shape) if reduction == "none" else loss
 
 
@@ -756,15 +806,37 @@ def linear_cross_entropy(
     check_options(fn, ignore_index, reduction, label_smoothing, z_loss)
     check_target(fn, target, tuple(x.shape[:-1]), vocab, ignore_index, x.device)
     (x,) = runtime.autocast(x)  # the weight stays as given: the op casts it, its gradient keeps its dtype
-    loss, *_ = _linear_cross_entropy_fwd_op(
-        _rows(x),
-        _rows(weight),
-        bias,
-        target.reshape(-1),
-        ignore_index,
-        reduction,
-        float(label_smoothing),
-        float(z_loss),
-        _wants_grad(x, weight, bias),
-    )
+    options = (ignore_index, reduction, float(label_smoothing), float(z_loss))
+    use_triton = runtime.runs_triton(x)
+    loss = _cross_entropy(_rows(x), _rows(weight), bias, target.reshape(-1), None, use_triton, options)
     return loss.view(target.shape) if reduction == "none" else loss
+
+
+def head_loss(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    target: torch.Tensor,
+    *,
+    use_triton: bool,
+    shard: VocabShard | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    fn: str = "head_loss",
+) -> torch.Tensor:
+    """Mean cross entropy (float32 scalar) of the LM head ``x @ weightᵀ`` against target, for the model
+    and its tensor-parallel form: x (N, H), weight (V_local, H), target (N,) in [0, V) or ignore_index;
+    with weight None, x is the head's logits (N, V_local) (the unfused loss; a mean over no rows is
+    NaN then, as F.cross_entropy's, else 0). With a shard the columns are [shard.start, shard.start +
+    V_local) of a vocabulary of shard.vocab, and the shard's collectives combine the ranks' statistics
+    of each chunk. The Triton kernels run where use_triton and x is where they run, else their
+    plain-PyTorch twins. fn names the caller in errors."""
+    check_options(fn, ignore_index, "mean", label_smoothing, z_loss)
+    columns = x.shape[1] if weight is None else weight.shape[0]  # this rank's, or the whole vocabulary
+    vocab = columns if shard is None else shard.vocab
+    check_target(fn, target, tuple(x.shape[:1]), vocab, ignore_index, x.device)
+    if weight is not None:
+        (x,) = runtime.autocast(x)  # the weight stays as given, as in linear_cross_entropy
+    use_triton = use_triton and runtime.runs_triton(x)
+    options = (ignore_index, "mean", float(label_smoothing), float(z_loss))
+    return _cross_entropy(x, weight, None, target, shard, use_triton, options)

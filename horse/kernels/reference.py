@@ -14,10 +14,6 @@ def _upcast(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float64 else t.float()
 
 
-def _upcast_copy(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32, copy=True)
-
-
 def _affine(y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     if weight is not None:
         y = y * _upcast(weight)
@@ -217,47 +213,3 @@ def linear_cross_entropy(x, weight, target, bias=None, **options) -> torch.Tenso
     """:func:`cross_entropy` of the logits x Wᵀ + b, with them materialised (the truth of the fused op)."""
     bias = None if bias is None else _upcast(bias)
     return cross_entropy(torch.nn.functional.linear(_upcast(x), _upcast(weight), bias), target, **options)
-
-
-# The per-chunk steps of horse.kernels.cross_entropy's chunk loop in plain PyTorch: the reference backend's
-# form of the fused loss (horse.kernels.cross_entropy.linear_cross_entropy_chunks with use_triton=False),
-# each the twin of a Triton kernel there. Rows are (C, V_local) chunks of logits, computed in float32.
-
-
-def finite_or_zero(row_max: torch.Tensor) -> torch.Tensor:
-    """The row max to shift by before exp: 0 for a row of -inf logits (else exp(-inf - -inf) = NaN)."""
-    return torch.where(row_max == float("-inf"), 0.0, row_max)
-
-
-def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor, smoothing: bool) -> torch.Tensor:
-    """(4, C): each row's max, Σ exp(z - max), the logit at column target (0 where target is outside
-    [0, V_local): another shard's, or ignored) and, with smoothing, Σ z (else 0)."""
-    z = _upcast_copy(logits)  # the chunk's one float32 copy; the rest is in place
-    row_max = z.amax(dim=-1)
-    here = (target >= 0) & (target < z.shape[1])
-    target_logit = z.gather(1, target.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
-    sum_z = z.sum(dim=-1) if smoothing else torch.zeros_like(row_max)
-    sum_exp = z.sub_(finite_or_zero(row_max)[:, None]).exp_().sum(dim=-1)
-    return torch.stack([row_max, sum_exp, torch.where(here, target_logit, 0.0), sum_z])
-
-
-def cross_entropy_loss_from_stats(stats, ignored, vocab: int, label_smoothing: float, z_loss: float):
-    """(loss, lse) per row from the whole vocabulary's statistics (:func:`cross_entropy_stats`,
-    reduced over shards); ignored rows lose 0."""
-    row_max, sum_exp, target_logit, sum_z = stats
-    lse = finite_or_zero(row_max) + torch.log(sum_exp)
-    loss = lse * (1 + z_loss * lse) - (1 - label_smoothing) * target_logit
-    if label_smoothing > 0:
-        loss = loss - label_smoothing * sum_z / vocab
-    return torch.where(ignored, 0.0, loss), lse
-
-
-def cross_entropy_grad_(logits, target, lse, scale, vocab: int, label_smoothing: float, z_loss: float):
-    """Overwrite logits (C, V_local) by scale_i · ∂loss_i/∂z = scale_i (softmax(z)(1 + 2 λ lse) - (1 - ε)
-    onehot(target) - ε / vocab): lse over the whole vocabulary, target the column here (outside
-    [0, V_local): none)."""
-    g = _upcast_copy(logits).sub_(lse[:, None]).exp_()  # one float32 copy, then in place
-    g.mul_((1 + 2 * z_loss * lse)[:, None]).sub_(label_smoothing / vocab)
-    here = ((target >= 0) & (target < g.shape[1])).to(g.dtype)[:, None]
-    g.scatter_add_(1, target.clamp(0, g.shape[1] - 1)[:, None], -(1 - label_smoothing) * here)
-    logits.copy_(g.mul_(scale[:, None]))
