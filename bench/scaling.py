@@ -4,7 +4,7 @@ DDP, FSDP2 and HSDP across nodes.
     python -m bench.scaling [--presets gpt2-124m gpt2-350m] [--sequence-parallel] [--json FILE]
     python -m bench.scaling --models llama-8b llama-70b --nodes 4
 
-One training step of one model replica spread over tp GPUs (Megatron's plan, horse/parallel.py)
+One training step of one model replica spread over tp GPUs (Megatron's plan, horse/parallel/)
 costs, on each rank, its share of the compute plus the tensor-parallel collectives, with no overlap
 between them (they sit on the critical path: each one's output is the next layer's input):
 
@@ -25,7 +25,7 @@ the add+norms, which do not shrink with tp unless the sequence is split, the los
 logits, the row-parallel bias adds and the optimizer. One efficiency at every tp makes the estimate
 optimistic at large tp, where the sharded GEMMs shrink and run further from peak.
 
-Communication per step (:func:`collectives`, as horse/parallel.py calls them), activations in
+Communication per step (:func:`collectives`, as horse/parallel/ calls them), activations in
 float16, B·T tokens per replica:
 
 * each block: attention by heads (c_attn column-, c_proj row-parallel) and the MLP (first

@@ -1,0 +1,80 @@
+"""Applying the plan to a model: ``parallelize`` makes a whole GPT this rank's tensor-parallel shard,
+``build_model`` builds that shard from one seed."""
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from horse.model import GPT, GPTConfig
+from horse.parallel.mesh import Parallel
+from horse.parallel.plan import Style, style_of
+from horse.parallel.shard import check_divisible, shard, shard_spec
+
+
+def parallelize(model: GPT, mesh: Parallel | DeviceMesh) -> GPT:
+    """Make ``model``, a whole GPT, this rank's tensor-parallel shard in place, by ``GPT_PLAN``, and
+    return it; at tp=1 it is returned as it is. ``mesh``: where this rank sits, a :class:`Parallel`,
+    or a torch ``DeviceMesh`` whose "tp" dimension (or only dimension) splits the layers (no
+    sequence parallelism: a mesh does not say it).
+
+    Every parameter the plan splits is replaced by this rank's slice under its own name, so tp=1
+    state dicts load after ``shard_state_dict``; attention keeps n_head / tp query and
+    n_kv_heads / tp key/value heads; every module with a form becomes it. Initialising whole then
+    slicing (Megatron's way) makes tp=1 and tp=N start from the same weights for the same seed, at
+    the cost of holding the whole model once, briefly (``build_model`` does it on the CPU).
+    """
+    parallel = mesh
+    if isinstance(mesh, DeviceMesh):
+        tp_mesh = mesh["tp"] if mesh.ndim > 1 else mesh
+        parallel = Parallel(tp_mesh.get_local_rank(), tp_mesh.size(), tp_group=tp_mesh.get_group())
+    if parallel.tp_size == 1:
+        return model
+    check_divisible(model.config, parallel.tp_size)
+    for name, module in list(model.named_modules()):
+        style = style_of(name)
+        if style is not None:
+            _apply_style(module, name, style, model.config, parallel)
+    return model
+
+
+def _apply_style(module: nn.Module, name: str, style: Style, config: GPTConfig, parallel: Parallel) -> None:
+    """Make one module of a whole GPT, named ``name``, this rank's shard of it, in place."""
+    tp = parallel.tp_size
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        spec = shard_spec(f"{name}.{param_name}", config)
+        if spec is not None:
+            setattr(module, param_name, nn.Parameter(shard(param.detach(), spec, parallel.tp_rank, tp)))
+    if isinstance(module, nn.Linear):  # keep the modules' printed sizes true
+        module.out_features, module.in_features = module.weight.shape
+    elif isinstance(module, nn.Embedding):
+        module.num_embeddings = module.weight.shape[0]
+    if style.split == "heads":
+        module.n_heads, module.n_kv_heads = module.n_heads // tp, module.n_kv_heads // tp
+    if style.form is not None:
+        if not issubclass(style.form, type(module)):
+            raise TypeError(
+                f"parallelize: {name or 'the model'} is a {type(module).__name__}; its plan's form "
+                f"{style.form.__name__} is not a subclass of it"
+            )
+        # The module changes class in place, as torch's fully_shard does, rather than being rebuilt:
+        # it keeps its parameters (and so its state-dict names), children, buffers, hooks and
+        # attributes, and the GPT stays the caller's object; only its methods become the form's.
+        module.__class__ = style.form
+        module.parallel = parallel
+
+
+def build_model(
+    config: GPTConfig, backend: str, parallel: Parallel, device: str | torch.device, seed: int
+) -> GPT:
+    """This rank's shard of a GPT freshly initialised from ``seed``, on ``device``: for every tp
+    size, the slices of the one model that tp=1 builds from that seed.
+
+    The whole model is initialised in float32 on the CPU after ``torch.manual_seed(seed)`` (so the
+    weights depend on neither the device nor its RNG), sliced (``parallelize``) and then
+    moved. The cost: every rank holds the whole model once, briefly, in host memory (4 bytes a
+    parameter: 6 GB for GPT-2 1.5B, per rank, so 8 tp ranks of a node need 48 GB together).
+    """
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = parallelize(GPT(config, backend), parallel)
+    return model.to(device)
