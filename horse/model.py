@@ -353,15 +353,6 @@ class GPT(nn.Module):
             if name.endswith(("c_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
-    @classmethod
-    def from_pretrained(cls, path: str, backend: str = "reference") -> "GPT":
-        """The model of a local Hugging Face checkpoint folder (GPT2LMHeadModel or LlamaForCausalLM:
-        config.json and safetensors or pytorch_model.bin), float32 on the CPU; nothing is downloaded.
-        The conversion lives in ``horse.hf``."""
-        from horse import hf  # it builds on this module
-
-        return hf.from_pretrained(path, backend)
-
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):

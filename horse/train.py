@@ -649,8 +649,27 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
 def _architecture(cfg: TrainConfig, overrides: dict, data_vocab: int) -> GPTConfig:
     """The model's config: --init-from's, or the preset's, with the model flags."""
     if cfg.init_from:
-        return hf.pretrained_config_for(cfg.init_from, overrides, data_vocab)
+        return pretrained_config_for(cfg.init_from, overrides, data_vocab)
     return model_config(cfg, overrides, data_vocab)
+
+
+def pretrained_config_for(path: str | Path, overrides: dict, data_vocab: int) -> GPTConfig:
+    """The config of path (``horse.hf.pretrained_config``) to fine-tune on data whose vocabulary is
+    data_vocab: model flags (overrides) may only repeat its values, and the data's ids must fit."""
+    config = hf.pretrained_config(path)
+    differ = [
+        f"--{name.replace('_', '-')} {value!r} (its {getattr(config, name)!r})"
+        for name, value in overrides.items()
+        if getattr(config, name) != value
+    ]
+    if differ:
+        raise ValueError(f"--init-from {path} fixes the model; these model flags differ: {', '.join(differ)}")
+    if data_vocab > (config.vocab_used or config.vocab_size):
+        raise ValueError(
+            f"--init-from {path}: the data's vocabulary ({data_vocab}) is larger than the model's "
+            f"({config.vocab_used or config.vocab_size})"
+        )
+    return config
 
 
 def make_model(

@@ -26,6 +26,7 @@ from helpers import assert_close, command_line_flags, free_port
 from safetensors.torch import load_file
 
 from horse import checkpoint, optim, recipes, train
+from horse.hf import weights
 from horse.loss_scale import LossScaler
 from horse.model import GPT
 from horse.parallel import (
@@ -150,7 +151,7 @@ def test_tp2_dp_shard_2_takes_tp2s_steps_and_exports_its_model(runs, tmp_path, c
     assert {f"model-tp{t:02d}-of-02-fsdp{s:02d}-of-02.safetensors" for t in (0, 1) for s in (0, 1)} < names
     exported = {}
     for name in ("tp2", "tp2fsdp2"):
-        checkpoint.main(["export", str(runs[name]), "--out", str(tmp_path / f"{name}.safetensors")])
+        weights.main(["export", str(runs[name]), "--out", str(tmp_path / f"{name}.safetensors")])
         exported[name] = load_file(tmp_path / f"{name}.safetensors")
     assert "(saved at tp=2, dp_shard=2)" in capsys.readouterr().out
     assert exported["tp2"].keys() == exported["tp2fsdp2"].keys()
