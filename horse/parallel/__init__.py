@@ -44,7 +44,8 @@ The package, each module importing only those above it in this list:
     mesh             Parallel, init_from_env: where this process sits
     collectives      the conjugate collectives, and the small reductions of the optimizer and loss scaler
     vocab            the vocabulary-parallel embedding and cross entropy
-    tensor_parallel  the layers' tensor-parallel forms
+    row_parallel     the modules that take a layer's place: RowParallelLinear, VocabParallelEmbedding
+    tensor_parallel  the layers' tensor-parallel forms, around the model's own forwards
     plan             GPT_PLAN, the table
     shard            state dicts and gradients by the table
     apply            parallelize, build_model
@@ -83,6 +84,7 @@ from horse.parallel.plan import (
     qkv_sections,
     style_of,
 )
+from horse.parallel.row_parallel import RowParallelLinear, VocabParallelEmbedding
 from horse.parallel.shard import (
     ShardSpec,
     allreduce_sequence_parallel_grads,
@@ -95,13 +97,7 @@ from horse.parallel.shard import (
     shard_state_dict,
     unshard,
 )
-from horse.parallel.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    TensorParallelGPT,
-    TensorParallelMLP,
-    VocabParallelEmbedding,
-)
+from horse.parallel.tensor_parallel import column_parallel, row_parallel, vocab_parallel, vocab_parallel_head
 from horse.parallel.vocab import (
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
@@ -109,17 +105,15 @@ from horse.parallel.vocab import (
 )
 
 __all__ = [
-    "ColumnParallelLinear",
     "GPT_PLAN",
     "Parallel",
     "RowParallelLinear",
     "ShardSpec",
     "Style",
-    "TensorParallelGPT",
-    "TensorParallelMLP",
     "VocabParallelEmbedding",
     "allreduce_sequence_parallel_grads",
     "build_model",
+    "column_parallel",
     "check_divisible",
     "check_layout",
     "column_parallel_input",
@@ -138,6 +132,7 @@ __all__ = [
     "qkv_sections",
     "reduce_from_tp",
     "reduce_scatter_to_sequence",
+    "row_parallel",
     "scatter_to_sequence",
     "shard",
     "shard_spec",
@@ -146,7 +141,9 @@ __all__ = [
     "state_bytes",
     "style_of",
     "unshard",
+    "vocab_parallel",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",
+    "vocab_parallel_head",
     "vocab_parallel_linear_cross_entropy",
 ]

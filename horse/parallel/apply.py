@@ -9,6 +9,10 @@ from horse.model import GPT, GPTConfig
 from horse.parallel.mesh import Parallel
 from horse.parallel.plan import Style, style_of
 from horse.parallel.shard import check_divisible, shard, shard_spec
+from horse.parallel.tensor_parallel import row_parallel, vocab_parallel, vocab_parallel_head
+
+# The modules the forms that replace or read a module take (the others hook any module).
+FORM_TAKES = {row_parallel: nn.Linear, vocab_parallel: nn.Embedding, vocab_parallel_head: GPT}
 
 
 def parallelize(model: GPT, mesh: Parallel | DeviceMesh) -> GPT:
@@ -19,9 +23,11 @@ def parallelize(model: GPT, mesh: Parallel | DeviceMesh) -> GPT:
 
     Every parameter the plan splits is replaced by this rank's slice under its own name, so tp=1
     state dicts load after ``shard_state_dict``; attention keeps n_head / tp query and
-    n_kv_heads / tp key/value heads; every module with a form becomes it. Initialising whole then
-    slicing (Megatron's way) makes tp=1 and tp=N start from the same weights for the same seed, at
-    the cost of holding the whole model once, briefly (``build_model`` does it on the CPU).
+    n_kv_heads / tp key/value heads; every module with a form takes it (hooks on the module, or a
+    module in its place holding the same parameters), so the model's own forwards run on the shards.
+    Initialising whole then slicing (Megatron's way) makes tp=1 and tp=N start from the same weights
+    for the same seed, at the cost of holding the whole model once, briefly (``build_model`` does it
+    on the CPU).
     """
     parallel = mesh
     if isinstance(mesh, DeviceMesh):
@@ -32,13 +38,21 @@ def parallelize(model: GPT, mesh: Parallel | DeviceMesh) -> GPT:
     check_divisible(model.config, parallel.tp_size)
     for name, module in list(model.named_modules()):
         style = style_of(name)
-        if style is not None:
-            _apply_style(module, name, style, model.config, parallel)
+        if style is None:
+            continue
+        shard_module = _apply_style(module, name, style, model.config, parallel)
+        if shard_module is not module:  # a form that takes the module's place (the GPT's form never does)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, shard_module)
     return model
 
 
-def _apply_style(module: nn.Module, name: str, style: Style, config: GPTConfig, parallel: Parallel) -> None:
-    """Make one module of a whole GPT, named ``name``, this rank's shard of it, in place."""
+def _apply_style(
+    module: nn.Module, name: str, style: Style, config: GPTConfig, parallel: Parallel
+) -> nn.Module:
+    """One module of a whole GPT, named ``name``, made this rank's shard of it: its parameters cut in
+    place, then its form applied; returns the module to put in its place (the module itself, hooked, or
+    the form's replacement, holding the same parameters)."""
     tp = parallel.tp_size
     for param_name, param in list(module.named_parameters(recurse=False)):
         spec = shard_spec(f"{name}.{param_name}", config)
@@ -50,17 +64,15 @@ def _apply_style(module: nn.Module, name: str, style: Style, config: GPTConfig, 
         module.num_embeddings = module.weight.shape[0]
     if style.split == "heads":
         module.n_heads, module.n_kv_heads = module.n_heads // tp, module.n_kv_heads // tp
-    if style.form is not None:
-        if not issubclass(style.form, type(module)):
-            raise TypeError(
-                f"parallelize: {name or 'the model'} is a {type(module).__name__}; its plan's form "
-                f"{style.form.__name__} is not a subclass of it"
-            )
-        # The module changes class in place, as torch's fully_shard does, rather than being rebuilt:
-        # it keeps its parameters (and so its state-dict names), children, buffers, hooks and
-        # attributes, and the GPT stays the caller's object; only its methods become the form's.
-        module.__class__ = style.form
-        module.parallel = parallel
+    if style.form is None:
+        return module
+    takes = FORM_TAKES.get(style.form, nn.Module)
+    if not isinstance(module, takes):
+        raise TypeError(
+            f"parallelize: {name or 'the model'} is a {type(module).__name__}; its plan's form "
+            f"{style.form.__name__} takes a {takes.__name__}"
+        )
+    return style.form(module, parallel)
 
 
 def build_model(

@@ -9,13 +9,8 @@ from typing import Literal
 from torch import nn
 
 from horse.model import GPTConfig
-from horse.parallel.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    TensorParallelGPT,
-    TensorParallelMLP,
-    VocabParallelEmbedding,
-)
+from horse.parallel.mesh import Parallel
+from horse.parallel.tensor_parallel import column_parallel, row_parallel, vocab_parallel, vocab_parallel_head
 
 
 @dataclass(frozen=True)
@@ -29,13 +24,14 @@ class Style:
     sections: the consecutive sections of the cut dim that are cut separately, from the model's
         config: each rank takes its 1/tp of every section, in order (c_attn's q, k and v rows);
         None: the dim is cut as one
-    form: the module's tensor-parallel class, a subclass of its own class whose methods run the
-        collectives; None: the module runs as it is, its parent handing it what it needs
+    form: the module's tensor-parallel form (``horse.parallel.tensor_parallel``), a function
+        ``form(module, parallel)`` that hooks the collectives onto the module, or returns the module
+        that takes its place; None: the module runs as it is, its parent handing it what it needs
     """
 
     split: Literal["rows", "columns", "heads"] | None = None
     sections: Callable[[GPTConfig], list[int]] | None = None
-    form: type[nn.Module] | None = None
+    form: Callable[[nn.Module, Parallel], nn.Module] | None = None
 
     def dim_of(self, param: str) -> int | None:
         """The dim along which the module's parameter ``param`` ("weight", "bias") is cut; None: whole."""
@@ -62,18 +58,18 @@ def qkv_sections(config: GPTConfig) -> list[int]:
 # the position table). ``parallelize`` applies the plan to a model; ``shard_spec`` reads it to cut
 # and gather state dicts and checkpoints.
 GPT_PLAN: dict[str, Style] = {
-    "": Style(form=TensorParallelGPT),  # the LM head and the loss on vocabulary shards
-    "wte": Style("rows", form=VocabParallelEmbedding),
-    "lm_head": Style("rows"),  # LLaMA's own head: never called, read by TensorParallelGPT's head and loss
+    "": Style(form=vocab_parallel_head),  # the LM head and the loss on vocabulary shards
+    "wte": Style("rows", form=vocab_parallel),
+    "lm_head": Style("rows"),  # LLaMA's own head: never called, read by the GPT's head and loss
     "blocks.*.attn": Style("heads"),
-    "blocks.*.attn.c_attn": Style("rows", sections=qkv_sections, form=ColumnParallelLinear),
-    "blocks.*.attn.c_proj": Style("columns", form=RowParallelLinear),
-    "blocks.*.mlp": Style(form=TensorParallelMLP),  # takes its input whole once, for the up projections
+    "blocks.*.attn.c_attn": Style("rows", sections=qkv_sections, form=column_parallel),
+    "blocks.*.attn.c_proj": Style("columns", form=row_parallel),
+    "blocks.*.mlp": Style(form=column_parallel),  # takes its input whole once, for the up projections
     "blocks.*.mlp.c_fc": Style("rows"),
     "blocks.*.mlp.gate_proj": Style("rows"),
     "blocks.*.mlp.up_proj": Style("rows"),
-    "blocks.*.mlp.c_proj": Style("columns", form=RowParallelLinear),
-    "blocks.*.mlp.down_proj": Style("columns", form=RowParallelLinear),
+    "blocks.*.mlp.c_proj": Style("columns", form=row_parallel),
+    "blocks.*.mlp.down_proj": Style("columns", form=row_parallel),
 }
 
 
