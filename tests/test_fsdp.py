@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from helpers import assert_close, command_line_flags, free_port
 from safetensors.torch import load_file
 
-from horse import checkpoint, optim, recipes, train
+from horse import checkpoint, optim, train
 from horse.hf import weights
 from horse.loss_scale import LossScaler
 from horse.model import GPT
@@ -33,7 +33,6 @@ from horse.parallel import (
     Parallel,
     build_model,
     check_layout,
-    data_parallel,
     fully_shard_gpt,
     global_grad_norm,
     init_from_env,
@@ -281,10 +280,8 @@ def _sharded(tp: int = 1, dp_shard: int = 1, **model_options) -> tuple[Parallel,
     split by tp) under data_parallel: DDP, or FSDP2 at dp_shard > 1."""
     parallel = init_from_env(tp=tp, device_type="cpu", dp_shard=dp_shard)  # a new mesh in the group
     cfg = train.TrainConfig(**model_options)
-    model = train.make_model(cfg, CONFIG, "reference", parallel, "cpu", pretrained=False)
-    if cfg.compile:
-        recipes.compile_blocks(model, fullgraph=tp == 1)
-    return parallel, model, data_parallel(model, model.loss, parallel)
+    model, loss_fn = train.make_model(cfg, CONFIG, "reference", parallel, "cpu", pretrained=False)
+    return parallel, model, loss_fn
 
 
 def _step_and_count(tp: int, dp_shard: int) -> dict[str, int]:

@@ -48,13 +48,17 @@ The package, each module importing only those above it in this list:
     tensor_parallel  the layers' tensor-parallel forms, around the model's own forwards
     plan             GPT_PLAN, the table
     shard            state dicts and gradients by the table
-    apply            parallelize, build_model
     data_parallel    DDP and FSDP2 for the trainer
+    apply            parallelize, build_model, and parallelize_gpt: every transform of a run, in order
 """
 
 from horse.parallel.apply import (
     build_model,
+    checkpoint_blocks,
+    compile_blocks,
+    compile_loss,
     parallelize,
+    parallelize_gpt,
 )
 from horse.parallel.collectives import (
     column_parallel_input,
@@ -113,7 +117,10 @@ __all__ = [
     "VocabParallelEmbedding",
     "allreduce_sequence_parallel_grads",
     "build_model",
+    "checkpoint_blocks",
     "column_parallel",
+    "compile_blocks",
+    "compile_loss",
     "check_divisible",
     "check_layout",
     "column_parallel_input",
@@ -129,6 +136,7 @@ __all__ = [
     "is_sharded",
     "local",
     "parallelize",
+    "parallelize_gpt",
     "qkv_sections",
     "reduce_from_tp",
     "reduce_scatter_to_sequence",

@@ -1,11 +1,18 @@
-"""Applying the plan to a model: ``parallelize`` makes a whole GPT this rank's tensor-parallel shard,
-``build_model`` builds that shard from one seed."""
+"""Applying parallelism to a model: ``parallelize`` makes a whole GPT this rank's tensor-parallel shard
+by the plan, ``build_model`` builds that shard from one seed, and ``parallelize_gpt`` applies every
+transform of a training run in one stated order (tensor parallelism, activation checkpointing,
+compile, data parallelism), as torchtitan's ``parallelize_llama`` does."""
+
+import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
 
 from horse.model import GPT, GPTConfig
+from horse.parallel.data_parallel import data_parallel
 from horse.parallel.mesh import Parallel
 from horse.parallel.plan import Style, style_of
 from horse.parallel.shard import check_divisible, shard, shard_spec
@@ -90,3 +97,61 @@ def build_model(
     with torch.device("cpu"):
         model = parallelize(GPT(config, backend), parallel)
     return model.to(device)
+
+
+def parallelize_gpt(
+    model: GPT,
+    parallel: Parallel,
+    device: str | torch.device,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    compute_dtype: torch.dtype | None = None,
+) -> Callable:
+    """Make ``model``, a whole GPT (float32 on the CPU: initialised from one seed, pretrained weights
+    loaded), this rank's part of a training run; returns what the training step calls. In this
+    order, each step relying on the one before:
+
+    1. tensor parallelism (:func:`parallelize`), then the shard moved to ``device``;
+    2. activation checkpointing of each block (:func:`checkpoint_blocks`), on the model's own forwards;
+    3. torch.compile (fullgraph at tp=1): under FSDP each block (:func:`compile_blocks`), for FSDP's
+       hooks to go around; otherwise the loss (:func:`compile_loss`), the checkpointed blocks inside;
+    4. data parallelism (``data_parallel``): FSDP2 over the dp_shard ranks (its parameters become
+       DTensors, so nothing may reach into them after), or DDP, or nothing at dp=1.
+    """
+    model = parallelize(model, parallel).to(device)
+    if activation_checkpointing:
+        checkpoint_blocks(model)
+    loss = model.loss
+    if compile and parallel.fsdp:
+        compile_blocks(model, fullgraph=parallel.tp_size == 1)
+    elif compile:
+        loss = compile_loss(model, fullgraph=parallel.tp_size == 1)
+    return data_parallel(model, loss, parallel, compute_dtype)
+
+
+def compile_loss(model, fullgraph: bool):
+    """model.loss under torch.compile; fullgraph: a graph break is an error, not a silent split."""
+    return torch.compile(model.loss, fullgraph=fullgraph)
+
+
+def compile_blocks(model, fullgraph: bool) -> None:
+    """Each of model's blocks under torch.compile, in place (its forward, after activation
+    checkpointing wrapped it), for FSDP2 to wrap next: its hooks gather a block's parameters
+    around the compiled forward, and the embeddings, the LM head and the loss run eagerly.
+    Parameter names do not change (no ``_orig_mod.``), so checkpoints do not either."""
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward, fullgraph=fullgraph)
+
+
+def checkpoint_blocks(model) -> None:
+    """Recompute each of model's blocks in the backward (non-reentrant torch.utils.checkpoint): the
+    forward keeps a block's inputs only. Generation (a KV cache) and no-grad passes run as before.
+    The parameters and their names are the model's own, so checkpoints do not change."""
+    for block in model.blocks:
+        block.forward = functools.partial(_recomputed, block.forward)
+
+
+def _recomputed(forward, x, h, cache, layer):
+    if cache is not None or not torch.is_grad_enabled():
+        return forward(x, h, cache, layer)
+    return checkpoint(forward, x, h, cache, layer, use_reentrant=False)

@@ -34,13 +34,13 @@ class RowParallelLinear(nn.Module):
         return f"in_features={self.in_features} (of this rank), out_features={self.out_features}"
 
 
-class VocabParallelEmbedding(nn.Module):
-    """An nn.Embedding split by vocabulary rows (``vocab_parallel_embedding``)."""
+class VocabParallelEmbedding(nn.Embedding):
+    """An nn.Embedding split by vocabulary rows (``vocab_parallel_embedding``). Still an nn.Embedding
+    (a torch class), so that what treats embeddings apart (no weight decay) treats it so too."""
 
     def __init__(self, embedding: nn.Embedding, parallel: Parallel):
-        super().__init__()
+        super().__init__(*embedding.weight.shape, device="meta")  # nothing allocated: the weight is taken
         self.weight, self.parallel = embedding.weight, parallel
-        self.num_embeddings, self.embedding_dim = embedding.weight.shape
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_embedding(idx, self.weight, self.parallel)
