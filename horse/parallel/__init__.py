@@ -34,10 +34,13 @@ branch backward. The conjugate pairs that do it, after Megatron:
 Sequence parallelism swaps the all-reduces for a reduce-scatter and an all-gather (the same
 bytes) and keeps the residual stream, the norms and the adds on (B, T / tp, C) between the
 branches, so they cost 1/tp of the time and activation memory. The LM head and the loss run fused
-on each rank's vocabulary rows (``vocab_parallel_linear_cross_entropy``): in row chunks, with an
-all-reduce of each chunk's row max and one of its sums, never materialising or gathering the logits
-(``vocab_parallel_cross_entropy`` is the unfused form, on logits split by vocabulary). Every
-function takes its process group from the ``Parallel`` it is given; nothing is global.
+on each rank's vocabulary rows, in the model's own ``GPT.loss``, given the vocabulary shard by the
+plan's head form (``vocab_parallel_head``): in row chunks, with an all-reduce of each chunk's row
+max and one of its sums, never materialising or gathering the logits (``vocab_parallel_cross_entropy``
+is the unfused form, on logits split by vocabulary). The forms hook the collectives onto the
+model's modules or put a module holding the same parameters in a layer's place; the model's
+forwards are its own at every tp. Every function takes its process group from the ``Parallel`` it
+is given; nothing is global.
 
 The package, each module importing only those above it in this list:
 

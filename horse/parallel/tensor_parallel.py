@@ -53,7 +53,7 @@ def vocab_parallel_head(model: nn.Module, parallel: Parallel) -> nn.Module:
     column_parallel(model.head_input, parallel)
 
     def enter_stream(block, args, kwargs):
-        x, _, cache, *_ = args
+        x, cache = args[0], args[2] if len(args) > 2 else kwargs.get("cache")
         if cache is not None:
             raise ValueError(
                 "GPT: the KV cache (generation) runs at tp=1 only; gather the shards into a whole "
