@@ -57,7 +57,6 @@ import json
 import os
 import re
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -766,36 +765,7 @@ def verify_main(run: Path, parser: argparse.ArgumentParser) -> int:
     return 1 if damaged else 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m horse.checkpoint", description="Checkpoint tools.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("export", help="the whole model in one safetensors file (from any layout)")
-    p.add_argument("ckpt", metavar="CKPT_OR_RUN_DIR", help="a checkpoint, or a run's newest complete one")
-    p.add_argument("--out", required=True, metavar="OUT", help="the .safetensors file (hf: a folder)")
-    p.add_argument(
-        "--format",
-        choices=("safetensors", "hf"),
-        default="safetensors",
-        help="hf: a Hugging Face folder (config.json, model.safetensors, tokenizer.json) for transformers",
-    )
-    p = commands.add_parser("verify", help="check every checkpoint of a run against its manifest")
-    p.add_argument("run", metavar="RUN_OR_CKPT_DIR", help="a run's output directory, or one checkpoint")
-    args = parser.parse_args(argv)
-    if args.command == "verify":
-        sys.exit(verify_main(Path(args.run), parser))
-    try:
-        if args.format == "hf":
-            from horse import hf  # it builds on this module
-
-            ckpt = hf.export(args.ckpt, args.out)
-        else:
-            ckpt = export(args.ckpt, args.out)
-    except (FileNotFoundError, ValueError) as e:
-        parser.error(str(e))
-    tp, dp_shard = layout(ckpt)
-    fsdp = f", dp_shard={dp_shard}" if dp_shard > 1 else ""
-    print(f"wrote {args.out}: the whole model of {ckpt} (saved at tp={tp}{fsdp})")
-
-
 if __name__ == "__main__":
+    from horse.hf.weights import main  # the command line exports to Hugging Face's layout too
+
     main()

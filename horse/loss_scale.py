@@ -21,7 +21,8 @@ import math
 
 import torch
 
-from horse.parallel import Parallel, found_nonfinite, local
+from horse.parallel.collectives import found_nonfinite, local
+from horse.parallel.mesh import Parallel
 
 
 class LossScaler:

@@ -16,7 +16,8 @@ Backend ``"reference"`` runs the same weights on plain torch modules (``nn.Layer
 dict loads either way.
 
 The model is dense: ``horse.parallel.parallelize(model, mesh)`` makes it one rank's
-tensor-parallel shard afterwards, by a plan that swaps its layers for column- and row-parallel ones.
+tensor-parallel shard afterwards, by a plan that cuts its weights, hooks the collectives onto its
+modules and makes its down projections row-parallel; its own forwards run at every tp.
 
     python -m horse.model        # the presets: parameters and training FLOPs per token
 """
@@ -32,7 +33,7 @@ import torch.nn.functional as F  # noqa: N812 (the name every PyTorch reader kno
 from torch import nn
 
 from horse import kernels
-from horse.kernels.cross_entropy import head_loss
+from horse.kernels.cross_entropy import VocabShard, head_loss
 from horse.layers import FusedLayerNorm, FusedRMSNorm, FusedSelfAttention, RotaryEmbedding
 
 BACKENDS = ("triton", "reference")
@@ -278,15 +279,25 @@ class MLP(nn.Module):
             self.c_proj = nn.Linear(hidden, d, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if runs_half_kernels(self.backend, x):
+        down = self.down_proj if self.swiglu else self.c_proj
+        half = runs_half_kernels(self.backend, x)
+        if half and isinstance(down, nn.Linear):  # the whole MLP in one call
             if self.swiglu:
                 weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
                 return kernels.fused_gated_mlp(x, *weights, activation="silu")
             fc, proj = self.c_fc, self.c_proj
             return kernels.fused_mlp(x, fc.weight, fc.bias, proj.weight, proj.bias, activation="gelu_tanh")
-        if self.swiglu:  # (B, T, hidden) inside
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        # The up projections with their activation, then the down projection as a module of its own:
+        # tensor parallelism (horse.parallel) makes it row-parallel, summing the ranks' partial outputs.
+        if half and self.swiglu:  # (B, T, hidden) inside
+            h = kernels.gated_linear(x, self.gate_proj.weight, self.up_proj.weight, activation="silu")
+        elif half:
+            h = kernels.linear_act(x, self.c_fc.weight, self.c_fc.bias, activation="gelu_tanh")
+        elif self.swiglu:
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            h = F.gelu(self.c_fc(x), approximate="tanh")
+        return down(h)
 
 
 def make_norm(config: GPTConfig, backend: str) -> nn.Module:
@@ -347,21 +358,17 @@ class GPT(nn.Module):
         self.lm_head = None
         if not config.tie_embeddings:
             self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # The LM head's share of the vocabulary, which tensor parallelism (horse.parallel) cuts by rows:
+        # its first id and the collectives that combine the ranks' loss statistics (None: all of it,
+        # from id 0); head_input, where the head's input passes, is where it gathers that from the ranks.
+        self.vocab_shard: VocabShard | None = None
+        self.head_input = nn.Identity()
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             # GPT-2: the projections that write into the residual stream are scaled by
             # 1/sqrt(number of residual adds), so the stream's variance does not grow with depth.
             if name.endswith(("c_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-
-    @classmethod
-    def from_pretrained(cls, path: str, backend: str = "reference") -> "GPT":
-        """The model of a local Hugging Face checkpoint folder (GPT2LMHeadModel or LlamaForCausalLM:
-        config.json and safetensors or pytorch_model.bin), float32 on the CPU; nothing is downloaded.
-        The conversion lives in ``horse.hf``."""
-        from horse import hf  # it builds on this module
-
-        return hf.from_pretrained(path, backend)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -380,12 +387,18 @@ class GPT(nn.Module):
         """The LM head (vocab_size, C): the token embedding, or lm_head's own weight."""
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
+    @property
+    def vocab_start(self) -> int:
+        """The id of the LM head's first row: 0, or a tensor-parallel rank's first id."""
+        return 0 if self.vocab_shard is None else self.vocab_shard.start
+
     def logits(self, y: torch.Tensor) -> torch.Tensor:
-        """The LM head: y (B, T, C) -> logits (B, T, vocab_size), the padding ids (vocab_used on) -inf."""
-        logits = F.linear(y, self.head_weight)
+        """The LM head: y (B, T, C) -> logits (B, T, vocab_size), the padding ids (vocab_used on) -inf.
+        On a tensor-parallel rank: this rank's columns (B, T, vocab_size / tp)."""
+        logits = F.linear(self.head_input(y), self.head_weight)  # (B, T, the head's rows)
         used = self.config.vocab_used
         if used is not None and used < self.config.vocab_size:
-            ids = torch.arange(logits.shape[-1], device=y.device)
+            ids = torch.arange(logits.shape[-1], device=y.device) + self.vocab_start
             logits = logits.masked_fill(ids >= used, float("-inf"))  # the padding rows
         return logits
 
@@ -418,11 +431,16 @@ class GPT(nn.Module):
         (``horse.kernels.cross_entropy.head_loss``): the Triton kernels on backend triton, their
         plain-PyTorch twins on reference."""
         if not self.fused_loss:
+            if self.vocab_shard is not None:
+                raise ValueError("GPT.loss: the unfused loss (fused_loss False) runs at tp=1 only")
             return F.cross_entropy(self(idx).flatten(0, 1), targets.flatten())
-        head = self.head_weight[: self.config.vocab_used]  # the rows in use
-        y = self.features(idx).flatten(0, 1)  # (B·T, C)
+        in_use = (self.config.vocab_used or self.config.vocab_size) - self.vocab_start
+        head = self.head_weight[: max(0, in_use)]  # the rows in use (the padding's left out)
+        y = self.head_input(self.features(idx)).flatten(0, 1)  # (B·T, C)
         use_triton = self.backend == "triton"
-        return head_loss(y, head, targets.flatten(), use_triton=use_triton, fn="GPT.loss")
+        return head_loss(
+            y, head, targets.flatten(), use_triton=use_triton, shard=self.vocab_shard, fn="GPT.loss"
+        )
 
     def num_params(self) -> int:
         """Parameters (a tensor-parallel rank's own), a tied embedding / LM head counted once."""

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from horse.loss_scale import LossScaler
-from horse.parallel import Parallel, global_grad_norm
+from horse.parallel.mesh import Parallel
+from horse.parallel.shard import global_grad_norm
 
 
 def make_optimizer(model: nn.Module, cfg, device: str) -> torch.optim.AdamW:

@@ -83,9 +83,9 @@ from horse.parallel import (
     allreduce_sequence_parallel_grads,
     build_model,
     check_divisible,
-    data_parallel,
     dp_mean,
     init_from_env,
+    parallelize_gpt,
 )
 
 TINY = recipes.RECIPES["tiny"]  # TrainConfig's defaults; the command line takes the preset's recipe
@@ -230,6 +230,8 @@ class TrainConfig:
         preemption.parse_signals(self.save_on_signal)
         if self.resume and not self.out_dir:
             raise ValueError("--resume needs --out-dir: the run to continue")
+        if not self.fused_loss and self.tp > 1:  # the vocabulary-parallel loss is the fused one
+            raise ValueError(f"--no-fused-loss runs at --tp 1 only, got --tp {self.tp}")
 
 
 def flag(name: str) -> str:
@@ -603,16 +605,9 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
         log(f"warning: {warning}")
     check_divisible(config, parallel.tp_size)  # a resumed checkpoint said so already, naming itself
 
-    model = make_model(
-        cfg, config, backend, parallel, device, pretrained=bool(cfg.init_from) and ckpt is None
-    )
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
-    loss_fn = model.loss
-    if cfg.compile and parallel.fsdp:  # each block, before FSDP wraps it (torchtitan's order)
-        recipes.compile_blocks(model, fullgraph=parallel.tp_size == 1)
-    elif cfg.compile:
-        loss_fn = recipes.compile_loss(model, fullgraph=parallel.tp_size == 1)
-    loss_fn = data_parallel(model, loss_fn, parallel, dtype)
+    pretrained = bool(cfg.init_from) and ckpt is None
+    model, loss_fn = make_model(cfg, config, backend, parallel, device, pretrained, dtype)
     dp = {"dp_rank": parallel.dp_rank, "dp_size": parallel.dp_size}
     tokens_per_step = cfg.batch_size * seq_len * grad_accum * parallel.dp_size  # the whole job's
     run = Run(
@@ -649,25 +644,51 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
 def _architecture(cfg: TrainConfig, overrides: dict, data_vocab: int) -> GPTConfig:
     """The model's config: --init-from's, or the preset's, with the model flags."""
     if cfg.init_from:
-        return hf.pretrained_config_for(cfg.init_from, overrides, data_vocab)
+        return pretrained_config_for(cfg.init_from, overrides, data_vocab)
     return model_config(cfg, overrides, data_vocab)
 
 
+def pretrained_config_for(path: str | Path, overrides: dict, data_vocab: int) -> GPTConfig:
+    """The config of path (``horse.hf.pretrained_config``) to fine-tune on data whose vocabulary is
+    data_vocab: model flags (overrides) may only repeat its values, and the data's ids must fit."""
+    config = hf.pretrained_config(path)
+    differ = [
+        f"--{name.replace('_', '-')} {value!r} (its {getattr(config, name)!r})"
+        for name, value in overrides.items()
+        if getattr(config, name) != value
+    ]
+    if differ:
+        raise ValueError(f"--init-from {path} fixes the model; these model flags differ: {', '.join(differ)}")
+    if data_vocab > (config.vocab_used or config.vocab_size):
+        raise ValueError(
+            f"--init-from {path}: the data's vocabulary ({data_vocab}) is larger than the model's "
+            f"({config.vocab_used or config.vocab_size})"
+        )
+    return config
+
+
 def make_model(
-    cfg: TrainConfig, config: GPTConfig, backend: str, parallel: Parallel, device: str, pretrained: bool
-) -> GPT:
-    """This rank's shard of the model, on device: float32 master weights (autocast computes in
-    fp16/bf16), initialised whole from --seed and cut by the tensor-parallel plan
-    (``horse.parallel.build_model``), so every tp size starts from the same weights; then
-    --init-from's weights when pretrained, and --activation-checkpointing. Data parallelism comes
-    after (``horse.parallel.data_parallel``)."""
-    model = build_model(config, backend, parallel, device, cfg.seed)
+    cfg: TrainConfig,
+    config: GPTConfig,
+    backend: str,
+    parallel: Parallel,
+    device: str,
+    pretrained: bool,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[GPT, Callable]:
+    """(this rank's shard of the model, what the training step calls): float32 master weights
+    (autocast computes in fp16/bf16), initialised whole from --seed (``horse.parallel.build_model``
+    at tp=1) so that every tp size starts from the same weights, --init-from's weights loaded whole
+    when pretrained, then every parallel transform in its order (``horse.parallel.parallelize_gpt``:
+    tensor parallelism, --activation-checkpointing, --compile, DDP or FSDP2)."""
+    model = build_model(config, backend, Parallel(), "cpu", cfg.seed)
     model.fused_loss = cfg.fused_loss
     if pretrained:
-        hf.load_pretrained(cfg.init_from, model, parallel)
-    if cfg.activation_checkpointing:
-        recipes.checkpoint_blocks(model)
-    return model
+        hf.load_pretrained(cfg.init_from, model)
+    loss_fn = parallelize_gpt(
+        model, parallel, device, cfg.activation_checkpointing, cfg.compile, compute_dtype
+    )
+    return model, loss_fn
 
 
 def _log_start(run: Run, backend_note: str, train_split: Split, val_split: Split, seq_len: int) -> None:

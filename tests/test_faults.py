@@ -23,7 +23,7 @@ import pytest
 from filelock import FileLock
 from helpers import command_line_flags
 
-from horse import checkpoint, cli, preemption, train
+from horse import checkpoint, cli, hf, preemption, train
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "faulty_train.py"
@@ -189,7 +189,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumes(refer
     os.truncate(weights, size // 2)  # a failed copy
     truncated = f"model.safetensors: {size // 2:,} bytes, the manifest says {size:,}"
     with pytest.raises(SystemExit) as exit_:
-        checkpoint.main(["verify", str(run)])
+        hf.weights.main(["verify", str(run)])
     out = capsys.readouterr().out
     assert exit_.value.code == 1 and f"ckpt_{STEPS:07d}: DAMAGED: {truncated}" in out
     assert f"ckpt_{STEPS - INTERVAL:07d}: good (sizes and SHA-256 match)" in out
@@ -201,7 +201,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumes(refer
     assert f"warning: checkpoint ckpt_{STEPS:07d} is damaged, skipped: {truncated}" in out
     _assert_finished_as(run, reference[1])
     with pytest.raises(SystemExit) as exit_:
-        checkpoint.main(["verify", str(run)])
+        hf.weights.main(["verify", str(run)])
     assert exit_.value.code == 0
     # Contents damaged at the same size, a file gone, a manifest cut short: each named.
     older = _ckpt(run, STEPS - INTERVAL)

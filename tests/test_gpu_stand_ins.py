@@ -11,10 +11,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from horse import checkpoint, device, train
-from horse import parallel as horse_parallel
 from horse.kernels import runtime
 from horse.loss_scale import LossScaler
 from horse.parallel import Parallel
+from horse.parallel import mesh as horse_mesh
 
 
 class StandInCUDA:
@@ -85,17 +85,17 @@ def test_the_local_gpu_is_local_rank_modulo_the_visible_gpus_and_the_group_knows
 ):
     cuda = StandInCUDA(monkeypatch, count)
     calls = {}
-    monkeypatch.setattr(horse_parallel.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(horse_mesh.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(
-        horse_parallel.dist,
+        horse_mesh.dist,
         "init_process_group",
         lambda backend, **kwargs: calls.update(backend=backend, **kwargs),
     )
     mesh = types.SimpleNamespace(get_local_rank=lambda name: 0, get_group=lambda name: None)
-    monkeypatch.setattr(horse_parallel, "init_device_mesh", lambda *args, **kwargs: mesh)
+    monkeypatch.setattr(horse_mesh, "init_device_mesh", lambda *args, **kwargs: mesh)
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
-    parallel = horse_parallel.init_from_env(tp=8, device_type="cuda")
+    parallel = horse_mesh.init_from_env(tp=8, device_type="cuda")
     assert cuda.current == device and parallel.tp_size == 8
     assert calls == {"backend": "nccl", "device_id": torch.device("cuda", device)}
 

@@ -20,6 +20,7 @@ from horse.cli import parse_args
 from horse.kernels import runtime
 from horse.model import GPT, GPTConfig
 from horse.optim import lr_at, optimizer_step
+from horse.parallel import apply
 from horse.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -359,7 +360,7 @@ def test_activation_checkpointing_recomputes_blocks_with_the_same_gradients():
     config = GPTConfig(**SMALL, vocab_size=256)
     plain, checkpointed = GPT(config), GPT(config)
     checkpointed.load_state_dict(plain.state_dict())
-    recipes.checkpoint_blocks(checkpointed)
+    apply.checkpoint_blocks(checkpointed)
     idx = torch.randint(0, 256, (2, 32))
     loss, saved = _saved_tensors(lambda: plain.loss(idx, idx))
     loss_ckpt, saved_ckpt = _saved_tensors(lambda: checkpointed.loss(idx, idx))
@@ -406,7 +407,7 @@ def test_compile_traces_the_kernels_in_one_graph():
 def test_compile_and_activation_checkpointing_in_the_trainer(tmp_path, monkeypatch):
     """The trainer compiles with fullgraph=True at tp=1: through the checkpointed blocks too."""
     eager = train.train(_cfg(tmp_path, max_steps=2, eval_interval=2), SMALL)
-    compile_, checkpoint_blocks, calls = torch.compile, recipes.checkpoint_blocks, []
+    compile_, checkpoint_whole, calls = torch.compile, apply.checkpoint_blocks, []
 
     def compile_quickly(fn, **kwargs):  # aot_eager: no C++ compiler run for the CPU
         calls.append(kwargs)
@@ -414,10 +415,10 @@ def test_compile_and_activation_checkpointing_in_the_trainer(tmp_path, monkeypat
 
     def checkpointed(model):
         calls.append("checkpoint_blocks")
-        checkpoint_blocks(model)
+        checkpoint_whole(model)
 
     monkeypatch.setattr(torch, "compile", compile_quickly)
-    monkeypatch.setattr(recipes, "checkpoint_blocks", checkpointed)
+    monkeypatch.setattr(apply, "checkpoint_blocks", checkpointed)
     torch._dynamo.reset()
     both = train.train(
         _cfg(tmp_path, out_dir=str(tmp_path / "c"), max_steps=2, eval_interval=2, compile=True,

@@ -19,6 +19,7 @@ from helpers import command_line_flags, free_port
 from safetensors.torch import load_file
 
 from horse import checkpoint, generate, optim, train
+from horse.hf import weights
 from horse.model import GPT
 from horse.parallel import Parallel, init_from_env, parallelize
 
@@ -233,7 +234,7 @@ def _shards_match_export(parallel, ckpt: Path, exported: Path) -> None:
 
 def test_export_is_the_whole_model_of_a_sharded_checkpoint(runs, tmp_path, capsys):
     exported = tmp_path / "model.safetensors"
-    checkpoint.main(["export", str(runs["tp2dp2"]), "--out", str(exported)])
+    weights.main(["export", str(runs["tp2dp2"]), "--out", str(exported)])
     assert "ckpt_0000003 (saved at tp=2)" in capsys.readouterr().out
     config, tokenizer = checkpoint.read_metadata(exported)
     assert config.d_model == 64 and tokenizer == "bytes"
