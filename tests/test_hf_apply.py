@@ -204,6 +204,18 @@ def test_float16_triton_kernels_hold_flash_attns_accuracy_rule(family):
     against_eager(family, torch.float16, input_ids=ids, labels=labels)
 
 
+@pytest.mark.parametrize("family", ["llama", "olmo2"])
+def test_rms_norm_keeps_its_familys_cast_order(family, reference_path):
+    """A float32 weight on float16 activations: LLaMA's RMSNorm multiplies after the cast to float16 and gives
+    float32, OLMo-2's multiplies before it and gives float16 (in one dtype the two orders differ by a rounding
+    the accuracy rule cannot see)."""
+    model, patched = build(family)
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0)).half()
+    expected, got = model.model.norm(x), patched.model.norm(x)
+    assert got.dtype == expected.dtype == (torch.float16 if family == "olmo2" else torch.float32)
+    torch.testing.assert_close(got, expected)
+
+
 def test_the_training_loss_skips_the_logits_and_matches_the_loss_with_them(reference_path):
     model, patched = build("llama")
     ids, labels = batch()
