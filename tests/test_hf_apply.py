@@ -256,7 +256,7 @@ def test_sliding_window_with_padding_matches_eager(reference_path):
 
 
 @pytest.mark.parametrize("how", ["position_ids", "flash_attn_kwargs"])
-@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+@pytest.mark.parametrize("family", ["qwen2", "gpt2", *QUIRKY])
 def test_packed_documents_match_the_documents_run_apart(family, how, reference_path):
     _, patched = build(family)
     lengths = (5, 8, 3)
@@ -427,8 +427,14 @@ def test_an_unsupported_model_type_is_refused_by_name():
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=96
     )
     model = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(ValueError, match=r"'gpt_neox'.*llama, mistral, qwen2, qwen3, gpt2"):
+    with pytest.raises(ValueError, match=r"'gpt_neox'.*llama, mistral, qwen2, qwen3, gpt2, phi3, granite"):
         horse.hf.apply(model)
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"'gemma2'.*needs attention and final-logit softcapping"):
+        horse.hf.apply(transformers.AutoModelForCausalLM.from_config(config))
     with pytest.raises(TypeError, match="PreTrainedModel"):
         horse.hf.apply(torch.nn.Linear(2, 2))
 
@@ -441,6 +447,9 @@ def test_an_unsupported_model_type_is_refused_by_name():
         ("llama", {"hidden_act": "tanh"}, "activation Tanh"),
         ("llama", {"attn_logit_softcapping": 30.0}, "softcapping"),
         ("gpt2", {"add_cross_attention": True}, "cross-attention"),
+        ("phi3", {"hidden_act": "tanh"}, "activation Tanh"),
+        ("granite", {"mlp_bias": True}, "MLP biases"),
+        ("glm4", {"head_dim": 320, "num_attention_heads": 1, "num_key_value_heads": 1}, "head_dim 320"),
     ],
 )  # fmt: skip
 def test_configs_the_kernels_cannot_run_exactly_are_refused(family, overrides, message):

@@ -17,8 +17,8 @@ Per family, by ``config.model_type``:
     glm4              as LLaMA with Phi-3's MLP and sandwich norms (each branch normalized before its add)
     gpt2              attention, LayerNorm, the MLP, the residual add into ln_2, the loss
 
-Any other model type raises (gemma* among them: Gemma's RMSNorm adds 1 to its weight, Gemma 2 softcaps its
-logits, and the kernels do neither yet): a model is never left unpatched without a word. Rotary embeddings,
+Any other model type raises (those of WAITING_FOR_KERNELS with what they need: gemma, gemma2, gemma3_text,
+gemma4_text, gpt_oss): a model is never left unpatched without a word. Rotary embeddings,
 partial (Phi-3's partial_rotary_factor, GLM-4's interleaved half) or none, and Granite's embedding_multiplier
 stay in transformers' own modules, which are not replaced. Refused at apply, naming what:
 quantized models, cross-attention (GPT-2's add_cross_attention), head dims above 256, logit softcapping,
@@ -51,6 +51,14 @@ if major_minor(transformers.__version__) < MIN_TRANSFORMERS:
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3", "granite", "ministral", "smollm3", "olmo2", "glm4",
 )  # fmt: skip
+# Families that need what the kernels do not do yet (issue 49), with what: named in apply's refusal.
+WAITING_FOR_KERNELS = {
+    "gemma": "Gemma's RMSNorm (x · (1 + weight), multiplied in float32 before the cast)",
+    "gemma2": "attention and final-logit softcapping, Gemma's RMSNorm",
+    "gemma3_text": "Gemma's RMSNorm, per-head q/k norms, a vocabulary of 262,208 (the loss's limit: 262,144)",
+    "gemma4_text": "head dim 512 on its global layers",
+    "gpt_oss": "attention sinks (s_aux) and its packed experts",
+}
 MAX_HEAD_DIM = 256
 _PATCH = "_horse_hf_patch"  # the model's attribute holding what apply changed
 # The families built like LLaMA: {model_type: the prefix of their modeling module's class names}
@@ -227,9 +235,11 @@ def apply(model: PreTrainedModel) -> dict[str, list[str]]:
         return patch.report
     model_type = model.config.model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
+        waiting = WAITING_FOR_KERNELS.get(model_type)
         raise ValueError(
-            f"horse.hf.apply: model type {model_type!r} ({type(model).__name__}) is not supported; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"horse.hf.apply: model type {model_type!r} ({type(model).__name__}) is not supported"
+            + ("" if waiting is None else f": it needs {waiting}, which the kernels do not do yet")
+            + f"; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     fam = family(model_type)
     plan = _plan(model, fam)
