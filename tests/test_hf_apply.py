@@ -275,6 +275,22 @@ def test_packed_documents_match_the_documents_run_apart(family, how, reference_p
         torch.testing.assert_close(grad, sum(a[2][name] for a in alone), rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2", "glm4"])
+def test_gradient_checkpointing_recomputes_the_patched_layers(family, reference_path):
+    """activation_checkpointing_enable() (gradient checkpointing) checkpoints the layers our forwards
+    replace (each attention runs again in the backward), with the gradients of the run without it."""
+    _, patched = build(family)
+    ids, labels = batch()
+    expected = run(patched, input_ids=ids, labels=labels)
+    calls = []
+    attention = patched.transformer.h[0].attn if family == "gpt2" else patched.model.layers[0].self_attn
+    attention.register_forward_pre_hook(lambda *args: calls.append(args))
+    patched.activation_checkpointing_enable()
+    got = run(patched, input_ids=ids, labels=labels)
+    assert len(calls) == 2  # the forward, and its recomputation in the backward
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_gradient_accumulation_matches_one_full_batch(reference_path):
     """Two micro-batches with num_items_in_batch (Trainer's accumulation) sum to the full batch's mean loss
     and gradients, as eager's do."""

@@ -174,6 +174,28 @@ def gpt2_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
+def checkpointed(forward):
+    """forward as a transformers GradientCheckpointingLayer runs its own. The layer class checkpoints in a
+    wrapper around its class's forward, which a forward bound to the instance bypasses: without this, a
+    patched model under ``activation_checkpointing_enable()`` would keep every layer's activations. In
+    training with gradients and the layer's gradient_checkpointing on: through its checkpoint function, the
+    cache off as transformers turns it off there (``use_cache=False``; ``cache=None`` unless the layer keeps
+    it)."""
+
+    @functools.wraps(forward)
+    def layer_forward(self, *args, **kwargs):
+        if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
+            return forward(self, *args, **kwargs)
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        if not self._can_checkpoint_with_cache and kwargs.get("cache") is not None:
+            kwargs["cache"] = None
+        return self._gradient_checkpointing_func(functools.partial(forward, self, **kwargs), *args)
+
+    return layer_forward
+
+
+@checkpointed
 def decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
     """LLaMA's decoder layer (and those of the families built like it) with
     ``post_attention_layernorm(residual + attention)`` as one add_rms_norm. The layer's keyword arguments
@@ -184,6 +206,7 @@ def decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.
     return hidden_states + self.mlp(normalized)
 
 
+@checkpointed
 def phi3_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
     """Phi-3's decoder layer: LLaMA's with dropout on each branch's output (resid_pdrop) before its add."""
     attention_output, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
@@ -192,6 +215,7 @@ def phi3_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> t
     return hidden_states + self.resid_mlp_dropout(self.mlp(normalized))
 
 
+@checkpointed
 def granite_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
     """Granite's decoder layer: LLaMA's with each branch's output times residual_multiplier before its add
     (the product rounded to the activations' dtype, as there, then the fused add and norm)."""
@@ -201,6 +225,7 @@ def granite_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -
     return hidden_states + self.mlp(normalized) * self.residual_multiplier
 
 
+@checkpointed
 def glm4_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
     """GLM-4's decoder layer: sandwich norms, each branch's output normalized (post_self_attn_layernorm,
     post_mlp_layernorm) before its add; the add into post_attention_layernorm fused as in LLaMA's."""
@@ -210,6 +235,7 @@ def glm4_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> t
     return hidden_states + self.post_mlp_layernorm(self.mlp(normalized))
 
 
+@checkpointed
 def gpt2_block_forward(
     self,
     hidden_states: torch.Tensor,
