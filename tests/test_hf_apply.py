@@ -410,14 +410,15 @@ def test_attn_implementation_horse_and_auto_horse_load_a_saved_model(tmp_path, r
         torch.testing.assert_close(m(input_ids=ids, attention_mask=mask).logits[mask.bool()], expected)
 
 
-def test_trainer_runs_three_steps_with_the_unpatched_losses(tmp_path, reference_path):
+@pytest.mark.parametrize("family", ["llama", "granite"])
+def test_trainer_runs_three_steps_with_the_unpatched_losses(family, tmp_path, reference_path):
     pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
     generator = torch.Generator().manual_seed(0)
     rows = torch.randint(3, VOCAB, (12, 10), generator=generator)
     data = [{"input_ids": ids, "labels": ids} for ids in rows]
     losses = {}
     for patch in (False, True):
-        model = eager_model("llama")
+        model = eager_model(family)
         if patch:
             horse.hf.apply(model)
         args = transformers.TrainingArguments(
