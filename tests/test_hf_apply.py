@@ -1,11 +1,11 @@
-"""horse.hf.apply: our kernels inside transformers' own models, against the same models unpatched (eager).
+"""horse.hf.apply: our kernels inside transformers' own models, against the same models unpatched.
 
 Tiny random models of each family built in code. Most tests run the float32 reference path (the kernels'
 plain-PyTorch twins: ``runtime.INTERPRET`` off), where only the order of operations differs from eager; the
 float16 tests run the Triton kernels in the interpreter. Both hold the suite's accuracy rule
-(``helpers.assert_close``): our error against a float64 eager model at most twice the eager model's own
-error at the same precision, plus a floor. Packed batches are compared with their documents run apart
-(eager attends across documents when a mask is given).
+(``helpers.assert_close``): our error against the model in float64 at most twice the unpatched model's own
+error at the same precision (the worse of eager's and sdpa's, see :func:`compare`), plus a floor. Packed
+batches are compared with their documents run apart (eager attends across documents when a mask is given).
 """
 
 import copy
