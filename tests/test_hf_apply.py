@@ -23,7 +23,7 @@ from horse.kernels import runtime  # noqa: E402
 VOCAB = 96
 # Families with what the others lack (fused projections, multipliers, windows on some layers only, layers
 # without rotary, post-norms): every test that runs per family runs each of them.
-QUIRKY = ("phi3", "granite", "ministral", "smollm3", "olmo2", "glm4")
+QUIRKY = ("phi3", "granite", "ministral", "smollm3", "olmo2", "glm4", "gemma")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", *QUIRKY)
 # Weights 10x transformers' default spread: activations of order 1, where the activation functions differ
 # (at the default 0.02, gelu and its tanh approximation agree to 1e-7 and a swap of them would pass).
@@ -67,6 +67,7 @@ def tiny_config(family: str, **overrides):
         ),
         "olmo2": lambda: transformers.Olmo2Config(**llama_like),
         "glm4": lambda: transformers.Glm4Config(**llama_like, head_dim=16),
+        "gemma": lambda: transformers.GemmaConfig(**llama_like, head_dim=16),
         "gpt2": lambda: transformers.GPT2Config(
             vocab_size=VOCAB,
             n_embd=64,
@@ -204,15 +205,19 @@ def test_float16_triton_kernels_hold_flash_attns_accuracy_rule(family):
     against_eager(family, torch.float16, input_ids=ids, labels=labels)
 
 
-@pytest.mark.parametrize("family", ["llama", "olmo2"])
+@pytest.mark.parametrize("family", ["llama", "olmo2", "gemma"])
 def test_rms_norm_keeps_its_familys_cast_order(family, reference_path):
     """A float32 weight on float16 activations: LLaMA's RMSNorm multiplies after the cast to float16 and gives
-    float32, OLMo-2's multiplies before it and gives float16 (in one dtype the two orders differ by a rounding
-    the accuracy rule cannot see)."""
+    float32, OLMo-2's and Gemma's (1 + weight) multiply before it and give float16 (in one dtype the two
+    orders differ by a rounding the accuracy rule cannot see)."""
     model, patched = build(family)
-    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0)).half()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # away from Gemma's zeros: its 1 + weight must be added in float32
+        weight = torch.randn(64, generator=generator)
+        model.model.norm.weight.copy_(weight), patched.model.norm.weight.copy_(weight)
+    x = torch.randn(3, 5, 64, generator=generator).half()
     expected, got = model.model.norm(x), patched.model.norm(x)
-    assert got.dtype == expected.dtype == (torch.float16 if family == "olmo2" else torch.float32)
+    assert got.dtype == expected.dtype == (torch.float32 if family == "llama" else torch.float16)
     torch.testing.assert_close(got, expected)
 
 
@@ -467,6 +472,8 @@ def test_an_unsupported_model_type_is_refused_by_name():
         ("phi3", {"hidden_act": "tanh"}, "activation Tanh"),
         ("granite", {"mlp_bias": True}, "MLP biases"),
         ("glm4", {"head_dim": 320, "num_attention_heads": 1, "num_key_value_heads": 1}, "head_dim 320"),
+        ("gemma", {"use_bidirectional_attention": True}, "bidirectional attention"),
+        ("gemma", {"hidden_act": "tanh"}, "activation Tanh"),
     ],
 )  # fmt: skip
 def test_configs_the_kernels_cannot_run_exactly_are_refused(family, overrides, message):
