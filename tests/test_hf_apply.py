@@ -23,7 +23,7 @@ from horse.kernels import runtime  # noqa: E402
 VOCAB = 96
 # Families with what the others lack (fused projections, multipliers, windows on some layers only, layers
 # without rotary, post-norms): every test that runs per family runs each of them.
-QUIRKY = ("phi3", "granite", "ministral", "smollm3", "olmo2", "glm4", "gemma")
+QUIRKY = ("phi3", "granite", "ministral", "smollm3", "olmo2", "glm4", "gemma", "gemma3_text")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", *QUIRKY)
 # Weights 10x transformers' default spread: activations of order 1, where the activation functions differ
 # (at the default 0.02, gelu and its tanh approximation agree to 1e-7 and a swap of them would pass).
@@ -68,6 +68,9 @@ def tiny_config(family: str, **overrides):
         "olmo2": lambda: transformers.Olmo2Config(**llama_like),
         "glm4": lambda: transformers.Glm4Config(**llama_like, head_dim=16),
         "gemma": lambda: transformers.GemmaConfig(**llama_like, head_dim=16),
+        "gemma3_text": lambda: transformers.Gemma3TextConfig(
+            **llama_like, head_dim=16, sliding_window=5, layer_types=["sliding_attention", "full_attention"]
+        ),
         "gpt2": lambda: transformers.GPT2Config(
             vocab_size=VOCAB,
             n_embd=64,
@@ -193,8 +196,10 @@ def test_logits_loss_and_every_gradient_match_eager_on_the_reference_path(family
         None if family == "olmo2" else layers
     )
     assert report["linear_cross_entropy"] == [""]
-    # two a layer and the final one; two more a layer: Qwen3's and OLMo-2's q/k norms, GLM-4's sandwich norms
-    norms = 2 * 2 + 1 + (2 * 2 if family in ("qwen3", "olmo2", "glm4") else 0)
+    # two a layer and the final one; two more a layer: Qwen3's and OLMo-2's q/k norms, GLM-4's sandwich norms;
+    # four more a layer for Gemma 3 (q/k norms, sandwich norms)
+    more = {"qwen3": 2, "olmo2": 2, "glm4": 2, "gemma3_text": 4}.get(family, 0)
+    norms = 2 * 2 + 1 + more * 2
     assert len(report["layer_norm" if family == "gpt2" else "rms_norm"]) == norms
 
 
@@ -474,6 +479,9 @@ def test_an_unsupported_model_type_is_refused_by_name():
         ("glm4", {"head_dim": 320, "num_attention_heads": 1, "num_key_value_heads": 1}, "head_dim 320"),
         ("gemma", {"use_bidirectional_attention": True}, "bidirectional attention"),
         ("gemma", {"hidden_act": "tanh"}, "activation Tanh"),
+        ("gemma3_text", {"vocab_size": 262_208}, r"a vocabulary of 262,208 \(the loss takes up to 262,144\)"),
+        ("gemma3_text", {"final_logit_softcapping": 30.0}, "softcapping"),
+        ("gemma3_text", {"use_bidirectional_attention": True}, "bidirectional attention"),
     ],
 )  # fmt: skip
 def test_configs_the_kernels_cannot_run_exactly_are_refused(family, overrides, message):

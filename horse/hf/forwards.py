@@ -19,7 +19,8 @@ Each computes what the module's own forward computes, in the same dtypes, on ``h
   norm of that sum. Only where nothing can tell: the two addends of one dtype, no autocast around a
   LayerNorm, no hooks on the norm, and the norm running our forward; otherwise the layer adds as before.
   What a family does to the attention's output before that add stays as it was: Phi-3's residual dropout,
-  Granite's residual_multiplier, GLM-4's post_self_attn_layernorm (a sandwich norm).
+  Granite's residual_multiplier, GLM-4's post_self_attn_layernorm and Gemma 3's post_attention_layernorm
+  (sandwich norms; Gemma 3's add goes into its pre_feedforward_layernorm).
 - The causal LM: its loss from the last hidden states by ``linear_cross_entropy`` (:func:`causal_lm_forward`),
   Granite's ``logits / logits_scaling`` folded into the hidden states.
 
@@ -242,6 +243,17 @@ def glm4_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> t
     attention_output = self.post_self_attn_layernorm(attention_output)
     normalized, hidden_states = _add_rms_norm(self.post_attention_layernorm, attention_output, hidden_states)
     return hidden_states + self.post_mlp_layernorm(self.mlp(normalized))
+
+
+@checkpointed
+def gemma3_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Gemma 3's decoder layer: sandwich norms, the attention's output normalized (post_attention_layernorm)
+    before its add, which is fused into pre_feedforward_layernorm; the MLP's output normalized
+    (post_feedforward_layernorm) before its add."""
+    attention_output, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    attention_output = self.post_attention_layernorm(attention_output)
+    normalized, hidden_states = _add_rms_norm(self.pre_feedforward_layernorm, attention_output, hidden_states)
+    return hidden_states + self.post_feedforward_layernorm(self.mlp(normalized))
 
 
 @checkpointed
