@@ -8,8 +8,9 @@
                                          reads it
     OUT/ckpt_0001000/tokenizer.json      the BPE tokenizer, when the data had one
     OUT/ckpt_0001000/manifest.json       the layout (tp size, dp_shard), every file above with its
-                                         size and SHA-256, and every tensor's whole shape and the
-                                         rows each FSDP piece holds
+                                         size and SHA-256, every tensor's whole shape and the rows
+                                         each FSDP piece holds, and "checked_finite": every weight
+                                         and optimizer tensor was checked free of inf and NaN
 
 With tensor parallelism each tp rank writes its own shard, ``model-tp01-of-04.safetensors`` and
 ``state-tp01-of-04.pt`` (under the unsharded parameter names). With FSDP2 (--dp-shard N) each
@@ -21,8 +22,9 @@ file goes into a temporary directory; when every rank has written its files, ran
 manifest and renames the directory into place, so a run killed mid-write leaves no directory
 that :func:`latest` would pick up, and only then deletes the checkpoints beyond --keep-last. A
 save that fails on any rank (a full disk, permissions, an I/O error) raises :class:`SaveError` on
-every rank, leaving the older checkpoints as they were. Across nodes OUT must be a shared file
-system.
+every rank, leaving the older checkpoints as they were; so does a state that holds an inf or NaN
+(a poisoned step: never written, since a checkpoint that passes its checksums would be resumed
+from). Across nodes OUT must be a shared file system.
 
 Our own format rather than torch.distributed.checkpoint: the tensor-parallel shards are plain
 tensors cut by ``horse.parallel``'s plan (c_attn's rows in q, k and v sections, which no single
@@ -31,7 +33,8 @@ reshards them, and the format stays the one that ``verify``, ``export`` and chec
 before FSDP share.
 
 Resuming verifies before it trusts: :func:`newest_good` checks the sizes and checksums of the
-newest checkpoint and falls back to older ones, saying what failed. Check a run by hand with
+newest checkpoint, and that every tensor in it is finite (checkpoints written before this check,
+or by hand), and falls back to older ones, saying what failed. Check a run by hand with
 
     python -m horse.checkpoint verify RUN_OR_CKPT_DIR      (exit status 1 when any is damaged)
 
@@ -58,7 +61,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -107,6 +110,31 @@ def _digest(path: Path) -> dict:
     """A file's size and SHA-256, as the manifest records them."""
     with open(path, "rb") as f:
         return {"size": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+
+def _not_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of those (name, tensor) pairs whose tensor holds an inf or NaN."""
+    return [name for name, t in tensors if t.is_floating_point() and not torch.isfinite(t).all()]
+
+
+def _optimizer_tensors(state: dict) -> Iterable[tuple[str, torch.Tensor]]:
+    """("exp_avg of blocks.0.attn.c_attn.weight", tensor) for every tensor of an optimizer state
+    keyed by parameter name (:func:`optimizer_state`)."""
+    for name, entry in state["state"].items():
+        for key, t in entry.items():
+            yield f"{key} of {name}", t
+
+
+def _file_not_finite(path: Path) -> list[str]:
+    """The tensors of a checkpoint's file (a piece's weights, or its state's optimizer) that hold
+    an inf or NaN; read one tensor at a time."""
+    if path.suffix == ".safetensors":
+        with safe_open(path, framework="pt") as f:
+            return _not_finite((name, f.get_tensor(name)) for name in f.keys())  # noqa: SIM118
+    if path.suffix == ".pt":
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return _not_finite(_optimizer_tensors(state["optimizer"]))
+    return []
 
 
 def _written(path: Path) -> dict:
@@ -210,6 +238,13 @@ def save(
         t, s = parallel.tp_rank, parallel.dp_shard_rank
         weights_file, state_file = shard_files(t, parallel.tp_size, s, parallel.dp_shard_size)
         weights = {name: local(w).detach().contiguous() for name, w in model.state_dict().items()}
+        optimizer_pieces = optimizer_state(optimizer, model)
+        poisoned = _not_finite(weights.items()) + _not_finite(_optimizer_tensors(optimizer_pieces))
+        if poisoned:
+            raise FloatingPointError(
+                f"the state to save holds inf or NaN in {', '.join(poisoned[:5])}"
+                + (f" and {len(poisoned) - 5} more tensors" if len(poisoned) > 5 else "")
+            )
         metadata = {
             "config": json.dumps(dataclasses.asdict(model.config)),
             "tokenizer": tokenizer,
@@ -219,7 +254,7 @@ def save(
             "dp_shard": str(parallel.dp_shard_size),
         }
         save_file(weights, tmp / weights_file, metadata=metadata)
-        torch.save(state | {"optimizer": optimizer_state(optimizer, model)}, tmp / state_file)
+        torch.save(state | {"optimizer": optimizer_pieces}, tmp / state_file)
         return {
             "files": {f: _written(tmp / f) for f in (weights_file, state_file)},
             "piece": {
@@ -242,6 +277,7 @@ def save(
             "dp_shard": parallel.dp_shard_size,
             "files": dict(sorted(files.items())),
             "tensors": _tensor_table([p["piece"] for p in pieces if p], model.config, parallel.tp_size),
+            "checked_finite": True,  # every piece's weights and optimizer state, before it was written
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync(tmp / MANIFEST)
@@ -329,7 +365,9 @@ def complete(out_dir: str | Path) -> list[Path]:
 def verify(ckpt: str | Path, rank: int = 0, world_size: int = 1) -> list[str]:
     """What is wrong with checkpoint directory ckpt, a line per problem: each file missing, of
     another size or SHA-256 than its manifest says (files of a manifest without checksums need only
-    exist). Empty: good. Rank rank of world_size checks every world_size-th file only."""
+    exist), or holding a weight or optimizer tensor with an inf or NaN (a poisoned state, as saves
+    before the check on saving could write). Empty: good. Rank rank of world_size checks every
+    world_size-th file only."""
     ckpt = Path(ckpt)
     try:
         files = _manifest(ckpt)["files"]
@@ -344,6 +382,15 @@ def verify(ckpt: str | Path, rank: int = 0, world_size: int = 1) -> list[str]:
             problems.append(f"{name}: {path.stat().st_size:,} bytes, the manifest says {expected['size']:,}")
         elif expected is not None and _digest(path)["sha256"] != expected["sha256"]:
             problems.append(f"{name}: its SHA-256 is not the manifest's (the contents are damaged)")
+        else:
+            try:
+                poisoned = _file_not_finite(path)
+            except Exception as e:  # a file that no checksum vouches for, damaged
+                problems.append(f"{name}: unreadable ({type(e).__name__}: {e})")
+                continue
+            if poisoned:
+                more = f" and {len(poisoned) - 3} more" if len(poisoned) > 3 else ""
+                problems.append(f"{name}: {', '.join(poisoned[:3])}{more} hold inf or NaN (a poisoned state)")
     return problems
 
 
@@ -716,7 +763,7 @@ def restore_run(ckpt: Path, model, optimizer, scaler, loader, parallel: Parallel
     """Load everything a checkpoint holds back into place, resharded to this run's layout; returns
     its step."""
     state = load(ckpt, model, optimizer, parallel)
-    if scaler.is_enabled() and state["scaler"]:
+    if state["scaler"]:  # bf16's and fp32's: the steps skipped in a row
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["torch"])
     cuda_rng = state["rng"]["cuda"]
@@ -758,6 +805,7 @@ def verify_main(run: Path, parser: argparse.ArgumentParser) -> int:
         good.append(ckpt.name)
         unchecked = None in _manifest(ckpt)["files"].values()  # written before checksums
         how = "files present, no checksums recorded" if unchecked else "sizes and SHA-256 match"
+        how += ", every tensor finite"
         print(f"{ckpt.name}: good ({how})")
     for leftover in sorted(run.glob(".ckpt_*.tmp")):
         print(f"{leftover.name}: an unfinished save (ignored; the next save removes it)")

@@ -127,7 +127,7 @@ class TrainConfig:
     loss_scale_window: clean fp16 steps before the loss scale doubles (an inf/NaN gradient halves it, skips)
     min_loss_scale: the fp16 loss scale never halves below this
     loss_scale_hysteresis: fp16 steps skipped in a row before the loss scale halves
-    max_skipped_steps: stop with an error after this many fp16 steps in a row skipped for inf/NaN gradients
+    max_skipped_steps: stop with an error after this many steps in a row skipped for inf/NaN gradients
     seed: seeds the weights, the data order and the sample
     eval_interval: steps between validation losses (and one at the end)
     eval_tokens: validation loss over this many held-out tokens, the first of the val split, each once

@@ -13,6 +13,8 @@ the first launch; TORCHELASTIC_RESTART_COUNT counts them). Kinds:
     term-twice    SIGTERM as above, then a second SIGTERM in the middle of that save
     enospc        the step's save fails as on a full disk: its weights file is cut in half and
                   writing it raises what safetensors raises then (ENOSPC in a SafetensorError); once
+    nan-grad      a NaN in the gradient of the step's first module output (a tensor hook on it, in
+                  the first micro-batch's backward): the loss stays finite
 
 Each fault says what it does on stderr before it strikes. Signals are sent by the process to itself,
 so the step they land in is exact.
@@ -23,6 +25,7 @@ import os
 import signal
 import sys
 
+import torch
 from safetensors import SafetensorError
 
 from horse import checkpoint, cli, optim
@@ -78,6 +81,21 @@ def main() -> None:
             no_space = f"{os.strerror(errno.ENOSPC)} (os error {errno.ENOSPC})"
             raise SafetensorError(f"Error while serializing: I/O error: {no_space}")
 
+    def poison_gradient(module, args, output):  # every module's forward, once installed
+        if faults.get(in_flight[0]) != "nan-grad" or not (torch.is_tensor(output) and output.requires_grad):
+            return
+        faults.pop(in_flight[0])
+        say(f"a NaN into the gradient of {type(module).__name__}'s output")
+
+        def nan_in_first_element(grad):
+            grad = grad.clone()
+            grad.view(-1)[0] = float("nan")
+            return grad
+
+        output.register_hook(nan_in_first_element)
+
+    if "nan-grad" in faults.values():
+        torch.nn.modules.module.register_module_forward_hook(poison_gradient)
     real_lr_at, real_optimizer_step, real_save_file = optim.lr_at, optim.optimizer_step, checkpoint.save_file
     optim.lr_at, optim.optimizer_step, checkpoint.save_file = lr_at, optimizer_step, save_file
     cli.main(sys.argv[1:])

@@ -6,9 +6,13 @@ bit. Faults: kill -9 at seeded random steps (one in a save), SIGTERM with and wi
 period, a second signal during the save, a failing write (ENOSPC mid-save, --on-save-error stop and
 continue), a damaged newest checkpoint, and under torchrun (gloo, tp=2, --max-restarts) a signal on
 one rank, a rank killed and one rank's failed save, and SIGTERM sent to torchrun itself; with a
-stand-in all-reduce, a rank's own signal handled just after the ranks agreed."""
+stand-in all-reduce, a rank's own signal handled just after the ranks agreed. A NaN gradient on
+one rank (loss finite) at --dp-shard 2 in bf16 and fp32: every rank skips the step, and no
+checkpoint holds it; one damaged to hold a NaN is passed over."""
 
+import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -22,6 +26,8 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 from helpers import command_line_flags
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from horse import checkpoint, cli, preemption, train
 
@@ -192,7 +198,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumes(refer
         checkpoint.main(["verify", str(run)])
     out = capsys.readouterr().out
     assert exit_.value.code == 1 and f"ckpt_{STEPS:07d}: DAMAGED: {truncated}" in out
-    assert f"ckpt_{STEPS - INTERVAL:07d}: good (sizes and SHA-256 match)" in out
+    assert f"ckpt_{STEPS - INTERVAL:07d}: good (sizes and SHA-256 match, every tensor finite)" in out
     cfg, overrides = cli.parse_args(["--out-dir", str(run), "--resume", "--strict-resume"])
     with pytest.raises(ValueError, match=rf"ckpt_{STEPS:07d} is damaged: {truncated} \(--strict-resume\)"):
         train.train(cfg, overrides)
@@ -313,3 +319,55 @@ def test_sigterm_to_torchrun_reaches_every_worker_and_loses_no_step(tmp_path):
     step = max(_steps(run))
     assert f"preempted: SIGTERM during step {step}; step {step} finished and saved" in out, out[-3000:]
     assert checkpoint.latest(run) == _ckpt(run, step) and checkpoint.verify(_ckpt(run, step)) == []
+
+
+def _poison(ckpt: Path, weights_file: str) -> str:
+    """Write a NaN into the first tensor of one of ckpt's weights files, with the manifest's size
+    and SHA-256 made to match (damage that no checksum finds, as a save without the finite check
+    wrote it); returns that tensor's name."""
+    path = ckpt / weights_file
+    with safe_open(path, framework="pt") as f:
+        metadata, tensors = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    name = next(iter(tensors))
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, path, metadata=metadata)
+    manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())
+    manifest["files"][weights_file] = {
+        "size": path.stat().st_size,
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+    }
+    (ckpt / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    return name
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_nan_gradient_on_one_rank_is_skipped_by_every_rank_and_never_saved(tmp_path, precision):
+    """--dp-shard 2: rank 1's gradient gets a NaN in step 3 (its embedding's output gradient: one
+    row, so one rank's shard). Both ranks skip the step (AdamW counts 5 of 6 steps in both pieces),
+    the weights stay finite, every checkpoint verifies finite; then a NaN written into the newest
+    one, checksums kept, makes the fallback take the one before it."""
+    run, steps = tmp_path / "run", 6
+    flags = dict(dp_shard=2, precision=precision, max_steps=steps, ckpt_interval=2, eval_interval=steps)
+    status, out = _launch(run, "nan-grad@3:1", nproc=2, **flags)
+    assert status == 0, out[-3000:]
+    assert "fault: a NaN into the gradient of Embedding's output in step 3" in out
+    assert "step 3/6 | loss" in out and "grad norm nan" in out and "(step skipped: inf/NaN gradients)" in out
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in records] == [r["step"] == 3 for r in records] and len(records) == steps
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) != r["skipped"] for r in records)
+    assert [p.name for p in checkpoint.candidates(run)] == ["ckpt_0000002", "ckpt_0000004", "ckpt_0000006"]
+    for ckpt in checkpoint.candidates(run):
+        assert (
+            checkpoint.verify(ckpt) == []
+            and json.loads((ckpt / checkpoint.MANIFEST).read_text())["checked_finite"]
+        )
+    for piece in (0, 1):  # each rank's own AdamW state: one step fewer than the run's
+        optimizer = checkpoint.load_state(_ckpt(run, steps), 0, piece)["optimizer"]
+        assert {int(entry["step"]) for entry in optimizer["state"].values()} == {steps - 1}
+    name = _poison(_ckpt(run, steps), "model-fsdp01-of-02.safetensors")
+    poisoned = f"model-fsdp01-of-02.safetensors: {name} hold inf or NaN (a poisoned state)"
+    assert checkpoint.verify(_ckpt(run, steps)) == [poisoned]
+    assert checkpoint.newest_good(run) == (
+        _ckpt(run, 4),
+        [f"checkpoint ckpt_0000006 is damaged, skipped: {poisoned}"],
+    )

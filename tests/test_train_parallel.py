@@ -1,7 +1,8 @@
 """horse.train under torchrun on the CPU (gloo, fp32, the reference backend): tp=2 x dp=2 trains the
 weights one process trains on the whole batch; sharded checkpoints reshard tp=2 <-> tp=1; a job
 that torchrun restarts after an injected failure finishes as an uninterrupted one; an inf gradient
-on one rank makes every rank skip the step; an exported checkpoint is the whole model."""
+on one rank makes every rank skip the step, with fp16's scaler and without; an exported checkpoint
+is the whole model."""
 
 import json
 import math
@@ -195,22 +196,25 @@ def _rank_main(rank: int, world: int, tp: int, port: int, worker, args) -> None:
 
 
 def _inf_on_one_rank(parallel) -> None:
-    """dp=2: rank 1 alone gets an inf gradient; both ranks skip, halve the scale, keep their weights."""
-    torch.manual_seed(0)
-    model = GPT(train.model_config(train.TrainConfig(), SMALL, 256))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = train.LossScaler(init_scale=1024.0, growth_interval=1000, parallel=parallel, hysteresis=1)
-    idx = torch.randint(0, 256, (2, 8))
-    before = [p.detach().clone() for p in model.parameters()]
-    for poison in (True, False):
-        scaler.scale(model.loss(idx, idx)).backward()
-        if poison and parallel.rank == 1:
-            model.blocks[0].mlp.c_fc.weight.grad[0, 0] = float("nan")
-        grad_norm, skipped = optim.optimizer_step(model, optimizer, scaler, 1.0, parallel)
-        assert skipped == poison and scaler.get_scale() == 512.0
-        assert math.isfinite(grad_norm) == (not poison or parallel.rank == 0)
-        unchanged = all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
-        assert unchanged == poison and bool(optimizer.state) != poison
+    """dp=2: rank 1 alone gets a NaN gradient (no DDP to spread it); both ranks skip and keep their
+    weights; with fp16's scaler both halve the scale, without (bf16, fp32) rank 0's finite
+    gradient norm does not make it step."""
+    for fp16 in (True, False):
+        torch.manual_seed(0)
+        model = GPT(train.model_config(train.TrainConfig(), SMALL, 256))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = train.LossScaler(1024.0, 1000, fp16, parallel, hysteresis=1)
+        idx = torch.randint(0, 256, (2, 8))
+        before = [p.detach().clone() for p in model.parameters()]
+        for poison in (True, False):
+            scaler.scale(model.loss(idx, idx)).backward()
+            if poison and parallel.rank == 1:
+                model.blocks[0].mlp.c_fc.weight.grad[0, 0] = float("nan")
+            grad_norm, skipped = optim.optimizer_step(model, optimizer, scaler, 1.0, parallel)
+            assert skipped == poison and scaler.get_scale() == (512.0 if fp16 else 1.0)
+            assert math.isfinite(grad_norm) == (not poison or parallel.rank == 0)
+            unchanged = all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+            assert unchanged == poison and bool(optimizer.state) != poison
 
 
 def test_an_inf_gradient_on_one_rank_makes_every_rank_skip():
