@@ -142,7 +142,6 @@ class TrainConfig:
     sample_prompt: the sample's prompt
     compile: run the training loss under torch.compile (the kernels are custom ops: one graph at tp=1)
     activation_checkpointing: recompute each block in the backward instead of keeping its activations
-    fail_at_step: fault injection: rank 1 (rank 0 alone) raises at this step, before a torchrun restart only
     """
 
     preset: str = "tiny"
@@ -192,7 +191,6 @@ class TrainConfig:
     sample_prompt: str = "\n"
     compile: bool = False
     activation_checkpointing: bool = False
-    fail_at_step: int = 0
 
     def __post_init__(self):
         at_least_1 = (
@@ -204,7 +202,7 @@ class TrainConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{flag(name)} must be at least 1, got {value}")
         at_least_0 = "warmup_steps weight_decay grad_clip ckpt_interval keep_last profile_steps sample_tokens"
-        for name in at_least_0.split() + ["fail_at_step"]:
+        for name in at_least_0.split():
             if getattr(self, name) < 0:
                 raise ValueError(f"{flag(name)} must be at least 0, got {getattr(self, name)}")
         for name in ("lr", "loss_scale", "min_loss_scale", "peak_tflops"):
@@ -456,7 +454,6 @@ class Run:
         profile = profiler(cfg.profile_steps, self.out_dir, self.device)
         with metrics_file as metrics, profile as trace, self.preemption:
             while self.step < self.max_steps:
-                self.fail_if_asked()
                 record = self.train_one_step()
                 last = self.step == self.max_steps
                 if self.step % cfg.eval_interval == 0 or last:
@@ -471,16 +468,6 @@ class Run:
                 if trace is not None:
                     trace.step()
         bar.close()
-
-    def fail_if_asked(self) -> None:
-        """Fault injection, --fail-at-step: rank 1 (rank 0 when alone) raises in that step, on the
-        first launch only, so that a torchrun restart resumes past it."""
-        failing_rank = min(1, self.parallel.world_size - 1)
-        in_flight = self.step + 1
-        if in_flight == self.cfg.fail_at_step and self.parallel.rank == failing_rank and self.restarts == 0:
-            raise RuntimeError(
-                f"--fail-at-step {self.cfg.fail_at_step}: injected failure on rank {failing_rank}"
-            )
 
     def train_one_step(self) -> dict:
         """One optimizer step (:func:`train_step`) at the schedule's learning rate; returns its record."""

@@ -6,6 +6,7 @@ HORSE_FAULTS is a comma-separated list of KIND@STEP[:RANK[:RESTART]]: fault KIND
 STEP (1-based, the step in flight) on rank RANK (default 0) of torchrun attempt RESTART (default 0:
 the first launch; TORCHELASTIC_RESTART_COUNT counts them). Kinds:
 
+    raise         a RuntimeError at the step's start (a rank's failure: torchrun restarts the job)
     kill          SIGKILL after the step's optimizer update, before its metrics are written
     kill-in-save  SIGKILL in the step's checkpoint save, after its weights file is written
     term, usr1    SIGTERM / SIGUSR1 after the step's optimizer update (a grace period: the run saves)
@@ -52,6 +53,9 @@ def main() -> None:
 
     def lr_at(step, max_steps, cfg):  # called once at the start of every step
         in_flight[0] = step + 1
+        if faults.get(in_flight[0]) == "raise":
+            say("RuntimeError")
+            raise RuntimeError(f"injected failure in step {in_flight[0]}")
         return real_lr_at(step, max_steps, cfg)
 
     def optimizer_step(*args, **kwargs):

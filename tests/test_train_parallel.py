@@ -44,17 +44,20 @@ QUICK = dict(
 GLOBAL_BATCH = 4  # sequences per step, over all data-parallel replicas
 
 
-def _torchrun(nproc: int, out_dir: Path, *launcher: str, **kwargs) -> str:
-    """Run horse/train.py on nproc CPU processes; returns the console output (rank 0's)."""
+def _torchrun(nproc: int, out_dir: Path, *launcher: str, faults: str = "", **kwargs) -> str:
+    """Run horse/train.py on nproc CPU processes (with faults: tests/faulty_train.py, HORSE_FAULTS
+    faults); returns the console output."""
     # --standalone: the rendezvous on a port the OS picks free (localhost:0), so launches run side by side.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    command += [*launcher, str(ROOT / "horse" / "train.py"), "--out-dir", str(out_dir)]
+    script = ROOT / "tests" / "faulty_train.py" if faults else ROOT / "horse" / "train.py"
+    command += [*launcher, str(script), "--out-dir", str(out_dir)]
     command += command_line_flags(QUICK | SMALL | kwargs)
     # Without the variable a restart can read the failed workers' addresses (see horse/train.py).
     env = os.environ | {
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "HORSE_FAULTS": faults,
     }
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -166,9 +169,9 @@ def test_a_checkpoint_from_before_tensor_parallelism_loads_at_any_tp_size(tmp_pa
 
 def test_torchrun_restart_resumes_from_the_newest_checkpoint(runs, tmp_path):
     out = _torchrun(
-        2, tmp_path / "restarted", "--max-restarts=1", tp=2, batch_size=GLOBAL_BATCH, fail_at_step=3
+        2, tmp_path / "restarted", "--max-restarts=1", faults="raise@3:1", tp=2, batch_size=GLOBAL_BATCH
     )
-    assert "--fail-at-step 3: injected failure on rank 1" in out
+    assert "fault: RuntimeError in step 3" in out and "RuntimeError: injected failure in step 3" in out
     assert "restart 1" in out and "resumed from ckpt_0000002" in out and "warning" not in out
     # Steps 1 and 2 once each, though the first attempt logged them before failing in step 3.
     _assert_same_steps(_records(tmp_path / "restarted"), _records(runs["single"]))
