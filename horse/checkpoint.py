@@ -337,16 +337,59 @@ def _tensor_table(pieces: list[dict], config: GPTConfig, tp: int) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def _manifest(ckpt: Path) -> dict:
-    """The manifest of checkpoint directory ckpt, its files a dict of name: {size, sha256}; for one
-    written before tensor parallelism (no manifest), the two files it always had. Files of a
-    manifest written before checksums map to None."""
-    if not (ckpt / MANIFEST).is_file():
-        return {"tp_size": 1, "files": dict.fromkeys([WEIGHTS, STATE]), "legacy": True}
-    manifest = json.loads((ckpt / MANIFEST).read_text())
+# Formats before today's: these two functions are the only code that knows them; everything else
+# reads today's manifest and state.
+
+
+def _manifest(ckpt: Path, tensors: bool = False) -> dict:
+    """The manifest of checkpoint ckpt (a directory, or an exported file) in today's format, whatever
+    format it was written in: tp_size, dp_shard, files (name: {size, sha256}, or None where none was
+    recorded), optimizer_by_position; with tensors, the "tensors" table too (read from the weights
+    files' headers where the manifest has none). The formats before today's:
+
+    * an exported file: the whole model, one piece, no checksums;
+    * before tensor parallelism: no manifest; model.safetensors and state.pt, the optimizer's state
+      keyed by position (``_upgraded_state`` names it);
+    * before checksums: files a list of names;
+    * before FSDP: no dp_shard (1) and no tensors table (each tensor one piece of its tp shard)."""
+    if ckpt.is_file():
+        manifest = {"tp_size": 1, "files": {ckpt.name: None}}
+    elif not (ckpt / MANIFEST).is_file():
+        manifest = {"tp_size": 1, "files": dict.fromkeys([WEIGHTS, STATE]), "optimizer_by_position": True}
+    else:
+        manifest = json.loads((ckpt / MANIFEST).read_text())
     if isinstance(manifest["files"], list):
         manifest["files"] = dict.fromkeys(manifest["files"])
+    manifest.setdefault("dp_shard", 1)
+    manifest.setdefault("optimizer_by_position", False)
+    if tensors and "tensors" not in manifest:
+        weights = ckpt if ckpt.is_file() else ckpt / shard_files(0, manifest["tp_size"])[0]
+        with safe_open(weights, framework="pt") as f:
+            config = GPTConfig(**json.loads(f.metadata()["config"]))
+            shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}  # noqa: SIM118
+        piece = {"tp_rank": 0, "dp_shard_rank": 0, "shapes": shapes}
+        manifest["tensors"] = _tensor_table([piece], config, manifest["tp_size"])
     return manifest
+
+
+def _upgraded_state(state: dict, positions: list[str] | None) -> dict:
+    """A piece's state file in today's format: the optimizer's state keyed by name (positions: the
+    parameter names in the optimizer's order, for a checkpoint of ``optimizer_by_position``); the
+    loss scaler's clean steps under their name (torch.amp.GradScaler's "_growth_tracker" before
+    ``horse.loss_scale``); this rank's CUDA RNG state alone (before, every device's, this rank's at
+    its device index)."""
+    state = dict(state)
+    if positions is not None:
+        state["optimizer"] = _by_name(state["optimizer"], positions)
+    scaler = dict(state.get("scaler", {}))
+    if "_growth_tracker" in scaler:
+        scaler["clean_steps"] = scaler.pop("_growth_tracker")
+        state["scaler"] = scaler
+    cuda_rng = state.get("rng", {}).get("cuda")
+    if isinstance(cuda_rng, list) and cuda_rng and torch.cuda.is_available():
+        this_device = cuda_rng[min(torch.cuda.current_device(), len(cuda_rng) - 1)]
+        state["rng"] = state["rng"] | {"cuda": this_device}
+    return state
 
 
 def _is_complete(ckpt: Path) -> bool:
@@ -474,11 +517,8 @@ def resolve(path: str | Path) -> Path:
 def layout(ckpt: str | Path) -> tuple[int, int]:
     """(tp size, dp_shard) that checkpoint ckpt was saved at: (1, 1) for an exported file, dp_shard
     1 for a checkpoint written before FSDP."""
-    ckpt = Path(ckpt)
-    if ckpt.is_file():
-        return 1, 1
-    manifest = _manifest(ckpt)
-    return manifest["tp_size"], manifest.get("dp_shard", 1)
+    manifest = _manifest(Path(ckpt))
+    return manifest["tp_size"], manifest["dp_shard"]
 
 
 def tp_size(ckpt: str | Path) -> int:
@@ -557,14 +597,14 @@ class Pieces:
 
     def __init__(self, ckpt: str | Path):
         self.ckpt = Path(ckpt)
-        manifest = {"tp_size": 1} if self.ckpt.is_file() else _manifest(self.ckpt)
-        self.tp_size, self.dp_shard = layout(self.ckpt)
-        tensors = manifest.get("tensors", {})
+        manifest = _manifest(self.ckpt, tensors=True)
+        self.tp_size, self.dp_shard = manifest["tp_size"], manifest["dp_shard"]
+        tensors = manifest["tensors"]
         self.rows = {name: list(itertools.pairwise(entry["rows"])) for name, entry in tensors.items()}
         self.shapes = {name: entry["shape"] for name, entry in tensors.items()}
-        self.legacy = manifest.get("legacy", False)  # written before tp: the optimizer by position
+        self.optimizer_by_position = manifest["optimizer_by_position"]
         self.config = read_metadata(self.ckpt)[0]
-        self.names: list[str] | None = None  # the optimizer's parameters by position, for a legacy one
+        self.names: list[str] | None = None  # the optimizer's parameters in its order, for the above
         self._weights, self._states = {}, {}
 
     def _files(self, tp_rank: int, dp_shard_rank: int) -> tuple[Path, Path]:
@@ -586,9 +626,7 @@ class Pieces:
         key = (tp_rank, dp_shard_rank)
         if key not in self._states:
             state = torch.load(self._files(*key)[1], map_location="cpu", weights_only=True, mmap=True)
-            if self.legacy:
-                state["optimizer"] = _by_name(state["optimizer"], self.names)
-            self._states[key] = state
+            self._states[key] = _upgraded_state(state, self.names if self.optimizer_by_position else None)
         return self._states[key]
 
     def tensor_names(self) -> list[str]:
@@ -599,21 +637,9 @@ class Pieces:
             return self.weights(tp_rank, dp_shard_rank).get_slice(name)
         return self.state(tp_rank, dp_shard_rank)["optimizer"]["state"][name][key]
 
-    def _piece_rows(self, name: str, tp_rank: int) -> list[tuple[int, int]]:
-        if name in self.rows:
-            return self.rows[name]
-        rows = self.weights(tp_rank).get_slice(name).get_shape()[0]  # before FSDP: one piece
-        return [(0, rows)]
-
     def shard_shape(self, name: str, tp: int) -> list[int]:
         """The shape of a tp rank's shard of tensor name at tensor-parallel size tp."""
-        if name in self.shapes:
-            whole = list(self.shapes[name])
-        else:  # before FSDP: the shards' shape, times the saved tp along the cut dim
-            whole = list(self.weights().get_slice(name).get_shape())
-            spec = shard_spec(name, self.config) if self.tp_size > 1 else None
-            if spec is not None:
-                whole[spec.dim] *= self.tp_size
+        whole = list(self.shapes[name])
         spec = shard_spec(name, self.config) if tp > 1 else None
         if spec is not None:
             whole[spec.dim] //= tp
@@ -624,7 +650,7 @@ class Pieces:
     ) -> torch.Tensor:
         """Rows [start, stop) (default: all) of saved tp rank tp_rank's shard of tensor name (key:
         an entry of its optimizer state, "exp_avg"; None: the weight), from the pieces that hold them."""
-        pieces = self._piece_rows(name, tp_rank)
+        pieces = self.rows[name]
         stop = pieces[-1][1] if stop is None else stop
         parts = [
             self._piece(name, key, tp_rank, s)[max(a, start) - a : min(b, stop) - a]
@@ -768,8 +794,6 @@ def restore_run(ckpt: Path, model, optimizer, scaler, loader, parallel: Parallel
     torch.set_rng_state(state["rng"]["torch"])
     cuda_rng = state["rng"]["cuda"]
     if torch.cuda.is_available() and len(cuda_rng):
-        if isinstance(cuda_rng, list):  # written before: every device's, this rank's at its index
-            cuda_rng = cuda_rng[min(torch.cuda.current_device(), len(cuda_rng) - 1)]
         torch.cuda.set_rng_state(cuda_rng)
     loader.load_state_dict(state["loader"])
     return state["step"]

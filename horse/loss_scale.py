@@ -168,6 +168,5 @@ class LossScaler:
         """A state of any precision's scaler: a scale that a bf16 or fp32 run saved none of stays."""
         if "scale" in state:
             self.scale_factor = max(self.min_scale, state["scale"])
-            # "_growth_tracker": torch.amp.GradScaler's name for it, in checkpoints before this class.
-            self.clean_steps = state.get("clean_steps", state.get("_growth_tracker", 0))
+            self.clean_steps = state.get("clean_steps", 0)
         self.skipped_steps = state.get("skipped_steps", 0)

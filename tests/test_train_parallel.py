@@ -149,14 +149,20 @@ def test_a_checkpoint_from_before_tensor_parallelism_loads_at_any_tp_size(tmp_pa
         names = {id(p): name for name, p in model.named_parameters()}
         return [names[id(p)] for g in optimizer.param_groups for p in g["params"]], optimizer.state_dict()
 
-    # What the trainer wrote before tensor parallelism: no manifest, the optimizer by position.
     order, whole = restored(Parallel())
+    i = order.index("blocks.0.mlp.c_fc.weight")  # (hidden, d_model), split by rows
+    # A manifest from before FSDP and checksums: its files a list, no dp_shard, no tensors table.
+    files = sorted(json.loads((ckpt / checkpoint.MANIFEST).read_text())["files"])
+    (ckpt / checkpoint.MANIFEST).write_text(json.dumps({"step": 2, "tp_size": 1, "files": files}))
+    assert checkpoint.verify(ckpt) == [] and checkpoint.layout(ckpt) == (1, 1)
+    moments = restored(Parallel(tp_rank=1, tp_size=2))[1]["state"][i]
+    assert torch.equal(moments["exp_avg_sq"], whole["state"][i]["exp_avg_sq"].chunk(2)[1])
+    # What the trainer wrote before tensor parallelism: no manifest, the optimizer by position.
     torch.save(checkpoint.load_state(ckpt) | {"optimizer": whole}, ckpt / checkpoint.STATE)
     (ckpt / checkpoint.MANIFEST).unlink()
     assert checkpoint.latest(tmp_path / "run") == ckpt
     assert torch.equal(restored(Parallel())[1]["state"][0]["exp_avg"], whole["state"][0]["exp_avg"])
     # At tp=2 each rank takes its slice of AdamW's moments (loading needs no process group).
-    i = order.index("blocks.0.mlp.c_fc.weight")  # (hidden, d_model), split by rows
     for rank in (0, 1):
         moments = restored(Parallel(tp_rank=rank, tp_size=2))[1]["state"][i]
         assert torch.equal(moments["exp_avg_sq"], whole["state"][i]["exp_avg_sq"].chunk(2)[rank])
