@@ -328,10 +328,24 @@ def evaluate(model: GPT, held_out: HeldOut, autocast, parallel: Parallel) -> flo
 # ----------------------------------------------------------------------------------------------
 
 
+def share_the_cores() -> int:
+    """On the CPU: cap this process's torch intra-op threads at its share of the cores it may run on,
+    so that this node's ranks (torchrun's LOCAL_WORLD_SIZE) x threads <= cores; returns the threads.
+    Each rank of a launch that does not set OMP_NUM_THREADS (torchrun sets 1) would otherwise take
+    every core, and the ranks would spend their time switching (tests/conftest.py does the same for
+    pytest-xdist's workers)."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(min(torch.get_num_threads(), max(1, cores // ranks)))
+    return torch.get_num_threads()
+
+
 def train(cfg: TrainConfig, overrides: dict | None = None) -> list[dict]:
     """Run cfg (model flags in overrides) on this process, or on every rank of a torchrun launch;
     returns this session's per-step metrics records."""
     device = pick_device(cfg.device)
+    if device == "cpu":
+        share_the_cores()
     parallel = init_from_env(cfg.tp, cfg.sequence_parallel, device, cfg.dp_shard, cfg.dp_replicate)
     try:
         run = set_up(cfg, overrides or {}, parallel, device)

@@ -177,6 +177,19 @@ def test_a_state_that_is_not_finite_is_never_saved(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt_0000001"]
 
 
+def test_ranks_on_the_cpu_share_the_cores(monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    try:
+        torch.set_num_threads(8)
+        for ranks, threads in [(1, 8), (3, 2), (4, 2), (16, 1), (2, 1)]:  # never more than it had
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+            assert train.share_the_cores() == threads == torch.get_num_threads(), ranks
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_fp16_run_on_the_cpu_logs_the_loss_scale(tmp_path):
     records = train.train(_cfg(tmp_path, max_steps=3, precision="fp16", loss_scale=256.0), SMALL)
     assert [r["loss_scale"] for r in records] == [256.0] * 3
