@@ -24,7 +24,10 @@ that :func:`latest` would pick up, and only then deletes the checkpoints beyond 
 save that fails on any rank (a full disk, permissions, an I/O error) raises :class:`SaveError` on
 every rank, leaving the older checkpoints as they were; so does a state that holds an inf or NaN
 (a poisoned step: never written, since a checkpoint that passes its checksums would be resumed
-from). Across nodes OUT must be a shared file system.
+from). With a :class:`BackgroundSaver` (``--async-checkpoint``) the writing runs in a thread from
+host copies taken at the step, with the same temporary directory, manifest, rename, rotation and
+agreement on failure; a kill during it leaves the previous checkpoint the newest good one. Across
+nodes OUT must be a shared file system.
 
 Our own format rather than torch.distributed.checkpoint: the tensor-parallel shards are plain
 tensors cut by ``horse.parallel``'s plan (c_attn's rows in q, k and v sections, which no single
@@ -54,6 +57,7 @@ Export writes one consolidated file, assembled a tensor at a time, that ``horse.
 import argparse
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -61,6 +65,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -143,9 +148,12 @@ def _written(path: Path) -> dict:
     return _digest(path)
 
 
-def _on_every_rank(work: Callable[[], dict], parallel: Parallel) -> list[dict]:
-    """work() on this rank, then a wait for every rank (it holds a collective): every rank's
-    result, in rank order, or SaveError on every rank when work() raised on any."""
+def _on_every_rank(
+    work: Callable[[], dict], parallel: Parallel, group: dist.ProcessGroup | None = None
+) -> list[dict]:
+    """work() on this rank, then a wait for every rank (it holds a collective, on group: None, the
+    world's): every rank's result, in rank order, or SaveError on every rank when work() raised on
+    any."""
     try:
         result, error = work(), None
     except Exception as e:  # on a full disk safetensors raises SafetensorError, torch.save RuntimeError
@@ -153,7 +161,7 @@ def _on_every_rank(work: Callable[[], dict], parallel: Parallel) -> list[dict]:
     gathered = [(result, error)]
     if parallel.distributed:
         gathered = [None] * parallel.world_size
-        dist.all_gather_object(gathered, (result, error))
+        dist.all_gather_object(gathered, (result, error), group=group)
     failed = [f"rank {r}: {e}" if parallel.distributed else e for r, (_, e) in enumerate(gathered) if e]
     if failed:
         raise SaveError("; ".join(failed))
@@ -206,6 +214,69 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, sta
 # ----------------------------------------------------------------------------------------------
 
 
+class BackgroundSaver:
+    """Checkpoint saves that do not stall training (``--async-checkpoint``): :func:`save` copies the
+    state to host memory at the step (into pinned buffers, reused from save to save, where CUDA is),
+    then a thread writes, fsyncs and hashes it while training goes on. At most one save is in
+    flight: the next waits for it. The thread's collectives (the ranks' agreement on failure, the
+    wait for every piece before rank 0 renames) run on a process group of their own (gloo), so they
+    never interleave with training's; every rank creates it at its first save."""
+
+    def __init__(self, parallel: Parallel):
+        self.parallel = parallel
+        self.group = None
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.thread: threading.Thread | None = None
+        self.step: int | None = None  # of the save in flight, or of the one just finished
+        self.outcome: Path | BaseException | None = None
+
+    def stage(self, tensors: dict) -> dict:
+        """A copy of tensors (a nested dict; its tensors this rank's local ones) in host memory."""
+        if self.thread is not None:
+            raise RuntimeError("a checkpoint save is in flight: wait() for it before the next")
+        if self.group is None and self.parallel.distributed:
+            self.group = dist.new_group(backend="gloo")
+        staged = self._stage(tensors, ())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking copies into pinned memory are done
+        return staged
+
+    def _stage(self, value, key: tuple):
+        if isinstance(value, dict):
+            return {k: self._stage(v, (*key, k)) for k, v in value.items()}
+        if not isinstance(value, torch.Tensor):
+            return value
+        buffer = self.buffers.get(key)
+        if buffer is None or (buffer.shape, buffer.dtype) != (value.shape, value.dtype):
+            pin = torch.cuda.is_available()
+            buffer = self.buffers[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin)
+        return buffer.copy_(value, non_blocking=True)
+
+    def start(self, step: int, write: Callable[[], Path]) -> None:
+        """Run write() in a thread; wait() returns its checkpoint or raises its error."""
+        self.step, self.outcome = step, None
+
+        def run() -> None:
+            try:
+                self.outcome = write()
+            except BaseException as e:  # SaveError, or a second signal's Aborted: wait() raises it
+                self.outcome = e
+
+        self.thread = threading.Thread(target=run, name=f"save of step {step}", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> Path | None:
+        """Wait for the save in flight: its checkpoint (None when none was in flight), or its
+        SaveError, the same on every rank."""
+        if self.thread is None:
+            return None
+        self.thread.join()
+        self.thread, outcome = None, self.outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+
 def save(
     out_dir: str | Path,
     step: int,
@@ -216,15 +287,45 @@ def save(
     tokenizer_file: Path | None = None,
     keep_last: int = 3,
     parallel: Parallel | None = None,
+    saver: BackgroundSaver | None = None,
 ) -> Path:
     """Write checkpoint ``step`` of model (a horse GPT, or this rank's tp shard of one, FSDP-sharded
     or not), its optimizer and state into out_dir, each rank its own piece; then keep the newest
     keep_last. Every rank calls it (it holds collectives); when any rank cannot write, every rank
-    raises SaveError."""
-    parallel = parallel or Parallel()
-    out_dir = Path(out_dir)
+    raises SaveError. With a saver, the state is copied to host memory now and written in its
+    thread (which must not be busy: ``saver.wait()`` first); the path is returned at once, and
+    ``saver.wait()`` raises the SaveError."""
+    parallel, out_dir = parallel or Parallel(), Path(out_dir)
+    weights = {name: local(w).detach() for name, w in model.state_dict().items()}
+    pieces = {"weights": weights, "optimizer": optimizer_state(optimizer, model)}
+    if saver is not None:
+        pieces = saver.stage(pieces)  # training changes the originals in place from the next step on
+    write = functools.partial(
+        _write, out_dir, step, pieces, model.config, state, tokenizer, tokenizer_file, keep_last, parallel
+    )
+    if saver is None:
+        return write()
+    saver.start(step, functools.partial(write, group=saver.group))
+    return out_dir / f"ckpt_{step:07d}"
+
+
+def _write(
+    out_dir: Path,
+    step: int,
+    pieces: dict,
+    config: GPTConfig,
+    state: dict,
+    tokenizer: str,
+    tokenizer_file: Path | None,
+    keep_last: int,
+    parallel: Parallel,
+    group: dist.ProcessGroup | None = None,
+) -> Path:
+    """:func:`save`'s writing, of this rank's pieces (weights: {name: tensor}; optimizer: its state
+    keyed by name), its collectives on group (None: the world's)."""
     final = out_dir / f"ckpt_{step:07d}"
     tmp = out_dir / f".{final.name}.tmp"
+    weights, optimizer_pieces = pieces["weights"], pieces["optimizer"]
 
     def start() -> dict:
         if parallel.rank == 0:
@@ -237,8 +338,6 @@ def save(
             return {}
         t, s = parallel.tp_rank, parallel.dp_shard_rank
         weights_file, state_file = shard_files(t, parallel.tp_size, s, parallel.dp_shard_size)
-        weights = {name: local(w).detach().contiguous() for name, w in model.state_dict().items()}
-        optimizer_pieces = optimizer_state(optimizer, model)
         poisoned = _not_finite(weights.items()) + _not_finite(_optimizer_tensors(optimizer_pieces))
         if poisoned:
             raise FloatingPointError(
@@ -246,14 +345,14 @@ def save(
                 + (f" and {len(poisoned) - 5} more tensors" if len(poisoned) > 5 else "")
             )
         metadata = {
-            "config": json.dumps(dataclasses.asdict(model.config)),
+            "config": json.dumps(dataclasses.asdict(config)),
             "tokenizer": tokenizer,
             "tp_rank": str(t),
             "tp_size": str(parallel.tp_size),
             "dp_shard_rank": str(s),
             "dp_shard": str(parallel.dp_shard_size),
         }
-        save_file(weights, tmp / weights_file, metadata=metadata)
+        save_file({n: w.contiguous() for n, w in weights.items()}, tmp / weights_file, metadata=metadata)
         torch.save(state | {"optimizer": optimizer_pieces}, tmp / state_file)
         return {
             "files": {f: _written(tmp / f) for f in (weights_file, state_file)},
@@ -264,10 +363,10 @@ def save(
             },
         }
 
-    def finish(pieces: list[dict]) -> dict:
+    def finish(written: list[dict]) -> dict:
         if parallel.rank != 0:
             return {}
-        files = {f: digest for piece in pieces for f, digest in piece.get("files", {}).items()}
+        files = {f: digest for piece in written for f, digest in piece.get("files", {}).items()}
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / tokenizer_file.name)
             files[tokenizer_file.name] = _written(tmp / tokenizer_file.name)
@@ -276,7 +375,7 @@ def save(
             "tp_size": parallel.tp_size,
             "dp_shard": parallel.dp_shard_size,
             "files": dict(sorted(files.items())),
-            "tensors": _tensor_table([p["piece"] for p in pieces if p], model.config, parallel.tp_size),
+            "tensors": _tensor_table([p["piece"] for p in written if p], config, parallel.tp_size),
             "checked_finite": True,  # every piece's weights and optimizer state, before it was written
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -292,9 +391,9 @@ def save(
         return {}
 
     try:
-        _on_every_rank(start, parallel)
-        pieces = _on_every_rank(write_piece, parallel)
-        _on_every_rank(lambda: finish(pieces), parallel)  # no rank reads the run before the rename
+        _on_every_rank(start, parallel, group)
+        written = _on_every_rank(write_piece, parallel, group)
+        _on_every_rank(lambda: finish(written), parallel, group)  # no rank reads the run before the rename
     except BaseException as e:  # a full disk, or a second signal (horse.preemption) mid-save
         if parallel.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -767,9 +866,12 @@ def load(
 # ----------------------------------------------------------------------------------------------
 
 
-def save_run(out_dir, step, model, optimizer, scaler, loader, cfg, tokenizer, keep_last, parallel) -> Path:
-    """Save a training run's step: the model and optimizer (:func:`save`), and the loss scaler, the
-    RNGs, the data loader's place and the run's TrainConfig beside them."""
+def save_run(
+    out_dir, step, model, optimizer, scaler, loader, cfg, tokenizer, keep_last, parallel, saver=None
+) -> Path:
+    """Save a training run's step: the model and optimizer (:func:`save`, in saver's thread when
+    given), and the loss scaler, the RNGs, the data loader's place and the run's TrainConfig beside
+    them."""
     state = {
         "step": step,
         "scaler": scaler.state_dict(),
@@ -782,7 +884,9 @@ def save_run(out_dir, step, model, optimizer, scaler, loader, cfg, tokenizer, ke
         "train_config": dataclasses.asdict(cfg),
     }
     tokenizer_file = tokenizer.path if isinstance(tokenizer, BPETokenizer) else None
-    return save(out_dir, step, model, optimizer, state, tokenizer.name, tokenizer_file, keep_last, parallel)
+    return save(
+        out_dir, step, model, optimizer, state, tokenizer.name, tokenizer_file, keep_last, parallel, saver
+    )
 
 
 def restore_run(ckpt: Path, model, optimizer, scaler, loader, parallel: Parallel) -> int:

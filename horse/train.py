@@ -135,6 +135,7 @@ class TrainConfig:
     ckpt_interval: steps between checkpoints (and one at the end); 0: only at the end
     keep_last: complete checkpoints kept (0: all)
     on_save_error: a save that fails (full disk, I/O): stop, or continue and retry at the next interval
+    async_checkpoint: write checkpoints in a thread from host copies taken at the step (the last: at once)
     save_on_signal: signals that finish the step, save it and exit 75 (preempted, resumable); empty: none
     peak_tflops: dense fp16/bf16 peak of the device for MFU; default: from the GPU's name
     profile_steps: record a torch.profiler trace of this many steps (after two warm-up steps): OUT/trace.json
@@ -184,6 +185,7 @@ class TrainConfig:
     ckpt_interval: int = 0
     keep_last: int = 3
     on_save_error: Literal["stop", "continue"] = "stop"
+    async_checkpoint: bool = True
     save_on_signal: str = "SIGTERM SIGUSR1"
     peak_tflops: float | None = None
     profile_steps: int = 0
@@ -403,6 +405,7 @@ class Run:
     resumed_from: Path | None = None
     last_ckpt: Path | None = None
     records: list[dict] = dataclasses.field(default_factory=list)
+    saver: checkpoint.BackgroundSaver | None = None  # the thread of --async-checkpoint, from the first save
 
     @property
     def main_rank(self) -> bool:
@@ -424,12 +427,19 @@ class Run:
         self.resumed_from = self.last_ckpt = ckpt
 
     def save(self, preempted: bool = False) -> None:
-        """Write this step's checkpoint; a second signal during the save aborts it. A save that fails
-        stops the run, unless --on-save-error continue, the step is not the last and no signal asked
-        for it: then the run goes on and tries again at the next interval."""
-        try:
-            with self.preemption.saving():
-                self.last_ckpt = checkpoint.save_run(
+        """Write this step's checkpoint, once the save in flight is done: in the background with
+        --async-checkpoint (``horse.checkpoint.BackgroundSaver``), except the last step's and a
+        signal's, written before this returns. A second signal during a save (or the wait for one)
+        aborts it. A save that fails stops the run, unless --on-save-error continue, the step is not
+        the last and no signal asked for it: then the run goes on and tries again at the next
+        interval. A background save's failure shows when the next save starts."""
+        background = self.cfg.async_checkpoint and not preempted and self.step < self.max_steps
+        if background and self.saver is None:
+            self.saver = checkpoint.BackgroundSaver(self.parallel)
+        with self.preemption.saving():
+            self.wait_for_save()
+            try:
+                ckpt = checkpoint.save_run(
                     self.out_dir,
                     self.step,
                     self.model,
@@ -440,13 +450,33 @@ class Run:
                     self.tokenizer,
                     self.cfg.keep_last,
                     self.parallel,
+                    self.saver if background else None,
                 )
+            except checkpoint.SaveError as e:
+                self.save_failed(e, self.step, last=self.step == self.max_steps or preempted)
+                return
+        if not background:
+            self.last_ckpt = ckpt
+
+    def wait_for_save(self) -> None:
+        """Wait for the background save in flight, if any: every rank at the same step, each told
+        the same outcome. Its failure is handled as a failure of a save at its step."""
+        if self.saver is None:
+            return
+        try:
+            ckpt = self.saver.wait()
         except checkpoint.SaveError as e:
-            if self.cfg.on_save_error == "stop" or self.step == self.max_steps or preempted:
-                raise
-            interval = self.cfg.ckpt_interval
-            retry = min(self.max_steps, (self.step // interval + 1) * interval)
-            self.log(f"warning: {e}; training goes on (--on-save-error continue), next try: step {retry}")
+            self.save_failed(e, self.saver.step, last=False)
+            return
+        self.last_ckpt = ckpt or self.last_ckpt
+
+    def save_failed(self, error: checkpoint.SaveError, step: int, last: bool) -> None:
+        """Raise error (--on-save-error stop, or the run's last save), or say when the next try is."""
+        if self.cfg.on_save_error == "stop" or last:
+            raise error
+        interval = self.cfg.ckpt_interval
+        retry = min(self.max_steps, (step // interval + 1) * interval)
+        self.log(f"warning: {error}; training goes on (--on-save-error continue), next try: step {retry}")
 
     # The loop and its steps.
 

@@ -17,14 +17,18 @@ the first launch; TORCHELASTIC_RESTART_COUNT counts them). Kinds:
     nan-grad      a NaN in the gradient of the step's first module output (a tensor hook on it, in
                   the first micro-batch's backward): the loss stays finite
 
-Each fault says what it does on stderr before it strikes. Signals are sent by the process to itself,
-so the step they land in is exact.
+A save's faults strike in the save of step STEP, which with --async-checkpoint runs in a thread
+while later steps train. Each fault says what it does on stderr before it strikes. Signals are sent
+by the process to itself, so the step they land in is exact. HORSE_WRITE_DELAY=SECONDS stands in
+for a slow file system: every weights file's write first sleeps that long.
 """
 
 import errno
 import os
+import re
 import signal
 import sys
+import time
 
 import torch
 from safetensors import SafetensorError
@@ -47,9 +51,10 @@ def _faults() -> dict[int, str]:
 def main() -> None:
     faults = _faults()
     in_flight = [0]
+    write_delay = float(os.environ.get("HORSE_WRITE_DELAY", "0"))
 
-    def say(what: str) -> None:
-        print(f"fault: {what} in step {in_flight[0]}", file=sys.stderr, flush=True)
+    def say(what: str, step: int | None = None) -> None:
+        print(f"fault: {what} in step {step or in_flight[0]}", file=sys.stderr, flush=True)
 
     def lr_at(step, max_steps, cfg):  # called once at the start of every step
         in_flight[0] = step + 1
@@ -70,17 +75,19 @@ def main() -> None:
         return result
 
     def save_file(tensors, path, metadata=None):
+        time.sleep(write_delay)
         real_save_file(tensors, path, metadata=metadata)
-        kind = faults.get(in_flight[0])
+        saved = int(re.search(r"ckpt_(\d+)", str(path)).group(1))  # the step whose save this is
+        kind = faults.get(saved)
         if kind in ("kill-in-save", "term-nograce"):
-            say("kill -9 during the save")
+            say("kill -9 during the save", saved)
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "term-twice":
-            say("a second SIGTERM during the save")
+            say("a second SIGTERM during the save", saved)
             os.kill(os.getpid(), signal.SIGTERM)
         elif kind == "enospc":
-            faults.pop(in_flight[0])
-            say("ENOSPC during the save")
+            faults.pop(saved)
+            say("ENOSPC during the save", saved)
             os.truncate(path, os.path.getsize(path) // 2)
             no_space = f"{os.strerror(errno.ENOSPC)} (os error {errno.ENOSPC})"
             raise SafetensorError(f"Error while serializing: I/O error: {no_space}")

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,36 @@ def test_a_state_that_is_not_finite_is_never_saved(tmp_path):
     with pytest.raises(checkpoint.SaveError, match=refused):
         checkpoint.save(tmp_path, 2, model, optimizer, {}, "bytes")
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt_0000001"]
+
+
+def test_a_background_save_writes_the_state_of_its_step_while_training_changes_it(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, d_model=16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.loss(*[torch.randint(0, 64, (2, 8))] * 2).backward()
+    optimizer.step()
+    at_the_step = {name: w.clone() for name, w in model.state_dict().items()}
+    writing, may_finish = threading.Event(), threading.Event()
+    save_file = checkpoint.save_file
+
+    def slow_save_file(*args, **kwargs):  # a slow file system, held until the step has moved on
+        writing.set()
+        assert may_finish.wait(timeout=60)
+        save_file(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_file", slow_save_file)
+    saver = checkpoint.BackgroundSaver(train.Parallel())
+    ckpt = checkpoint.save(tmp_path, 1, model, optimizer, {}, "bytes", saver=saver)
+    assert writing.wait(timeout=60) and not ckpt.exists()
+    with pytest.raises(RuntimeError, match="a checkpoint save is in flight: wait"):
+        checkpoint.save(tmp_path, 2, model, optimizer, {}, "bytes", saver=saver)
+    with torch.no_grad():  # the next step, in place
+        for w in model.parameters():
+            w.add_(1.0)
+    may_finish.set()
+    assert saver.wait() == ckpt and checkpoint.verify(ckpt) == []
+    saved = checkpoint.full_weights(ckpt)
+    assert all(torch.equal(saved[name], w) for name, w in at_the_step.items())
 
 
 def test_ranks_on_the_cpu_share_the_cores(monkeypatch):
