@@ -470,6 +470,18 @@ class Run:
             return
         self.last_ckpt = ckpt or self.last_ckpt
 
+    @contextlib.contextmanager
+    def save_in_flight_kept(self):
+        """Around the loop: an error on this rank first lets the background save in flight finish
+        (its own failure unsaid), so that a crash just after a save keeps that checkpoint for the
+        restart. Its collectives run on their own group, beside the other ranks' training."""
+        try:
+            yield
+        except Exception:
+            with contextlib.suppress(checkpoint.SaveError):
+                self.wait_for_save()
+            raise
+
     def save_failed(self, error: checkpoint.SaveError, step: int, last: bool) -> None:
         """Raise error (--on-save-error stop, or the run's last save), or say when the next try is."""
         if self.cfg.on_save_error == "stop" or last:
@@ -496,7 +508,7 @@ class Run:
         )
         metrics_file = open(metrics_path, "a") if self.main_rank else contextlib.nullcontext()  # noqa: SIM115
         profile = profiler(cfg.profile_steps, self.out_dir, self.device)
-        with metrics_file as metrics, profile as trace, self.preemption:
+        with metrics_file as metrics, profile as trace, self.preemption, self.save_in_flight_kept():
             while self.step < self.max_steps:
                 record = self.train_one_step()
                 last = self.step == self.max_steps
