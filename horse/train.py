@@ -127,7 +127,7 @@ class TrainConfig:
     loss_scale_window: clean fp16 steps before the loss scale doubles (an inf/NaN gradient halves it, skips)
     min_loss_scale: the fp16 loss scale never halves below this
     loss_scale_hysteresis: fp16 steps skipped in a row before the loss scale halves
-    max_skipped_steps: stop with an error after this many fp16 steps in a row skipped for inf/NaN gradients
+    max_skipped_steps: stop with an error after this many steps in a row skipped for inf/NaN gradients
     seed: seeds the weights, the data order and the sample
     eval_interval: steps between validation losses (and one at the end)
     eval_tokens: validation loss over this many held-out tokens, the first of the val split, each once
@@ -135,6 +135,7 @@ class TrainConfig:
     ckpt_interval: steps between checkpoints (and one at the end); 0: only at the end
     keep_last: complete checkpoints kept (0: all)
     on_save_error: a save that fails (full disk, I/O): stop, or continue and retry at the next interval
+    async_checkpoint: write checkpoints in a thread from host copies taken at the step (the last: at once)
     save_on_signal: signals that finish the step, save it and exit 75 (preempted, resumable); empty: none
     peak_tflops: dense fp16/bf16 peak of the device for MFU; default: from the GPU's name
     profile_steps: record a torch.profiler trace of this many steps (after two warm-up steps): OUT/trace.json
@@ -142,7 +143,6 @@ class TrainConfig:
     sample_prompt: the sample's prompt
     compile: run the training loss under torch.compile (the kernels are custom ops: one graph at tp=1)
     activation_checkpointing: recompute each block in the backward instead of keeping its activations
-    fail_at_step: fault injection: rank 1 (rank 0 alone) raises at this step, before a torchrun restart only
     """
 
     preset: str = "tiny"
@@ -185,6 +185,7 @@ class TrainConfig:
     ckpt_interval: int = 0
     keep_last: int = 3
     on_save_error: Literal["stop", "continue"] = "stop"
+    async_checkpoint: bool = True
     save_on_signal: str = "SIGTERM SIGUSR1"
     peak_tflops: float | None = None
     profile_steps: int = 0
@@ -192,7 +193,6 @@ class TrainConfig:
     sample_prompt: str = "\n"
     compile: bool = False
     activation_checkpointing: bool = False
-    fail_at_step: int = 0
 
     def __post_init__(self):
         at_least_1 = (
@@ -204,7 +204,7 @@ class TrainConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{flag(name)} must be at least 1, got {value}")
         at_least_0 = "warmup_steps weight_decay grad_clip ckpt_interval keep_last profile_steps sample_tokens"
-        for name in at_least_0.split() + ["fail_at_step"]:
+        for name in at_least_0.split():
             if getattr(self, name) < 0:
                 raise ValueError(f"{flag(name)} must be at least 0, got {getattr(self, name)}")
         for name in ("lr", "loss_scale", "min_loss_scale", "peak_tflops"):
@@ -332,10 +332,24 @@ def evaluate(model: GPT, held_out: HeldOut, autocast, parallel: Parallel) -> flo
 # ----------------------------------------------------------------------------------------------
 
 
+def share_the_cores() -> int:
+    """On the CPU: cap this process's torch intra-op threads at its share of the cores it may run on,
+    so that this node's ranks (torchrun's LOCAL_WORLD_SIZE) x threads <= cores; returns the threads.
+    Each rank of a launch that does not set OMP_NUM_THREADS (torchrun sets 1) would otherwise take
+    every core, and the ranks would spend their time switching (tests/conftest.py does the same for
+    pytest-xdist's workers)."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(min(torch.get_num_threads(), max(1, cores // ranks)))
+    return torch.get_num_threads()
+
+
 def train(cfg: TrainConfig, overrides: dict | None = None) -> list[dict]:
     """Run cfg (model flags in overrides) on this process, or on every rank of a torchrun launch;
     returns this session's per-step metrics records."""
     device = pick_device(cfg.device)
+    if device == "cpu":
+        share_the_cores()
     parallel = init_from_env(cfg.tp, cfg.sequence_parallel, device, cfg.dp_shard, cfg.dp_replicate)
     try:
         run = set_up(cfg, overrides or {}, parallel, device)
@@ -393,6 +407,7 @@ class Run:
     resumed_from: Path | None = None
     last_ckpt: Path | None = None
     records: list[dict] = dataclasses.field(default_factory=list)
+    saver: checkpoint.BackgroundSaver | None = None  # the thread of --async-checkpoint, from the first save
 
     @property
     def main_rank(self) -> bool:
@@ -414,12 +429,19 @@ class Run:
         self.resumed_from = self.last_ckpt = ckpt
 
     def save(self, preempted: bool = False) -> None:
-        """Write this step's checkpoint; a second signal during the save aborts it. A save that fails
-        stops the run, unless --on-save-error continue, the step is not the last and no signal asked
-        for it: then the run goes on and tries again at the next interval."""
-        try:
-            with self.preemption.saving():
-                self.last_ckpt = checkpoint.save_run(
+        """Write this step's checkpoint, once the save in flight is done: in the background with
+        --async-checkpoint (``horse.checkpoint.BackgroundSaver``), except the last step's and a
+        signal's, written before this returns. A second signal during a save (or the wait for one)
+        aborts it. A save that fails stops the run, unless --on-save-error continue, the step is not
+        the last and no signal asked for it: then the run goes on and tries again at the next
+        interval. A background save's failure shows when the next save starts."""
+        background = self.cfg.async_checkpoint and not preempted and self.step < self.max_steps
+        if background and self.saver is None:
+            self.saver = checkpoint.BackgroundSaver(self.parallel)
+        with self.preemption.saving():
+            self.wait_for_save()
+            try:
+                ckpt = checkpoint.save_run(
                     self.out_dir,
                     self.step,
                     self.model,
@@ -430,13 +452,45 @@ class Run:
                     self.tokenizer,
                     self.cfg.keep_last,
                     self.parallel,
+                    self.saver if background else None,
                 )
+            except checkpoint.SaveError as e:
+                self.save_failed(e, self.step, last=self.step == self.max_steps or preempted)
+                return
+        if not background:
+            self.last_ckpt = ckpt
+
+    def wait_for_save(self) -> None:
+        """Wait for the background save in flight, if any: every rank at the same step, each told
+        the same outcome. Its failure is handled as a failure of a save at its step."""
+        if self.saver is None:
+            return
+        try:
+            ckpt = self.saver.wait()
         except checkpoint.SaveError as e:
-            if self.cfg.on_save_error == "stop" or self.step == self.max_steps or preempted:
-                raise
-            interval = self.cfg.ckpt_interval
-            retry = min(self.max_steps, (self.step // interval + 1) * interval)
-            self.log(f"warning: {e}; training goes on (--on-save-error continue), next try: step {retry}")
+            self.save_failed(e, self.saver.step, last=False)
+            return
+        self.last_ckpt = ckpt or self.last_ckpt
+
+    @contextlib.contextmanager
+    def save_in_flight_kept(self):
+        """Around the loop: an error on this rank first lets the background save in flight finish
+        (its own failure unsaid), so that a crash just after a save keeps that checkpoint for the
+        restart. Its collectives run on their own group, beside the other ranks' training."""
+        try:
+            yield
+        except Exception:
+            with contextlib.suppress(checkpoint.SaveError):
+                self.wait_for_save()
+            raise
+
+    def save_failed(self, error: checkpoint.SaveError, step: int, last: bool) -> None:
+        """Raise error (--on-save-error stop, or the run's last save), or say when the next try is."""
+        if self.cfg.on_save_error == "stop" or last:
+            raise error
+        interval = self.cfg.ckpt_interval
+        retry = min(self.max_steps, (step // interval + 1) * interval)
+        self.log(f"warning: {error}; training goes on (--on-save-error continue), next try: step {retry}")
 
     # The loop and its steps.
 
@@ -456,9 +510,8 @@ class Run:
         )
         metrics_file = open(metrics_path, "a") if self.main_rank else contextlib.nullcontext()  # noqa: SIM115
         profile = profiler(cfg.profile_steps, self.out_dir, self.device)
-        with metrics_file as metrics, profile as trace, self.preemption:
+        with metrics_file as metrics, profile as trace, self.preemption, self.save_in_flight_kept():
             while self.step < self.max_steps:
-                self.fail_if_asked()
                 record = self.train_one_step()
                 last = self.step == self.max_steps
                 if self.step % cfg.eval_interval == 0 or last:
@@ -473,16 +526,6 @@ class Run:
                 if trace is not None:
                     trace.step()
         bar.close()
-
-    def fail_if_asked(self) -> None:
-        """Fault injection, --fail-at-step: rank 1 (rank 0 when alone) raises in that step, on the
-        first launch only, so that a torchrun restart resumes past it."""
-        failing_rank = min(1, self.parallel.world_size - 1)
-        in_flight = self.step + 1
-        if in_flight == self.cfg.fail_at_step and self.parallel.rank == failing_rank and self.restarts == 0:
-            raise RuntimeError(
-                f"--fail-at-step {self.cfg.fail_at_step}: injected failure on rank {failing_rank}"
-            )
 
     def train_one_step(self) -> dict:
         """One optimizer step (:func:`train_step`) at the schedule's learning rate; returns its record."""
