@@ -585,7 +585,7 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
 
     recipes.check_data(cfg)
     train_split, val_split, tokenizer = load_dataset(cfg.data)
-    config = _architecture(cfg, overrides, tokenizer.vocab_size)
+    config = _architecture(cfg, overrides, tokenizer)
     seq_len = cfg.seq_len or config.block_size
     if seq_len > config.block_size:
         raise ValueError(
@@ -646,11 +646,22 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     return run
 
 
-def _architecture(cfg: TrainConfig, overrides: dict, data_vocab: int) -> GPTConfig:
-    """The model's config: --init-from's, or the preset's, with the model flags."""
+def _architecture(cfg: TrainConfig, overrides: dict, tokenizer: ByteTokenizer | BPETokenizer) -> GPTConfig:
+    """The model's config: --init-from's, or the preset's, with the model flags. Documents end at
+    the data's end-of-text id (--eot-id), and --document-masking is on where the data has one."""
+    overrides = dict(overrides)
+    eot_id = overrides.pop("eot_id", tokenizer.eot_id)
+    document_masking = overrides.pop("document_masking", eot_id is not None)
+    if document_masking and eot_id is None:
+        raise ValueError(
+            f"--document-masking needs an end-of-text id, and the data's tokenizer ({tokenizer.name}) has "
+            "none: prepare the data with `python -m horse.data prepare`, or give --eot-id"
+        )
     if cfg.init_from:
-        return hf.pretrained_config_for(cfg.init_from, overrides, data_vocab)
-    return model_config(cfg, overrides, data_vocab)
+        config = hf.pretrained_config_for(cfg.init_from, overrides, tokenizer.vocab_size)
+    else:
+        config = model_config(cfg, overrides, tokenizer.vocab_size)
+    return dataclasses.replace(config, document_masking=document_masking, eot_id=eot_id)
 
 
 def make_model(
@@ -705,7 +716,8 @@ def _log_start(run: Run, backend_note: str, train_split: Split, val_split: Split
     val_tokens = sum(map(len, val_split.shards))
     run.log(
         f"data {train_split.name}: {train_tokens:,} train / {val_tokens:,} val tokens ({run.tokenizer.name}, "
-        f"evaluated on the first {run.held_out.tokens:,}) | {cfg.batch_size} x {seq_len} tokens x "
+        f"evaluated on the first {run.held_out.tokens:,}; document masking "
+        f"{'on' if config.document_masking else 'off'}) | {cfg.batch_size} x {seq_len} tokens x "
         f"{run.step_cfg.grad_accum} x dp {parallel.dp_size} = {run.tokens_per_step:,} tokens per step, "
         f"{run.max_steps} steps"
     )
