@@ -410,6 +410,8 @@ class Run:
             ckpt, self.model, self.optimizer, self.scaler, self.train_loader, self.parallel
         )
         self.resumed_from = self.last_ckpt = ckpt
+        if self.train_loader.layout_change:
+            self.log(self.train_loader.layout_change)
 
     def save(self, preempted: bool = False) -> None:
         """Write this step's checkpoint; a second signal during the save aborts it. A save that fails
@@ -628,7 +630,9 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
         optimizer=optim.make_optimizer(model, cfg, device),
         scaler=LossScaler.from_config(cfg, precision == "fp16", parallel),
         autocast=(lambda: torch.autocast(device, dtype)) if dtype else contextlib.nullcontext,
-        train_loader=Loader(train_split, cfg.batch_size, seq_len, cfg.seed, device, **dp),
+        train_loader=Loader(
+            train_split, cfg.batch_size, seq_len, cfg.seed, device, **dp, grad_accum=grad_accum
+        ),
         held_out=HeldOut(val_split, cfg.eval_tokens, seq_len, cfg.batch_size, device, **dp),
         tokenizer=tokenizer,
         out_dir=out_dir,
