@@ -571,6 +571,26 @@ def _rows_to_tensor(split: Split, rows: list[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(tokens)
 
 
+def _batch(split: Split, rows: list[np.ndarray], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, target) of windows of seq_len + 1 tokens, (rows, seq_len) each, on device (on a GPU
+    through pinned memory, with a non-blocking copy)."""
+    t = _rows_to_tensor(split, rows)  # (rows, seq_len + 1)
+    if device.type == "cuda":
+        t = t.pin_memory().to(device, non_blocking=True)
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def _global_batch_change(state: dict, global_batch: int, layout: str, where: str) -> str | None:
+    """The line a resume prints when the checkpoint's global batch (state's) is not this run's."""
+    if state["global_batch"] == global_batch:
+        return None
+    return (
+        f"data: the global batch is now {global_batch:,} windows ({layout}), the checkpoint's "
+        f"{state['global_batch']:,} ({state['layout']}): the stream goes on from {where}, none skipped or "
+        "repeated"
+    )
+
+
 class Loader:
     """Batches of (input, target) windows, (batch_size, seq_len) int64 each, target shifted by one,
     in epochs without replacement.
@@ -669,10 +689,7 @@ class Loader:
         first = self.drawn + self.dp_rank * self.batch_size  # this rank's part of the job's draws
         rows = [self._window(int(w)) for w in self.window_indices(first, self.batch_size)]
         self.drawn += self.dp_size * self.batch_size
-        t = _rows_to_tensor(self.split, rows)  # (batch_size, seq_len + 1)
-        if self.device.type == "cuda":
-            t = t.pin_memory().to(self.device, non_blocking=True)
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        return _batch(self.split, rows, self.device)
 
     def _layout(self) -> str:
         return f"dp {self.dp_size} x batch {self.batch_size} x grad_accum {self.grad_accum}"
@@ -703,12 +720,142 @@ class Loader:
                 "and --seq-len"
             )
         self.drawn = state["epoch"] * self.windows + state["position"]
-        if state["global_batch"] != self.global_batch:
-            self.layout_change = (
-                f"data: the global batch is now {self.global_batch:,} windows ({self._layout()}), the "
-                f"checkpoint's {state['global_batch']:,} ({state['layout']}): the stream goes on from "
-                f"window {self.position:,} of epoch {self.epoch}, none skipped or repeated"
-            )
+        where = f"window {self.position:,} of epoch {self.epoch}"
+        self.layout_change = _global_batch_change(state, self.global_batch, self._layout(), where)
+
+
+def parse_mixture(data: str) -> dict[str, float] | None:
+    """--data as a mixture of prepared directories and their weights: ``DIR=WEIGHT,DIR=WEIGHT`` or
+    a .json or .toml file of ``{DIR: WEIGHT}``; None when data names one directory."""
+    if data.endswith((".json", ".toml")):
+        path = Path(data)
+        if not path.is_file():
+            raise FileNotFoundError(f"--data {data}: no such mixture file")
+        text = path.read_text()
+        import tomllib
+
+        weights = json.loads(text) if data.endswith(".json") else tomllib.loads(text)
+    elif "=" in data:
+        weights = {}
+        for part in data.split(","):
+            name, _, weight = part.rpartition("=")
+            try:
+                weights[name] = float(weight)
+            except ValueError:
+                raise ValueError(f"--data {data}: {part!r} is not DIR=WEIGHT") from None
+    else:
+        return None
+    if not weights or not all(isinstance(w, (int, float)) and w > 0 for w in weights.values()):
+        raise ValueError(f"--data {data}: a mixture needs directories with weights > 0, got {weights}")
+    return {name: float(w) for name, w in weights.items()}
+
+
+def load_mixture(
+    weights: dict[str, float],
+) -> tuple[dict[str, Split], dict[str, Split], BPETokenizer | ByteTokenizer]:
+    """(train splits, val splits, tokenizer) of a mixture's directories, which must share a tokenizer."""
+    train, val, tokenizers = {}, {}, {}
+    for name in weights:
+        train[name], val[name], tokenizers[name] = load_dataset(name)
+    kinds = {name: (t.name, t.vocab_size, t.eot_id) for name, t in tokenizers.items()}
+    if len(set(kinds.values())) > 1:
+        raise ValueError(f"--data: the mixture's directories must share a tokenizer, got {kinds}")
+    return train, val, next(iter(tokenizers.values()))
+
+
+# A mixture's source choices come from generators seeded with (seed, block, MIXTURE_KEY), a block of
+# draws at a time: another stream than the epochs' permutations, seeded with (seed, epoch).
+MIXTURE_BLOCK, MIXTURE_KEY = 4096, 0x6D6978
+
+
+class Mixture:
+    """A Loader's batches drawn from several sources (prepared directories), each window's source
+    picked by a seeded rule: draw d of the job goes to source i when u_d falls in i's share of [0, 1),
+    the shares the weights normalised, u_d uniform from a generator seeded with (seed, d // 4096): a
+    pure function of (seed, d), whatever the layout. Each source walks its own windows in epochs
+    without replacement (a :class:`Loader`'s order, seeded with seed), as far as its draws have gone;
+    ``epochs`` says how far. Layout, state and resume as the Loader's."""
+
+    def __init__(
+        self,
+        splits: dict[str, Split],
+        weights: dict[str, float],
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        device: str | torch.device = "cpu",
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        grad_accum: int = 1,
+    ):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"Mixture: dp_rank {dp_rank} must be in [0, dp_size {dp_size})")
+        self.sources = {name: Loader(split, 1, seq_len, seed) for name, split in splits.items()}
+        total = sum(weights.values())
+        self.weights = {name: weights[name] / total for name in splits}
+        self._shares = np.cumsum(list(self.weights.values()))
+        self.batch_size, self.seed, self.dp_rank, self.dp_size = batch_size, seed, dp_rank, dp_size
+        self.grad_accum = grad_accum
+        import torch
+
+        self.device = torch.device(device)
+        self.drawn = 0
+        self.layout_change: str | None = None
+
+    global_batch = Loader.global_batch
+    _layout = Loader._layout
+
+    @property
+    def epochs(self) -> dict[str, float]:
+        """Epochs each source has gone through (windows drawn / its windows)."""
+        return {name: loader.drawn / loader.windows for name, loader in self.sources.items()}
+
+    def choose(self, first: int, count: int) -> np.ndarray:
+        """The source (its index) of draws first ... first + count - 1."""
+        blocks = range(first // MIXTURE_BLOCK, (first + count - 1) // MIXTURE_BLOCK + 1)
+        u = np.concatenate(
+            [np.random.default_rng([self.seed, b, MIXTURE_KEY]).random(MIXTURE_BLOCK) for b in blocks]
+        )
+        start = first - blocks[0] * MIXTURE_BLOCK
+        chosen = np.searchsorted(self._shares, u[start : start + count], side="right")
+        return np.minimum(chosen, len(self.sources) - 1)  # a u at the top of the last share's rounding
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        job = self.choose(self.drawn, self.dp_size * self.batch_size)  # the job's micro-batch
+        before, mine = (
+            job[: self.dp_rank * self.batch_size],
+            job[self.dp_rank * self.batch_size :][: self.batch_size],
+        )
+        rows: list[np.ndarray] = [np.empty(0)] * self.batch_size
+        for i, loader in enumerate(self.sources.values()):
+            at = np.flatnonzero(mine == i)
+            windows = loader.window_indices(loader.drawn + int((before == i).sum()), len(at))
+            for row, window in zip(at, windows, strict=True):
+                rows[row] = loader._window(int(window))
+            loader.drawn += int((job == i).sum())
+        self.drawn += self.dp_size * self.batch_size
+        return _batch(next(iter(self.sources.values())).split, rows, self.device)
+
+    def state_dict(self) -> dict:
+        sources = {name: loader.state_dict() for name, loader in self.sources.items()}
+        return {
+            "seed": self.seed,
+            "drawn": self.drawn,
+            "sources": sources,
+            "global_batch": self.global_batch,
+            "layout": self._layout(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if "sources" not in state or state["sources"].keys() != self.sources.keys():
+            saved = list(state.get("sources", ["one directory"]))
+            raise ValueError(f"--data: the checkpoint's data was {saved}, this run's {list(self.sources)}")
+        self.seed, self.drawn = state["seed"], state["drawn"]
+        for name, loader in self.sources.items():
+            loader.load_state_dict(state["sources"][name])
+        self.layout_change = _global_batch_change(
+            state, self.global_batch, self._layout(), f"draw {self.drawn:,}"
+        )
 
 
 class HeldOut:

@@ -72,7 +72,17 @@ from torch import nn
 from tqdm import tqdm
 
 from horse import checkpoint, hf, optim, preemption, recipes, run_log
-from horse.data import BPETokenizer, ByteTokenizer, HeldOut, Loader, Split, load_dataset
+from horse.data import (
+    BPETokenizer,
+    ByteTokenizer,
+    HeldOut,
+    Loader,
+    Mixture,
+    Split,
+    load_dataset,
+    load_mixture,
+    parse_mixture,
+)
 from horse.device import nvtx_range, peak_flops, pick_backend, pick_device, profiler
 from horse.generate import generate
 from horse.kernels import runtime
@@ -96,7 +106,7 @@ class TrainConfig:
     """A training run. Every field is also a flag: --batch-size for batch_size, and so on.
 
     preset: model preset: tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b (model flags override its fields)
-    data: a directory made by `python -m horse.data prepare`; empty: the built-in corpus as bytes
+    data: a prepared directory, or a mixture DIR=WEIGHT,... (or a .json/.toml); empty: the built-in corpus
     out_dir: checkpoints, metrics.jsonl, config.json and traces; empty: runs/<preset>-<date>-<time>
     resume: continue from the newest good checkpoint in --out-dir (automatic after a torchrun restart)
     strict_resume: with --resume, a damaged newest checkpoint is an error, not a warning and an older one
@@ -376,8 +386,8 @@ class Run:
     optimizer: torch.optim.Optimizer
     scaler: LossScaler
     autocast: Callable[[], contextlib.AbstractContextManager]
-    train_loader: Loader
-    held_out: HeldOut
+    train_loader: Loader | Mixture
+    held_out: HeldOut | dict[str, HeldOut]  # a mixture's: one per source
     tokenizer: ByteTokenizer | BPETokenizer
     out_dir: Path
     max_steps: int
@@ -440,6 +450,22 @@ class Run:
 
     # The loop and its steps.
 
+    def evaluate(self) -> dict:
+        """The held-out loss; of a mixture, each source's too (the mean weighted as the mixture), and
+        the epochs each source has gone through."""
+        if isinstance(self.held_out, HeldOut):
+            return {"val_loss": evaluate(self.model, self.held_out, self.autocast, self.parallel)}
+        losses = {
+            name: evaluate(self.model, held_out, self.autocast, self.parallel)
+            for name, held_out in self.held_out.items()
+        }
+        val_loss = sum(self.train_loader.weights[name] * loss for name, loss in losses.items())
+        return {
+            "val_loss": val_loss,
+            "val_loss_by_source": losses,
+            "epochs_by_source": self.train_loader.epochs,
+        }
+
     def loop(self) -> None:
         """Train from the step resumed (or 0) to max_steps: each step's record goes to
         OUT/metrics.jsonl, validation when due, a checkpoint when due and at the end. A signal of
@@ -462,7 +488,7 @@ class Run:
                 record = self.train_one_step()
                 last = self.step == self.max_steps
                 if self.step % cfg.eval_interval == 0 or last:
-                    record["val_loss"] = evaluate(self.model, self.held_out, self.autocast, self.parallel)
+                    record |= self.evaluate()
                 self.report(record, metrics, bar)
                 signum = self.preemption.agreed()  # a collective: every rank stops after the same step
                 if signum is not None:
@@ -586,7 +612,17 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     log = print if parallel.rank == 0 else lambda text: None
 
     recipes.check_data(cfg)
-    train_split, val_split, tokenizer = load_dataset(cfg.data)
+    weights = parse_mixture(cfg.data)
+    if weights is None:
+        train_split, val_split, tokenizer = load_dataset(cfg.data)
+    else:
+        train_splits, val_splits, tokenizer = load_mixture(weights)
+        # For the start's log line: the sources' shards together.
+        mixture = ", ".join(f"{name} {weight:g}" for name, weight in weights.items())
+        train_split, val_split = (
+            Split(f"mixture {mixture} ({part})", [t for split in splits.values() for t in split.shards], 0)
+            for part, splits in (("train", train_splits), ("val", val_splits))
+        )
     config = _architecture(cfg, overrides, tokenizer)
     seq_len = cfg.seq_len or config.block_size
     if seq_len > config.block_size:
@@ -617,6 +653,19 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     loss_fn = data_parallel(model, loss_fn, parallel, dtype)
     dp = {"dp_rank": parallel.dp_rank, "dp_size": parallel.dp_size}
     tokens_per_step = cfg.batch_size * seq_len * grad_accum * parallel.dp_size  # the whole job's
+    if weights is None:
+        train_loader = Loader(
+            train_split, cfg.batch_size, seq_len, cfg.seed, device, **dp, grad_accum=grad_accum
+        )
+        held_out = HeldOut(val_split, cfg.eval_tokens, seq_len, cfg.batch_size, device, **dp)
+    else:
+        train_loader = Mixture(
+            train_splits, weights, cfg.batch_size, seq_len, cfg.seed, device, **dp, grad_accum=grad_accum
+        )
+        held_out = {
+            name: HeldOut(split, cfg.eval_tokens, seq_len, cfg.batch_size, device, **dp)
+            for name, split in val_splits.items()
+        }
     run = Run(
         cfg=cfg,
         step_cfg=dataclasses.replace(cfg, grad_accum=grad_accum),
@@ -630,10 +679,8 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
         optimizer=optim.make_optimizer(model, cfg, device),
         scaler=LossScaler.from_config(cfg, precision == "fp16", parallel),
         autocast=(lambda: torch.autocast(device, dtype)) if dtype else contextlib.nullcontext,
-        train_loader=Loader(
-            train_split, cfg.batch_size, seq_len, cfg.seed, device, **dp, grad_accum=grad_accum
-        ),
-        held_out=HeldOut(val_split, cfg.eval_tokens, seq_len, cfg.batch_size, device, **dp),
+        train_loader=train_loader,
+        held_out=held_out,
         tokenizer=tokenizer,
         out_dir=out_dir,
         max_steps=math.ceil(cfg.max_tokens / tokens_per_step) if cfg.max_tokens else cfg.max_steps,
@@ -717,10 +764,13 @@ def _log_start(run: Run, backend_note: str, train_split: Split, val_split: Split
         f"{run.flops_per_step / run.tokens_per_step / 1e9:.3f} GFLOP per token"
     )
     train_tokens = sum(map(len, train_split.shards))
+    held_out, each = run.held_out, ""
+    if isinstance(held_out, dict):  # a mixture's, one per source, of the same length
+        held_out, each = next(iter(held_out.values())), " of each source"
     val_tokens = sum(map(len, val_split.shards))
     run.log(
         f"data {train_split.name}: {train_tokens:,} train / {val_tokens:,} val tokens ({run.tokenizer.name}, "
-        f"evaluated on the first {run.held_out.tokens:,}; document masking "
+        f"evaluated on the first {held_out.tokens:,}{each}; document masking "
         f"{'on' if config.document_masking else 'off'}) | {cfg.batch_size} x {seq_len} tokens x "
         f"{run.step_cfg.grad_accum} x dp {parallel.dp_size} = {run.tokens_per_step:,} tokens per step, "
         f"{run.max_steps} steps"

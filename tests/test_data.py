@@ -413,3 +413,60 @@ def test_inspect_counts_documents_and_the_windows_that_cross_them(tmp_path, caps
         f"{train.windows_crossing / train.windows:.1%} of them crossing a document boundary"
     )
     assert out[1].startswith(f"val: {stats['val'].documents} documents")
+
+
+def test_a_mixture_draws_each_source_at_its_weight_and_resumes_at_another_layout():
+    web = Split("web", [np.arange(0, 4001, dtype=np.uint32)], 10_000)  # windows of 8: 500
+    books = Split("books", [np.arange(5000, 5801, dtype=np.uint32)], 10_000)  # 100 windows
+    splits, weights = {"web": web, "books": books}, {"web": 0.7, "books": 0.3}
+    mixture = data.Mixture(splits, weights, 100, SEQ_LEN, seed=3)
+    draws = torch.cat([mixture.next()[0] for _ in range(20)])  # 2,000 windows
+    from_books = int((draws[:, 0] >= 5000).sum())
+    sigma = (2000 * 0.3 * 0.7) ** 0.5
+    assert abs(from_books - 600) <= 3 * sigma  # a binomial's 3-sigma band: 600 ± 61
+    # Each source walks its own epochs without replacement: books went round about 6 times.
+    books_windows = ((draws[:, 0][draws[:, 0] >= 5000] - 5000) // SEQ_LEN).tolist()
+    assert sorted(books_windows[:100]) == list(range(100))
+    assert mixture.epochs == {"web": (2000 - from_books) / 500, "books": from_books / 100}
+
+    # dp 2 x 25 x grad_accum 2 draws the same stream as 1 x 100; a resume at dp 4 x 10 goes on from it.
+    ranks = [
+        data.Mixture(splits, weights, 25, SEQ_LEN, seed=3, dp_rank=r, dp_size=2, grad_accum=2) for r in (0, 1)
+    ]
+    stream = torch.cat([torch.cat([r.next()[0] for r in ranks]) for _ in range(20)])
+    assert torch.equal(stream[:, 0], draws[:, 0][:1000])
+    resumed = [data.Mixture(splits, weights, 10, SEQ_LEN, seed=3, dp_rank=r, dp_size=4) for r in range(4)]
+    for r in resumed:
+        r.load_state_dict(ranks[0].state_dict())
+    assert (
+        "the global batch is now 40 windows" in resumed[0].layout_change
+        and "from draw 1,000" in resumed[0].layout_change
+    )
+    rest = torch.cat([torch.cat([r.next()[0] for r in resumed]) for _ in range(25)])
+    assert torch.equal(rest[:, 0], draws[:, 0][1000:])
+
+
+def test_mixture_flags_and_a_training_run_on_two_sources(tmp_path, capsys):
+    assert data.parse_mixture("data/web=0.7,data/books=0.3") == {"data/web": 0.7, "data/books": 0.3}
+    assert data.parse_mixture("data/web") is None
+    (tmp_path / "mix.toml").write_text('"data/web" = 2\n"data/books" = 1\n')
+    assert data.parse_mixture(str(tmp_path / "mix.toml")) == {"data/web": 2.0, "data/books": 1.0}
+    with pytest.raises(ValueError, match="'web' is not DIR=WEIGHT"):
+        data.parse_mixture("a=1,web")
+    with pytest.raises(ValueError, match="weights > 0"):
+        data.parse_mixture("a=1,b=0")
+    text = data.builtin_text()
+    for name, part in (("web", text[:40_000]), ("books", text[40_000:80_000])):
+        (tmp_path / f"{name}.txt").write_text(part)
+        prepare([tmp_path / f"{name}.txt"], tmp_path / name)
+    mixture = f"{tmp_path / 'web'}=0.7,{tmp_path / 'books'}=0.3"
+    small = {"n_layer": 1, "d_model": 32, "n_head": 2, "block_size": 32}
+    quick = dict(batch_size=4, max_steps=2, eval_interval=2, eval_tokens=64, sample_tokens=0, device="cpu")
+    records = train.train(train.TrainConfig(data=mixture, out_dir=str(tmp_path / "run"), **quick), small)
+    losses = records[-1]["val_loss_by_source"]
+    assert records[-1]["val_loss"] == pytest.approx(
+        0.7 * losses[str(tmp_path / "web")] + 0.3 * losses[str(tmp_path / "books")]
+    )
+    out = capsys.readouterr().out
+    assert f"data mixture {tmp_path / 'web'} 0.7, {tmp_path / 'books'} 0.3 (train)" in out
+    assert f"({tmp_path / 'web'} {losses[str(tmp_path / 'web')]:.4f}, epoch 0.0" in out
