@@ -15,6 +15,7 @@ from horse import checkpoint, data, kernels, recipes, train
 from horse.model import GPT, GPTConfig, documents_of
 from horse.parallel import (
     allreduce_sequence_parallel_grads,
+    data_parallel,
     gather_state_dicts,
     init_from_env,
     parallelize,
@@ -117,43 +118,69 @@ def test_a_packed_row_on_the_kernels_in_fp16_matches_its_documents_apart(variant
 
 
 # ----------------------------------------------------------------------------------------------
-# 2 tensor-parallel ranks, sequence parallel
+# Two ranks (gloo): tensor parallel with sequence parallelism, and FSDP2
 # ----------------------------------------------------------------------------------------------
 
 
-def _rank_main(rank: int, port: int) -> None:
+def _rank_main(rank: int, port: int, worker) -> None:
     check_descriptor_strides_in_bytes()  # what conftest does, in this new process
     env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     os.environ.update({k: str(v) for k, v in env.items()})
     torch.set_num_threads(1)  # two processes on two cores
-    parallel = dataclasses.replace(init_from_env(tp=2, device_type="cpu"), sequence_parallel=True)
     try:
-        idx, targets = _packed_row()
-        spans = [(idx[:, span], targets[:, span]) for span in _spans()]
-        for name, config in CONFIGS.items():
-            whole = _model(config)
-            apart = _loss_sum_and_grads(whole, spans)
-            model = parallelize(GPT(config), parallel)
-            state = shard_state_dict(whole.state_dict(), config, parallel.tp_rank, parallel.tp_size)
-            model.load_state_dict(state)
-            loss = model.loss(idx, targets) * targets.numel()
-            loss.backward()
-            allreduce_sequence_parallel_grads(model, parallel)
-            torch.testing.assert_close(loss, apart[0], rtol=1e-5, atol=0, msg=f"{name}: loss")
-            every_rank = [None] * parallel.tp_size
-            grads = {n: p.grad for n, p in model.named_parameters()}
-            dist.all_gather_object(every_rank, grads, group=parallel.tp_group)
-            for n, grad in gather_state_dicts(every_rank, config).items():
-                scale = apart[1][n].abs().max().item()
-                case = f"{name}: grad of {n}"
-                torch.testing.assert_close(grad, apart[1][n], rtol=1e-5, atol=1e-6 * scale, msg=case)
+        worker()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _tensor_parallel() -> None:
+    parallel = dataclasses.replace(init_from_env(tp=2, device_type="cpu"), sequence_parallel=True)
+    idx, targets = _packed_row()
+    spans = [(idx[:, span], targets[:, span]) for span in _spans()]
+    for name, config in CONFIGS.items():
+        whole = _model(config)
+        apart = _loss_sum_and_grads(whole, spans)
+        model = parallelize(GPT(config), parallel)
+        state = shard_state_dict(whole.state_dict(), config, parallel.tp_rank, parallel.tp_size)
+        model.load_state_dict(state)
+        loss = model.loss(idx, targets) * targets.numel()
+        loss.backward()
+        allreduce_sequence_parallel_grads(model, parallel)
+        torch.testing.assert_close(loss, apart[0], rtol=1e-5, atol=0, msg=f"{name}: loss")
+        every_rank = [None] * parallel.tp_size
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        dist.all_gather_object(every_rank, grads, group=parallel.tp_group)
+        for n, grad in gather_state_dicts(every_rank, config).items():
+            scale = apart[1][n].abs().max().item()
+            case = f"{name}: grad of {n}"
+            torch.testing.assert_close(grad, apart[1][n], rtol=1e-5, atol=1e-6 * scale, msg=case)
+
+
+def _fully_sharded() -> None:
+    parallel = init_from_env(device_type="cpu", dp_shard=2)
+    idx, targets = _packed_row()
+    spans = [(idx[:, span], targets[:, span]) for span in _spans()]
+    for name, config in CONFIGS.items():
+        apart = _loss_sum_and_grads(_model(config), spans)
+        model = _model(config)
+        loss_fn = data_parallel(model, model.loss, parallel)  # FSDP2: each rank holds half the rows
+        loss = loss_fn(idx, targets) * targets.numel()  # the same row on both ranks: their mean is its
+        loss.backward()
+        torch.testing.assert_close(loss, apart[0], rtol=1e-5, atol=0, msg=f"{name}: loss")
+        for n, p in model.named_parameters():
+            scale = apart[1][n].abs().max().item()
+            case = f"{name}: grad of {n}"
+            torch.testing.assert_close(
+                p.grad.full_tensor(), apart[1][n], rtol=1e-5, atol=1e-6 * scale, msg=case
+            )
 
 
 @pytest.mark.xdist_group("multiprocess")
-def test_a_packed_row_at_tp2_with_sequence_parallel_computes_its_documents_apart():
-    mp.spawn(_rank_main, args=(free_port(),), nprocs=2)
+@pytest.mark.parametrize("layout", ["tp2-sequence-parallel", "fsdp-dp-shard-2"])
+def test_a_packed_row_split_over_two_ranks_computes_its_documents_apart(layout):
+    worker = {"tp2-sequence-parallel": _tensor_parallel, "fsdp-dp-shard-2": _fully_sharded}[layout]
+    mp.spawn(_rank_main, args=(free_port(), worker), nprocs=2)
 
 
 def test_activation_checkpointing_recomputes_the_documents_blocks_alike():
