@@ -3,6 +3,7 @@ every gradient), on the reference path, on the kernels in the interpreter, and o
 ranks with sequence parallelism (gloo)."""
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -11,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import assert_close, check_descriptor_strides_in_bytes, free_port
 
-from horse import checkpoint, data, kernels, recipes, train
+from horse import checkpoint, cli, data, kernels, recipes, train
 from horse.model import GPT, GPTConfig, documents_of
 from horse.parallel import (
     allreduce_sequence_parallel_grads,
@@ -210,3 +211,14 @@ def test_the_trainer_masks_documents_where_the_data_ends_them(tmp_path, capsys):
     builtin = dataclasses.replace(cfg, data="", out_dir=str(tmp_path / "builtin"))
     with pytest.raises(ValueError, match="--document-masking needs an end-of-text id.*tokenizer \\(bytes\\)"):
         train.train(builtin, small | {"document_masking": True})
+
+
+def test_a_run_saved_before_document_masking_resumes_as_it_began(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    model = dataclasses.asdict(GPTConfig())
+    del model["document_masking"], model["eot_id"]  # config.json as runs wrote it before
+    run = {"train": dataclasses.asdict(train.TrainConfig(out_dir=str(out))), "model": model}
+    (out / "config.json").write_text(json.dumps(run))
+    _, overrides = cli.parse_args(["--out-dir", str(out), "--resume"])
+    assert (overrides["document_masking"], overrides["eot_id"]) == (False, None)
