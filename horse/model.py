@@ -201,8 +201,10 @@ class Documents:
     positions: (B, T) int64, each token's position in its document (0 at its first token)
     document: (B, T) int64, each token's document's number in its row (0, 1, ...)
     cu_seqlens: (B·T + 1,) int32, the documents' first rows in the flattened (B·T) tokens, then B·T
-        padding the rest: flash_attention_varlen's offsets, a fixed size whatever the data, so its
-        launch sizes never depend on the data (the empty sequences' programs return at once)
+        padding the rest: flash_attention_varlen's offsets, a fixed size whatever the data, so no
+        launch size depends on the data. Its grid is a program per (sequence, query tile of T): T
+        times the dense kernel's, most of them (empty sequences, tiles past a document's end)
+        returning after reading two offsets
     max_seqlen: T, the longest a document can be
     """
 
