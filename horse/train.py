@@ -72,7 +72,17 @@ from torch import nn
 from tqdm import tqdm
 
 from horse import checkpoint, hf, optim, preemption, recipes, run_log
-from horse.data import BPETokenizer, ByteTokenizer, HeldOut, Loader, Split, load_dataset
+from horse.data import (
+    BPETokenizer,
+    ByteTokenizer,
+    HeldOut,
+    Loader,
+    Mixture,
+    Split,
+    load_dataset,
+    load_mixture,
+    parse_mixture,
+)
 from horse.device import nvtx_range, peak_flops, pick_backend, pick_device, profiler
 from horse.generate import generate
 from horse.kernels import runtime
@@ -96,7 +106,7 @@ class TrainConfig:
     """A training run. Every field is also a flag: --batch-size for batch_size, and so on.
 
     preset: model preset: tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b (model flags override its fields)
-    data: a directory made by `python -m horse.data prepare`; empty: the built-in corpus as bytes
+    data: a prepared directory, or a mixture DIR=WEIGHT,... (or a .json/.toml); empty: the built-in corpus
     out_dir: checkpoints, metrics.jsonl, config.json and traces; empty: runs/<preset>-<date>-<time>
     resume: continue from the newest good checkpoint in --out-dir (automatic after a torchrun restart)
     strict_resume: with --resume, a damaged newest checkpoint is an error, not a warning and an older one
@@ -392,8 +402,8 @@ class Run:
     optimizer: torch.optim.Optimizer
     scaler: LossScaler
     autocast: Callable[[], contextlib.AbstractContextManager]
-    train_loader: Loader
-    held_out: HeldOut
+    train_loader: Loader | Mixture
+    held_out: HeldOut | dict[str, HeldOut]  # a mixture's: one per source
     tokenizer: ByteTokenizer | BPETokenizer
     out_dir: Path
     max_steps: int
@@ -427,6 +437,8 @@ class Run:
             ckpt, self.model, self.optimizer, self.scaler, self.train_loader, self.parallel
         )
         self.resumed_from = self.last_ckpt = ckpt
+        if self.train_loader.layout_change:
+            self.log(self.train_loader.layout_change)
 
     def save(self, preempted: bool = False) -> None:
         """Write this step's checkpoint, once the save in flight is done: in the background with
@@ -494,6 +506,22 @@ class Run:
 
     # The loop and its steps.
 
+    def evaluate(self) -> dict:
+        """The held-out loss; of a mixture, each source's too (the mean weighted as the mixture), and
+        the epochs each source has gone through."""
+        if isinstance(self.held_out, HeldOut):
+            return {"val_loss": evaluate(self.model, self.held_out, self.autocast, self.parallel)}
+        losses = {
+            name: evaluate(self.model, held_out, self.autocast, self.parallel)
+            for name, held_out in self.held_out.items()
+        }
+        val_loss = sum(self.train_loader.weights[name] * loss for name, loss in losses.items())
+        return {
+            "val_loss": val_loss,
+            "val_loss_by_source": losses,
+            "epochs_by_source": self.train_loader.epochs,
+        }
+
     def loop(self) -> None:
         """Train from the step resumed (or 0) to max_steps: each step's record goes to
         OUT/metrics.jsonl, validation when due, a checkpoint when due and at the end. A signal of
@@ -515,7 +543,7 @@ class Run:
                 record = self.train_one_step()
                 last = self.step == self.max_steps
                 if self.step % cfg.eval_interval == 0 or last:
-                    record["val_loss"] = evaluate(self.model, self.held_out, self.autocast, self.parallel)
+                    record |= self.evaluate()
                 self.report(record, metrics, bar)
                 signum = self.preemption.agreed()  # a collective: every rank stops after the same step
                 if signum is not None:
@@ -629,8 +657,18 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     log = print if parallel.rank == 0 else lambda text: None
 
     recipes.check_data(cfg)
-    train_split, val_split, tokenizer = load_dataset(cfg.data)
-    config = _architecture(cfg, overrides, tokenizer.vocab_size)
+    weights = parse_mixture(cfg.data)
+    if weights is None:
+        train_split, val_split, tokenizer = load_dataset(cfg.data)
+    else:
+        train_splits, val_splits, tokenizer = load_mixture(weights)
+        # For the start's log line: the sources' shards together.
+        mixture = ", ".join(f"{name} {weight:g}" for name, weight in weights.items())
+        train_split, val_split = (
+            Split(f"mixture {mixture} ({part})", [t for split in splits.values() for t in split.shards], 0)
+            for part, splits in (("train", train_splits), ("val", val_splits))
+        )
+    config = _architecture(cfg, overrides, tokenizer)
     seq_len = cfg.seq_len or config.block_size
     if seq_len > config.block_size:
         raise ValueError(
@@ -653,6 +691,19 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     model, loss_fn = make_model(cfg, config, backend, parallel, device, pretrained, dtype)
     dp = {"dp_rank": parallel.dp_rank, "dp_size": parallel.dp_size}
     tokens_per_step = cfg.batch_size * seq_len * grad_accum * parallel.dp_size  # the whole job's
+    if weights is None:
+        train_loader = Loader(
+            train_split, cfg.batch_size, seq_len, cfg.seed, device, **dp, grad_accum=grad_accum
+        )
+        held_out = HeldOut(val_split, cfg.eval_tokens, seq_len, cfg.batch_size, device, **dp)
+    else:
+        train_loader = Mixture(
+            train_splits, weights, cfg.batch_size, seq_len, cfg.seed, device, **dp, grad_accum=grad_accum
+        )
+        held_out = {
+            name: HeldOut(split, cfg.eval_tokens, seq_len, cfg.batch_size, device, **dp)
+            for name, split in val_splits.items()
+        }
     run = Run(
         cfg=cfg,
         step_cfg=dataclasses.replace(cfg, grad_accum=grad_accum),
@@ -666,8 +717,8 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
         optimizer=optim.make_optimizer(model, cfg, device),
         scaler=LossScaler.from_config(cfg, precision == "fp16", parallel),
         autocast=(lambda: torch.autocast(device, dtype)) if dtype else contextlib.nullcontext,
-        train_loader=Loader(train_split, cfg.batch_size, seq_len, cfg.seed, device, **dp),
-        held_out=HeldOut(val_split, cfg.eval_tokens, seq_len, cfg.batch_size, device, **dp),
+        train_loader=train_loader,
+        held_out=held_out,
         tokenizer=tokenizer,
         out_dir=out_dir,
         max_steps=math.ceil(cfg.max_tokens / tokens_per_step) if cfg.max_tokens else cfg.max_steps,
@@ -684,11 +735,22 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     return run
 
 
-def _architecture(cfg: TrainConfig, overrides: dict, data_vocab: int) -> GPTConfig:
-    """The model's config: --init-from's, or the preset's, with the model flags."""
+def _architecture(cfg: TrainConfig, overrides: dict, tokenizer: ByteTokenizer | BPETokenizer) -> GPTConfig:
+    """The model's config: --init-from's, or the preset's, with the model flags. Documents end at
+    the data's end-of-text id (--eot-id), and --document-masking is on where the data has one."""
+    overrides = dict(overrides)
+    eot_id = overrides.pop("eot_id", tokenizer.eot_id)
+    document_masking = overrides.pop("document_masking", eot_id is not None)
+    if document_masking and eot_id is None:
+        raise ValueError(
+            f"--document-masking needs an end-of-text id, and the data's tokenizer ({tokenizer.name}) has "
+            "none: prepare the data with `python -m horse.data prepare`, or give --eot-id"
+        )
     if cfg.init_from:
-        return pretrained_config_for(cfg.init_from, overrides, data_vocab)
-    return model_config(cfg, overrides, data_vocab)
+        config = pretrained_config_for(cfg.init_from, overrides, tokenizer.vocab_size)
+    else:
+        config = model_config(cfg, overrides, tokenizer.vocab_size)
+    return dataclasses.replace(config, document_masking=document_masking, eot_id=eot_id)
 
 
 def pretrained_config_for(path: str | Path, overrides: dict, data_vocab: int) -> GPTConfig:
@@ -766,10 +828,14 @@ def _log_start(run: Run, backend_note: str, train_split: Split, val_split: Split
         f"{run.flops_per_step / run.tokens_per_step / 1e9:.3f} GFLOP per token"
     )
     train_tokens = sum(map(len, train_split.shards))
+    held_out, each = run.held_out, ""
+    if isinstance(held_out, dict):  # a mixture's, one per source, of the same length
+        held_out, each = next(iter(held_out.values())), " of each source"
     val_tokens = sum(map(len, val_split.shards))
     run.log(
         f"data {train_split.name}: {train_tokens:,} train / {val_tokens:,} val tokens ({run.tokenizer.name}, "
-        f"evaluated on the first {run.held_out.tokens:,}) | {cfg.batch_size} x {seq_len} tokens x "
+        f"evaluated on the first {held_out.tokens:,}{each}; document masking "
+        f"{'on' if config.document_masking else 'off'}) | {cfg.batch_size} x {seq_len} tokens x "
         f"{run.step_cfg.grad_accum} x dp {parallel.dp_size} = {run.tokens_per_step:,} tokens per step, "
         f"{run.max_steps} steps"
     )

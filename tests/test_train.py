@@ -85,7 +85,7 @@ def test_resumed_run_repeats_the_uninterrupted_losses_exactly(tmp_path):
         r["val_loss"] for r in full[3:] if "val_loss" in r
     ]
     state = torch.load(tmp_path / "resumed" / "ckpt_0000008" / "state.pt", weights_only=True)
-    assert state["step"] == 8 and state["loader"]["position"] == 8
+    assert state["step"] == 8 and (state["loader"]["epoch"], state["loader"]["position"]) == (0, 8 * 8)
     full_weights, resumed_weights = (_weights(tmp_path / d / "ckpt_0000008") for d in ("run", "resumed"))
     assert all(torch.equal(a, b) for a, b in zip(full_weights, resumed_weights, strict=True))
 

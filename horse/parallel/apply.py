@@ -151,7 +151,7 @@ def checkpoint_blocks(model) -> None:
         block.forward = functools.partial(_recomputed, block.forward)
 
 
-def _recomputed(forward, x, h, cache, layer):
+def _recomputed(forward, x, h, cache, layer, documents=None):
     if cache is not None or not torch.is_grad_enabled():
-        return forward(x, h, cache, layer)
-    return checkpoint(forward, x, h, cache, layer, use_reentrant=False)
+        return forward(x, h, cache, layer, documents)
+    return checkpoint(forward, x, h, cache, layer, documents, use_reentrant=False)
