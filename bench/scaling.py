@@ -4,7 +4,7 @@ DDP, FSDP2 and HSDP across nodes.
     python -m bench.scaling [--presets gpt2-124m gpt2-350m] [--sequence-parallel] [--json FILE]
     python -m bench.scaling --models llama-8b llama-70b --nodes 4
 
-One training step of one model replica spread over tp GPUs (Megatron's plan, horse/parallel.py)
+One training step of one model replica spread over tp GPUs (Megatron's plan, horse/parallel/)
 costs, on each rank, its share of the compute plus the tensor-parallel collectives, with no overlap
 between them (they sit on the critical path: each one's output is the next layer's input):
 
@@ -25,8 +25,9 @@ the add+norms, which do not shrink with tp unless the sequence is split, the los
 logits, the row-parallel bias adds and the optimizer. One efficiency at every tp makes the estimate
 optimistic at large tp, where the sharded GEMMs shrink and run further from peak.
 
-Communication per step (:func:`collectives`, as horse/parallel.py calls them), activations in
-float16, B·T tokens per replica:
+Communication per step (:func:`collectives`: the collectives of each tensor-parallel form that
+``horse.parallel.GPT_PLAN`` gives a module, ``FORM_COLLECTIVES``), activations in float16, B·T
+tokens per replica:
 
 * each block: attention by heads (c_attn column-, c_proj row-parallel) and the MLP (first
   projection column-, second row-parallel): 2 all-reduces of (B·T, d_model) forward (closing each
@@ -34,8 +35,9 @@ float16, B·T tokens per replica:
 * the vocab-parallel embedding: 1 all-reduce of (B·T, d_model) forward;
 * the (tied, vocab-parallel) LM head: its replicated input's gradient, 1 all-reduce of
   (B·T, d_model) backward;
-* the vocab-parallel cross entropy: the row max, (B·T,) float32, then the sums of exponentials and
-  the target logits in one all-reduce of (2, B·T) float32: the bytes of 3 all-reduces of (B·T,)
+* the vocab-parallel cross entropy: the row max, (B·T,) float32, then its three sums (of the
+  exponentials, the target logits and the logits) in one all-reduce of (3, B·T) float32: the bytes of
+  4 all-reduces of (B·T,)
   in 2 calls;
 * the optimizer step: 2 scalar all-reduces (the global gradient norm, the non-finite flag).
 
@@ -85,6 +87,7 @@ import gc
 import json
 import math
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -93,7 +96,16 @@ import torch
 
 from bench import report, timing
 from horse.model import GPT, PRESETS, GPTConfig, preset
-from horse.parallel import Parallel, check_divisible, parallelize
+from horse.parallel import (
+    Parallel,
+    check_divisible,
+    column_parallel,
+    parallelize,
+    row_parallel,
+    style_of,
+    vocab_parallel,
+    vocab_parallel_head,
+)
 
 DEFAULT_PRESETS = ("gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b")
 TP_SIZES = (1, 2, 4, 8)
@@ -156,23 +168,65 @@ def ring_factor(kind: str, size: int) -> float:
     raise ValueError(f"unknown collective {kind!r}")
 
 
+# What each of GPT_PLAN's tensor-parallel forms communicates per call of its module, in one forward
+# and backward: (name, kind, what is communicated), without and with sequence parallelism. The
+# tensors: "activation" (B·T, d_model) float16, "row_max" (B·T,) float32 and "sums" (3, B·T) float32
+# (the vocab-parallel cross entropy's statistics). :func:`collectives` walks the plan over a model's
+# modules, so a module the plan gives a form adds its collectives; a form not in this table is an
+# error, and tests/test_bench_scaling.py counts the collectives of a real tp=2 step against it.
+_COLUMN = {
+    False: [("all_reduce", "activation")],  # backward: the gradient of the input every rank took whole
+    True: [("all_gather", "activation"), ("reduce_scatter", "activation")],  # forward, its conjugate
+}
+_ROW = {
+    False: [("all_reduce", "activation")],  # forward: the ranks' partial outputs summed
+    True: [("reduce_scatter", "activation"), ("all_gather", "activation")],
+}
+FORM_COLLECTIVES = {
+    column_parallel: {sp: [("blocks", *c) for c in _COLUMN[sp]] for sp in (False, True)},
+    row_parallel: {sp: [("blocks", *c) for c in _ROW[sp]] for sp in (False, True)},
+    # forward: the ranks' lookups summed; under sp the stream is then cut, its gradient all-gathered
+    vocab_parallel: {
+        False: [("embedding", "all_reduce", "activation")],
+        True: [("embedding", "all_reduce", "activation")],
+    },
+    # the head's input taken whole (column-parallel), the loss's row max and sums; under sp the first
+    # block's input is this rank's chunk, whose gradient the backward all-gathers
+    vocab_parallel_head: {
+        sp: [("lm_head_input", *c) for c in _COLUMN[sp]]
+        + [("embedding_grad", "all_gather", "activation")] * sp
+        + [("cross_entropy_max", "all_reduce", "row_max"), ("cross_entropy_sums", "all_reduce", "sums")]
+        for sp in (False, True)
+    },
+}
+
+
+def plan_collectives(config: GPTConfig, sequence_parallel: bool) -> Counter:
+    """(name, kind, tensor) -> calls in one training step's forward and backward, by GPT_PLAN."""
+    with torch.device("meta"):
+        names = [name for name, _ in GPT(config).named_modules()]
+    calls = Counter()
+    for name in names:
+        style = style_of(name)
+        if style is not None and style.form is not None:
+            calls.update(FORM_COLLECTIVES[style.form][sequence_parallel])
+    return calls
+
+
 def collectives(
     config: GPTConfig, tp: int, batch: int, seq: int, sequence_parallel: bool
 ) -> list[Collective]:
-    """The tensor-parallel collectives of one training step of one replica (none at tp = 1)."""
+    """The tensor-parallel collectives of one training step of one replica (none at tp = 1): those
+    of the plan's forms (:func:`plan_collectives`), then the optimizer step's."""
     if tp == 1:
         return []
     tokens = batch * seq
-    activation = tokens * config.d_model * ACTIVATION_BYTES  # (B·T, d_model) float16
-    out = [Collective("embedding", "all_reduce", activation, 1)]  # forward, with or without sp
-    kinds = ("all_gather", "reduce_scatter") if sequence_parallel else ("all_reduce",)
-    # Attention and MLP, each 1 forward + 1 backward; the LM head's input, backward.
-    for name, count in (("blocks", 4 * config.n_layer), ("lm_head_input", 1)):
-        out += [Collective(name, kind, activation, count) for kind in kinds]
-    if sequence_parallel:  # the embedding's scatter to sequence chunks all-gathers its gradient
-        out.append(Collective("embedding_grad", "all_gather", activation, 1))
-    out.append(Collective("cross_entropy_max", "all_reduce", tokens * LOSS_BYTES, 1))
-    out.append(Collective("cross_entropy_sums", "all_reduce", 2 * tokens * LOSS_BYTES, 1))
+    size = {"activation": tokens * config.d_model * ACTIVATION_BYTES, "row_max": tokens * LOSS_BYTES}
+    size["sums"] = 3 * tokens * LOSS_BYTES
+    out = [
+        Collective(name, kind, size[tensor], count)
+        for (name, kind, tensor), count in plan_collectives(config, sequence_parallel).items()
+    ]
     out.append(Collective("grad_norm_and_nonfinite", "all_reduce", LOSS_BYTES, 2))
     if sequence_parallel:
         grads = GRAD_BYTES * replicated_grad_params(config)

@@ -16,7 +16,8 @@ Backend ``"reference"`` runs the same weights on plain torch modules (``nn.Layer
 dict loads either way.
 
 The model is dense: ``horse.parallel.parallelize(model, mesh)`` makes it one rank's
-tensor-parallel shard afterwards, by a plan that swaps its layers for column- and row-parallel ones.
+tensor-parallel shard afterwards, by a plan that cuts its weights, hooks the collectives onto its
+modules and makes its down projections row-parallel; its own forwards run at every tp.
 
     python -m horse.model        # the presets: parameters and training FLOPs per token
 """
@@ -32,7 +33,7 @@ import torch.nn.functional as F  # noqa: N812 (the name every PyTorch reader kno
 from torch import nn
 
 from horse import kernels
-from horse.kernels.cross_entropy import head_loss
+from horse.kernels.cross_entropy import VocabShard, head_loss
 from horse.layers import FusedLayerNorm, FusedRMSNorm, FusedSelfAttention, RotaryEmbedding
 
 BACKENDS = ("triton", "reference")
@@ -58,6 +59,8 @@ class GPTConfig:
     rope_base: rotary base frequency
     norm_eps: epsilon of every norm
     tie_embeddings: the LM head is the token embedding (GPT-2); else a separate lm_head (LLaMA)
+    document_masking: each document of a row (after an end of text, up to the next) attends within itself
+    eot_id: the end-of-text token that ends a document; None: the data has none
     """
 
     vocab_size: int = 50304  # GPT-2's 50,257 rounded up to a multiple of 64 for the tensor cores
@@ -76,6 +79,8 @@ class GPTConfig:
     norm_eps: float = 1e-5
     vocab_used: int | None = None
     tie_embeddings: bool = True
+    document_masking: bool = False
+    eot_id: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
@@ -101,6 +106,12 @@ class GPTConfig:
             choices = typing.get_args(hints[name])
             if getattr(self, name) not in choices:
                 raise ValueError(f"GPTConfig.{name} must be one of {choices}, got {getattr(self, name)!r}")
+        if self.document_masking and self.eot_id is None:
+            raise ValueError("GPTConfig.document_masking needs eot_id, the token that ends a document")
+        if self.eot_id is not None and not 0 <= self.eot_id < self.vocab_size:
+            raise ValueError(
+                f"GPTConfig.eot_id must be a token id in [0, vocab_size {self.vocab_size}), got {self.eot_id}"
+            )
         if self.positions == "rotary" and self.head_dim % 2:
             raise ValueError(f"GPTConfig: rotary positions need an even head_dim, got {self.head_dim}")
 
@@ -182,20 +193,66 @@ def runs_half_kernels(backend: str, x: torch.Tensor) -> bool:
     return dtype in (torch.float16, torch.bfloat16)
 
 
+@dataclass
+class Documents:
+    """The documents packed in a batch of rows (B, T): a document is the tokens after an end of text
+    up to and including the next one (a row's first token starts one, its last ends one), and with
+    document masking it is a sequence of its own. Built on the device from the tokens by
+    :func:`documents_of`, with no value read back to the host.
+
+    positions: (B, T) int64, each token's position in its document (0 at its first token)
+    document: (B, T) int64, each token's document's number in its row (0, 1, ...)
+    cu_seqlens: (B·T + 1,) int32, the documents' first rows in the flattened (B·T) tokens, then B·T
+        padding the rest: flash_attention_varlen's offsets, a fixed size whatever the data, so no
+        launch size depends on the data. Its grid is a program per (sequence, query tile of T): T
+        times the dense kernel's, most of them (empty sequences, tiles past a document's end)
+        returning after reading two offsets
+    max_seqlen: T, the longest a document can be
+    """
+
+    positions: torch.Tensor
+    document: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+
+def documents_of(idx: torch.Tensor, eot_id: int) -> Documents:
+    """The documents of the rows idx (B, T) whose documents end at token eot_id."""
+    batch, seqlen = idx.shape
+    starts = torch.ones_like(idx, dtype=torch.bool)  # (B, T): a token that begins a document
+    starts[:, 1:] = idx[:, :-1] == eot_id
+    columns = torch.arange(seqlen, device=idx.device).expand(batch, seqlen)
+    first = torch.where(starts, columns, 0).cummax(dim=1).values  # (B, T): its document's first column
+    tokens = batch * seqlen
+    flat = torch.arange(tokens, device=idx.device)
+    # The starts' flat rows in order, then the padding (tokens): sorting puts every start first.
+    offsets = torch.where(starts.flatten(), flat, tokens).sort().values
+    cu_seqlens = torch.cat([offsets, offsets.new_full((1,), tokens)]).to(torch.int32)
+    return Documents(columns - first, starts.cumsum(dim=1) - 1, cu_seqlens, seqlen)
+
+
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None = None,
+    documents: Documents | None = None,
 ) -> torch.Tensor:
     """Causal attention on SDPA. q (B, Tq, n_head, hd); k, v (B, Tk, n_kv_heads, hd) with Tk >= Tq,
     the queries being the last Tq positions (the mask is aligned to the bottom-right corner, so new
     tokens decode against a longer cache); with a window, each query also sees only the window keys
-    before its own. Returns (B, Tq, n_head, hd). horse.kernels.flash_attention(q, k, v, causal=True,
-    window_size=(window, -1)) takes the same layout and mask."""
+    before its own; with documents (Tq = Tk), only the keys of its own document. Returns (B, Tq,
+    n_head, hd). horse.kernels.flash_attention(q, k, v, causal=True, window_size=(window, -1)) takes
+    the same layout and mask, and flash_attention_varlen the documents (CausalSelfAttention)."""
     tq, tk = q.shape[1], k.shape[1]
     mask = None
     if window is not None and window < tk - 1:
         mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq).triu(tk - tq - window)
-    elif tq not in (1, tk):
+    elif tq not in (1, tk) or documents is not None:
         mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
+    if documents is not None:  # (B, 1, T, T): and within the query's document
+        same = documents.document[:, :, None] == documents.document[:, None, :]
+        mask = (mask & same)[:, None]
     y = F.scaled_dot_product_attention(
         q.transpose(1, 2),  # (B, n_head, Tq, hd)
         k.transpose(1, 2),  # (B, n_kv_heads, Tk, hd)
@@ -243,10 +300,26 @@ class CausalSelfAttention(FusedSelfAttention):
         super().__init__(d, heads, n_kv_heads=kv_heads, bias=config.bias, window_size=window)
         self.backend, self.rotary = backend, rotary
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
+        """x (B, T, C); with documents (no cache) each document of a row attends within itself, its
+        positions from 0."""
         start = 0 if cache is None else cache.length
-        q, k, v = self.qkv(x, offset=start)  # (B, T, n_heads, hd), (B, T, n_kv_heads, hd) twice
-        if cache is not None and runs_half_kernels(self.backend, q):
+        position = {"offset": start} if documents is None else {"positions": documents.positions}
+        q, k, v = self.qkv(x, **position)  # (B, T, n_heads, hd), (B, T, n_kv_heads, hd) twice
+        if documents is not None and runs_half_kernels(self.backend, q):
+            # The rows' documents as one packed batch: (B·T, heads, hd), a sequence per document.
+            cu, longest = documents.cu_seqlens, documents.max_seqlen
+            packed = (t.flatten(0, 1) for t in (q, k, v))
+            y = kernels.flash_attention_varlen(
+                *packed, cu, cu, longest, longest, causal=True, window_size=self.window_size
+            ).view_as(q)  # (B, T, n_heads, hd)
+        elif cache is not None and runs_half_kernels(self.backend, q):
             # Appends k, v to the cache in place and decodes against it: keys split among programs.
             k_cache, v_cache = cache.buffers(layer, k, v)  # (B, block_size, n_kv_heads, hd)
             y = kernels.flash_attention_with_kvcache(
@@ -258,7 +331,7 @@ class CausalSelfAttention(FusedSelfAttention):
             if cache is not None:
                 k, v = cache.update(layer, k, v)  # (B, cached + T, n_kv_heads, hd)
             window = self.window_size[0]
-            y = causal_attention(q, k, v, None if window < 0 else window)
+            y = causal_attention(q, k, v, None if window < 0 else window, documents)
         return self.c_proj(y.flatten(2))  # (B, T, n_heads · hd) -> (B, T, C)
 
 
@@ -278,15 +351,25 @@ class MLP(nn.Module):
             self.c_proj = nn.Linear(hidden, d, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if runs_half_kernels(self.backend, x):
+        down = self.down_proj if self.swiglu else self.c_proj
+        half = runs_half_kernels(self.backend, x)
+        if half and isinstance(down, nn.Linear):  # the whole MLP in one call
             if self.swiglu:
                 weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
                 return kernels.fused_gated_mlp(x, *weights, activation="silu")
             fc, proj = self.c_fc, self.c_proj
             return kernels.fused_mlp(x, fc.weight, fc.bias, proj.weight, proj.bias, activation="gelu_tanh")
-        if self.swiglu:  # (B, T, hidden) inside
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        # The up projections with their activation, then the down projection as a module of its own:
+        # tensor parallelism (horse.parallel) makes it row-parallel, summing the ranks' partial outputs.
+        if half and self.swiglu:  # (B, T, hidden) inside
+            h = kernels.gated_linear(x, self.gate_proj.weight, self.up_proj.weight, activation="silu")
+        elif half:
+            h = kernels.linear_act(x, self.c_fc.weight, self.c_fc.bias, activation="gelu_tanh")
+        elif self.swiglu:
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            h = F.gelu(self.c_fc(x), approximate="tanh")
+        return down(h)
 
 
 def make_norm(config: GPTConfig, backend: str) -> nn.Module:
@@ -317,10 +400,10 @@ class Block(nn.Module):
         self.norm_2 = make_norm(config, backend)
         self.mlp = MLP(config, backend)
 
-    def forward(self, x, h, cache: KVCache | None, layer: int):
+    def forward(self, x, h, cache: KVCache | None, layer: int, documents: Documents | None = None):
         """x (B, T, C): the previous branch output, not yet added to the stream h (B, T, C)."""
         y, h = add_norm(self.norm_1, x, h)
-        y, h = add_norm(self.norm_2, self.attn(y, cache, layer), h)
+        y, h = add_norm(self.norm_2, self.attn(y, cache, layer, documents), h)
         return self.mlp(y), h
 
 
@@ -347,21 +430,17 @@ class GPT(nn.Module):
         self.lm_head = None
         if not config.tie_embeddings:
             self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # The LM head's share of the vocabulary, which tensor parallelism (horse.parallel) cuts by rows:
+        # its first id and the collectives that combine the ranks' loss statistics (None: all of it,
+        # from id 0); head_input, where the head's input passes, is where it gathers that from the ranks.
+        self.vocab_shard: VocabShard | None = None
+        self.head_input = nn.Identity()
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             # GPT-2: the projections that write into the residual stream are scaled by
             # 1/sqrt(number of residual adds), so the stream's variance does not grow with depth.
             if name.endswith(("c_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-
-    @classmethod
-    def from_pretrained(cls, path: str, backend: str = "reference") -> "GPT":
-        """The model of a local Hugging Face checkpoint folder (GPT2LMHeadModel or LlamaForCausalLM:
-        config.json and safetensors or pytorch_model.bin), float32 on the CPU; nothing is downloaded.
-        The conversion lives in ``horse.hf``."""
-        from horse import hf  # it builds on this module
-
-        return hf.from_pretrained(path, backend)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -380,20 +459,29 @@ class GPT(nn.Module):
         """The LM head (vocab_size, C): the token embedding, or lm_head's own weight."""
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
+    @property
+    def vocab_start(self) -> int:
+        """The id of the LM head's first row: 0, or a tensor-parallel rank's first id."""
+        return 0 if self.vocab_shard is None else self.vocab_shard.start
+
     def logits(self, y: torch.Tensor) -> torch.Tensor:
-        """The LM head: y (B, T, C) -> logits (B, T, vocab_size), the padding ids (vocab_used on) -inf."""
-        logits = F.linear(y, self.head_weight)
+        """The LM head: y (B, T, C) -> logits (B, T, vocab_size), the padding ids (vocab_used on) -inf.
+        On a tensor-parallel rank: this rank's columns (B, T, vocab_size / tp)."""
+        logits = F.linear(self.head_input(y), self.head_weight)  # (B, T, the head's rows)
         used = self.config.vocab_used
         if used is not None and used < self.config.vocab_size:
-            ids = torch.arange(logits.shape[-1], device=y.device)
+            ids = torch.arange(logits.shape[-1], device=y.device) + self.vocab_start
             logits = logits.masked_fill(ids >= used, float("-inf"))  # the padding rows
         return logits
 
-    def embed(self, idx: torch.Tensor, start: int) -> torch.Tensor:
-        """idx (B, T) at positions start .. start + T - 1 -> the stream's start (B, T, C)."""
+    def embed(self, idx: torch.Tensor, positions: int | torch.Tensor) -> torch.Tensor:
+        """idx (B, T) at positions (an int: the first token's, the rest following it; or each
+        token's, (B, T)) -> the stream's start (B, T, C)."""
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(start, start + idx.shape[1], device=idx.device))  # (T, C) over B
+            if isinstance(positions, int):
+                positions = torch.arange(positions, positions + idx.shape[1], device=idx.device)
+            x = x + self.wpe(positions)  # (T, C) over B, or (B, T, C)
         return x
 
     def features(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -404,9 +492,12 @@ class GPT(nn.Module):
                 f"GPT: {start + idx.shape[1]} positions (cached {start} + input {idx.shape[1]}) exceed "
                 f"block_size {self.config.block_size}"
             )
-        x, h = self.embed(idx, start), None
+        documents = None  # generation (a cache) runs one document
+        if self.config.document_masking and cache is None:
+            documents = documents_of(idx, self.config.eot_id)
+        x, h = self.embed(idx, start if documents is None else documents.positions), None
         for layer, block in enumerate(self.blocks):
-            x, h = block(x, h, cache, layer)
+            x, h = block(x, h, cache, layer, documents)
         y, _ = add_norm(self.norm_f, x, h)
         if cache is not None:
             cache.length += idx.shape[1]
@@ -418,11 +509,16 @@ class GPT(nn.Module):
         (``horse.kernels.cross_entropy.head_loss``): the Triton kernels on backend triton, their
         plain-PyTorch twins on reference."""
         if not self.fused_loss:
+            if self.vocab_shard is not None:
+                raise ValueError("GPT.loss: the unfused loss (fused_loss False) runs at tp=1 only")
             return F.cross_entropy(self(idx).flatten(0, 1), targets.flatten())
-        head = self.head_weight[: self.config.vocab_used]  # the rows in use
-        y = self.features(idx).flatten(0, 1)  # (B·T, C)
+        in_use = (self.config.vocab_used or self.config.vocab_size) - self.vocab_start
+        head = self.head_weight[: max(0, in_use)]  # the rows in use (the padding's left out)
+        y = self.head_input(self.features(idx)).flatten(0, 1)  # (B·T, C)
         use_triton = self.backend == "triton"
-        return head_loss(y, head, targets.flatten(), use_triton=use_triton, fn="GPT.loss")
+        return head_loss(
+            y, head, targets.flatten(), use_triton=use_triton, shard=self.vocab_shard, fn="GPT.loss"
+        )
 
     def num_params(self) -> int:
         """Parameters (a tensor-parallel rank's own), a tied embedding / LM head counted once."""

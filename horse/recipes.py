@@ -18,21 +18,17 @@ gradient accumulation: --grad-accum = batch_tokens / (--batch-size x seq_len x d
 replicas). The GPT-2 presets need data prepared with a BPE tokenizer: without --data they stop
 and say how to make it (the built-in corpus is bytes, for the tiny model).
 
-Running the model. ``--compile`` runs the training loss under torch.compile: the Triton kernels
-are registered custom ops with fake implementations, so the whole forward and backward is one
-graph (fullgraph at tp=1, where a graph break is an error; at tp > 1 the collectives of
-``horse.parallel`` are left to Dynamo); under FSDP2 (--dp-shard) each block is compiled on its
-own, inside FSDP's hooks, as torchtitan does. ``--activation-checkpointing`` keeps only each block's
-inputs in the forward and recomputes the block in the backward: the activations of one block at
-a time instead of all of them, for one more forward of the blocks.
+Running the model (``horse.parallel.parallelize_gpt`` applies both). ``--compile`` runs the training
+loss under torch.compile: the Triton kernels are registered custom ops with fake implementations, so
+the whole forward and backward is one graph (fullgraph at tp=1, where a graph break is an error; at
+tp > 1 the collectives of ``horse.parallel`` are left to Dynamo); under FSDP2 (--dp-shard) each
+block is compiled on its own, inside FSDP's hooks, as torchtitan does. ``--activation-checkpointing``
+keeps only each block's inputs in the forward and recomputes the block in the backward: the
+activations of one block at a time instead of all of them, for one more forward of the blocks.
 """
 
 import dataclasses
-import functools
 from dataclasses import dataclass
-
-import torch
-from torch.utils.checkpoint import checkpoint
 
 GPT3_BATCH = 2**19  # "0.5M" tokens
 GPT3_WARMUP_TOKENS = 375_000_000
@@ -137,36 +133,3 @@ def grad_accum(cfg, seq_len: int, dp_size: int) -> int:
             f"makes {accum} micro-batches of {micro:,} tokens): give one of them"
         )
     return accum
-
-
-# ----------------------------------------------------------------------------------------------
-# How the model runs
-# ----------------------------------------------------------------------------------------------
-
-
-def compile_loss(model, fullgraph: bool):
-    """model.loss under torch.compile; fullgraph: a graph break is an error, not a silent split."""
-    return torch.compile(model.loss, fullgraph=fullgraph)
-
-
-def compile_blocks(model, fullgraph: bool) -> None:
-    """Each of model's blocks under torch.compile, in place (its forward, after activation
-    checkpointing wrapped it), for FSDP2 to wrap next: its hooks gather a block's parameters
-    around the compiled forward, and the embeddings, the LM head and the loss run eagerly.
-    Parameter names do not change (no ``_orig_mod.``), so checkpoints do not either."""
-    for block in model.blocks:
-        block.forward = torch.compile(block.forward, fullgraph=fullgraph)
-
-
-def checkpoint_blocks(model) -> None:
-    """Recompute each of model's blocks in the backward (non-reentrant torch.utils.checkpoint): the
-    forward keeps a block's inputs only. Generation (a KV cache) and no-grad passes run as before.
-    The parameters and their names are the model's own, so checkpoints do not change."""
-    for block in model.blocks:
-        block.forward = functools.partial(_recomputed, block.forward)
-
-
-def _recomputed(forward, x, h, cache, layer):
-    if cache is not None or not torch.is_grad_enabled():
-        return forward(x, h, cache, layer)
-    return checkpoint(forward, x, h, cache, layer, use_reentrant=False)

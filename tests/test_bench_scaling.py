@@ -4,16 +4,21 @@ in Triton's interpreter). No timing is asserted; everything runs on the CPU."""
 
 import dataclasses
 import json
+import os
+from collections import Counter
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import free_port
 
 from bench import scaling
 from horse.model import GPT, GPTConfig, num_params, preset
-from horse.parallel import Parallel, parallelize
+from horse.parallel import Parallel, collectives, init_from_env, parallelize
 
 # B·T = 16 tokens of width 32: one (B·T, d_model) float16 activation is 16·32·2 = 1024 bytes, the
-# cross entropy's (B·T,) float32 row max 64 bytes and its (2, B·T) sums 128.
+# cross entropy's (B·T,) float32 row max 64 bytes and its (3, B·T) sums 192.
 SMALL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, d_model=32)
 LLAMA_LIKE = dataclasses.replace(
     SMALL, norm="rmsnorm", mlp="swiglu", positions="rotary", n_kv_heads=2, bias=False
@@ -39,11 +44,11 @@ def test_no_communication_at_tp_1(sequence_parallel):
     assert scaling.comm_ms(SMALL, 1, BATCH, SEQ, sequence_parallel, 450.0, 10.0) == 0
 
 
-@pytest.mark.parametrize("tp, expected", [(2, 10440), (4, 15660)])
+@pytest.mark.parametrize("tp, expected", [(2, 10504), (4, 15756)])
 def test_comm_bytes_by_hand(tp, expected):
     # 4 all-reduces per layer × 2 layers + embedding (forward) + LM head input (backward) = 10 of
-    # 1024 bytes, the loss's 64 + 128 bytes, 2 scalars of 4 bytes; a ring all-reduce sends
-    # 2·(tp-1)/tp of each: tp 2: 1.0 · (10·1024 + 192 + 8) = 10440; tp 4: 1.5 · 10440 = 15660.
+    # 1024 bytes, the loss's 64 + 192 bytes, 2 scalars of 4 bytes; a ring all-reduce sends
+    # 2·(tp-1)/tp of each: tp 2: 1.0 · (10·1024 + 256 + 8) = 10504; tp 4: 1.5 · 10504 = 15756.
     assert scaling.comm_bytes_per_gpu(SMALL, tp, BATCH, SEQ, sequence_parallel=False) == expected
 
 
@@ -66,10 +71,54 @@ def test_sequence_parallel_calls_and_bytes_by_hand(tp):
     )
 
 
+def _count_collectives(rank: int, port: int) -> None:
+    """On one of 2 gloo ranks: the collectives of a tp=2 training step's forward and backward, counted
+    as the code runs them, against the ones bench.scaling derives from the plan."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    parallel = init_from_env(tp=2, device_type="cpu")
+    seen = Counter()
+
+    def counted(kind: str, run, whole: int):  # whole: the argument that is the whole tensor
+        def collective(*args, **kwargs):
+            seen[kind, args[whole].numel()] += 1
+            return run(*args, **kwargs)
+
+        return collective
+
+    collectives.dist.all_reduce = counted("all_reduce", dist.all_reduce, 0)
+    collectives._all_gather_tensor = counted("all_gather", collectives._all_gather_tensor, 0)
+    collectives._reduce_scatter_tensor = counted("reduce_scatter", collectives._reduce_scatter_tensor, 1)
+    tokens = BATCH * SEQ
+    for config in (SMALL, LLAMA_LIKE):
+        for sequence_parallel in (False, True):
+            seen.clear()
+            p = dataclasses.replace(parallel, sequence_parallel=sequence_parallel)
+            torch.manual_seed(0)
+            model = parallelize(GPT(config), p)
+            idx = torch.randint(
+                0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1)
+            )
+            model.loss(idx, idx).backward()
+            numel = {"activation": tokens * config.d_model, "row_max": tokens, "sums": 3 * tokens}
+            expected = Counter()
+            for (_, kind, tensor), count in scaling.plan_collectives(config, sequence_parallel).items():
+                expected[kind, numel[tensor]] += count
+            case = f"{config.mlp} sequence_parallel={sequence_parallel}"
+            assert seen == expected, f"{case}: the step ran {dict(seen)}, the plan says {dict(expected)}"
+    dist.destroy_process_group()
+
+
+@pytest.mark.xdist_group("multiprocess")
+def test_the_derived_collectives_are_the_ones_a_tp2_step_runs():
+    mp.spawn(_count_collectives, args=(free_port(),), nprocs=2)
+
+
 def test_comm_ms_is_bytes_over_bandwidth_plus_latency():
-    # tp 2: 10440 bytes at 1 GB/s = 10.44 µs, plus 14 collectives × 2 µs.
+    # tp 2: 10504 bytes at 1 GB/s = 10.504 µs, plus 14 collectives × 2 µs.
     got = scaling.comm_ms(SMALL, 2, BATCH, SEQ, False, nvlink_gbps=1.0, latency_us=2.0)
-    assert got == pytest.approx((10440 / 1e9 + 14 * 2e-6) * 1e3)
+    assert got == pytest.approx((10504 / 1e9 + 14 * 2e-6) * 1e3)
 
 
 def test_dp_allreduce_by_hand():

@@ -25,14 +25,14 @@ import torch.multiprocessing as mp
 from helpers import assert_close, command_line_flags, free_port
 from safetensors.torch import load_file
 
-from horse import checkpoint, optim, recipes, train
+from horse import checkpoint, optim, train
+from horse.hf import weights
 from horse.loss_scale import LossScaler
 from horse.model import GPT
 from horse.parallel import (
     Parallel,
     build_model,
     check_layout,
-    data_parallel,
     fully_shard_gpt,
     global_grad_norm,
     init_from_env,
@@ -150,7 +150,7 @@ def test_tp2_dp_shard_2_takes_tp2s_steps_and_exports_its_model(runs, tmp_path, c
     assert {f"model-tp{t:02d}-of-02-fsdp{s:02d}-of-02.safetensors" for t in (0, 1) for s in (0, 1)} < names
     exported = {}
     for name in ("tp2", "tp2fsdp2"):
-        checkpoint.main(["export", str(runs[name]), "--out", str(tmp_path / f"{name}.safetensors")])
+        weights.main(["export", str(runs[name]), "--out", str(tmp_path / f"{name}.safetensors")])
         exported[name] = load_file(tmp_path / f"{name}.safetensors")
     assert "(saved at tp=2, dp_shard=2)" in capsys.readouterr().out
     assert exported["tp2"].keys() == exported["tp2fsdp2"].keys()
@@ -280,10 +280,8 @@ def _sharded(tp: int = 1, dp_shard: int = 1, **model_options) -> tuple[Parallel,
     split by tp) under data_parallel: DDP, or FSDP2 at dp_shard > 1."""
     parallel = init_from_env(tp=tp, device_type="cpu", dp_shard=dp_shard)  # a new mesh in the group
     cfg = train.TrainConfig(**model_options)
-    model = train.make_model(cfg, CONFIG, "reference", parallel, "cpu", pretrained=False)
-    if cfg.compile:
-        recipes.compile_blocks(model, fullgraph=tp == 1)
-    return parallel, model, data_parallel(model, model.loss, parallel)
+    model, loss_fn = train.make_model(cfg, CONFIG, "reference", parallel, "cpu", pretrained=False)
+    return parallel, model, loss_fn
 
 
 def _step_and_count(tp: int, dp_shard: int) -> dict[str, int]:

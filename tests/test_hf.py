@@ -1,4 +1,4 @@
-"""horse.hf: Hugging Face GPT-2 and LLaMA checkpoints in (GPT.from_pretrained) and out (checkpoint
+"""horse.hf: Hugging Face GPT-2 and LLaMA checkpoints in (hf.from_pretrained) and out (checkpoint
 export --format hf), against transformers' own models built from random configs (nothing downloaded):
 the same logits within 1e-4 in float32, the same greedy generations token for token."""
 
@@ -10,6 +10,7 @@ from helpers import assert_close
 from safetensors.torch import load_file, save_file
 
 from horse import checkpoint, cli, generate, hf, kernels, train
+from horse.hf import weights
 from horse.model import GPT, GPTConfig
 from horse.train import TrainConfig
 
@@ -101,7 +102,7 @@ def test_from_pretrained_matches_transformers(tmp_path, arch, fmt):
     path = save_hf(theirs, tmp_path / "hf", fmt)
     if fmt == "sharded":
         assert (path / hf.SAFETENSORS_INDEX).is_file()
-    ours = GPT.from_pretrained(path).eval()
+    ours = hf.from_pretrained(path).eval()
     vocab = theirs.config.vocab_size
     assert ours.config.vocab_size % 64 == 0 and ours.config.vocab_used == vocab  # 101 -> 128, 97 -> 128
     if arch == "llama":
@@ -114,13 +115,13 @@ def test_from_pretrained_matches_transformers(tmp_path, arch, fmt):
 @pytest.mark.parametrize("tie, bias", [(True, True), (False, False)])
 def test_llama_tied_head_and_attention_biases(tmp_path, tie, bias):
     theirs = hf_llama(tie=tie, bias=bias)
-    ours = GPT.from_pretrained(save_hf(theirs, tmp_path / "hf", "safetensors")).eval()
+    ours = hf.from_pretrained(save_hf(theirs, tmp_path / "hf", "safetensors")).eval()
     assert (ours.lm_head is None, ours.config.bias) == (tie, bias)
     assert_same_logits(ours, theirs, theirs.config.vocab_size)
 
 
 def test_padding_gets_no_probability_in_the_loss_and_is_never_sampled(tmp_path):
-    ours = GPT.from_pretrained(save_hf(hf_gpt2(), tmp_path / "hf", "safetensors"))
+    ours = hf.from_pretrained(save_hf(hf_gpt2(), tmp_path / "hf", "safetensors"))
     idx, targets = _ids(101), _ids(101, seed=5)
     loss = ours.loss(idx, targets)
     expected = torch.nn.functional.cross_entropy(ours(idx)[..., :101].flatten(0, 1), targets.flatten())
@@ -157,14 +158,14 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, config, cap
     bpe_tokenizer(tmp_path / "tokenizer.json")
     ours, run = _horse_checkpoint(tmp_path, config, tmp_path / "tokenizer.json")
     out = tmp_path / "export"
-    checkpoint.main(["export", str(run), "--format", "hf", "--out", str(out)])
+    weights.main(["export", str(run), "--format", "hf", "--out", str(out)])
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     expected = "GPT2LMHeadModel" if config.positions == "learned" else "LlamaForCausalLM"
     assert type(theirs).__name__ == expected and theirs.config.vocab_size == 300
     assert_same_logits(ours, theirs, 300)
     assert_same_greedy(ours, theirs, 300)
-    back = GPT.from_pretrained(out)  # and in again: the same model
+    back = hf.from_pretrained(out)  # and in again: the same model
     assert back.config == config
     for name, t in ours.state_dict().items():
         rows = 300 if name in ("wte.weight", "lm_head.weight") else None  # the padding rows are not exported
@@ -197,7 +198,7 @@ def test_export_of_a_model_without_a_twin_names_the_fields(tmp_path):
     config = GPTConfig(vocab_size=256, block_size=32, n_layer=1, n_head=2, d_model=16, positions="rotary")
     _, run = _horse_checkpoint(tmp_path, config)
     with pytest.raises(SystemExit):
-        checkpoint.main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "export")])
+        weights.main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "export")])
     with pytest.raises(ValueError, match="'positions': 'rotary', 'norm': 'layernorm', 'mlp': 'gelu'"):
         hf.export(run, tmp_path / "export")
     assert not (tmp_path / "export" / "config.json").exists()
@@ -223,7 +224,7 @@ def test_bad_checkpoints_name_the_file_and_what_was_expected(tmp_path, capsys):
     dropped = ("model.layers.1.self_attn.k_proj.weight", "lm_head.weight")
     save_file({k: v for k, v in tensors.items() if k not in dropped}, path / "model.safetensors")
     with pytest.raises(ValueError, match="2 tensor") as e:
-        GPT.from_pretrained(path)
+        hf.from_pretrained(path)
     assert str(path) in str(e.value)
     assert "model.layers.1.self_attn.k_proj.weight" in str(e.value) and "lm_head.weight" in str(e.value)
 
@@ -232,30 +233,30 @@ def test_bad_checkpoints_name_the_file_and_what_was_expected(tmp_path, capsys):
     (path / "config.json").write_text(json.dumps(config | {"intermediate_size": 40}))
     wrong = r"up_proj.weight \(as blocks.0.mlp.up_proj.weight\): \[48, 32\], expected \[40, 32\]"
     with pytest.raises(ValueError, match=wrong):
-        GPT.from_pretrained(path)
+        hf.from_pretrained(path)
     (path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "hidden_size"}))
     with pytest.raises(ValueError, match="config.json: no 'hidden_size', which a LlamaForCausalLM config"):
-        GPT.from_pretrained(path)
+        hf.from_pretrained(path)
     bert = {"architectures": ["BertModel"], "model_type": "bert"}
     (path / "config.json").write_text(json.dumps(config | bert))
     with pytest.raises(ValueError, match=r"config.json: architecture \['BertModel'\] is not supported") as e:
-        GPT.from_pretrained(path)
+        hf.from_pretrained(path)
     assert "GPT2LMHeadModel" in str(e.value) and str(path) in str(e.value)
 
     (path / "config.json").write_text(json.dumps({"train": {}, "model": {}}))  # a horse run's
     with pytest.raises(ValueError, match="config.json: names no architectures or model_type"):
-        GPT.from_pretrained(path)
+        hf.from_pretrained(path)
 
     yarns = ({"rope_scaling": {"rope_type": "yarn", "factor": 4}}, {"rope_parameters": {"rope_type": "yarn"}})
     for yarn in yarns:
         (path / "config.json").write_text(json.dumps(config | yarn))
         with pytest.raises(ValueError, match="rope_type 'yarn'; expected the default rotary"):
-            GPT.from_pretrained(path)
+            hf.from_pretrained(path)
 
     (path / "config.json").write_text(json.dumps(config))
     (path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="no weights: expected model.safetensors"):
-        GPT.from_pretrained(path)
+        hf.from_pretrained(path)
 
     save_hf(hf_gpt2(), path, "safetensors")
     (path / "tokenizer.json").write_text("{not json")
@@ -275,7 +276,7 @@ def test_init_from_a_hf_folder_fine_tunes_its_weights(tmp_path, capsys):
     train.train(cfg, {})
     assert f"model {path}:" in capsys.readouterr().out
     tuned = checkpoint.full_weights(checkpoint.latest(tmp_path / "run"))
-    for name, t in GPT.from_pretrained(path).state_dict().items():
+    for name, t in hf.from_pretrained(path).state_dict().items():
         torch.testing.assert_close(tuned[name], t, atol=1e-9, rtol=0)  # one step at lr 1e-12
     train.train(*cli.parse_args(["--out-dir", cfg.out_dir, "--resume", "--max-steps", "2"]))
     assert checkpoint.latest(tmp_path / "run").name == "ckpt_0000002"  # resumed: the run's own weights
@@ -295,7 +296,7 @@ def test_a_tiny_forward_through_the_triton_backend(tmp_path, monkeypatch):
     within twice the reference backend's own float16 error of transformers' float32 logits."""
     theirs = hf_llama()
     path = save_hf(theirs, tmp_path / "hf", "safetensors")
-    ours, reference = (GPT.from_pretrained(path, backend=b).eval() for b in ("triton", "reference"))
+    ours, reference = (hf.from_pretrained(path, backend=b).eval() for b in ("triton", "reference"))
     calls = []
     for name in ("flash_attention", "fused_gated_mlp"):  # the model looks them up at call time
         kernel = getattr(kernels, name)

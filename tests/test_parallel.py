@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F  # noqa: N812
 from helpers import check_descriptor_strides_in_bytes, free_port
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from horse import kernels
@@ -20,7 +21,6 @@ from horse.model import GPT, GPTConfig, KVCache
 from horse.parallel import (
     GPT_PLAN,
     Parallel,
-    RowParallelLinear,
     Style,
     allreduce_sequence_parallel_grads,
     build_model,
@@ -34,6 +34,7 @@ from horse.parallel import (
     parallelize,
     reduce_from_tp,
     reduce_scatter_to_sequence,
+    row_parallel,
     scatter_to_sequence,
     shard,
     shard_spec,
@@ -373,20 +374,29 @@ def test_shard_and_gather_round_trip_with_qkv_parts():
 def test_the_plan_gives_each_module_its_form_and_refuses_one_that_does_not_fit(monkeypatch):
     model = parallelize(GPT(LLAMA), Parallel(tp_size=TP))
     forms = {name: type(module).__name__ for name, module in model.named_modules() if style_of(name)}
-    expected = {"": "TensorParallelGPT", "wte": "VocabParallelEmbedding", "lm_head": "Linear"}
+    expected = {"": "GPT", "wte": "VocabParallelEmbedding", "lm_head": "Linear"}
     for block in ("blocks.0", "blocks.1"):
         expected |= {
             f"{block}.attn": "CausalSelfAttention",  # its head counts divided
-            f"{block}.attn.c_attn": "ColumnParallelLinear",
+            f"{block}.attn.c_attn": "Linear",  # fed the whole input by its hook
             f"{block}.attn.c_proj": "RowParallelLinear",
-            f"{block}.mlp": "TensorParallelMLP",
-            f"{block}.mlp.gate_proj": "Linear",  # fed the whole input by the MLP
+            f"{block}.mlp": "MLP",  # its input whole once, by its hook, for the up projections
+            f"{block}.mlp.gate_proj": "Linear",
             f"{block}.mlp.up_proj": "Linear",
             f"{block}.mlp.down_proj": "RowParallelLinear",
         }
     assert forms == expected
-    monkeypatch.setitem(GPT_PLAN, "norm_f", Style(form=RowParallelLinear))
-    with pytest.raises(TypeError, match="norm_f is a RMSNorm; its plan's form RowParallelLinear is not a"):
+    hooked = {name for name, module in model.named_modules() if module._forward_pre_hooks}
+    assert hooked == {"blocks.0", "head_input"} | {
+        f"blocks.{i}.{m}" for i in (0, 1) for m in ("attn.c_attn", "mlp")
+    }
+    # The model's own classes run; the modules put in a layer's place subclass none of the model's.
+    model_classes = {type(m) for m in GPT(LLAMA).modules()} - {nn.Linear, nn.Embedding, nn.ModuleList}
+    assert not any(
+        issubclass(type(m), tuple(model_classes)) for m in (model.wte, model.blocks[0].mlp.down_proj)
+    )
+    monkeypatch.setitem(GPT_PLAN, "norm_f", Style(form=row_parallel))
+    with pytest.raises(TypeError, match="norm_f is a RMSNorm; its plan's form row_parallel takes a Linear"):
         parallelize(GPT(LLAMA), Parallel(tp_size=TP))
 
 

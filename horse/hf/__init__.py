@@ -1,7 +1,9 @@
 """Hugging Face models: their checkpoints in and out of our GPT, and our kernels inside them.
 
-Checkpoints (``horse.hf.convert``, no transformers needed): ``GPT.from_pretrained(folder)`` reads a GPT-2 or
-LLaMA folder, ``python -m horse.checkpoint export RUN --format hf`` writes one.
+Checkpoints (no transformers needed): ``horse.hf.from_pretrained(folder)`` reads a GPT-2 or LLaMA
+folder, ``python -m horse.checkpoint export RUN --format hf`` writes one. ``horse.hf.convert`` maps
+the names and layouts, ``horse.hf.weights`` holds the loaders of every source of weights (Hugging Face
+folders, horse checkpoints and runs).
 
 Fused kernels in a transformers model, in place (``horse.hf.patch``, needs transformers 5.25 or newer)::
 
@@ -25,18 +27,19 @@ from horse.hf.convert import (
     SAFETENSORS_INDEX,
     TOKENIZER,
     config_from_hf,
-    export,
     from_hf_tensors,
-    from_pretrained,
     hf_architecture,
     is_hf_folder,
+    pad_vocab,
+    to_hf,
+)
+from horse.hf.weights import (
+    export,
+    from_pretrained,
     load_model,
     load_pretrained,
-    pad_vocab,
     pretrained_config,
-    pretrained_config_for,
     read_tensors,
-    to_hf,
     tokenizer_of,
 )
 
@@ -70,7 +73,6 @@ __all__ = [
     "load_pretrained",
     "pad_vocab",
     "pretrained_config",
-    "pretrained_config_for",
     "read_tensors",
     "to_hf",
     "tokenizer_of",

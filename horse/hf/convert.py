@@ -1,11 +1,7 @@
-"""Hugging Face checkpoints in and out: GPT-2 (``GPT2LMHeadModel``) and LLaMA (``LlamaForCausalLM``).
-
-    GPT.from_pretrained("path/to/folder")            a local folder: config.json and model.safetensors,
-                                                     sharded safetensors (model.safetensors.index.json),
-                                                     or pytorch_model.bin; nothing is downloaded
-    python -m horse.checkpoint export RUN --format hf --out DIR
-                                                     config.json + model.safetensors (+ tokenizer.json)
-                                                     that transformers loads
+"""Hugging Face checkpoints mapped to ours and back: GPT-2 (``GPT2LMHeadModel``) and LLaMA
+(``LlamaForCausalLM``), their config.json and tensor names and layouts. Names and layouts only: the
+files are read and written by ``horse.hf.weights`` (``horse.hf.from_pretrained(folder)``,
+``python -m horse.checkpoint export RUN --format hf --out DIR``).
 
 The two architectures map onto GPTConfig as:
 
@@ -22,18 +18,11 @@ probability in the loss; export drops them again.
 """
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from horse import checkpoint
-from horse.data import BPETokenizer, load_tokenizer
-from horse.layers import RotaryEmbedding
 from horse.model import GPT, GPTConfig
-from horse.parallel import Parallel, shard_state_dict
 
 CONFIG, SAFETENSORS, SAFETENSORS_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 BIN, BIN_INDEX, TOKENIZER = "pytorch_model.bin", "pytorch_model.bin.index.json", "tokenizer.json"
@@ -158,32 +147,6 @@ def _config(path: Path, hf: dict, arch: str) -> GPTConfig:
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         **common,
     )
-
-
-def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder path's weights (on the CPU): model.safetensors, the shards named by
-    model.safetensors.index.json, pytorch_model.bin (read with weights_only=True) or its shards."""
-    path = Path(path)
-    if (path / SAFETENSORS).is_file():
-        return load_file(path / SAFETENSORS)
-    if (path / SAFETENSORS_INDEX).is_file() or (path / BIN_INDEX).is_file():
-        index = path / (SAFETENSORS_INDEX if (path / SAFETENSORS_INDEX).is_file() else BIN_INDEX)
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        tensors = {}
-        for name in files:
-            tensors |= _read_file(path / name)
-        return tensors
-    if (path / BIN).is_file():
-        return _read_file(path / BIN)
-    raise FileNotFoundError(
-        f"{path}: no weights: expected {SAFETENSORS}, {SAFETENSORS_INDEX}, {BIN} or {BIN_INDEX}"
-    )
-
-
-def _read_file(file: Path) -> dict[str, torch.Tensor]:
-    if file.suffix == ".safetensors":
-        return load_file(file)
-    return torch.load(file, map_location="cpu", weights_only=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -349,101 +312,3 @@ def to_hf(config: GPTConfig, state: dict[str, torch.Tensor]) -> tuple[dict, dict
     for mine, parts in stacked.items():
         tensors |= dict(zip(parts, state[mine].split([q, kv, kv]), strict=True))
     return hf, {k: v.detach().float().contiguous() for k, v in tensors.items()}
-
-
-# ----------------------------------------------------------------------------------------------
-# Loading and writing
-# ----------------------------------------------------------------------------------------------
-
-
-def from_pretrained(path: str | Path, backend: str = "reference") -> GPT:
-    """A GPT (float32, on the CPU) holding the weights of the Hugging Face folder path."""
-    path = Path(path)
-    config, arch = config_from_hf(path)
-    state = from_hf_tensors(read_tensors(path), config, arch, path)
-    with torch.device("meta"):  # no random initialisation to overwrite, no second copy of the weights
-        model = GPT(config, backend)
-    model.load_state_dict(state, assign=True)
-    if model.rotary is not None:  # derived from the config, not saved: made on the meta device above
-        tables = RotaryEmbedding(config.head_dim, config.block_size, config.rope_base)
-        model.rotary.cos, model.rotary.sin = tables.cos, tables.sin
-    return model
-
-
-def pretrained_config(path: str | Path) -> GPTConfig:
-    """The model config of path: a Hugging Face folder, a horse checkpoint or a run's directory."""
-    if is_hf_folder(path):
-        return config_from_hf(path)[0]
-    return checkpoint.read_metadata(checkpoint.resolve(path))[0]
-
-
-def pretrained_config_for(path: str | Path, overrides: dict, data_vocab: int) -> GPTConfig:
-    """The config of path (:func:`pretrained_config`) to fine-tune on data whose vocabulary is
-    data_vocab: model flags (overrides) may only repeat its values, and the data's ids must fit."""
-    config = pretrained_config(path)
-    differ = [
-        f"--{name.replace('_', '-')} {value!r} (its {getattr(config, name)!r})"
-        for name, value in overrides.items()
-        if getattr(config, name) != value
-    ]
-    if differ:
-        raise ValueError(f"--init-from {path} fixes the model; these model flags differ: {', '.join(differ)}")
-    if data_vocab > (config.vocab_used or config.vocab_size):
-        raise ValueError(
-            f"--init-from {path}: the data's vocabulary ({data_vocab}) is larger than the model's "
-            f"({config.vocab_used or config.vocab_size})"
-        )
-    return config
-
-
-def load_pretrained(path: str | Path, model: GPT, parallel: Parallel | None = None) -> None:
-    """Load the weights of path (as :func:`pretrained_config`) into model, this rank's shard of a
-    GPT of pretrained_config(path)."""
-    parallel = parallel or Parallel()
-    if is_hf_folder(path):
-        config, arch = config_from_hf(path)
-        state = from_hf_tensors(read_tensors(path), config, arch, Path(path))
-    else:
-        config, state = model.config, checkpoint.full_weights(checkpoint.resolve(path))
-    model.load_state_dict(shard_state_dict(state, config, parallel.tp_rank, parallel.tp_size))
-
-
-def load_model(path: str | Path, backend: str = "reference") -> tuple[GPT, BPETokenizer | None]:
-    """(model, tokenizer) of path: a Hugging Face folder (its tokenizer.json, or None without one),
-    or a horse checkpoint or run directory (its tokenizer, by name)."""
-    if is_hf_folder(path):
-        return from_pretrained(path, backend), tokenizer_of(path)
-    ckpt = checkpoint.resolve(path)
-    config, name = checkpoint.read_metadata(ckpt)
-    model = GPT(config, backend)
-    checkpoint.load_weights(ckpt, model)
-    return model, load_tokenizer(ckpt, name)
-
-
-def tokenizer_of(path: str | Path) -> BPETokenizer | None:
-    """The tokenizer.json of folder path (None if it has none), or an error naming the file."""
-    file = Path(path) / TOKENIZER
-    return BPETokenizer(file) if file.is_file() else None
-
-
-def export(ckpt: str | Path, out: str | Path) -> Path:
-    """Write the whole model of checkpoint ckpt (a checkpoint or run directory, any tp size) into
-    folder out as a Hugging Face checkpoint: config.json, model.safetensors and, when the run had
-    one, tokenizer.json. config.json is moved in last, so a folder without it is an unfinished
-    export. Returns the checkpoint exported."""
-    ckpt, out = checkpoint.resolve(ckpt), Path(out)
-    config, tokenizer = checkpoint.read_metadata(ckpt)
-    hf, tensors = to_hf(config, checkpoint.full_weights(ckpt))
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".export.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(tensors, tmp / SAFETENSORS, metadata={"format": "pt"})
-    if tokenizer == TOKENIZER:
-        shutil.copyfile((ckpt.parent if ckpt.is_file() else ckpt) / TOKENIZER, tmp / TOKENIZER)
-    (tmp / CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
-    (out / CONFIG).unlink(missing_ok=True)
-    for f in sorted(tmp.iterdir(), key=lambda f: f.name == CONFIG):
-        os.replace(f, out / f.name)
-    tmp.rmdir()
-    return ckpt

@@ -2,19 +2,24 @@
 
 Each computes what the module's own forward computes, in the same dtypes, on ``horse.kernels``:
 
-- RMSNorm (LLaMA, Mistral, Qwen2, Qwen3, and Qwen3's per-head q_norm and k_norm): transformers' cast order,
+- RMSNorm (LLaMA's and the families like it, Qwen3's per-head q_norm and k_norm): transformers' cast order,
   ``weight * normalized.to(input dtype)``: ``rms_norm`` without a weight gives the normalized input in its
   own dtype, and the weight multiplies it as transformers does (a float32 weight on 16-bit activations
-  gives float32, as there).
+  gives float32, as there). OLMo-2's RMSNorm (its q_norm and k_norm too) multiplies first and casts after,
+  ``(weight * normalized).to(input dtype)``: ``rms_norm`` with the weight, whose kernel does just that.
 - GPT-2's ``nn.LayerNorm``: ``layer_norm`` (in float32 under autocast, as autocast runs layer_norm).
-- The gated MLP: ``fused_gated_mlp`` on gate_proj, up_proj and down_proj's weights.
+- The gated MLP: ``fused_gated_mlp`` on gate_proj, up_proj and down_proj's weights; Phi-3's and GLM-4's
+  fused ``gate_up_proj`` (gate rows first, up rows after) as the two row halves of its weight, views.
 - GPT-2's MLP: ``fused_mlp`` on c_fc and c_proj. Conv1D stores its weight (in, out), so ``weight.t()`` is the
   (out, in) operand the kernel takes, a view (the kernels read any strides); dropout after it as before.
 - The decoder layer: the residual add before the post-attention norm fused into it (``add_rms_norm`` /
   ``add_layer_norm``), which returns the sum rounded to the activations' dtype, as the unfused add, and the
   norm of that sum. Only where nothing can tell: the two addends of one dtype, no autocast around a
   LayerNorm, no hooks on the norm, and the norm running our forward; otherwise the layer adds as before.
-- The causal LM: its loss from the last hidden states by ``linear_cross_entropy`` (:func:`causal_lm_forward`).
+  What a family does to the attention's output before that add stays as it was: Phi-3's residual dropout,
+  Granite's residual_multiplier, GLM-4's post_self_attn_layernorm (a sandwich norm).
+- The causal LM: its loss from the last hidden states by ``linear_cross_entropy`` (:func:`causal_lm_forward`),
+  Granite's ``logits / logits_scaling`` folded into the hidden states.
 
 A projection these forwards read the weight of must be a plain ``nn.Linear`` (GPT-2: ``Conv1D``) without
 hooks: a LoRA, quantized or hooked layer would be skipped, so its call raises instead, naming it.
@@ -22,6 +27,7 @@ hooks: a LoRA, quantized or hooked layer would be skipped, so its call raises in
 
 import functools
 import inspect
+import types
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the name every PyTorch reader knows)
@@ -29,7 +35,7 @@ from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.pytorch_utils import Conv1D
-from transformers.utils import can_return_tuple
+from transformers.utils import ModelOutput, can_return_tuple
 
 from horse.hf.attention import check_half_precision
 from horse.kernels import (
@@ -94,6 +100,11 @@ def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return self.weight * normalized
 
 
+def olmo2_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """OLMo-2's RMSNorm: ``(weight * x · rsqrt(mean(x²) + eps)).to(x.dtype)``, weight times float32."""
+    return rms_norm(hidden_states, hidden_states.shape[-1:], self.weight, self.variance_epsilon)
+
+
 def layer_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """``nn.LayerNorm``; under autocast in float32, as autocast runs layer_norm."""
     if torch.is_autocast_enabled(hidden_states.device.type):
@@ -140,6 +151,15 @@ def gated_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return fused_gated_mlp(x, *weights, activation=activation_of(self.act_fn))
 
 
+def gate_up_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """Phi-3's and GLM-4's ``down_proj(up * act(gate))`` with ``gate, up = gate_up_proj(x).chunk(2, -1)``, one
+    fused call on gate_up_proj's weight's two row halves (views: its gradient lands in the one weight)."""
+    _require_plain(self, ("gate_up_proj", "down_proj"), nn.Linear)
+    check_half_precision(x, type(self).__name__)
+    gate, up = self.gate_up_proj.weight.chunk(2, dim=0)  # (intermediate, hidden) each
+    return fused_gated_mlp(x, gate, up, self.down_proj.weight, activation=activation_of(self.activation_fn))
+
+
 def gpt2_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     """GPT-2's ``dropout(c_proj(act(c_fc(x))))``; Conv1D weights are (in, out): their transposes are views."""
     _require_plain(self, ("c_fc", "c_proj"), Conv1D)
@@ -154,32 +174,68 @@ def gpt2_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def decoder_layer_forward(
-    self,
-    hidden_states: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.LongTensor | None = None,
-    cache=None,
-    use_cache: bool | None = False,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    **kwargs,
-) -> torch.Tensor:
-    """LLaMA's decoder layer (Mistral's, Qwen2's, Qwen3's alike) with ``post_attention_layernorm(residual +
-    attention)`` as one add_rms_norm."""
-    residual = hidden_states
-    attention_output, _ = self.self_attn(
-        hidden_states=self.input_layernorm(hidden_states),
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        cache=cache,
-        use_cache=use_cache,
-        position_embeddings=position_embeddings,
-        **kwargs,
-    )
-    normalized, hidden_states = _add_rms_norm(self.post_attention_layernorm, attention_output, residual)
+def checkpointed(forward):
+    """forward as a transformers GradientCheckpointingLayer runs its own. The layer class checkpoints in a
+    wrapper around its class's forward, which a forward bound to the instance bypasses: without this, a
+    patched model under ``activation_checkpointing_enable()`` would keep every layer's activations. In
+    training with gradients and the layer's gradient_checkpointing on: through its checkpoint function, the
+    cache off as transformers turns it off there (``use_cache=False``; ``cache=None`` unless the layer keeps
+    it)."""
+
+    @functools.wraps(forward)
+    def layer_forward(self, *args, **kwargs):
+        if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
+            return forward(self, *args, **kwargs)
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        if not self._can_checkpoint_with_cache and kwargs.get("cache") is not None:
+            kwargs["cache"] = None
+        return self._gradient_checkpointing_func(functools.partial(forward, self, **kwargs), *args)
+
+    return layer_forward
+
+
+@checkpointed
+def decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+    """LLaMA's decoder layer (and those of the families built like it) with
+    ``post_attention_layernorm(residual + attention)`` as one add_rms_norm. The layer's keyword arguments
+    (attention_mask, position_ids, cache, use_cache, position_embeddings, ...) go on to self_attn, as the
+    layer's own forward passes them."""
+    attention_output, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    normalized, hidden_states = _add_rms_norm(self.post_attention_layernorm, attention_output, hidden_states)
     return hidden_states + self.mlp(normalized)
 
 
+@checkpointed
+def phi3_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Phi-3's decoder layer: LLaMA's with dropout on each branch's output (resid_pdrop) before its add."""
+    attention_output, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    attention_output = self.resid_attn_dropout(attention_output)
+    normalized, hidden_states = _add_rms_norm(self.post_attention_layernorm, attention_output, hidden_states)
+    return hidden_states + self.resid_mlp_dropout(self.mlp(normalized))
+
+
+@checkpointed
+def granite_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Granite's decoder layer: LLaMA's with each branch's output times residual_multiplier before its add
+    (the product rounded to the activations' dtype, as there, then the fused add and norm)."""
+    attention_output, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    attention_output = attention_output * self.residual_multiplier
+    normalized, hidden_states = _add_rms_norm(self.post_attention_layernorm, attention_output, hidden_states)
+    return hidden_states + self.mlp(normalized) * self.residual_multiplier
+
+
+@checkpointed
+def glm4_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+    """GLM-4's decoder layer: sandwich norms, each branch's output normalized (post_self_attn_layernorm,
+    post_mlp_layernorm) before its add; the add into post_attention_layernorm fused as in LLaMA's."""
+    attention_output, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    attention_output = self.post_self_attn_layernorm(attention_output)
+    normalized, hidden_states = _add_rms_norm(self.post_attention_layernorm, attention_output, hidden_states)
+    return hidden_states + self.post_mlp_layernorm(self.mlp(normalized))
+
+
+@checkpointed
 def gpt2_block_forward(
     self,
     hidden_states: torch.Tensor,
@@ -246,6 +302,11 @@ def causal_lm_loss(
     return loss / num_items_in_batch
 
 
+def logits_divisor(config) -> float:
+    """What the causal LM divides its logits by: Granite's ``logits_scaling``, 1 for the other families."""
+    return config.logits_scaling if config.model_type == "granite" else 1
+
+
 @can_return_tuple
 def causal_lm_forward(self, *args, **kwargs):
     """The causal LM's forward with its loss by :func:`causal_lm_loss`. With labels in training the logits
@@ -275,11 +336,14 @@ def causal_lm_forward(self, *args, **kwargs):
     if skip_logits and labels is None:
         raise ValueError("horse.hf: skip_logits=True needs labels: without them the logits are the output")
     logits = None if skip_logits else self.lm_head(hidden_states)
+    if (divisor := logits_divisor(self.config)) != 1:
+        hidden_states = hidden_states / divisor  # lm_head(h) / s as lm_head(h / s): Granite's has no bias
+        logits = None if logits is None else logits / divisor  # what the model returns, as it divides
     loss = None
     if labels is not None:
         loss = causal_lm_loss(hidden_states, self.lm_head, labels, logits, **extra)
     fields = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
-    return signature.return_annotation(loss=loss, logits=logits, **fields)
+    return _output_class(signature)(loss=loss, logits=logits, **fields)
 
 
 @functools.cache
@@ -297,5 +361,14 @@ def causal_lm_forward_for(model_class: type):
 
 @functools.cache
 def _signature(forward) -> inspect.Signature:
-    """A model class's forward's signature; its return annotation is the output class."""
+    """A model class's forward's signature; its return annotation names the output class."""
     return inspect.signature(forward)
+
+
+def _output_class(signature: inspect.Signature) -> type:
+    """The output class a forward's return annotation names: itself, or the ModelOutput of a union
+    (GLM-4's ``tuple | CausalLMOutputWithPast``)."""
+    annotation = signature.return_annotation
+    if isinstance(annotation, types.UnionType):
+        (annotation,) = (member for member in annotation.__args__ if issubclass(member, ModelOutput))
+    return annotation

@@ -7,9 +7,20 @@ Per family, by ``config.model_type``:
 
     llama, mistral,   attention (GQA, Mistral's and Qwen2's sliding window), RMSNorm (Qwen3's q_norm and
     qwen2, qwen3      k_norm too), the gated MLP, the residual add into the post-attention RMSNorm, the loss
+    ministral,        as LLaMA, with sliding windows on the layers whose layer_type says so (SmolLM3's
+    smollm3           layers without rotary, NoPE, are the attention module's own affair: it sends q, k)
+    phi3              as LLaMA, the MLP on gate_up_proj's two row halves (views), dropout as before
+    granite           as LLaMA, with attention_multiplier as the softmax scale and residual_multiplier on
+                      each branch before its add; logits / logits_scaling folded into the hidden states
+    olmo2             attention, RMSNorm with the weight inside the cast (q_norm, k_norm and the post-norms
+                      too), the gated MLP, the loss; no residual add is followed by a norm: none is fused
+    glm4              as LLaMA with Phi-3's MLP and sandwich norms (each branch normalized before its add)
     gpt2              attention, LayerNorm, the MLP, the residual add into ln_2, the loss
 
-Any other model type raises: a model is never left unpatched without a word. Refused at apply, naming what:
+Any other model type raises (those of WAITING_FOR_KERNELS with what they need: gemma, gemma2, gemma3_text,
+gemma4_text, gpt_oss): a model is never left unpatched without a word. Rotary embeddings,
+partial (Phi-3's partial_rotary_factor, GLM-4's interleaved half) or none, and Granite's embedding_multiplier
+stay in transformers' own modules, which are not replaced. Refused at apply, naming what:
 quantized models, cross-attention (GPT-2's add_cross_attention), head dims above 256, logit softcapping,
 MLP biases on a gated MLP, activations the kernels lack, wrapped layers (anything but a plain ``nn.Linear``
 / ``Conv1D`` where a fused forward reads the weight, hooks on them) and modules whose forward something else
@@ -17,9 +28,9 @@ has replaced already. Refused at call: see ``horse.hf.attention`` and ``horse.hf
 activations on a GPU are refused rather than run on the slow reference (``attention.check_half_precision``).
 """
 
+import dataclasses
 import importlib
 import types
-from dataclasses import dataclass
 
 import transformers
 from torch import nn
@@ -37,13 +48,27 @@ if major_minor(transformers.__version__) < MIN_TRANSFORMERS:
         f"interfaces, the `cache` argument); this environment has {transformers.__version__}"
     )
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+SUPPORTED_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3", "granite", "ministral", "smollm3", "olmo2", "glm4",
+)  # fmt: skip
+# Families that need what the kernels do not do yet (issue 49), with what: named in apply's refusal.
+WAITING_FOR_KERNELS = {
+    "gemma": "Gemma's RMSNorm (x · (1 + weight), multiplied in float32 before the cast)",
+    "gemma2": "attention and final-logit softcapping, Gemma's RMSNorm",
+    "gemma3_text": "Gemma's RMSNorm, per-head q/k norms, a vocabulary of 262,208 (the loss's limit: 262,144)",
+    "gemma4_text": "head dim 512 on its global layers",
+    "gpt_oss": "attention sinks (s_aux) and its packed experts",
+}
 MAX_HEAD_DIM = 256
 _PATCH = "_horse_hf_patch"  # the model's attribute holding what apply changed
-_LLAMA_LIKE = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+# The families built like LLaMA: {model_type: the prefix of their modeling module's class names}
+_LLAMA_LIKE = {
+    "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
+    "granite": "Granite", "ministral": "Ministral", "smollm3": "SmolLM3", "olmo2": "Olmo2", "glm4": "Glm4",
+}  # fmt: skip
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Family:
     """A model family's module classes and what replaces each one's forward, with its kind in the report."""
 
@@ -56,7 +81,7 @@ class Family:
     mlp_layers: tuple[str, ...]  # the projections whose weights the fused MLP reads
     mlp_layer_type: type
     mlp_activation: str  # the MLP's attribute holding its activation module
-    layer: type
+    layer: type | None  # None: the family's layer has no residual add followed by a norm
     layer_kind: str
     layer_forward: types.FunctionType
     attention: type
@@ -86,7 +111,7 @@ def family(model_type: str) -> Family:
         )
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     prefix = _LLAMA_LIKE[model_type]
-    return Family(
+    llama_like = Family(
         norm=getattr(module, f"{prefix}RMSNorm"),
         norm_kind="rms_norm",
         norm_forward=forwards.rms_norm_forward,
@@ -102,6 +127,22 @@ def family(model_type: str) -> Family:
         attention=getattr(module, f"{prefix}Attention"),
         causal_lm=getattr(module, f"{prefix}ForCausalLM"),
     )
+    return dataclasses.replace(llama_like, **_UNLIKE_LLAMA.get(model_type, {}))
+
+
+_GATE_UP_MLP = {
+    "mlp_forward": forwards.gate_up_mlp_forward,
+    "mlp_layers": ("gate_up_proj", "down_proj"),
+    "mlp_activation": "activation_fn",
+}
+# Where a family built like LLaMA differs from it (the causal LM's logits_scaling: forwards.logits_divisor).
+_UNLIKE_LLAMA = {
+    "phi3": {**_GATE_UP_MLP, "layer_forward": forwards.phi3_decoder_layer_forward},
+    "granite": {"layer_forward": forwards.granite_decoder_layer_forward},
+    # post-norms: each branch is normalized before its add, and no norm follows the add within the layer
+    "olmo2": {"norm_forward": forwards.olmo2_rms_norm_forward, "layer": None},
+    "glm4": {**_GATE_UP_MLP, "layer_forward": forwards.glm4_decoder_layer_forward},
+}
 
 
 def register() -> None:
@@ -111,7 +152,7 @@ def register() -> None:
     AttentionMaskInterface.register(attention.NAME, attention.padding_mask)
 
 
-@dataclass
+@dataclasses.dataclass
 class _Patch:
     report: dict[str, list[str]]
     modules: list[nn.Module]  # those given a forward of ours
@@ -123,8 +164,9 @@ def _plan(model: PreTrainedModel, fam: Family) -> list[tuple[str, str, nn.Module
     kinds = {
         fam.norm: (fam.norm_kind, fam.norm_forward),
         fam.mlp: (fam.mlp_kind, fam.mlp_forward),
-        fam.layer: (fam.layer_kind, fam.layer_forward),
     }
+    if fam.layer is not None:
+        kinds[fam.layer] = (fam.layer_kind, fam.layer_forward)
     if isinstance(model, fam.causal_lm):
         kinds[type(model)] = ("linear_cross_entropy", forwards.causal_lm_forward_for(type(model)))
     plan = []
@@ -193,9 +235,11 @@ def apply(model: PreTrainedModel) -> dict[str, list[str]]:
         return patch.report
     model_type = model.config.model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
+        waiting = WAITING_FOR_KERNELS.get(model_type)
         raise ValueError(
-            f"horse.hf.apply: model type {model_type!r} ({type(model).__name__}) is not supported; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"horse.hf.apply: model type {model_type!r} ({type(model).__name__}) is not supported"
+            + ("" if waiting is None else f": it needs {waiting}, which the kernels do not do yet")
+            + f"; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     fam = family(model_type)
     plan = _plan(model, fam)
