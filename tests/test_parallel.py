@@ -42,6 +42,7 @@ from horse.parallel import (
     style_of,
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
+    vocab_parallel_linear_cross_entropy,
 )
 
 # Under pytest-xdist in one worker with tests/test_train_parallel.py: one group of ranks at a time.
@@ -287,6 +288,37 @@ def _check_pieces(parallel: Parallel) -> None:
 
 def test_conjugate_functions_vocab_parallel_embedding_and_loss_and_the_skip_flag():
     _spawn(_check_pieces)
+
+
+def _check_softcapped_losses(parallel: Parallel) -> None:
+    rank, softcap = parallel.tp_rank, 2.0  # logits of about ±6: tanh's bend, where an error would show
+    g = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(2, 5, 8, generator=g), torch.randn(22, 8, generator=g)
+    targets = torch.tensor([[0, 3, 10, 11, 21], [-100, 12, 7, 20, 1]])  # both ranks' columns, one ignored
+    options = {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": softcap}
+    for use_triton in (True, False):  # the statistics and gradient kernels, and their plain-PyTorch twins
+        results = []
+        for tp, w in ((parallel, weight.chunk(TP)[rank]), (Parallel(), weight)):  # tp 2, then tp 1
+            x_in, w_in = x.clone().requires_grad_(), w.clone().requires_grad_()
+            loss = vocab_parallel_linear_cross_entropy(x_in, w_in, targets, tp, use_triton, **options)
+            loss.backward()
+            results.append((loss, x_in.grad, w_in.grad))
+        (loss, dx, dw), (loss_1, dx_1, dw_1) = results
+        torch.testing.assert_close(loss, loss_1, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dx, dx_1, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dw, dw_1.chunk(TP)[rank], rtol=1e-5, atol=1e-6)
+    logits = (x @ weight.T).flatten(0, 1)  # the unfused loss, on logits split by vocabulary
+    local = logits.chunk(TP, dim=1)[rank].clone().requires_grad_()
+    whole = logits.clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, targets.flatten(), parallel, softcap=softcap)
+    loss_1 = vocab_parallel_cross_entropy(whole, targets.flatten(), Parallel(), softcap=softcap)
+    loss.backward(), loss_1.backward()
+    torch.testing.assert_close(loss, loss_1, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(local.grad, whole.grad.chunk(TP, dim=1)[rank], rtol=1e-5, atol=1e-7)
+
+
+def test_the_vocab_parallel_losses_with_a_softcap_at_tp2_equal_tp1():
+    _spawn(_check_softcapped_losses)
 
 
 # ----------------------------------------------------------------------------------------------
