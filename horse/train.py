@@ -607,7 +607,7 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
     pretrained = bool(cfg.init_from) and ckpt is None
-    model, loss_fn = make_model(cfg, config, backend, parallel, device, pretrained, dtype)
+    model, loss_fn = make_model(cfg, config, backend, parallel, device, pretrained, dtype, ckpt is not None)
     dp = {"dp_rank": parallel.dp_rank, "dp_size": parallel.dp_size}
     tokens_per_step = cfg.batch_size * seq_len * grad_accum * parallel.dp_size  # the whole job's
     run = Run(
@@ -675,18 +675,24 @@ def make_model(
     device: str,
     pretrained: bool,
     compute_dtype: torch.dtype | None = None,
+    resuming: bool = False,
 ) -> tuple[GPT, Callable]:
     """(this rank's shard of the model, what the training step calls): float32 master weights
-    (autocast computes in fp16/bf16), initialised whole from --seed (``horse.parallel.build_model``
-    at tp=1) so that every tp size starts from the same weights, --init-from's weights loaded whole
-    when pretrained, then every parallel transform in its order (``horse.parallel.parallelize_gpt``:
-    tensor parallelism, --activation-checkpointing, --compile, DDP or FSDP2)."""
-    model = build_model(config, backend, Parallel(), "cpu", cfg.seed)
-    model.fused_loss = cfg.fused_loss
+    (autocast computes in fp16/bf16), after every parallel transform in its order
+    (``horse.parallel.parallelize_gpt``: tensor parallelism, --activation-checkpointing, --compile,
+    DDP or FSDP2). A fresh model is built on the meta device and each rank draws only its own part
+    from --seed, the same weights at every layout; resuming, that part is left for the checkpoint to
+    fill; pretrained, --init-from's weights are loaded whole on the CPU, then cut."""
     if pretrained:
+        model = build_model(config, backend, Parallel(), "cpu", cfg.seed)
         hf.load_pretrained(cfg.init_from, model)
+    else:
+        with torch.device("meta"):
+            model = GPT(config, backend)
+    model.fused_loss = cfg.fused_loss
+    seed = None if resuming else cfg.seed
     loss_fn = parallelize_gpt(
-        model, parallel, device, cfg.activation_checkpointing, cfg.compile, compute_dtype
+        model, parallel, device, cfg.activation_checkpointing, cfg.compile, compute_dtype, seed
     )
     return model, loss_fn
 

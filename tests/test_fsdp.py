@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import assert_close, command_line_flags, free_port
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 
 from horse import checkpoint, optim, train
 from horse.hf import weights
@@ -40,6 +41,7 @@ from horse.parallel import (
     shard,
     shard_spec,
     state_bytes,
+    unshard,
 )
 
 # Under pytest-xdist in one worker with the other multi-process tests: one group of ranks at a time.
@@ -309,8 +311,8 @@ def _bytes_per_rank() -> None:
 
 def _whole_gradients() -> tuple[dict, torch.Tensor]:
     """The whole model's gradients of the loss on the global batch, on one process, and their norm."""
-    torch.manual_seed(1337)  # the trainer's default seed: the weights every layout starts from
-    model = GPT(CONFIG)
+    # the trainer's default seed: the weights every layout starts from
+    model = build_model(CONFIG, "reference", Parallel(), "cpu", seed=train.TrainConfig().seed)
     model.loss(GLOBAL_BATCH[:, :-1], GLOBAL_BATCH[:, 1:]).backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
     return grads, torch.nn.utils.get_total_norm(list(grads.values()))
@@ -385,14 +387,32 @@ def _mixed_precision_and_compiled_blocks() -> None:
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=0)
 
 
+def _initial_weights_at_every_layout() -> None:
+    # Each rank allocates and draws only its own rows and columns (the model built on the meta
+    # device); gathered whole, every layout holds the tp=1 model's weights from the same seed, byte
+    # for byte.
+    whole = build_model(CONFIG, "reference", Parallel(), "cpu", seed=train.TrainConfig().seed)
+    for tp, dp_shard in [(1, 1), (1, 4), (2, 2)]:
+        parallel, model, _ = _sharded(tp, dp_shard)
+        for name, param in model.named_parameters():
+            tp_shard = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            pieces = [tp_shard]
+            if tp > 1:
+                pieces = [torch.empty_like(tp_shard) for _ in range(tp)]
+                dist.all_gather(pieces, tp_shard, group=parallel.tp_group)
+            gathered = unshard(pieces, shard_spec(name, CONFIG)) if tp > 1 else tp_shard
+            assert torch.equal(gathered, whole.get_parameter(name)), (tp, dp_shard, name)
+
+
 def _run_all(workers: list[str]) -> None:
     for name in workers:
         globals()[name]()
 
 
-def test_bytes_norm_clipping_skips_mixed_precision_and_compile_over_shards():
+def test_initial_weights_bytes_norm_clipping_skips_mixed_precision_and_compile_over_shards():
     """One spawn of 4 ranks for all of them: starting the ranks costs more than the checks."""
     workers = [
+        "_initial_weights_at_every_layout",
         "_bytes_per_rank",
         "_norm_clipping_and_a_skip_over_shards",
         "_mixed_precision_and_compiled_blocks",

@@ -302,8 +302,9 @@ def test_tp_ranks_start_from_the_slices_of_the_tp1_model(config):
         build_model(config, "reference", Parallel(tp_rank=r, tp_size=TP), "cpu", seed=0) for r in range(TP)
     ]
     whole, shards = whole_model.state_dict(), [m.state_dict() for m in models]
-    torch.manual_seed(0)
-    assert all(torch.equal(t, whole[name]) for name, t in GPT(config).state_dict().items())
+    eager = GPT(config)  # built on the CPU, then drawn from the seed: the same as on the meta device
+    eager.init_weights(0)
+    assert all(torch.equal(t, whole[name]) for name, t in eager.state_dict().items())
     # Each rank's FLOPs are its share: together the whole model's, replicated parameters once per rank.
     replicated = sum(p.numel() for n, p in whole_model.named_parameters() if shard_spec(n, config) is None)
     if whole_model.wpe is not None:
