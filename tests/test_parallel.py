@@ -16,13 +16,14 @@ from helpers import check_descriptor_strides_in_bytes, free_port
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from horse import kernels
+from horse import kernels, train
 from horse.model import GPT, GPTConfig, KVCache
 from horse.parallel import (
     GPT_PLAN,
     Parallel,
     Style,
     allreduce_sequence_parallel_grads,
+    apply,
     build_model,
     check_divisible,
     copy_to_tp,
@@ -292,6 +293,20 @@ def test_conjugate_functions_vocab_parallel_embedding_and_loss_and_the_skip_flag
 # ----------------------------------------------------------------------------------------------
 # In one process: initialisation, resharding, the checks, tp=1
 # ----------------------------------------------------------------------------------------------
+
+
+def test_a_resume_allocates_its_model_without_drawing_it(monkeypatch):
+    # Resuming, the trainer's model is allocated from the meta device and left for the checkpoint:
+    # no weights drawn, no throw-away model built; a fresh start draws them all.
+    drawn = []
+    draw = apply.initial_rows
+    monkeypatch.setattr(apply, "initial_rows", lambda name, *args: drawn.append(name) or draw(name, *args))
+    cfg = train.TrainConfig()
+    model, _ = train.make_model(cfg, LLAMA, "reference", Parallel(), "cpu", pretrained=False, resuming=True)
+    assert drawn == [] and not any(p.is_meta for p in model.parameters())
+    torch.testing.assert_close(model.rotary.cos, GPT(LLAMA).rotary.cos, rtol=0, atol=0)
+    train.make_model(cfg, LLAMA, "reference", Parallel(), "cpu", pretrained=False)
+    assert set(drawn) == {name for name, _ in model.named_parameters()}
 
 
 @pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama"])
