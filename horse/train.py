@@ -549,25 +549,32 @@ class Run:
         """The closing log line, then, with --sample-tokens, a sample of the trained model's text."""
         elapsed = time.perf_counter() - self.start_time
         self.log(f"done: {self.step} steps in {elapsed:.0f} s; checkpoint {self.last_ckpt}")
-        if self.cfg.sample_tokens and self.main_rank:
+        if self.cfg.sample_tokens:
             self.sample()
 
     def sample(self) -> None:
-        """Print --sample-tokens tokens generated after --sample-prompt (temperature 0.8, top-k 40)."""
+        """Print --sample-tokens tokens generated after --sample-prompt (temperature 0.8, top-k 40) by
+        the model as trained, never assembled whole: on the main rank, or under FSDP on every rank in
+        step (each forward gathers the parameters it needs), the main rank printing. Skipped, in one
+        line, at --tp > 1."""
         cfg, model = self.cfg, self.model
-        if self.parallel.tp_size > 1 or self.parallel.fsdp:  # generation runs on a whole model: the
-            # pieces just saved, assembled
-            model = GPT(self.config, self.backend).to(self.device)
-            checkpoint.load_weights(self.last_ckpt, model)
+        if self.parallel.tp_size > 1:
+            self.log(
+                f"no sample at --tp {self.parallel.tp_size}: generation needs the whole vocabulary's "
+                f"logits, which the ranks hold in shards (python -m horse.generate --ckpt {self.out_dir})"
+            )
+            return
+        if not (self.main_rank or self.parallel.fsdp):
+            return
         model.eval()
         prompt = torch.tensor([self.tokenizer.encode(cfg.sample_prompt)], device=self.device)
         generator = torch.Generator(self.device).manual_seed(cfg.seed)
         vocab = self.tokenizer.vocab_size
         with self.autocast():
             out = generate(model, prompt, cfg.sample_tokens, 0.8, 40, vocab, generator)
-        print(f"----- sample: {cfg.sample_tokens} tokens, temperature 0.8, top-k 40 -----")
-        print(self.tokenizer.decode(out[0].tolist()))
-        print(f"----- more: python -m horse.generate --ckpt {self.out_dir} --prompt ...")
+        self.log(f"----- sample: {cfg.sample_tokens} tokens, temperature 0.8, top-k 40 -----")
+        self.log(self.tokenizer.decode(out[0].tolist()))
+        self.log(f"----- more: python -m horse.generate --ckpt {self.out_dir} --prompt ...")
 
 
 # ----------------------------------------------------------------------------------------------
