@@ -23,6 +23,7 @@ modules and makes its down projections row-parallel; its own forwards run at eve
 """
 
 import argparse
+import hashlib
 import math
 import typing
 from dataclasses import dataclass
@@ -412,6 +413,41 @@ class Block(nn.Module):
 # ----------------------------------------------------------------------------------------------
 
 
+# A parameter's initial values come row by row (dim 0) from generators seeded from the run's seed, the
+# parameter's name and the row's block of ROWS_PER_SEED: a rank draws only the rows it holds, and
+# every layout (tp, FSDP's shards) gets the same weights from the same seed, on any device.
+ROWS_PER_SEED = 64
+
+
+def initial_rows(
+    name: str, shape: torch.Size, rows: torch.Tensor, config: GPTConfig, seed: int
+) -> torch.Tensor:
+    """Rows ``rows`` (a 1-D int64 tensor of increasing indices into dim 0) of the GPT parameter
+    ``name``, whose whole shape is ``shape``, as a GPT freshly initialised from ``seed`` holds them:
+    float32 on the CPU, shape (len(rows), *shape[1:]). GPT-2's initialisation: biases zero, norm
+    weights one, the other weights normal with std 0.02, except the projections that write into the
+    residual stream, scaled by 1/sqrt(number of residual adds) so the stream's variance does not grow
+    with depth."""
+    module, _, param = name.rpartition(".")
+    out_shape = (len(rows), *shape[1:])
+    if param == "bias":
+        return torch.zeros(out_shape)
+    if module.rpartition(".")[2].startswith("norm"):
+        return torch.ones(out_shape)
+    std = 0.02 / math.sqrt(2 * config.n_layer) if module.endswith(("c_proj", "down_proj")) else 0.02
+    row_size = math.prod(shape[1:])
+    out = torch.empty(len(rows), row_size)
+    blocks = rows // ROWS_PER_SEED
+    for block in blocks.unique().tolist():
+        first = block * ROWS_PER_SEED
+        digest = hashlib.sha256(f"{seed}/{name}/{block}".encode()).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8]) >> 1)
+        values = torch.randn(min(ROWS_PER_SEED, shape[0] - first), row_size, generator=generator)
+        in_block = blocks == block
+        out[in_block] = values[rows[in_block] - first] * std
+    return out.view(out_shape)
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig, backend: str = "reference", fused_loss: bool = True):
         super().__init__()
@@ -435,19 +471,14 @@ class GPT(nn.Module):
         # from id 0); head_input, where the head's input passes, is where it gathers that from the ranks.
         self.vocab_shard: VocabShard | None = None
         self.head_input = nn.Identity()
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            # GPT-2: the projections that write into the residual stream are scaled by
-            # 1/sqrt(number of residual adds), so the stream's variance does not grow with depth.
-            if name.endswith(("c_proj.weight", "down_proj.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        if self.wte.weight.device.type != "meta":  # on meta, whoever allocates initialises
+            self.init_weights(int(torch.randint(2**62, ())))  # a seed from the global RNG
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Every parameter of this whole model initialised from ``seed`` (:func:`initial_rows`)."""
+        for name, p in self.named_parameters():
+            p.copy_(initial_rows(name, p.shape, torch.arange(p.shape[0]), self.config, seed))
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab_size). With a cache, idx continues the cached

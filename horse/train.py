@@ -620,25 +620,32 @@ class Run:
         """The closing log line, then, with --sample-tokens, a sample of the trained model's text."""
         elapsed = time.perf_counter() - self.start_time
         self.log(f"done: {self.step} steps in {elapsed:.0f} s; checkpoint {self.last_ckpt}")
-        if self.cfg.sample_tokens and self.main_rank:
+        if self.cfg.sample_tokens:
             self.sample()
 
     def sample(self) -> None:
-        """Print --sample-tokens tokens generated after --sample-prompt (temperature 0.8, top-k 40)."""
+        """Print --sample-tokens tokens generated after --sample-prompt (temperature 0.8, top-k 40) by
+        the model as trained, never assembled whole: on the main rank, or under FSDP on every rank in
+        step (each forward gathers the parameters it needs), the main rank printing. Skipped, in one
+        line, at --tp > 1."""
         cfg, model = self.cfg, self.model
-        if self.parallel.tp_size > 1 or self.parallel.fsdp:  # generation runs on a whole model: the
-            # pieces just saved, assembled
-            model = GPT(self.config, self.backend).to(self.device)
-            checkpoint.load_weights(self.last_ckpt, model)
+        if self.parallel.tp_size > 1:
+            self.log(
+                f"no sample at --tp {self.parallel.tp_size}: generation needs the whole vocabulary's "
+                f"logits, which the ranks hold in shards (python -m horse.generate --ckpt {self.out_dir})"
+            )
+            return
+        if not (self.main_rank or self.parallel.fsdp):
+            return
         model.eval()
         prompt = torch.tensor([self.tokenizer.encode(cfg.sample_prompt)], device=self.device)
         generator = torch.Generator(self.device).manual_seed(cfg.seed)
         vocab = self.tokenizer.vocab_size
         with self.autocast():
             out = generate(model, prompt, cfg.sample_tokens, 0.8, 40, vocab, generator)
-        print(f"----- sample: {cfg.sample_tokens} tokens, temperature 0.8, top-k 40 -----")
-        print(self.tokenizer.decode(out[0].tolist()))
-        print(f"----- more: python -m horse.generate --ckpt {self.out_dir} --prompt ...")
+        self.log(f"----- sample: {cfg.sample_tokens} tokens, temperature 0.8, top-k 40 -----")
+        self.log(self.tokenizer.decode(out[0].tolist()))
+        self.log(f"----- more: python -m horse.generate --ckpt {self.out_dir} --prompt ...")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -688,7 +695,7 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
     pretrained = bool(cfg.init_from) and ckpt is None
-    model, loss_fn = make_model(cfg, config, backend, parallel, device, pretrained, dtype)
+    model, loss_fn = make_model(cfg, config, backend, parallel, device, pretrained, dtype, ckpt is not None)
     dp = {"dp_rank": parallel.dp_rank, "dp_size": parallel.dp_size}
     tokens_per_step = cfg.batch_size * seq_len * grad_accum * parallel.dp_size  # the whole job's
     if weights is None:
@@ -780,18 +787,24 @@ def make_model(
     device: str,
     pretrained: bool,
     compute_dtype: torch.dtype | None = None,
+    resuming: bool = False,
 ) -> tuple[GPT, Callable]:
     """(this rank's shard of the model, what the training step calls): float32 master weights
-    (autocast computes in fp16/bf16), initialised whole from --seed (``horse.parallel.build_model``
-    at tp=1) so that every tp size starts from the same weights, --init-from's weights loaded whole
-    when pretrained, then every parallel transform in its order (``horse.parallel.parallelize_gpt``:
-    tensor parallelism, --activation-checkpointing, --compile, DDP or FSDP2)."""
-    model = build_model(config, backend, Parallel(), "cpu", cfg.seed)
-    model.fused_loss = cfg.fused_loss
+    (autocast computes in fp16/bf16), after every parallel transform in its order
+    (``horse.parallel.parallelize_gpt``: tensor parallelism, --activation-checkpointing, --compile,
+    DDP or FSDP2). A fresh model is built on the meta device and each rank draws only its own part
+    from --seed, the same weights at every layout; resuming, that part is left for the checkpoint to
+    fill; pretrained, --init-from's weights are loaded whole on the CPU, then cut."""
     if pretrained:
+        model = build_model(config, backend, Parallel(), "cpu", cfg.seed)
         hf.load_pretrained(cfg.init_from, model)
+    else:
+        with torch.device("meta"):
+            model = GPT(config, backend)
+    model.fused_loss = cfg.fused_loss
+    seed = None if resuming else cfg.seed
     loss_fn = parallelize_gpt(
-        model, parallel, device, cfg.activation_checkpointing, cfg.compile, compute_dtype
+        model, parallel, device, cfg.activation_checkpointing, cfg.compile, compute_dtype, seed
     )
     return model, loss_fn
 

@@ -16,13 +16,14 @@ from helpers import check_descriptor_strides_in_bytes, free_port
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from horse import kernels
+from horse import kernels, train
 from horse.model import GPT, GPTConfig, KVCache
 from horse.parallel import (
     GPT_PLAN,
     Parallel,
     Style,
     allreduce_sequence_parallel_grads,
+    apply,
     build_model,
     check_divisible,
     copy_to_tp,
@@ -326,6 +327,20 @@ def test_the_vocab_parallel_losses_with_a_softcap_at_tp2_equal_tp1():
 # ----------------------------------------------------------------------------------------------
 
 
+def test_a_resume_allocates_its_model_without_drawing_it(monkeypatch):
+    # Resuming, the trainer's model is allocated from the meta device and left for the checkpoint:
+    # no weights drawn, no throw-away model built; a fresh start draws them all.
+    drawn = []
+    draw = apply.initial_rows
+    monkeypatch.setattr(apply, "initial_rows", lambda name, *args: drawn.append(name) or draw(name, *args))
+    cfg = train.TrainConfig()
+    model, _ = train.make_model(cfg, LLAMA, "reference", Parallel(), "cpu", pretrained=False, resuming=True)
+    assert drawn == [] and not any(p.is_meta for p in model.parameters())
+    torch.testing.assert_close(model.rotary.cos, GPT(LLAMA).rotary.cos, rtol=0, atol=0)
+    train.make_model(cfg, LLAMA, "reference", Parallel(), "cpu", pretrained=False)
+    assert set(drawn) == {name for name, _ in model.named_parameters()}
+
+
 @pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama"])
 def test_tp_ranks_start_from_the_slices_of_the_tp1_model(config):
     torch.manual_seed(123)  # build_model seeds itself: the global RNG's state does not matter
@@ -334,8 +349,9 @@ def test_tp_ranks_start_from_the_slices_of_the_tp1_model(config):
         build_model(config, "reference", Parallel(tp_rank=r, tp_size=TP), "cpu", seed=0) for r in range(TP)
     ]
     whole, shards = whole_model.state_dict(), [m.state_dict() for m in models]
-    torch.manual_seed(0)
-    assert all(torch.equal(t, whole[name]) for name, t in GPT(config).state_dict().items())
+    eager = GPT(config)  # built on the CPU, then drawn from the seed: the same as on the meta device
+    eager.init_weights(0)
+    assert all(torch.equal(t, whole[name]) for name, t in eager.state_dict().items())
     # Each rank's FLOPs are its share: together the whole model's, replicated parameters once per rank.
     replicated = sum(p.numel() for n, p in whole_model.named_parameters() if shard_spec(n, config) is None)
     if whole_model.wpe is not None:
