@@ -12,10 +12,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import assert_close, check_descriptor_strides_in_bytes, free_port
 
-from horse import checkpoint, cli, data, kernels, recipes, train
+from horse import checkpoint, cli, data, kernels, train
 from horse.model import GPT, GPTConfig, documents_of
 from horse.parallel import (
     allreduce_sequence_parallel_grads,
+    checkpoint_blocks,
     data_parallel,
     gather_state_dicts,
     init_from_env,
@@ -186,7 +187,7 @@ def test_a_packed_row_split_over_two_ranks_computes_its_documents_apart(layout):
 
 def test_activation_checkpointing_recomputes_the_documents_blocks_alike():
     model, checkpointed = _model(GPT2), _model(GPT2)
-    recipes.checkpoint_blocks(checkpointed)
+    checkpoint_blocks(checkpointed)
     idx, targets = _packed_row()
     loss, grads = _loss_sum_and_grads(model, [(idx, targets)])
     loss_ckpt, grads_ckpt = _loss_sum_and_grads(checkpointed, [(idx, targets)])
