@@ -42,6 +42,7 @@ backend to check the harness end to end (no timings), and exits 0 if every loss 
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import gc
 import math
@@ -80,12 +81,18 @@ LOSS_TOLERANCE = 1e-4
 
 
 def make_step(
-    cfg: TrainConfig, config: GPTConfig, backend: str, device: str, model: GPT | None = None
+    cfg: TrainConfig,
+    config: GPTConfig,
+    backend: str,
+    device: str,
+    model: GPT | None = None,
+    document_length: int | None = None,
 ) -> Callable[[], tuple[torch.Tensor, bool]]:
     """A call that takes one optimizer step of horse.train's loop on ``backend`` and returns (the
     step's loss, whether the loss scaler skipped it). Model (unless given: bench.scaling's tp rank),
     optimizer, scaler and a fixed random batch of cfg.batch_size x seq_len tokens are made here, on
-    device, from cfg.seed."""
+    device, from cfg.seed; with document_length, config.eot_id ends a document every that many
+    tokens of each row (the rest of the ids drawn never being it)."""
     torch.manual_seed(cfg.seed)
     triton = backend == "triton"
     if model is None:
@@ -102,6 +109,9 @@ def make_step(
         loss_fn = suite.compiled(model.loss, backend="inductor" if device == "cuda" else "aot_eager")()
     seq_len = cfg.seq_len or config.block_size
     x, y = torch.randint(config.vocab_size, (2, cfg.batch_size, seq_len), device=device)  # (B, T) each
+    if document_length is not None:
+        x[x == config.eot_id] = (config.eot_id + 1) % config.vocab_size
+        x[:, document_length - 1 :: document_length] = config.eot_id
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:
         return x, y  # the same batch every step: data loading is not measured
@@ -229,12 +239,14 @@ def measure(
     steps: int,
     seconds: float | None,
     stop_at: float | None = None,
+    document_length: int | None = None,
 ) -> suite.Result:
     """One backend's result on the current GPU; frees its model, optimizer and compiled graphs after."""
     try:
         host_start = time.perf_counter()
         # Only time_steps holds the step (model, optimizer): they are freed as it returns.
-        timed = time_steps(make_step(cfg, config, backend, "cuda"), warmup, steps, seconds, stop_at)
+        step = make_step(cfg, config, backend, "cuda", document_length=document_length)
+        timed = time_steps(step, warmup, steps, seconds, stop_at)
         result = step_result(cfg, config, backend, *timed, peak_flops("cuda", cfg.peak_tflops))
         # Printed now, so that a run stopped by a time limit still shows the backends it finished.
         print(
@@ -310,7 +322,8 @@ def gpu_main(args, cfg: TrainConfig, config: GPTConfig) -> int:
         now = time.perf_counter()  # this backend's share of what is left, its compilation included
         stop_at = None if deadline is None else now + (deadline - now) / (len(args.backends) - i)
         try:
-            results.append(measure(cfg, config, backend, args.warmup, args.steps, budget, stop_at))
+            timing_args = (args.warmup, args.steps, budget, stop_at, args.document_length)
+            results.append(measure(cfg, config, backend, *timing_args))
         except torch.cuda.OutOfMemoryError:
             print(f"  {backend}: out of memory at this batch size; no result")
             if IMPLEMENTATIONS[backend] == "ours":  # ours running out of memory is broken, never skipped
@@ -432,10 +445,20 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, TrainConfig, GPTConfig]:
     parser.add_argument("--peak-tflops", type=float, help="dense fp16/bf16 peak for MFU (default: by GPU)")
     parser.add_argument("--out", type=Path, help="train.json goes here (default bench/results/<date>-<gpu>)")
     parser.add_argument("--gate", action="store_true", help="exit 1 if triton misses a train_step gate")
+    parser.add_argument(
+        "--document-length",
+        type=int,
+        help="document masking on, an end of text every this many tokens of a row (on the CPU: the "
+        "reference step's time with and without masking)",
+    )
     args = parser.parse_args(argv)
     positive = all(getattr(args, name) is None or getattr(args, name) > 0 for name in ("seconds", "deadline"))
+    positive &= args.document_length is None or args.document_length > 0
     if args.warmup < 0 or args.steps < 2 or not positive:
-        parser.error("--warmup must be at least 0, --steps at least 2, --seconds and --deadline positive")
+        parser.error(
+            "--warmup must be at least 0, --steps at least 2, --seconds, --deadline and --document-length "
+            "positive"
+        )
     args.backends = list(dict.fromkeys(args.backends))
     config_flags = ("preset", "batch_size", "seq_len", "grad_accum", "precision", "peak_tflops")
     try:
@@ -443,14 +466,49 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, TrainConfig, GPTConfig]:
     except ValueError as e:
         parser.error(str(e))
     config = preset(cfg.preset)
+    if args.document_length is not None:  # id 0 ends the documents
+        config = dataclasses.replace(config, document_masking=True, eot_id=0)
     if (cfg.seq_len or config.block_size) > config.block_size:
         parser.error(f"--seq-len {cfg.seq_len} exceeds {cfg.preset}'s block size {config.block_size}")
     return args, cfg, config
 
 
+def cpu_document_masking(args, cfg: TrainConfig, config: GPTConfig) -> int:
+    """Wall-clock step times (median and quartiles, ms) of the reference backend in float32 on the
+    CPU without document masking and with it (an end of text every --document-length tokens): a
+    benchmark of what the block-diagonal mask costs the reference path."""
+    cfg = dataclasses.replace(cfg, precision="fp32")
+    seq_len = cfg.seq_len or config.block_size
+    print(
+        f"CPU reference path, fp32, {cfg.preset}: {cfg.batch_size} x {seq_len} tokens a step, documents of "
+        f"{args.document_length} tokens; {args.warmup} warm-up and {args.steps} timed steps each"
+    )
+    rows = []
+    for masking in (False, True):
+        masked = dataclasses.replace(config, document_masking=masking)
+        step = make_step(
+            cfg, masked, "reference", "cpu", document_length=args.document_length if masking else None
+        )
+        for _ in range(args.warmup):
+            step()
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            step()
+            times.append(1e3 * (time.perf_counter() - start))
+        q1, median, q3 = statistics.quantiles(times, n=4)
+        rows.append(["on" if masking else "off", f"{median:.1f}", f"{q1:.1f} - {q3:.1f}"])
+    print(report.format_table([["document masking", "median ms", "quartiles"], *rows]))
+    return 0
+
+
 def main(argv=None) -> int:
     args, cfg, config = parse_args(argv)
-    return gpu_main(args, cfg, config) if torch.cuda.is_available() else cpu_main(args)
+    if torch.cuda.is_available():
+        return gpu_main(args, cfg, config)
+    if args.document_length is not None:
+        return cpu_document_masking(args, cfg, config)
+    return cpu_main(args)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@
                                          reads it
     OUT/ckpt_0001000/tokenizer.json      the BPE tokenizer, when the data had one
     OUT/ckpt_0001000/manifest.json       the layout (tp size, dp_shard), every file above with its
-                                         size and SHA-256, and every tensor's whole shape and the
-                                         rows each FSDP piece holds
+                                         size and SHA-256, every tensor's whole shape and the rows
+                                         each FSDP piece holds, and "checked_finite": every weight
+                                         and optimizer tensor was checked free of inf and NaN
 
 With tensor parallelism each tp rank writes its own shard, ``model-tp01-of-04.safetensors`` and
 ``state-tp01-of-04.pt`` (under the unsharded parameter names). With FSDP2 (--dp-shard N) each
@@ -21,8 +22,12 @@ file goes into a temporary directory; when every rank has written its files, ran
 manifest and renames the directory into place, so a run killed mid-write leaves no directory
 that :func:`latest` would pick up, and only then deletes the checkpoints beyond --keep-last. A
 save that fails on any rank (a full disk, permissions, an I/O error) raises :class:`SaveError` on
-every rank, leaving the older checkpoints as they were. Across nodes OUT must be a shared file
-system.
+every rank, leaving the older checkpoints as they were; so does a state that holds an inf or NaN
+(a poisoned step: never written, since a checkpoint that passes its checksums would be resumed
+from). With a :class:`BackgroundSaver` (``--async-checkpoint``) the writing runs in a thread from
+host copies taken at the step, with the same temporary directory, manifest, rename, rotation and
+agreement on failure; a kill during it leaves the previous checkpoint the newest good one. Across
+nodes OUT must be a shared file system.
 
 Our own format rather than torch.distributed.checkpoint: the tensor-parallel shards are plain
 tensors cut by ``horse.parallel``'s plan (c_attn's rows in q, k and v sections, which no single
@@ -31,7 +36,8 @@ reshards them, and the format stays the one that ``verify``, ``export`` and chec
 before FSDP share.
 
 Resuming verifies before it trusts: :func:`newest_good` checks the sizes and checksums of the
-newest checkpoint and falls back to older ones, saying what failed. Check a run by hand with
+newest checkpoint, and that every tensor in it is finite (checkpoints written before this check,
+or by hand), and falls back to older ones, saying what failed. Check a run by hand with
 
     python -m horse.checkpoint verify RUN_OR_CKPT_DIR      (exit status 1 when any is damaged)
 
@@ -51,13 +57,15 @@ Export writes one consolidated file, assembled a tensor at a time, that ``horse.
 import argparse
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -108,15 +116,43 @@ def _digest(path: Path) -> dict:
         return {"size": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
 
 
+def _not_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of those (name, tensor) pairs whose tensor holds an inf or NaN."""
+    return [name for name, t in tensors if t.is_floating_point() and not torch.isfinite(t).all()]
+
+
+def _optimizer_tensors(state: dict) -> Iterable[tuple[str, torch.Tensor]]:
+    """("exp_avg of blocks.0.attn.c_attn.weight", tensor) for every tensor of an optimizer state
+    keyed by parameter name (:func:`optimizer_state`)."""
+    for name, entry in state["state"].items():
+        for key, t in entry.items():
+            yield f"{key} of {name}", t
+
+
+def _file_not_finite(path: Path) -> list[str]:
+    """The tensors of a checkpoint's file (a piece's weights, or its state's optimizer) that hold
+    an inf or NaN; read one tensor at a time."""
+    if path.suffix == ".safetensors":
+        with safe_open(path, framework="pt") as f:
+            return _not_finite((name, f.get_tensor(name)) for name in f.keys())  # noqa: SIM118
+    if path.suffix == ".pt":
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return _not_finite(_optimizer_tensors(state["optimizer"]))
+    return []
+
+
 def _written(path: Path) -> dict:
     """Flush a file just written to the disk; its :func:`_digest`, read back."""
     _fsync(path)
     return _digest(path)
 
 
-def _on_every_rank(work: Callable[[], dict], parallel: Parallel) -> list[dict]:
-    """work() on this rank, then a wait for every rank (it holds a collective): every rank's
-    result, in rank order, or SaveError on every rank when work() raised on any."""
+def _on_every_rank(
+    work: Callable[[], dict], parallel: Parallel, group: dist.ProcessGroup | None = None
+) -> list[dict]:
+    """work() on this rank, then a wait for every rank (it holds a collective, on group: None, the
+    world's): every rank's result, in rank order, or SaveError on every rank when work() raised on
+    any."""
     try:
         result, error = work(), None
     except Exception as e:  # on a full disk safetensors raises SafetensorError, torch.save RuntimeError
@@ -124,7 +160,7 @@ def _on_every_rank(work: Callable[[], dict], parallel: Parallel) -> list[dict]:
     gathered = [(result, error)]
     if parallel.distributed:
         gathered = [None] * parallel.world_size
-        dist.all_gather_object(gathered, (result, error))
+        dist.all_gather_object(gathered, (result, error), group=group)
     failed = [f"rank {r}: {e}" if parallel.distributed else e for r, (_, e) in enumerate(gathered) if e]
     if failed:
         raise SaveError("; ".join(failed))
@@ -177,6 +213,69 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, sta
 # ----------------------------------------------------------------------------------------------
 
 
+class BackgroundSaver:
+    """Checkpoint saves that do not stall training (``--async-checkpoint``): :func:`save` copies the
+    state to host memory at the step (into pinned buffers, reused from save to save, where CUDA is),
+    then a thread writes, fsyncs and hashes it while training goes on. At most one save is in
+    flight: the next waits for it. The thread's collectives (the ranks' agreement on failure, the
+    wait for every piece before rank 0 renames) run on a process group of their own (gloo), so they
+    never interleave with training's; every rank creates it at its first save."""
+
+    def __init__(self, parallel: Parallel):
+        self.parallel = parallel
+        self.group = None
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.thread: threading.Thread | None = None
+        self.step: int | None = None  # of the save in flight, or of the one just finished
+        self.outcome: Path | BaseException | None = None
+
+    def stage(self, tensors: dict) -> dict:
+        """A copy of tensors (a nested dict; its tensors this rank's local ones) in host memory."""
+        if self.thread is not None:
+            raise RuntimeError("a checkpoint save is in flight: wait() for it before the next")
+        if self.group is None and self.parallel.distributed:
+            self.group = dist.new_group(backend="gloo")
+        staged = self._stage(tensors, ())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking copies into pinned memory are done
+        return staged
+
+    def _stage(self, value, key: tuple):
+        if isinstance(value, dict):
+            return {k: self._stage(v, (*key, k)) for k, v in value.items()}
+        if not isinstance(value, torch.Tensor):
+            return value
+        buffer = self.buffers.get(key)
+        if buffer is None or (buffer.shape, buffer.dtype) != (value.shape, value.dtype):
+            pin = torch.cuda.is_available()
+            buffer = self.buffers[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin)
+        return buffer.copy_(value, non_blocking=True)
+
+    def start(self, step: int, write: Callable[[], Path]) -> None:
+        """Run write() in a thread; wait() returns its checkpoint or raises its error."""
+        self.step, self.outcome = step, None
+
+        def run() -> None:
+            try:
+                self.outcome = write()
+            except BaseException as e:  # SaveError, or a second signal's Aborted: wait() raises it
+                self.outcome = e
+
+        self.thread = threading.Thread(target=run, name=f"save of step {step}", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> Path | None:
+        """Wait for the save in flight: its checkpoint (None when none was in flight), or its
+        SaveError, the same on every rank."""
+        if self.thread is None:
+            return None
+        self.thread.join()
+        self.thread, outcome = None, self.outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+
 def save(
     out_dir: str | Path,
     step: int,
@@ -187,15 +286,45 @@ def save(
     tokenizer_file: Path | None = None,
     keep_last: int = 3,
     parallel: Parallel | None = None,
+    saver: BackgroundSaver | None = None,
 ) -> Path:
     """Write checkpoint ``step`` of model (a horse GPT, or this rank's tp shard of one, FSDP-sharded
     or not), its optimizer and state into out_dir, each rank its own piece; then keep the newest
     keep_last. Every rank calls it (it holds collectives); when any rank cannot write, every rank
-    raises SaveError."""
-    parallel = parallel or Parallel()
-    out_dir = Path(out_dir)
+    raises SaveError. With a saver, the state is copied to host memory now and written in its
+    thread (which must not be busy: ``saver.wait()`` first); the path is returned at once, and
+    ``saver.wait()`` raises the SaveError."""
+    parallel, out_dir = parallel or Parallel(), Path(out_dir)
+    weights = {name: local(w).detach() for name, w in model.state_dict().items()}
+    pieces = {"weights": weights, "optimizer": optimizer_state(optimizer, model)}
+    if saver is not None:
+        pieces = saver.stage(pieces)  # training changes the originals in place from the next step on
+    write = functools.partial(
+        _write, out_dir, step, pieces, model.config, state, tokenizer, tokenizer_file, keep_last, parallel
+    )
+    if saver is None:
+        return write()
+    saver.start(step, functools.partial(write, group=saver.group))
+    return out_dir / f"ckpt_{step:07d}"
+
+
+def _write(
+    out_dir: Path,
+    step: int,
+    pieces: dict,
+    config: GPTConfig,
+    state: dict,
+    tokenizer: str,
+    tokenizer_file: Path | None,
+    keep_last: int,
+    parallel: Parallel,
+    group: dist.ProcessGroup | None = None,
+) -> Path:
+    """:func:`save`'s writing, of this rank's pieces (weights: {name: tensor}; optimizer: its state
+    keyed by name), its collectives on group (None: the world's)."""
     final = out_dir / f"ckpt_{step:07d}"
     tmp = out_dir / f".{final.name}.tmp"
+    weights, optimizer_pieces = pieces["weights"], pieces["optimizer"]
 
     def start() -> dict:
         if parallel.rank == 0:
@@ -208,17 +337,22 @@ def save(
             return {}
         t, s = parallel.tp_rank, parallel.dp_shard_rank
         weights_file, state_file = shard_files(t, parallel.tp_size, s, parallel.dp_shard_size)
-        weights = {name: local(w).detach().contiguous() for name, w in model.state_dict().items()}
+        poisoned = _not_finite(weights.items()) + _not_finite(_optimizer_tensors(optimizer_pieces))
+        if poisoned:
+            raise FloatingPointError(
+                f"the state to save holds inf or NaN in {', '.join(poisoned[:5])}"
+                + (f" and {len(poisoned) - 5} more tensors" if len(poisoned) > 5 else "")
+            )
         metadata = {
-            "config": json.dumps(dataclasses.asdict(model.config)),
+            "config": json.dumps(dataclasses.asdict(config)),
             "tokenizer": tokenizer,
             "tp_rank": str(t),
             "tp_size": str(parallel.tp_size),
             "dp_shard_rank": str(s),
             "dp_shard": str(parallel.dp_shard_size),
         }
-        save_file(weights, tmp / weights_file, metadata=metadata)
-        torch.save(state | {"optimizer": optimizer_state(optimizer, model)}, tmp / state_file)
+        save_file({n: w.contiguous() for n, w in weights.items()}, tmp / weights_file, metadata=metadata)
+        torch.save(state | {"optimizer": optimizer_pieces}, tmp / state_file)
         return {
             "files": {f: _written(tmp / f) for f in (weights_file, state_file)},
             "piece": {
@@ -228,10 +362,10 @@ def save(
             },
         }
 
-    def finish(pieces: list[dict]) -> dict:
+    def finish(written: list[dict]) -> dict:
         if parallel.rank != 0:
             return {}
-        files = {f: digest for piece in pieces for f, digest in piece.get("files", {}).items()}
+        files = {f: digest for piece in written for f, digest in piece.get("files", {}).items()}
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / tokenizer_file.name)
             files[tokenizer_file.name] = _written(tmp / tokenizer_file.name)
@@ -240,7 +374,8 @@ def save(
             "tp_size": parallel.tp_size,
             "dp_shard": parallel.dp_shard_size,
             "files": dict(sorted(files.items())),
-            "tensors": _tensor_table([p["piece"] for p in pieces if p], model.config, parallel.tp_size),
+            "tensors": _tensor_table([p["piece"] for p in written if p], config, parallel.tp_size),
+            "checked_finite": True,  # every piece's weights and optimizer state, before it was written
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync(tmp / MANIFEST)
@@ -255,9 +390,9 @@ def save(
         return {}
 
     try:
-        _on_every_rank(start, parallel)
-        pieces = _on_every_rank(write_piece, parallel)
-        _on_every_rank(lambda: finish(pieces), parallel)  # no rank reads the run before the rename
+        _on_every_rank(start, parallel, group)
+        written = _on_every_rank(write_piece, parallel, group)
+        _on_every_rank(lambda: finish(written), parallel, group)  # no rank reads the run before the rename
     except BaseException as e:  # a full disk, or a second signal (horse.preemption) mid-save
         if parallel.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -300,16 +435,59 @@ def _tensor_table(pieces: list[dict], config: GPTConfig, tp: int) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def _manifest(ckpt: Path) -> dict:
-    """The manifest of checkpoint directory ckpt, its files a dict of name: {size, sha256}; for one
-    written before tensor parallelism (no manifest), the two files it always had. Files of a
-    manifest written before checksums map to None."""
-    if not (ckpt / MANIFEST).is_file():
-        return {"tp_size": 1, "files": dict.fromkeys([WEIGHTS, STATE]), "legacy": True}
-    manifest = json.loads((ckpt / MANIFEST).read_text())
+# Formats before today's: these two functions are the only code that knows them; everything else
+# reads today's manifest and state.
+
+
+def _manifest(ckpt: Path, tensors: bool = False) -> dict:
+    """The manifest of checkpoint ckpt (a directory, or an exported file) in today's format, whatever
+    format it was written in: tp_size, dp_shard, files (name: {size, sha256}, or None where none was
+    recorded), optimizer_by_position; with tensors, the "tensors" table too (read from the weights
+    files' headers where the manifest has none). The formats before today's:
+
+    * an exported file: the whole model, one piece, no checksums;
+    * before tensor parallelism: no manifest; model.safetensors and state.pt, the optimizer's state
+      keyed by position (``_upgraded_state`` names it);
+    * before checksums: files a list of names;
+    * before FSDP: no dp_shard (1) and no tensors table (each tensor one piece of its tp shard)."""
+    if ckpt.is_file():
+        manifest = {"tp_size": 1, "files": {ckpt.name: None}}
+    elif not (ckpt / MANIFEST).is_file():
+        manifest = {"tp_size": 1, "files": dict.fromkeys([WEIGHTS, STATE]), "optimizer_by_position": True}
+    else:
+        manifest = json.loads((ckpt / MANIFEST).read_text())
     if isinstance(manifest["files"], list):
         manifest["files"] = dict.fromkeys(manifest["files"])
+    manifest.setdefault("dp_shard", 1)
+    manifest.setdefault("optimizer_by_position", False)
+    if tensors and "tensors" not in manifest:
+        weights = ckpt if ckpt.is_file() else ckpt / shard_files(0, manifest["tp_size"])[0]
+        with safe_open(weights, framework="pt") as f:
+            config = GPTConfig(**json.loads(f.metadata()["config"]))
+            shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}  # noqa: SIM118
+        piece = {"tp_rank": 0, "dp_shard_rank": 0, "shapes": shapes}
+        manifest["tensors"] = _tensor_table([piece], config, manifest["tp_size"])
     return manifest
+
+
+def _upgraded_state(state: dict, positions: list[str] | None) -> dict:
+    """A piece's state file in today's format: the optimizer's state keyed by name (positions: the
+    parameter names in the optimizer's order, for a checkpoint of ``optimizer_by_position``); the
+    loss scaler's clean steps under their name (torch.amp.GradScaler's "_growth_tracker" before
+    ``horse.loss_scale``); this rank's CUDA RNG state alone (before, every device's, this rank's at
+    its device index)."""
+    state = dict(state)
+    if positions is not None:
+        state["optimizer"] = _by_name(state["optimizer"], positions)
+    scaler = dict(state.get("scaler", {}))
+    if "_growth_tracker" in scaler:
+        scaler["clean_steps"] = scaler.pop("_growth_tracker")
+        state["scaler"] = scaler
+    cuda_rng = state.get("rng", {}).get("cuda")
+    if isinstance(cuda_rng, list) and cuda_rng and torch.cuda.is_available():
+        this_device = cuda_rng[min(torch.cuda.current_device(), len(cuda_rng) - 1)]
+        state["rng"] = state["rng"] | {"cuda": this_device}
+    return state
 
 
 def _is_complete(ckpt: Path) -> bool:
@@ -328,7 +506,9 @@ def complete(out_dir: str | Path) -> list[Path]:
 def verify(ckpt: str | Path, rank: int = 0, world_size: int = 1) -> list[str]:
     """What is wrong with checkpoint directory ckpt, a line per problem: each file missing, of
     another size or SHA-256 than its manifest says (files of a manifest without checksums need only
-    exist). Empty: good. Rank rank of world_size checks every world_size-th file only."""
+    exist), or holding a weight or optimizer tensor with an inf or NaN (a poisoned state, as saves
+    before the check on saving could write). Empty: good. Rank rank of world_size checks every
+    world_size-th file only."""
     ckpt = Path(ckpt)
     try:
         files = _manifest(ckpt)["files"]
@@ -343,6 +523,15 @@ def verify(ckpt: str | Path, rank: int = 0, world_size: int = 1) -> list[str]:
             problems.append(f"{name}: {path.stat().st_size:,} bytes, the manifest says {expected['size']:,}")
         elif expected is not None and _digest(path)["sha256"] != expected["sha256"]:
             problems.append(f"{name}: its SHA-256 is not the manifest's (the contents are damaged)")
+        else:
+            try:
+                poisoned = _file_not_finite(path)
+            except Exception as e:  # a file that no checksum vouches for, damaged
+                problems.append(f"{name}: unreadable ({type(e).__name__}: {e})")
+                continue
+            if poisoned:
+                more = f" and {len(poisoned) - 3} more" if len(poisoned) > 3 else ""
+                problems.append(f"{name}: {', '.join(poisoned[:3])}{more} hold inf or NaN (a poisoned state)")
     return problems
 
 
@@ -426,11 +615,8 @@ def resolve(path: str | Path) -> Path:
 def layout(ckpt: str | Path) -> tuple[int, int]:
     """(tp size, dp_shard) that checkpoint ckpt was saved at: (1, 1) for an exported file, dp_shard
     1 for a checkpoint written before FSDP."""
-    ckpt = Path(ckpt)
-    if ckpt.is_file():
-        return 1, 1
-    manifest = _manifest(ckpt)
-    return manifest["tp_size"], manifest.get("dp_shard", 1)
+    manifest = _manifest(Path(ckpt))
+    return manifest["tp_size"], manifest["dp_shard"]
 
 
 def tp_size(ckpt: str | Path) -> int:
@@ -509,14 +695,14 @@ class Pieces:
 
     def __init__(self, ckpt: str | Path):
         self.ckpt = Path(ckpt)
-        manifest = {"tp_size": 1} if self.ckpt.is_file() else _manifest(self.ckpt)
-        self.tp_size, self.dp_shard = layout(self.ckpt)
-        tensors = manifest.get("tensors", {})
+        manifest = _manifest(self.ckpt, tensors=True)
+        self.tp_size, self.dp_shard = manifest["tp_size"], manifest["dp_shard"]
+        tensors = manifest["tensors"]
         self.rows = {name: list(itertools.pairwise(entry["rows"])) for name, entry in tensors.items()}
         self.shapes = {name: entry["shape"] for name, entry in tensors.items()}
-        self.legacy = manifest.get("legacy", False)  # written before tp: the optimizer by position
+        self.optimizer_by_position = manifest["optimizer_by_position"]
         self.config = read_metadata(self.ckpt)[0]
-        self.names: list[str] | None = None  # the optimizer's parameters by position, for a legacy one
+        self.names: list[str] | None = None  # the optimizer's parameters in its order, for the above
         self._weights, self._states = {}, {}
 
     def _files(self, tp_rank: int, dp_shard_rank: int) -> tuple[Path, Path]:
@@ -538,9 +724,7 @@ class Pieces:
         key = (tp_rank, dp_shard_rank)
         if key not in self._states:
             state = torch.load(self._files(*key)[1], map_location="cpu", weights_only=True, mmap=True)
-            if self.legacy:
-                state["optimizer"] = _by_name(state["optimizer"], self.names)
-            self._states[key] = state
+            self._states[key] = _upgraded_state(state, self.names if self.optimizer_by_position else None)
         return self._states[key]
 
     def tensor_names(self) -> list[str]:
@@ -551,21 +735,9 @@ class Pieces:
             return self.weights(tp_rank, dp_shard_rank).get_slice(name)
         return self.state(tp_rank, dp_shard_rank)["optimizer"]["state"][name][key]
 
-    def _piece_rows(self, name: str, tp_rank: int) -> list[tuple[int, int]]:
-        if name in self.rows:
-            return self.rows[name]
-        rows = self.weights(tp_rank).get_slice(name).get_shape()[0]  # before FSDP: one piece
-        return [(0, rows)]
-
     def shard_shape(self, name: str, tp: int) -> list[int]:
         """The shape of a tp rank's shard of tensor name at tensor-parallel size tp."""
-        if name in self.shapes:
-            whole = list(self.shapes[name])
-        else:  # before FSDP: the shards' shape, times the saved tp along the cut dim
-            whole = list(self.weights().get_slice(name).get_shape())
-            spec = shard_spec(name, self.config) if self.tp_size > 1 else None
-            if spec is not None:
-                whole[spec.dim] *= self.tp_size
+        whole = list(self.shapes[name])
         spec = shard_spec(name, self.config) if tp > 1 else None
         if spec is not None:
             whole[spec.dim] //= tp
@@ -576,7 +748,7 @@ class Pieces:
     ) -> torch.Tensor:
         """Rows [start, stop) (default: all) of saved tp rank tp_rank's shard of tensor name (key:
         an entry of its optimizer state, "exp_avg"; None: the weight), from the pieces that hold them."""
-        pieces = self._piece_rows(name, tp_rank)
+        pieces = self.rows[name]
         stop = pieces[-1][1] if stop is None else stop
         parts = [
             self._piece(name, key, tp_rank, s)[max(a, start) - a : min(b, stop) - a]
@@ -693,9 +865,12 @@ def load(
 # ----------------------------------------------------------------------------------------------
 
 
-def save_run(out_dir, step, model, optimizer, scaler, loader, cfg, tokenizer, keep_last, parallel) -> Path:
-    """Save a training run's step: the model and optimizer (:func:`save`), and the loss scaler, the
-    RNGs, the data loader's place and the run's TrainConfig beside them."""
+def save_run(
+    out_dir, step, model, optimizer, scaler, loader, cfg, tokenizer, keep_last, parallel, saver=None
+) -> Path:
+    """Save a training run's step: the model and optimizer (:func:`save`, in saver's thread when
+    given), and the loss scaler, the RNGs, the data loader's place and the run's TrainConfig beside
+    them."""
     state = {
         "step": step,
         "scaler": scaler.state_dict(),
@@ -708,20 +883,20 @@ def save_run(out_dir, step, model, optimizer, scaler, loader, cfg, tokenizer, ke
         "train_config": dataclasses.asdict(cfg),
     }
     tokenizer_file = tokenizer.path if isinstance(tokenizer, BPETokenizer) else None
-    return save(out_dir, step, model, optimizer, state, tokenizer.name, tokenizer_file, keep_last, parallel)
+    return save(
+        out_dir, step, model, optimizer, state, tokenizer.name, tokenizer_file, keep_last, parallel, saver
+    )
 
 
 def restore_run(ckpt: Path, model, optimizer, scaler, loader, parallel: Parallel) -> int:
     """Load everything a checkpoint holds back into place, resharded to this run's layout; returns
     its step."""
     state = load(ckpt, model, optimizer, parallel)
-    if scaler.is_enabled() and state["scaler"]:
+    if state["scaler"]:  # bf16's and fp32's: the steps skipped in a row
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["torch"])
     cuda_rng = state["rng"]["cuda"]
     if torch.cuda.is_available() and len(cuda_rng):
-        if isinstance(cuda_rng, list):  # written before: every device's, this rank's at its index
-            cuda_rng = cuda_rng[min(torch.cuda.current_device(), len(cuda_rng) - 1)]
         torch.cuda.set_rng_state(cuda_rng)
     loader.load_state_dict(state["loader"])
     return state["step"]
@@ -757,6 +932,7 @@ def verify_main(run: Path, parser: argparse.ArgumentParser) -> int:
         good.append(ckpt.name)
         unchecked = None in _manifest(ckpt)["files"].values()  # written before checksums
         how = "files present, no checksums recorded" if unchecked else "sizes and SHA-256 match"
+        how += ", every tensor finite"
         print(f"{ckpt.name}: good ({how})")
     for leftover in sorted(run.glob(".ckpt_*.tmp")):
         print(f"{leftover.name}: an unfinished save (ignored; the next save removes it)")

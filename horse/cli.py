@@ -101,7 +101,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
     saved = Path(values.get("out_dir", "")) / "config.json"
     if values.get("resume") and values.get("out_dir") and saved.is_file():
         run = json.loads(saved.read_text())
-        run["train"].pop("fail_at_step", None)  # a fault injected into one launch, not into the run
+        run["train"].pop("fail_at_step", None)  # in older runs' config.json; tests inject faults now
+        # A run saved before document masking existed goes on as it began (its checkpoint's model).
+        run["model"].setdefault("document_masking", False)
+        run["model"].setdefault("eot_id", None)
         values = run["train"] | run["model"] | values
     values = recipes.recipe_values(values.get("preset", TrainConfig.preset), values)
     train_fields = {f.name for f in dataclasses.fields(TrainConfig)}

@@ -2,6 +2,7 @@
 
     python -m horse.data prepare INPUT... --out DIR [--tokenizer tokenizer.json] [--workers N]
         [--text-field text] [--val-fraction 0.1] [--shard-tokens 100_000_000]
+    python -m horse.data inspect DIR [--seq-len 1024]     documents, tokens, windows per split
 
 ``prepare`` tokenises files, directories (every file under them, recursively, but hidden ones) and
 globs: plain UTF-8 text, one document a file, and JSON Lines (``.jsonl``, ``.ndjson``), one document
@@ -570,17 +571,48 @@ def _rows_to_tensor(split: Split, rows: list[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(tokens)
 
 
+def _batch(split: Split, rows: list[np.ndarray], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, target) of windows of seq_len + 1 tokens, (rows, seq_len) each, on device (on a GPU
+    through pinned memory, with a non-blocking copy)."""
+    t = _rows_to_tensor(split, rows)  # (rows, seq_len + 1)
+    if device.type == "cuda":
+        t = t.pin_memory().to(device, non_blocking=True)
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def _global_batch_change(state: dict, global_batch: int, layout: str, where: str) -> str | None:
+    """The line a resume prints when the checkpoint's global batch (state's) is not this run's."""
+    if state["global_batch"] == global_batch:
+        return None
+    return (
+        f"data: the global batch is now {global_batch:,} windows ({layout}), the checkpoint's "
+        f"{state['global_batch']:,} ({state['layout']}): the stream goes on from {where}, none skipped or "
+        "repeated"
+    )
+
+
 class Loader:
-    """Batches of (input, target) windows, (batch_size, seq_len) int64 each, target shifted by one.
+    """Batches of (input, target) windows, (batch_size, seq_len) int64 each, target shifted by one,
+    in epochs without replacement.
 
-    Batch number ``position`` is a pure function of (seed, position): windows start at uniformly
-    random offsets drawn from a generator seeded with both, never crossing a shard's end. So a
-    seed fixes the whole order, and a loader set back to a saved position continues exactly. On a
-    GPU the batch goes through pinned memory with a non-blocking copy.
+    Windows: the split's tokens, its shards one after another, cut into windows of seq_len + 1
+    tokens at a stride of seq_len, window w holding tokens w·seq_len ... (w + 1)·seq_len. A window's
+    last token is the next one's first, so every token is an input once and a target once an epoch
+    (the split's last tokens, fewer than seq_len, are in none); a window may hold the end of one
+    shard and the start of the next, as it may hold the end of one document and the start of the
+    next (document masking keeps them apart, ``horse.model.Documents``).
 
-    Data parallel: the global batch is dp_size · batch_size windows, and data-parallel rank
-    dp_rank reads its own consecutive batch_size of them. So dp ranks see different data, every
-    rank keeps the same position, and one process with batch_size · dp_size reads the same windows.
+    Order: epoch e draws every window once, in the order of a permutation seeded with (seed, e), a
+    new one each epoch. The job's draws are one stream, draw d being window d % windows of epoch
+    d // windows's permutation: a pure function of (seed, d), so a loader set back to a saved place
+    continues exactly. The permutation is held as 8 bytes a window (80 MB at 10M windows).
+
+    Layout: each next() draws the job's next dp_size · batch_size windows and data-parallel rank
+    dp_rank takes its own consecutive batch_size of them; a step's grad_accum calls draw its global
+    batch of G = dp_size · batch_size · grad_accum windows. Step s therefore trains on draws s·G ...
+    (s + 1)·G - 1 whatever dp size, batch size per rank and accumulation make up G. A resume at
+    another G continues at the first window not yet drawn, none skipped and none repeated, and
+    ``layout_change`` says so. On a GPU the batch goes through pinned memory with a non-blocking copy.
     """
 
     def __init__(
@@ -592,46 +624,238 @@ class Loader:
         device: str | torch.device = "cpu",
         dp_rank: int = 0,
         dp_size: int = 1,
+        grad_accum: int = 1,
     ):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"Loader: dp_rank {dp_rank} must be in [0, dp_size {dp_size})")
         self.split, self.batch_size, self.seq_len, self.seed = split, batch_size, seq_len, seed
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.dp_rank, self.dp_size, self.grad_accum = dp_rank, dp_size, grad_accum
         import torch
 
         self.device = torch.device(device)
-        self.position = 0
-        # A window needs seq_len + 1 tokens; shard i offers len - seq_len starts.
-        self._starts = np.array([max(len(s) - seq_len, 0) for s in split.shards], dtype=np.int64)
-        self._ends = np.cumsum(self._starts)
-        if not len(self._ends) or self._ends[-1] == 0:
-            longest = max((len(s) for s in split.shards), default=0)
+        self._shard_ends = np.cumsum([len(s) for s in split.shards], dtype=np.int64)
+        tokens = int(self._shard_ends[-1]) if len(split.shards) else 0
+        self.windows = max(tokens - 1, 0) // seq_len  # an epoch's
+        if self.windows == 0:
             raise ValueError(
-                f"{split.name}: no shard holds seq_len + 1 = {seq_len + 1} tokens (the longest has {longest})"
+                f"{split.name}: {tokens:,} tokens, fewer than a window of seq_len + 1 = {seq_len + 1}"
             )
+        self.drawn = 0  # windows the whole job has drawn: the stream's position
+        self.layout_change: str | None = None  # what a resume at another global batch changed
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, its permutation), the last used
 
-    def batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rng = np.random.default_rng([self.seed, position])
-        flat = rng.integers(0, self._ends[-1], size=self.dp_size * self.batch_size)  # the global batch
-        flat = flat[self.dp_rank * self.batch_size : (self.dp_rank + 1) * self.batch_size]
-        shard = np.searchsorted(self._ends, flat, side="right")
-        offset = flat - (self._ends[shard] - self._starts[shard])
-        rows = [self.split.shards[s][o : o + self.seq_len + 1] for s, o in zip(shard, offset, strict=True)]
-        t = _rows_to_tensor(self.split, rows)  # (batch_size, seq_len + 1)
-        if self.device.type == "cuda":
-            t = t.pin_memory().to(self.device, non_blocking=True)
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+    @property
+    def global_batch(self) -> int:
+        """Windows a step draws (over every data-parallel rank and micro-batch)."""
+        return self.dp_size * self.batch_size * self.grad_accum
+
+    @property
+    def epoch(self) -> int:
+        return self.drawn // self.windows
+
+    @property
+    def position(self) -> int:
+        """Windows of this epoch already drawn."""
+        return self.drawn % self.windows
+
+    def order(self, epoch: int) -> np.ndarray:
+        """Epoch's permutation of the window indices 0 .. windows - 1."""
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.windows))
+        return self._order[1]
+
+    def window_indices(self, first: int, count: int) -> np.ndarray:
+        """The windows of draws first ... first + count - 1 (they may cross into the next epoch)."""
+        draws = np.arange(first, first + count, dtype=np.int64)
+        epochs = draws // self.windows
+        indices = np.empty(count, dtype=np.int64)
+        for epoch in np.unique(epochs):
+            drawn_in = epochs == epoch
+            indices[drawn_in] = self.order(int(epoch))[draws[drawn_in] % self.windows]
+        return indices
+
+    def _window(self, index: int) -> np.ndarray:
+        """Tokens index·seq_len ... (index + 1)·seq_len, read from the shards that hold them."""
+        start, length, pieces = index * self.seq_len, self.seq_len + 1, []
+        shard = int(np.searchsorted(self._shard_ends, start, side="right"))
+        while length > 0:
+            tokens = self.split.shards[shard]
+            offset = start - (int(self._shard_ends[shard]) - len(tokens))
+            pieces.append(tokens[offset : offset + length])
+            start, length, shard = start + len(pieces[-1]), length - len(pieces[-1]), shard + 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = self.batch(self.position)
-        self.position += 1
-        return batch
+        first = self.drawn + self.dp_rank * self.batch_size  # this rank's part of the job's draws
+        rows = [self._window(int(w)) for w in self.window_indices(first, self.batch_size)]
+        self.drawn += self.dp_size * self.batch_size
+        return _batch(self.split, rows, self.device)
+
+    def _layout(self) -> str:
+        return f"dp {self.dp_size} x batch {self.batch_size} x grad_accum {self.grad_accum}"
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "position": self.position}
+        return {
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "position": self.position,
+            "windows": self.windows,
+            "global_batch": self.global_batch,
+            "layout": self._layout(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        self.seed, self.position = state["seed"], state["position"]
+        self.seed, self.layout_change = state["seed"], None
+        if "windows" not in state:  # an earlier loader's: batches drawn at random offsets
+            self.drawn = state["position"] * self.dp_size * self.batch_size
+            self.layout_change = (
+                f"data: the checkpoint's loader drew windows at random offsets; epochs without "
+                f"replacement start here, at window {self.position:,} of epoch {self.epoch}"
+            )
+            return
+        if state["windows"] != self.windows:
+            raise ValueError(
+                f"{self.split.name}: the checkpoint's loader had {state['windows']:,} windows an epoch, "
+                f"this data at seq_len {self.seq_len} has {self.windows:,}: resume with the same data "
+                "and --seq-len"
+            )
+        self.drawn = state["epoch"] * self.windows + state["position"]
+        where = f"window {self.position:,} of epoch {self.epoch}"
+        self.layout_change = _global_batch_change(state, self.global_batch, self._layout(), where)
+
+
+def parse_mixture(data: str) -> dict[str, float] | None:
+    """--data as a mixture of prepared directories and their weights: ``DIR=WEIGHT,DIR=WEIGHT`` or
+    a .json or .toml file of ``{DIR: WEIGHT}``; None when data names one directory."""
+    if data.endswith((".json", ".toml")):
+        path = Path(data)
+        if not path.is_file():
+            raise FileNotFoundError(f"--data {data}: no such mixture file")
+        text = path.read_text()
+        import tomllib
+
+        weights = json.loads(text) if data.endswith(".json") else tomllib.loads(text)
+    elif "=" in data:
+        weights = {}
+        for part in data.split(","):
+            name, _, weight = part.rpartition("=")
+            try:
+                weights[name] = float(weight)
+            except ValueError:
+                raise ValueError(f"--data {data}: {part!r} is not DIR=WEIGHT") from None
+    else:
+        return None
+    if not weights or not all(isinstance(w, (int, float)) and w > 0 for w in weights.values()):
+        raise ValueError(f"--data {data}: a mixture needs directories with weights > 0, got {weights}")
+    return {name: float(w) for name, w in weights.items()}
+
+
+def load_mixture(
+    weights: dict[str, float],
+) -> tuple[dict[str, Split], dict[str, Split], BPETokenizer | ByteTokenizer]:
+    """(train splits, val splits, tokenizer) of a mixture's directories, which must share a tokenizer."""
+    train, val, tokenizers = {}, {}, {}
+    for name in weights:
+        train[name], val[name], tokenizers[name] = load_dataset(name)
+    kinds = {name: (t.name, t.vocab_size, t.eot_id) for name, t in tokenizers.items()}
+    if len(set(kinds.values())) > 1:
+        raise ValueError(f"--data: the mixture's directories must share a tokenizer, got {kinds}")
+    return train, val, next(iter(tokenizers.values()))
+
+
+# A mixture's source choices come from generators seeded with (seed, block, MIXTURE_KEY), a block of
+# draws at a time: another stream than the epochs' permutations, seeded with (seed, epoch).
+MIXTURE_BLOCK, MIXTURE_KEY = 4096, 0x6D6978
+
+
+class Mixture:
+    """A Loader's batches drawn from several sources (prepared directories), each window's source
+    picked by a seeded rule: draw d of the job goes to source i when u_d falls in i's share of [0, 1),
+    the shares the weights normalised, u_d uniform from a generator seeded with (seed, d // 4096): a
+    pure function of (seed, d), whatever the layout. Each source walks its own windows in epochs
+    without replacement (a :class:`Loader`'s order, seeded with seed), as far as its draws have gone;
+    ``epochs`` says how far. Layout, state and resume as the Loader's."""
+
+    def __init__(
+        self,
+        splits: dict[str, Split],
+        weights: dict[str, float],
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        device: str | torch.device = "cpu",
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        grad_accum: int = 1,
+    ):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"Mixture: dp_rank {dp_rank} must be in [0, dp_size {dp_size})")
+        self.sources = {name: Loader(split, 1, seq_len, seed) for name, split in splits.items()}
+        total = sum(weights.values())
+        self.weights = {name: weights[name] / total for name in splits}
+        self._shares = np.cumsum(list(self.weights.values()))
+        self.batch_size, self.seed, self.dp_rank, self.dp_size = batch_size, seed, dp_rank, dp_size
+        self.grad_accum = grad_accum
+        import torch
+
+        self.device = torch.device(device)
+        self.drawn = 0
+        self.layout_change: str | None = None
+
+    global_batch = Loader.global_batch
+    _layout = Loader._layout
+
+    @property
+    def epochs(self) -> dict[str, float]:
+        """Epochs each source has gone through (windows drawn / its windows)."""
+        return {name: loader.drawn / loader.windows for name, loader in self.sources.items()}
+
+    def choose(self, first: int, count: int) -> np.ndarray:
+        """The source (its index) of draws first ... first + count - 1."""
+        blocks = range(first // MIXTURE_BLOCK, (first + count - 1) // MIXTURE_BLOCK + 1)
+        u = np.concatenate(
+            [np.random.default_rng([self.seed, b, MIXTURE_KEY]).random(MIXTURE_BLOCK) for b in blocks]
+        )
+        start = first - blocks[0] * MIXTURE_BLOCK
+        chosen = np.searchsorted(self._shares, u[start : start + count], side="right")
+        return np.minimum(chosen, len(self.sources) - 1)  # a u at the top of the last share's rounding
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        job = self.choose(self.drawn, self.dp_size * self.batch_size)  # the job's micro-batch
+        before, mine = (
+            job[: self.dp_rank * self.batch_size],
+            job[self.dp_rank * self.batch_size :][: self.batch_size],
+        )
+        rows: list[np.ndarray] = [np.empty(0)] * self.batch_size
+        for i, loader in enumerate(self.sources.values()):
+            at = np.flatnonzero(mine == i)
+            windows = loader.window_indices(loader.drawn + int((before == i).sum()), len(at))
+            for row, window in zip(at, windows, strict=True):
+                rows[row] = loader._window(int(window))
+            loader.drawn += int((job == i).sum())
+        self.drawn += self.dp_size * self.batch_size
+        return _batch(next(iter(self.sources.values())).split, rows, self.device)
+
+    def state_dict(self) -> dict:
+        sources = {name: loader.state_dict() for name, loader in self.sources.items()}
+        return {
+            "seed": self.seed,
+            "drawn": self.drawn,
+            "sources": sources,
+            "global_batch": self.global_batch,
+            "layout": self._layout(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if "sources" not in state or state["sources"].keys() != self.sources.keys():
+            saved = list(state.get("sources", ["one directory"]))
+            raise ValueError(f"--data: the checkpoint's data was {saved}, this run's {list(self.sources)}")
+        self.seed, self.drawn = state["seed"], state["drawn"]
+        for name, loader in self.sources.items():
+            loader.load_state_dict(state["sources"][name])
+        self.layout_change = _global_batch_change(
+            state, self.global_batch, self._layout(), f"draw {self.drawn:,}"
+        )
 
 
 class HeldOut:
@@ -686,7 +910,51 @@ class HeldOut:
             yield t[:, :-1], t[:, 1:]
 
 
-def _workers(text: str) -> int:
+@dataclass
+class SplitStats:
+    """What ``inspect`` prints of a split: its documents (ended by the end-of-text token; the
+    tokens after the last one, if any, count as one more), tokens, longest and median document, and
+    of the Loader's windows at seq_len, how many and how many hold more than one document."""
+
+    documents: int
+    tokens: int
+    longest: int
+    median: float
+    windows: int
+    windows_crossing: int
+
+
+def split_stats(split: Split, eot_id: int | None, seq_len: int) -> SplitStats:
+    """The statistics of split's documents and of its Loader windows at seq_len (one pass over
+    the shards, holding the end-of-text positions)."""
+    ends, offset = [], 0  # each document's last token, in the split's tokens (shards one after another)
+    for shard in split.shards:
+        if eot_id is not None:
+            ends.append(np.flatnonzero(shard == eot_id) + offset)
+        offset += len(shard)
+    tokens = offset
+    ends = np.concatenate(ends) if ends else np.zeros(0, dtype=np.int64)
+    if not len(ends) or ends[-1] != tokens - 1:  # the tokens after the last end of text
+        ends = np.append(ends, tokens - 1)
+    lengths = np.diff(ends, prepend=-1)
+    windows = max(tokens - 1, 0) // seq_len
+    # Window w (tokens w·seq_len ... (w + 1)·seq_len) holds two documents when one ends before its last token.
+    crossing = np.unique(ends[ends < windows * seq_len] // seq_len)
+    return SplitStats(
+        len(lengths), tokens, int(lengths.max()), float(np.median(lengths)), windows, len(crossing)
+    )
+
+
+def inspect(data: str | Path, seq_len: int) -> dict[str, SplitStats]:
+    """SplitStats of the train and val splits of a prepared directory."""
+    train, val, tokenizer = load_dataset(data)
+    return {
+        "train": split_stats(train, tokenizer.eot_id, seq_len),
+        "val": split_stats(val, tokenizer.eot_id, seq_len),
+    }
+
+
+def _at_least_1(text: str) -> int:
     if int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
     return int(text)
@@ -709,7 +977,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--text-field", default="text", help="the text of a JSON line (default: text)")
     p.add_argument(
         "--workers",
-        type=_workers,
+        type=_at_least_1,
         default=len(os.sched_getaffinity(0)),
         help="tokenising processes (default: the CPUs this process may use)",
     )
@@ -719,7 +987,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--shard-tokens", type=int, default=SHARD_TOKENS, help=f"tokens per shard ({SHARD_TOKENS:,})"
     )
+    p = commands.add_parser("inspect", help="documents, tokens and windows of a prepared directory")
+    p.add_argument("dir", metavar="DIR", help="a directory made by prepare")
+    p.add_argument("--seq-len", type=_at_least_1, default=1024, help="the windows' input tokens (1024)")
     args = parser.parse_args(argv)
+    if args.command == "inspect":
+        try:
+            stats = inspect(args.dir, args.seq_len)
+        except (ValueError, FileNotFoundError) as e:
+            parser.exit(2, f"python -m horse.data inspect: error: {e}\n")
+        for split, st in stats.items():
+            share = st.windows_crossing / max(st.windows, 1)
+            print(
+                f"{split}: {st.documents:,} documents, {st.tokens:,} tokens; longest document {st.longest:,} "
+                f"tokens, median {st.median:,.0f}; {st.windows:,} windows at --seq-len {args.seq_len}, "
+                f"{share:.1%} of them crossing a document boundary"
+            )
+        return
     try:
         meta = prepare(
             args.inputs,

@@ -1,8 +1,13 @@
-"""Dynamic fp16 loss scaling that every rank agrees on, with a floor, hysteresis and a give-up.
+"""Dynamic fp16 loss scaling that every rank agrees on, with a floor, hysteresis and a give-up; and,
+in every precision, the skip of a step whose gradients are not finite.
 
 The loss is multiplied by the scale before the backward, so that small gradients do not vanish in
 float16; ``unscale_`` divides them back. A step whose gradients hold an inf or NaN on any rank of
-the world is skipped by every rank (weights and AdamW's moments untouched). The scale:
+the world is skipped by every rank (weights and AdamW's moments untouched; the run's step and
+learning-rate schedule go on). In fp16 the unscale finds them; in bf16 and fp32, which scale
+nothing, :meth:`LossScaler.check_norm` finds them in the gradient norm (inf or NaN on any rank).
+Without the skip a NaN gradient with a finite loss went into AdamW, and a checkpoint of the
+poisoned weights passed its checksums. The fp16 scale:
 
 * halves when ``hysteresis`` steps in a row were skipped, and at every further skip in that row
   (one overflow, common early in training, costs a step but not half the scale);
@@ -11,10 +16,10 @@ the world is skipped by every rank (weights and AdamW's moments untouched). The 
 * doubles after ``growth_interval`` clean steps in a row.
 
 ``check(step, loss)`` after each optimizer step raises a FloatingPointError once
-``max_skipped_steps`` steps in a row were skipped: the gradients overflow at every scale, and
-skipping on would only burn GPU time. Megatron's DynamicGradScaler works the same way;
-torch.amp.GradScaler has none of the three and agrees on its inf check across ranks only for
-DTensor gradients.
+``max_skipped_steps`` steps in a row were skipped, in every precision: the gradients are not
+finite at any scale, and skipping on would only burn GPU time. Megatron's DynamicGradScaler works
+the same way; torch.amp.GradScaler has none of the three, skips nothing in bf16 and agrees on its
+inf check across ranks only for DTensor gradients.
 """
 
 import math
@@ -28,7 +33,7 @@ from horse.parallel.mesh import Parallel
 class LossScaler:
     """fp16 loss scaling with GradScaler's interface: scale(loss), unscale_(optimizer),
     step(optimizer), update(), state_dict(), load_state_dict(). Disabled (bf16, fp32), it scales
-    by 1 and checks nothing."""
+    by 1, and skips a step whose gradient norm (:meth:`check_norm`) is not finite on some rank."""
 
     def __init__(
         self,
@@ -51,7 +56,8 @@ class LossScaler:
         self.clean_steps = 0  # in a row
         self.skipped_steps = 0  # in a row
         self.last_finite_loss: float | None = None
-        self.found_inf: torch.Tensor | None = None  # this step's, agreed by every rank; set by unscale_
+        # This step's, agreed by every rank; set by unscale_ (fp16) or check_norm (bf16, fp32).
+        self.found_inf: torch.Tensor | None = None
         self.skipped = False  # whether step() skipped; read on the host once, before the optimizer runs
 
     @classmethod
@@ -91,29 +97,37 @@ class LossScaler:
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
         self.found_inf = found_nonfinite(found_inf, self.parallel)
 
+    def check_norm(self, grad_norm: torch.Tensor) -> None:
+        """bf16 and fp32: find whether the gradient norm (a scalar tensor; ``horse.parallel.
+        global_grad_norm``) is inf or NaN on any rank: one all-reduce (MAX) over the world, since a
+        norm need not be the same everywhere (a tp-replicated gradient poisoned on one tp rank).
+        fp16's unscale_ has checked every gradient already."""
+        if not self.enabled:
+            self.found_inf = found_nonfinite(~torch.isfinite(grad_norm), self.parallel)
+
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """optimizer.step(), unless a rank found an inf or NaN (unscales first if not yet done)."""
+        """optimizer.step(), unless a rank found an inf or NaN (fp16: unscales first if not yet
+        done; bf16 and fp32: steps unchecked unless check_norm ran)."""
         if self.enabled and self.found_inf is None:
             self.unscale_(optimizer)
-        self.skipped = self.enabled and bool(self.found_inf.item())
+        self.skipped = self.found_inf is not None and bool(self.found_inf.item())
         if not self.skipped:
             optimizer.step()
 
     def update(self) -> None:
-        """After a skipped step: halve the scale from the hysteresis-th skip in a row on, down to
-        min_scale. After growth_interval clean steps in a row: double it."""
-        if not self.enabled:
-            return
+        """Count the steps skipped in a row. fp16: after a skipped step, halve the scale from the
+        hysteresis-th skip in a row on, down to min_scale; after growth_interval clean steps in a
+        row, double it."""
         self.found_inf = None
         if self.skipped:
             self.clean_steps = 0
             self.skipped_steps += 1
-            if self.skipped_steps >= self.hysteresis:
+            if self.enabled and self.skipped_steps >= self.hysteresis:
                 self.scale_factor = max(self.min_scale, self.scale_factor / 2)
         else:
             self.skipped_steps = 0
             self.clean_steps += 1
-            if self.clean_steps == self.growth_interval:
+            if self.enabled and self.clean_steps == self.growth_interval:
                 self.scale_factor *= 2
                 self.clean_steps = 0
 
@@ -122,18 +136,29 @@ class LossScaler:
         max_skipped_steps steps in a row were skipped."""
         if math.isfinite(loss):
             self.last_finite_loss = loss
-        if self.enabled and self.skipped_steps >= self.max_skipped_steps:
-            last = "none" if self.last_finite_loss is None else f"{self.last_finite_loss:.4f}"
+        if self.skipped_steps < self.max_skipped_steps:
+            return
+        last = "none" if self.last_finite_loss is None else f"{self.last_finite_loss:.4f}"
+        skipped = (
+            f"the last {self.skipped_steps} steps were all skipped for inf/NaN gradients "
+            f"(--max-skipped-steps {self.max_skipped_steps})"
+        )
+        if self.enabled:
             raise FloatingPointError(
-                f"fp16 loss scaling gave up at step {step}: the last {self.skipped_steps} steps were all "
-                f"skipped for inf/NaN gradients (--max-skipped-steps {self.max_skipped_steps}), at loss "
-                f"scale {self.scale_factor:g} (--min-loss-scale {self.min_scale:g}); last finite loss {last}."
-                " The gradients overflow at every scale: lower --lr, or train in bf16"
+                f"fp16 loss scaling gave up at step {step}: {skipped}, at loss scale {self.scale_factor:g} "
+                f"(--min-loss-scale {self.min_scale:g}); last finite loss {last}. The gradients overflow "
+                "at every scale: lower --lr, or train in bf16"
             )
+        raise FloatingPointError(
+            f"training gave up at step {step}: {skipped}, without loss scaling (bf16/fp32); last finite "
+            f"loss {last}. The gradients are not finite with a finite loss: lower --lr or --grad-clip, "
+            "or look for a bad batch or a broken kernel"
+        )
 
     def state_dict(self) -> dict:
+        """The steps skipped in a row (every precision), and fp16's scale and clean steps."""
         if not self.enabled:
-            return {}
+            return {"skipped_steps": self.skipped_steps}
         return {
             "scale": self.scale_factor,
             "clean_steps": self.clean_steps,
@@ -141,7 +166,8 @@ class LossScaler:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale_factor = max(self.min_scale, state["scale"])
-        # "_growth_tracker": torch.amp.GradScaler's name for it, in checkpoints written before this class.
-        self.clean_steps = state.get("clean_steps", state.get("_growth_tracker", 0))
+        """A state of any precision's scaler: a scale that a bf16 or fp32 run saved none of stays."""
+        if "scale" in state:
+            self.scale_factor = max(self.min_scale, state["scale"])
+            self.clean_steps = state.get("clean_steps", 0)
         self.skipped_steps = state.get("skipped_steps", 0)

@@ -23,6 +23,7 @@ modules and makes its down projections row-parallel; its own forwards run at eve
 """
 
 import argparse
+import hashlib
 import math
 import typing
 from dataclasses import dataclass
@@ -59,6 +60,8 @@ class GPTConfig:
     rope_base: rotary base frequency
     norm_eps: epsilon of every norm
     tie_embeddings: the LM head is the token embedding (GPT-2); else a separate lm_head (LLaMA)
+    document_masking: each document of a row (after an end of text, up to the next) attends within itself
+    eot_id: the end-of-text token that ends a document; None: the data has none
     """
 
     vocab_size: int = 50304  # GPT-2's 50,257 rounded up to a multiple of 64 for the tensor cores
@@ -77,6 +80,8 @@ class GPTConfig:
     norm_eps: float = 1e-5
     vocab_used: int | None = None
     tie_embeddings: bool = True
+    document_masking: bool = False
+    eot_id: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
@@ -102,6 +107,12 @@ class GPTConfig:
             choices = typing.get_args(hints[name])
             if getattr(self, name) not in choices:
                 raise ValueError(f"GPTConfig.{name} must be one of {choices}, got {getattr(self, name)!r}")
+        if self.document_masking and self.eot_id is None:
+            raise ValueError("GPTConfig.document_masking needs eot_id, the token that ends a document")
+        if self.eot_id is not None and not 0 <= self.eot_id < self.vocab_size:
+            raise ValueError(
+                f"GPTConfig.eot_id must be a token id in [0, vocab_size {self.vocab_size}), got {self.eot_id}"
+            )
         if self.positions == "rotary" and self.head_dim % 2:
             raise ValueError(f"GPTConfig: rotary positions need an even head_dim, got {self.head_dim}")
 
@@ -183,20 +194,66 @@ def runs_half_kernels(backend: str, x: torch.Tensor) -> bool:
     return dtype in (torch.float16, torch.bfloat16)
 
 
+@dataclass
+class Documents:
+    """The documents packed in a batch of rows (B, T): a document is the tokens after an end of text
+    up to and including the next one (a row's first token starts one, its last ends one), and with
+    document masking it is a sequence of its own. Built on the device from the tokens by
+    :func:`documents_of`, with no value read back to the host.
+
+    positions: (B, T) int64, each token's position in its document (0 at its first token)
+    document: (B, T) int64, each token's document's number in its row (0, 1, ...)
+    cu_seqlens: (B·T + 1,) int32, the documents' first rows in the flattened (B·T) tokens, then B·T
+        padding the rest: flash_attention_varlen's offsets, a fixed size whatever the data, so no
+        launch size depends on the data. Its grid is a program per (sequence, query tile of T): T
+        times the dense kernel's, most of them (empty sequences, tiles past a document's end)
+        returning after reading two offsets
+    max_seqlen: T, the longest a document can be
+    """
+
+    positions: torch.Tensor
+    document: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+
+def documents_of(idx: torch.Tensor, eot_id: int) -> Documents:
+    """The documents of the rows idx (B, T) whose documents end at token eot_id."""
+    batch, seqlen = idx.shape
+    starts = torch.ones_like(idx, dtype=torch.bool)  # (B, T): a token that begins a document
+    starts[:, 1:] = idx[:, :-1] == eot_id
+    columns = torch.arange(seqlen, device=idx.device).expand(batch, seqlen)
+    first = torch.where(starts, columns, 0).cummax(dim=1).values  # (B, T): its document's first column
+    tokens = batch * seqlen
+    flat = torch.arange(tokens, device=idx.device)
+    # The starts' flat rows in order, then the padding (tokens): sorting puts every start first.
+    offsets = torch.where(starts.flatten(), flat, tokens).sort().values
+    cu_seqlens = torch.cat([offsets, offsets.new_full((1,), tokens)]).to(torch.int32)
+    return Documents(columns - first, starts.cumsum(dim=1) - 1, cu_seqlens, seqlen)
+
+
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None = None,
+    documents: Documents | None = None,
 ) -> torch.Tensor:
     """Causal attention on SDPA. q (B, Tq, n_head, hd); k, v (B, Tk, n_kv_heads, hd) with Tk >= Tq,
     the queries being the last Tq positions (the mask is aligned to the bottom-right corner, so new
     tokens decode against a longer cache); with a window, each query also sees only the window keys
-    before its own. Returns (B, Tq, n_head, hd). horse.kernels.flash_attention(q, k, v, causal=True,
-    window_size=(window, -1)) takes the same layout and mask."""
+    before its own; with documents (Tq = Tk), only the keys of its own document. Returns (B, Tq,
+    n_head, hd). horse.kernels.flash_attention(q, k, v, causal=True, window_size=(window, -1)) takes
+    the same layout and mask, and flash_attention_varlen the documents (CausalSelfAttention)."""
     tq, tk = q.shape[1], k.shape[1]
     mask = None
     if window is not None and window < tk - 1:
         mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq).triu(tk - tq - window)
-    elif tq not in (1, tk):
+    elif tq not in (1, tk) or documents is not None:
         mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
+    if documents is not None:  # (B, 1, T, T): and within the query's document
+        same = documents.document[:, :, None] == documents.document[:, None, :]
+        mask = (mask & same)[:, None]
     y = F.scaled_dot_product_attention(
         q.transpose(1, 2),  # (B, n_head, Tq, hd)
         k.transpose(1, 2),  # (B, n_kv_heads, Tk, hd)
@@ -244,10 +301,26 @@ class CausalSelfAttention(FusedSelfAttention):
         super().__init__(d, heads, n_kv_heads=kv_heads, bias=config.bias, window_size=window)
         self.backend, self.rotary = backend, rotary
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
+        """x (B, T, C); with documents (no cache) each document of a row attends within itself, its
+        positions from 0."""
         start = 0 if cache is None else cache.length
-        q, k, v = self.qkv(x, offset=start)  # (B, T, n_heads, hd), (B, T, n_kv_heads, hd) twice
-        if cache is not None and runs_half_kernels(self.backend, q):
+        position = {"offset": start} if documents is None else {"positions": documents.positions}
+        q, k, v = self.qkv(x, **position)  # (B, T, n_heads, hd), (B, T, n_kv_heads, hd) twice
+        if documents is not None and runs_half_kernels(self.backend, q):
+            # The rows' documents as one packed batch: (B·T, heads, hd), a sequence per document.
+            cu, longest = documents.cu_seqlens, documents.max_seqlen
+            packed = (t.flatten(0, 1) for t in (q, k, v))
+            y = kernels.flash_attention_varlen(
+                *packed, cu, cu, longest, longest, causal=True, window_size=self.window_size
+            ).view_as(q)  # (B, T, n_heads, hd)
+        elif cache is not None and runs_half_kernels(self.backend, q):
             # Appends k, v to the cache in place and decodes against it: keys split among programs.
             k_cache, v_cache = cache.buffers(layer, k, v)  # (B, block_size, n_kv_heads, hd)
             y = kernels.flash_attention_with_kvcache(
@@ -259,7 +332,7 @@ class CausalSelfAttention(FusedSelfAttention):
             if cache is not None:
                 k, v = cache.update(layer, k, v)  # (B, cached + T, n_kv_heads, hd)
             window = self.window_size[0]
-            y = causal_attention(q, k, v, None if window < 0 else window)
+            y = causal_attention(q, k, v, None if window < 0 else window, documents)
         return self.c_proj(y.flatten(2))  # (B, T, n_heads · hd) -> (B, T, C)
 
 
@@ -328,16 +401,51 @@ class Block(nn.Module):
         self.norm_2 = make_norm(config, backend)
         self.mlp = MLP(config, backend)
 
-    def forward(self, x, h, cache: KVCache | None, layer: int):
+    def forward(self, x, h, cache: KVCache | None, layer: int, documents: Documents | None = None):
         """x (B, T, C): the previous branch output, not yet added to the stream h (B, T, C)."""
         y, h = add_norm(self.norm_1, x, h)
-        y, h = add_norm(self.norm_2, self.attn(y, cache, layer), h)
+        y, h = add_norm(self.norm_2, self.attn(y, cache, layer, documents), h)
         return self.mlp(y), h
 
 
 # ----------------------------------------------------------------------------------------------
 # The model
 # ----------------------------------------------------------------------------------------------
+
+
+# A parameter's initial values come row by row (dim 0) from generators seeded from the run's seed, the
+# parameter's name and the row's block of ROWS_PER_SEED: a rank draws only the rows it holds, and
+# every layout (tp, FSDP's shards) gets the same weights from the same seed, on any device.
+ROWS_PER_SEED = 64
+
+
+def initial_rows(
+    name: str, shape: torch.Size, rows: torch.Tensor, config: GPTConfig, seed: int
+) -> torch.Tensor:
+    """Rows ``rows`` (a 1-D int64 tensor of increasing indices into dim 0) of the GPT parameter
+    ``name``, whose whole shape is ``shape``, as a GPT freshly initialised from ``seed`` holds them:
+    float32 on the CPU, shape (len(rows), *shape[1:]). GPT-2's initialisation: biases zero, norm
+    weights one, the other weights normal with std 0.02, except the projections that write into the
+    residual stream, scaled by 1/sqrt(number of residual adds) so the stream's variance does not grow
+    with depth."""
+    module, _, param = name.rpartition(".")
+    out_shape = (len(rows), *shape[1:])
+    if param == "bias":
+        return torch.zeros(out_shape)
+    if module.rpartition(".")[2].startswith("norm"):
+        return torch.ones(out_shape)
+    std = 0.02 / math.sqrt(2 * config.n_layer) if module.endswith(("c_proj", "down_proj")) else 0.02
+    row_size = math.prod(shape[1:])
+    out = torch.empty(len(rows), row_size)
+    blocks = rows // ROWS_PER_SEED
+    for block in blocks.unique().tolist():
+        first = block * ROWS_PER_SEED
+        digest = hashlib.sha256(f"{seed}/{name}/{block}".encode()).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8]) >> 1)
+        values = torch.randn(min(ROWS_PER_SEED, shape[0] - first), row_size, generator=generator)
+        in_block = blocks == block
+        out[in_block] = values[rows[in_block] - first] * std
+    return out.view(out_shape)
 
 
 class GPT(nn.Module):
@@ -363,19 +471,14 @@ class GPT(nn.Module):
         # from id 0); head_input, where the head's input passes, is where it gathers that from the ranks.
         self.vocab_shard: VocabShard | None = None
         self.head_input = nn.Identity()
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            # GPT-2: the projections that write into the residual stream are scaled by
-            # 1/sqrt(number of residual adds), so the stream's variance does not grow with depth.
-            if name.endswith(("c_proj.weight", "down_proj.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        if self.wte.weight.device.type != "meta":  # on meta, whoever allocates initialises
+            self.init_weights(int(torch.randint(2**62, ())))  # a seed from the global RNG
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Every parameter of this whole model initialised from ``seed`` (:func:`initial_rows`)."""
+        for name, p in self.named_parameters():
+            p.copy_(initial_rows(name, p.shape, torch.arange(p.shape[0]), self.config, seed))
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab_size). With a cache, idx continues the cached
@@ -402,11 +505,14 @@ class GPT(nn.Module):
             logits = logits.masked_fill(ids >= used, float("-inf"))  # the padding rows
         return logits
 
-    def embed(self, idx: torch.Tensor, start: int) -> torch.Tensor:
-        """idx (B, T) at positions start .. start + T - 1 -> the stream's start (B, T, C)."""
+    def embed(self, idx: torch.Tensor, positions: int | torch.Tensor) -> torch.Tensor:
+        """idx (B, T) at positions (an int: the first token's, the rest following it; or each
+        token's, (B, T)) -> the stream's start (B, T, C)."""
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(start, start + idx.shape[1], device=idx.device))  # (T, C) over B
+            if isinstance(positions, int):
+                positions = torch.arange(positions, positions + idx.shape[1], device=idx.device)
+            x = x + self.wpe(positions)  # (T, C) over B, or (B, T, C)
         return x
 
     def features(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -417,9 +523,12 @@ class GPT(nn.Module):
                 f"GPT: {start + idx.shape[1]} positions (cached {start} + input {idx.shape[1]}) exceed "
                 f"block_size {self.config.block_size}"
             )
-        x, h = self.embed(idx, start), None
+        documents = None  # generation (a cache) runs one document
+        if self.config.document_masking and cache is None:
+            documents = documents_of(idx, self.config.eot_id)
+        x, h = self.embed(idx, start if documents is None else documents.positions), None
         for layer, block in enumerate(self.blocks):
-            x, h = block(x, h, cache, layer)
+            x, h = block(x, h, cache, layer, documents)
         y, _ = add_norm(self.norm_f, x, h)
         if cache is not None:
             cache.length += idx.shape[1]

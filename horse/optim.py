@@ -1,6 +1,7 @@
 """The optimizer of ``horse.train``: AdamW with weight decay on the matrices, the learning-rate
-schedule, and one optimizer step through the fp16 loss scaler (``horse.loss_scale``): unscale,
-the whole model's gradient norm over the tp ranks, clipping, the step or its skip."""
+schedule, and one optimizer step through the loss scaler (``horse.loss_scale``): unscale (fp16),
+the whole model's gradient norm over the tp ranks, clipping, the step or, when a rank's gradients
+are not finite (any precision), its skip."""
 
 import math
 
@@ -41,12 +42,14 @@ def optimizer_step(
     parallel: Parallel | None = None,
 ) -> tuple[float, bool]:
     """Unscale, clip and step; returns (gradient norm, skipped). The norm is the whole model's, each
-    parameter counted once over the tp ranks and its FSDP shards. With fp16 a step whose gradients
-    hold an inf or NaN (on any rank, in any shard) is skipped (weights and AdamW's moments untouched)."""
+    parameter counted once over the tp ranks and its FSDP shards. A step whose gradients hold an inf
+    or NaN (on any rank, in any shard; in bf16 and fp32: whose norm is inf or NaN on any rank) is
+    skipped by every rank (weights and AdamW's moments untouched)."""
     parallel = parallel or Parallel()
     scaler.unscale_(optimizer)
     params = [(name, p) for name, p in model.named_parameters() if p.grad is not None]
     grad_norm = global_grad_norm(params, parallel)
+    scaler.check_norm(grad_norm)
     if grad_clip > 0:  # an inf norm zeroes (NaNs) the gradients of a step that is skipped anyway
         torch.nn.utils.clip_grads_with_norm_([p for _, p in params], grad_clip, grad_norm)
     # Read on the host before the optimizer is launched, next to the scaler's inf check, so that

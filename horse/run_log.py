@@ -39,6 +39,10 @@ def line(record: dict, max_steps: int) -> str:
         text += f" | MFU {100 * record['mfu']:.1f}%"
     if "val_loss" in record:
         text += f" | val loss {record['val_loss']:.4f}"
+    if "val_loss_by_source" in record:  # a mixture's sources
+        losses, epochs = record["val_loss_by_source"], record["epochs_by_source"]
+        sources = (f"{name} {loss:.4f}, epoch {epochs[name]:.2f}" for name, loss in losses.items())
+        text += f" ({'; '.join(sources)})"
     return text
 
 

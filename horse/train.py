@@ -72,7 +72,17 @@ from torch import nn
 from tqdm import tqdm
 
 from horse import checkpoint, hf, optim, preemption, recipes, run_log
-from horse.data import BPETokenizer, ByteTokenizer, HeldOut, Loader, Split, load_dataset
+from horse.data import (
+    BPETokenizer,
+    ByteTokenizer,
+    HeldOut,
+    Loader,
+    Mixture,
+    Split,
+    load_dataset,
+    load_mixture,
+    parse_mixture,
+)
 from horse.device import nvtx_range, peak_flops, pick_backend, pick_device, profiler
 from horse.generate import generate
 from horse.kernels import runtime
@@ -96,7 +106,7 @@ class TrainConfig:
     """A training run. Every field is also a flag: --batch-size for batch_size, and so on.
 
     preset: model preset: tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b (model flags override its fields)
-    data: a directory made by `python -m horse.data prepare`; empty: the built-in corpus as bytes
+    data: a prepared directory, or a mixture DIR=WEIGHT,... (or a .json/.toml); empty: the built-in corpus
     out_dir: checkpoints, metrics.jsonl, config.json and traces; empty: runs/<preset>-<date>-<time>
     resume: continue from the newest good checkpoint in --out-dir (automatic after a torchrun restart)
     strict_resume: with --resume, a damaged newest checkpoint is an error, not a warning and an older one
@@ -127,7 +137,7 @@ class TrainConfig:
     loss_scale_window: clean fp16 steps before the loss scale doubles (an inf/NaN gradient halves it, skips)
     min_loss_scale: the fp16 loss scale never halves below this
     loss_scale_hysteresis: fp16 steps skipped in a row before the loss scale halves
-    max_skipped_steps: stop with an error after this many fp16 steps in a row skipped for inf/NaN gradients
+    max_skipped_steps: stop with an error after this many steps in a row skipped for inf/NaN gradients
     seed: seeds the weights, the data order and the sample
     eval_interval: steps between validation losses (and one at the end)
     eval_tokens: validation loss over this many held-out tokens, the first of the val split, each once
@@ -135,6 +145,7 @@ class TrainConfig:
     ckpt_interval: steps between checkpoints (and one at the end); 0: only at the end
     keep_last: complete checkpoints kept (0: all)
     on_save_error: a save that fails (full disk, I/O): stop, or continue and retry at the next interval
+    async_checkpoint: write checkpoints in a thread from host copies taken at the step (the last: at once)
     save_on_signal: signals that finish the step, save it and exit 75 (preempted, resumable); empty: none
     peak_tflops: dense fp16/bf16 peak of the device for MFU; default: from the GPU's name
     profile_steps: record a torch.profiler trace of this many steps (after two warm-up steps): OUT/trace.json
@@ -142,7 +153,6 @@ class TrainConfig:
     sample_prompt: the sample's prompt
     compile: run the training loss under torch.compile (the kernels are custom ops: one graph at tp=1)
     activation_checkpointing: recompute each block in the backward instead of keeping its activations
-    fail_at_step: fault injection: rank 1 (rank 0 alone) raises at this step, before a torchrun restart only
     """
 
     preset: str = "tiny"
@@ -185,6 +195,7 @@ class TrainConfig:
     ckpt_interval: int = 0
     keep_last: int = 3
     on_save_error: Literal["stop", "continue"] = "stop"
+    async_checkpoint: bool = True
     save_on_signal: str = "SIGTERM SIGUSR1"
     peak_tflops: float | None = None
     profile_steps: int = 0
@@ -192,7 +203,6 @@ class TrainConfig:
     sample_prompt: str = "\n"
     compile: bool = False
     activation_checkpointing: bool = False
-    fail_at_step: int = 0
 
     def __post_init__(self):
         at_least_1 = (
@@ -204,7 +214,7 @@ class TrainConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{flag(name)} must be at least 1, got {value}")
         at_least_0 = "warmup_steps weight_decay grad_clip ckpt_interval keep_last profile_steps sample_tokens"
-        for name in at_least_0.split() + ["fail_at_step"]:
+        for name in at_least_0.split():
             if getattr(self, name) < 0:
                 raise ValueError(f"{flag(name)} must be at least 0, got {getattr(self, name)}")
         for name in ("lr", "loss_scale", "min_loss_scale", "peak_tflops"):
@@ -332,10 +342,24 @@ def evaluate(model: GPT, held_out: HeldOut, autocast, parallel: Parallel) -> flo
 # ----------------------------------------------------------------------------------------------
 
 
+def share_the_cores() -> int:
+    """On the CPU: cap this process's torch intra-op threads at its share of the cores it may run on,
+    so that this node's ranks (torchrun's LOCAL_WORLD_SIZE) x threads <= cores; returns the threads.
+    Each rank of a launch that does not set OMP_NUM_THREADS (torchrun sets 1) would otherwise take
+    every core, and the ranks would spend their time switching (tests/conftest.py does the same for
+    pytest-xdist's workers)."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(min(torch.get_num_threads(), max(1, cores // ranks)))
+    return torch.get_num_threads()
+
+
 def train(cfg: TrainConfig, overrides: dict | None = None) -> list[dict]:
     """Run cfg (model flags in overrides) on this process, or on every rank of a torchrun launch;
     returns this session's per-step metrics records."""
     device = pick_device(cfg.device)
+    if device == "cpu":
+        share_the_cores()
     parallel = init_from_env(cfg.tp, cfg.sequence_parallel, device, cfg.dp_shard, cfg.dp_replicate)
     try:
         run = set_up(cfg, overrides or {}, parallel, device)
@@ -378,8 +402,8 @@ class Run:
     optimizer: torch.optim.Optimizer
     scaler: LossScaler
     autocast: Callable[[], contextlib.AbstractContextManager]
-    train_loader: Loader
-    held_out: HeldOut
+    train_loader: Loader | Mixture
+    held_out: HeldOut | dict[str, HeldOut]  # a mixture's: one per source
     tokenizer: ByteTokenizer | BPETokenizer
     out_dir: Path
     max_steps: int
@@ -393,6 +417,7 @@ class Run:
     resumed_from: Path | None = None
     last_ckpt: Path | None = None
     records: list[dict] = dataclasses.field(default_factory=list)
+    saver: checkpoint.BackgroundSaver | None = None  # the thread of --async-checkpoint, from the first save
 
     @property
     def main_rank(self) -> bool:
@@ -412,14 +437,23 @@ class Run:
             ckpt, self.model, self.optimizer, self.scaler, self.train_loader, self.parallel
         )
         self.resumed_from = self.last_ckpt = ckpt
+        if self.train_loader.layout_change:
+            self.log(self.train_loader.layout_change)
 
     def save(self, preempted: bool = False) -> None:
-        """Write this step's checkpoint; a second signal during the save aborts it. A save that fails
-        stops the run, unless --on-save-error continue, the step is not the last and no signal asked
-        for it: then the run goes on and tries again at the next interval."""
-        try:
-            with self.preemption.saving():
-                self.last_ckpt = checkpoint.save_run(
+        """Write this step's checkpoint, once the save in flight is done: in the background with
+        --async-checkpoint (``horse.checkpoint.BackgroundSaver``), except the last step's and a
+        signal's, written before this returns. A second signal during a save (or the wait for one)
+        aborts it. A save that fails stops the run, unless --on-save-error continue, the step is not
+        the last and no signal asked for it: then the run goes on and tries again at the next
+        interval. A background save's failure shows when the next save starts."""
+        background = self.cfg.async_checkpoint and not preempted and self.step < self.max_steps
+        if background and self.saver is None:
+            self.saver = checkpoint.BackgroundSaver(self.parallel)
+        with self.preemption.saving():
+            self.wait_for_save()
+            try:
+                ckpt = checkpoint.save_run(
                     self.out_dir,
                     self.step,
                     self.model,
@@ -430,15 +464,63 @@ class Run:
                     self.tokenizer,
                     self.cfg.keep_last,
                     self.parallel,
+                    self.saver if background else None,
                 )
+            except checkpoint.SaveError as e:
+                self.save_failed(e, self.step, last=self.step == self.max_steps or preempted)
+                return
+        if not background:
+            self.last_ckpt = ckpt
+
+    def wait_for_save(self) -> None:
+        """Wait for the background save in flight, if any: every rank at the same step, each told
+        the same outcome. Its failure is handled as a failure of a save at its step."""
+        if self.saver is None:
+            return
+        try:
+            ckpt = self.saver.wait()
         except checkpoint.SaveError as e:
-            if self.cfg.on_save_error == "stop" or self.step == self.max_steps or preempted:
-                raise
-            interval = self.cfg.ckpt_interval
-            retry = min(self.max_steps, (self.step // interval + 1) * interval)
-            self.log(f"warning: {e}; training goes on (--on-save-error continue), next try: step {retry}")
+            self.save_failed(e, self.saver.step, last=False)
+            return
+        self.last_ckpt = ckpt or self.last_ckpt
+
+    @contextlib.contextmanager
+    def save_in_flight_kept(self):
+        """Around the loop: an error on this rank first lets the background save in flight finish
+        (its own failure unsaid), so that a crash just after a save keeps that checkpoint for the
+        restart. Its collectives run on their own group, beside the other ranks' training."""
+        try:
+            yield
+        except Exception:
+            with contextlib.suppress(checkpoint.SaveError):
+                self.wait_for_save()
+            raise
+
+    def save_failed(self, error: checkpoint.SaveError, step: int, last: bool) -> None:
+        """Raise error (--on-save-error stop, or the run's last save), or say when the next try is."""
+        if self.cfg.on_save_error == "stop" or last:
+            raise error
+        interval = self.cfg.ckpt_interval
+        retry = min(self.max_steps, (step // interval + 1) * interval)
+        self.log(f"warning: {error}; training goes on (--on-save-error continue), next try: step {retry}")
 
     # The loop and its steps.
+
+    def evaluate(self) -> dict:
+        """The held-out loss; of a mixture, each source's too (the mean weighted as the mixture), and
+        the epochs each source has gone through."""
+        if isinstance(self.held_out, HeldOut):
+            return {"val_loss": evaluate(self.model, self.held_out, self.autocast, self.parallel)}
+        losses = {
+            name: evaluate(self.model, held_out, self.autocast, self.parallel)
+            for name, held_out in self.held_out.items()
+        }
+        val_loss = sum(self.train_loader.weights[name] * loss for name, loss in losses.items())
+        return {
+            "val_loss": val_loss,
+            "val_loss_by_source": losses,
+            "epochs_by_source": self.train_loader.epochs,
+        }
 
     def loop(self) -> None:
         """Train from the step resumed (or 0) to max_steps: each step's record goes to
@@ -456,13 +538,12 @@ class Run:
         )
         metrics_file = open(metrics_path, "a") if self.main_rank else contextlib.nullcontext()  # noqa: SIM115
         profile = profiler(cfg.profile_steps, self.out_dir, self.device)
-        with metrics_file as metrics, profile as trace, self.preemption:
+        with metrics_file as metrics, profile as trace, self.preemption, self.save_in_flight_kept():
             while self.step < self.max_steps:
-                self.fail_if_asked()
                 record = self.train_one_step()
                 last = self.step == self.max_steps
                 if self.step % cfg.eval_interval == 0 or last:
-                    record["val_loss"] = evaluate(self.model, self.held_out, self.autocast, self.parallel)
+                    record |= self.evaluate()
                 self.report(record, metrics, bar)
                 signum = self.preemption.agreed()  # a collective: every rank stops after the same step
                 if signum is not None:
@@ -473,16 +554,6 @@ class Run:
                 if trace is not None:
                     trace.step()
         bar.close()
-
-    def fail_if_asked(self) -> None:
-        """Fault injection, --fail-at-step: rank 1 (rank 0 when alone) raises in that step, on the
-        first launch only, so that a torchrun restart resumes past it."""
-        failing_rank = min(1, self.parallel.world_size - 1)
-        in_flight = self.step + 1
-        if in_flight == self.cfg.fail_at_step and self.parallel.rank == failing_rank and self.restarts == 0:
-            raise RuntimeError(
-                f"--fail-at-step {self.cfg.fail_at_step}: injected failure on rank {failing_rank}"
-            )
 
     def train_one_step(self) -> dict:
         """One optimizer step (:func:`train_step`) at the schedule's learning rate; returns its record."""
@@ -549,25 +620,32 @@ class Run:
         """The closing log line, then, with --sample-tokens, a sample of the trained model's text."""
         elapsed = time.perf_counter() - self.start_time
         self.log(f"done: {self.step} steps in {elapsed:.0f} s; checkpoint {self.last_ckpt}")
-        if self.cfg.sample_tokens and self.main_rank:
+        if self.cfg.sample_tokens:
             self.sample()
 
     def sample(self) -> None:
-        """Print --sample-tokens tokens generated after --sample-prompt (temperature 0.8, top-k 40)."""
+        """Print --sample-tokens tokens generated after --sample-prompt (temperature 0.8, top-k 40) by
+        the model as trained, never assembled whole: on the main rank, or under FSDP on every rank in
+        step (each forward gathers the parameters it needs), the main rank printing. Skipped, in one
+        line, at --tp > 1."""
         cfg, model = self.cfg, self.model
-        if self.parallel.tp_size > 1 or self.parallel.fsdp:  # generation runs on a whole model: the
-            # pieces just saved, assembled
-            model = GPT(self.config, self.backend).to(self.device)
-            checkpoint.load_weights(self.last_ckpt, model)
+        if self.parallel.tp_size > 1:
+            self.log(
+                f"no sample at --tp {self.parallel.tp_size}: generation needs the whole vocabulary's "
+                f"logits, which the ranks hold in shards (python -m horse.generate --ckpt {self.out_dir})"
+            )
+            return
+        if not (self.main_rank or self.parallel.fsdp):
+            return
         model.eval()
         prompt = torch.tensor([self.tokenizer.encode(cfg.sample_prompt)], device=self.device)
         generator = torch.Generator(self.device).manual_seed(cfg.seed)
         vocab = self.tokenizer.vocab_size
         with self.autocast():
             out = generate(model, prompt, cfg.sample_tokens, 0.8, 40, vocab, generator)
-        print(f"----- sample: {cfg.sample_tokens} tokens, temperature 0.8, top-k 40 -----")
-        print(self.tokenizer.decode(out[0].tolist()))
-        print(f"----- more: python -m horse.generate --ckpt {self.out_dir} --prompt ...")
+        self.log(f"----- sample: {cfg.sample_tokens} tokens, temperature 0.8, top-k 40 -----")
+        self.log(self.tokenizer.decode(out[0].tolist()))
+        self.log(f"----- more: python -m horse.generate --ckpt {self.out_dir} --prompt ...")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -586,8 +664,18 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     log = print if parallel.rank == 0 else lambda text: None
 
     recipes.check_data(cfg)
-    train_split, val_split, tokenizer = load_dataset(cfg.data)
-    config = _architecture(cfg, overrides, tokenizer.vocab_size)
+    weights = parse_mixture(cfg.data)
+    if weights is None:
+        train_split, val_split, tokenizer = load_dataset(cfg.data)
+    else:
+        train_splits, val_splits, tokenizer = load_mixture(weights)
+        # For the start's log line: the sources' shards together.
+        mixture = ", ".join(f"{name} {weight:g}" for name, weight in weights.items())
+        train_split, val_split = (
+            Split(f"mixture {mixture} ({part})", [t for split in splits.values() for t in split.shards], 0)
+            for part, splits in (("train", train_splits), ("val", val_splits))
+        )
+    config = _architecture(cfg, overrides, tokenizer)
     seq_len = cfg.seq_len or config.block_size
     if seq_len > config.block_size:
         raise ValueError(
@@ -607,9 +695,22 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
     pretrained = bool(cfg.init_from) and ckpt is None
-    model, loss_fn = make_model(cfg, config, backend, parallel, device, pretrained, dtype)
+    model, loss_fn = make_model(cfg, config, backend, parallel, device, pretrained, dtype, ckpt is not None)
     dp = {"dp_rank": parallel.dp_rank, "dp_size": parallel.dp_size}
     tokens_per_step = cfg.batch_size * seq_len * grad_accum * parallel.dp_size  # the whole job's
+    if weights is None:
+        train_loader = Loader(
+            train_split, cfg.batch_size, seq_len, cfg.seed, device, **dp, grad_accum=grad_accum
+        )
+        held_out = HeldOut(val_split, cfg.eval_tokens, seq_len, cfg.batch_size, device, **dp)
+    else:
+        train_loader = Mixture(
+            train_splits, weights, cfg.batch_size, seq_len, cfg.seed, device, **dp, grad_accum=grad_accum
+        )
+        held_out = {
+            name: HeldOut(split, cfg.eval_tokens, seq_len, cfg.batch_size, device, **dp)
+            for name, split in val_splits.items()
+        }
     run = Run(
         cfg=cfg,
         step_cfg=dataclasses.replace(cfg, grad_accum=grad_accum),
@@ -623,8 +724,8 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
         optimizer=optim.make_optimizer(model, cfg, device),
         scaler=LossScaler.from_config(cfg, precision == "fp16", parallel),
         autocast=(lambda: torch.autocast(device, dtype)) if dtype else contextlib.nullcontext,
-        train_loader=Loader(train_split, cfg.batch_size, seq_len, cfg.seed, device, **dp),
-        held_out=HeldOut(val_split, cfg.eval_tokens, seq_len, cfg.batch_size, device, **dp),
+        train_loader=train_loader,
+        held_out=held_out,
         tokenizer=tokenizer,
         out_dir=out_dir,
         max_steps=math.ceil(cfg.max_tokens / tokens_per_step) if cfg.max_tokens else cfg.max_steps,
@@ -641,11 +742,22 @@ def set_up(cfg: TrainConfig, overrides: dict, parallel: Parallel, device: str) -
     return run
 
 
-def _architecture(cfg: TrainConfig, overrides: dict, data_vocab: int) -> GPTConfig:
-    """The model's config: --init-from's, or the preset's, with the model flags."""
+def _architecture(cfg: TrainConfig, overrides: dict, tokenizer: ByteTokenizer | BPETokenizer) -> GPTConfig:
+    """The model's config: --init-from's, or the preset's, with the model flags. Documents end at
+    the data's end-of-text id (--eot-id), and --document-masking is on where the data has one."""
+    overrides = dict(overrides)
+    eot_id = overrides.pop("eot_id", tokenizer.eot_id)
+    document_masking = overrides.pop("document_masking", eot_id is not None)
+    if document_masking and eot_id is None:
+        raise ValueError(
+            f"--document-masking needs an end-of-text id, and the data's tokenizer ({tokenizer.name}) has "
+            "none: prepare the data with `python -m horse.data prepare`, or give --eot-id"
+        )
     if cfg.init_from:
-        return pretrained_config_for(cfg.init_from, overrides, data_vocab)
-    return model_config(cfg, overrides, data_vocab)
+        config = pretrained_config_for(cfg.init_from, overrides, tokenizer.vocab_size)
+    else:
+        config = model_config(cfg, overrides, tokenizer.vocab_size)
+    return dataclasses.replace(config, document_masking=document_masking, eot_id=eot_id)
 
 
 def pretrained_config_for(path: str | Path, overrides: dict, data_vocab: int) -> GPTConfig:
@@ -675,18 +787,24 @@ def make_model(
     device: str,
     pretrained: bool,
     compute_dtype: torch.dtype | None = None,
+    resuming: bool = False,
 ) -> tuple[GPT, Callable]:
     """(this rank's shard of the model, what the training step calls): float32 master weights
-    (autocast computes in fp16/bf16), initialised whole from --seed (``horse.parallel.build_model``
-    at tp=1) so that every tp size starts from the same weights, --init-from's weights loaded whole
-    when pretrained, then every parallel transform in its order (``horse.parallel.parallelize_gpt``:
-    tensor parallelism, --activation-checkpointing, --compile, DDP or FSDP2)."""
-    model = build_model(config, backend, Parallel(), "cpu", cfg.seed)
-    model.fused_loss = cfg.fused_loss
+    (autocast computes in fp16/bf16), after every parallel transform in its order
+    (``horse.parallel.parallelize_gpt``: tensor parallelism, --activation-checkpointing, --compile,
+    DDP or FSDP2). A fresh model is built on the meta device and each rank draws only its own part
+    from --seed, the same weights at every layout; resuming, that part is left for the checkpoint to
+    fill; pretrained, --init-from's weights are loaded whole on the CPU, then cut."""
     if pretrained:
+        model = build_model(config, backend, Parallel(), "cpu", cfg.seed)
         hf.load_pretrained(cfg.init_from, model)
+    else:
+        with torch.device("meta"):
+            model = GPT(config, backend)
+    model.fused_loss = cfg.fused_loss
+    seed = None if resuming else cfg.seed
     loss_fn = parallelize_gpt(
-        model, parallel, device, cfg.activation_checkpointing, cfg.compile, compute_dtype
+        model, parallel, device, cfg.activation_checkpointing, cfg.compile, compute_dtype, seed
     )
     return model, loss_fn
 
@@ -723,10 +841,14 @@ def _log_start(run: Run, backend_note: str, train_split: Split, val_split: Split
         f"{run.flops_per_step / run.tokens_per_step / 1e9:.3f} GFLOP per token"
     )
     train_tokens = sum(map(len, train_split.shards))
+    held_out, each = run.held_out, ""
+    if isinstance(held_out, dict):  # a mixture's, one per source, of the same length
+        held_out, each = next(iter(held_out.values())), " of each source"
     val_tokens = sum(map(len, val_split.shards))
     run.log(
         f"data {train_split.name}: {train_tokens:,} train / {val_tokens:,} val tokens ({run.tokenizer.name}, "
-        f"evaluated on the first {run.held_out.tokens:,}) | {cfg.batch_size} x {seq_len} tokens x "
+        f"evaluated on the first {held_out.tokens:,}{each}; document masking "
+        f"{'on' if config.document_masking else 'off'}) | {cfg.batch_size} x {seq_len} tokens x "
         f"{run.step_cfg.grad_accum} x dp {parallel.dp_size} = {run.tokens_per_step:,} tokens per step, "
         f"{run.max_steps} steps"
     )

@@ -6,6 +6,7 @@ HORSE_FAULTS is a comma-separated list of KIND@STEP[:RANK[:RESTART]]: fault KIND
 STEP (1-based, the step in flight) on rank RANK (default 0) of torchrun attempt RESTART (default 0:
 the first launch; TORCHELASTIC_RESTART_COUNT counts them). Kinds:
 
+    raise         a RuntimeError at the step's start (a rank's failure: torchrun restarts the job)
     kill          SIGKILL after the step's optimizer update, before its metrics are written
     kill-in-save  SIGKILL in the step's checkpoint save, after its weights file is written
     term, usr1    SIGTERM / SIGUSR1 after the step's optimizer update (a grace period: the run saves)
@@ -13,16 +14,23 @@ the first launch; TORCHELASTIC_RESTART_COUNT counts them). Kinds:
     term-twice    SIGTERM as above, then a second SIGTERM in the middle of that save
     enospc        the step's save fails as on a full disk: its weights file is cut in half and
                   writing it raises what safetensors raises then (ENOSPC in a SafetensorError); once
+    nan-grad      a NaN in the gradient of the step's first module output (a tensor hook on it, in
+                  the first micro-batch's backward): the loss stays finite
 
-Each fault says what it does on stderr before it strikes. Signals are sent by the process to itself,
-so the step they land in is exact.
+A save's faults strike in the save of step STEP, which with --async-checkpoint runs in a thread
+while later steps train. Each fault says what it does on stderr before it strikes. Signals are sent
+by the process to itself, so the step they land in is exact. HORSE_WRITE_DELAY=SECONDS stands in
+for a slow file system: every weights file's write first sleeps that long.
 """
 
 import errno
 import os
+import re
 import signal
 import sys
+import time
 
+import torch
 from safetensors import SafetensorError
 
 from horse import checkpoint, cli, optim
@@ -43,12 +51,16 @@ def _faults() -> dict[int, str]:
 def main() -> None:
     faults = _faults()
     in_flight = [0]
+    write_delay = float(os.environ.get("HORSE_WRITE_DELAY", "0"))
 
-    def say(what: str) -> None:
-        print(f"fault: {what} in step {in_flight[0]}", file=sys.stderr, flush=True)
+    def say(what: str, step: int | None = None) -> None:
+        print(f"fault: {what} in step {step or in_flight[0]}", file=sys.stderr, flush=True)
 
     def lr_at(step, max_steps, cfg):  # called once at the start of every step
         in_flight[0] = step + 1
+        if faults.get(in_flight[0]) == "raise":
+            say("RuntimeError")
+            raise RuntimeError(f"injected failure in step {in_flight[0]}")
         return real_lr_at(step, max_steps, cfg)
 
     def optimizer_step(*args, **kwargs):
@@ -63,21 +75,38 @@ def main() -> None:
         return result
 
     def save_file(tensors, path, metadata=None):
+        time.sleep(write_delay)
         real_save_file(tensors, path, metadata=metadata)
-        kind = faults.get(in_flight[0])
+        saved = int(re.search(r"ckpt_(\d+)", str(path)).group(1))  # the step whose save this is
+        kind = faults.get(saved)
         if kind in ("kill-in-save", "term-nograce"):
-            say("kill -9 during the save")
+            say("kill -9 during the save", saved)
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "term-twice":
-            say("a second SIGTERM during the save")
+            say("a second SIGTERM during the save", saved)
             os.kill(os.getpid(), signal.SIGTERM)
         elif kind == "enospc":
-            faults.pop(in_flight[0])
-            say("ENOSPC during the save")
+            faults.pop(saved)
+            say("ENOSPC during the save", saved)
             os.truncate(path, os.path.getsize(path) // 2)
             no_space = f"{os.strerror(errno.ENOSPC)} (os error {errno.ENOSPC})"
             raise SafetensorError(f"Error while serializing: I/O error: {no_space}")
 
+    def poison_gradient(module, args, output):  # every module's forward, once installed
+        if faults.get(in_flight[0]) != "nan-grad" or not (torch.is_tensor(output) and output.requires_grad):
+            return
+        faults.pop(in_flight[0])
+        say(f"a NaN into the gradient of {type(module).__name__}'s output")
+
+        def nan_in_first_element(grad):
+            grad = grad.clone()
+            grad.view(-1)[0] = float("nan")
+            return grad
+
+        output.register_hook(nan_in_first_element)
+
+    if "nan-grad" in faults.values():
+        torch.nn.modules.module.register_module_forward_hook(poison_gradient)
     real_lr_at, real_optimizer_step, real_save_file = optim.lr_at, optim.optimizer_step, checkpoint.save_file
     optim.lr_at, optim.optimizer_step, checkpoint.save_file = lr_at, optimizer_step, save_file
     cli.main(sys.argv[1:])

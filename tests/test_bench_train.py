@@ -119,8 +119,8 @@ def test_the_gpu_path_with_a_stand_in_gpu_writes_the_report(monkeypatch, tmp_pat
     clock = stand_in_h200(monkeypatch)
     make_step = bench_train.make_step
 
-    def make_step_on_the_cpu(cfg, config, backend, device):
-        step = make_step(cfg, config, backend, "cpu")
+    def make_step_on_the_cpu(cfg, config, backend, device, document_length=None):
+        step = make_step(cfg, config, backend, "cpu", document_length=document_length)
 
         def timed():
             clock.now += 0.0025 if backend == "triton" else 0.00375
@@ -155,10 +155,10 @@ def steps_on_a_stand_in_h200(monkeypatch, failing: str, error: BaseException) ->
     clock = stand_in_h200(monkeypatch)
     make_step = bench_train.make_step
 
-    def make_step_on_the_cpu(cfg, config, backend, device):
+    def make_step_on_the_cpu(cfg, config, backend, device, document_length=None):
         if backend == failing:
             raise error
-        step = make_step(cfg, config, backend, "cpu")
+        step = make_step(cfg, config, backend, "cpu", document_length=document_length)
 
         def timed():
             clock.now += 0.010
@@ -242,3 +242,25 @@ def test_triton_out_of_memory_is_broken_and_its_gate_not_measured(monkeypatch, t
         "FAIL train_step forward+backward [layers=4 d_model=256 batch=1 seq_len=64 grad_accum=1]: "
         "not measured (ours)" in out
     )
+
+
+@pytest.mark.interpreter
+def test_document_masking_step_times_on_the_cpu_reference_path(capsys):
+    argv = [
+        "--preset",
+        "tiny",
+        "--batch-size",
+        "2",
+        "--document-length",
+        "8",
+        "--warmup",
+        "0",
+        "--steps",
+        "2",
+    ]
+    assert bench_train.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "tiny: 2 x 64 tokens a step, documents of 8 tokens" in lines[0]
+    assert [line.split()[0] for line in lines[1:]] == ["document", "off", "on"]
+    with pytest.raises(SystemExit):
+        bench_train.parse_args(["--document-length", "0"])

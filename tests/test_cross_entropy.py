@@ -1,6 +1,7 @@
 """horse.kernels.cross_entropy and horse.kernels.linear_cross_entropy against F.cross_entropy in float64
-(forward, dlogits, dx, dW, db) on awkward sizes, with ignore_index, label smoothing and z-loss; the chunk
-loop's plain-PyTorch form; bad input; torch.compile; and the memory the fused loss saves."""
+(forward, dlogits, dx, dW, db) on awkward sizes, with ignore_index, label smoothing, z-loss and final-logit
+softcapping; the largest vocabulary on every path; the chunk loop's plain-PyTorch form; bad input;
+torch.compile; and the memory the fused loss saves."""
 
 import dataclasses
 import sys
@@ -26,6 +27,8 @@ OPTIONS = [
     {"z_loss": 1e-2},
     {"label_smoothing": 0.2, "z_loss": 1e-3, "reduction": "sum"},
     {"reduction": "none", "label_smoothing": 0.05},
+    {"softcap": 5.0},  # the logits (up to about 15) well into tanh's bend
+    {"softcap": 30.0, "label_smoothing": 0.1, "z_loss": 1e-2, "reduction": "none"},
 ]
 
 
@@ -76,17 +79,44 @@ def test_cross_entropy_matches_float64(rows, vocab, dtype, options):
 
 
 @pytest.mark.interpreter
-def test_cross_entropy_takes_the_largest_vocabulary():
-    logits = torch.randn(2, 262144).half().requires_grad_()
-    target = torch.tensor([5, 262143])
-    loss = kernels.cross_entropy(logits, target, reduction="none")
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_cross_entropy_takes_the_largest_vocabulary(softcap):
+    vocab = 2**20  # MAX_VOCAB, four times the 2**18 it was
+    logits = (torch.randn(2, vocab) * 4).half().requires_grad_()
+    target = torch.tensor([5, vocab - 1])
+    loss = kernels.cross_entropy(logits, target, reduction="none", softcap=softcap)
     assert loss.shape == (2,)
     exact = logits.detach().double().requires_grad_()
-    truth = reference.cross_entropy(exact, target, reduction="none")
+    truth = reference.cross_entropy(exact, target, reduction="none", softcap=softcap)
     torch.testing.assert_close(loss.double(), truth, rtol=1e-5, atol=1e-5)
     loss.sum().backward()
     truth.sum().backward()
     torch.testing.assert_close(logits.grad.double(), exact.grad, rtol=0, atol=1e-3)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("path", ["fused", "shard-kernels", "plain-pytorch"])
+def test_the_head_loss_takes_gemma3s_vocabulary_on_every_path(path):
+    """262,208 classes (above the old limit of 2**18) with Gemma 2's softcap: linear_cross_entropy (the
+    one-launch kernel), and the model's head_loss on a (one-rank) shard: the statistics and gradient
+    kernels, and their plain-PyTorch twins."""
+    vocab = 262208
+    tensors, target = _linear_case(3, 8, vocab, torch.float32, bias=False)
+    ours_in, baseline_in = ([t.clone().requires_grad_() for t in tensors] for _ in range(2))
+    if path == "fused":
+        loss = kernels.linear_cross_entropy(*ours_in, target, softcap=30.0)
+    else:
+        use_triton = path == "shard-kernels"
+        loss = ce.head_loss(*ours_in, target, use_triton=use_triton, shard=_one_rank(vocab), softcap=30.0)
+    exact = [t.double().requires_grad_() for t in tensors]
+    truth = reference.linear_cross_entropy(*exact, target, softcap=30.0)
+    baseline = reference.linear_cross_entropy(*baseline_in, target, softcap=30.0)  # PyTorch's, float32
+    assert_close("loss", loss, truth, baseline)
+    grads = torch.autograd.grad(loss, ours_in)
+    truth_grads = torch.autograd.grad(truth, exact)
+    baseline_grads = torch.autograd.grad(baseline, baseline_in)
+    for name, grad, want, base in zip(("dx", "dW"), grads, truth_grads, baseline_grads, strict=True):
+        assert_close(name, grad, want, base)
 
 
 def _linear_case(rows, hidden, vocab, dtype, bias: bool, seed=0):
@@ -131,13 +161,14 @@ def test_linear_cross_entropy_matches_float64(monkeypatch, rows, hidden, vocab, 
         assert_close(name, grad, want, base)
 
 
+@pytest.mark.parametrize("softcap", [None, 4.0])
 @pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "plain-pytorch"])
-def test_the_chunk_loop_matches_the_truth_on_either_path(monkeypatch, use_triton):
+def test_the_chunk_loop_matches_the_truth_on_either_path(monkeypatch, use_triton, softcap):
     if use_triton and not ce.runtime.INTERPRET:
         pytest.skip("the Triton path runs on a GPU or in the interpreter")
     monkeypatch.setattr(ce, "CHUNK_BYTES", 6 * 97 * 4)
     tensors, target = _linear_case(29, 12, 97, torch.float32, bias=True)
-    options = {"ignore_index": -100, "label_smoothing": 0.1, "z_loss": 1e-2}
+    options = {"ignore_index": -100, "label_smoothing": 0.1, "z_loss": 1e-2, "softcap": softcap}
     dloss = ce.row_weight(target, -100, "mean")
     rows, dx, dw, db = ce.linear_cross_entropy_chunks(*tensors[:2], tensors[2], target, dloss, **options,
                                                       use_triton=use_triton)  # fmt: skip
@@ -181,9 +212,9 @@ def test_no_gradient_is_computed_where_autograd_records_none(monkeypatch, one_ra
     dlosses = []
 
     def spy(real, dloss_at: int):
-        def call(*args):
+        def call(*args, **kwargs):
             dlosses.append(args[dloss_at])
-            return real(*args)
+            return real(*args, **kwargs)
 
         return call
 
@@ -247,8 +278,18 @@ def test_a_float32_master_weight_under_autocast_gets_a_float32_gradient():
         (lambda x, w, t: kernels.cross_entropy(x @ w.T, t, label_smoothing=1.5), ValueError,
          "label_smoothing must be in"),
         (lambda x, w, t: kernels.cross_entropy(x @ w.T, t, z_loss=-1.0), ValueError, "z_loss must be"),
-        (lambda x, w, t: kernels.cross_entropy(torch.empty(1, 262145, device="meta"), t[:1].to("meta")),
-         ValueError, "logits must have between 1 and 262144 classes"),
+        (lambda x, w, t: kernels.cross_entropy(torch.empty(1, 2**20 + 1, device="meta"), t[:1].to("meta")),
+         ValueError, "logits must have between 1 and 1048576 classes"),
+        (lambda x, w, t: kernels.cross_entropy(x @ w.T, t, softcap=0.0), ValueError,
+         "cross_entropy: softcap must be a positive float or None, got 0.0"),
+        (lambda x, w, t: kernels.linear_cross_entropy(x, w, t, softcap=-30.0), ValueError,
+         "linear_cross_entropy: softcap must be a positive float or None, got -30.0"),
+        (lambda x, w, t: kernels.linear_cross_entropy(x, w, t, softcap=float("inf")), ValueError,
+         "softcap must be a positive float or None, got inf"),
+        (lambda x, w, t: kernels.cross_entropy(x @ w.T, t, softcap="30"), TypeError,
+         "softcap must be a positive float or None, got str"),
+        (lambda x, w, t: ce.head_loss(x, w, t, use_triton=False, softcap=True), TypeError,
+         "head_loss: softcap must be a positive float or None, got bool"),
     ],
 )  # fmt: skip
 def test_bad_input_raises_naming_the_argument(call, error, message):
@@ -271,12 +312,14 @@ def test_custom_ops_pass_opcheck_and_compile_fullgraph():
     )
     logits = plain[0] @ plain[1].T
     torch.library.opcheck(ops.cross_entropy_rows.default, (logits, target, dloss, -100, 0.0, 1e-3, True))
+    torch.library.opcheck(ops.cross_entropy_rows.default, (logits, target, dloss, -100, 0.1, 0.0, True, 5.0))
+    torch.library.opcheck(
+        ops.linear_cross_entropy_chunks.default, (*plain, target, dloss, -100, 0.0, 1e-3, True, 5.0)
+    )
 
     def loss_fn(x, w, b):
-        logits = x @ w.T
-        return kernels.linear_cross_entropy(x, w, target, b, z_loss=1e-3) + kernels.cross_entropy(
-            logits, target
-        )
+        head = kernels.linear_cross_entropy(x, w, target, b, z_loss=1e-3, softcap=30.0)
+        return head + kernels.cross_entropy(x @ w.T, target, softcap=5.0)
 
     eager = loss_fn(x, w, b)
     expected = torch.autograd.grad(eager, (x, w, b))
@@ -349,9 +392,10 @@ def _one_rank(vocab: int):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("softcap", [None, 2.0])
 @pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "plain-pytorch"])
 @pytest.mark.parametrize("logits", [False, True], ids=["head", "logits"])
-def test_head_loss_on_a_one_rank_shard_is_the_custom_ops(monkeypatch, logits, use_triton):
+def test_head_loss_on_a_one_rank_shard_is_the_custom_ops(monkeypatch, logits, use_triton, softcap):
     """tp 1's shard (identity collectives) runs the statistics and gradient steps as Python; the whole
     vocabulary runs the ops (on Triton, the one-launch kernel): the same loss and gradients."""
     monkeypatch.setattr(ce, "CHUNK_BYTES", 6 * 97 * 2)
@@ -362,7 +406,7 @@ def test_head_loss_on_a_one_rank_shard_is_the_custom_ops(monkeypatch, logits, us
     for shard in (None, _one_rank(97)):
         x_in, w_in = (None if t is None else t.clone().requires_grad_() for t in (x, w))
         inputs = [t for t in (x_in, w_in) if t is not None]
-        options = {"label_smoothing": 0.1, "z_loss": 1e-3}
+        options = {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": softcap}
         loss = ce.head_loss(x_in, w_in, target, use_triton=use_triton, shard=shard, **options)
         results.append((loss, *torch.autograd.grad(loss * 3.0, inputs)))
     for name, got, want in zip(("loss", "dx", "dW"), *results, strict=False):
@@ -450,6 +494,6 @@ def test_every_block_the_rule_picks_is_in_the_compile_report():
 
     for arch in ce.runtime.ARCHS.values():
         built = {(c.constexprs["BLOCK_V"], c.num_warps) for c in loss_configs(arch)}
-        for n_cols in (1, 7, 1000, 4097, 50304, 262144):
+        for n_cols in (1, 7, 1000, 4097, 50304, 262208, ce.MAX_VOCAB):
             cfg = ce.row_config(n_cols, arch)
             assert (cfg.block_v, cfg.num_warps) in built, (arch.name, n_cols)

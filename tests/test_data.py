@@ -1,13 +1,14 @@
 """horse.data: shards round-trip, bad shards fail loudly, and the loader is deterministic, resumable and
 splits the global batch over data-parallel replicas."""
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from horse import data
+from horse import data, train
 from horse.data import ByteTokenizer, Loader, Split, load_dataset, prepare, read_shard, write_shard
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 40
@@ -88,7 +89,7 @@ def test_loader_is_deterministic_resumable_and_shifted_by_one():
         x2, y2 = b.next()
         assert torch.equal(x, x2) and torch.equal(y, y2)
     resumed = Loader(train, 4, 32, seed=0)
-    resumed.load_state_dict(Loader(train, 4, 32, seed=7).state_dict() | {"position": 3})
+    resumed.load_state_dict(Loader(train, 4, 32, seed=7).state_dict() | {"position": 12})  # 3 batches
     assert torch.equal(resumed.next()[0], batches[3][0])
     assert not torch.equal(Loader(train, 4, 32, seed=8).next()[0], batches[0][0])
 
@@ -97,8 +98,8 @@ def test_data_parallel_replicas_read_disjoint_slices_of_the_global_batch():
     train, _, _ = load_dataset()
     whole = Loader(train, 6, 32, seed=7)
     replicas = [Loader(train, 2, 32, seed=7, dp_rank=r, dp_size=3) for r in range(3)]
-    replicas[1].load_state_dict(replicas[0].state_dict() | {"position": 2})  # resumable like one loader
-    whole.position, replicas[0].position, replicas[2].position = 2, 2, 2
+    replicas[1].load_state_dict(replicas[0].state_dict() | {"position": 12})  # resumable like one loader
+    whole.drawn, replicas[0].drawn, replicas[2].drawn = 12, 12, 12
     x, y = whole.next()
     parts = [r.next() for r in replicas]
     assert torch.equal(torch.cat([p[0] for p in parts]), x) and torch.equal(
@@ -109,15 +110,64 @@ def test_data_parallel_replicas_read_disjoint_slices_of_the_global_batch():
         Loader(train, 2, 32, seed=7, dp_rank=3, dp_size=3)
 
 
-def test_windows_never_cross_a_shard_boundary():
-    split = Split("two shards", [np.full(20, 1, dtype=np.uint16), np.full(50, 2, dtype=np.uint16)], 256)
-    loader = Loader(split, 64, 10, seed=0)
-    x, y = loader.next()
-    rows = torch.cat([x, y[:, -1:]], dim=1)
-    assert all(len(set(row.tolist())) == 1 for row in rows)
-    assert {row[0].item() for row in rows} == {1, 2}
-    with pytest.raises(ValueError, match="no shard holds seq_len \\+ 1 = 51 tokens"):
-        Loader(split, 1, 50, seed=0)
+# Token i is i: a window's first input token names it (window w starts at token w * SEQ_LEN). 97 windows
+# an epoch, a prime, over three shards cut where windows cross them.
+SEQ_LEN = 8
+COUNTING = Split(
+    "counting", np.split(np.arange(97 * SEQ_LEN + 1, dtype=np.uint32), [100, 333]), 97 * SEQ_LEN + 1
+)
+
+
+def _stream(loaders: list[Loader], steps: int) -> list[int]:
+    """The windows the ranks' loaders draw in steps steps, in the job's order: each micro-batch's
+    ranks one after another (their loaders share dp_size, batch_size and grad_accum)."""
+    windows = []
+    for _ in range(steps * loaders[0].grad_accum):
+        for loader in loaders:
+            x, y = loader.next()
+            assert torch.equal(y[:, -1], x[:, 0] + SEQ_LEN)  # seq_len + 1 consecutive tokens
+            windows += (x[:, 0] // SEQ_LEN).tolist()
+    return windows
+
+
+def _loaders(dp: int, batch: int, grad_accum: int) -> list[Loader]:
+    return [
+        Loader(COUNTING, batch, SEQ_LEN, 5, dp_rank=r, dp_size=dp, grad_accum=grad_accum) for r in range(dp)
+    ]
+
+
+def test_every_window_once_an_epoch_at_any_layout_and_across_a_resume():
+    """A global batch of 12 windows made three ways draws one stream; each epoch of 97 draws holds
+    every window once, in a new order; a resume at dp 4 (a global batch of 8) goes on where dp 2 was."""
+    layouts = {(1, 12, 1), (2, 3, 2), (4, 3, 1)}
+    # 17 steps, 204 draws: two epochs of 97 and 10 windows of the third
+    streams = {layout: _stream(_loaders(*layout), steps=17) for layout in layouts}
+    stream = streams[(1, 12, 1)]
+    assert all(s == stream for s in streams.values())
+    epochs = [stream[:97], stream[97:194]]
+    assert all(sorted(epoch) == list(range(97)) for epoch in epochs) and epochs[0] != epochs[1]
+
+    first = _loaders(2, 3, 2)
+    drawn = _stream(first, steps=5)  # 60 windows, then a checkpoint
+    resumed = _loaders(4, 2, 1)
+    for loader in resumed:
+        loader.load_state_dict(first[0].state_dict())
+    assert "global batch is now 8 windows (dp 4 x batch 2 x grad_accum 1), the checkpoint's 12" in (
+        resumed[0].layout_change
+    )
+    drawn += _stream(resumed, steps=18)  # to 204
+    assert drawn == stream
+    same_batch = _loaders(4, 3, 1)[0]
+    same_batch.load_state_dict(first[0].state_dict())
+    assert same_batch.layout_change is None and same_batch.drawn == 60
+
+
+def test_loader_refuses_too_little_data_and_a_checkpoint_of_other_windows():
+    with pytest.raises(ValueError, match="counting: 777 tokens, fewer than a window of seq_len \\+ 1 = 778"):
+        Loader(COUNTING, 1, 777, seed=0)
+    state = Loader(COUNTING, 1, 4, seed=0).state_dict()
+    with pytest.raises(ValueError, match="had 194 windows an epoch, this data at seq_len 8 has 97"):
+        Loader(COUNTING, 1, 8, seed=0).load_state_dict(state)
 
 
 def test_builtin_corpus_and_byte_tokenizer():
@@ -321,3 +371,102 @@ def test_prepare_command_line_progress_and_summary(tmp_path, capsys):
     with pytest.raises(SystemExit):
         data.main(["prepare", str(tmp_path / "web.jsonl"), "--out", str(tmp_path / "out")])
     assert "web.jsonl line 1: no 'text' field" in capsys.readouterr().err
+
+
+def test_a_resume_at_another_global_batch_says_what_changed(tmp_path, capsys):
+    small = {"n_layer": 1, "d_model": 32, "n_head": 2, "block_size": 32}
+    quick = dict(
+        max_steps=2, eval_interval=10, eval_tokens=64, sample_tokens=0, device="cpu", batch_tokens=None
+    )
+    cfg = train.TrainConfig(out_dir=str(tmp_path / "run"), batch_size=4, **quick)
+    train.train(cfg, small)
+    capsys.readouterr()
+    train.train(dataclasses.replace(cfg, resume=True, max_steps=3, batch_size=2, grad_accum=2), small)
+    assert "data: the global batch" not in capsys.readouterr().out  # 2 x 2 windows a step, as 4 x 1
+    train.train(dataclasses.replace(cfg, resume=True, max_steps=4, batch_size=8), small)
+    out = capsys.readouterr().out
+    assert (
+        "data: the global batch is now 8 windows (dp 1 x batch 8 x grad_accum 1), the checkpoint's 4 (dp 1 "
+        "x batch 2 x grad_accum 2): the stream goes on from window 12 of epoch 0, none skipped or repeated"
+    ) in out
+
+
+def test_inspect_counts_documents_and_the_windows_that_cross_them(tmp_path, capsys):
+    eot = 256
+    tokens = np.array([1, 2, eot, 3, eot, 4, 5, 6, 7, eot, 8, 9], dtype=np.uint16)
+    split = Split("two shards", [tokens[:4], tokens[4:]], 257)
+    # Documents of 3, 2, 5 and 2 (the tail after the last end of text) tokens; windows of 4 tokens at
+    # a stride of 3: [1 2 eot 3] and [3 eot 4 5] hold two documents, [5 6 7 eot] one.
+    assert data.split_stats(split, eot, seq_len=3) == data.SplitStats(4, 12, 5, 2.5, 3, 2)
+    assert data.split_stats(split, None, seq_len=3) == data.SplitStats(1, 12, 12, 12.0, 3, 0)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": "x" * n}) + "\n" for n in range(1, 41)))
+    prepare([tmp_path / "in.jsonl"], tmp_path / "data", val_fraction=0.1)
+    data.main(["inspect", str(tmp_path / "data"), "--seq-len", "16"])
+    out = capsys.readouterr().out.splitlines()
+    stats = data.inspect(tmp_path / "data", 16)
+    # 40 documents of 1 ... 40 bytes and an end of text each, the val split cut between two of them.
+    assert sum(s.documents for s in stats.values()) == 40 and sum(s.tokens for s in stats.values()) == 860
+    train = stats["train"]
+    assert out[0] == (
+        f"train: {train.documents} documents, {train.tokens} tokens; longest document {train.longest} "
+        f"tokens, median {train.median:.0f}; {train.windows} windows at --seq-len 16, "
+        f"{train.windows_crossing / train.windows:.1%} of them crossing a document boundary"
+    )
+    assert out[1].startswith(f"val: {stats['val'].documents} documents")
+
+
+def test_a_mixture_draws_each_source_at_its_weight_and_resumes_at_another_layout():
+    web = Split("web", [np.arange(0, 4001, dtype=np.uint32)], 10_000)  # windows of 8: 500
+    books = Split("books", [np.arange(5000, 5801, dtype=np.uint32)], 10_000)  # 100 windows
+    splits, weights = {"web": web, "books": books}, {"web": 0.7, "books": 0.3}
+    mixture = data.Mixture(splits, weights, 100, SEQ_LEN, seed=3)
+    draws = torch.cat([mixture.next()[0] for _ in range(20)])  # 2,000 windows
+    from_books = int((draws[:, 0] >= 5000).sum())
+    sigma = (2000 * 0.3 * 0.7) ** 0.5
+    assert abs(from_books - 600) <= 3 * sigma  # a binomial's 3-sigma band: 600 ± 61
+    # Each source walks its own epochs without replacement: books went round about 6 times.
+    books_windows = ((draws[:, 0][draws[:, 0] >= 5000] - 5000) // SEQ_LEN).tolist()
+    assert sorted(books_windows[:100]) == list(range(100))
+    assert mixture.epochs == {"web": (2000 - from_books) / 500, "books": from_books / 100}
+
+    # dp 2 x 25 x grad_accum 2 draws the same stream as 1 x 100; a resume at dp 4 x 10 goes on from it.
+    ranks = [
+        data.Mixture(splits, weights, 25, SEQ_LEN, seed=3, dp_rank=r, dp_size=2, grad_accum=2) for r in (0, 1)
+    ]
+    stream = torch.cat([torch.cat([r.next()[0] for r in ranks]) for _ in range(20)])
+    assert torch.equal(stream[:, 0], draws[:, 0][:1000])
+    resumed = [data.Mixture(splits, weights, 10, SEQ_LEN, seed=3, dp_rank=r, dp_size=4) for r in range(4)]
+    for r in resumed:
+        r.load_state_dict(ranks[0].state_dict())
+    assert (
+        "the global batch is now 40 windows" in resumed[0].layout_change
+        and "from draw 1,000" in resumed[0].layout_change
+    )
+    rest = torch.cat([torch.cat([r.next()[0] for r in resumed]) for _ in range(25)])
+    assert torch.equal(rest[:, 0], draws[:, 0][1000:])
+
+
+def test_mixture_flags_and_a_training_run_on_two_sources(tmp_path, capsys):
+    assert data.parse_mixture("data/web=0.7,data/books=0.3") == {"data/web": 0.7, "data/books": 0.3}
+    assert data.parse_mixture("data/web") is None
+    (tmp_path / "mix.toml").write_text('"data/web" = 2\n"data/books" = 1\n')
+    assert data.parse_mixture(str(tmp_path / "mix.toml")) == {"data/web": 2.0, "data/books": 1.0}
+    with pytest.raises(ValueError, match="'web' is not DIR=WEIGHT"):
+        data.parse_mixture("a=1,web")
+    with pytest.raises(ValueError, match="weights > 0"):
+        data.parse_mixture("a=1,b=0")
+    text = data.builtin_text()
+    for name, part in (("web", text[:40_000]), ("books", text[40_000:80_000])):
+        (tmp_path / f"{name}.txt").write_text(part)
+        prepare([tmp_path / f"{name}.txt"], tmp_path / name)
+    mixture = f"{tmp_path / 'web'}=0.7,{tmp_path / 'books'}=0.3"
+    small = {"n_layer": 1, "d_model": 32, "n_head": 2, "block_size": 32}
+    quick = dict(batch_size=4, max_steps=2, eval_interval=2, eval_tokens=64, sample_tokens=0, device="cpu")
+    records = train.train(train.TrainConfig(data=mixture, out_dir=str(tmp_path / "run"), **quick), small)
+    losses = records[-1]["val_loss_by_source"]
+    assert records[-1]["val_loss"] == pytest.approx(
+        0.7 * losses[str(tmp_path / "web")] + 0.3 * losses[str(tmp_path / "books")]
+    )
+    out = capsys.readouterr().out
+    assert f"data mixture {tmp_path / 'web'} 0.7, {tmp_path / 'books'} 0.3 (train)" in out
+    assert f"({tmp_path / 'web'} {losses[str(tmp_path / 'web')]:.4f}, epoch 0.0" in out

@@ -24,8 +24,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import assert_close, command_line_flags, free_port
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 
 from horse import checkpoint, optim, train
+from horse.generate import generate
 from horse.hf import weights
 from horse.loss_scale import LossScaler
 from horse.model import GPT
@@ -40,6 +42,7 @@ from horse.parallel import (
     shard,
     shard_spec,
     state_bytes,
+    unshard,
 )
 
 # Under pytest-xdist in one worker with the other multi-process tests: one group of ranks at a time.
@@ -97,8 +100,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     """Five launches on 4 processes, 4 steps each, checkpoints every 2:
     ddp4: DDP over 4 ranks, a sequence each; fsdp4: --dp-shard 4, the same batches, rank 2 sent
     SIGUSR1 in step 3 (it saves step 3 and exits 75); hsdp: fsdp4's step-2 checkpoint resumed as
-    --dp-replicate 2 --dp-shard 2; tp2: --tp 2 --sequence-parallel from a LLaMA folder, 2 replicas
-    of 2 sequences; tp2fsdp2: the same with --dp-shard 2 --activation-checkpointing."""
+    --dp-replicate 2 --dp-shard 2, its end sample generated on the shards; tp2: --tp 2
+    --sequence-parallel from a LLaMA folder, 2 replicas of 2 sequences, its sample skipped; tp2fsdp2:
+    the same with --dp-shard 2 --activation-checkpointing."""
     tmp = tmp_path_factory.mktemp("fsdp")
     runs = {name: tmp / name for name in ("ddp4", "fsdp4", "hsdp", "tp2", "tp2fsdp2", "llama")}
     status, out = _launch(runs["ddp4"], batch_size=1, **GPT2)
@@ -107,12 +111,14 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     assert "(FSDP2: dp_replicate 1 x dp_shard 4)" in out, out[-3000:]
     assert status != 0 and "preempted: SIGUSR1 during step 3; step 3 finished and saved" in out, out[-3000:]
     shutil.copytree(runs["fsdp4"] / "ckpt_0000002", runs["hsdp"] / "ckpt_0000002")
-    status, out = _launch(runs["hsdp"], resume=True, batch_size=1, dp_shard=2, dp_replicate=2, **GPT2)
+    hsdp = dict(resume=True, batch_size=1, dp_shard=2, dp_replicate=2, sample_tokens=8)
+    status, out = _launch(runs["hsdp"], **hsdp, **GPT2)
     assert status == 0 and "(FSDP2: dp_replicate 2 x dp_shard 2)" in out, out[-3000:]
     assert "resumed from ckpt_0000002" in out
+    assert out.count("----- sample: 8 tokens") == 1  # generated on the shards, printed once
     llama = dict(init_from=_hf_llama(runs["llama"]), **LLAMA_RUN, batch_size=2)
-    status, out = _launch(runs["tp2"], tp=2, sequence_parallel=True, **llama)
-    assert status == 0, out[-3000:]
+    status, out = _launch(runs["tp2"], tp=2, sequence_parallel=True, sample_tokens=8, **llama)
+    assert status == 0 and "no sample at --tp 2: generation needs the whole vocabulary" in out, out[-3000:]
     flags = dict(tp=2, sequence_parallel=True, dp_shard=2, activation_checkpointing=True)
     status, out = _launch(runs["tp2fsdp2"], **flags, **llama)
     assert status == 0 and "tp 2 (sequence parallel) x dp 2 (FSDP2: dp_replicate 1 x dp_shard 2)" in out
@@ -309,8 +315,8 @@ def _bytes_per_rank() -> None:
 
 def _whole_gradients() -> tuple[dict, torch.Tensor]:
     """The whole model's gradients of the loss on the global batch, on one process, and their norm."""
-    torch.manual_seed(1337)  # the trainer's default seed: the weights every layout starts from
-    model = GPT(CONFIG)
+    # the trainer's default seed: the weights every layout starts from
+    model = build_model(CONFIG, "reference", Parallel(), "cpu", seed=train.TrainConfig().seed)
     model.loss(GLOBAL_BATCH[:, :-1], GLOBAL_BATCH[:, 1:]).backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
     return grads, torch.nn.utils.get_total_norm(list(grads.values()))
@@ -385,16 +391,46 @@ def _mixed_precision_and_compiled_blocks() -> None:
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=0)
 
 
+def _initial_weights_at_every_layout() -> None:
+    # Each rank allocates and draws only its own rows and columns (the model built on the meta
+    # device); gathered whole, every layout holds the tp=1 model's weights from the same seed, byte
+    # for byte.
+    whole = build_model(CONFIG, "reference", Parallel(), "cpu", seed=train.TrainConfig().seed)
+    for tp, dp_shard in [(1, 1), (1, 4), (2, 2)]:
+        parallel, model, _ = _sharded(tp, dp_shard)
+        for name, param in model.named_parameters():
+            tp_shard = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            pieces = [tp_shard]
+            if tp > 1:
+                pieces = [torch.empty_like(tp_shard) for _ in range(tp)]
+                dist.all_gather(pieces, tp_shard, group=parallel.tp_group)
+            gathered = unshard(pieces, shard_spec(name, CONFIG)) if tp > 1 else tp_shard
+            assert torch.equal(gathered, whole.get_parameter(name)), (tp, dp_shard, name)
+
+
+def _generation_on_fsdp_shards() -> None:
+    # The end-of-run sample under FSDP: every rank generates in step with its shards (each forward
+    # gathers the parameters), never holding the whole model; the tokens are the whole model's.
+    whole = build_model(CONFIG, "reference", Parallel(), "cpu", seed=train.TrainConfig().seed)
+    prompt = GLOBAL_BATCH[:1, :5]
+    expected = generate(whole, prompt, 6, temperature=0)
+    parallel, model, _ = _sharded(1, 4)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    assert torch.equal(generate(model, prompt, 6, temperature=0), expected)
+
+
 def _run_all(workers: list[str]) -> None:
     for name in workers:
         globals()[name]()
 
 
-def test_bytes_norm_clipping_skips_mixed_precision_and_compile_over_shards():
+def test_initial_weights_bytes_norm_clipping_skips_mixed_precision_compile_and_generation_over_shards():
     """One spawn of 4 ranks for all of them: starting the ranks costs more than the checks."""
     workers = [
+        "_initial_weights_at_every_layout",
         "_bytes_per_rank",
         "_norm_clipping_and_a_skip_over_shards",
         "_mixed_precision_and_compiled_blocks",
+        "_generation_on_fsdp_shards",
     ]
     mp.spawn(_rank_main, args=(4, free_port(), functools.partial(_run_all, workers)), nprocs=4)

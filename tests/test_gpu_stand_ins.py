@@ -71,12 +71,15 @@ def test_a_rank_resumes_its_own_rng_on_a_node_with_fewer_gpus(monkeypatch):
 
 def test_a_checkpoint_with_every_devices_rng_restores_this_ranks(monkeypatch):
     cuda = StandInCUDA(monkeypatch, count=2, current=1)
-    state = {"step": 7, "scaler": {}, "loader": {}, "rng": {"torch": torch.get_rng_state(),
-             "cuda": [StandInCUDA.state_of(0), StandInCUDA.state_of(1)]}}  # fmt: skip
-    monkeypatch.setattr(checkpoint, "load", lambda *args: state)
+    rng = {"torch": torch.get_rng_state(), "cuda": [StandInCUDA.state_of(0), StandInCUDA.state_of(1)]}
+    # The scaler's clean steps under torch.amp.GradScaler's name, as checkpoints before LossScaler had them.
+    state = {"step": 7, "scaler": {"scale": 8.0, "_growth_tracker": 3}, "loader": {}, "rng": rng}
+    # checkpoint.load's state, upgraded to today's format as it reads it (Pieces.state)
+    monkeypatch.setattr(checkpoint, "load", lambda *args: checkpoint._upgraded_state(state, None))
     loader = types.SimpleNamespace(load_state_dict=lambda state: None)
-    assert checkpoint.restore_run("ckpt", None, None, LossScaler(enabled=False), loader, Parallel()) == 7
-    assert cuda.restored == [(1, 1)]
+    scaler = LossScaler()
+    assert checkpoint.restore_run("ckpt", None, None, scaler, loader, Parallel()) == 7
+    assert cuda.restored == [(1, 1)] and (scaler.scale_factor, scaler.clean_steps) == (8.0, 3)
 
 
 @pytest.mark.parametrize("local_rank, count, device", [(5, 4, 1), (3, 8, 3), (2, 1, 0)])

@@ -103,6 +103,9 @@ def loss_cases(dtype, bias):
         (OPS.linear_cross_entropy_chunks, (*plain, target, torch.rand(M), -100, 0.1, 1e-3, False)),
         (OPS.cross_entropy_rows, (logits, target, torch.ones(()), -100, 0.1, 1e-3, True)),
         (OPS.cross_entropy_rows, (logits, target, torch.rand(M), -100, 0.0, 0.0, False)),
+        # with a softcap, the last argument
+        (OPS.linear_cross_entropy_chunks, (*plain, target, torch.rand(M), -100, 0.0, 0.0, True, 30.0)),
+        (OPS.cross_entropy_rows, (logits, target, torch.ones(()), -100, 0.1, 1e-3, False, 5.0)),
     ]
 
 

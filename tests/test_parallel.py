@@ -16,13 +16,14 @@ from helpers import check_descriptor_strides_in_bytes, free_port
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from horse import kernels
+from horse import kernels, train
 from horse.model import GPT, GPTConfig, KVCache
 from horse.parallel import (
     GPT_PLAN,
     Parallel,
     Style,
     allreduce_sequence_parallel_grads,
+    apply,
     build_model,
     check_divisible,
     copy_to_tp,
@@ -42,6 +43,7 @@ from horse.parallel import (
     style_of,
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
+    vocab_parallel_linear_cross_entropy,
 )
 
 # Under pytest-xdist in one worker with tests/test_train_parallel.py: one group of ranks at a time.
@@ -289,9 +291,54 @@ def test_conjugate_functions_vocab_parallel_embedding_and_loss_and_the_skip_flag
     _spawn(_check_pieces)
 
 
+def _check_softcapped_losses(parallel: Parallel) -> None:
+    rank, softcap = parallel.tp_rank, 2.0  # logits of about ±6: tanh's bend, where an error would show
+    g = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(2, 5, 8, generator=g), torch.randn(22, 8, generator=g)
+    targets = torch.tensor([[0, 3, 10, 11, 21], [-100, 12, 7, 20, 1]])  # both ranks' columns, one ignored
+    options = {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": softcap}
+    for use_triton in (True, False):  # the statistics and gradient kernels, and their plain-PyTorch twins
+        results = []
+        for tp, w in ((parallel, weight.chunk(TP)[rank]), (Parallel(), weight)):  # tp 2, then tp 1
+            x_in, w_in = x.clone().requires_grad_(), w.clone().requires_grad_()
+            loss = vocab_parallel_linear_cross_entropy(x_in, w_in, targets, tp, use_triton, **options)
+            loss.backward()
+            results.append((loss, x_in.grad, w_in.grad))
+        (loss, dx, dw), (loss_1, dx_1, dw_1) = results
+        torch.testing.assert_close(loss, loss_1, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dx, dx_1, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dw, dw_1.chunk(TP)[rank], rtol=1e-5, atol=1e-6)
+    logits = (x @ weight.T).flatten(0, 1)  # the unfused loss, on logits split by vocabulary
+    local = logits.chunk(TP, dim=1)[rank].clone().requires_grad_()
+    whole = logits.clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, targets.flatten(), parallel, softcap=softcap)
+    loss_1 = vocab_parallel_cross_entropy(whole, targets.flatten(), Parallel(), softcap=softcap)
+    loss.backward(), loss_1.backward()
+    torch.testing.assert_close(loss, loss_1, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(local.grad, whole.grad.chunk(TP, dim=1)[rank], rtol=1e-5, atol=1e-7)
+
+
+def test_the_vocab_parallel_losses_with_a_softcap_at_tp2_equal_tp1():
+    _spawn(_check_softcapped_losses)
+
+
 # ----------------------------------------------------------------------------------------------
 # In one process: initialisation, resharding, the checks, tp=1
 # ----------------------------------------------------------------------------------------------
+
+
+def test_a_resume_allocates_its_model_without_drawing_it(monkeypatch):
+    # Resuming, the trainer's model is allocated from the meta device and left for the checkpoint:
+    # no weights drawn, no throw-away model built; a fresh start draws them all.
+    drawn = []
+    draw = apply.initial_rows
+    monkeypatch.setattr(apply, "initial_rows", lambda name, *args: drawn.append(name) or draw(name, *args))
+    cfg = train.TrainConfig()
+    model, _ = train.make_model(cfg, LLAMA, "reference", Parallel(), "cpu", pretrained=False, resuming=True)
+    assert drawn == [] and not any(p.is_meta for p in model.parameters())
+    torch.testing.assert_close(model.rotary.cos, GPT(LLAMA).rotary.cos, rtol=0, atol=0)
+    train.make_model(cfg, LLAMA, "reference", Parallel(), "cpu", pretrained=False)
+    assert set(drawn) == {name for name, _ in model.named_parameters()}
 
 
 @pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama"])
@@ -302,8 +349,9 @@ def test_tp_ranks_start_from_the_slices_of_the_tp1_model(config):
         build_model(config, "reference", Parallel(tp_rank=r, tp_size=TP), "cpu", seed=0) for r in range(TP)
     ]
     whole, shards = whole_model.state_dict(), [m.state_dict() for m in models]
-    torch.manual_seed(0)
-    assert all(torch.equal(t, whole[name]) for name, t in GPT(config).state_dict().items())
+    eager = GPT(config)  # built on the CPU, then drawn from the seed: the same as on the meta device
+    eager.init_weights(0)
+    assert all(torch.equal(t, whole[name]) for name, t in eager.state_dict().items())
     # Each rank's FLOPs are its share: together the whole model's, replicated parameters once per rank.
     replicated = sum(p.numel() for n, p in whole_model.named_parameters() if shard_spec(n, config) is None)
     if whole_model.wpe is not None:

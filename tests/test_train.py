@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,7 @@ def test_resumed_run_repeats_the_uninterrupted_losses_exactly(tmp_path):
         r["val_loss"] for r in full[3:] if "val_loss" in r
     ]
     state = torch.load(tmp_path / "resumed" / "ckpt_0000008" / "state.pt", weights_only=True)
-    assert state["step"] == 8 and state["loader"]["position"] == 8
+    assert state["step"] == 8 and (state["loader"]["epoch"], state["loader"]["position"]) == (0, 8 * 8)
     full_weights, resumed_weights = (_weights(tmp_path / d / "ckpt_0000008") for d in ("run", "resumed"))
     assert all(torch.equal(a, b) for a, b in zip(full_weights, resumed_weights, strict=True))
 
@@ -122,6 +123,103 @@ def test_inf_gradient_skips_the_step_halves_the_scale_and_keeps_the_weights():
         _, skipped = optimizer_step(model, optimizer, scaler, grad_clip=1.0)
         assert not skipped and scaler.get_scale() == scale_after
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, None], ids=["bf16", "fp32"])
+def test_a_nan_gradient_without_loss_scaling_skips_the_step_and_too_many_in_a_row_stop(autocast_dtype):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, d_model=16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = train.LossScaler(enabled=False, max_skipped_steps=2)
+    idx = torch.randint(0, 64, (2, 8))
+
+    def step(poison: bool) -> tuple[float, bool]:
+        with torch.autocast("cpu", autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            loss = model.loss(idx, idx)
+        loss.backward()
+        if poison:
+            model.blocks[0].mlp.c_fc.weight.grad[0, 0] = float("nan")
+        grad_norm, skipped = optimizer_step(model, optimizer, scaler, grad_clip=1.0)
+        scaler.check(1, loss.item())
+        return grad_norm, skipped
+
+    before = [p.detach().clone() for p in model.parameters()]
+    grad_norm, skipped = step(poison=True)
+    assert skipped and math.isnan(grad_norm) and scaler.state_dict() == {"skipped_steps": 1}
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert not optimizer.state  # AdamW's moments and step count untouched too
+    assert step(poison=False)[1] is False and scaler.state_dict() == {"skipped_steps": 0}
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    step(poison=True)
+    gave_up = (
+        r"training gave up at step 1: the last 2 steps were all skipped for inf/NaN gradients "
+        r"\(--max-skipped-steps 2\), without loss scaling"
+    )
+    with pytest.raises(FloatingPointError, match=gave_up):
+        step(poison=True)
+
+
+def test_a_state_that_is_not_finite_is_never_saved(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, d_model=16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.loss(*[torch.randint(0, 64, (2, 8))] * 2).backward()
+    optimizer.step()
+    checkpoint.save(tmp_path, 1, model, optimizer, {}, "bytes")
+    assert json.loads((tmp_path / "ckpt_0000001" / checkpoint.MANIFEST).read_text())["checked_finite"]
+    optimizer.state[model.blocks[0].mlp.c_fc.weight]["exp_avg_sq"][3, 1] = float("inf")
+    with torch.no_grad():
+        model.blocks[0].attn.c_proj.weight[0, 0] = float("nan")
+    refused = (
+        r"ckpt_0000002 could not be written: FloatingPointError: the state to save holds inf or NaN in "
+        r"blocks.0.attn.c_proj.weight, exp_avg_sq of blocks.0.mlp.c_fc.weight; .* \(nothing of it is kept"
+    )
+    with pytest.raises(checkpoint.SaveError, match=refused):
+        checkpoint.save(tmp_path, 2, model, optimizer, {}, "bytes")
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt_0000001"]
+
+
+def test_a_background_save_writes_the_state_of_its_step_while_training_changes_it(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, d_model=16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.loss(*[torch.randint(0, 64, (2, 8))] * 2).backward()
+    optimizer.step()
+    at_the_step = {name: w.clone() for name, w in model.state_dict().items()}
+    writing, may_finish = threading.Event(), threading.Event()
+    save_file = checkpoint.save_file
+
+    def slow_save_file(*args, **kwargs):  # a slow file system, held until the step has moved on
+        writing.set()
+        assert may_finish.wait(timeout=60)
+        save_file(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_file", slow_save_file)
+    saver = checkpoint.BackgroundSaver(train.Parallel())
+    ckpt = checkpoint.save(tmp_path, 1, model, optimizer, {}, "bytes", saver=saver)
+    assert writing.wait(timeout=60) and not ckpt.exists()
+    with pytest.raises(RuntimeError, match="a checkpoint save is in flight: wait"):
+        checkpoint.save(tmp_path, 2, model, optimizer, {}, "bytes", saver=saver)
+    with torch.no_grad():  # the next step, in place
+        for w in model.parameters():
+            w.add_(1.0)
+    may_finish.set()
+    assert saver.wait() == ckpt and checkpoint.verify(ckpt) == []
+    saved = checkpoint.full_weights(ckpt)
+    assert all(torch.equal(saved[name], w) for name, w in at_the_step.items())
+
+
+def test_ranks_on_the_cpu_share_the_cores(monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    try:
+        torch.set_num_threads(8)
+        for ranks, threads in [(1, 8), (3, 2), (4, 2), (16, 1), (2, 1)]:  # never more than it had
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+            assert train.share_the_cores() == threads == torch.get_num_threads(), ranks
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_fp16_run_on_the_cpu_logs_the_loss_scale(tmp_path):

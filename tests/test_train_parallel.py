@@ -1,7 +1,8 @@
 """horse.train under torchrun on the CPU (gloo, fp32, the reference backend): tp=2 x dp=2 trains the
 weights one process trains on the whole batch; sharded checkpoints reshard tp=2 <-> tp=1; a job
 that torchrun restarts after an injected failure finishes as an uninterrupted one; an inf gradient
-on one rank makes every rank skip the step; an exported checkpoint is the whole model."""
+on one rank makes every rank skip the step, with fp16's scaler and without; an exported checkpoint
+is the whole model."""
 
 import json
 import math
@@ -44,17 +45,20 @@ QUICK = dict(
 GLOBAL_BATCH = 4  # sequences per step, over all data-parallel replicas
 
 
-def _torchrun(nproc: int, out_dir: Path, *launcher: str, **kwargs) -> str:
-    """Run horse/train.py on nproc CPU processes; returns the console output (rank 0's)."""
+def _torchrun(nproc: int, out_dir: Path, *launcher: str, faults: str = "", **kwargs) -> str:
+    """Run horse/train.py on nproc CPU processes (with faults: tests/faulty_train.py, HORSE_FAULTS
+    faults); returns the console output."""
     # --standalone: the rendezvous on a port the OS picks free (localhost:0), so launches run side by side.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    command += [*launcher, str(ROOT / "horse" / "train.py"), "--out-dir", str(out_dir)]
+    script = ROOT / "tests" / "faulty_train.py" if faults else ROOT / "horse" / "train.py"
+    command += [*launcher, str(script), "--out-dir", str(out_dir)]
     command += command_line_flags(QUICK | SMALL | kwargs)
     # Without the variable a restart can read the failed workers' addresses (see horse/train.py).
     env = os.environ | {
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "HORSE_FAULTS": faults,
     }
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -146,14 +150,20 @@ def test_a_checkpoint_from_before_tensor_parallelism_loads_at_any_tp_size(tmp_pa
         names = {id(p): name for name, p in model.named_parameters()}
         return [names[id(p)] for g in optimizer.param_groups for p in g["params"]], optimizer.state_dict()
 
-    # What the trainer wrote before tensor parallelism: no manifest, the optimizer by position.
     order, whole = restored(Parallel())
+    i = order.index("blocks.0.mlp.c_fc.weight")  # (hidden, d_model), split by rows
+    # A manifest from before FSDP and checksums: its files a list, no dp_shard, no tensors table.
+    files = sorted(json.loads((ckpt / checkpoint.MANIFEST).read_text())["files"])
+    (ckpt / checkpoint.MANIFEST).write_text(json.dumps({"step": 2, "tp_size": 1, "files": files}))
+    assert checkpoint.verify(ckpt) == [] and checkpoint.layout(ckpt) == (1, 1)
+    moments = restored(Parallel(tp_rank=1, tp_size=2))[1]["state"][i]
+    assert torch.equal(moments["exp_avg_sq"], whole["state"][i]["exp_avg_sq"].chunk(2)[1])
+    # What the trainer wrote before tensor parallelism: no manifest, the optimizer by position.
     torch.save(checkpoint.load_state(ckpt) | {"optimizer": whole}, ckpt / checkpoint.STATE)
     (ckpt / checkpoint.MANIFEST).unlink()
     assert checkpoint.latest(tmp_path / "run") == ckpt
     assert torch.equal(restored(Parallel())[1]["state"][0]["exp_avg"], whole["state"][0]["exp_avg"])
     # At tp=2 each rank takes its slice of AdamW's moments (loading needs no process group).
-    i = order.index("blocks.0.mlp.c_fc.weight")  # (hidden, d_model), split by rows
     for rank in (0, 1):
         moments = restored(Parallel(tp_rank=rank, tp_size=2))[1]["state"][i]
         assert torch.equal(moments["exp_avg_sq"], whole["state"][i]["exp_avg_sq"].chunk(2)[rank])
@@ -166,9 +176,9 @@ def test_a_checkpoint_from_before_tensor_parallelism_loads_at_any_tp_size(tmp_pa
 
 def test_torchrun_restart_resumes_from_the_newest_checkpoint(runs, tmp_path):
     out = _torchrun(
-        2, tmp_path / "restarted", "--max-restarts=1", tp=2, batch_size=GLOBAL_BATCH, fail_at_step=3
+        2, tmp_path / "restarted", "--max-restarts=1", faults="raise@3:1", tp=2, batch_size=GLOBAL_BATCH
     )
-    assert "--fail-at-step 3: injected failure on rank 1" in out
+    assert "fault: RuntimeError in step 3" in out and "RuntimeError: injected failure in step 3" in out
     assert "restart 1" in out and "resumed from ckpt_0000002" in out and "warning" not in out
     # Steps 1 and 2 once each, though the first attempt logged them before failing in step 3.
     _assert_same_steps(_records(tmp_path / "restarted"), _records(runs["single"]))
@@ -196,22 +206,25 @@ def _rank_main(rank: int, world: int, tp: int, port: int, worker, args) -> None:
 
 
 def _inf_on_one_rank(parallel) -> None:
-    """dp=2: rank 1 alone gets an inf gradient; both ranks skip, halve the scale, keep their weights."""
-    torch.manual_seed(0)
-    model = GPT(train.model_config(train.TrainConfig(), SMALL, 256))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = train.LossScaler(init_scale=1024.0, growth_interval=1000, parallel=parallel, hysteresis=1)
-    idx = torch.randint(0, 256, (2, 8))
-    before = [p.detach().clone() for p in model.parameters()]
-    for poison in (True, False):
-        scaler.scale(model.loss(idx, idx)).backward()
-        if poison and parallel.rank == 1:
-            model.blocks[0].mlp.c_fc.weight.grad[0, 0] = float("nan")
-        grad_norm, skipped = optim.optimizer_step(model, optimizer, scaler, 1.0, parallel)
-        assert skipped == poison and scaler.get_scale() == 512.0
-        assert math.isfinite(grad_norm) == (not poison or parallel.rank == 0)
-        unchanged = all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
-        assert unchanged == poison and bool(optimizer.state) != poison
+    """dp=2: rank 1 alone gets a NaN gradient (no DDP to spread it); both ranks skip and keep their
+    weights; with fp16's scaler both halve the scale, without (bf16, fp32) rank 0's finite
+    gradient norm does not make it step."""
+    for fp16 in (True, False):
+        torch.manual_seed(0)
+        model = GPT(train.model_config(train.TrainConfig(), SMALL, 256))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = train.LossScaler(1024.0, 1000, fp16, parallel, hysteresis=1)
+        idx = torch.randint(0, 256, (2, 8))
+        before = [p.detach().clone() for p in model.parameters()]
+        for poison in (True, False):
+            scaler.scale(model.loss(idx, idx)).backward()
+            if poison and parallel.rank == 1:
+                model.blocks[0].mlp.c_fc.weight.grad[0, 0] = float("nan")
+            grad_norm, skipped = optim.optimizer_step(model, optimizer, scaler, 1.0, parallel)
+            assert skipped == poison and scaler.get_scale() == (512.0 if fp16 else 1.0)
+            assert math.isfinite(grad_norm) == (not poison or parallel.rank == 0)
+            unchanged = all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+            assert unchanged == poison and bool(optimizer.state) != poison
 
 
 def test_an_inf_gradient_on_one_rank_makes_every_rank_skip():

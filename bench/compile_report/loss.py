@@ -7,11 +7,11 @@ from bench.compile_report.config import TRITON_TYPES, KernelConfig, kernel_confi
 from horse.kernels import runtime
 
 # The loss kernels (horse.kernels.cross_entropy._<name>_kernel) and the flags with the most live values (the
-# fused one with smoothing and the gradient).
+# fused one with smoothing and the gradient; every one with Gemma 2's final-logit softcap).
 LOSS_KERNELS = {
-    "cross_entropy": {"HAS_SMOOTHING": True, "WRITE_GRAD": True},
-    "cross_entropy_stats": {"HAS_SMOOTHING": True},
-    "cross_entropy_grad": {},
+    "cross_entropy": {"HAS_SMOOTHING": True, "WRITE_GRAD": True, "SOFTCAP": 30.0},
+    "cross_entropy_stats": {"HAS_SMOOTHING": True, "SOFTCAP": 30.0},
+    "cross_entropy_grad": {"SOFTCAP": 30.0},
 }
 
 # The loss kernels' tuple arguments, each element typed as the argument of its name would be

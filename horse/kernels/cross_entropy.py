@@ -4,6 +4,9 @@
     loss_i = (1 - ε)(lse_i - z_i,t) + ε(lse_i - mean_v z_iv) + λ lse_i²    (ε label smoothing, λ z-loss)
     ∂loss_i/∂z_iv = softmax(z_i)_v (1 + 2λ lse_i) - (1 - ε)[v = t] - ε / V
 
+With a softcap c (Gemma 2's final-logit softcapping), z = c tanh(y / c) of the logits y, inside every
+kernel (no capped copy of the logits), and ∂loss_i/∂y_iv = ∂loss_i/∂z_iv (1 - (z_iv / c)²).
+
 ``cross_entropy``: one Triton program per row sweeps the row twice inside one launch: the first sweep
 keeps the running max and sum of exponentials (and the sum of logits for label smoothing), the second
 writes the gradient, already multiplied by d(reduced loss)/d(loss_i) (1/n_valid for "mean", 1 for
@@ -38,8 +41,8 @@ outside Triton's interpreter, on their plain-PyTorch twins (``*_torch``).
 
 Targets are int64 in [0, V) or ``ignore_index`` (such rows add nothing and get zero gradients; the
 "mean" of a batch with no other row is NaN from ``cross_entropy``, as from F.cross_entropy, and 0 from
-``linear_cross_entropy``, the trainer's loss). V ranges over 1..262,144, any size. ``cross_entropy``
-takes logits (N, C) or (C,) only: F.cross_entropy reads N-D logits' classes from dim 1.
+``linear_cross_entropy``, the trainer's loss). V ranges over 1..1,048,576 (MAX_VOCAB), any size.
+``cross_entropy`` takes logits (N, C) or (C,) only: F.cross_entropy reads N-D logits' classes from dim 1.
 
 The kernels' arguments come in groups, as the launchers pack them: ``coefficients`` (label_smoothing,
 z_loss: ε and λ), the fused kernel's ``strides`` (its tensors' row strides) and the statistics kernel's
@@ -55,7 +58,10 @@ import triton.language as tl
 
 from horse.kernels import runtime
 
-MAX_VOCAB = 262144
+# The kernels sweep a row in blocks with int32 column offsets (row offsets are int64), so a row could
+# hold up to 2**31 - 1 columns; the bound is the size the tests run (Gemma 3's 262,208 is above the
+# previous 2**18).
+MAX_VOCAB = 2**20
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -66,8 +72,18 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 @triton.jit
-def _row_stats(ROW, N, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
-    """(max, Σ exp(z - max), Σ z) of one row, float32, in one sweep over blocks of BLOCK_V."""
+def _softcap(z, SOFTCAP: tl.constexpr):
+    """SOFTCAP · tanh(z / SOFTCAP) in float32, or z itself when SOFTCAP is None. Triton's core language
+    has no tanh: tanh(u) = 2 sigmoid(2u) - 1, on every backend and in the interpreter."""
+    if SOFTCAP is not None:
+        z = SOFTCAP * (2.0 * tl.sigmoid(z * (2.0 / SOFTCAP)) - 1.0)
+    return z
+
+
+@triton.jit
+def _row_stats(ROW, N, HAS_SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(max, Σ exp(z - max), Σ z) of one row's (softcapped) logits z, float32, in one sweep over blocks
+    of BLOCK_V."""
     m = tl.full((), float("-inf"), tl.float32)
     d = tl.zeros((), tl.float32)
     sum_z = tl.zeros((), tl.float32)
@@ -75,6 +91,8 @@ def _row_stats(ROW, N, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < N
         z = tl.load(ROW + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        if SOFTCAP is not None:  # the cap would turn the padding's -inf into -SOFTCAP
+            z = tl.where(mask, _softcap(z, SOFTCAP=SOFTCAP), float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=0))
         # A row (or its start) of -inf logits: exp(-inf - -inf) would be NaN; shift by 0 instead.
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -86,18 +104,24 @@ def _row_stats(ROW, N, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _write_grad(ROW, DROW, N, target_col, lse, scale, coefficients, vocab, BLOCK_V: tl.constexpr):
+def _write_grad(
+    ROW, DROW, N, target_col, lse, scale, coefficients, vocab, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr
+):
     """DROW = scale · (softmax(z) (1 + 2 λ lse) - (1 - ε) onehot(target_col) - ε / vocab), in DROW's dtype,
-    with coefficients (ε, λ) = (label_smoothing, z_loss). Each element is read before it is written, so
-    DROW may be ROW (in place)."""
+    with coefficients (ε, λ) = (label_smoothing, z_loss); with a SOFTCAP c, z = c tanh(ROW / c) and the
+    chain rule's 1 - (z / c)² multiplies that. Each element is read before it is written, so DROW may
+    be ROW (in place)."""
     label_smoothing, z_loss = coefficients
     p_scale = 1.0 + 2.0 * z_loss * lse
     for start in range(0, N, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < N
-        z = tl.load(ROW + cols, mask=mask, other=0.0).to(tl.float32)
+        z = _softcap(tl.load(ROW + cols, mask=mask, other=0.0).to(tl.float32), SOFTCAP=SOFTCAP)
         g = tl.exp(z - lse) * p_scale - label_smoothing / vocab
         g = tl.where(cols == target_col, g - (1.0 - label_smoothing), g)
+        if SOFTCAP is not None:
+            capped = z * (1.0 / SOFTCAP)
+            g *= 1.0 - capped * capped
         tl.store(DROW + cols, (g * scale).to(DROW.dtype.element_ty), mask=mask)
 
 
@@ -115,6 +139,7 @@ def _cross_entropy_kernel(
     coefficients,  # (label_smoothing, z_loss): ε and λ
     HAS_SMOOTHING: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # None, or c: the logits are c tanh(z / c)
     BLOCK_V: tl.constexpr,
 ):
     # grid = (M,)
@@ -124,9 +149,10 @@ def _cross_entropy_kernel(
     logits_row = LOGITS + row * stride_logits
     target = tl.load(TARGET + row)
     ignored = target == ignore_index
-    m, d, sum_z = _row_stats(logits_row, N=N, HAS_SMOOTHING=HAS_SMOOTHING, BLOCK_V=BLOCK_V)
+    m, d, sum_z = _row_stats(logits_row, N=N, HAS_SMOOTHING=HAS_SMOOTHING, SOFTCAP=SOFTCAP, BLOCK_V=BLOCK_V)
     lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(d)
     target_logit = tl.load(logits_row + target, mask=~ignored, other=0.0).to(tl.float32)
+    target_logit = _softcap(target_logit, SOFTCAP=SOFTCAP)
     loss = lse * (1.0 + z_loss * lse) - (1.0 - label_smoothing) * target_logit
     if HAS_SMOOTHING:
         loss -= label_smoothing * sum_z / N
@@ -144,6 +170,7 @@ def _cross_entropy_kernel(
             scale=scale,
             coefficients=coefficients,
             vocab=N,
+            SOFTCAP=SOFTCAP,
             BLOCK_V=BLOCK_V,
         )
 
@@ -156,6 +183,7 @@ def _cross_entropy_stats_kernel(
     sizes,  # (M, N)
     stride_logits,
     HAS_SMOOTHING: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # None, or c: the logits are c tanh(z / c)
     BLOCK_V: tl.constexpr,
 ):
     # grid = (M,)
@@ -163,11 +191,12 @@ def _cross_entropy_stats_kernel(
     row = tl.program_id(0).to(tl.int64)
     logits_row = LOGITS + row * stride_logits
     target = tl.load(TARGET + row)
-    m, d, sum_z = _row_stats(logits_row, N=N, HAS_SMOOTHING=HAS_SMOOTHING, BLOCK_V=BLOCK_V)
+    m, d, sum_z = _row_stats(logits_row, N=N, HAS_SMOOTHING=HAS_SMOOTHING, SOFTCAP=SOFTCAP, BLOCK_V=BLOCK_V)
     here = (target >= 0) & (target < N)
     tl.store(STATS + row, m)
     tl.store(STATS + M + row, d)
-    tl.store(STATS + 2 * M + row, tl.load(logits_row + target, mask=here, other=0.0).to(tl.float32))
+    target_logit = tl.load(logits_row + target, mask=here, other=0.0).to(tl.float32)
+    tl.store(STATS + 2 * M + row, _softcap(target_logit, SOFTCAP=SOFTCAP))
     tl.store(STATS + 3 * M + row, sum_z)
 
 
@@ -181,6 +210,7 @@ def _cross_entropy_grad_kernel(
     stride_logits,
     vocab,  # the whole vocabulary's size (N: this shard's columns)
     coefficients,  # (label_smoothing, z_loss): ε and λ
+    SOFTCAP: tl.constexpr,  # None, or c: the logits are c tanh(z / c)
     BLOCK_V: tl.constexpr,
 ):
     # grid = (M,)
@@ -195,6 +225,7 @@ def _cross_entropy_grad_kernel(
         scale=tl.load(SCALE + row),
         coefficients=coefficients,
         vocab=vocab,
+        SOFTCAP=SOFTCAP,
         BLOCK_V=BLOCK_V,
     )
 
@@ -235,8 +266,10 @@ def cross_entropy_fwd(
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
+    softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss and log-sum-exp (M,) float32 of logits (M, V) (unit column stride) against target (M,).
+    """Loss and log-sum-exp (M,) float32 of logits (M, V) (unit column stride), softcapped by softcap
+    unless None, against target (M,).
 
     With dloss (a float32 scalar, or (M,)) the kernel also writes dloss_i · ∂loss_i/∂logits into
     dlogits (M, V), which may be logits itself; ignored rows get zeros.
@@ -267,6 +300,7 @@ def cross_entropy_fwd(
             coefficients=_coefficients(label_smoothing, z_loss),
             HAS_SMOOTHING=label_smoothing > 0,
             WRITE_GRAD=write_grad,
+            SOFTCAP=softcap,
             BLOCK_V=cfg.block_v,
             num_warps=cfg.num_warps,
             **runtime.COMPILE_OPTIONS,
@@ -274,7 +308,9 @@ def cross_entropy_fwd(
     return loss, lse
 
 
-def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor, smoothing: bool) -> torch.Tensor:
+def cross_entropy_stats(
+    logits: torch.Tensor, target: torch.Tensor, smoothing: bool, softcap: float | None
+) -> torch.Tensor:
     """(4, M) float32 of logits (M, V_local) as :func:`cross_entropy_stats_torch` returns them."""
     M, V = logits.shape
     stats = runtime.empty((4, M), torch.float32, logits.device)
@@ -291,6 +327,7 @@ def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor, smoothing: b
             sizes=(M, V),
             stride_logits=logits.stride(0),
             HAS_SMOOTHING=smoothing,
+            SOFTCAP=softcap,
             BLOCK_V=cfg.block_v,
             num_warps=cfg.num_warps,
             **runtime.COMPILE_OPTIONS,
@@ -306,6 +343,7 @@ def cross_entropy_grad_(
     vocab: int,
     label_smoothing: float,
     z_loss: float,
+    softcap: float | None,
 ) -> None:
     """Overwrite logits (M, V_local) by scale_i · ∂loss_i/∂logits (:func:`cross_entropy_grad_torch_`)."""
     M, V = logits.shape
@@ -324,6 +362,7 @@ def cross_entropy_grad_(
             stride_logits=logits.stride(0),
             vocab=vocab,
             coefficients=_coefficients(label_smoothing, z_loss),
+            SOFTCAP=softcap,
             BLOCK_V=cfg.block_v,
             num_warps=cfg.num_warps,
             **runtime.COMPILE_OPTIONS,
@@ -341,11 +380,18 @@ def finite_or_zero(row_max: torch.Tensor) -> torch.Tensor:
     return torch.where(row_max == float("-inf"), 0.0, row_max)
 
 
-def cross_entropy_stats_torch(logits: torch.Tensor, target: torch.Tensor, smoothing: bool) -> torch.Tensor:
+def softcap_(z: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """z ← softcap · tanh(z / softcap) in place (float32), or z as it is when softcap is None."""
+    return z if softcap is None else z.div_(softcap).tanh_().mul_(softcap)
+
+
+def cross_entropy_stats_torch(
+    logits: torch.Tensor, target: torch.Tensor, smoothing: bool, softcap: float | None
+) -> torch.Tensor:
     """:func:`cross_entropy_stats` on plain PyTorch: (4, C), each row's max, Σ exp(z - max), the logit at
     column target (0 where target is outside [0, V_local): another shard's, or ignored) and, with
-    smoothing, Σ z (else 0)."""
-    z = logits.to(torch.float32, copy=True)  # the chunk's one float32 copy; the rest is in place
+    smoothing, Σ z (else 0), of the logits z softcapped by softcap unless None."""
+    z = softcap_(logits.to(torch.float32, copy=True), softcap)  # the chunk's one float32 copy; then in place
     row_max = z.amax(dim=-1)
     here = (target >= 0) & (target < z.shape[1])
     target_logit = z.gather(1, target.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
@@ -354,14 +400,19 @@ def cross_entropy_stats_torch(logits: torch.Tensor, target: torch.Tensor, smooth
     return torch.stack([row_max, sum_exp, torch.where(here, target_logit, 0.0), sum_z])
 
 
-def cross_entropy_grad_torch_(logits, target, lse, scale, vocab: int, label_smoothing: float, z_loss: float):
+def cross_entropy_grad_torch_(
+    logits, target, lse, scale, vocab: int, label_smoothing: float, z_loss: float, softcap: float | None
+):
     """:func:`cross_entropy_grad_` on plain PyTorch: overwrite logits (C, V_local) by scale_i · (softmax(z)
     (1 + 2 λ lse) - (1 - ε) onehot(target) - ε / vocab), lse over the whole vocabulary, target the
-    column here (outside [0, V_local): none)."""
-    g = logits.to(torch.float32, copy=True).sub_(lse[:, None]).exp_()  # one float32 copy, then in place
-    g.mul_((1 + 2 * z_loss * lse)[:, None]).sub_(label_smoothing / vocab)
+    column here (outside [0, V_local): none); with a softcap c, z = c tanh(logits / c) and that times
+    1 - tanh²(logits / c) (a second float32 copy of the chunk)."""
+    g = softcap_(logits.to(torch.float32, copy=True), softcap)  # one float32 copy, then in place
+    g.sub_(lse[:, None]).exp_().mul_((1 + 2 * z_loss * lse)[:, None]).sub_(label_smoothing / vocab)
     here = ((target >= 0) & (target < g.shape[1])).to(g.dtype)[:, None]
     g.scatter_add_(1, target.clamp(0, g.shape[1] - 1)[:, None], -(1 - label_smoothing) * here)
+    if softcap is not None:
+        g.mul_(logits.to(torch.float32).div_(softcap).tanh_().square_().neg_().add_(1))
     logits.copy_(g.mul_(scale[:, None]))
 
 
@@ -412,18 +463,18 @@ def cross_entropy_loss_from_stats(stats, ignored, vocab: int, label_smoothing: f
 
 def _chunk_loss_(logits, target, dloss, options: tuple, use_triton: bool, shard: VocabShard | None):
     """Loss (C,) of a chunk of logits (C, V_local) with its targets (C,); with dloss the gradient
-    replaces the logits. options: (ignore_index, label_smoothing, z_loss)."""
-    ignore_index, label_smoothing, z_loss = options
+    replaces the logits. options: (ignore_index, label_smoothing, z_loss, softcap)."""
+    ignore_index, label_smoothing, z_loss, softcap = options
     if use_triton and shard is None:
-        return cross_entropy_fwd(logits, target, dloss, logits, ignore_index, label_smoothing, z_loss)[0]
+        return cross_entropy_fwd(logits, target, dloss, logits, *options)[0]
     start, vocab = (0, logits.shape[1]) if shard is None else (shard.start, shard.vocab)
     ignored = target == ignore_index
     local = torch.where(ignored, -1, target - start)  # the target's column here; outside: elsewhere
     smoothing = label_smoothing > 0
     if use_triton:
-        stats = cross_entropy_stats(logits, local, smoothing)
+        stats = cross_entropy_stats(logits, local, smoothing, softcap)
     else:
-        stats = cross_entropy_stats_torch(logits, local, smoothing)
+        stats = cross_entropy_stats_torch(logits, local, smoothing, softcap)
     if shard is not None:
         row_max = stats[0].clone()
         shard.all_reduce_max(row_max)
@@ -437,7 +488,7 @@ def _chunk_loss_(logits, target, dloss, options: tuple, use_triton: bool, shard:
         scale = torch.where(ignored, 0.0, dloss.float().expand(target.shape)).contiguous()
         lse = torch.where(ignored, 0.0, lse)
         grad_ = cross_entropy_grad_ if use_triton else cross_entropy_grad_torch_
-        grad_(logits, local, lse, scale, vocab, label_smoothing, z_loss)
+        grad_(logits, local, lse, scale, vocab, label_smoothing, z_loss, softcap)
     return loss
 
 
@@ -450,14 +501,16 @@ def cross_entropy_rows(
     z_loss: float,
     use_triton: bool,
     shard: VocabShard | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss of logits (M, V_local) against target (M,) as one chunk: (loss (M,) float32, dlogits).
+    """The loss of logits (M, V_local), softcapped by softcap unless None, against target (M,) as one
+    chunk: (loss (M,) float32, dlogits).
 
     With dloss (a float32 scalar or (M,): d(reduced loss)/d(loss_i)), dlogits is dloss_i · ∂loss_i/∂logits
     in a new tensor of logits' shape and dtype (logits are left alone); without, it is empty.
     """
     grad = dloss is not None
-    options = (ignore_index, label_smoothing, z_loss)
+    options = (ignore_index, label_smoothing, z_loss, softcap)
     if use_triton and shard is None:  # one launch reads the logits and writes their gradient
         dlogits = runtime.empty(logits.shape if grad else (0,), logits.dtype, logits.device)
         loss, _ = cross_entropy_fwd(logits, target, dloss, dlogits if grad else None, *options)
@@ -477,8 +530,10 @@ def linear_cross_entropy_chunks(
     z_loss: float,
     use_triton: bool,
     shard: VocabShard | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The chunk loop: x (N, H), weight (V_local, H), bias (V_local,) or None, target (N,).
+    """The chunk loop: x (N, H), weight (V_local, H), bias (V_local,) or None, target (N,); the logits
+    softcapped by softcap unless None.
 
     Returns (loss (N,) float32, dx, dweight, dbias). With dloss (a float32 scalar or (N,): the
     gradient of the caller's reduced loss with respect to each row's loss), dx is (N, H) in x's dtype
@@ -508,7 +563,7 @@ def linear_cross_entropy_chunks(
         else:
             torch.addmm(b, xc, w.T, out=logits)
         dloss_c = None if dloss is None else dloss[start:end]
-        options = (ignore_index, label_smoothing, z_loss)
+        options = (ignore_index, label_smoothing, z_loss, softcap)
         loss[start:end] = _chunk_loss_(logits, target[start:end], dloss_c, options, use_triton, shard)
         if grad:
             torch.mm(logits, w, out=dx[start:end])
@@ -548,10 +603,10 @@ def reduce_loss(
 # ----------------------------------------------------------------------------------------------
 
 # The options both ops take after their tensors, in torch's schema language.
-_OPTIONS = "SymInt ignore_index, float label_smoothing, float z_loss, bool use_triton"
+_OPTIONS = "SymInt ignore_index, float label_smoothing, float z_loss, bool use_triton, float? softcap=None"
 
 
-def _rows_fake(logits, target, dloss, ignore_index, label_smoothing, z_loss, use_triton):
+def _rows_fake(logits, target, dloss, ignore_index, label_smoothing, z_loss, use_triton, softcap=None):
     dlogits = logits.new_empty(logits.shape if dloss is not None else (0,))
     return logits.new_empty(target.shape, dtype=torch.float32), dlogits
 
@@ -561,11 +616,16 @@ def _rows_fake(logits, target, dloss, ignore_index, label_smoothing, z_loss, use
     _rows_fake,
     schema=f"(Tensor logits, Tensor target, Tensor? dloss, {_OPTIONS}) -> (Tensor, Tensor)",
 )
-def _cross_entropy_rows_op(logits, target, dloss, ignore_index, label_smoothing, z_loss, use_triton):
-    return cross_entropy_rows(logits, target, dloss, ignore_index, label_smoothing, z_loss, use_triton)
+def _cross_entropy_rows_op(
+    logits, target, dloss, ignore_index, label_smoothing, z_loss, use_triton, softcap=None
+):
+    options = (ignore_index, label_smoothing, z_loss)
+    return cross_entropy_rows(logits, target, dloss, *options, use_triton, softcap=softcap)
 
 
-def _chunks_fake(x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss, use_triton):
+def _chunks_fake(
+    x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss, use_triton, softcap=None
+):
     grad = dloss is not None
     return (
         x.new_empty(target.shape, dtype=torch.float32),
@@ -582,26 +642,28 @@ def _chunks_fake(x, weight, bias, target, dloss, ignore_index, label_smoothing, 
     "(Tensor, Tensor, Tensor, Tensor)",
 )
 def _linear_cross_entropy_chunks_op(
-    x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss, use_triton
+    x, weight, bias, target, dloss, ignore_index, label_smoothing, z_loss, use_triton, softcap=None
 ):
     options = (ignore_index, label_smoothing, z_loss)
-    return linear_cross_entropy_chunks(x, weight, bias, target, dloss, *options, use_triton)
+    return linear_cross_entropy_chunks(x, weight, bias, target, dloss, *options, use_triton, softcap=softcap)
 
 
-def _loss_and_grads(x, weight, bias, target, dloss, shard, use_triton, ignore_index, label_smoothing, z_loss):
+def _loss_and_grads(
+    x, weight, bias, target, dloss, shard, use_triton, ignore_index, label_smoothing, z_loss, softcap
+):
     """(loss (N,), dx, dweight, dbias) of the logits x (weight None; dweight, dbias None then) or of the
     head x Wᵀ + b. On the whole vocabulary through the custom ops, which torch.compile takes whole; a
     shard's collectives cannot pass an op's schema, so a shard runs the same functions as Python."""
     options = (ignore_index, label_smoothing, z_loss)
     if weight is None:
         if shard is None:
-            loss, dlogits = _cross_entropy_rows_op(x, target, dloss, *options, use_triton)
+            loss, dlogits = _cross_entropy_rows_op(x, target, dloss, *options, use_triton, softcap)
         else:
-            loss, dlogits = cross_entropy_rows(x, target, dloss, *options, use_triton, shard)
+            loss, dlogits = cross_entropy_rows(x, target, dloss, *options, use_triton, shard, softcap)
         return loss, dlogits, None, None
     if shard is None:
-        return _linear_cross_entropy_chunks_op(x, weight, bias, target, dloss, *options, use_triton)
-    return linear_cross_entropy_chunks(x, weight, bias, target, dloss, *options, use_triton, shard)
+        return _linear_cross_entropy_chunks_op(x, weight, bias, target, dloss, *options, use_triton, softcap)
+    return linear_cross_entropy_chunks(x, weight, bias, target, dloss, *options, use_triton, shard, softcap)
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -616,8 +678,8 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, shard, use_triton, wants_grad, options):
         # x (N, V_local) logits, or (N, H) with weight (V_local, H), bias (V_local,) or None; target (N,)
-        ignore_index, reduction, label_smoothing, z_loss = options
-        ctx.steps = (shard, use_triton, ignore_index, label_smoothing, z_loss)
+        ignore_index, reduction, label_smoothing, z_loss, softcap = options
+        ctx.steps = (shard, use_triton, ignore_index, label_smoothing, z_loss, softcap)
         ctx.per_row = reduction == "none"
         ctx.recompute = weight is not None and ctx.per_row
         ctx.has_bias = bias is not None
@@ -642,8 +704,8 @@ class _CrossEntropy(torch.autograd.Function):
 
 
 def _cross_entropy(x, weight, bias, target, shard, use_triton, options: tuple) -> torch.Tensor:
-    """The loss by its autograd. options: (ignore_index, reduction, label_smoothing, z_loss). The forward
-    computes gradients only where autograd records (its ctx.needs_input_grad says True under
+    """The loss by its autograd. options: (ignore_index, reduction, label_smoothing, z_loss, softcap). The
+    forward computes gradients only where autograd records (its ctx.needs_input_grad says True under
     torch.no_grad too)."""
     wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     return _CrossEntropy.apply(x, weight, bias, target, shard, use_triton, wants_grad, options)
@@ -663,6 +725,18 @@ def check_options(fn: str, ignore_index: int, reduction: str, label_smoothing: f
         raise ValueError(f"{fn}: label_smoothing must be in [0, 1], got {label_smoothing}")
     if not z_loss >= 0.0:
         raise ValueError(f"{fn}: z_loss must be at least 0, got {z_loss}")
+
+
+def check_softcap(fn: str, softcap: float | None) -> float | None:
+    """softcap as the kernels take it: None, or a positive finite float (an int becomes one: the
+    kernels compile one program per value)."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"{fn}: softcap must be a positive float or None, got {type(softcap).__name__}")
+    if not 0.0 < softcap < float("inf"):
+        raise ValueError(f"{fn}: softcap must be a positive float or None, got {softcap}")
+    return float(softcap)
 
 
 def check_target(fn: str, target: torch.Tensor, rows: tuple[int, ...], vocab: int, ignore_index: int, device):
@@ -711,7 +785,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _refuse_unsupported(fn: str, weight, size_average, reduce) -> None:
     """F.cross_entropy's arguments that cross_entropy lacks: each accepted only at its default, None."""
-    supported = "supported: ignore_index, reduction, label_smoothing, z_loss"
+    supported = "supported: ignore_index, reduction, label_smoothing, z_loss, softcap"
     if weight is not None:
         raise ValueError(f"{fn}: weight (F.cross_entropy's per-class weights) is not supported; {supported}")
     for name, value in (("size_average", size_average), ("reduce", reduce)):
@@ -731,11 +805,14 @@ def cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    softcap: float | None = None,
     size_average: None = None,
     reduce: None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy`` of logits (N, C) against target (N,) int64, or of logits (C,) against a
-    0-D target, plus ``z_loss · logsumexp²`` per row (PaLM's z-loss), in float32.
+    0-D target, plus ``z_loss · logsumexp²`` per row (PaLM's z-loss), in float32. With softcap (a
+    positive float; Gemma 2's final-logit softcapping is 30.0) the logits are first ``softcap ·
+    tanh(logits / softcap)``, inside the kernel (the gradient is that of the whole composition).
 
     Logits of more dimensions raise: F.cross_entropy reads their classes from dim 1 ((N, C, d1, ...)),
     where a language model's (B, T, V) logits have them last; flatten the rows first,
@@ -760,9 +837,10 @@ def cross_entropy(
         )
     _refuse_unsupported(fn, weight, size_average, reduce)
     check_options(fn, ignore_index, reduction, label_smoothing, z_loss)
+    softcap = check_softcap(fn, softcap)
     _check_vocab(fn, "logits", logits.shape[-1])
     check_target(fn, target, tuple(logits.shape[:-1]), logits.shape[-1], ignore_index, logits.device)
-    options = (ignore_index, reduction, float(label_smoothing), float(z_loss))
+    options = (ignore_index, reduction, float(label_smoothing), float(z_loss), softcap)
     use_triton = runtime.runs_triton(logits)
     loss = _cross_entropy(_rows(logits), None, None, target.reshape(-1), None, use_triton, options)
     return loss.view(target.shape) if reduction == "none" else loss
@@ -778,6 +856,7 @@ def linear_cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``cross_entropy(x @ weight.T + bias, target, ...)`` without the logits: x (..., H), weight (V, H)
     as nn.Linear's, bias (V,) or None, target (...) int64 (the classes are the last dim: no ambiguity
@@ -804,9 +883,10 @@ def linear_cross_entropy(
         if tuple(bias.shape) != (vocab,):
             raise ValueError(f"{fn}: bias must have shape [{vocab}], got {list(bias.shape)}")
     check_options(fn, ignore_index, reduction, label_smoothing, z_loss)
+    softcap = check_softcap(fn, softcap)
     check_target(fn, target, tuple(x.shape[:-1]), vocab, ignore_index, x.device)
     (x,) = runtime.autocast(x)  # the weight stays as given: the op casts it, its gradient keeps its dtype
-    options = (ignore_index, reduction, float(label_smoothing), float(z_loss))
+    options = (ignore_index, reduction, float(label_smoothing), float(z_loss), softcap)
     use_triton = runtime.runs_triton(x)
     loss = _cross_entropy(_rows(x), _rows(weight), bias, target.reshape(-1), None, use_triton, options)
     return loss.view(target.shape) if reduction == "none" else loss
@@ -822,6 +902,7 @@ def head_loss(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    softcap: float | None = None,
     fn: str = "head_loss",
 ) -> torch.Tensor:
     """Mean cross entropy (float32 scalar) of the LM head ``x @ weightᵀ`` against target, for the model
@@ -829,14 +910,15 @@ def head_loss(
     with weight None, x is the head's logits (N, V_local) (the unfused loss; a mean over no rows is
     NaN then, as F.cross_entropy's, else 0). With a shard the columns are [shard.start, shard.start +
     V_local) of a vocabulary of shard.vocab, and the shard's collectives combine the ranks' statistics
-    of each chunk. The Triton kernels run where use_triton and x is where they run, else their
-    plain-PyTorch twins. fn names the caller in errors."""
+    of each chunk. softcap: as :func:`cross_entropy`'s. The Triton kernels run where use_triton and x is
+    where they run, else their plain-PyTorch twins. fn names the caller in errors."""
     check_options(fn, ignore_index, "mean", label_smoothing, z_loss)
+    softcap = check_softcap(fn, softcap)
     columns = x.shape[1] if weight is None else weight.shape[0]  # this rank's, or the whole vocabulary
     vocab = columns if shard is None else shard.vocab
     check_target(fn, target, tuple(x.shape[:1]), vocab, ignore_index, x.device)
     if weight is not None:
         (x,) = runtime.autocast(x)  # the weight stays as given, as in linear_cross_entropy
     use_triton = use_triton and runtime.runs_triton(x)
-    options = (ignore_index, "mean", float(label_smoothing), float(z_loss))
+    options = (ignore_index, "mean", float(label_smoothing), float(z_loss), softcap)
     return _cross_entropy(x, weight, None, target, shard, use_triton, options)

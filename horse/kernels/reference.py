@@ -192,12 +192,20 @@ def fused_gated_mlp(x, w_gate, w_up, w_down, *, activation: str) -> torch.Tensor
 
 
 def cross_entropy(
-    logits, target, ignore_index: int = -100, reduction: str = "mean", label_smoothing=0.0, z_loss=0.0
+    logits,
+    target,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing=0.0,
+    z_loss=0.0,
+    softcap=None,
 ) -> torch.Tensor:
     """``F.cross_entropy`` of logits (..., V) flattened to rows, against target (...), plus
-    ``z_loss · logsumexp²`` per row; a mean over no rows (all ignored) is NaN, as F.cross_entropy's
-    (horse.kernels.linear_cross_entropy's is 0)."""
+    ``z_loss · logsumexp²`` per row; with softcap, of ``softcap · tanh(logits / softcap)``. A mean over
+    no rows (all ignored) is NaN, as F.cross_entropy's (horse.kernels.linear_cross_entropy's is 0)."""
     z = _upcast(logits).reshape(-1, logits.shape[-1])
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
     t = target.reshape(-1)
     valid = t != ignore_index
     rows = torch.nn.functional.cross_entropy(

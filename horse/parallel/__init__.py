@@ -16,9 +16,10 @@ heads, its c_attn column-parallel (rows, in q, k and v sections) and its c_proj 
 its down projection row-parallel (columns); norms, the position table and the biases added after
 a row-parallel projection stay whole on every rank. ``parallelize(model, mesh)`` applies the table
 to a model, making it this rank's shard; ``shard_spec`` reads the same table to cut whole state
-dicts into shards and gather them again (checkpoints, resharding on resume). A rank's shard is cut
-from the whole model initialised from one seed (``build_model``), so every tp size starts from
-the same weights.
+dicts into shards and gather them again (checkpoints, resharding on resume). A model is built on
+the meta device, cut there, and each rank allocates and draws from the seed only the rows and
+columns it holds (``build_model``, ``materialize``): every tp size and FSDP layout starts from the
+same weights, and no rank holds the whole model.
 
 The whole input goes to every rank (``column_parallel_input``), each rank computes its heads and
 its slice of the MLP's hidden units, and the row-parallel projection that closes the branch sums
@@ -52,7 +53,8 @@ The package, each module importing only those above it in this list:
     plan             GPT_PLAN, the table
     shard            state dicts and gradients by the table
     data_parallel    DDP and FSDP2 for the trainer
-    apply            parallelize, build_model, and parallelize_gpt: every transform of a run, in order
+    apply            parallelize, build_model, materialize, and parallelize_gpt: every transform of a run,
+                     in order
 """
 
 from horse.parallel.apply import (
@@ -60,6 +62,7 @@ from horse.parallel.apply import (
     checkpoint_blocks,
     compile_blocks,
     compile_loss,
+    materialize,
     parallelize,
     parallelize_gpt,
 )
@@ -138,6 +141,7 @@ __all__ = [
     "init_from_env",
     "is_sharded",
     "local",
+    "materialize",
     "parallelize",
     "parallelize_gpt",
     "qkv_sections",

@@ -9,13 +9,17 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils.checkpoint import checkpoint
 
-from horse.model import GPT, GPTConfig
+from horse.layers import RotaryEmbedding
+from horse.model import GPT, GPTConfig, initial_rows
+from horse.parallel.collectives import local
 from horse.parallel.data_parallel import data_parallel
 from horse.parallel.mesh import Parallel
 from horse.parallel.plan import Style, style_of
-from horse.parallel.shard import check_divisible, shard, shard_spec
+from horse.parallel.shard import ShardSpec, check_divisible, shard, shard_spec
 from horse.parallel.tensor_parallel import row_parallel, vocab_parallel, vocab_parallel_head
 
 # The modules the forms that replace or read a module take (the others hook any module).
@@ -32,9 +36,7 @@ def parallelize(model: GPT, mesh: Parallel | DeviceMesh) -> GPT:
     state dicts load after ``shard_state_dict``; attention keeps n_head / tp query and
     n_kv_heads / tp key/value heads; every module with a form takes it (hooks on the module, or a
     module in its place holding the same parameters), so the model's own forwards run on the shards.
-    Initialising whole then slicing (Megatron's way) makes tp=1 and tp=N start from the same weights
-    for the same seed, at the cost of holding the whole model once, briefly (``build_model`` does it
-    on the CPU).
+    On a model built on the meta device it cuts shapes only, allocating nothing (``build_model``).
     """
     parallel = mesh
     if isinstance(mesh, DeviceMesh):
@@ -85,18 +87,75 @@ def _apply_style(
 def build_model(
     config: GPTConfig, backend: str, parallel: Parallel, device: str | torch.device, seed: int
 ) -> GPT:
-    """This rank's shard of a GPT freshly initialised from ``seed``, on ``device``: for every tp
-    size, the slices of the one model that tp=1 builds from that seed.
-
-    The whole model is initialised in float32 on the CPU after ``torch.manual_seed(seed)`` (so the
-    weights depend on neither the device nor its RNG), sliced (``parallelize``) and then
-    moved. The cost: every rank holds the whole model once, briefly, in host memory (4 bytes a
-    parameter: 6 GB for GPT-2 1.5B, per rank, so 8 tp ranks of a node need 48 GB together).
-    """
-    torch.manual_seed(seed)
-    with torch.device("cpu"):
+    """This rank's tensor-parallel shard of a GPT freshly initialised from ``seed``, on ``device``:
+    for every tp size, the slices of the one model that tp=1 builds from that seed. Built on the
+    meta device, cut by the plan there, then only this rank's shard allocated and drawn
+    (:func:`materialize`): no rank ever holds the whole model."""
+    with torch.device("meta"):
         model = parallelize(GPT(config, backend), parallel)
-    return model.to(device)
+    materialize(model, parallel, device, seed)
+    return model
+
+
+def materialize(model: GPT, parallel: Parallel, device: str | torch.device, seed: int | None) -> None:
+    """Allocate on ``device`` the parameters and buffers of ``model``, built on the meta device and
+    made this rank's part by ``parallelize`` (and by FSDP2's ``fully_shard`` or not), then draw from
+    ``seed`` exactly the values this rank holds; seed None: leave the parameters uninitialised, for a
+    checkpoint to fill (a resume builds no throw-away model).
+
+    Every local tensor is a set of rows and columns of the whole tensor: the tp slices of its
+    sections along the plan's dim (``shard`` of the indices), then FSDP's rows (dim 0) of that. Its
+    rows come from ``initial_rows``, which draws them from per-row-block generators, so every layout
+    gets the same values; a tensor cut by columns (the row-parallel projections) has its rows drawn
+    whole, ROWS_AT_ONCE at a time, then sliced.
+    """
+    model.to_empty(device=device)
+    config = model.config
+    if model.rotary is not None:  # a table derived from the config, not saved
+        fresh = RotaryEmbedding(config.head_dim, config.block_size, config.rope_base, device=device)
+        model.rotary.cos.copy_(fresh.cos)
+        model.rotary.sin.copy_(fresh.sin)
+    if seed is None:
+        return
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            _draw(name, param, config, parallel, seed)
+
+
+# Rows drawn and copied at once: bounds the host memory of drawing a column-cut tensor's whole rows
+# (4 MiB a row block of 4096-wide rows, 117 MiB of a 70B model's 28672-wide down projection).
+ROWS_AT_ONCE = 1024
+
+
+def _draw(name: str, param: torch.Tensor, config: GPTConfig, parallel: Parallel, seed: int) -> None:
+    """Fill this rank's part of parameter ``name`` (a tensor, or a DTensor cut by FSDP) with the
+    values the whole model drawn from ``seed`` holds there."""
+    local_part = local(param)
+    if local_part.numel() == 0:  # FSDP's last ranks may hold no rows of a small tensor
+        return
+    spec = shard_spec(name, config) if parallel.tp_size > 1 else None
+    whole_shape = list(param.shape)  # this rank's tp shard's shape (FSDP's global shape)
+    if spec is not None:
+        whole_shape[spec.dim] *= parallel.tp_size
+
+    def tp_indices(dim: int) -> torch.Tensor:
+        """The whole tensor's indices along dim that this rank's tp shard holds, in order."""
+        indices = torch.arange(whole_shape[dim])
+        if spec is None or spec.dim != dim:
+            return indices
+        return shard(indices, ShardSpec(0, spec.sections), parallel.tp_rank, parallel.tp_size)
+
+    first_row = 0
+    if isinstance(param, DTensor):  # FSDP's rows of the tp shard
+        _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        first_row = offset[0]
+    rows = tp_indices(0)[first_row : first_row + local_part.shape[0]]
+    columns = tp_indices(1) if spec is not None and spec.dim == 1 else None
+    for start in range(0, len(rows), ROWS_AT_ONCE):
+        values = initial_rows(name, torch.Size(whole_shape), rows[start : start + ROWS_AT_ONCE], config, seed)
+        if columns is not None:
+            values = values.index_select(1, columns)
+        local_part[start : start + ROWS_AT_ONCE].copy_(values)
 
 
 def parallelize_gpt(
@@ -106,19 +165,27 @@ def parallelize_gpt(
     activation_checkpointing: bool = False,
     compile: bool = False,
     compute_dtype: torch.dtype | None = None,
+    seed: int | None = None,
 ) -> Callable:
-    """Make ``model``, a whole GPT (float32 on the CPU: initialised from one seed, pretrained weights
-    loaded), this rank's part of a training run; returns what the training step calls. In this
-    order, each step relying on the one before:
+    """Make ``model``, a whole GPT, this rank's part of a training run; returns what the training step
+    calls. ``model`` is either built on the meta device (``with torch.device("meta")``), and this
+    rank's part of it is then allocated on ``device`` and drawn from ``seed`` (:func:`materialize`;
+    seed None: left for a checkpoint to fill), or float32 on the CPU (pretrained weights loaded) and
+    then cut. In this order, each step relying on the one before:
 
-    1. tensor parallelism (:func:`parallelize`), then the shard moved to ``device``;
+    1. tensor parallelism (:func:`parallelize`), on the meta device or then moved to ``device``;
     2. activation checkpointing of each block (:func:`checkpoint_blocks`), on the model's own forwards;
     3. torch.compile (fullgraph at tp=1): under FSDP each block (:func:`compile_blocks`), for FSDP's
        hooks to go around; otherwise the loss (:func:`compile_loss`), the checkpointed blocks inside;
     4. data parallelism (``data_parallel``): FSDP2 over the dp_shard ranks (its parameters become
-       DTensors, so nothing may reach into them after), or DDP, or nothing at dp=1.
+       DTensors, so nothing may reach into them after), or DDP, or nothing at dp=1. A deferred model
+       is materialised after FSDP cuts it (each rank allocates its rows only), before DDP (which
+       broadcasts rank 0's weights as it wraps).
     """
-    model = parallelize(model, parallel).to(device)
+    deferred = model.wte.weight.is_meta
+    model = parallelize(model, parallel)
+    if not deferred:
+        model.to(device)
     if activation_checkpointing:
         checkpoint_blocks(model)
     loss = model.loss
@@ -126,7 +193,12 @@ def parallelize_gpt(
         compile_blocks(model, fullgraph=parallel.tp_size == 1)
     elif compile:
         loss = compile_loss(model, fullgraph=parallel.tp_size == 1)
-    return data_parallel(model, loss, parallel, compute_dtype)
+    if deferred and not parallel.fsdp:
+        materialize(model, parallel, device, seed)
+    loss = data_parallel(model, loss, parallel, compute_dtype)
+    if deferred and parallel.fsdp:
+        materialize(model, parallel, device, seed)
+    return loss
 
 
 def compile_loss(model, fullgraph: bool):
@@ -151,7 +223,7 @@ def checkpoint_blocks(model) -> None:
         block.forward = functools.partial(_recomputed, block.forward)
 
 
-def _recomputed(forward, x, h, cache, layer):
+def _recomputed(forward, x, h, cache, layer, documents=None):
     if cache is not None or not torch.is_grad_enabled():
-        return forward(x, h, cache, layer)
-    return checkpoint(forward, x, h, cache, layer, use_reentrant=False)
+        return forward(x, h, cache, layer, documents)
+    return checkpoint(forward, x, h, cache, layer, documents, use_reentrant=False)

@@ -25,15 +25,16 @@ def vocab_parallel_embedding(idx: torch.Tensor, weight: torch.Tensor, parallel: 
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, parallel: Parallel
+    logits: torch.Tensor, targets: torch.Tensor, parallel: Parallel, softcap: float | None = None
 ) -> torch.Tensor:
     """Mean cross entropy (float32 scalar, the same on every tp rank) of logits (N, V/tp), this
     rank's vocabulary columns, against targets (N,) in [0, V) (or -100, ignored); equals
     ``F.cross_entropy`` of the gathered logits, without gathering them (``head_loss`` of the logits, on
-    plain PyTorch as F.cross_entropy)."""
+    plain PyTorch as F.cross_entropy). softcap (None, or c > 0): of c·tanh(logits / c)."""
     columns = logits.shape[1]
     shard = _vocab_shard(parallel.tp_rank * columns, columns * parallel.tp_size, parallel)
-    return head_loss(logits, None, targets, use_triton=False, shard=shard, fn="vocab_parallel_cross_entropy")
+    fn = "vocab_parallel_cross_entropy"
+    return head_loss(logits, None, targets, use_triton=False, shard=shard, softcap=softcap, fn=fn)
 
 
 def _vocab_shard(start: int, vocab: int, parallel: Parallel) -> VocabShard | None:
@@ -61,11 +62,13 @@ def vocab_parallel_linear_cross_entropy(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Mean cross entropy (float32 scalar, the same on every tp rank) of the LM head ``x @ W_wholeᵀ``
     against targets (B, T) in [0, vocab_used) (or ignore_index), without the logits: x (B, T, C), or
     this rank's chunk (B, T/tp, C) under sequence parallelism; weight (V/tp, C), this rank's rows
-    [rank·V/tp, (rank+1)·V/tp) of the head. Rows from vocab_used on (padding) are left out.
+    [rank·V/tp, (rank+1)·V/tp) of the head. Rows from vocab_used on (padding) are left out. softcap
+    (None, or c > 0): the logits are c·tanh(logits / c) (Gemma 2's final-logit softcapping).
 
     Fused (``horse.kernels.cross_entropy.head_loss``): rows in chunks, each chunk's logits computed,
     turned into the loss and their gradient, and consumed, on the Triton kernels (use_triton) or their
@@ -86,5 +89,6 @@ def vocab_parallel_linear_cross_entropy(
         ignore_index=ignore_index,
         label_smoothing=label_smoothing,
         z_loss=z_loss,
+        softcap=softcap,
         fn="vocab_parallel_linear_cross_entropy",
     )
