@@ -479,7 +479,6 @@ def test_an_unsupported_model_type_is_refused_by_name():
         ("glm4", {"head_dim": 320, "num_attention_heads": 1, "num_key_value_heads": 1}, "head_dim 320"),
         ("gemma", {"use_bidirectional_attention": True}, "bidirectional attention"),
         ("gemma", {"hidden_act": "tanh"}, "activation Tanh"),
-        ("gemma3_text", {"vocab_size": 262_208}, r"a vocabulary of 262,208 \(the loss takes up to 262,144\)"),
         ("gemma3_text", {"final_logit_softcapping": 30.0}, "softcapping"),
         ("gemma3_text", {"use_bidirectional_attention": True}, "bidirectional attention"),
     ],
@@ -490,6 +489,22 @@ def test_configs_the_kernels_cannot_run_exactly_are_refused(family, overrides, m
     with pytest.raises(ValueError, match=message):
         horse.hf.apply(model)
     assert not hasattr(model, "_horse_hf_patch") and all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_a_head_with_more_classes_than_the_loss_takes_is_refused(monkeypatch):
+    monkeypatch.setattr("horse.hf.patch.MAX_VOCAB", VOCAB - 1)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("gemma3_text"))
+    with pytest.raises(ValueError, match=rf"a vocabulary of {VOCAB} \(the loss takes up to {VOCAB - 1}\)"):
+        horse.hf.apply(model)
+
+
+def test_gemma3s_vocabulary_goes_through_the_loss(reference_path):
+    """A real Gemma 3's 262,208 classes, above the loss's limit before issue 49 raised it."""
+    model, patched = build("gemma3_text", vocab_size=262_208)
+    ids, labels = batch()
+    fused = patched(input_ids=ids, labels=labels)
+    assert fused.logits is None  # training: the fused loss, from the hidden states
+    torch.testing.assert_close(fused.loss, model(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=1e-5)
 
 
 def test_quantized_and_wrapped_layers_are_refused_by_name(reference_path):

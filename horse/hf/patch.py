@@ -20,8 +20,7 @@ Per family, by ``config.model_type``:
     gemma3_text       as gemma, with its q_norm and k_norm (Gemma's RMSNorm over the head dim), sliding
                       windows on the layers whose layer_type says so, query_pre_attn_scalar in the module's
                       scaling, and sandwich norms (the add fused into pre_feedforward_layernorm); its
-                      vocabulary of 262,208 is above the loss's limit: a real Gemma 3 is refused until the
-                      loss takes it
+                      vocabulary of 262,208 in the loss
     gpt2              attention, LayerNorm, the MLP, the residual add into ln_2, the loss
 
 Any other model type raises (those of WAITING_FOR_KERNELS with what they need: gemma2, gemma4_text,
@@ -64,7 +63,7 @@ SUPPORTED_MODEL_TYPES = (
 )  # fmt: skip
 # Families that need what the kernels do not do yet (issue 49), with what: named in apply's refusal.
 WAITING_FOR_KERNELS = {
-    "gemma2": "attention and final-logit softcapping, Gemma's RMSNorm",
+    "gemma2": "attention and final-logit softcapping",
     "gemma4_text": "head dim 512 on its global layers",
     "gpt_oss": "attention sinks (s_aux) and its packed experts",
 }
