@@ -19,8 +19,8 @@ Per family, by ``config.model_type``:
                       GeGLU MLP (tanh GELU); its embedding scaling stays in transformers' module
     gemma3_text       as gemma, with its q_norm and k_norm (Gemma's RMSNorm over the head dim), sliding
                       windows on the layers whose layer_type says so, query_pre_attn_scalar in the module's
-                      scaling, and sandwich norms (the add fused into pre_feedforward_layernorm); its
-                      vocabulary of 262,208 in the loss
+                      scaling, and sandwich norms (the add fused into pre_feedforward_layernorm); the loss
+                      over its 262,208 classes
     gpt2              attention, LayerNorm, the MLP, the residual add into ln_2, the loss
 
 Any other model type raises (those of WAITING_FOR_KERNELS with what they need: gemma2, gemma4_text,
@@ -201,7 +201,8 @@ def _refusals(model: PreTrainedModel, fam: Family, plan) -> list[str]:
         problems.append(f"the model is quantized ({getattr(config, 'quantization_config', None)!r})")
     if getattr(config, "add_cross_attention", False):
         problems.append("cross-attention (add_cross_attention=True)")
-    if getattr(config, "use_bidirectional_attention", False):  # Gemma's: its masks and attention disagree
+    # Gemma's own masks stay causal where its attention does not; Gemma 3's bidirectional masks are untested
+    if getattr(config, "use_bidirectional_attention", False):
         problems.append("bidirectional attention (use_bidirectional_attention=True)")
     softcapping = {k: v for k, v in config.to_dict().items() if "softcap" in k and v is not None}
     if softcapping:
