@@ -29,16 +29,48 @@ class FusedLayerNorm(nn.LayerNorm):
 
 
 class FusedRMSNorm(nn.RMSNorm):
-    """``torch.nn.RMSNorm`` on the Triton RMSNorm kernel (``eps=None`` is float32's eps, as torch)."""
+    """``torch.nn.RMSNorm`` on the Triton RMSNorm kernel (``eps=None`` is float32's eps, as torch).
+
+    weight_offset (keyword only): the scale is ``weight_offset + weight``, added and multiplied in float32
+    before the cast to the input's dtype (Gemma's RMSNorm: 1.0); the weight starts at ``1 - weight_offset``,
+    so the scale starts at 1 (Gemma's zeros). It needs elementwise_affine.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | list[int] | torch.Size,
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        weight_offset: float = 0.0,
+    ) -> None:
+        if weight_offset != 0.0 and not elementwise_affine:
+            raise ValueError(f"FusedRMSNorm: weight_offset {weight_offset} needs elementwise_affine=True")
+        self.weight_offset = weight_offset  # before nn.RMSNorm's __init__, whose reset_parameters reads it
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.constant_(self.weight, 1.0 - self.weight_offset)
+
+    def extra_repr(self) -> str:
+        offset = f", weight_offset={self.weight_offset}" if self.weight_offset != 0.0 else ""
+        return super().extra_repr() + offset
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(input, self.normalized_shape, self.weight, self.eps)
+        return kernels.rms_norm(
+            input, self.normalized_shape, self.weight, self.eps, weight_offset=self.weight_offset
+        )
 
     def forward_residual(
         self, input: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``h = input + residual`` and ``self(h)`` in one kernel; returns ``(self(h), h)``."""
-        return kernels.add_rms_norm(input, residual, self.normalized_shape, self.weight, self.eps)
+        return kernels.add_rms_norm(
+            input, residual, self.normalized_shape, self.weight, self.eps, weight_offset=self.weight_offset
+        )
 
 
 def _fused_copy(norm: nn.Module) -> nn.Module:

@@ -23,7 +23,7 @@ from horse.kernels import runtime  # noqa: E402
 VOCAB = 96
 # Families with what the others lack (fused projections, multipliers, windows on some layers only, layers
 # without rotary, post-norms): every test that runs per family runs each of them.
-QUIRKY = ("phi3", "granite", "ministral", "smollm3", "olmo2", "glm4")
+QUIRKY = ("phi3", "granite", "ministral", "smollm3", "olmo2", "glm4", "gemma", "gemma3_text")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", *QUIRKY)
 # Weights 10x transformers' default spread: activations of order 1, where the activation functions differ
 # (at the default 0.02, gelu and its tanh approximation agree to 1e-7 and a swap of them would pass).
@@ -67,6 +67,10 @@ def tiny_config(family: str, **overrides):
         ),
         "olmo2": lambda: transformers.Olmo2Config(**llama_like),
         "glm4": lambda: transformers.Glm4Config(**llama_like, head_dim=16),
+        "gemma": lambda: transformers.GemmaConfig(**llama_like, head_dim=16),
+        "gemma3_text": lambda: transformers.Gemma3TextConfig(
+            **llama_like, head_dim=16, sliding_window=5, layer_types=["sliding_attention", "full_attention"]
+        ),
         "gpt2": lambda: transformers.GPT2Config(
             vocab_size=VOCAB,
             n_embd=64,
@@ -192,8 +196,10 @@ def test_logits_loss_and_every_gradient_match_eager_on_the_reference_path(family
         None if family == "olmo2" else layers
     )
     assert report["linear_cross_entropy"] == [""]
-    # two a layer and the final one; two more a layer: Qwen3's and OLMo-2's q/k norms, GLM-4's sandwich norms
-    norms = 2 * 2 + 1 + (2 * 2 if family in ("qwen3", "olmo2", "glm4") else 0)
+    # two a layer and the final one; two more a layer: Qwen3's and OLMo-2's q/k norms, GLM-4's sandwich norms;
+    # four more a layer for Gemma 3 (q/k norms, sandwich norms)
+    more = {"qwen3": 2, "olmo2": 2, "glm4": 2, "gemma3_text": 4}.get(family, 0)
+    norms = 2 * 2 + 1 + more * 2
     assert len(report["layer_norm" if family == "gpt2" else "rms_norm"]) == norms
 
 
@@ -204,15 +210,19 @@ def test_float16_triton_kernels_hold_flash_attns_accuracy_rule(family):
     against_eager(family, torch.float16, input_ids=ids, labels=labels)
 
 
-@pytest.mark.parametrize("family", ["llama", "olmo2"])
+@pytest.mark.parametrize("family", ["llama", "olmo2", "gemma"])
 def test_rms_norm_keeps_its_familys_cast_order(family, reference_path):
     """A float32 weight on float16 activations: LLaMA's RMSNorm multiplies after the cast to float16 and gives
-    float32, OLMo-2's multiplies before it and gives float16 (in one dtype the two orders differ by a rounding
-    the accuracy rule cannot see)."""
+    float32, OLMo-2's and Gemma's (1 + weight) multiply before it and give float16 (in one dtype the two
+    orders differ by a rounding the accuracy rule cannot see)."""
     model, patched = build(family)
-    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0)).half()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # away from Gemma's zeros: its 1 + weight must be added in float32
+        weight = torch.randn(64, generator=generator)
+        model.model.norm.weight.copy_(weight), patched.model.norm.weight.copy_(weight)
+    x = torch.randn(3, 5, 64, generator=generator).half()
     expected, got = model.model.norm(x), patched.model.norm(x)
-    assert got.dtype == expected.dtype == (torch.float16 if family == "olmo2" else torch.float32)
+    assert got.dtype == expected.dtype == (torch.float32 if family == "llama" else torch.float16)
     torch.testing.assert_close(got, expected)
 
 
@@ -467,6 +477,10 @@ def test_an_unsupported_model_type_is_refused_by_name():
         ("phi3", {"hidden_act": "tanh"}, "activation Tanh"),
         ("granite", {"mlp_bias": True}, "MLP biases"),
         ("glm4", {"head_dim": 320, "num_attention_heads": 1, "num_key_value_heads": 1}, "head_dim 320"),
+        ("gemma", {"use_bidirectional_attention": True}, "bidirectional attention"),
+        ("gemma", {"hidden_act": "tanh"}, "activation Tanh"),
+        ("gemma3_text", {"final_logit_softcapping": 30.0}, "softcapping"),
+        ("gemma3_text", {"use_bidirectional_attention": True}, "bidirectional attention"),
     ],
 )  # fmt: skip
 def test_configs_the_kernels_cannot_run_exactly_are_refused(family, overrides, message):
@@ -475,6 +489,22 @@ def test_configs_the_kernels_cannot_run_exactly_are_refused(family, overrides, m
     with pytest.raises(ValueError, match=message):
         horse.hf.apply(model)
     assert not hasattr(model, "_horse_hf_patch") and all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_a_head_with_more_classes_than_the_loss_takes_is_refused(monkeypatch):
+    monkeypatch.setattr("horse.hf.patch.MAX_VOCAB", VOCAB - 1)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("gemma3_text"))
+    with pytest.raises(ValueError, match=rf"a vocabulary of {VOCAB} \(the loss takes up to {VOCAB - 1}\)"):
+        horse.hf.apply(model)
+
+
+def test_gemma3s_vocabulary_goes_through_the_loss(reference_path):
+    """A real Gemma 3's 262,208 classes, above the loss's limit before issue 49 raised it."""
+    model, patched = build("gemma3_text", vocab_size=262_208)
+    ids, labels = batch()
+    fused = patched(input_ids=ids, labels=labels)
+    assert fused.logits is None  # training: the fused loss, from the hidden states
+    torch.testing.assert_close(fused.loss, model(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=1e-5)
 
 
 def test_quantized_and_wrapped_layers_are_refused_by_name(reference_path):

@@ -9,6 +9,7 @@ from helpers import all_pairs, assert_close, record_launches
 
 from horse import kernels
 from horse.kernels import layernorm, reference, runtime
+from horse.layers import FusedRMSNorm
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Rows 1..4099; hidden sizes from 1 past the register-resident limits (16384 forward, 8192
@@ -27,13 +28,25 @@ class Case:
     dy: torch.Tensor
     dresidual: torch.Tensor | None  # gradient arriving at h = x + residual from the next branch
     eps: float
+    weight_offset: float = 0.0  # RMSNorm's scale is weight_offset + weight (Gemma's: 1)
 
     @property
     def n(self) -> int:
         return self.x.shape[-1]
 
 
-def make_case(rms, shape, dtype, device, residual=False, weight=True, bias=True, param_dtype=None, seed=0):
+def make_case(
+    rms,
+    shape,
+    dtype,
+    device,
+    residual=False,
+    weight=True,
+    bias=True,
+    param_dtype=None,
+    seed=0,
+    weight_offset=0.0,
+):
     # Drawn on the device: the GPU tests' largest shapes take a billion samples.
     gen = torch.Generator(device=device).manual_seed(seed)
     param_dtype = param_dtype or dtype
@@ -51,6 +64,7 @@ def make_case(rms, shape, dtype, device, residual=False, weight=True, bias=True,
         dy=randn(*shape),
         dresidual=randn(*shape) if residual else None,
         eps=1e-5 if not rms else 1e-6,
+        weight_offset=weight_offset,
     )
 
 
@@ -63,7 +77,9 @@ def run_kernel(case: Case) -> dict:
     out = {}
     if case.residual is not None:
         if case.rms:
-            y, h = kernels.add_rms_norm(x, leaves["residual"], case.n, w, case.eps)
+            y, h = kernels.add_rms_norm(
+                x, leaves["residual"], case.n, w, case.eps, weight_offset=case.weight_offset
+            )
         else:
             y, h = kernels.add_layer_norm(x, leaves["residual"], case.n, w, b, case.eps)
         torch.autograd.backward([y, h], [case.dy, case.dresidual])
@@ -71,7 +87,7 @@ def run_kernel(case: Case) -> dict:
         assert torch.equal(leaves["residual"].grad, x.grad), "the residual's gradient must equal dx"
     else:
         if case.rms:
-            y = kernels.rms_norm(x, case.n, w, case.eps)
+            y = kernels.rms_norm(x, case.n, w, case.eps, weight_offset=case.weight_offset)
         else:
             y = kernels.layer_norm(x, case.n, w, b, case.eps)
         y.backward(case.dy)
@@ -88,7 +104,7 @@ def run_reference(case: Case, h: torch.Tensor, compute_dtype: torch.dtype, round
               (("weight", case.weight), ("bias", case.bias)) if t is not None}  # fmt: skip
     w, b = params.get("weight"), params.get("bias")
     if case.rms:
-        y = reference.rms_norm(hc, case.n, w, case.eps)
+        y = reference.rms_norm(hc, case.n, w, case.eps, weight_offset=case.weight_offset)
     else:
         y = reference.layer_norm(hc, case.n, w, b, case.eps)
     grads = torch.autograd.grad(y, [hc, *params.values()], case.dy.to(compute_dtype))
@@ -134,6 +150,21 @@ def test_optional_weight_and_bias(rms, weight, bias, shape, device):
     if rms and bias:
         pytest.skip("RMSNorm has no bias")
     check_case(make_case(rms, shape, torch.float16, device, residual=True, weight=weight, bias=bias))
+
+
+@pytest.mark.parametrize("shape", [(33, 1000), (2, 20000)], ids=["tile", "chunked"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize(
+    "dtype,param_dtype",
+    [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.float32, torch.bfloat16)],
+    ids=["float32", "float16", "float32-bfloat16_weight"],
+)
+def test_weight_offset_matches_reference(dtype, param_dtype, residual, shape, device):
+    # Gemma's RMSNorm, (x̂ · (1 + weight)) with 1 + weight in float32: a bfloat16 weight's 1 + w rounded in
+    # bfloat16 would miss the float32 truth by ~2**-9 of the scale.
+    case = make_case(True, shape, dtype, device, residual, param_dtype=param_dtype, weight_offset=1.0)
+    check_case(case)
+    assert run_kernel(case)["dweight"].dtype == param_dtype
 
 
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -257,6 +288,11 @@ BAD_INPUTS = [
     (lambda x, w: kernels.layer_norm(x.t(), 4, None), ValueError, "input must have a contiguous last"),
     (lambda x, w: kernels.add_layer_norm(x, x.half(), 16, w), ValueError, "residual must match"),
     (lambda x, w: kernels.add_rms_norm(x, x[:2], 16, w), ValueError, "residual must match"),
+    (
+        lambda x, w: kernels.rms_norm(x, 16, None, weight_offset=1.0),
+        ValueError,
+        "weight_offset 1.0 needs a weight",
+    ),
     (lambda x, w: kernels.layer_norm(x.numpy(), 16), TypeError, "input must be a torch.Tensor"),
 ]
 
@@ -368,3 +404,21 @@ def test_gpu_launches_on_the_inputs_device():
     case = make_case(False, (257, 1000), torch.float16, "cuda:1", residual=True)
     with torch.cuda.device(0):
         check_case(case)
+
+
+def test_fused_rms_norm_with_weight_offset_is_gemmas_norm(device):
+    norm = FusedRMSNorm(48, eps=1e-6, weight_offset=1.0, device=device)
+    assert torch.equal(norm.weight, torch.zeros(48, device=device)), "the scale 1 + weight starts at 1"
+    assert repr(norm) == "FusedRMSNorm((48,), eps=1e-06, elementwise_affine=True, weight_offset=1.0)"
+    with torch.no_grad():
+        norm.weight.normal_(generator=torch.Generator(device=device).manual_seed(0))
+    x = torch.randn(5, 48, device=device, dtype=torch.float16)
+    r = torch.randn_like(x)
+    y, h = norm.forward_residual(x, r)
+    assert torch.equal(h, reference.residual_add(x, r))
+    truth = reference.rms_norm(h.double(), 48, norm.weight.double(), 1e-6, weight_offset=1.0)
+    baseline = reference.rms_norm(h, 48, norm.weight, 1e-6, weight_offset=1.0).to(x.dtype)
+    assert_close("forward_residual", y, truth, baseline)
+    assert_close("forward", norm(h), truth, baseline)
+    with pytest.raises(ValueError, match="weight_offset 1.0 needs elementwise_affine=True"):
+        FusedRMSNorm(48, elementwise_affine=False, weight_offset=1.0)

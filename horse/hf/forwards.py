@@ -7,6 +7,8 @@ Each computes what the module's own forward computes, in the same dtypes, on ``h
   own dtype, and the weight multiplies it as transformers does (a float32 weight on 16-bit activations
   gives float32, as there). OLMo-2's RMSNorm (its q_norm and k_norm too) multiplies first and casts after,
   ``(weight * normalized).to(input dtype)``: ``rms_norm`` with the weight, whose kernel does just that.
+  Gemma's RMSNorm scales by ``1 + weight``, added and multiplied in float32 before the cast: ``rms_norm``
+  with ``weight_offset=1.0``.
 - GPT-2's ``nn.LayerNorm``: ``layer_norm`` (in float32 under autocast, as autocast runs layer_norm).
 - The gated MLP: ``fused_gated_mlp`` on gate_proj, up_proj and down_proj's weights; Phi-3's and GLM-4's
   fused ``gate_up_proj`` (gate rows first, up rows after) as the two row halves of its weight, views.
@@ -17,7 +19,8 @@ Each computes what the module's own forward computes, in the same dtypes, on ``h
   norm of that sum. Only where nothing can tell: the two addends of one dtype, no autocast around a
   LayerNorm, no hooks on the norm, and the norm running our forward; otherwise the layer adds as before.
   What a family does to the attention's output before that add stays as it was: Phi-3's residual dropout,
-  Granite's residual_multiplier, GLM-4's post_self_attn_layernorm (a sandwich norm).
+  Granite's residual_multiplier, GLM-4's post_self_attn_layernorm and Gemma 3's post_attention_layernorm
+  (sandwich norms; Gemma 3's add goes into its pre_feedforward_layernorm).
 - The causal LM: its loss from the last hidden states by ``linear_cross_entropy`` (:func:`causal_lm_forward`),
   Granite's ``logits / logits_scaling`` folded into the hidden states.
 
@@ -105,6 +108,11 @@ def olmo2_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, hidden_states.shape[-1:], self.weight, self.variance_epsilon)
 
 
+def gemma_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Gemma's RMSNorm: ``(x · rsqrt(mean(x²) + eps) · (1 + weight.float())).to(x.dtype)``, all in float32."""
+    return rms_norm(hidden_states, hidden_states.shape[-1:], self.weight, self.eps, weight_offset=1.0)
+
+
 def layer_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """``nn.LayerNorm``; under autocast in float32, as autocast runs layer_norm."""
     if torch.is_autocast_enabled(hidden_states.device.type):
@@ -123,11 +131,13 @@ def _fusable(norm: nn.Module, forward, x: torch.Tensor, residual: torch.Tensor) 
 
 def _add_rms_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
     """(norm(residual + x), residual + x)."""
-    if not _fusable(norm, rms_norm_forward, x, residual):
-        hidden_states = residual + x
-        return norm(hidden_states), hidden_states
-    normalized, hidden_states = add_rms_norm(x, residual, x.shape[-1:], None, norm.variance_epsilon)
-    return norm.weight * normalized, hidden_states
+    if _fusable(norm, rms_norm_forward, x, residual):
+        normalized, hidden_states = add_rms_norm(x, residual, x.shape[-1:], None, norm.variance_epsilon)
+        return norm.weight * normalized, hidden_states
+    if _fusable(norm, gemma_rms_norm_forward, x, residual):
+        return add_rms_norm(x, residual, x.shape[-1:], norm.weight, norm.eps, weight_offset=1.0)
+    hidden_states = residual + x
+    return norm(hidden_states), hidden_states
 
 
 def _add_layer_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
@@ -233,6 +243,17 @@ def glm4_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> t
     attention_output = self.post_self_attn_layernorm(attention_output)
     normalized, hidden_states = _add_rms_norm(self.post_attention_layernorm, attention_output, hidden_states)
     return hidden_states + self.post_mlp_layernorm(self.mlp(normalized))
+
+
+@checkpointed
+def gemma3_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Gemma 3's decoder layer: sandwich norms, the attention's output normalized (post_attention_layernorm)
+    before its add, which is fused into pre_feedforward_layernorm; the MLP's output normalized
+    (post_feedforward_layernorm) before its add."""
+    attention_output, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    attention_output = self.post_attention_layernorm(attention_output)
+    normalized, hidden_states = _add_rms_norm(self.pre_feedforward_layernorm, attention_output, hidden_states)
+    return hidden_states + self.post_feedforward_layernorm(self.mlp(normalized))
 
 
 @checkpointed

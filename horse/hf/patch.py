@@ -15,17 +15,25 @@ Per family, by ``config.model_type``:
     olmo2             attention, RMSNorm with the weight inside the cast (q_norm, k_norm and the post-norms
                       too), the gated MLP, the loss; no residual add is followed by a norm: none is fused
     glm4              as LLaMA with Phi-3's MLP and sandwich norms (each branch normalized before its add)
+    gemma             as LLaMA with Gemma's RMSNorm (x̂ · (1 + weight) in float32, then the cast) and its
+                      GeGLU MLP (tanh GELU); its embedding scaling stays in transformers' module
+    gemma3_text       as gemma, with its q_norm and k_norm (Gemma's RMSNorm over the head dim), sliding
+                      windows on the layers whose layer_type says so, query_pre_attn_scalar in the module's
+                      scaling, and sandwich norms (the add fused into pre_feedforward_layernorm); the loss
+                      over its 262,208 classes
     gpt2              attention, LayerNorm, the MLP, the residual add into ln_2, the loss
 
-Any other model type raises (those of WAITING_FOR_KERNELS with what they need: gemma, gemma2, gemma3_text,
-gemma4_text, gpt_oss): a model is never left unpatched without a word. Rotary embeddings,
+Any other model type raises (those of WAITING_FOR_KERNELS with what they need: gemma2, gemma4_text,
+gpt_oss): a model is never left unpatched without a word. Rotary embeddings,
 partial (Phi-3's partial_rotary_factor, GLM-4's interleaved half) or none, and Granite's embedding_multiplier
 stay in transformers' own modules, which are not replaced. Refused at apply, naming what:
-quantized models, cross-attention (GPT-2's add_cross_attention), head dims above 256, logit softcapping,
-MLP biases on a gated MLP, activations the kernels lack, wrapped layers (anything but a plain ``nn.Linear``
-/ ``Conv1D`` where a fused forward reads the weight, hooks on them) and modules whose forward something else
-has replaced already. Refused at call: see ``horse.hf.attention`` and ``horse.hf.forwards``. Float32
-activations on a GPU are refused rather than run on the slow reference (``attention.check_half_precision``).
+quantized models, cross-attention (GPT-2's add_cross_attention), Gemma's use_bidirectional_attention, head
+dims above 256, logit softcapping (Gemma 3's final_logit_softcapping when set), a head with more classes
+than the loss takes (cross_entropy.MAX_VOCAB), MLP biases on a gated MLP, activations the kernels lack,
+wrapped layers (anything but a plain ``nn.Linear`` / ``Conv1D`` where a fused forward reads the weight, hooks
+on them) and modules whose forward something else has replaced already. Refused at call: see
+``horse.hf.attention`` and ``horse.hf.forwards``. Float32 activations on a GPU are refused rather than run on
+the slow reference (``attention.check_half_precision``).
 """
 
 import dataclasses
@@ -39,6 +47,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.pytorch_utils import Conv1D
 
 from horse.hf import attention, forwards
+from horse.kernels.cross_entropy import MAX_VOCAB
 from horse.kernels.runtime import major_minor
 
 MIN_TRANSFORMERS = (5, 25)
@@ -50,12 +59,11 @@ if major_minor(transformers.__version__) < MIN_TRANSFORMERS:
 
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3", "granite", "ministral", "smollm3", "olmo2", "glm4",
+    "gemma", "gemma3_text",
 )  # fmt: skip
 # Families that need what the kernels do not do yet (issue 49), with what: named in apply's refusal.
 WAITING_FOR_KERNELS = {
-    "gemma": "Gemma's RMSNorm (x · (1 + weight), multiplied in float32 before the cast)",
-    "gemma2": "attention and final-logit softcapping, Gemma's RMSNorm",
-    "gemma3_text": "Gemma's RMSNorm, per-head q/k norms, a vocabulary of 262,208 (the loss's limit: 262,144)",
+    "gemma2": "attention and final-logit softcapping",
     "gemma4_text": "head dim 512 on its global layers",
     "gpt_oss": "attention sinks (s_aux) and its packed experts",
 }
@@ -65,7 +73,10 @@ _PATCH = "_horse_hf_patch"  # the model's attribute holding what apply changed
 _LLAMA_LIKE = {
     "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
     "granite": "Granite", "ministral": "Ministral", "smollm3": "SmolLM3", "olmo2": "Olmo2", "glm4": "Glm4",
+    "gemma": "Gemma", "gemma3_text": "Gemma3",
 }  # fmt: skip
+# Families whose modeling module is not named after their model type
+_MODELING_MODULE = {"gemma3_text": "gemma3"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +120,8 @@ def family(model_type: str) -> Family:
             attention=gpt2.GPT2Attention,
             causal_lm=gpt2.GPT2LMHeadModel,
         )
-    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    name = _MODELING_MODULE.get(model_type, model_type)
+    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     prefix = _LLAMA_LIKE[model_type]
     llama_like = Family(
         norm=getattr(module, f"{prefix}RMSNorm"),
@@ -142,6 +154,11 @@ _UNLIKE_LLAMA = {
     # post-norms: each branch is normalized before its add, and no norm follows the add within the layer
     "olmo2": {"norm_forward": forwards.olmo2_rms_norm_forward, "layer": None},
     "glm4": {**_GATE_UP_MLP, "layer_forward": forwards.glm4_decoder_layer_forward},
+    "gemma": {"norm_forward": forwards.gemma_rms_norm_forward},
+    "gemma3_text": {
+        "norm_forward": forwards.gemma_rms_norm_forward,
+        "layer_forward": forwards.gemma3_decoder_layer_forward,
+    },
 }
 
 
@@ -184,6 +201,9 @@ def _refusals(model: PreTrainedModel, fam: Family, plan) -> list[str]:
         problems.append(f"the model is quantized ({getattr(config, 'quantization_config', None)!r})")
     if getattr(config, "add_cross_attention", False):
         problems.append("cross-attention (add_cross_attention=True)")
+    # Gemma's own masks stay causal where its attention does not; Gemma 3's bidirectional masks are untested
+    if getattr(config, "use_bidirectional_attention", False):
+        problems.append("bidirectional attention (use_bidirectional_attention=True)")
     softcapping = {k: v for k, v in config.to_dict().items() if "softcap" in k and v is not None}
     if softcapping:
         problems.append(f"logit softcapping {softcapping}")
@@ -206,6 +226,8 @@ def _refusals(model: PreTrainedModel, fam: Family, plan) -> list[str]:
                 problems.append(f"{name}: MLP biases (mlp_bias=True): the fused gated MLP has none")
         if kind == "linear_cross_entropy":
             problems += forwards.unfused_layers(module, ("lm_head",), nn.Linear)
+            if (vocab := module.lm_head.out_features) > MAX_VOCAB:
+                problems.append(f"a vocabulary of {vocab:,} (the loss takes up to {MAX_VOCAB:,})")
     return problems
 
 

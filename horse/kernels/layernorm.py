@@ -631,7 +631,7 @@ def _check_last_dim(fn: str, name: str, t: torch.Tensor) -> None:
         )
 
 
-def _norm(fn, x, residual, normalized_shape, weight, bias, eps, rms):
+def _norm(fn, x, residual, normalized_shape, weight, bias, eps, rms, weight_offset=0.0):
     """Validate, flatten to (M, N), dispatch; returns (y, residual_out or None)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: input must be a torch.Tensor, got {type(x).__name__}")
@@ -651,15 +651,21 @@ def _norm(fn, x, residual, normalized_shape, weight, bias, eps, rms):
                 f"got {list(residual.shape)} and {residual.dtype}"
             )
         _check_last_dim(fn, "residual", residual)
+    if weight_offset != 0.0 and weight is None:
+        raise ValueError(f"{fn}: weight_offset {weight_offset} needs a weight, got weight=None")
     if rms and eps is None:
         eps = torch.finfo(torch.float32).eps  # as torch.nn.functional.rms_norm
     if not runtime.runs_triton(x):
         h = x if residual is None else reference.residual_add(x, residual)
         if rms:
-            y = reference.rms_norm(h, shape, weight, eps)
+            y = reference.rms_norm(h, shape, weight, eps, weight_offset)
         else:
             y = reference.layer_norm(h, shape, weight, bias, eps)
         return y.to(x.dtype), None if residual is None else h
+    if weight_offset != 0.0:
+        # The kernels multiply by the weight in float32 before the cast to input's dtype: a float32
+        # weight + offset is Gemma's float32 (1 + weight) exactly, and autograd carries its gradient back.
+        weight = weight.float() + weight_offset
     w = weight.reshape(n) if weight is not None else None
     b = bias.reshape(n) if bias is not None else None
     r = residual.reshape(-1, n) if residual is not None else None
@@ -688,9 +694,16 @@ def rms_norm(
     normalized_shape: int | list[int] | torch.Size,
     weight: torch.Tensor | None = None,
     eps: float | None = None,
+    *,
+    weight_offset: float = 0.0,
 ) -> torch.Tensor:
-    """``torch.nn.functional.rms_norm`` with Triton kernels; ``eps=None`` means float32's eps."""
-    return _norm("rms_norm", input, None, normalized_shape, weight, None, eps, rms=True)[0]
+    """``torch.nn.functional.rms_norm`` with Triton kernels; ``eps=None`` means float32's eps.
+
+    weight_offset: the scale is ``weight_offset + weight``, added and multiplied in float32 before the
+    cast to input's dtype; Gemma's RMSNorm, ``(x̂ · (1 + weight.float())).to(x.dtype)``, is
+    ``weight_offset=1.0``. It needs a weight, whose gradient comes back in the weight's dtype.
+    """
+    return _norm("rms_norm", input, None, normalized_shape, weight, None, eps, True, weight_offset)[0]
 
 
 def add_layer_norm(
@@ -715,6 +728,8 @@ def add_rms_norm(
     normalized_shape: int | list[int] | torch.Size,
     weight: torch.Tensor | None = None,
     eps: float | None = None,
+    *,
+    weight_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused ``h = input + residual; y = rms_norm(h)``, returning ``(y, h)``."""
-    return _norm("add_rms_norm", input, residual, normalized_shape, weight, None, eps, rms=True)
+    """Fused ``h = input + residual; y = rms_norm(h, weight_offset=weight_offset)``, returning ``(y, h)``."""
+    return _norm("add_rms_norm", input, residual, normalized_shape, weight, None, eps, True, weight_offset)

@@ -41,11 +41,14 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5) -
     return _affine((x - mean) * torch.rsqrt(var + eps), weight, bias)
 
 
-def rms_norm(x, normalized_shape, weight=None, eps: float | None = None) -> torch.Tensor:
-    """RMSNorm over the trailing ``normalized_shape`` dims; eps=None is float32's eps."""
+def rms_norm(x, normalized_shape, weight=None, eps: float | None = None, weight_offset: float = 0.0):
+    """RMSNorm over the trailing ``normalized_shape`` dims; eps=None is float32's eps. The scale is
+    ``weight_offset + weight`` (Gemma's RMSNorm: 1 + weight), added in float32."""
     eps = torch.finfo(torch.float32).eps if eps is None else eps
     dims = _flat_dims(normalized_shape)
     x = _upcast(x)
+    if weight_offset != 0.0:
+        weight = _upcast(weight) + weight_offset
     return _affine(x * torch.rsqrt(x.square().mean(dim=dims, keepdim=True) + eps), weight, None)
 
 
@@ -55,10 +58,10 @@ def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps: f
     return layer_norm(h, normalized_shape, weight, bias, eps), h
 
 
-def add_rms_norm(x, residual, normalized_shape, weight=None, eps: float | None = None):
+def add_rms_norm(x, residual, normalized_shape, weight=None, eps: float | None = None, weight_offset=0.0):
     """(rms_norm(h), h) with h = x + residual in x's dtype."""
     h = residual_add(x, residual)
-    return rms_norm(h, normalized_shape, weight, eps), h
+    return rms_norm(h, normalized_shape, weight, eps, weight_offset), h
 
 
 def attention(
