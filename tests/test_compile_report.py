@@ -150,10 +150,16 @@ def _kernel(X, Y, N, BLOCK_N: tl.constexpr):
 
 
 def _keyed_module(
-    tmp_path, monkeypatch, name: str, factor: int = 2, compare: str = "<", above: str = ""
+    tmp_path, monkeypatch, name: str, factor: int = 2, compare: str = "<", above: str = "", replace=()
 ) -> KernelConfig:
+    """KEYED_KERNEL as module name, with factor, compare and above filled in and each (old, new) of
+    replace replaced; its config at BLOCK_N 64 (a config of another constexpr name: replace its
+    constexprs)."""
+    text = KEYED_KERNEL.format(factor=factor, compare=compare, above=above)
+    for old, new in replace:
+        text = text.replace(old, new)
     path = tmp_path / f"{name}.py"
-    path.write_text(KEYED_KERNEL.format(factor=factor, compare=compare, above=above))
+    path.write_text(text)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, name, module)
@@ -427,6 +433,9 @@ def test_an_ir_key_ignores_comments_docstrings_names_and_order_and_sees_a_real_c
     same = dataclasses.replace(cfg, fn_path="ir_b._kernel")
     assert "columns" in same.fn.src and "_twice" in same.fn.src and cache.row_key(same) != cache.row_key(cfg)
     assert cache.ir_key(same) == key
+    # A constexpr renamed: not in the compiled code (the configs name it as the kernel does).
+    renamed = _keyed_module(tmp_path, monkeypatch, "ir_constexpr", replace=(("BLOCK_N", "BLOCK"),))
+    assert cache.ir_key(dataclasses.replace(renamed, constexprs={"BLOCK": 64})) == key
     changed = {
         "a called jit function's code": _keyed_module(tmp_path, monkeypatch, "ir_helper", factor=3),
         "the kernel's code": _keyed_module(tmp_path, monkeypatch, "ir_body", compare="<="),
@@ -434,6 +443,10 @@ def test_an_ir_key_ignores_comments_docstrings_names_and_order_and_sees_a_real_c
         "a constexpr": dataclasses.replace(cfg, constexprs={"BLOCK_N": 128}),
         "a pointer's dtype": dataclasses.replace(cfg, pointer_types={"X": "fp32", "Y": "fp16"}),
         "the target": dataclasses.replace(cfg, capability=100),
+        "an argument's name (the stride reader reads names)": dataclasses.replace(
+            _keyed_module(tmp_path, monkeypatch, "ir_arg", replace=(("X", "SOURCE"),)),
+            pointer_types={"SOURCE": "fp16", "Y": "fp16"},
+        ),
     }
     keys = {what: cache.ir_key(c) for what, c in changed.items()}
     assert key not in keys.values() and len(set(keys.values())) == len(keys), keys

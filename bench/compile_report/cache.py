@@ -115,12 +115,15 @@ def row_key(cfg: KernelConfig) -> str:
 def ir_key(cfg: KernelConfig) -> str:
     """row_key with the kernel's front-end IR (compiler.front_end_ir: no comments, docstrings, names
     of locals or helpers, source lines) in place of its source key, signature and constexprs, which
-    the IR holds; the argument names stay, as the stride-product reader finds strides by name. Costs
-    a front end (about 0.06 s), so a run computes it only for the configs whose row_key is new."""
+    the IR holds. The names of the arguments the compiled kernel takes stay, as the stride-product
+    reader finds strides by name; a constexpr's name is in no compiled code, so one removed or renamed
+    leaves the key. Costs a front end (about 0.06 s), so a run computes it only for the configs whose
+    row_key is new."""
     target = cfg.gpu_target
     environment = sorted(get_cache_invalidating_env_vars().items())
     options = sorted(compiler._options(cfg).items())
-    code = (compiler.front_end_ir(cfg), cfg.fn.arg_names, options)
+    arguments = [name for name in cfg.fn.arg_names if name not in cfg.constexprs]
+    code = (compiler.front_end_ir(cfg), arguments, options)
     parts = (*code, repr(target), toolchain(target), environment, reader_hash())
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
