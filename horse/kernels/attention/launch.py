@@ -138,9 +138,7 @@ def attention_fwd(
     host_tma, launch = _descriptors(tma, packed)
     q_tiles, out_tiles = (_operand(t, cfg.block_m, block_d, host_tma) for t in (q, out))
     k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, host_tma) for t in (k, v))
-    tiles = triton.cdiv(seqlen_q, cfg.block_m) * batch * heads
-    persistent = cfg.programs_per_sm > 0 and packed is None
-    programs = min(tiles, cfg.programs_per_sm * runtime.num_sms(q.device)) if persistent else tiles
+    programs = triton.cdiv(seqlen_q, cfg.block_m) * batch * heads  # a program per tile
     if programs == 0:  # a packed batch of empty sequences
         return out, lse
     args = _pass_args(q, k, lse, causal, window, softmax_scale, packed) | dict(
@@ -149,7 +147,6 @@ def attention_fwd(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         TMA=tma,
-        PERSISTENT=persistent,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
