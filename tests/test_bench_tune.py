@@ -228,7 +228,7 @@ def test_cli_needs_a_gpu(family):
 
 
 def test_attention_candidates_start_from_the_entry_and_never_grow_the_tile():
-    start = AttnConfig(128, 64, 8, 2)
+    start = AttnConfig(128, 64, 8, 3)
     got = tune.attention_candidates("attn_fwd", start, 128, tma=True)
     assert got[0] == start and len(got) == len(set(got))
     assert all(c.block_n <= c.block_m and c.block_m * c.block_n <= 128 * 64 for c in got)
