@@ -10,9 +10,8 @@ A target is one table entry: an attention pass at a head dim (horse.kernels.atte
 packed table too), or an MLP GEMM at a shape class (horse.kernels.mlp). Starting from the entry (the
 prediction), the tuner descends. Every neighbour of the current best (block_m, block_n or block_k
 halved or doubled, num_warps 4 <-> 8, num_stages one up or down, TMA on or off (sm_90+), the
-epilogue split halved or doubled, and for the attention forward the programs per SM of a persistent
-launch one up or down) is compiled for this GPU's family first (``bench.compile_report``: skipped
-if it spills or exceeds shared memory), checked against the float32 reference, then timed with CUDA
+epilogue split halved or doubled) is compiled for this GPU's family first (``bench.compile_report``:
+skipped if it spills or exceeds shared memory), checked against the float32 reference, then timed with CUDA
 events (the same inputs every call; each is tens of MiB, past the L2). The fastest neighbour, by
 the time summed over the target's modes, becomes the best if it gains more than MIN_GAIN, and its
 neighbours are next.
@@ -85,7 +84,6 @@ MIN_GAIN = 0.02  # a neighbour must be this much faster to move: below it, timin
 TILE_RANGE = (16, 256)
 WARPS = (4, 8)
 STAGES = (1, 5)
-PROGRAMS_PER_SM = 2  # persistent forward: 0 (a program per tile) to this many programs per SM
 EPILOGUE_SPLITS = (1, 2, 4)
 CHECK_SEQLEN = 333  # the attention check's ragged length
 DEVICE = "cuda"  # where targets check and time; the CPU tests run them in the interpreter
@@ -101,7 +99,6 @@ class Target:
     compile_configs: Callable[[object], list]  # candidate -> bench.compile_report KernelConfig list
     check: Callable[[], bool]  # ours correct with the table as it is now (on the GPU)
     calls: Callable[[], dict]  # mode -> (zero-argument call, FLOPs a call does)
-    persistent: bool = False  # candidates include programs_per_sm (the attention forward)
     tma: bool = True  # candidates toggle TMA (the GPU has it: sm_90+)
 
 
@@ -119,11 +116,10 @@ class Measurement:
         return sum(self.ms.values()) if self.correct and self.ms else math.inf
 
 
-def neighbours(cfg, persistent: bool = False, tma: bool = True) -> list:
+def neighbours(cfg, tma: bool = True) -> list:
     """Configs one change away from cfg (an AttnConfig or a GemmConfig): a tile dimension halved or
     doubled within TILE_RANGE, the other warp count, a pipeline stage more or fewer, with tma TMA
-    toggled (not for a split dk/dv pass), the epilogue split halved or doubled (GEMMs), and with
-    persistent one program per SM more or fewer, up to PROGRAMS_PER_SM."""
+    toggled (not for a split dk/dv pass), and the epilogue split halved or doubled (GEMMs)."""
     out = []
     for name in ("block_m", "block_n", "block_k"):
         value = getattr(cfg, name, None)
@@ -140,9 +136,6 @@ def neighbours(cfg, persistent: bool = False, tma: bool = True) -> list:
     for new in (split // 2, split * 2) if split else ():
         if new in EPILOGUE_SPLITS and cfg.block_n % new == 0:
             out.append(dataclasses.replace(cfg, epilogue_split=new))
-    for programs in (cfg.programs_per_sm - 1, cfg.programs_per_sm + 1) if persistent else ():
-        if 0 <= programs <= PROGRAMS_PER_SM:
-            out.append(dataclasses.replace(cfg, programs_per_sm=programs))
     return out
 
 
@@ -151,7 +144,6 @@ def descend(
     measure: Callable[[object], Measurement],
     deadline: float,
     clock: Callable[[], float] = time.monotonic,
-    persistent: bool = False,
     tma: bool = True,
 ) -> tuple[object, list[Measurement]]:
     """Best-improvement descent from start over :func:`neighbours`, each config measured once,
@@ -160,7 +152,7 @@ def descend(
     best = start
     while clock() < deadline:
         candidates = []
-        for cfg in neighbours(best, persistent, tma):
+        for cfg in neighbours(best, tma):
             if clock() >= deadline:
                 break
             if cfg not in measured:
@@ -249,7 +241,6 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
                 compile_configs=variants(pass_name, head_dim, packed),
                 check=functools.partial(_attention_check, head_dim, packed),
                 calls=functools.partial(_attention_calls, pass_name, shape, packed),
-                persistent=name == "fwd" and not packed,
                 tma=arch.tma,
             )
             targets.append(target)
@@ -589,9 +580,7 @@ def tune(targets: list[Target], seconds: float, make_measure=gpu_measure) -> dic
         now = time.monotonic()
         target_deadline = now + (deadline - now) / (len(targets) - index)
         start = target.table[target.key]
-        best, measurements = descend(
-            start, make_measure(target), target_deadline, persistent=target.persistent, tma=target.tma
-        )
+        best, measurements = descend(start, make_measure(target), target_deadline, tma=target.tma)
         result = report[target.title] = {
             "table": dataclasses.asdict(start),
             "best": dataclasses.asdict(best),
@@ -629,8 +618,6 @@ def _short(c: dict) -> str:
         words.append(f"epilogue{c['epilogue_split']}")
     if c["tma"]:
         words.append("tma")
-    if c.get("programs_per_sm"):
-        words.append(f"persistent{c['programs_per_sm']}")
     return " ".join(words)
 
 

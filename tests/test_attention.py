@@ -688,19 +688,6 @@ def test_unaligned_strides_take_the_pointer_path(device, monkeypatch):
     assert choices == [False]
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_persistent_forward_matches_reference(causal, device, monkeypatch):
-    # 2 programs per SM loop over all the tiles (5 query blocks x 8 heads in the interpreter).
-    arch = runtime.arch(torch.device(device)).name
-    persistent = {d: dataclasses.replace(c, programs_per_sm=2) for d, c in configs.FWD_CONFIGS[arch].items()}
-    monkeypatch.setitem(configs.FWD_CONFIGS, arch, persistent)
-    launches = []
-    num_sms = runtime.num_sms
-    monkeypatch.setattr(runtime, "num_sms", lambda d: launches.append(num_sms(d)) or launches[-1])
-    check(Shape(2, 129, 129, 4, 2, 64), causal, torch.float16, device)
-    assert launches, "the forward did not take the persistent path"
-
-
 @pytest.mark.parametrize("family", list(runtime.ARCHS))
 def test_every_gpu_familys_tiles_match_reference(family, device, monkeypatch):
     # The interpreter runs small tiles of its own; here every entry of a GPU family's tables at its
@@ -716,24 +703,14 @@ def test_every_gpu_familys_tiles_match_reference(family, device, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("mode", ["pointer", "persistent"])
 @pytest.mark.parametrize(
     ("shape", "causal"),
     [(Shape(2, 333, 1000, 8, 2, 128), True), (Shape(1, 1024, 1024, 4, 4, 64), False)],
     ids=str,
 )
-def test_gpu_pointer_loads_and_persistent_forward(shape, causal, mode, dtype, monkeypatch):
-    # The default GPU tests take TMA (aligned inputs) and a program per tile; these take the others.
-    if mode == "pointer":
-        monkeypatch.setattr(launch, "USE_TMA", False)
-    else:
-        arch = runtime.arch(torch.device("cuda")).name
-        table = configs.FWD_CONFIGS[arch]
-        monkeypatch.setitem(
-            configs.FWD_CONFIGS,
-            arch,
-            {d: dataclasses.replace(c, programs_per_sm=1) for d, c in table.items()},
-        )
+def test_gpu_pointer_loads(shape, causal, dtype, monkeypatch):
+    # The default GPU tests take TMA (aligned inputs); these take pointer loads.
+    monkeypatch.setattr(launch, "USE_TMA", False)
     check(shape, causal, dtype, "cuda")
 
 

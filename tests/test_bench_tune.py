@@ -30,10 +30,6 @@ def test_attention_neighbours_change_one_thing_within_range():
         AttnConfig(128, 256, 8, 3), AttnConfig(128, 128, 4, 3), AttnConfig(128, 128, 8, 2),
         AttnConfig(128, 128, 8, 4), AttnConfig(128, 128, 8, 3, tma=False),
     }  # fmt: skip
-    assert set(tune.neighbours(cfg, persistent=True)) == got | {AttnConfig(128, 128, 8, 3, programs_per_sm=1)}
-    assert AttnConfig(128, 128, 8, 3, programs_per_sm=1) in tune.neighbours(
-        AttnConfig(128, 128, 8, 3, programs_per_sm=2), persistent=True
-    )
     edge = set(tune.neighbours(AttnConfig(16, 256, 4, 1, column_splits=2, tma=False)))
     assert AttnConfig(8, 256, 4, 1, 2, False) not in edge and AttnConfig(16, 512, 4, 1, 2, False) not in edge
     assert AttnConfig(16, 256, 4, 0, 2, False) not in edge
@@ -108,11 +104,10 @@ def test_targets_point_at_the_tables_and_shapes_of_their_class():
     from horse.kernels import mlp
 
     fwd, packed, dq = tune.attention_targets(["fwd", "bwd_dq"], [64], seqlen=4096)
-    assert fwd.table is attention_configs.FWD_CONFIGS["sm90"] and fwd.key == 64 and fwd.persistent and fwd.tma
-    # Packed batches load by TMA through per-sequence descriptors, a program per tile: no persistence.
-    assert packed.table is attention_configs.PACKED_FWD_CONFIGS["sm90"] and packed.key == 64
-    assert not packed.persistent and packed.tma
-    assert dq.table is attention_configs.BWD_DQ_CONFIGS["sm90"] and not dq.persistent
+    assert fwd.table is attention_configs.FWD_CONFIGS["sm90"] and fwd.key == 64 and fwd.tma
+    # Packed batches load by TMA through per-sequence descriptors.
+    assert packed.table is attention_configs.PACKED_FWD_CONFIGS["sm90"] and packed.key == 64 and packed.tma
+    assert dq.table is attention_configs.BWD_DQ_CONFIGS["sm90"]
     targets = tune.mlp_targets(["fwd", "gated_fwd", "dh_bwd", "gated_dh_bwd"], ["large", "medium"])
     assert len(targets) == 8  # each (gemm, class) shape checked to fall in its class
     assert targets[0].table is mlp.configs.GEMM_CONFIGS["sm90"]["fwd"] and targets[0].key == "large"
@@ -168,7 +163,7 @@ def tiny_targets_on_the_cpu(monkeypatch):
 
 @pytest.mark.interpreter
 def test_every_target_checks_and_times_a_candidate(tiny_targets_on_the_cpu):
-    # In the interpreter the tiles are its own, but TMA and the persistent loop follow the candidate.
+    # In the interpreter the tiles are its own, but TMA follows the candidate.
     targets = tune.attention_targets(list(tune.ATTENTION_PASSES), [64], seqlen=4096)
     assert [t.title for t in targets if "fwd" in t.title] == [
         "attention fwd d=64 (sm90)",
@@ -178,7 +173,7 @@ def test_every_target_checks_and_times_a_candidate(tiny_targets_on_the_cpu):
     for target in targets:
         target.compile_configs = lambda cfg: []  # the sm_90 compile needs TRITON_INTERPRET unset
         entry = target.table[target.key]
-        for candidate in (entry, *tune.neighbours(entry, target.persistent)[-2:]):
+        for candidate in (entry, *tune.neighbours(entry)[-2:]):
             result = tune.gpu_measure(target)(candidate)
             assert result.correct, (target.title, candidate, result.note)
             modes = {"causal"} if "packed" in target.title else {"full", "causal"}
@@ -233,11 +228,11 @@ def test_cli_needs_a_gpu(family):
 
 
 def test_attention_candidates_start_from_the_entry_and_never_grow_the_tile():
-    start = AttnConfig(128, 64, 8, 3, programs_per_sm=1)
+    start = AttnConfig(128, 64, 8, 3)
     got = tune.attention_candidates("attn_fwd", start, 128, tma=True)
     assert got[0] == start and len(got) == len(set(got))
     assert all(c.block_n <= c.block_m and c.block_m * c.block_n <= 128 * 64 for c in got)
-    assert all(c.programs_per_sm == 1 and c.column_splits == 1 for c in got)
+    assert all(c.column_splits == 1 for c in got)
     areas = [c.block_m * c.block_n for c in got[1:]]
     assert areas == sorted(areas, reverse=True) and got[-1].block_m * got[-1].block_n == 16 * 16
     # start's tile and warps first: TMA before pointers, then fewer stages

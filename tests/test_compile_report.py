@@ -150,10 +150,16 @@ def _kernel(X, Y, N, BLOCK_N: tl.constexpr):
 
 
 def _keyed_module(
-    tmp_path, monkeypatch, name: str, factor: int = 2, compare: str = "<", above: str = ""
+    tmp_path, monkeypatch, name: str, factor: int = 2, compare: str = "<", above: str = "", replace=()
 ) -> KernelConfig:
+    """KEYED_KERNEL as module name, with factor, compare and above filled in and each (old, new) of
+    replace replaced; its config at BLOCK_N 64 (a config of another constexpr name: replace its
+    constexprs)."""
+    text = KEYED_KERNEL.format(factor=factor, compare=compare, above=above)
+    for old, new in replace:
+        text = text.replace(old, new)
     path = tmp_path / f"{name}.py"
-    path.write_text(KEYED_KERNEL.format(factor=factor, compare=compare, above=above))
+    path.write_text(text)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, name, module)
@@ -301,19 +307,27 @@ def _fake_build(built: list):
     return build
 
 
+_IR_SERIALS = itertools.count()
+
+
+def _no_ir(configs):
+    """IR keys new at every call: no cached row is found by its IR key."""
+    return [f"ir {next(_IR_SERIALS)}" for _ in configs]
+
+
 def test_cached_rows_are_reused_a_sample_is_verified_and_a_tampered_row_fails():
     configs = [c for c in compile_report.all_configs(["sm90", "sm80"]) if c.kernel.startswith("layer_norm")]
     keys = [f"key{i}" for i in range(len(configs))]
     groups = {(c.arch, c.kernel) for c in configs}
     assert len(configs) > 100 and len(groups) == 6
     built = []
-    first = cache.prove(configs, keys, {}, 60, 0, _fake_build(built))
+    first = cache.prove(configs, keys, {}, 60, 0, _fake_build(built), _no_ir)
     assert (first.built, first.reused, first.verified, first.differ) == (len(configs), 0, 0, [])
     entries = cache.updated_entries({}, first, set(keys))
     assert list(entries) == keys and entries["key0"]["config"] == describe(configs[0])
 
     built.clear()
-    again = cache.prove(configs, keys, entries, 60, 0, _fake_build(built))
+    again = cache.prove(configs, keys, entries, 60, 0, _fake_build(built), _no_ir)
     assert (again.built, again.reused, again.verified, again.differ) == (0, len(configs), 60, [])
     assert len(built) == 60 and {(c.arch, c.kernel) for c in built} == groups
     assert [cache.row_values(r) for r in again.results] == [e["row"] for e in entries.values()]
@@ -323,30 +337,170 @@ def test_cached_rows_are_reused_a_sample_is_verified_and_a_tampered_row_fails():
     assert len(sample(configs, 2, 0)) == 6 and sample(configs, 0, 0) == []  # one of each (family, kernel)
 
     built.clear()
-    trusted = cache.prove(configs, keys, entries, 0, 0, _fake_build(built))
+    trusted = cache.prove(configs, keys, entries, 0, 0, _fake_build(built), _no_ir)
     assert (trusted.built, trusted.verified, built) == (0, 0, [])
     tampered = {key: {**entry, "row": list(entry["row"])} for key, entry in entries.items()}
     tampered["key5"]["row"][0] += 1
-    checked = cache.prove(configs, keys, tampered, len(configs), 0, _fake_build([]))
+    checked = cache.prove(configs, keys, tampered, len(configs), 0, _fake_build([]), _no_ir)
     [line] = checked.differ
     assert line.startswith(describe(configs[5]) + ": cached row [")
     # A cached row goes through the gate like a fresh one: a spill in the file fails the report.
     tampered["key5"]["row"][1] = 8
-    [spill] = gate.failures(cache.prove(configs, keys, tampered, 0, 0, _fake_build([])).results)
+    [spill] = gate.failures(cache.prove(configs, keys, tampered, 0, 0, _fake_build([]), _no_ir).results)
     assert spill.endswith("spills 8 bytes")
     tampered["key5"]["row"][1] = 0
     tampered["key5"]["row"][-1] = ["%9 = arith.muli %x, %stride_xm : i32"]  # narrow_stride_products
-    [narrow] = gate.failures(cache.prove(configs, keys, tampered, 0, 0, _fake_build([])).results)
+    [narrow] = gate.failures(cache.prove(configs, keys, tampered, 0, 0, _fake_build([]), _no_ir).results)
     assert "a 32-bit stride product" in narrow and "%9 = arith.muli" in narrow
 
     changed = ["changed0", *keys[1:]]
     built.clear()
-    after = cache.prove(configs, changed, entries, 0, 0, _fake_build(built))
+    after = cache.prove(configs, changed, entries, 0, 0, _fake_build(built), _no_ir)
     assert (after.built, after.reused, built) == (1, len(configs) - 1, configs[:1])
     failed = dataclasses.replace(after.results[0], error="ptxas died")
     after.fresh["changed0"] = failed
     assert "key0" not in cache.updated_entries(entries, after, set(changed))  # stale: dropped
     assert "changed0" not in cache.updated_entries(entries, after, set(changed))  # errors: not kept
+
+
+def test_a_row_whose_source_changed_but_not_its_ir_is_found_by_its_ir_key_and_rekeyed():
+    configs = [c for c in compile_report.all_configs(["sm90"]) if c.kernel.startswith("layer_norm")][:20]
+    keys = [f"key{i}" for i in range(len(configs))]
+    asked = []
+
+    def find_ir_keys(some):
+        asked.extend(some)
+        return [f"ir{configs.index(c)}" for c in some]
+
+    first = cache.prove(configs, keys, {}, 0, 0, _fake_build([]), find_ir_keys)
+    entries = cache.updated_entries({}, first, set(keys))
+    assert [entry["ir"] for entry in entries.values()] == [f"ir{i}" for i in range(20)]  # built: both keys
+    asked.clear()
+    same = cache.prove(configs, keys, entries, 0, 0, _fake_build([]), find_ir_keys)
+    assert (same.built, same.reused, same.by_ir, asked) == (0, 20, 0, [])  # no front end when keys match
+
+    # A docstring edit: every row key new, every IR key the same: nothing built, the rows re-keyed.
+    edited = [f"edited{i}" for i in range(20)]
+    built = []
+    again = cache.prove(configs, edited, entries, 3, 0, _fake_build(built), find_ir_keys)
+    assert (again.built, again.reused, again.by_ir, again.verified, again.differ) == (0, 20, 20, 3, [])
+    assert asked == configs and len(built) == 3  # only the verification sample compiled
+    rekeyed = cache.updated_entries(entries, again, set(edited))
+    assert list(rekeyed) == edited and [e["ir"] for e in rekeyed.values()] == [f"ir{i}" for i in range(20)]
+    assert [e["row"] for e in rekeyed.values()] == [e["row"] for e in entries.values()]
+
+    # A real change to two of them: their IR keys new, exactly they are built.
+    built.clear()
+
+    def two_changed(some):
+        return ["new0", "new1", *find_ir_keys(some)[2:]]
+
+    partly = cache.prove(configs, edited, entries, 0, 0, _fake_build(built), two_changed)
+    assert (partly.built, partly.by_ir, built) == (2, 18, configs[:2])
+
+
+def test_a_cache_without_ir_keys_gains_them_by_front_ends_alone():
+    configs = [c for c in compile_report.all_configs(["sm90"]) if c.kernel.startswith("layer_norm")][:5]
+    keys = [f"key{i}" for i in range(5)]
+    entries = {key: {"config": describe(c), "row": [1]} for key, c in zip(keys, configs, strict=True)}
+    entries["key4"]["ir"] = "ir kept"
+    given = cache.attach_ir_keys(entries, configs, keys, lambda some: [f"ir of {c.kernel}" for c in some])
+    assert given == 4 and [e["ir"] for e in entries.values()][3:] == [f"ir of {configs[3].kernel}", "ir kept"]
+    assert cache.attach_ir_keys(entries, configs, keys, lambda some: pytest.fail(f"asked for {some}")) == 0
+
+
+def test_an_ir_key_ignores_comments_docstrings_names_and_order_and_sees_a_real_change(tmp_path, monkeypatch):
+    cfg = _keyed_module(tmp_path, monkeypatch, "ir_a")
+    key = cache.ir_key(cfg)
+    edited = KEYED_KERNEL.replace(
+        "def _scale(x):\n    return x *", 'def _twice(value):\n    """Doubled."""\n    return value *'
+    )
+    edited = edited.replace("_scale(", "_twice(").replace("offs", "columns")
+    helper, kernel = edited.split("\n\n@JITFunction\n")[1:]
+    reordered = (
+        edited.split("\n\n@JITFunction\n")[0]
+        + "\n# comment\n\n@JITFunction\n"
+        + kernel
+        + "\n@JITFunction\n"
+        + helper
+    )
+    path = tmp_path / "ir_b.py"
+    path.write_text(reordered.format(factor=2, compare="<", above=""))
+    spec = importlib.util.spec_from_file_location("ir_b", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ir_b", module)
+    spec.loader.exec_module(module)
+    same = dataclasses.replace(cfg, fn_path="ir_b._kernel")
+    assert "columns" in same.fn.src and "_twice" in same.fn.src and cache.row_key(same) != cache.row_key(cfg)
+    assert cache.ir_key(same) == key
+    # A constexpr renamed: not in the compiled code (the configs name it as the kernel does).
+    renamed = _keyed_module(tmp_path, monkeypatch, "ir_constexpr", replace=(("BLOCK_N", "BLOCK"),))
+    assert cache.ir_key(dataclasses.replace(renamed, constexprs={"BLOCK": 64})) == key
+    changed = {
+        "a called jit function's code": _keyed_module(tmp_path, monkeypatch, "ir_helper", factor=3),
+        "the kernel's code": _keyed_module(tmp_path, monkeypatch, "ir_body", compare="<="),
+        "num_warps": dataclasses.replace(cfg, num_warps=8),
+        "a constexpr": dataclasses.replace(cfg, constexprs={"BLOCK_N": 128}),
+        "a pointer's dtype": dataclasses.replace(cfg, pointer_types={"X": "fp32", "Y": "fp16"}),
+        "the target": dataclasses.replace(cfg, capability=100),
+        "an argument's name (the stride reader reads names)": dataclasses.replace(
+            _keyed_module(tmp_path, monkeypatch, "ir_arg", replace=(("X", "SOURCE"),)),
+            pointer_types={"SOURCE": "fp16", "Y": "fp16"},
+        ),
+    }
+    keys = {what: cache.ir_key(c) for what, c in changed.items()}
+    assert key not in keys.values() and len(set(keys.values())) == len(keys), keys
+
+
+EDITED_NORMS = """
+import ast, dataclasses, importlib.util, inspect, json, sys
+from bench.compile_report import all_configs, cache
+from horse.kernels import layernorm
+
+tree = ast.parse(inspect.getsource(layernorm))
+functions = [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.decorator_list]
+jit = [f for f in functions if ast.unparse(f.decorator_list[0]) == "triton.jit"]
+for f in jit:  # every docstring edited; in each kernel a local renamed
+    if ast.get_docstring(f):
+        f.body[0].value.value = "Edited. " + f.body[0].value.value
+    arguments = {a.arg for a in f.args.args}
+    assigned = [t.id for node in ast.walk(f) if isinstance(node, ast.Assign) for t in node.targets
+                if isinstance(t, ast.Name) and t.id not in arguments]
+    for node in ast.walk(f):
+        if isinstance(node, ast.Name) and assigned and node.id == assigned[0]:
+            node.id = "renamed_" + node.id
+helpers = [f for f in jit if not f.name.endswith("_kernel")]
+tree.body = [node for node in tree.body if node not in helpers] + helpers[::-1]  # helpers last, reversed
+path = sys.argv[1]
+open(path, "w").write(ast.unparse(tree))  # no comments, the formatter's layout gone
+spec = importlib.util.spec_from_file_location("edited_layernorm", path)
+sys.modules["edited_layernorm"] = module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+configs = [c for c in all_configs(["sm90", "gfx942"]) if c.fn_path.startswith("horse.kernels.layernorm.")]
+configs = [c for i, c in enumerate(configs) if i % 40 == 0]
+moved = [c.fn_path.replace("horse.kernels.layernorm", "edited_layernorm") for c in configs]
+edited = [dataclasses.replace(c, fn_path=path) for c, path in zip(configs, moved)]
+print(json.dumps({
+    "kernels": sorted({c.fn_path for c in configs}),
+    "source_keys_differ": all(cache.row_key(a) != cache.row_key(b) for a, b in zip(configs, edited)),
+    "ir_keys_equal": [cache.ir_key(a) == cache.ir_key(b) for a, b in zip(configs, edited)],
+}))
+"""
+
+
+def test_the_norm_kernels_rewritten_without_their_comments_and_layout_keep_every_ir_key(tmp_path):
+    """Their file as ast.unparse writes it, every docstring edited, a local of each jit function
+    renamed, the helpers moved below the kernels in reverse: every source key new, no IR key."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-c", EDITED_NORMS, str(tmp_path / "edited_layernorm.py")]
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    found = json.loads(run.stdout)
+    assert found["kernels"] == [
+        "horse.kernels.layernorm._norm_bwd_kernel",
+        "horse.kernels.layernorm._norm_fwd_kernel",
+    ]
+    assert found["source_keys_differ"] and len(found["ir_keys_equal"]) > 4 and all(found["ir_keys_equal"])
 
 
 def test_every_family_has_an_entry_in_every_table():
@@ -435,8 +589,11 @@ def test_real_compile_of_one_kernel_for_three_gpu_families_then_its_rows_from_th
         registers, spills = int(row[7]), int(row[8])
         assert registers > 0 and spills == 0
     assert "9 configs for sm_90, sm_86, gfx942 (triton " in run.stdout
-    assert f"9 built (key new or changed), 0 reused from {cache}, 0 of them re-verified" in run.stdout
-    assert f"wrote 9 rows to {cache} (0 dropped)" in run.stdout
+    assert (
+        f"9 built (key new or changed), 0 reused from {cache} (0 found by their IR key), 0 of them"
+        in run.stdout
+    )
+    assert f"wrote 9 rows to {cache} (0 dropped, 0 given their IR key)" in run.stdout
 
     written = json.loads(cache.read_text())
     assert len(written["rows"]) == 9 and written["columns"][:2] == ["registers", "spill_bytes"]
@@ -455,8 +612,22 @@ def test_real_compile_of_one_kernel_for_three_gpu_families_then_its_rows_from_th
 
     updated, _ = report("--update", "--verify", "0")
     assert updated.returncode == 0 and "0 built" in updated.stdout, updated.stdout + updated.stderr
-    assert f"wrote 9 rows to {cache} (1 dropped)" in updated.stdout  # the stale key; the tampered rows stay
+    assert f"wrote 9 rows to {cache} (1 dropped, 0 given their IR key)" in updated.stdout  # the tampered stay
     assert "0" * 32 not in json.loads(cache.read_text())["rows"]
+
+    # Every source key changed (a docstring edit), every IR key kept: the rows found by their IR
+    # keys, none built, and --update files them under their new keys.
+    rows = json.loads(cache.read_text())["rows"]
+    rekeyed = {f"{i:032x}": entry for i, entry in enumerate(rows.values())}
+    cache.write_text(json.dumps({"rows": rekeyed}))
+    moved, _ = report("--update", "--verify", "0")
+    assert moved.returncode == 0, moved.stdout + moved.stderr
+    assert (
+        "0 built (key new or changed), 9 reused" in moved.stdout
+        and "(9 found by their IR key)" in moved.stdout
+    )
+    assert f"wrote 9 rows to {cache} (9 dropped, 0 given their IR key)" in moved.stdout
+    assert sorted(json.loads(cache.read_text())["rows"].values(), key=str) == sorted(rows.values(), key=str)
 
 
 AMD_MATMUL = """

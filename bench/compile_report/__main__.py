@@ -24,13 +24,15 @@ from bench.compile_report import all_configs
 from bench.compile_report.cache import (
     CACHE_FILE,
     VERIFY_AT_LEAST,
+    attach_ir_keys,
+    ir_keys,
     load_cache,
     prove,
     row_key,
     save_cache,
     updated_entries,
 )
-from bench.compile_report.compiler import compile_in_pool
+from bench.compile_report.compiler import compile_in_pool, in_pool
 from bench.compile_report.config import check_capabilities
 from bench.compile_report.gate import failures, format_table
 from horse.kernels.runtime import ARCHS
@@ -88,7 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         with mock.patch.dict(os.environ, TRITON_CACHE_DIR=triton_cache), ProcessPoolExecutor(jobs) as pool:
             reusable = {} if args.rebuild else cached
             build = functools.partial(compile_in_pool, pool, workers=jobs)
-            proof = prove(configs, keys, reusable, args.verify, args.seed, build)
+            find_ir_keys = functools.partial(in_pool, pool, ir_keys, workers=jobs)
+            proof = prove(configs, keys, reusable, args.verify, args.seed, build, find_ir_keys)
+            if args.update:
+                entries = updated_entries(
+                    cached, proof, current={row_key(c) for c in all_configs()} | set(keys)
+                )
+                attached = attach_ir_keys(entries, configs, keys, find_ir_keys)
     results = proof.results
     print(format_table(results) + "\n")
     bad = proof.differ + failures(results)
@@ -100,13 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     cache = args.cache if cache.startswith("..") else cache
     print(
         f"{len(results)} configs for {targets} (triton {triton.__version__}): {proof.built} built (key new "
-        f"or changed), {proof.reused} reused from {cache}, {proof.verified} of them re-verified by a fresh "
-        f"compile; {len(bad)} failing"
+        f"or changed), {proof.reused} reused from {cache} ({proof.by_ir} found by their IR key), "
+        f"{proof.verified} of them re-verified by a fresh compile; {len(bad)} failing"
     )
     if args.update:
-        entries = updated_entries(cached, proof, current={row_key(c) for c in all_configs()} | set(keys))
         save_cache(args.cache, entries)
-        print(f"wrote {len(entries)} rows to {cache} ({len(cached.keys() - entries.keys())} dropped)")
+        dropped = len(cached.keys() - entries.keys())
+        print(f"wrote {len(entries)} rows to {cache} ({dropped} dropped, {attached} given their IR key)")
     for line in bad:
         print(f"FAIL {line}")
     return 1 if bad else 0

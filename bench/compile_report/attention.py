@@ -102,9 +102,6 @@ def attention_pass_config(
         "TMA": tma,
         "VARLEN": packed,
     }
-    persistent = cfg.programs_per_sm > 0 and not packed
-    if name == "attn_fwd":
-        constexprs["PERSISTENT"] = persistent
     if name == "attn_bwd_dkdv":
         constexprs |= {"BLOCK_D_OUT": block_d // cfg.column_splits, "OUTPUT": output}
         by_key = by_key if output == "dkdv" else ("DK", "DV")
@@ -114,7 +111,6 @@ def attention_pass_config(
     flags = (
         (mask, mask != "full"),
         ("tma", tma),
-        ("persistent", persistent),
         ("varlen", packed),
         ("head split", head_split),
         (output, output != "dkdv"),

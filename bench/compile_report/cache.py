@@ -1,7 +1,10 @@
 """The rows already proven: bench/compile_report_cache.json, one row per config under its key.
 
-A config's key (:func:`row_key`) hashes everything that decides its compiled code and its row. A run
-takes the rows whose keys are in the file, compiles the others and a sample of the reused ones to
+A config's key (:func:`row_key`) hashes everything that decides its compiled code and its row, with
+the kernel's source text; each row also holds its IR key (:func:`ir_key`), the same with the
+kernel's front-end IR in place of its source. A run takes the rows whose keys are in the file; for
+the others it computes their IR keys and takes the rows that hold them (a comment, docstring or
+rename changed the source, not the IR), and compiles the rest and a sample of the reused rows to
 check the file (:func:`prove`); ``--update`` writes the file anew (:func:`updated_entries`).
 """
 
@@ -109,6 +112,27 @@ def row_key(cfg: KernelConfig) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
 
+def ir_key(cfg: KernelConfig) -> str:
+    """row_key with the kernel's front-end IR (compiler.front_end_ir: no comments, docstrings, names
+    of locals or helpers, source lines) in place of its source key, signature and constexprs, which
+    the IR holds. The names of the arguments the compiled kernel takes stay, as the stride-product
+    reader finds strides by name; a constexpr's name is in no compiled code, so one removed or renamed
+    leaves the key. Costs a front end (about 0.06 s), so a run computes it only for the configs whose
+    row_key is new."""
+    target = cfg.gpu_target
+    environment = sorted(get_cache_invalidating_env_vars().items())
+    options = sorted(compiler._options(cfg).items())
+    arguments = [name for name in cfg.fn.arg_names if name not in cfg.constexprs]
+    code = (compiler.front_end_ir(cfg), arguments, options)
+    parts = (*code, repr(target), toolchain(target), environment, reader_hash())
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+def ir_keys(configs: list[KernelConfig]) -> list[str]:
+    """ir_key of each config (what a pool's worker is given)."""
+    return [ir_key(cfg) for cfg in configs]
+
+
 def row_values(r: CompileResult) -> list:
     """r's fields as JSON holds them (tuples as lists)."""
     values = (getattr(r, name) for name in ROW_FIELDS)
@@ -122,8 +146,8 @@ def cached_result(cfg: KernelConfig, row: list) -> CompileResult:
 
 
 def load_cache(path: str) -> dict[str, dict]:
-    """The cached entries by row key, each {"config": its description, "row": row_values}; {} when
-    there is no file."""
+    """The cached entries by row key, each {"config": its description, "row": row_values, "ir": its
+    ir_key}; {} when there is no file."""
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)["rows"]
@@ -163,40 +187,71 @@ def verification_sample(configs: list[KernelConfig], count: int, seed: int) -> l
 class Proof:
     """What a report run proved for its configs, and how."""
 
+    keys: list[str]  # each config's row_key
     results: list[CompileResult]  # one a config, fresh or cached
-    built: int  # configs whose key was missing from the cache (or all, with --rebuild)
-    reused: int  # cached rows taken for their key
+    built: int  # configs whose row was in the cache under neither key (or all, with --rebuild)
+    reused: int  # cached rows taken for their row key or their IR key
+    by_ir: int  # of the reused, those taken for their IR key (the source changed, its IR did not)
     verified: int  # reused rows compiled afresh as well
     differ: list[str]  # a line per verified row whose fresh compile disagrees with the cache
-    fresh: dict[str, CompileResult]  # key -> fresh result, for --update
+    fresh: dict[str, CompileResult]  # row key -> fresh result, for --update
+    ir: dict[str, str]  # row key -> IR key, for the configs whose row key was not in the cache
 
 
-def prove(configs: list[KernelConfig], keys: list[str], cached: dict, verify: int, seed: int, build) -> Proof:
+def prove(
+    configs: list[KernelConfig], keys: list[str], cached: dict, verify: int, seed: int, build, find_ir_keys
+) -> Proof:
     """Each config's row: taken from cached (entries by key, :func:`load_cache`) where its key is
-    there, built with build (a list of configs -> their CompileResults) where it is not; and a
+    there; else where its IR key (find_ir_keys: a list of configs -> their :func:`ir_key`) is
+    there; built with build (a list of configs -> their CompileResults) where neither is; and a
     sample of the reused rows (:func:`verification_sample`) built as well and compared."""
-    reused = [i for i, key in enumerate(keys) if key in cached]
+    missing = [i for i, key in enumerate(keys) if key not in cached]
+    ir = dict(zip(missing, find_ir_keys([configs[i] for i in missing]) if missing else [], strict=True))
+    by_ir = {entry["ir"]: entry for entry in cached.values() if "ir" in entry}
+    entries = {i: cached[key] for i, key in enumerate(keys) if key in cached}
+    entries |= {i: by_ir[ir[i]] for i in missing if ir[i] in by_ir}
+    reused = sorted(entries)
     checked = [reused[j] for j in verification_sample([configs[i] for i in reused], verify, seed)]
-    to_build = [i for i, key in enumerate(keys) if key not in cached] + checked
+    to_build = [i for i in missing if i not in entries] + checked
     built = dict(zip(to_build, build([configs[i] for i in to_build]), strict=True))
     results, differ = [], []
-    for i, (cfg, key) in enumerate(zip(configs, keys, strict=True)):
-        result = built.get(i) or cached_result(cfg, cached[key]["row"])
-        if i in checked and (result.error or row_values(result) != cached[key]["row"]):
-            fresh, row = result.error or row_values(result), cached[key]["row"]
+    for i, cfg in enumerate(configs):
+        result = built.get(i) or cached_result(cfg, entries[i]["row"])
+        if i in checked and (result.error or row_values(result) != entries[i]["row"]):
+            fresh, row = result.error or row_values(result), entries[i]["row"]
             differ.append(f"{describe(cfg)}: cached row {row} but a fresh compile gives {fresh}")
         results.append(result)
     fresh = {keys[i]: result for i, result in built.items()}
-    return Proof(results, len(configs) - len(reused), len(reused), len(checked), differ, fresh)
+    ir_by_key = {keys[i]: key for i, key in ir.items()}
+    counts = (len(configs) - len(reused), len(reused), len(reused) - (len(configs) - len(missing)))
+    return Proof(keys, results, *counts, len(checked), differ, fresh, ir_by_key)
 
 
 def updated_entries(cached: dict, proof: Proof, current: set[str]) -> dict[str, dict]:
-    """The cache after a run: the fresh rows (those without an error) over the cached ones, only
-    keys in current (the other keys belong to code that no longer exists)."""
+    """The cache after a run: the rows found by their IR key under their new row key, and the fresh
+    rows (those without an error) over the cached ones, only keys in current (the other keys belong
+    to code that no longer exists). A row keeps its IR key, or takes the one this run computed."""
     entries = {key: entry for key, entry in cached.items() if key in current}
-    for key, result in proof.fresh.items():
+    for key, result in zip(proof.keys, proof.results, strict=True):
+        result = proof.fresh.get(key, result)
         if result.error:  # a crash may be the machine's: never cached, built again next run
             entries.pop(key, None)
-        else:
+        elif key in proof.fresh or key in proof.ir:
+            ir = proof.ir.get(key) or entries[key].get("ir")
             entries[key] = {"config": describe(result.config), "row": row_values(result)}
+            entries[key] |= {"ir": ir} if ir else {}
     return entries
+
+
+def attach_ir_keys(
+    entries: dict[str, dict], configs: list[KernelConfig], keys: list[str], find_ir_keys
+) -> int:
+    """Give the entries of configs (by their keys) that hold no IR key theirs (find_ir_keys: a list of
+    configs -> their IR keys): a cache written before IR keys gains them by front ends alone, no
+    compile. Returns how many it gave (configs that share a key, one)."""
+    lacking = {
+        key: cfg for cfg, key in zip(configs, keys, strict=True) if "ir" not in entries.get(key, {"ir": 0})
+    }
+    for key, ir in zip(lacking, find_ir_keys(list(lacking.values())) if lacking else [], strict=True):
+        entries[key]["ir"] = ir
+    return len(lacking)

@@ -13,7 +13,9 @@ import tempfile
 from concurrent.futures import Executor
 
 import triton
+from triton._C.libtriton import ir
 from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
 
 from bench.compile_report.config import KernelConfig
 from bench.compile_report.disassembly import (
@@ -110,6 +112,27 @@ def _options(cfg: KernelConfig) -> dict:
     return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **runtime.COMPILE_OPTIONS}
 
 
+def front_end_ir(cfg: KernelConfig) -> str:
+    """cfg's kernel as Triton's first stage hands it to the rest of the compiler for cfg's target: its
+    TTIR, the jit functions it calls inlined and the whole canonicalised, printed without source
+    locations. Comments, docstrings, the names of locals and helpers and where the helpers sit in
+    their files are not in it; what the kernel computes, its signature's types and alignment and
+    its constexprs are. About 0.06 s a config where compiling one takes about 1 s."""
+    signature, attrs = _signature(cfg)
+    source = ASTSource(cfg.fn, signature, constexprs=_constexprs(cfg), attrs=attrs)
+    target = cfg.gpu_target
+    backend = make_backend(target)
+    options = backend.parse_options(_options(cfg))
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    codegen = backend.get_codegen_implementation(options)
+    module = source.make_ir(target, options, codegen, backend.get_module_map(), context)
+    stages = {}
+    backend.add_stages(stages, options, source.language)
+    return stages["ttir"](module, {}).str_nodebug()
+
+
 def compile_configs(configs: list[KernelConfig]) -> list[CompileResult]:
     """Compile configs, then read each cubin's registers and spills (cuobjdump) and the SASS of all
     that share a target in one disassembly; an AMD kernel's from its assembly. A config Triton
@@ -165,9 +188,14 @@ def _read_nvidia(configs: list[KernelConfig], compiled: list) -> list[CompileRes
     ]
 
 
-def compile_in_pool(pool: Executor, configs: list[KernelConfig], workers: int) -> list[CompileResult]:
-    """compile_configs over a pool of workers, in chunks of up to MAX_CHUNK configs (each chunk one
-    disassembly per target), the results in the order of configs."""
+def in_pool(pool: Executor, work, configs: list[KernelConfig], workers: int) -> list:
+    """work (a list of configs -> a result each) over a pool of workers, in chunks of up to MAX_CHUNK
+    configs, the results in the order of configs."""
     chunk = max(1, min(MAX_CHUNK, math.ceil(len(configs) / workers)))
     chunks = [configs[i : i + chunk] for i in range(0, len(configs), chunk)]
-    return [result for results in pool.map(compile_configs, chunks) for result in results]
+    return [result for results in pool.map(work, chunks) for result in results]
+
+
+def compile_in_pool(pool: Executor, configs: list[KernelConfig], workers: int) -> list[CompileResult]:
+    """compile_configs over a pool of workers (:func:`in_pool`): each chunk one disassembly per target."""
+    return in_pool(pool, compile_configs, configs, workers)

@@ -269,10 +269,8 @@ def _norm_bwd_kernel(
     # Columns outside this program's block: the sweep walks them in chunks, skipping the block.
     other_cols = N - tl.minimum(BLOCK_N, N - col_start)
     if not ROW_IN_TILE:
-        # The row loop pipelined by hand: the next tile is loaded while this one is worked on.
-        # Triton's pipeliner leaves loads that feed no tl.dot alone (num_stages 3 compiled to the
-        # same code as 1). The row in registers has no room for a second tile (a float32 row of
-        # 8192 spilled 40-56 bytes on sm_80-sm_90 with it).
+        # The row loop pipelined by hand (Triton's pipeliner leaves loads that feed no tl.dot alone):
+        # the next tile is loaded while this one is worked on. TUNING.md has the figures.
         first_rows = row_start + tl.arange(0, BLOCK_M)
         next_tile = _load_rows(
             inputs,
@@ -371,27 +369,18 @@ class RowConfig:
     row_in_registers: bool
 
 
+# The rule's limits, each the largest that compiles with no spills on every GPU family; what was
+# tried and its figures: TUNING.md beside this file.
 # Longest rows held whole in registers; the backward holds five float32 values per element.
-# Both limits are the largest sizes that compile with no spills for sm_90 (bench.compile_report;
-# the other GPU families compile clean there too). A 16,384-element backward row held whole spilled
-# on sm_90 in fp16 (152-360 bytes at 16 and 32 warps, even holding dy and x as 16-bit and the
-# weight once: dweight's and dbias's float32 sums alone take 32 registers a thread at 32 warps).
 FWD_MAX_ROW_IN_REGISTERS = 16384
 BWD_MAX_ROW_IN_REGISTERS = 8192
-# Short rows are packed several to a program, up to a tile of this many elements. At 4096 the
-# backward's 16-warp tiles spilled on sm_90 (rms 4x1024 fp16, layer 1x8192 fp32: 8 bytes each).
+# Short rows are packed several to a program, up to a tile of this many elements.
 FWD_TILE_ELEMENTS = 4096
 BWD_TILE_ELEMENTS = 2048
 CHUNKED_FWD = RowConfig(block_m=1, block_n=4096, num_warps=8, row_in_registers=False)
 # Longer backward rows are split into column blocks, one program each; a program adds the rest of
 # its row to dx's row sums by a sweep over the other blocks in chunks of BWD_SWEEP_BLOCK_N, reading
-# them as their own programs, launched beside it, read them: from L2. Per element of a 16,384-column
-# fp16 row, DRAM moves 6 bytes (dy and h read, dx written once), where the coefficient pass this
-# replaced moved 10 (dy and h read twice, M·N·4 bytes apart); 4·(N / 4096) + 2 = 18 pass between
-# the SMs and L2. Blocks of 8192 at 16 warps (half the sweep's reads) spilled 8-48 bytes on
-# sm_80-sm_100, with the sweep's chunk and the weight held too; 4096 at 16 warps, with the next row
-# prefetched, holds 105-119 registers on NVIDIA (was 104 at 8 warps for the 4x1024 chunked tile
-# on sm_90, and 75 for its coefficient pass), 56-72 VGPRs on gfx942, no spills anywhere.
+# them from L2 as their own programs, launched beside it, read them: dy and h leave DRAM once.
 BWD_SPLIT_ROW = RowConfig(block_m=1, block_n=4096, num_warps=16, row_in_registers=False)
 BWD_SWEEP_BLOCK_N = 2048
 
@@ -403,15 +392,10 @@ def row_config(n: int, backward: bool, dtype: torch.dtype, arch: runtime.Arch) -
     if block_n > (BWD_MAX_ROW_IN_REGISTERS if backward else FWD_MAX_ROW_IN_REGISTERS):
         return BWD_SPLIT_ROW if backward else CHUNKED_FWD
     block_m = max(1, min(64, (BWD_TILE_ELEMENTS if backward else FWD_TILE_ELEMENTS) // block_n))
-    # The backward's 8192-element row spilled 8 bytes at 32 warps (64 registers a thread) with 16-bit
-    # inputs on triton 3.9, and at 16 warps in float32 on 3.6: 16-bit inputs stop at 16 warps.
+    # 16-bit backward rows stop at 16 warps: at 32 the 8192-element row spilled.
     max_warps = min(16 if backward and dtype.itemsize == 2 else 32, runtime.MAX_THREADS // arch.warp_size)
-    # The backward before Hopper takes 16 values a thread: at 8, ptxas held 16-bit rows of 2048 and
-    # 4096 elements to 64 registers on sm_80 and sm_86 and spilled 8 bytes. (On triton 3.9 the float16
-    # RMSNorm row of 2048 spills 8 bytes at 16 too, on sm_80 only: held to 80 registers. Built for
-    # sm_120, which takes the sm86 entries, the float32 LayerNorm backward of 64 spills 8 bytes at 4
-    # warps, held to 96 registers; at 8 values a thread, clean there, the row of 16 spilled on sm_86.)
-    # AMD's gfx942 has twice the registers a lane (512 with the AGPRs): 8 is clean there.
+    # The backward before Hopper takes 16 values a thread (at 8, ptxas held rows to 64 registers and
+    # spilled); AMD's gfx942 has twice the registers a lane: 8 is clean there.
     values_per_thread = 16 if backward and not arch.hip_target and arch.capability < 90 else 8
     num_warps = min(max_warps, max(1, block_m * block_n // (arch.warp_size * values_per_thread)))
     return RowConfig(block_m, block_n, num_warps, row_in_registers=True)
@@ -486,8 +470,8 @@ def norm_fwd(
 def backward_rows_per_program(M: int, N: int, cfg: RowConfig, device: torch.device) -> int:
     """Rows in each program's slab: enough programs, counting a row's column blocks, to fill the
     GPU, and a whole number of tiles. The partial sums take a row of N per slab."""
-    # A split row's 16-warp programs hold 105-119 registers a thread: one fits an SM (two would take
-    # 2·512·105 > 65,536), so one wave of them, all resident at once, every slab's blocks in step.
+    # A split row's 16-warp program holds over 100 registers a thread: one fits an SM, so one wave of
+    # them, all resident at once, every slab's blocks in step.
     programs_per_sm = max(1, 32 // cfg.num_warps) if cfg.row_in_registers else 1
     programs = runtime.num_sms(device) * programs_per_sm
     slabs = max(1, programs // triton.cdiv(N, cfg.block_n))

@@ -32,8 +32,7 @@ head-dim columns as zeros and whose stores drop them. Unaligned inputs (start or
 multiples of 16 bytes), other GPUs, ``launch.USE_TMA = False`` and table entries whose TMA tile spilled
 take masked pointer loads (some at a tile of their own: ``AttnConfig.pointer``); one kernel serves
 both.
-Causal forward and dq passes run their longest query blocks first, so the tail is short ones; the
-forward can also run persistent (``programs_per_sm`` in its table), off until measured faster.
+Causal forward and dq passes run their longest query blocks first, so the tail is short ones.
 
 Tiles, warps and stages come from a table per pass with an entry per GPU family (A100-class sm80,
 the 99-KiB sm86 chips, Hopper sm90, datacenter Blackwell sm100, AMD's MI300 series gfx942:

@@ -33,8 +33,6 @@ class AttnConfig:
     num_stages: int
     column_splits: int = 1  # dk/dv pass: its head-dim columns shared among this many programs
     tma: bool = True  # q/k/v/o tiles by TMA (tensor descriptors) where the GPU and strides allow
-    # Forward: 0 launches a program per tile; n > 0 launches n per SM, each looping over tiles.
-    programs_per_sm: int = 0
     # The config taken when tiles move by pointers (None: this one), for entries whose TMA tile spills there.
     pointer: "AttnConfig | None" = None
     # dk/dv pass: dv and dk by two launches of their own, one accumulator live in each (5 GEMMs against

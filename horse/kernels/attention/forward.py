@@ -235,41 +235,31 @@ def _attn_fwd_kernel(
     BLOCK_N: tl.constexpr,
     MASK: tl.constexpr,  # "full", "causal" or "local"
     TMA: tl.constexpr,
-    PERSISTENT: tl.constexpr,
     VARLEN: tl.constexpr,
     INLINE_PTX: tl.constexpr,  # an NVIDIA target: the causal mask as PTX (see _causal_scores)
 ):
-    # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): a program per tile; or with PERSISTENT
-    # (programs,), program p taking tiles p, p + programs, ... (off in every table entry: TUNING.md).
+    # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): a program per tile
     CAUSAL: tl.constexpr = MASK == "causal"
     LOCAL: tl.constexpr = MASK == "local"
-    batch, heads, _ = sizes
     m_blocks = tl.cdiv(seqlens[0], BLOCK_M)
     qk_scale = softmax_scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
-    # The tiles this program takes, from first, as offset + range(first, end, step): without
-    # PERSISTENT a loop of one tile, whose constant bounds compile to no loop at all.
-    offset, first, end, step = tl.program_id(0), 0, 1, 1
-    if PERSISTENT:
-        tl.static_assert(not VARLEN, "a packed batch's tiles return early")
-        offset, first, end, step = 0, tl.program_id(0), m_blocks * batch * heads, tl.num_programs(0)
-    for tile in range(first, end, step):
-        _attn_fwd_tile(
-            offset + tile,
-            m_blocks=m_blocks,
-            qk_scale=qk_scale,
-            tensors=(Q, K, V, OUT, LSE),
-            cu_seqlens=cu_seqlens,
-            seqlens=seqlens,
-            window=window,
-            sizes=sizes,
-            strides=strides,
-            HEAD_DIM=HEAD_DIM,
-            BLOCK_D=BLOCK_D,
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N,
-            CAUSAL=CAUSAL,
-            LOCAL=LOCAL,
-            TMA=TMA,
-            VARLEN=VARLEN,
-            INLINE_PTX=INLINE_PTX,
-        )
+    _attn_fwd_tile(
+        tl.program_id(0),
+        m_blocks=m_blocks,
+        qk_scale=qk_scale,
+        tensors=(Q, K, V, OUT, LSE),
+        cu_seqlens=cu_seqlens,
+        seqlens=seqlens,
+        window=window,
+        sizes=sizes,
+        strides=strides,
+        HEAD_DIM=HEAD_DIM,
+        BLOCK_D=BLOCK_D,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        CAUSAL=CAUSAL,
+        LOCAL=LOCAL,
+        TMA=TMA,
+        VARLEN=VARLEN,
+        INLINE_PTX=INLINE_PTX,
+    )

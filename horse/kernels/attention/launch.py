@@ -138,9 +138,7 @@ def attention_fwd(
     host_tma, launch = _descriptors(tma, packed)
     q_tiles, out_tiles = (_operand(t, cfg.block_m, block_d, host_tma) for t in (q, out))
     k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, host_tma) for t in (k, v))
-    tiles = triton.cdiv(seqlen_q, cfg.block_m) * batch * heads
-    persistent = cfg.programs_per_sm > 0 and packed is None
-    programs = min(tiles, cfg.programs_per_sm * runtime.num_sms(q.device)) if persistent else tiles
+    programs = triton.cdiv(seqlen_q, cfg.block_m) * batch * heads  # a program per tile
     if programs == 0:  # a packed batch of empty sequences
         return out, lse
     args = _pass_args(q, k, lse, causal, window, softmax_scale, packed) | dict(
@@ -149,7 +147,6 @@ def attention_fwd(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         TMA=tma,
-        PERSISTENT=persistent,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -244,6 +241,100 @@ def dkdv_head_splits(programs: int, group_size: int, num_sms: int) -> tuple[int,
     return heads_per_split, triton.cdiv(group_size, heads_per_split)
 
 
+def _bwd_preprocess(out, dout, lse, dlse, args: dict, batch: int, heads: int, packed: Packed | None):
+    """The backward's first pass: delta = rowsum(dO * O) - dlse and lse in log2 units (+inf where a
+    row sees no key), the row statistics both gradient passes read. Returns (lse_log2, delta), each
+    lse's shape (the kernels address them with lse's strides; lse, from the forward, is contiguous)."""
+    seqlen_q, head_dim = args["seqlens"][0], args["HEAD_DIM"]
+    delta, lse_log2 = (runtime.empty(lse.shape, torch.float32, lse.device) for _ in range(2))
+    preprocess_args = dict(
+        CU_SEQLENS_Q=args["cu_seqlens"][0],
+        seqlen_q=seqlen_q,
+        heads=heads,
+        o_strides=_strides(out),
+        do_strides=_strides(dout),
+        lse_strides=_lse_strides(lse),
+        HEAD_DIM=head_dim,
+        BLOCK_D=head_dim_block(head_dim),
+        BLOCK_M=configs.PREPROCESS_BLOCK_M,
+        HAS_DLSE=dlse is not None,
+        VARLEN=packed is not None,
+        num_warps=configs.PREPROCESS_NUM_WARPS,
+        **runtime.COMPILE_OPTIONS,
+    )
+    grid = (triton.cdiv(seqlen_q, configs.PREPROCESS_BLOCK_M) * batch * heads,)
+    dlse_or_unread = dlse if dlse is not None else delta
+    tensors = (out, dout, lse, dlse_or_unread, delta, lse_log2)
+    runtime.launch(_attn_bwd_preprocess_kernel, grid, *tensors, **preprocess_args)
+    return lse_log2, delta
+
+
+def _bwd_dkdv(q, k, v, dout, row_stats, dk, dv, args: dict, shape: tuple, packed: Packed | None) -> None:
+    """The pass per key block: dk and dv (of shape (batch, seqlen_k, kv_heads, head_dim)), a GQA
+    group's query heads split over programs when there are too few (float32 partials, summed here)."""
+    batch, _, seqlen_k, heads, kv_heads, head_dim = shape
+    block_d = head_dim_block(head_dim)
+    cfg = configs.attn_config(configs.BWD_DKDV_CONFIGS, head_dim, q.device)
+    # dk and dv stand for the float32 partials of head splits: new, contiguous, as aligned.
+    tma = tma_usable(cfg, q, k, v, dout, dk, dv)
+    cfg = cfg.loads(tma)
+    host_tma, launch = _descriptors(tma, packed)
+    programs = triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads
+    heads_per_split, splits = dkdv_head_splits(programs, heads // kv_heads, bwd_num_sms(q.device))
+    # Split: float32 partials (splits, *k.shape), the splits stacked on the first axis.
+    dk_out, dv_out = dk, dv
+    if splits > 1:
+        partial_shape = (splits * k.shape[0], *k.shape[1:])
+        dk_out, dv_out = (runtime.empty(partial_shape, torch.float32, k.device) for _ in range(2))
+    q_tiles, do_tiles = (_operand(t, cfg.block_m, block_d, host_tma) for t in (q, dout))
+    # Split outputs: K and V by pointers (see _attn_bwd_dkdv_kernel), each launch one gradient.
+    k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, host_tma and not cfg.split_outputs) for t in (k, v))
+    dk_tiles, dv_tiles = (_operand(t, cfg.block_n, block_d, host_tma) for t in (dk_out, dv_out))
+    q_k_v_do_strides = (_strides(q), _strides(k), _strides(v), _strides(dout))
+    lse_strides = _lse_strides(row_stats[0])
+    dkdv_args = args | dict(
+        sizes=(heads, kv_heads, heads // kv_heads, heads_per_split, k.shape[0]),
+        strides=(*q_k_v_do_strides, _strides(dk_out), _strides(dv_out), lse_strides),
+        BLOCK_D_OUT=block_d // cfg.column_splits,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        TMA=tma,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    grid = (programs, splits * cfg.column_splits)
+    tensors = (q_tiles, k_tiles, v_tiles, do_tiles, row_stats, dk_tiles, dv_tiles)
+    for output in dkdv_outputs(cfg):
+        launch(_attn_bwd_dkdv_kernel, grid, *tensors, **dkdv_args, OUTPUT=output)
+    if splits > 1:  # torch's sum over the splits: the same order every run
+        dk.copy_(dk_out.view(splits, *k.shape).sum(0))
+        dv.copy_(dv_out.view(splits, *v.shape).sum(0))
+
+
+def _bwd_dq(q, k, v, dout, row_stats, dq, args: dict, shape: tuple, packed: Packed | None) -> None:
+    """The pass per query block: dq (q's shape)."""
+    batch, seqlen_q, _, heads, kv_heads, head_dim = shape
+    block_d = head_dim_block(head_dim)
+    cfg = configs.attn_config(configs.BWD_DQ_CONFIGS, head_dim, q.device)
+    tma = tma_usable(cfg, q, k, v, dout, dq)
+    host_tma, launch = _descriptors(tma, packed)
+    q_tiles, do_tiles, dq_tiles = (_operand(t, cfg.block_m, block_d, host_tma) for t in (q, dout, dq))
+    k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, host_tma) for t in (k, v))
+    grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
+    q_k_v_do_strides = (_strides(q), _strides(k), _strides(v), _strides(dout))
+    dq_args = args | dict(
+        sizes=(heads, heads // kv_heads),
+        strides=(*q_k_v_do_strides, _strides(dq), _lse_strides(row_stats[0])),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        TMA=tma,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    tensors = (q_tiles, k_tiles, v_tiles, do_tiles, row_stats, dq_tiles)
+    launch(_attn_bwd_dq_kernel, grid, *tensors, **dq_args)
+
+
 def attention_bwd(
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
@@ -260,95 +351,24 @@ def attention_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`attention_fwd`; dlse is the gradient of lse, or None. Returns dq, dk, dv;
     needs says whether dq and whether dk and dv are wanted: a pass nobody wants is not launched, its
-    gradients empty tensors (frozen inputs)."""
-    batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim = _shape(q, k, packed)
+    gradients empty tensors (frozen inputs). Three passes: the row statistics (:func:`_bwd_preprocess`),
+    dk and dv (:func:`_bwd_dkdv`), dq (:func:`_bwd_dq`)."""
+    shape = _shape(q, k, packed)
+    batch, _, _, heads, _, _ = shape
     if dout.stride(-1) != 1:  # gradients can arrive expanded (stride 0) or transposed
         dout = dout.contiguous()
     if dlse is not None:
         dlse = dlse.contiguous()
-    block_d = head_dim_block(head_dim)
-    # The kernels address both with lse's strides (lse, from the forward, is contiguous).
-    delta, lse_log2 = (runtime.empty(lse.shape, torch.float32, q.device) for _ in range(2))
     dq = runtime.empty(q.shape if needs[0] else (0,), q.dtype, q.device)
     dk = runtime.empty(k.shape if needs[1] else (0,), k.dtype, k.device)
     dv = runtime.empty(v.shape if needs[1] else (0,), v.dtype, v.device)
     if q.shape[0] == 0 or k.shape[0] == 0 or not any(needs):  # nothing to compute
         return dq.zero_(), dk.zero_(), dv.zero_()
     args = _pass_args(q, k, lse, causal, window, softmax_scale, packed)
-    # Each pass's strides: q, k, v, dO, its outputs', then lse's (delta and lse_log2 share them).
-    q_k_v_do_strides = (_strides(q), _strides(k), _strides(v), _strides(dout))
-    preprocess_args = dict(
-        CU_SEQLENS_Q=args["cu_seqlens"][0],
-        seqlen_q=seqlen_q,
-        heads=heads,
-        o_strides=_strides(out),
-        do_strides=_strides(dout),
-        lse_strides=_lse_strides(lse),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_M=configs.PREPROCESS_BLOCK_M,
-        HAS_DLSE=dlse is not None,
-        VARLEN=packed is not None,
-        num_warps=configs.PREPROCESS_NUM_WARPS,
-        **runtime.COMPILE_OPTIONS,
-    )
     with runtime.device_guard(q):
-        grid = (triton.cdiv(seqlen_q, configs.PREPROCESS_BLOCK_M) * batch * heads,)
-        dlse_or_unread = dlse if dlse is not None else delta
-        tensors = (out, dout, lse, dlse_or_unread, delta, lse_log2)
-        runtime.launch(_attn_bwd_preprocess_kernel, grid, *tensors, **preprocess_args)
+        lse_log2, delta = _bwd_preprocess(out, dout, lse, dlse, args, batch, heads, packed)
         if needs[1]:
-            cfg = configs.attn_config(configs.BWD_DKDV_CONFIGS, head_dim, q.device)
-            # dk and dv stand for the float32 partials of head splits: new, contiguous, as aligned.
-            tma = tma_usable(cfg, q, k, v, dout, dk, dv)
-            cfg = cfg.loads(tma)
-            host_tma, launch = _descriptors(tma, packed)
-            programs = triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads
-            heads_per_split, splits = dkdv_head_splits(programs, heads // kv_heads, bwd_num_sms(q.device))
-            # Split: float32 partials (splits, *k.shape), the splits stacked on the first axis.
-            dk_out, dv_out = dk, dv
-            if splits > 1:
-                partial_shape = (splits * k.shape[0], *k.shape[1:])
-                dk_out, dv_out = (runtime.empty(partial_shape, torch.float32, k.device) for _ in range(2))
-            q_tiles, do_tiles = (_operand(t, cfg.block_m, block_d, host_tma) for t in (q, dout))
-            # Split outputs: K and V by pointers (see _attn_bwd_dkdv_kernel), each launch one gradient.
-            k_tiles, v_tiles = (
-                _operand(t, cfg.block_n, block_d, host_tma and not cfg.split_outputs) for t in (k, v)
-            )
-            dk_tiles, dv_tiles = (_operand(t, cfg.block_n, block_d, host_tma) for t in (dk_out, dv_out))
-            dkdv_args = args | dict(
-                sizes=(heads, kv_heads, heads // kv_heads, heads_per_split, k.shape[0]),
-                strides=(*q_k_v_do_strides, _strides(dk_out), _strides(dv_out), _lse_strides(lse)),
-                BLOCK_D_OUT=block_d // cfg.column_splits,
-                BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n,
-                TMA=tma,
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
-            )
-            grid = (programs, splits * cfg.column_splits)
-            tensors = (q_tiles, k_tiles, v_tiles, do_tiles, (lse_log2, delta), dk_tiles, dv_tiles)
-            for output in dkdv_outputs(cfg):
-                launch(_attn_bwd_dkdv_kernel, grid, *tensors, **dkdv_args, OUTPUT=output)
-            if splits > 1:  # torch's sum over the splits: the same order every run
-                dk.copy_(dk_out.view(splits, *k.shape).sum(0))
-                dv.copy_(dv_out.view(splits, *v.shape).sum(0))
+            _bwd_dkdv(q, k, v, dout, (lse_log2, delta), dk, dv, args, shape, packed)
         if needs[0]:
-            cfg = configs.attn_config(configs.BWD_DQ_CONFIGS, head_dim, q.device)
-            tma = tma_usable(cfg, q, k, v, dout, dq)
-            host_tma, launch = _descriptors(tma, packed)
-            q_tiles, do_tiles, dq_tiles = (_operand(t, cfg.block_m, block_d, host_tma) for t in (q, dout, dq))
-            k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, host_tma) for t in (k, v))
-            grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
-            dq_args = args | dict(
-                sizes=(heads, heads // kv_heads),
-                strides=(*q_k_v_do_strides, _strides(dq), _lse_strides(lse)),
-                BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n,
-                TMA=tma,
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
-            )
-            tensors = (q_tiles, k_tiles, v_tiles, do_tiles, (lse, delta), dq_tiles)
-            launch(_attn_bwd_dq_kernel, grid, *tensors, **dq_args)
+            _bwd_dq(q, k, v, dout, (lse, delta), dq, args, shape, packed)
     return dq, dk, dv
