@@ -979,7 +979,7 @@ def test_attention_configs_are_the_launchers_plans(use_tma, monkeypatch):
     # The sm90 tables' own tiles (the interpreter emulates sm_90), walked without running a kernel:
     # every attention pass the launchers start, padded and packed, at a padded head dim and at 256 (its
     # dk/dv entry launches dv and dk apart by TMA, its pointer tile fused), is one the compile report
-    # builds.
+    # builds; the decode pass's too.
     from horse import kernels
     from horse.kernels.attention import configs as attention_configs
     from horse.kernels.attention import launch
@@ -990,7 +990,7 @@ def test_attention_configs_are_the_launchers_plans(use_tma, monkeypatch):
     monkeypatch.setattr(
         runtime, "launch", lambda kernel, grid, *args, **kw: launches.append((kernel, args, kw))
     )
-    passes = ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel")
+    passes = ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_attn_decode_kernel")
     built = {repr(_compiled(c)) for c in compile_report.all_configs(["sm90"]) if c.fn.fn.__name__ in passes}
     # GQA with its heads split at the power-of-two head dims: the report builds the float32 partials'
     # store at those alone (the loop is the padded head dim's).
@@ -1001,8 +1001,15 @@ def test_attention_configs_are_the_launchers_plans(use_tma, monkeypatch):
         cu = torch.tensor([0, 30, 40], dtype=torch.int32)
         packed = [t.detach().flatten(0, 1)[:40].requires_grad_() for t in (q, k, v)]
         kernels.flash_attention_varlen(*packed, cu, cu, 30, 30, causal=False).sum().backward()
+        if head_dim == 96:  # the decode pass, at the padded head dim the report builds it in
+            for seqlen_q in (1, 40):  # a tile of 16 rows, of the entry's 64
+                lengths = torch.full((2,), 40, dtype=torch.int32)  # a tensor: never the prefill kernel
+                cache = {"cache_seqlens": lengths, "causal": True, "window_size": window}
+                kernels.flash_attention_with_kvcache(
+                    q.detach()[:, :seqlen_q], k.detach(), v.detach(), **cache
+                )
     launched = [_launched(*launch) for launch in launches if launch[0].fn.__name__ in passes]
     assert {name for name, *_ in launched} == set(passes)
-    assert any(c[1]["TMA"] for c in launched) == use_tma
+    assert any(c[1].get("TMA") for c in launched) == use_tma
     for signature in launched:
         assert repr(signature) in built, signature

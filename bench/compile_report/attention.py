@@ -24,13 +24,6 @@ ATTENTION_TABLES = {
 # The mask variants each pass compiles to (its MASK): none, the causal diagonal, a sliding window.
 ATTENTION_MASKS = ("full", "causal", "local")
 
-# The decode kernel's tuple arguments, element by element, as attention_decode packs them.
-DECODE_TUPLES = {
-    "window": ("window_left", "window_right"),
-    "sizes": ("kv_heads", "group_size"),
-    "strides": ("q_strides", "k_strides", "v_strides"),
-}
-
 
 def plan_config(plan, shape_class: str, dtype: torch.dtype, arch: str, **fields) -> KernelConfig:
     """The KernelConfig of a launcher's plan (horse.kernels.attention.launch.Plan): its kernel,
@@ -124,6 +117,7 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
     """Every table entry of horse.kernels.attention for arch (:func:`attention_entry_configs`), the
     backward's preprocess for each head dim, padded and packed, and the decode kernels."""
     from horse.kernels.attention import configs as attention_configs
+    from horse.kernels.attention import launch
 
     configs, dtypes = [], (torch.float16, torch.bfloat16)
     block_dims = sorted(attention_configs.FWD_CONFIGS[arch.name])
@@ -151,26 +145,19 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
             configs += attention_entry_configs(table, cfg, block_d, arch)
     decode = sorted(attention_configs.DECODE_CONFIGS[arch.name].items())
     for (block_d, cfg), mask, dtype in itertools.product(decode, reversed(ATTENTION_MASKS), dtypes):
-        # The decode pass with a tile of 16 rows and of the entry's block_m (the launcher takes the
-        # smaller that holds a GQA group's rows), at a padded head dim (masked head-dim columns).
+        # The decode pass's plans with a tile of 16 rows (one query of MHA) and of the entry's block_m (as
+        # many rows), at a padded head dim (masked head-dim columns).
         head_dim = block_d * 3 // 4 if block_d > 16 else block_d
         shape_class = f"d={head_dim}" + ("" if mask == "full" else f" {mask}")
+        plans = (
+            launch.decode_plan(cfg, (1, rows, 4096, 1, 1, head_dim), mask, 132)[0]
+            for rows in (1, cfg.block_m)
+        )
+        by_block_m = {plan.constexprs["BLOCK_M"]: plan for plan in plans}
+        configs += [
+            plan_config(plan, shape_class, dtype, arch.name, matmul=True) for plan in by_block_m.values()
+        ]
         dims = {"HEAD_DIM": head_dim, "BLOCK_D": block_d}
-        for block_m in dict.fromkeys((16, cfg.block_m)):
-            constexprs = {**dims, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "MASK": mask}
-            configs.append(
-                kernel_config(
-                    "attention.decode._attn_decode_kernel",
-                    shape_class,
-                    dtype,
-                    constexprs,
-                    cfg.num_warps,
-                    arch.name,
-                    cfg.num_stages,
-                    tuples=DECODE_TUPLES,
-                    matmul=True,
-                )
-            )
         if mask == "full":  # and its reduce of the split keys' partial outputs
             configs.append(
                 kernel_config(

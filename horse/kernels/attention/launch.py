@@ -306,6 +306,32 @@ def decode_splits(programs: int, max_seqlen_k: int, block_n: int, num_sms: int) 
     return max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seqlen_k, block_n)))
 
 
+def decode_plan(entry: AttnConfig, shape: tuple, mask: str, num_sms: int) -> tuple[Plan, int]:
+    """(plan, keys per split) of the decode pass with table entry ``entry`` at shape (batch, seqlen_q,
+    seqlen_cache, heads, kv_heads, head_dim): a program per (sequence and kv head, split of the keys,
+    tile of a GQA group's rows), the tile the smaller of the entry's and the least power of two of at
+    least 16 that holds the group's rows."""
+    batch, seqlen_q, seqlen_cache, heads, kv_heads, head_dim = shape
+    rows = heads // kv_heads * seqlen_q
+    block_m = min(entry.block_m, max(16, triton.next_power_of_2(rows)))
+    row_tiles = triton.cdiv(rows, block_m)
+    splits = decode_splits(batch * kv_heads * row_tiles, seqlen_cache, entry.block_n, num_sms)
+    keys_per_split = triton.cdiv(triton.cdiv(seqlen_cache, splits), entry.block_n) * entry.block_n
+    splits = triton.cdiv(seqlen_cache, keys_per_split)  # none left without keys by the rounding
+    constexprs = dict(
+        HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), BLOCK_M=block_m, BLOCK_N=entry.block_n, MASK=mask
+    )
+    tuples = {
+        "window": SEQUENCES["window"],
+        "sizes": ("kv_heads", "group_size"),
+        "strides": ("q_strides", "k_strides", "v_strides"),
+    }
+    grid = (batch * kv_heads, splits, row_tiles)
+    return Plan(
+        _attn_decode_kernel, grid, constexprs, entry.num_warps, entry.num_stages, tuples, {}
+    ), keys_per_split
+
+
 def attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -321,33 +347,31 @@ def attention_decode(
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_cache, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group_size = heads // kv_heads
-    window, mask = _mask(causal, window, seqlen_q, seqlen_cache)
+    (window_left, window_right), mask = _mask(causal, window, seqlen_q, seqlen_cache)
     block_d = head_dim_block(head_dim)
-    cfg = configs.attn_config(configs.DECODE_CONFIGS, head_dim, q.device)
-    rows = group_size * seqlen_q
-    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(rows)))
-    row_tiles = triton.cdiv(rows, block_m)
-    splits = decode_splits(batch * kv_heads * row_tiles, seqlen_cache, cfg.block_n, runtime.num_sms(q.device))
-    keys_per_split = triton.cdiv(triton.cdiv(seqlen_cache, splits), cfg.block_n) * cfg.block_n
-    splits = triton.cdiv(seqlen_cache, keys_per_split)  # none left without keys by the rounding
+    entry = configs.attn_config(configs.DECODE_CONFIGS, head_dim, q.device)
+    shape = (batch, seqlen_q, seqlen_cache, heads, kv_heads, head_dim)
+    plan, keys_per_split = decode_plan(entry, shape, mask, runtime.num_sms(q.device))
+    splits = plan.grid[1]
     out = runtime.empty(q.shape, q.dtype, q.device)
     o_split = runtime.empty((splits, batch, heads, seqlen_q, head_dim), torch.float32, q.device)
     lse_split = runtime.empty((splits, batch, heads, seqlen_q), torch.float32, q.device)
+    values = dict(
+        window_left=window_left,
+        window_right=window_right,
+        kv_heads=kv_heads,
+        group_size=group_size,
+        q_strides=_strides(q),
+        k_strides=_strides(k_cache),
+        v_strides=_strides(v_cache),
+    )
     args = dict(
         softmax_scale=softmax_scale,
         seqlen_q=seqlen_q,
         keys_per_split=keys_per_split,
-        window=window,
-        sizes=(kv_heads, group_size),
-        strides=(_strides(q), _strides(k_cache), _strides(v_cache)),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n,
-        MASK=mask,
+        **plan.pack(values),
         INLINE_PTX=runtime.inline_ptx(q),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **plan.options(),
         **runtime.COMPILE_OPTIONS,
     )
     out_rows = batch * heads * seqlen_q  # (batch, heads, seqlen_q): each the reduce of its splits
@@ -364,8 +388,7 @@ def attention_decode(
         **runtime.COMPILE_OPTIONS,
     )
     with runtime.device_guard(q):
-        grid = (batch * kv_heads, splits, row_tiles)
-        runtime.launch(_attn_decode_kernel, grid, q, k_cache, v_cache, o_split, lse_split, seqlens_k, **args)
+        runtime.launch(plan.kernel, plan.grid, q, k_cache, v_cache, o_split, lse_split, seqlens_k, **args)
         runtime.launch(_attn_decode_reduce_kernel, (out_rows,), o_split, lse_split, out, **reduce_args)
     return out
 
