@@ -8,19 +8,27 @@ model classes, in bfloat16 weights (``from_pretrained(..., torch_dtype=torch.bfl
 
 * ``eager`` and ``sdpa``: transformers' own attention implementations;
 * ``ours``: the sdpa model after ``horse.hf.apply`` (our attention, norms, MLP and the loss without logits);
-* ``liger``: Liger-Kernel's instance patch (``apply_liger_kernel_to_llama(model=...)``) where it is
-  installed, an optional baseline; it has no GPT-2.
+* ``liger``: Liger-Kernel's instance patch (``apply_liger_kernel_to_llama(model=...)``, ``..._phi3``,
+  ``..._gemma3_text``) where it is installed, an optional baseline; it has no GPT-2.
 
-Models (random weights, no download): a LLaMA of 1.2 B parameters (Llama 3.2 1B's shape: d_model 2,048,
-16 layers, 32 query and 8 key-value heads, MLP 8,192, vocabulary 128,256, tied embeddings) at 4,096 tokens a
-sequence, and GPT-2 124M at 16 × 1,024 tokens. Work: 6·N + 12·L·d·T FLOPs a token (bench.train's count;
-N the parameters once, T the sequence length). Peak memory (the suite's ``peak_memory_bytes``: what the
-case allocated at most, model and optimizer included) is gated with tokens/s: gates.toml holds ours to at
-least sdpa's tokens/s and at most its peak memory, and to Liger's tokens/s where Liger is installed.
+Models (random weights, no download): a LLaMA of 1.2 B parameters (Llama 3.2 1B's shape: d_model 2,048, 16
+layers, 32 query and 8 key-value heads, MLP 8,192, vocabulary 128,256, tied embeddings) at 4,096 tokens a
+sequence; GPT-2 124M at 16 × 1,024 tokens; a Phi-3 of 3.8 B (Phi-3-mini's shape: d_model 3,072, 32 layers of
+32 heads, the fused gate_up_proj of 2 × 8,192, vocabulary 32,064, sliding window 2,047) at 2 × 2,048 tokens
+(at 4,096, eager's saved attention weights, 32 layers × 32 heads × 4,096² in bfloat16, would be 34 GB beside
+the 31 GB of weights, gradients and AdamW state: estimated, too near an H100's 80); a Gemma 3 of 1.0 B (Gemma
+3 1B's shape: d_model 1,152, 26 layers of 4 query heads over 1 key-value head of dim 256, GeGLU MLP 6,912,
+vocabulary 262,144, windows of 512 on five layers in six, tied embeddings) with Gemma 2's final-logit
+softcapping of 30 at 4,096 tokens. A Gemma-2-style model waits for the attention kernel's softcapping
+(horse.hf.apply refuses gemma2). Work: 6·N + 12·L·d·T FLOPs a token (bench.train's count; N the parameters
+once, T the sequence length; for the Gemma it counts full attention on every layer, as for the others). Peak
+memory (the suite's ``peak_memory_bytes``: what the case allocated at most, model and optimizer included) is
+gated with tokens/s: gates.toml holds ours to at least sdpa's tokens/s and at most its peak memory, and to
+Liger's tokens/s where Liger is installed.
 
-Before ours is timed, its loss on the batch is compared with sdpa's on the same weights (bfloat16:
-within 2 %). Without a GPU, :func:`interpreter_checks` runs tiny models of both families in float16 in
-Triton's interpreter against eager in float32.
+Before ours is timed, its loss on the batch is compared with sdpa's on the same weights (bfloat16: within 2%).
+Without a GPU, :func:`interpreter_checks` runs a tiny model of each family (the Gemma with its softcap) in
+float16 in Triton's interpreter against eager in float32.
 """
 
 import dataclasses
@@ -48,8 +56,7 @@ class Model:
     def make_config(self):
         import transformers
 
-        config_class = {"llama": transformers.LlamaConfig, "gpt2": transformers.GPT2Config}[self.family]
-        return config_class(**self.config)
+        return transformers.AutoConfig.for_model(self.family, **self.config)
 
     @property
     def params(self) -> dict:
@@ -84,7 +91,48 @@ LLAMA_1B = Model(
 GPT2_124M = Model(
     "gpt2-124m", "gpt2", {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}, batch=16, seq_len=1024
 )
-MODELS = (LLAMA_1B, GPT2_124M)
+PHI3_MINI = Model(
+    "phi3-mini",
+    "phi3",
+    {
+        "vocab_size": 32064,
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 4096,
+        "sliding_window": 2047,
+    },
+    batch=2,
+    seq_len=2048,
+)
+GEMMA3_1B = Model(
+    "gemma3-1b-softcap",
+    "gemma3_text",
+    {
+        "vocab_size": 262144,
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 512,
+        "max_position_embeddings": 32768,
+        "final_logit_softcapping": 30.0,
+    },
+    batch=1,
+    seq_len=4096,
+)
+MODELS = (LLAMA_1B, GPT2_124M, PHI3_MINI, GEMMA3_1B)
+# Liger-Kernel's instance patch for each family it has
+LIGER_PATCHES = {
+    "llama": "apply_liger_kernel_to_llama",
+    "phi3": "apply_liger_kernel_to_phi3",
+    "gemma3_text": "apply_liger_kernel_to_gemma3_text",
+}
 
 
 def flops_per_step(model, spec: Model) -> int:
@@ -112,12 +160,12 @@ def build(spec: Model, implementation: str, device: str, dtype: torch.dtype = DT
 
 
 def _apply_liger(model, spec: Model) -> None:
-    if spec.family != "llama":
+    if spec.family not in LIGER_PATCHES:
         raise suite.UnavailableError(f"Liger-Kernel has no {spec.family}")
     try:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        import liger_kernel.transformers
 
-        apply_liger_kernel_to_llama(model=model)
+        getattr(liger_kernel.transformers, LIGER_PATCHES[spec.family])(model=model)
     except Exception as error:  # not installed, or not for this transformers
         raise suite.UnavailableError(f"Liger-Kernel: {error}") from error
 
@@ -177,7 +225,7 @@ def cases(quick: bool) -> list[suite.Case]:
     return result
 
 
-# Tiny models for the interpreter: two layers, GQA in the LLaMA, 16 tokens a sequence.
+# Tiny models for the interpreter: two layers, GQA in the LLaMA and the Gemma, 16 tokens a sequence.
 INTERPRETER_MODELS = (
     Model(
         "llama-tiny",
@@ -205,6 +253,44 @@ INTERPRETER_MODELS = (
             "attn_pdrop": 0.0,
             "resid_pdrop": 0.0,
             "embd_pdrop": 0.0,
+        },
+        batch=2,
+        seq_len=16,
+    ),
+    Model(
+        "phi3-tiny",
+        "phi3",
+        {
+            "vocab_size": 96,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "sliding_window": 7,
+            "pad_token_id": 0,  # Phi-3's 32,000 lies outside this vocabulary
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+        batch=2,
+        seq_len=16,
+    ),
+    # Weights 10x the default spread: logits reach about ±10, where a softcap of 5 bends the large ones.
+    Model(
+        "gemma3-tiny-softcap",
+        "gemma3_text",
+        {
+            "vocab_size": 96,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "sliding_window": 5,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "initializer_range": 0.2,
+            "final_logit_softcapping": 5.0,
         },
         batch=2,
         seq_len=16,

@@ -11,18 +11,26 @@ pytest.importorskip("transformers")
 from bench import hf  # noqa: E402
 
 
-def test_cases_cover_both_models_on_every_implementation_and_quick_keeps_the_gated_ones():
+def test_cases_cover_every_model_on_every_implementation_and_quick_keeps_the_gated_ones():
     cases = hf.cases(quick=False)
     assert [(c.params["model"], c.implementation) for c in cases] == [
         (model.name, name) for model in hf.MODELS for name in hf.IMPLEMENTATIONS
     ]
-    llama, gpt2 = cases[0].params, cases[-1].params
-    assert llama == {"model": "llama-1b", "layers": 16, "d_model": 2048, "batch": 1, "seq_len": 4096}
-    assert gpt2 == {"model": "gpt2-124m", "layers": 12, "d_model": 768, "batch": 16, "seq_len": 1024}
+    llama, gpt2, phi3, gemma3 = (cases[i * len(hf.IMPLEMENTATIONS)] for i in range(4))
+    assert llama.params == {"model": "llama-1b", "layers": 16, "d_model": 2048, "batch": 1, "seq_len": 4096}
+    assert gpt2.params == {"model": "gpt2-124m", "layers": 12, "d_model": 768, "batch": 16, "seq_len": 1024}
+    assert phi3.params == {"model": "phi3-mini", "layers": 32, "d_model": 3072, "batch": 2, "seq_len": 2048}
+    assert gemma3.params == {
+        "model": "gemma3-1b-softcap", "layers": 26, "d_model": 1152, "batch": 1, "seq_len": 4096
+    }  # fmt: skip
+    assert hf.GEMMA3_1B.make_config().final_logit_softcapping == 30.0
     assert all(c.direction == "forward+backward" and c.unit == "flop" for c in cases)
-    # 6 N + 12 L d T a token: N is Llama 3.2 1B's 1.236 B parameters (tied head), GPT-2's 124.4 M.
-    assert cases[0].work == pytest.approx((6 * 1.2358e9 + 12 * 16 * 2048 * 4096) * 4096, rel=1e-3)
-    assert cases[-1].work == pytest.approx((6 * 124.44e6 + 12 * 12 * 768 * 1024) * 16 * 1024, rel=1e-3)
+    # 6 N + 12 L d T a token: N is Llama 3.2 1B's 1.236 B parameters (tied head), GPT-2's 124.4 M,
+    # Phi-3-mini's 3.821 B, Gemma 3 1B's 1.000 B (tied head).
+    assert llama.work == pytest.approx((6 * 1.2358e9 + 12 * 16 * 2048 * 4096) * 4096, rel=1e-3)
+    assert gpt2.work == pytest.approx((6 * 124.44e6 + 12 * 12 * 768 * 1024) * 16 * 1024, rel=1e-3)
+    assert phi3.work == pytest.approx((6 * 3.8211e9 + 12 * 32 * 3072 * 2048) * 2 * 2048, rel=1e-3)
+    assert gemma3.work == pytest.approx((6 * 0.99989e9 + 12 * 26 * 1152 * 4096) * 4096, rel=1e-3)
     quick = suite.gated_cases(hf.cases(quick=True), suite.load_gates())
     assert [(c.params["model"], c.implementation) for c in quick] == [
         (model.name, name) for model in hf.MODELS for name in ("ours", "sdpa", "liger")
@@ -54,6 +62,7 @@ def test_gates_hold_ours_to_sdpas_tokens_per_second_and_peak_memory(ours_ms, our
 
 
 def test_liger_is_unavailable_for_gpt2_and_where_it_is_not_installed():
+    assert set(hf.LIGER_PATCHES) == {spec.family for spec in hf.MODELS} - {"gpt2"}
     model = torch.nn.Linear(2, 2)
     with pytest.raises(suite.UnavailableError, match="no gpt2"):
         hf._apply_liger(model, hf.GPT2_124M)
@@ -67,7 +76,9 @@ def test_liger_is_unavailable_for_gpt2_and_where_it_is_not_installed():
 @pytest.mark.interpreter
 def test_interpreter_check_passes_and_fails_on_a_wrong_gradient(monkeypatch):
     checks = hf.interpreter_checks()
-    assert [label.split()[1] for label, _, _ in checks] == ["llama-tiny", "gpt2-tiny"]
+    assert [label.split()[1] for label, _, _ in checks] == [
+        "llama-tiny", "gpt2-tiny", "phi3-tiny", "gemma3-tiny-softcap"
+    ]  # fmt: skip
     assert all(ok for _, _, ok in checks), checks
     from horse.hf import forwards
 
@@ -79,4 +90,13 @@ def test_interpreter_check_passes_and_fails_on_a_wrong_gradient(monkeypatch):
 
     monkeypatch.setattr(forwards, "rms_norm_forward", half_the_gradient)
     errors, ok = hf.interpreter_check(hf.INTERPRETER_MODELS[0])
+    assert not ok, errors
+
+
+@pytest.mark.interpreter
+def test_interpreter_check_fails_without_the_gemmas_final_logit_softcap(monkeypatch):
+    from horse.hf import forwards
+
+    monkeypatch.setattr(forwards, "final_logit_softcap", lambda config: None)
+    errors, ok = hf.interpreter_check(hf.INTERPRETER_MODELS[-1])
     assert not ok, errors

@@ -162,11 +162,12 @@ def compare(name, actual, truth, baselines, labels, keep=None):
         check(f"grad {param}", grads[param], grads_64[param], [b[2][param] for b in baselines])
 
 
-def against_eager(family: str, dtype: torch.dtype, keep=None, **inputs):
+def against_eager(family: str, dtype: torch.dtype, keep=None, overrides=None, **inputs):
     """Our patched model against the model at float64 on the same inputs, with eager and sdpa at dtype as
-    PyTorch's error. The float64 model runs sdpa: eager's softmax is float32 whatever the inputs, where
-    float64's mask minimum becomes -inf and a padding query that sees no key turns to NaN."""
-    model, patched = build(family)
+    PyTorch's error; overrides: config fields for tiny_config. The float64 model runs sdpa: eager's softmax is
+    float32 whatever the inputs, where float64's mask minimum becomes -inf and a padding query that sees no
+    key turns to NaN."""
+    model, patched = build(family, **(overrides or {}))
     truth_model = copy.deepcopy(model).double()
     truth_model.set_attn_implementation("sdpa")
     truth = run(truth_model, **inputs)
@@ -208,6 +209,34 @@ def test_logits_loss_and_every_gradient_match_eager_on_the_reference_path(family
 def test_float16_triton_kernels_hold_flash_attns_accuracy_rule(family):
     ids, labels = batch(seqlen=8)
     against_eager(family, torch.float16, input_ids=ids, labels=labels)
+
+
+# The tiny Gemma 3's logits reach about ±10 (median 1): a cap of 5 bends the large ones by half.
+SOFTCAP = {"final_logit_softcapping": 5.0}
+
+
+def test_final_logit_softcapping_matches_eager_on_the_reference_path(reference_path):
+    """Gemma 3 with final_logit_softcapping: the logits returned softcapped, the loss softcapped inside the
+    fused loss, from the logits (evaluation) and from the hidden states (training), every gradient."""
+    ids, labels = batch()
+    patched = against_eager("gemma3_text", torch.float32, overrides=SOFTCAP, input_ids=ids, labels=labels)
+    uncapped = eager_model("gemma3_text")(input_ids=ids).logits
+    assert uncapped.abs().max() > 1.5 * SOFTCAP["final_logit_softcapping"]  # the cap bites
+    model = eager_model("gemma3_text", **SOFTCAP).train()
+    expected = run(model, input_ids=ids, labels=labels)
+    patched.zero_grad(set_to_none=True)
+    fused = patched(input_ids=ids, labels=labels)
+    assert fused.logits is None  # training: linear_cross_entropy with the softcap, no logits
+    fused.loss.backward()
+    torch.testing.assert_close(fused.loss, expected[0], rtol=1e-5, atol=1e-6)
+    for name, p in patched.named_parameters():
+        torch.testing.assert_close(p.grad, expected[2][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.interpreter
+def test_final_logit_softcapping_in_float16_holds_flash_attns_accuracy_rule():
+    ids, labels = batch(seqlen=8)
+    against_eager("gemma3_text", torch.float16, overrides=SOFTCAP, input_ids=ids, labels=labels)
 
 
 @pytest.mark.parametrize("family", ["llama", "olmo2", "gemma"])
@@ -460,7 +489,7 @@ def test_an_unsupported_model_type_is_refused_by_name():
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16,
     )  # fmt: skip
-    with pytest.raises(ValueError, match=r"'gemma2'.*needs attention and final-logit softcapping"):
+    with pytest.raises(ValueError, match=r"'gemma2'.*needs attention logit softcapping"):
         horse.hf.apply(transformers.AutoModelForCausalLM.from_config(config))
     with pytest.raises(TypeError, match="PreTrainedModel"):
         horse.hf.apply(torch.nn.Linear(2, 2))
@@ -472,14 +501,14 @@ def test_an_unsupported_model_type_is_refused_by_name():
         ("llama", {"head_dim": 320, "num_attention_heads": 1, "num_key_value_heads": 1}, "head_dim 320"),
         ("llama", {"mlp_bias": True}, "MLP biases"),
         ("llama", {"hidden_act": "tanh"}, "activation Tanh"),
-        ("llama", {"attn_logit_softcapping": 30.0}, "softcapping"),
+        ("llama", {"attn_logit_softcapping": 30.0}, "attention logit softcapping"),
         ("gpt2", {"add_cross_attention": True}, "cross-attention"),
         ("phi3", {"hidden_act": "tanh"}, "activation Tanh"),
         ("granite", {"mlp_bias": True}, "MLP biases"),
         ("glm4", {"head_dim": 320, "num_attention_heads": 1, "num_key_value_heads": 1}, "head_dim 320"),
         ("gemma", {"use_bidirectional_attention": True}, "bidirectional attention"),
         ("gemma", {"hidden_act": "tanh"}, "activation Tanh"),
-        ("gemma3_text", {"final_logit_softcapping": 30.0}, "softcapping"),
+        ("gemma3_text", {"attn_logit_softcapping": 50.0}, "attention logit softcapping"),
         ("gemma3_text", {"use_bidirectional_attention": True}, "bidirectional attention"),
     ],
 )  # fmt: skip

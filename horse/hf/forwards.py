@@ -22,7 +22,8 @@ Each computes what the module's own forward computes, in the same dtypes, on ``h
   Granite's residual_multiplier, GLM-4's post_self_attn_layernorm and Gemma 3's post_attention_layernorm
   (sandwich norms; Gemma 3's add goes into its pre_feedforward_layernorm).
 - The causal LM: its loss from the last hidden states by ``linear_cross_entropy`` (:func:`causal_lm_forward`),
-  Granite's ``logits / logits_scaling`` folded into the hidden states.
+  Granite's ``logits / logits_scaling`` folded into the hidden states, Gemma's final_logit_softcapping as
+  the loss's ``softcap`` (the logits it returns softcapped as transformers does).
 
 A projection these forwards read the weight of must be a plain ``nn.Linear`` (GPT-2: ``Conv1D``) without
 hooks: a LoRA, quantized or hooked layer would be skipped, so its call raises instead, naming it.
@@ -300,16 +301,18 @@ def causal_lm_loss(
     num_items_in_batch: torch.Tensor | int | None = None,
     ignore_index: int = -100,
     shift_labels: torch.Tensor | None = None,
+    softcap: float | None = None,
     **kwargs,
 ) -> torch.Tensor:
     """transformers' ForCausalLMLoss: token t predicts labels[t + 1] (or shift_labels[t]), ignore_index
     ignored, the mean over the tokens kept, or with num_items_in_batch (gradient accumulation) the sum
     divided by it. From the logits when given (``cross_entropy``), else from the hidden states and the head's
-    weight (``linear_cross_entropy``: the logits never exist whole)."""
+    weight (``linear_cross_entropy``: the logits never exist whole); the logits softcapped inside the loss by
+    softcap unless None (``softcap · tanh(logits / softcap)``)."""
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     target = shift_labels.reshape(-1).to(hidden_states.device)
-    options = {"ignore_index": ignore_index, "reduction": "sum"}
+    options = {"ignore_index": ignore_index, "reduction": "sum", "softcap": softcap}
     if logits is None:
         rows = hidden_states.reshape(-1, hidden_states.shape[-1])
         loss = linear_cross_entropy(rows, lm_head.weight, target, lm_head.bias, **options)
@@ -326,6 +329,16 @@ def causal_lm_loss(
 def logits_divisor(config) -> float:
     """What the causal LM divides its logits by: Granite's ``logits_scaling``, 1 for the other families."""
     return config.logits_scaling if config.model_type == "granite" else 1
+
+
+def final_logit_softcap(config) -> float | None:
+    """The causal LM's final-logit softcap (Gemma 2's, Gemma 3's when set), None where it has none."""
+    return getattr(config, "final_logit_softcapping", None)
+
+
+def softcapped(logits: torch.Tensor, softcap: float) -> torch.Tensor:
+    """``softcap · tanh(logits / softcap)`` in the logits' dtype, the steps transformers' Gemmas take."""
+    return torch.tanh(logits / softcap) * softcap
 
 
 @can_return_tuple
@@ -361,8 +374,12 @@ def causal_lm_forward(self, *args, **kwargs):
         hidden_states = hidden_states / divisor  # lm_head(h) / s as lm_head(h / s): Granite's has no bias
         logits = None if logits is None else logits / divisor  # what the model returns, as it divides
     loss = None
+    softcap = final_logit_softcap(self.config)
     if labels is not None:
-        loss = causal_lm_loss(hidden_states, self.lm_head, labels, logits, **extra)
+        # the loss softcaps the logits itself, in float32: from the head's logits, not the returned ones
+        loss = causal_lm_loss(hidden_states, self.lm_head, labels, logits, softcap=softcap, **extra)
+    if logits is not None and softcap is not None:
+        logits = softcapped(logits, softcap)
     fields = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
     return _output_class(signature)(loss=loss, logits=logits, **fields)
 

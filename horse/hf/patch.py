@@ -20,7 +20,7 @@ Per family, by ``config.model_type``:
     gemma3_text       as gemma, with its q_norm and k_norm (Gemma's RMSNorm over the head dim), sliding
                       windows on the layers whose layer_type says so, query_pre_attn_scalar in the module's
                       scaling, and sandwich norms (the add fused into pre_feedforward_layernorm); the loss
-                      over its 262,208 classes
+                      over its 262,208 classes, with final_logit_softcapping when set as the loss's softcap
     gpt2              attention, LayerNorm, the MLP, the residual add into ln_2, the loss
 
 Any other model type raises (those of WAITING_FOR_KERNELS with what they need: gemma2, gemma4_text,
@@ -28,7 +28,7 @@ gpt_oss): a model is never left unpatched without a word. Rotary embeddings,
 partial (Phi-3's partial_rotary_factor, GLM-4's interleaved half) or none, and Granite's embedding_multiplier
 stay in transformers' own modules, which are not replaced. Refused at apply, naming what:
 quantized models, cross-attention (GPT-2's add_cross_attention), Gemma's use_bidirectional_attention, head
-dims above 256, logit softcapping (Gemma 3's final_logit_softcapping when set), a head with more classes
+dims above 256, attention logit softcapping (attn_logit_softcapping), a head with more classes
 than the loss takes (cross_entropy.MAX_VOCAB), MLP biases on a gated MLP, activations the kernels lack,
 wrapped layers (anything but a plain ``nn.Linear`` / ``Conv1D`` where a fused forward reads the weight, hooks
 on them) and modules whose forward something else has replaced already. Refused at call: see
@@ -63,7 +63,7 @@ SUPPORTED_MODEL_TYPES = (
 )  # fmt: skip
 # Families that need what the kernels do not do yet (issue 49), with what: named in apply's refusal.
 WAITING_FOR_KERNELS = {
-    "gemma2": "attention and final-logit softcapping",
+    "gemma2": "attention logit softcapping (attn_logit_softcapping)",
     "gemma4_text": "head dim 512 on its global layers",
     "gpt_oss": "attention sinks (s_aux) and its packed experts",
 }
@@ -204,9 +204,14 @@ def _refusals(model: PreTrainedModel, fam: Family, plan) -> list[str]:
     # Gemma's own masks stay causal where its attention does not; Gemma 3's bidirectional masks are untested
     if getattr(config, "use_bidirectional_attention", False):
         problems.append("bidirectional attention (use_bidirectional_attention=True)")
-    softcapping = {k: v for k, v in config.to_dict().items() if "softcap" in k and v is not None}
-    if softcapping:
-        problems.append(f"logit softcapping {softcapping}")
+    # the loss softcaps the final logits (forwards.final_logit_softcap); the attention kernel has no softcap
+    attention_softcapping = {
+        k: v
+        for k, v in config.to_dict().items()
+        if "softcap" in k and k != "final_logit_softcapping" and v is not None
+    }
+    if attention_softcapping:
+        problems.append(f"attention logit softcapping {attention_softcapping}")
     for name, module in model.named_modules():
         if isinstance(module, fam.attention) and module.head_dim > MAX_HEAD_DIM:
             problems.append(f"{name}: head_dim {module.head_dim} (the kernels take up to {MAX_HEAD_DIM})")
