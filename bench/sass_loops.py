@@ -26,7 +26,7 @@ from bench.compile_report.attention import (
     ATTENTION_MASKS,
     ATTENTION_PASSES,
     ATTENTION_TABLES,
-    attention_pass_config,
+    attention_pass_configs,
 )
 from bench.compile_report.config import KernelConfig
 
@@ -116,10 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     tma = entry.tma and not args.pointer
     cfg = entry.loads(tma)
     # A dk/dv entry with split outputs: each of its launches.
-    for output in configs.dkdv_outputs(cfg) if args.kernel == "attn_bwd_dkdv" else ("dkdv",):
-        config = attention_pass_config(
-            args.kernel, cfg, args.head_dim, torch.float16, args.mask, tma, output=output
-        )
+    for config in attention_pass_configs(args.kernel, entry, args.head_dim, torch.float16, args.mask, tma):
+        output = config.constexprs.get("OUTPUT", "dkdv")
         launch = "" if output == "dkdv" else f" {output}"
         print(f"{args.kernel}{launch} d={args.head_dim} {args.mask} {'tma' if tma else 'pointer'} {cfg}")
         print(describe(main_loops(sass_of(config)), cfg.num_warps))

@@ -53,7 +53,7 @@ import torch
 
 from bench import timing
 from bench.compile_report import compiler, gate
-from bench.compile_report.attention import ATTENTION_MASKS, attention_entry_configs, attention_pass_config
+from bench.compile_report.attention import ATTENTION_MASKS, attention_entry_configs, attention_pass_configs
 from bench.compile_report.config import check_capabilities
 from bench.compile_report.mlp import mlp_entry_configs, mlp_gemm_config
 from bench.report import format_table
@@ -222,10 +222,11 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
 
     def variants(pass_name: str, head_dim: int, packed: bool) -> Callable[[object], list]:
         return lambda cfg: [
-            attention_pass_config(
-                pass_name, cfg.loads(cfg.tma), head_dim, torch.float16, mask, cfg.tma, packed, arch.name
-            )
+            config
             for mask in ATTENTION_MASKS
+            for config in attention_pass_configs(
+                pass_name, cfg, head_dim, torch.float16, mask, cfg.tma, packed, arch.name
+            )
         ]
 
     targets = []

@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import importlib.util
+import inspect
 import itertools
 import json
 import os
@@ -917,3 +918,98 @@ def test_sass_loops_finds_the_innermost_hgmma_loop_without_the_out_of_line_waits
     assert (loop.start, loop.end, len(loop.instructions)) == (0x10, 0x60, 6)
     assert (loop.count("FMUL"), loop.count("FFMA"), loop.count("MUFU"), loop.count("HGMMA")) == (1, 1, 1, 1)
     assert loop.tensor_flops(num_warps=8) == 2 * 2 * 64 * 128 * 16  # two warpgroups issue it
+
+
+def _arguments(kernel) -> tuple[set, list]:
+    """(its constexprs' names, its other arguments' names) of a kernel, INLINE_PTX aside (the report
+    sets it per target)."""
+    parameters = inspect.signature(kernel.fn).parameters
+    constexprs = {n for n, p in parameters.items() if p.annotation is triton.language.constexpr}
+    return constexprs - {"INLINE_PTX"}, [n for n in parameters if n not in constexprs]
+
+
+def _launched(kernel, args: tuple, kwargs: dict):
+    """What a launch compiles: its kernel, constexprs (INLINE_PTX aside: the report sets it per target),
+    warps, stages, and each other argument as its kind and type (a tuple's element by element)."""
+
+    def kind(value):
+        if isinstance(value, tuple):
+            return tuple(kind(v) for v in value)
+        if isinstance(value, torch.Tensor):
+            return ("ptr", {torch.int32: "i32", **TRITON_TYPES}[value.dtype])
+        if hasattr(value, "block_shape"):  # a host-built TMA descriptor
+            return ("desc", TRITON_TYPES[value.base.dtype], tuple(value.block_shape))
+        return "scalar"
+
+    bound = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
+    constexprs, others = _arguments(kernel)
+    values = tuple((name, kind(bound[name])) for name in others)
+    return (
+        kernel.fn.__name__,
+        {n: bound[n] for n in sorted(constexprs)},
+        kwargs["num_warps"],
+        kwargs["num_stages"],
+        values,
+    )
+
+
+def _compiled(config: KernelConfig):
+    """A config as _launched describes a launch."""
+
+    def kind(name):
+        if name in config.descriptors:
+            return ("desc", config.pointer_types[name], tuple(config.descriptors[name]))
+        elements = config.tuples.get(name)
+        if isinstance(elements, int):  # a strides tuple
+            return ("scalar",) * elements
+        if elements is not None:
+            return tuple(kind(e) for e in elements)
+        return ("ptr", config.pointer_types[name]) if name in config.pointer_types else "scalar"
+
+    kernel = config.fn
+    constexprs = {
+        n: config.constexprs[n] for n in sorted(config.constexprs) if n != "INLINE_PTX" and "[" not in n
+    }
+    values = tuple((name, kind(name)) for name in _arguments(kernel)[1])
+    return kernel.fn.__name__, constexprs, config.num_warps, config.num_stages, values
+
+
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
+def test_attention_configs_are_the_launchers_plans(use_tma, monkeypatch):
+    # The sm90 tables' own tiles (the interpreter emulates sm_90), walked without running a kernel:
+    # every attention pass the launchers start, padded and packed, at a padded head dim and at 256 (its
+    # dk/dv entry launches dv and dk apart by TMA, its pointer tile fused), is one the compile report
+    # builds; the decode pass's too.
+    from horse import kernels
+    from horse.kernels.attention import configs as attention_configs
+    from horse.kernels.attention import launch
+
+    monkeypatch.setattr(attention_configs, "INTERPRETER_BLOCKS", {})
+    monkeypatch.setattr(launch, "USE_TMA", use_tma)
+    launches = []
+    monkeypatch.setattr(
+        runtime, "launch", lambda kernel, grid, *args, **kw: launches.append((kernel, args, kw))
+    )
+    passes = ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_attn_decode_kernel")
+    built = {repr(_compiled(c)) for c in compile_report.all_configs(["sm90"]) if c.fn.fn.__name__ in passes}
+    # GQA with its heads split at the power-of-two head dims: the report builds the float32 partials'
+    # store at those alone (the loop is the padded head dim's).
+    for (head_dim, kv_heads), window in itertools.product(((64, 2), (96, 4), (256, 2)), ((-1, -1), (7, 0))):
+        shapes = ((2, 40, heads, head_dim) for heads in (4, kv_heads, kv_heads))
+        q, k, v = (torch.randn(shape, dtype=torch.float16, requires_grad=True) for shape in shapes)
+        kernels.flash_attention(q, k, v, causal=True, window_size=window).sum().backward()
+        cu = torch.tensor([0, 30, 40], dtype=torch.int32)
+        packed = [t.detach().flatten(0, 1)[:40].requires_grad_() for t in (q, k, v)]
+        kernels.flash_attention_varlen(*packed, cu, cu, 30, 30, causal=False).sum().backward()
+        if head_dim == 96:  # the decode pass, at the padded head dim the report builds it in
+            for seqlen_q in (1, 40):  # a tile of 16 rows, of the entry's 64
+                lengths = torch.full((2,), 40, dtype=torch.int32)  # a tensor: never the prefill kernel
+                cache = {"cache_seqlens": lengths, "causal": True, "window_size": window}
+                kernels.flash_attention_with_kvcache(
+                    q.detach()[:, :seqlen_q], k.detach(), v.detach(), **cache
+                )
+    launched = [_launched(*launch) for launch in launches if launch[0].fn.__name__ in passes]
+    assert {name for name, *_ in launched} == set(passes)
+    assert any(c[1].get("TMA") for c in launched) == use_tma
+    for signature in launched:
+        assert repr(signature) in built, signature

@@ -84,33 +84,172 @@ def _shape(q: torch.Tensor, k: torch.Tensor, packed: Packed | None) -> tuple[int
     return batch, packed.max_seqlen_q, packed.max_seqlen_k, q.shape[1], k.shape[1], q.shape[2]
 
 
-def _descriptors(tma: bool, packed: Packed | None):
-    """(host_tma, launch) of a pass whose tiles move by TMA (tma) or not: descriptors made on the
-    host for a padded batch; a packed batch's kernel builds its own on the device, bounded by each
-    sequence (_sequence_view), and is launched with an allocator for them."""
-    host_tma = tma and packed is None
-    launch = runtime.launch_building_descriptors if tma and packed is not None else runtime.launch
-    return host_tma, launch
+def _launch(tma: bool, packed: Packed | None):
+    """How a pass is launched: a packed batch's kernel with TMA loads builds its descriptors on the
+    device, bounded by each sequence (_sequence_view), and is launched with an allocator for them."""
+    return runtime.launch_building_descriptors if tma and packed is not None else runtime.launch
 
 
 def _pass_args(q, k, lse, causal, window, softmax_scale, packed: Packed | None) -> dict:
-    """The launch arguments the forward and both backward passes share: a packed batch's offsets (lse,
-    never read, when not packed), the scale, the sequence lengths (a packed batch's longest), the
-    window and the mask, the head dims, and the compile options."""
-    _, seqlen_q, seqlen_k, _, _, head_dim = _shape(q, k, packed)
-    window, mask = _mask(causal, window, seqlen_q, seqlen_k)
+    """The named values the forward and both backward passes share, for their plans to pack: a packed
+    batch's offsets (lse, never read, when not packed), the sequence lengths (a packed batch's
+    longest), the window; and the mask, the scale and the compile options."""
+    _, seqlen_q, seqlen_k, _, _, _ = _shape(q, k, packed)
+    (window_left, window_right), mask = _mask(causal, window, seqlen_q, seqlen_k)
     cu_seqlens = (lse, lse) if packed is None else (packed.cu_seqlens_q, packed.cu_seqlens_k)
-    return dict(
-        cu_seqlens=cu_seqlens,
-        softmax_scale=softmax_scale,
-        seqlens=(seqlen_q, seqlen_k),
-        window=window,
+    values = dict(
+        CU_SEQLENS_Q=cu_seqlens[0],
+        CU_SEQLENS_K=cu_seqlens[1],
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        window_left=window_left,
+        window_right=window_right,
+    )
+    launch_args = dict(
+        softmax_scale=softmax_scale, INLINE_PTX=runtime.inline_ptx(q), **runtime.COMPILE_OPTIONS
+    )
+    return dict(values=values, mask=mask, launch_args=launch_args)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one launch of an attention pass goes, decided from sizes alone: the kernel, its grid, its
+    constexprs and launch options, its tuple arguments by their elements' names (in the order the
+    launch packs them: :meth:`pack`), the arguments whose tiles host-built TMA descriptors load (their
+    block shapes) and those written as float32 partials. The launchers launch by it; the compile
+    report (bench.compile_report.attention) compiles the same plans, so neither re-derives the other."""
+
+    kernel: object  # the @triton.jit function
+    grid: tuple[int, ...]
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    tuples: dict  # tuple argument -> its elements' names
+    descriptors: dict  # argument -> the block shape of its host-built TMA descriptor
+    partials: tuple[str, ...] = ()
+
+    def pack(self, values: dict) -> dict:
+        """The tuple arguments, each element taken from values by its name."""
+        return {
+            name: tuple(values[element] for element in elements) for name, elements in self.tuples.items()
+        }
+
+    def operand(self, name: str, t: torch.Tensor):
+        """Argument name: t, or the descriptor of it the plan loads by."""
+        return runtime.tma_operand(t, self.descriptors.get(name), name in self.descriptors)
+
+    def options(self) -> dict:
+        return dict(self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+SEQUENCES = {
+    "cu_seqlens": ("CU_SEQLENS_Q", "CU_SEQLENS_K"),
+    "seqlens": ("seqlen_q", "seqlen_k"),
+    "window": ("window_left", "window_right"),
+}
+
+
+def _tile_plan(kernel, grid, cfg: AttnConfig, head_dim, mask, tma, packed, by_query, by_key, tuples, **more):
+    """A plan of a pass tiled by cfg's BLOCK_M along the queries (arguments by_query) and BLOCK_N along
+    the keys (by_key); a padded batch's TMA tiles by descriptors built on the host (a packed batch's
+    kernel builds its own, one per sequence)."""
+    block_d = head_dim_block(head_dim)
+    constexprs = dict(
         HEAD_DIM=head_dim,
-        BLOCK_D=head_dim_block(head_dim),
+        BLOCK_D=block_d,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
         MASK=mask,
-        VARLEN=packed is not None,
-        INLINE_PTX=runtime.inline_ptx(q),
-        **runtime.COMPILE_OPTIONS,
+        TMA=tma,
+        VARLEN=packed,
+    )
+    block_rows = dict.fromkeys(by_query, cfg.block_m) | dict.fromkeys(by_key, cfg.block_n)
+    descriptors = {a: (1, rows, 1, block_d) for a, rows in block_rows.items()} if tma and not packed else {}
+    tuples = SEQUENCES | tuples
+    return Plan(
+        kernel,
+        grid,
+        constexprs | more.pop("constexprs", {}),
+        cfg.num_warps,
+        cfg.num_stages,
+        tuples,
+        descriptors,
+        **more,
+    )
+
+
+def fwd_plan(entry: AttnConfig, shape: tuple, mask: str, tma: bool, packed: bool) -> Plan:
+    """The forward's plan with table entry ``entry`` at shape (batch, seqlen_q, seqlen_k, heads,
+    kv_heads, head_dim; a packed batch's longest seqlens), by TMA or pointer loads: a program per
+    query tile."""
+    batch, seqlen_q, _, heads, _, head_dim = shape
+    cfg = entry.loads(tma)
+    grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
+    tuples = {
+        "sizes": ("batch", "heads", "group_size"),
+        "strides": ("q_strides", "k_strides", "v_strides", "o_strides", "lse_strides"),
+    }
+    return _tile_plan(
+        _attn_fwd_kernel, grid, cfg, head_dim, mask, tma, packed, ("Q", "OUT"), ("K", "V"), tuples
+    )
+
+
+def dkdv_plans(
+    entry: AttnConfig, shape: tuple, mask: str, tma: bool, packed: bool, splits: int
+) -> list[Plan]:
+    """The dk/dv pass's plans (a launch each: configs.dkdv_outputs) with table entry ``entry`` at
+    shape (as :func:`fwd_plan`'s), a GQA group's query heads split over ``splits`` programs per key
+    block (more than one: float32 partials). Split outputs read K and V by pointers."""
+    batch, _, seqlen_k, _, kv_heads, head_dim = shape
+    cfg = entry.loads(tma)
+    grid = (triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads, splits * cfg.column_splits)
+    tuples = {
+        "row_stats": ("LSE_LOG2", "DELTA"),
+        "sizes": ("heads", "kv_heads", "group_size", "heads_per_split", "split_seqs"),
+        "strides": (
+            "q_strides",
+            "k_strides",
+            "v_strides",
+            "do_strides",
+            "dk_strides",
+            "dv_strides",
+            "lse_strides",
+        ),
+    }
+    partials = ("DK", "DV") if splits > 1 else ()
+    block_d_out = head_dim_block(head_dim) // cfg.column_splits
+    return [
+        _tile_plan(
+            _attn_bwd_dkdv_kernel,
+            grid,
+            cfg,
+            head_dim,
+            mask,
+            tma,
+            packed,
+            ("Q", "DO"),
+            ("K", "V", "DK", "DV") if output == "dkdv" else ("DK", "DV"),
+            tuples,
+            constexprs=dict(BLOCK_D_OUT=block_d_out, OUTPUT=output),
+            partials=partials,
+        )
+        for output in dkdv_outputs(cfg)
+    ]
+
+
+def dq_plan(entry: AttnConfig, shape: tuple, mask: str, tma: bool, packed: bool) -> Plan:
+    """The dq pass's plan with table entry ``entry`` at shape (as :func:`fwd_plan`'s): a program per
+    query tile."""
+    batch, seqlen_q, _, heads, _, head_dim = shape
+    cfg = entry.loads(tma)
+    grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
+    tuples = {
+        "row_stats": ("LSE", "DELTA"),
+        "sizes": ("heads", "group_size"),
+        "strides": ("q_strides", "k_strides", "v_strides", "do_strides", "dq_strides", "lse_strides"),
+    }
+    return _tile_plan(
+        _attn_bwd_dq_kernel, grid, cfg, head_dim, mask, tma, packed, ("Q", "DO", "DQ"), ("K", "V"), tuples
     )
 
 
@@ -129,29 +268,35 @@ def attention_fwd(
     out = runtime.empty(q.shape, q.dtype, q.device)
     lse_shape = (batch, heads, seqlen_q) if packed is None else (heads, q.shape[0])
     lse = runtime.empty(lse_shape, torch.float32, q.device)
-    cfg = configs.attn_config(
+    entry = configs.attn_config(
         configs.FWD_CONFIGS if packed is None else configs.PACKED_FWD_CONFIGS, head_dim, q.device
     )
-    block_d = head_dim_block(head_dim)
-    tma = tma_usable(cfg, q, k, v, out)
-    cfg = cfg.loads(tma)
-    host_tma, launch = _descriptors(tma, packed)
-    q_tiles, out_tiles = (_operand(t, cfg.block_m, block_d, host_tma) for t in (q, out))
-    k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, host_tma) for t in (k, v))
-    programs = triton.cdiv(seqlen_q, cfg.block_m) * batch * heads  # a program per tile
-    if programs == 0:  # a packed batch of empty sequences
+    shared = _pass_args(q, k, lse, causal, window, softmax_scale, packed)
+    tma = tma_usable(entry, q, k, v, out)
+    plan = fwd_plan(entry, _shape(q, k, packed), shared["mask"], tma, packed is not None)
+    if plan.grid[0] == 0:  # a packed batch of empty sequences
         return out, lse
-    args = _pass_args(q, k, lse, causal, window, softmax_scale, packed) | dict(
-        sizes=(batch, heads, heads // kv_heads),
-        strides=(_strides(q), _strides(k), _strides(v), _strides(out), _lse_strides(lse)),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        TMA=tma,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+    values = shared["values"] | dict(
+        batch=batch,
+        heads=heads,
+        group_size=heads // kv_heads,
+        q_strides=_strides(q),
+        k_strides=_strides(k),
+        v_strides=_strides(v),
+        o_strides=_strides(out),
+        lse_strides=_lse_strides(lse),
     )
+    tensors = [plan.operand(name, t) for name, t in (("Q", q), ("K", k), ("V", v), ("OUT", out))]
     with runtime.device_guard(q):
-        launch(_attn_fwd_kernel, (programs,), q_tiles, k_tiles, v_tiles, out_tiles, lse, **args)
+        _launch(tma, packed)(
+            plan.kernel,
+            plan.grid,
+            *tensors,
+            lse,
+            **plan.pack(values),
+            **shared["launch_args"],
+            **plan.options(),
+        )
     return out, lse
 
 
@@ -159,6 +304,32 @@ def decode_splits(programs: int, max_seqlen_k: int, block_n: int, num_sms: int) 
     """Splits of the keys for a decode launch of ``programs`` (sequence, kv head, row tile) tiles:
     enough for two programs per SM, each split at least one key block."""
     return max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seqlen_k, block_n)))
+
+
+def decode_plan(entry: AttnConfig, shape: tuple, mask: str, num_sms: int) -> tuple[Plan, int]:
+    """(plan, keys per split) of the decode pass with table entry ``entry`` at shape (batch, seqlen_q,
+    seqlen_cache, heads, kv_heads, head_dim): a program per (sequence and kv head, split of the keys,
+    tile of a GQA group's rows), the tile the smaller of the entry's and the least power of two of at
+    least 16 that holds the group's rows."""
+    batch, seqlen_q, seqlen_cache, heads, kv_heads, head_dim = shape
+    rows = heads // kv_heads * seqlen_q
+    block_m = min(entry.block_m, max(16, triton.next_power_of_2(rows)))
+    row_tiles = triton.cdiv(rows, block_m)
+    splits = decode_splits(batch * kv_heads * row_tiles, seqlen_cache, entry.block_n, num_sms)
+    keys_per_split = triton.cdiv(triton.cdiv(seqlen_cache, splits), entry.block_n) * entry.block_n
+    splits = triton.cdiv(seqlen_cache, keys_per_split)  # none left without keys by the rounding
+    constexprs = dict(
+        HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), BLOCK_M=block_m, BLOCK_N=entry.block_n, MASK=mask
+    )
+    tuples = {
+        "window": SEQUENCES["window"],
+        "sizes": ("kv_heads", "group_size"),
+        "strides": ("q_strides", "k_strides", "v_strides"),
+    }
+    grid = (batch * kv_heads, splits, row_tiles)
+    return Plan(
+        _attn_decode_kernel, grid, constexprs, entry.num_warps, entry.num_stages, tuples, {}
+    ), keys_per_split
 
 
 def attention_decode(
@@ -176,33 +347,31 @@ def attention_decode(
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_cache, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group_size = heads // kv_heads
-    window, mask = _mask(causal, window, seqlen_q, seqlen_cache)
+    (window_left, window_right), mask = _mask(causal, window, seqlen_q, seqlen_cache)
     block_d = head_dim_block(head_dim)
-    cfg = configs.attn_config(configs.DECODE_CONFIGS, head_dim, q.device)
-    rows = group_size * seqlen_q
-    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(rows)))
-    row_tiles = triton.cdiv(rows, block_m)
-    splits = decode_splits(batch * kv_heads * row_tiles, seqlen_cache, cfg.block_n, runtime.num_sms(q.device))
-    keys_per_split = triton.cdiv(triton.cdiv(seqlen_cache, splits), cfg.block_n) * cfg.block_n
-    splits = triton.cdiv(seqlen_cache, keys_per_split)  # none left without keys by the rounding
+    entry = configs.attn_config(configs.DECODE_CONFIGS, head_dim, q.device)
+    shape = (batch, seqlen_q, seqlen_cache, heads, kv_heads, head_dim)
+    plan, keys_per_split = decode_plan(entry, shape, mask, runtime.num_sms(q.device))
+    splits = plan.grid[1]
     out = runtime.empty(q.shape, q.dtype, q.device)
     o_split = runtime.empty((splits, batch, heads, seqlen_q, head_dim), torch.float32, q.device)
     lse_split = runtime.empty((splits, batch, heads, seqlen_q), torch.float32, q.device)
+    values = dict(
+        window_left=window_left,
+        window_right=window_right,
+        kv_heads=kv_heads,
+        group_size=group_size,
+        q_strides=_strides(q),
+        k_strides=_strides(k_cache),
+        v_strides=_strides(v_cache),
+    )
     args = dict(
         softmax_scale=softmax_scale,
         seqlen_q=seqlen_q,
         keys_per_split=keys_per_split,
-        window=window,
-        sizes=(kv_heads, group_size),
-        strides=(_strides(q), _strides(k_cache), _strides(v_cache)),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n,
-        MASK=mask,
+        **plan.pack(values),
         INLINE_PTX=runtime.inline_ptx(q),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **plan.options(),
         **runtime.COMPILE_OPTIONS,
     )
     out_rows = batch * heads * seqlen_q  # (batch, heads, seqlen_q): each the reduce of its splits
@@ -219,8 +388,7 @@ def attention_decode(
         **runtime.COMPILE_OPTIONS,
     )
     with runtime.device_guard(q):
-        grid = (batch * kv_heads, splits, row_tiles)
-        runtime.launch(_attn_decode_kernel, grid, q, k_cache, v_cache, o_split, lse_split, seqlens_k, **args)
+        runtime.launch(plan.kernel, plan.grid, q, k_cache, v_cache, o_split, lse_split, seqlens_k, **args)
         runtime.launch(_attn_decode_reduce_kernel, (out_rows,), o_split, lse_split, out, **reduce_args)
     return out
 
@@ -245,10 +413,10 @@ def _bwd_preprocess(out, dout, lse, dlse, args: dict, batch: int, heads: int, pa
     """The backward's first pass: delta = rowsum(dO * O) - dlse and lse in log2 units (+inf where a
     row sees no key), the row statistics both gradient passes read. Returns (lse_log2, delta), each
     lse's shape (the kernels address them with lse's strides; lse, from the forward, is contiguous)."""
-    seqlen_q, head_dim = args["seqlens"][0], args["HEAD_DIM"]
+    seqlen_q, head_dim = args["values"]["seqlen_q"], out.shape[-1]
     delta, lse_log2 = (runtime.empty(lse.shape, torch.float32, lse.device) for _ in range(2))
     preprocess_args = dict(
-        CU_SEQLENS_Q=args["cu_seqlens"][0],
+        CU_SEQLENS_Q=args["values"]["CU_SEQLENS_Q"],
         seqlen_q=seqlen_q,
         heads=heads,
         o_strides=_strides(out),
@@ -269,43 +437,60 @@ def _bwd_preprocess(out, dout, lse, dlse, args: dict, batch: int, heads: int, pa
     return lse_log2, delta
 
 
+def _bwd_values(q, k, v, dout, row_stats, args: dict, shape: tuple) -> dict:
+    """The named values both gradient passes' plans pack, but for their gradients' strides."""
+    _, _, _, heads, kv_heads, _ = shape
+    return args["values"] | dict(
+        LSE=row_stats[0],
+        LSE_LOG2=row_stats[0],
+        DELTA=row_stats[1],
+        heads=heads,
+        kv_heads=kv_heads,
+        group_size=heads // kv_heads,
+        q_strides=_strides(q),
+        k_strides=_strides(k),
+        v_strides=_strides(v),
+        do_strides=_strides(dout),
+        lse_strides=_lse_strides(row_stats[0]),
+    )
+
+
 def _bwd_dkdv(q, k, v, dout, row_stats, dk, dv, args: dict, shape: tuple, packed: Packed | None) -> None:
     """The pass per key block: dk and dv (of shape (batch, seqlen_k, kv_heads, head_dim)), a GQA
     group's query heads split over programs when there are too few (float32 partials, summed here)."""
     batch, _, seqlen_k, heads, kv_heads, head_dim = shape
-    block_d = head_dim_block(head_dim)
-    cfg = configs.attn_config(configs.BWD_DKDV_CONFIGS, head_dim, q.device)
+    entry = configs.attn_config(configs.BWD_DKDV_CONFIGS, head_dim, q.device)
     # dk and dv stand for the float32 partials of head splits: new, contiguous, as aligned.
-    tma = tma_usable(cfg, q, k, v, dout, dk, dv)
-    cfg = cfg.loads(tma)
-    host_tma, launch = _descriptors(tma, packed)
-    programs = triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads
+    tma = tma_usable(entry, q, k, v, dout, dk, dv)
+    programs = triton.cdiv(seqlen_k, entry.loads(tma).block_n) * batch * kv_heads
     heads_per_split, splits = dkdv_head_splits(programs, heads // kv_heads, bwd_num_sms(q.device))
+    plans = dkdv_plans(entry, shape, args["mask"], tma, packed is not None, splits)
     # Split: float32 partials (splits, *k.shape), the splits stacked on the first axis.
     dk_out, dv_out = dk, dv
-    if splits > 1:
+    if plans[0].partials:
         partial_shape = (splits * k.shape[0], *k.shape[1:])
         dk_out, dv_out = (runtime.empty(partial_shape, torch.float32, k.device) for _ in range(2))
-    q_tiles, do_tiles = (_operand(t, cfg.block_m, block_d, host_tma) for t in (q, dout))
-    # Split outputs: K and V by pointers (see _attn_bwd_dkdv_kernel), each launch one gradient.
-    k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, host_tma and not cfg.split_outputs) for t in (k, v))
-    dk_tiles, dv_tiles = (_operand(t, cfg.block_n, block_d, host_tma) for t in (dk_out, dv_out))
-    q_k_v_do_strides = (_strides(q), _strides(k), _strides(v), _strides(dout))
-    lse_strides = _lse_strides(row_stats[0])
-    dkdv_args = args | dict(
-        sizes=(heads, kv_heads, heads // kv_heads, heads_per_split, k.shape[0]),
-        strides=(*q_k_v_do_strides, _strides(dk_out), _strides(dv_out), lse_strides),
-        BLOCK_D_OUT=block_d // cfg.column_splits,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        TMA=tma,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+    values = _bwd_values(q, k, v, dout, row_stats, args, shape) | dict(
+        heads_per_split=heads_per_split,
+        split_seqs=k.shape[0],
+        dk_strides=_strides(dk_out),
+        dv_strides=_strides(dv_out),
     )
-    grid = (programs, splits * cfg.column_splits)
-    tensors = (q_tiles, k_tiles, v_tiles, do_tiles, row_stats, dk_tiles, dv_tiles)
-    for output in dkdv_outputs(cfg):
-        launch(_attn_bwd_dkdv_kernel, grid, *tensors, **dkdv_args, OUTPUT=output)
+    for plan in plans:
+        operands = (("Q", q), ("K", k), ("V", v), ("DO", dout))
+        q_k_v_do = [plan.operand(name, t) for name, t in operands]
+        dk_dv = [plan.operand(name, t) for name, t in (("DK", dk_out), ("DV", dv_out))]
+        tuples = plan.pack(values)
+        _launch(tma, packed)(
+            plan.kernel,
+            plan.grid,
+            *q_k_v_do,
+            tuples.pop("row_stats"),
+            *dk_dv,
+            **tuples,
+            **args["launch_args"],
+            **plan.options(),
+        )
     if splits > 1:  # torch's sum over the splits: the same order every run
         dk.copy_(dk_out.view(splits, *k.shape).sum(0))
         dv.copy_(dv_out.view(splits, *v.shape).sum(0))
@@ -313,26 +498,23 @@ def _bwd_dkdv(q, k, v, dout, row_stats, dk, dv, args: dict, shape: tuple, packed
 
 def _bwd_dq(q, k, v, dout, row_stats, dq, args: dict, shape: tuple, packed: Packed | None) -> None:
     """The pass per query block: dq (q's shape)."""
-    batch, seqlen_q, _, heads, kv_heads, head_dim = shape
-    block_d = head_dim_block(head_dim)
-    cfg = configs.attn_config(configs.BWD_DQ_CONFIGS, head_dim, q.device)
-    tma = tma_usable(cfg, q, k, v, dout, dq)
-    host_tma, launch = _descriptors(tma, packed)
-    q_tiles, do_tiles, dq_tiles = (_operand(t, cfg.block_m, block_d, host_tma) for t in (q, dout, dq))
-    k_tiles, v_tiles = (_operand(t, cfg.block_n, block_d, host_tma) for t in (k, v))
-    grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
-    q_k_v_do_strides = (_strides(q), _strides(k), _strides(v), _strides(dout))
-    dq_args = args | dict(
-        sizes=(heads, heads // kv_heads),
-        strides=(*q_k_v_do_strides, _strides(dq), _lse_strides(row_stats[0])),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        TMA=tma,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+    head_dim = shape[-1]
+    entry = configs.attn_config(configs.BWD_DQ_CONFIGS, head_dim, q.device)
+    tma = tma_usable(entry, q, k, v, dout, dq)
+    plan = dq_plan(entry, shape, args["mask"], tma, packed is not None)
+    values = _bwd_values(q, k, v, dout, row_stats, args, shape) | dict(dq_strides=_strides(dq))
+    q_k_v_do = [plan.operand(name, t) for name, t in (("Q", q), ("K", k), ("V", v), ("DO", dout))]
+    tuples = plan.pack(values)
+    _launch(tma, packed)(
+        plan.kernel,
+        plan.grid,
+        *q_k_v_do,
+        tuples.pop("row_stats"),
+        plan.operand("DQ", dq),
+        **tuples,
+        **args["launch_args"],
+        **plan.options(),
     )
-    tensors = (q_tiles, k_tiles, v_tiles, do_tiles, row_stats, dq_tiles)
-    launch(_attn_bwd_dq_kernel, grid, *tensors, **dq_args)
 
 
 def attention_bwd(
