@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from horse import checkpoint, cli, generate, hf, kernels, train
 from horse.hf import weights
 from horse.model import GPT, GPTConfig
+from horse.parallel import Parallel, materialize, parallelize, shard_state_dict
 from horse.train import TrainConfig
 
 transformers = pytest.importorskip("transformers")
@@ -311,3 +312,89 @@ def test_a_tiny_forward_through_the_triton_backend(tmp_path, monkeypatch):
             logits, baseline = ours(idx)[..., :97], reference(idx)[..., :97]
     assert calls == ["flash_attention", "fused_gated_mlp"] * 2  # in float16 only, once a layer
     assert_close("float16 logits", logits, truth, baseline)
+
+
+def _sliced_shard(path, tp_rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """Rank tp_rank of tp's shard of the model of HF folder path, built on the meta device and its
+    slices read from the folder (``weight_source``), as --init-from starts."""
+    config = hf.pretrained_config(path)
+    with torch.device("meta"):
+        model = parallelize(GPT(config), Parallel(tp_rank=tp_rank, tp_size=tp))
+    materialize(
+        model, Parallel(tp_rank=tp_rank, tp_size=tp), "cpu", None, weights.weight_source(path, config)
+    )
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "sharded", "bin"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_rank_reads_its_slices_byte_equal_to_the_whole_load_cut(tmp_path, arch, fmt):
+    """Every tp rank's shard read in slices (per q/k/v part, GPT-2's transposed Conv1D, the padded
+    vocabulary's zero rows) is the whole load's (from_pretrained) cut by the plan, byte for byte."""
+    theirs = hf_gpt2(vocab=124) if arch == "gpt2" else hf_llama(bias=True)
+    path = save_hf(theirs, tmp_path, fmt)
+    whole = hf.from_pretrained(path)
+    for tp in (1, 2):
+        for tp_rank in range(tp):
+            expected = shard_state_dict(whole.state_dict(), whole.config, tp_rank, tp)
+            for name, t in _sliced_shard(path, tp_rank, tp).items():
+                assert torch.equal(t, expected[name]), (tp, tp_rank, name)
+
+
+def test_a_rank_reads_only_its_slices(tmp_path, monkeypatch):
+    """At tp 2 the two ranks together ask the safetensors files for each stored element once (the
+    replicated norms twice): a rank reads about its half, never a whole tensor to cut (counted by a
+    spy on safe_open's slices)."""
+    path = save_hf(hf_llama(), tmp_path, "sharded")
+    stored = sum(t.numel() for f in path.glob("*.safetensors") for t in load_file(f).values())
+    open_, read = weights.safe_open, []
+
+    class Counted:
+        def __init__(self, part):
+            self.part = part
+
+        def get_shape(self):
+            return self.part.get_shape()
+
+        def __getitem__(self, index):
+            values = self.part[index]
+            read.append(values.numel())
+            return values
+
+    class Spy:
+        def __init__(self, *args, **kwargs):
+            self.file = open_(*args, **kwargs)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.file.keys()
+
+        def get_slice(self, name):
+            return Counted(self.file.get_slice(name))
+
+    monkeypatch.setattr(weights, "safe_open", Spy)
+    replicated = sum(  # the norms: whole on every tp rank
+        t.numel() for name, t in hf.from_pretrained(path).state_dict().items() if "norm" in name
+    )
+    per_rank = []
+    for tp_rank in range(2):
+        read.clear()
+        _sliced_shard(path, tp_rank, 2)
+        per_rank.append(sum(read))
+    assert sum(per_rank) == stored + replicated, (per_rank, stored)
+    assert max(per_rank) < 0.6 * stored, (per_rank, stored)
+
+
+def test_a_bin_folder_above_the_limit_is_refused_with_the_conversion(tmp_path, monkeypatch):
+    path = save_hf(hf_gpt2(), tmp_path, "bin")
+    config = hf.pretrained_config(path)
+    assert weights.weight_source(path, config)("wpe.weight", torch.arange(2), None).shape == (2, 32)
+    monkeypatch.setattr(weights, "BIN_LIMIT", (path / hf.BIN).stat().st_size - 1)
+    with pytest.raises(ValueError, match=r"which every rank would read whole.*save_pretrained"):
+        weights.weight_source(path, config)
