@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from horse import checkpoint, cli, generate, hf, kernels, train
 from horse.hf import weights
 from horse.model import GPT, GPTConfig
-from horse.parallel import Parallel, materialize, parallelize, shard_state_dict
+from horse.parallel import Parallel, materialize, parallelize, shard, shard_spec, shard_state_dict
 from horse.train import TrainConfig
 
 transformers = pytest.importorskip("transformers")
@@ -314,6 +314,21 @@ def test_a_tiny_forward_through_the_triton_backend(tmp_path, monkeypatch):
     assert_close("float16 logits", logits, truth, baseline)
 
 
+class _Counted:
+    """A tensor or safetensors slice whose reads append their element counts to read."""
+
+    def __init__(self, part, read: list[int]):
+        self.part, self.read = part, read
+
+    def get_shape(self):
+        return self.part.get_shape()
+
+    def __getitem__(self, index):
+        values = self.part[index]
+        self.read.append(values.numel())
+        return values
+
+
 def _sliced_shard(path, tp_rank: int, tp: int) -> dict[str, torch.Tensor]:
     """Rank tp_rank of tp's shard of the model of HF folder path, built on the meta device and its
     slices read from the folder (``weight_source``), as --init-from starts."""
@@ -349,18 +364,6 @@ def test_a_rank_reads_only_its_slices(tmp_path, monkeypatch):
     stored = sum(t.numel() for f in path.glob("*.safetensors") for t in load_file(f).values())
     open_, read = weights.safe_open, []
 
-    class Counted:
-        def __init__(self, part):
-            self.part = part
-
-        def get_shape(self):
-            return self.part.get_shape()
-
-        def __getitem__(self, index):
-            values = self.part[index]
-            read.append(values.numel())
-            return values
-
     class Spy:
         def __init__(self, *args, **kwargs):
             self.file = open_(*args, **kwargs)
@@ -376,7 +379,7 @@ def test_a_rank_reads_only_its_slices(tmp_path, monkeypatch):
             return self.file.keys()
 
         def get_slice(self, name):
-            return Counted(self.file.get_slice(name))
+            return _Counted(self.file.get_slice(name), read)
 
     monkeypatch.setattr(weights, "safe_open", Spy)
     replicated = sum(  # the norms: whole on every tp rank
@@ -398,3 +401,29 @@ def test_a_bin_folder_above_the_limit_is_refused_with_the_conversion(tmp_path, m
     monkeypatch.setattr(weights, "BIN_LIMIT", (path / hf.BIN).stat().st_size - 1)
     with pytest.raises(ValueError, match=r"which every rank would read whole.*save_pretrained"):
         weights.weight_source(path, config)
+
+
+def test_a_checkpoint_at_another_tp_size_is_read_in_the_rows_a_rank_holds(tmp_path, monkeypatch):
+    """A tp 1 checkpoint restored at tp 2 (as resharding and --init-from read it): each rank's rows
+    of the weights and AdamW's moments are the whole tensor's cut by the plan, and a rank reads only
+    those rows (all their columns, for a tensor cut by columns), counted by a spy on the pieces."""
+    theirs = hf_llama()
+    theirs.resize_token_embeddings(256)  # the built-in corpus is bytes
+    path = save_hf(theirs, tmp_path / "hf", "safetensors")
+    cfg = TrainConfig(
+        init_from=str(path), out_dir=str(tmp_path / "run"), batch_size=2, seq_len=16, max_steps=1,
+        eval_interval=1, eval_tokens=32, sample_tokens=0, device="cpu",
+    )  # fmt: skip
+    train.train(cfg, {})
+    pieces = checkpoint.Pieces(checkpoint.latest(tmp_path / "run"))
+    piece, read = checkpoint.Pieces._piece, []
+    monkeypatch.setattr(checkpoint.Pieces, "_piece", lambda *args: _Counted(piece(*args), read))
+    for key in (None, "exp_avg"):
+        for name in pieces.shapes:
+            whole, spec = pieces.whole(name, key), shard_spec(name, pieces.config)
+            for tp_rank in (0, 1):
+                read.clear()
+                mine = pieces.for_rank(name, key, tp_rank, 2, (1, 3))
+                assert torch.equal(mine, shard(whole, spec, tp_rank, 2)[1:3]), (name, key, tp_rank)
+                columns_cut = spec is not None and spec.dim == 1
+                assert sum(read) == mine.numel() * (2 if columns_cut else 1), (name, key, read)

@@ -118,10 +118,12 @@ def weight_source(path: str | Path, config: GPTConfig) -> WeightSource:
     separately (GPT-2's transposed Conv1D by columns), the vocabulary's padding rows made as zeros,
     and casts them to float32, so a rank's host holds its part of one tensor at a time. A .bin
     folder is read whole by every rank, and refused above BIN_LIMIT bytes with the command that
-    converts it; a horse checkpoint is read whole."""
+    converts it; a horse checkpoint reads only those rows of the pieces that hold them
+    (``horse.checkpoint.Pieces.read``)."""
     path = Path(path)
     if not is_hf_folder(path):
-        return _whole_source(checkpoint.full_weights(checkpoint.resolve(path)))
+        pieces = checkpoint.Pieces(checkpoint.resolve(path))
+        return lambda name, rows, columns: pieces.read(name, None, rows, columns)
     if (path / SAFETENSORS).is_file() or (path / SAFETENSORS_INDEX).is_file():
         return SafetensorsSlices(path, config)
     files = list(path.glob("pytorch_model*.bin"))
@@ -143,15 +145,6 @@ def _whole_source(state: dict[str, torch.Tensor]) -> WeightSource:
         return part if columns is None else part.index_select(1, columns)
 
     return read
-
-
-def _runs(indices: torch.Tensor) -> list[tuple[int, int]]:
-    """Ascending indices as (start, stop) ranges of consecutive ones."""
-    if len(indices) == 0:
-        return []
-    breaks = (torch.nonzero(indices.diff() != 1).flatten() + 1).tolist()
-    starts, stops = [0, *breaks], [*breaks, len(indices)]
-    return [(int(indices[a]), int(indices[b - 1]) + 1) for a, b in zip(starts, stops, strict=True)]
 
 
 class SafetensorsSlices:
@@ -216,7 +209,10 @@ class SafetensorsSlices:
                 part = f.get_slice(key)
                 length = part.get_shape()[-1 if transposed else 0]
                 own = rows[(rows >= offset) & (rows < offset + length)] - offset
-                pieces += [self._read(part, start, stop, columns, transposed) for start, stop in _runs(own)]
+                pieces += [
+                    self._read(part, start, stop, columns, transposed)
+                    for start, stop in checkpoint.index_runs(own)
+                ]
                 width = part.get_shape()[0 if transposed else -1]
             offset += length
         padding = int((rows >= offset).sum())  # the vocabulary's padding rows: zeros
@@ -230,11 +226,11 @@ class SafetensorsSlices:
         if len(part.get_shape()) == 1:
             return part[start:stop].float()
         if transposed:  # HF's (in, out): horse's rows are its columns
-            ranges = [(0, part.get_shape()[0])] if columns is None else _runs(columns)
+            ranges = [(0, part.get_shape()[0])] if columns is None else checkpoint.index_runs(columns)
             return torch.cat([part[a:b, start:stop].float() for a, b in ranges]).t()
         if columns is None:
             return part[start:stop].float()
-        return torch.cat([part[start:stop, a:b].float() for a, b in _runs(columns)], dim=1)
+        return torch.cat([part[start:stop, a:b].float() for a, b in checkpoint.index_runs(columns)], dim=1)
 
 
 def load_model(path: str | Path, backend: str = "reference") -> tuple[GPT, BPETokenizer | None]:
