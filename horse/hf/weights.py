@@ -152,7 +152,6 @@ class SafetensorsSlices:
     names and shapes are checked against config at construction, reading no tensor."""
 
     def __init__(self, path: Path, config: GPTConfig):
-        self.path = path
         hf_config, self.arch = config_from_hf(path)
         index = path / SAFETENSORS_INDEX
         if (path / SAFETENSORS).is_file():
