@@ -77,7 +77,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from horse.data import BPETokenizer
 from horse.model import GPTConfig
-from horse.parallel import Parallel, check_divisible, local, shard, shard_spec, unshard
+from horse.parallel import Parallel, ShardSpec, check_divisible, local, shard, shard_spec, unshard
 
 WEIGHTS, STATE, MANIFEST = "model.safetensors", "state.pt", "manifest.json"
 _NAME = re.compile(r"ckpt_(\d{7,})")
@@ -770,12 +770,63 @@ class Pieces:
         self, name: str, key: str | None, tp_rank: int, tp: int, rows: tuple[int, int]
     ) -> torch.Tensor:
         """Rows [start, stop) of tp rank tp_rank's shard at tensor-parallel size tp: read from the
-        pieces of the same shard when the tp is the saved one (or the tensor is not split),
-        else from the whole tensor, cut by the plan."""
+        pieces of the same shard when the tp is the saved one (or the tensor is not split), else
+        only those rows and columns (:meth:`read`) from the saved shards that hold them."""
         spec = shard_spec(name, self.config)
         if tp == self.tp_size or spec is None:
             return self.shard_rows(name, key, tp_rank if spec is not None else 0, *rows)
-        return shard(self.whole(name, key), spec, tp_rank, tp)[slice(*rows)]
+        whole = self.shapes[name][spec.dim]
+        indices = shard(torch.arange(whole), ShardSpec(0, spec.sections), tp_rank, tp)  # along spec.dim
+        if spec.dim == 0:
+            return self.read(name, key, indices[slice(*rows)], None)
+        return self.read(name, key, torch.arange(*rows), indices)
+
+    def read(
+        self, name: str, key: str | None, rows: torch.Tensor, columns: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``whole[rows][:, columns]`` of tensor name (key: as :meth:`shard_rows`; columns None: all),
+        rows and columns ascending indices of the whole tensor, reading from the saved tp shards
+        only the rows asked for (all of a shard's columns, then cut)."""
+        spec = shard_spec(name, self.config) if self.tp_size > 1 else None
+        if spec is None or (spec.dim == 0 and len(rows) == 0):  # held whole by every saved tp rank
+            values = self._rows(name, key, 0, rows)  # (or, none of its rows: any rank's width)
+            return values if columns is None else values.index_select(1, columns)
+        whole = self.shapes[name][spec.dim]
+        wanted = rows if spec.dim == 0 else torch.arange(whole) if columns is None else columns
+        owner, position = torch.empty(whole, dtype=torch.long), torch.empty(whole, dtype=torch.long)
+        for t in range(self.tp_size):  # which saved tp rank holds each index along spec.dim, and where
+            held = shard(torch.arange(whole), ShardSpec(0, spec.sections), t, self.tp_size)
+            owner[held], position[held] = t, torch.arange(len(held))
+        parts, order = [], []
+        for t in range(self.tp_size):
+            mine = owner[wanted] == t
+            if not mine.any():
+                continue
+            local_indices = position[wanted[mine]]
+            if spec.dim == 0:
+                values = self._rows(name, key, t, local_indices)
+                parts.append(values if columns is None else values.index_select(1, columns))
+            else:
+                values = self._rows(name, key, t, rows)
+                parts.append(values.index_select(1, local_indices))
+            order.append(mine.nonzero().flatten())
+        values = torch.cat(parts, dim=spec.dim)  # in the saved ranks' order; put back in wanted's
+        return values.index_select(spec.dim, torch.cat(order).argsort())
+
+    def _rows(self, name: str, key: str | None, tp_rank: int, rows: torch.Tensor) -> torch.Tensor:
+        """The rows (ascending indices) of saved tp rank tp_rank's shard of tensor name."""
+        if len(rows) == 0:  # an FSDP piece of a tensor with fewer rows than ranks
+            return self.shard_rows(name, key, tp_rank, 0, 0)
+        return torch.cat([self.shard_rows(name, key, tp_rank, a, b) for a, b in index_runs(rows)])
+
+
+def index_runs(indices: torch.Tensor) -> list[tuple[int, int]]:
+    """Ascending indices as the (start, stop) ranges of consecutive ones, in order."""
+    if len(indices) == 0:
+        return []
+    breaks = (torch.nonzero(indices.diff() != 1).flatten() + 1).tolist()
+    starts, stops = [0, *breaks], [*breaks, len(indices)]
+    return [(int(indices[a]), int(indices[b - 1]) + 1) for a, b in zip(starts, stops, strict=True)]
 
 
 def full_weights(ckpt: str | Path) -> dict[str, torch.Tensor]:

@@ -85,13 +85,13 @@ from horse.data import (
 )
 from horse.device import nvtx_range, peak_flops, pick_backend, pick_device, profiler
 from horse.generate import generate
+from horse.hf.weights import weight_source
 from horse.kernels import runtime
 from horse.loss_scale import LossScaler
 from horse.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params, preset
 from horse.parallel import (
     Parallel,
     allreduce_sequence_parallel_grads,
-    build_model,
     check_divisible,
     dp_mean,
     init_from_env,
@@ -794,17 +794,15 @@ def make_model(
     (``horse.parallel.parallelize_gpt``: tensor parallelism, --activation-checkpointing, --compile,
     DDP or FSDP2). A fresh model is built on the meta device and each rank draws only its own part
     from --seed, the same weights at every layout; resuming, that part is left for the checkpoint to
-    fill; pretrained, --init-from's weights are loaded whole on the CPU, then cut."""
-    if pretrained:
-        model = build_model(config, backend, Parallel(), "cpu", cfg.seed)
-        hf.load_pretrained(cfg.init_from, model)
-    else:
-        with torch.device("meta"):
-            model = GPT(config, backend)
+    fill; pretrained, each rank reads only its part of --init-from's weights
+    (``horse.hf.weights.weight_source``: slices of a safetensors folder)."""
+    with torch.device("meta"):
+        model = GPT(config, backend)
     model.fused_loss = cfg.fused_loss
-    seed = None if resuming else cfg.seed
+    seed = None if resuming or pretrained else cfg.seed
+    source = weight_source(cfg.init_from, config) if pretrained else None
     loss_fn = parallelize_gpt(
-        model, parallel, device, cfg.activation_checkpointing, cfg.compile, compute_dtype, seed
+        model, parallel, device, cfg.activation_checkpointing, cfg.compile, compute_dtype, seed, source
     )
     return model, loss_fn
 

@@ -419,6 +419,40 @@ def _generation_on_fsdp_shards() -> None:
     assert torch.equal(generate(model, prompt, 6, temperature=0), expected)
 
 
+def _init_from_slices_at_every_layout(path: Path) -> None:
+    # --init-from a safetensors folder: each rank reads only its slices into the meta-built model;
+    # gathered whole, tp1, dp_shard 2 (x dp_replicate 2), dp_shard 4 and tp2 x dp_shard 2 hold the
+    # whole load's weights (from_pretrained) byte for byte, and the first losses are the whole model's.
+    whole = weights.from_pretrained(path)
+    config = weights.pretrained_config(path)
+    cfg = train.TrainConfig(init_from=str(path))
+    for tp, dp_shard in [(1, 1), (1, 2), (1, 4), (2, 2)]:
+        parallel = init_from_env(tp=tp, device_type="cpu", dp_shard=dp_shard)
+        model, loss_fn = train.make_model(cfg, config, "reference", parallel, "cpu", pretrained=True)
+        for name, param in model.named_parameters():
+            tp_shard = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            pieces = [tp_shard]
+            if tp > 1:
+                pieces = [torch.empty_like(tp_shard) for _ in range(tp)]
+                dist.all_gather(pieces, tp_shard, group=parallel.tp_group)
+            gathered = unshard(pieces, shard_spec(name, config)) if tp > 1 else tp_shard
+            assert torch.equal(gathered, whole.get_parameter(name)), (tp, dp_shard, name)
+        inputs, targets = (ids % config.vocab_used for ids in _batch(parallel))  # no padding ids
+        with torch.no_grad():
+            torch.testing.assert_close(loss_fn(inputs, targets), whole.loss(inputs, targets))
+
+
+def test_init_from_a_safetensors_folder_reads_slices_into_every_layout(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=250, n_positions=30, n_embd=64, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None
+    )  # the vocabulary padded to 256: tp 2's second half ends in 6 zero rows
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path, max_shard_size="200KB")
+    worker = functools.partial(_init_from_slices_at_every_layout, tmp_path)
+    mp.spawn(_rank_main, args=(4, free_port(), worker), nprocs=4)
+
+
 def _run_all(workers: list[str]) -> None:
     for name in workers:
         globals()[name]()

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from horse import checkpoint, cli, generate, hf, kernels, train
 from horse.hf import weights
 from horse.model import GPT, GPTConfig
+from horse.parallel import Parallel, materialize, parallelize, shard, shard_spec, shard_state_dict
 from horse.train import TrainConfig
 
 transformers = pytest.importorskip("transformers")
@@ -311,3 +312,118 @@ def test_a_tiny_forward_through_the_triton_backend(tmp_path, monkeypatch):
             logits, baseline = ours(idx)[..., :97], reference(idx)[..., :97]
     assert calls == ["flash_attention", "fused_gated_mlp"] * 2  # in float16 only, once a layer
     assert_close("float16 logits", logits, truth, baseline)
+
+
+class _Counted:
+    """A tensor or safetensors slice whose reads append their element counts to read."""
+
+    def __init__(self, part, read: list[int]):
+        self.part, self.read = part, read
+
+    def get_shape(self):
+        return self.part.get_shape()
+
+    def __getitem__(self, index):
+        values = self.part[index]
+        self.read.append(values.numel())
+        return values
+
+
+def _sliced_shard(path, tp_rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """Rank tp_rank of tp's shard of the model of HF folder path, built on the meta device and its
+    slices read from the folder (``weight_source``), as --init-from starts."""
+    config = hf.pretrained_config(path)
+    with torch.device("meta"):
+        model = parallelize(GPT(config), Parallel(tp_rank=tp_rank, tp_size=tp))
+    materialize(
+        model, Parallel(tp_rank=tp_rank, tp_size=tp), "cpu", None, weights.weight_source(path, config)
+    )
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "sharded", "bin"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_rank_reads_its_slices_byte_equal_to_the_whole_load_cut(tmp_path, arch, fmt):
+    """Every tp rank's shard read in slices (per q/k/v part, GPT-2's transposed Conv1D, the padded
+    vocabulary's zero rows) is the whole load's (from_pretrained) cut by the plan, byte for byte."""
+    theirs = hf_gpt2(vocab=124) if arch == "gpt2" else hf_llama(bias=True)
+    path = save_hf(theirs, tmp_path, fmt)
+    whole = hf.from_pretrained(path)
+    for tp in (1, 2):
+        for tp_rank in range(tp):
+            expected = shard_state_dict(whole.state_dict(), whole.config, tp_rank, tp)
+            for name, t in _sliced_shard(path, tp_rank, tp).items():
+                assert torch.equal(t, expected[name]), (tp, tp_rank, name)
+
+
+def test_a_rank_reads_only_its_slices(tmp_path, monkeypatch):
+    """At tp 2 the two ranks together ask the safetensors files for each stored element once (the
+    replicated norms twice): a rank reads about its half, never a whole tensor to cut (counted by a
+    spy on safe_open's slices)."""
+    path = save_hf(hf_llama(), tmp_path, "sharded")
+    stored = sum(t.numel() for f in path.glob("*.safetensors") for t in load_file(f).values())
+    open_, read = weights.safe_open, []
+
+    class Spy:
+        def __init__(self, *args, **kwargs):
+            self.file = open_(*args, **kwargs)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.file.keys()
+
+        def get_slice(self, name):
+            return _Counted(self.file.get_slice(name), read)
+
+    monkeypatch.setattr(weights, "safe_open", Spy)
+    replicated = sum(  # the norms: whole on every tp rank
+        t.numel() for name, t in hf.from_pretrained(path).state_dict().items() if "norm" in name
+    )
+    per_rank = []
+    for tp_rank in range(2):
+        read.clear()
+        _sliced_shard(path, tp_rank, 2)
+        per_rank.append(sum(read))
+    assert sum(per_rank) == stored + replicated, (per_rank, stored)
+    assert max(per_rank) < 0.6 * stored, (per_rank, stored)
+
+
+def test_a_bin_folder_above_the_limit_is_refused_with_the_conversion(tmp_path, monkeypatch):
+    path = save_hf(hf_gpt2(), tmp_path, "bin")
+    config = hf.pretrained_config(path)
+    assert weights.weight_source(path, config)("wpe.weight", torch.arange(2), None).shape == (2, 32)
+    monkeypatch.setattr(weights, "BIN_LIMIT", (path / hf.BIN).stat().st_size - 1)
+    with pytest.raises(ValueError, match=r"which every rank would read whole.*save_pretrained"):
+        weights.weight_source(path, config)
+
+
+def test_a_checkpoint_at_another_tp_size_is_read_in_the_rows_a_rank_holds(tmp_path, monkeypatch):
+    """A tp 1 checkpoint restored at tp 2 (as resharding and --init-from read it): each rank's rows
+    of the weights and AdamW's moments are the whole tensor's cut by the plan, and a rank reads only
+    those rows (all their columns, for a tensor cut by columns), counted by a spy on the pieces."""
+    theirs = hf_llama()
+    theirs.resize_token_embeddings(256)  # the built-in corpus is bytes
+    path = save_hf(theirs, tmp_path / "hf", "safetensors")
+    cfg = TrainConfig(
+        init_from=str(path), out_dir=str(tmp_path / "run"), batch_size=2, seq_len=16, max_steps=1,
+        eval_interval=1, eval_tokens=32, sample_tokens=0, device="cpu",
+    )  # fmt: skip
+    train.train(cfg, {})
+    pieces = checkpoint.Pieces(checkpoint.latest(tmp_path / "run"))
+    piece, read = checkpoint.Pieces._piece, []
+    monkeypatch.setattr(checkpoint.Pieces, "_piece", lambda *args: _Counted(piece(*args), read))
+    for key in (None, "exp_avg"):
+        for name in pieces.shapes:
+            whole, spec = pieces.whole(name, key), shard_spec(name, pieces.config)
+            for tp_rank in (0, 1):
+                read.clear()
+                mine = pieces.for_rank(name, key, tp_rank, 2, (1, 3))
+                assert torch.equal(mine, shard(whole, spec, tp_rank, 2)[1:3]), (name, key, tp_rank)
+                columns_cut = spec is not None and spec.dim == 1
+                assert sum(read) == mine.numel() * (2 if columns_cut else 1), (name, key, read)

@@ -205,6 +205,20 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if t.shape[0] < rows else t
 
 
+def hf_parts(config: GPTConfig, arch: str) -> dict[str, list[str]]:
+    """Each horse parameter -> the HF tensors it holds, stacked along dim 0 in order (q, k and v for
+    LLaMA's c_attn; one tensor for the rest). GPT-2's CONV1D tensors are stored transposed."""
+    if arch == "GPT2LMHeadModel":
+        return {mine: [theirs] for mine, theirs in _gpt2_names(config).items()}
+    parts = {mine: [theirs] for mine, theirs in _llama_names(config).items()}
+    return parts | {k: v for i in range(config.n_layer) for k, v in _qkv_names(config, i).items()}
+
+
+def is_transposed(arch: str, name: str) -> bool:
+    """Whether HF stores horse parameter name transposed (GPT-2's Conv1D: (in, out))."""
+    return arch == "GPT2LMHeadModel" and name.endswith(CONV1D)
+
+
 def from_hf_tensors(tensors: dict, config: GPTConfig, arch: str, source: Path) -> dict[str, torch.Tensor]:
     """Horse's state dict (float32) from HF's tensors, or an error naming source and every missing one."""
     base = "transformer." if arch == "GPT2LMHeadModel" else "model."

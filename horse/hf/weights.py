@@ -7,6 +7,7 @@ and verifies checkpoints.
     load_model(path)                 (GPT, tokenizer) of a Hugging Face folder, a checkpoint or a run
     pretrained_config(path)          the GPTConfig of any of the three
     load_pretrained(path, model)     their weights into a model, or into a tensor-parallel shard of it
+    weight_source(path, config)      their weights read in parts, only those a rank holds (--init-from)
     export(ckpt, out)                a checkpoint (any layout) as a Hugging Face folder
 """
 
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from horse import checkpoint
@@ -31,12 +33,16 @@ from horse.hf.convert import (
     TOKENIZER,
     config_from_hf,
     from_hf_tensors,
+    hf_parts,
     is_hf_folder,
+    is_transposed,
+    pad_vocab,
     to_hf,
 )
 from horse.layers import RotaryEmbedding
 from horse.model import GPT, GPTConfig
 from horse.parallel import Parallel, shard_state_dict
+from horse.parallel.apply import WeightSource
 
 
 def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -96,6 +102,134 @@ def load_pretrained(path: str | Path, model: GPT, parallel: Parallel | None = No
     else:
         config, state = model.config, checkpoint.full_weights(checkpoint.resolve(path))
     model.load_state_dict(shard_state_dict(state, config, parallel.tp_rank, parallel.tp_size))
+
+
+# A .bin folder is unpickled whole by every rank (torch.load cannot read a part of a tensor): refused
+# above this many bytes of files, about a 500M-parameter float32 model, 2 GiB of host memory a rank.
+BIN_LIMIT = 2 * 2**30
+
+
+def weight_source(path: str | Path, config: GPTConfig) -> WeightSource:
+    """The weights of path (a Hugging Face folder, a horse checkpoint or a run's directory; config:
+    :func:`pretrained_config` of it) as a ``WeightSource`` for ``horse.parallel.materialize``.
+
+    A safetensors folder (model.safetensors, or the shards model.safetensors.index.json names) is
+    read in slices: each call reads only the rows and columns asked for, of each q/k/v part
+    separately (GPT-2's transposed Conv1D by columns), the vocabulary's padding rows made as zeros,
+    and casts them to float32, so a rank's host holds its part of one tensor at a time. A .bin
+    folder is read whole by every rank, and refused above BIN_LIMIT bytes with the command that
+    converts it; a horse checkpoint reads only those rows of the pieces that hold them
+    (``horse.checkpoint.Pieces.read``)."""
+    path = Path(path)
+    if not is_hf_folder(path):
+        pieces = checkpoint.Pieces(checkpoint.resolve(path))
+        return lambda name, rows, columns: pieces.read(name, None, rows, columns)
+    if (path / SAFETENSORS).is_file() or (path / SAFETENSORS_INDEX).is_file():
+        return SafetensorsSlices(path, config)
+    files = list(path.glob("pytorch_model*.bin"))
+    size = sum(f.stat().st_size for f in files)
+    if size > BIN_LIMIT:
+        raise ValueError(
+            f"--init-from {path}: {size / 2**30:.1f} GiB of .bin weights, which every rank would read "
+            f"whole (at most {BIN_LIMIT / 2**30:.0f} GiB); convert the folder to safetensors, which "
+            'each rank reads in slices: python -c "import transformers as t; '
+            f"t.AutoModelForCausalLM.from_pretrained('{path}').save_pretrained('{path}')\""
+        )
+    hf_config, arch = config_from_hf(path)
+    return _whole_source(from_hf_tensors(read_tensors(path), hf_config, arch, path))
+
+
+def _whole_source(state: dict[str, torch.Tensor]) -> WeightSource:
+    def read(name: str, rows: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor:
+        part = state[name][rows]
+        return part if columns is None else part.index_select(1, columns)
+
+    return read
+
+
+class SafetensorsSlices:
+    """A Hugging Face safetensors folder as a ``WeightSource`` (:func:`weight_source`); its tensor
+    names and shapes are checked against config at construction, reading no tensor."""
+
+    def __init__(self, path: Path, config: GPTConfig):
+        hf_config, self.arch = config_from_hf(path)
+        index = path / SAFETENSORS_INDEX
+        if (path / SAFETENSORS).is_file():
+            with safe_open(path / SAFETENSORS, framework="pt") as f:
+                self.file_of = dict.fromkeys(f.keys(), path / SAFETENSORS)
+        else:
+            self.file_of = {k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        base = "transformer." if self.arch == "GPT2LMHeadModel" else "model."
+        # saved from the bare GPT2Model / LlamaModel (as OpenAI's GPT-2 on the Hub is): no prefix
+        self.strip = "" if any(k.startswith(base) for k in self.file_of) else base
+        self.parts = hf_parts(hf_config, self.arch)
+        missing = [n for parts in self.parts.values() for n in parts if self._key(n) not in self.file_of]
+        if missing:
+            raise ValueError(
+                f"{path}: {len(missing)} tensor(s) missing for {self.arch} with {config.n_layer} layers: "
+                + ", ".join(missing)
+            )
+        with torch.device("meta"):
+            expected = GPT(config).state_dict()
+        wrong = [
+            f"{', '.join(parts)} (as {name}): {shape}, expected {list(expected[name].shape)}"
+            for name, parts in self.parts.items()
+            if (shape := self._shape(name)) != list(expected[name].shape)
+        ]
+        if wrong:
+            raise ValueError(f"{path}: tensors of the wrong shape for its {CONFIG}: " + "; ".join(wrong))
+
+    def _key(self, hf_name: str) -> str:
+        return hf_name.removeprefix(self.strip)
+
+    def _part_shapes(self, name: str) -> list[list[int]]:
+        """The shapes of name's HF tensors, in horse's layout (untransposed), from the files' headers."""
+        shapes = []
+        for hf_name in self.parts[name]:
+            with safe_open(self.file_of[self._key(hf_name)], framework="pt") as f:
+                shape = f.get_slice(self._key(hf_name)).get_shape()
+            shapes.append(shape[::-1] if is_transposed(self.arch, name) else shape)
+        return shapes
+
+    def _shape(self, name: str) -> list[int]:
+        """The whole shape of horse parameter name: its parts stacked, the vocabulary padded."""
+        shapes = self._part_shapes(name)
+        rows = sum(shape[0] for shape in shapes)
+        if name in ("wte.weight", "lm_head.weight"):
+            rows = pad_vocab(rows)
+        return [rows, *shapes[0][1:]]
+
+    def __call__(self, name: str, rows: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor:
+        transposed = is_transposed(self.arch, name)
+        pieces, offset = [], 0
+        for hf_name in self.parts[name]:
+            key = self._key(hf_name)
+            with safe_open(self.file_of[key], framework="pt") as f:  # unmapped again after each tensor
+                part = f.get_slice(key)
+                length = part.get_shape()[-1 if transposed else 0]
+                own = rows[(rows >= offset) & (rows < offset + length)] - offset
+                pieces += [
+                    self._read(part, start, stop, columns, transposed)
+                    for start, stop in checkpoint.index_runs(own)
+                ]
+                width = part.get_shape()[0 if transposed else -1]
+            offset += length
+        padding = int((rows >= offset).sum())  # the vocabulary's padding rows: zeros
+        if padding:
+            pieces.append(torch.zeros(padding, width if columns is None else len(columns)))
+        return torch.cat(pieces)
+
+    @staticmethod
+    def _read(part, start: int, stop: int, columns: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+        """Rows start:stop (of horse's layout) of one HF tensor, the given columns, in float32."""
+        if len(part.get_shape()) == 1:
+            return part[start:stop].float()
+        if transposed:  # HF's (in, out): horse's rows are its columns
+            ranges = [(0, part.get_shape()[0])] if columns is None else checkpoint.index_runs(columns)
+            return torch.cat([part[a:b, start:stop].float() for a, b in ranges]).t()
+        if columns is None:
+            return part[start:stop].float()
+        return torch.cat([part[start:stop, a:b].float() for a, b in checkpoint.index_runs(columns)], dim=1)
 
 
 def load_model(path: str | Path, backend: str = "reference") -> tuple[GPT, BPETokenizer | None]:

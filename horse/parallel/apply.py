@@ -5,6 +5,7 @@ compile, data parallelism), as torchtitan's ``parallelize_llama`` does."""
 
 import functools
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -97,17 +98,32 @@ def build_model(
     return model
 
 
-def materialize(model: GPT, parallel: Parallel, device: str | torch.device, seed: int | None) -> None:
+class WeightSource(Protocol):
+    """Whole tensors by parameter name, read in parts: ``source(name, rows, columns)`` is the float32
+    tensor ``whole[rows][:, columns]`` (columns None: all of them); rows and columns are ascending
+    indices of the whole tensor."""
+
+    def __call__(self, name: str, rows: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor: ...
+
+
+def materialize(
+    model: GPT,
+    parallel: Parallel,
+    device: str | torch.device,
+    seed: int | None,
+    source: WeightSource | None = None,
+) -> None:
     """Allocate on ``device`` the parameters and buffers of ``model``, built on the meta device and
     made this rank's part by ``parallelize`` (and by FSDP2's ``fully_shard`` or not), then draw from
     ``seed`` exactly the values this rank holds; seed None: leave the parameters uninitialised, for a
-    checkpoint to fill (a resume builds no throw-away model).
+    checkpoint to fill (a resume builds no throw-away model); ``source``: read exactly those values
+    from it instead (``--init-from``: ``horse.hf.weights.weight_source``, which reads only these slices).
 
     Every local tensor is a set of rows and columns of the whole tensor: the tp slices of its
     sections along the plan's dim (``shard`` of the indices), then FSDP's rows (dim 0) of that. Its
     rows come from ``initial_rows``, which draws them from per-row-block generators, so every layout
     gets the same values; a tensor cut by columns (the row-parallel projections) has its rows drawn
-    whole, ROWS_AT_ONCE at a time, then sliced.
+    whole, ROWS_AT_ONCE at a time, then sliced. A source is asked for the rows and columns at once.
     """
     model.to_empty(device=device)
     config = model.config
@@ -115,11 +131,11 @@ def materialize(model: GPT, parallel: Parallel, device: str | torch.device, seed
         fresh = RotaryEmbedding(config.head_dim, config.block_size, config.rope_base, device=device)
         model.rotary.cos.copy_(fresh.cos)
         model.rotary.sin.copy_(fresh.sin)
-    if seed is None:
+    if seed is None and source is None:
         return
     with torch.no_grad():
         for name, param in model.named_parameters():
-            _draw(name, param, config, parallel, seed)
+            _fill(name, param, config, parallel, seed, source)
 
 
 # Rows drawn and copied at once: bounds the host memory of drawing a column-cut tensor's whole rows
@@ -127,9 +143,16 @@ def materialize(model: GPT, parallel: Parallel, device: str | torch.device, seed
 ROWS_AT_ONCE = 1024
 
 
-def _draw(name: str, param: torch.Tensor, config: GPTConfig, parallel: Parallel, seed: int) -> None:
+def _fill(
+    name: str,
+    param: torch.Tensor,
+    config: GPTConfig,
+    parallel: Parallel,
+    seed: int | None,
+    source: WeightSource | None,
+) -> None:
     """Fill this rank's part of parameter ``name`` (a tensor, or a DTensor cut by FSDP) with the
-    values the whole model drawn from ``seed`` holds there."""
+    values the whole model holds there: read from source, or drawn from ``seed``."""
     local_part = local(param)
     if local_part.numel() == 0:  # FSDP's last ranks may hold no rows of a small tensor
         return
@@ -151,6 +174,9 @@ def _draw(name: str, param: torch.Tensor, config: GPTConfig, parallel: Parallel,
         first_row = offset[0]
     rows = tp_indices(0)[first_row : first_row + local_part.shape[0]]
     columns = tp_indices(1) if spec is not None and spec.dim == 1 else None
+    if source is not None:
+        local_part.copy_(source(name, rows, columns).view_as(local_part))
+        return
     for start in range(0, len(rows), ROWS_AT_ONCE):
         values = initial_rows(name, torch.Size(whole_shape), rows[start : start + ROWS_AT_ONCE], config, seed)
         if columns is not None:
@@ -166,11 +192,12 @@ def parallelize_gpt(
     compile: bool = False,
     compute_dtype: torch.dtype | None = None,
     seed: int | None = None,
+    source: WeightSource | None = None,
 ) -> Callable:
     """Make ``model``, a whole GPT, this rank's part of a training run; returns what the training step
     calls. ``model`` is either built on the meta device (``with torch.device("meta")``), and this
-    rank's part of it is then allocated on ``device`` and drawn from ``seed`` (:func:`materialize`;
-    seed None: left for a checkpoint to fill), or float32 on the CPU (pretrained weights loaded) and
+    rank's part of it is then allocated on ``device`` and drawn from ``seed``, or read from ``source``
+    (:func:`materialize`; neither: left for a checkpoint to fill), or whole, float32 on the CPU, and
     then cut. In this order, each step relying on the one before:
 
     1. tensor parallelism (:func:`parallelize`), on the meta device or then moved to ``device``;
@@ -194,10 +221,10 @@ def parallelize_gpt(
     elif compile:
         loss = compile_loss(model, fullgraph=parallel.tp_size == 1)
     if deferred and not parallel.fsdp:
-        materialize(model, parallel, device, seed)
+        materialize(model, parallel, device, seed, source)
     loss = data_parallel(model, loss, parallel, compute_dtype)
     if deferred and parallel.fsdp:
-        materialize(model, parallel, device, seed)
+        materialize(model, parallel, device, seed, source)
     return loss
 
 
