@@ -399,7 +399,7 @@ def test_a_bin_folder_above_the_limit_is_refused_with_the_conversion(tmp_path, m
     config = hf.pretrained_config(path)
     assert weights.weight_source(path, config)("wpe.weight", torch.arange(2), None).shape == (2, 32)
     monkeypatch.setattr(weights, "BIN_LIMIT", (path / hf.BIN).stat().st_size - 1)
-    with pytest.raises(ValueError, match=r"which every rank would read whole.*save_pretrained"):
+    with pytest.raises(ValueError, match=r"which each host would read whole.*save_pretrained"):
         weights.weight_source(path, config)
 
 

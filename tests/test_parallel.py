@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import math
 import os
+import tempfile
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ from helpers import check_descriptor_strides_in_bytes, free_port
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from horse import kernels, train
+from horse import hf, kernels, train
+from horse.hf import weights
 from horse.model import GPT, GPTConfig, KVCache
 from horse.parallel import (
     GPT_PLAN,
@@ -32,6 +34,7 @@ from horse.parallel import (
     gather_state_dicts,
     global_grad_norm,
     init_from_env,
+    materialize,
     parallelize,
     reduce_from_tp,
     reduce_scatter_to_sequence,
@@ -452,3 +455,32 @@ def test_at_tp1_the_parallel_functions_are_the_plain_ones():
         math.sqrt(sum(p.grad.square().sum().item() for p in model.parameters()))
     )
     assert found_nonfinite(torch.tensor(1.0), parallel).item()
+
+
+def _bin_read_once_per_host(parallel: Parallel, path, tmp) -> None:
+    tempfile.tempdir = str(tmp)  # the host's temporary directory, this test's own
+    loads, torch_load = [], torch.load
+    torch.load = lambda *args, **kwargs: loads.append(args[0]) or torch_load(*args, **kwargs)
+    config = hf.pretrained_config(path)
+    with torch.device("meta"):
+        model = parallelize(GPT(config), parallel)
+    materialize(model, parallel, "cpu", None, weights.weight_source(path, config))
+    assert len(loads) == (1 if parallel.tp_rank == 0 else 0), (parallel.tp_rank, loads)
+    torch.load = torch_load
+    whole = shard_state_dict(
+        hf.from_pretrained(path).state_dict(), config, parallel.tp_rank, parallel.tp_size
+    )
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, whole[name]), (parallel.tp_rank, name)
+
+
+def test_a_bin_folder_is_unpickled_once_per_host_and_each_rank_reads_its_slices(tmp_path):
+    """--init-from a .bin folder on two ranks of one host: LOCAL_RANK 0 alone unpickles it (into a
+    safetensors copy in the host's temporary directory, tied weights and all), and each rank's shard
+    read from the copy is the whole load's cut by the plan, byte for byte."""
+    from test_hf import hf_llama, save_hf
+
+    path = save_hf(hf_llama(tie=True, bias=True), tmp_path / "bin", "bin")
+    (tmp_path / "tmp").mkdir()
+    _spawn(_bin_read_once_per_host, path, tmp_path / "tmp")
+    assert [p.name.startswith("horse-init-from-") for p in (tmp_path / "tmp").iterdir()] == [True]

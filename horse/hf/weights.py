@@ -12,13 +12,16 @@ and verifies checkpoints.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -104,8 +107,8 @@ def load_pretrained(path: str | Path, model: GPT, parallel: Parallel | None = No
     model.load_state_dict(shard_state_dict(state, config, parallel.tp_rank, parallel.tp_size))
 
 
-# A .bin folder is unpickled whole by every rank (torch.load cannot read a part of a tensor): refused
-# above this many bytes of files, about a 500M-parameter float32 model, 2 GiB of host memory a rank.
+# A .bin folder is unpickled whole (torch.load cannot read a part of a tensor), once per host: refused
+# above this many bytes of files, about a 500M-parameter float32 model, 2 GiB of host memory.
 BIN_LIMIT = 2 * 2**30
 
 
@@ -117,9 +120,9 @@ def weight_source(path: str | Path, config: GPTConfig) -> WeightSource:
     read in slices: each call reads only the rows and columns asked for, of each q/k/v part
     separately (GPT-2's transposed Conv1D by columns), the vocabulary's padding rows made as zeros,
     and casts them to float32, so a rank's host holds its part of one tensor at a time. A .bin
-    folder is read whole by every rank, and refused above BIN_LIMIT bytes with the command that
-    converts it; a horse checkpoint reads only those rows of the pieces that hold them
-    (``horse.checkpoint.Pieces.read``)."""
+    folder is read whole once per host (:func:`_bin_as_safetensors`), and refused above BIN_LIMIT
+    bytes with the command that converts it; a horse checkpoint reads only those rows of the pieces
+    that hold them (``horse.checkpoint.Pieces.read``)."""
     path = Path(path)
     if not is_hf_folder(path):
         pieces = checkpoint.Pieces(checkpoint.resolve(path))
@@ -130,13 +133,38 @@ def weight_source(path: str | Path, config: GPTConfig) -> WeightSource:
     size = sum(f.stat().st_size for f in files)
     if size > BIN_LIMIT:
         raise ValueError(
-            f"--init-from {path}: {size / 2**30:.1f} GiB of .bin weights, which every rank would read "
+            f"--init-from {path}: {size / 2**30:.1f} GiB of .bin weights, which each host would read "
             f"whole (at most {BIN_LIMIT / 2**30:.0f} GiB); convert the folder to safetensors, which "
             'each rank reads in slices: python -c "import transformers as t; '
             f"t.AutoModelForCausalLM.from_pretrained('{path}').save_pretrained('{path}')\""
         )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return SafetensorsSlices(_bin_as_safetensors(path, files), config)
     hf_config, arch = config_from_hf(path)
     return _whole_source(from_hf_tensors(read_tensors(path), hf_config, arch, path))
+
+
+def _bin_as_safetensors(path: Path, files: list[Path]) -> Path:
+    """The .bin folder path as a safetensors folder in this host's temporary directory, written by
+    the host's first rank (LOCAL_RANK 0) alone, the one process that unpickles the weights whole,
+    while every other rank waits (a barrier over the world); each rank then reads its slices of the
+    copy. The copy is named by the files' paths, sizes and times, so a restarted job reuses it."""
+    stamp = repr([(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(files)])
+    copy = Path(tempfile.gettempdir()) / f"horse-init-from-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}"
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not (copy / SAFETENSORS).is_file():
+        staging = Path(tempfile.mkdtemp(prefix=f"{copy.name}.", dir=copy.parent))
+        shutil.copy(path / CONFIG, staging / CONFIG)
+        stored = set()  # tensors that share storage (tied weights) are written apart: safetensors' rule
+        tensors = {}
+        for name, t in read_tensors(path).items():
+            storage = t.untyped_storage().data_ptr()
+            tensors[name] = t.clone() if storage in stored else t.contiguous()
+            stored.add(storage)
+        save_file(tensors, staging / SAFETENSORS)
+        shutil.rmtree(copy, ignore_errors=True)
+        staging.rename(copy)
+    dist.barrier()
+    return copy
 
 
 def _whole_source(state: dict[str, torch.Tensor]) -> WeightSource:
