@@ -43,6 +43,7 @@ import shutil
 import struct
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -405,24 +406,27 @@ def encode_pieces(
         for piece in pieces:
             yield piece, *encode_piece(piece, tokenizer, text_field)
         return
-    # apply_async over a bounded window, not imap: imap's feeder thread reads the whole input ahead
-    # into memory whenever the workers are slower than the disk.
+    # submit over a bounded window, not map: map submits the whole input at once, holding it in
+    # memory whenever the workers are slower than the disk.
     # spawn, not fork: a forked worker inherits locks held by the parent's threads (tqdm's monitor,
-    # the tokenizers library's pool), and a test run hung in the pool's shutdown.
-    pool = multiprocessing.get_context("spawn").Pool(workers, _start_worker, (tokenizer_path,))
+    # the tokenizers library's pool), and a test run hung in the pool's shutdown. An executor, not
+    # multiprocessing.Pool: Pool.terminate after a worker's error (a piece without its text field)
+    # hung a clean CI run in its handler threads' join; the executor cancels what is queued instead.
+    context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_start_worker, initargs=(tokenizer_path,)
+    )
     try:
         window = collections.deque()
         for piece in pieces:
-            window.append((piece, pool.apply_async(_encode_in_worker, (piece, text_field))))
+            window.append((piece, pool.submit(_encode_in_worker, piece, text_field)))
             if len(window) >= 2 * workers:
                 piece, result = window.popleft()
-                yield piece, *result.get()
+                yield piece, *result.result()
         for piece, result in window:
-            yield piece, *result.get()
-        pool.close()
-        pool.join()
+            yield piece, *result.result()
     finally:
-        pool.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def prepare(
