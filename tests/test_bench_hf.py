@@ -21,8 +21,12 @@ def test_cases_cover_every_model_on_every_implementation_and_quick_keeps_the_gat
     assert gpt2.params == {"model": "gpt2-124m", "layers": 12, "d_model": 768, "batch": 16, "seq_len": 1024}
     assert phi3.params == {"model": "phi3-mini", "layers": 32, "d_model": 3072, "batch": 2, "seq_len": 2048}
     assert gemma3.params == {
-        "model": "gemma3-1b-softcap", "layers": 26, "d_model": 1152, "batch": 1, "seq_len": 4096
-    }  # fmt: skip
+        "model": "gemma3-1b-softcap",
+        "layers": 26,
+        "d_model": 1152,
+        "batch": 1,
+        "seq_len": 4096,
+    }
     assert hf.GEMMA3_1B.make_config().final_logit_softcapping == 30.0
     assert all(c.direction == "forward+backward" and c.unit == "flop" for c in cases)
     # 6 N + 12 L d T a token: N is Llama 3.2 1B's 1.236 B parameters (tied head), GPT-2's 124.4 M,
@@ -77,8 +81,11 @@ def test_liger_is_unavailable_for_gpt2_and_where_it_is_not_installed():
 def test_interpreter_check_passes_and_fails_on_a_wrong_gradient(monkeypatch):
     checks = hf.interpreter_checks()
     assert [label.split()[1] for label, _, _ in checks] == [
-        "llama-tiny", "gpt2-tiny", "phi3-tiny", "gemma3-tiny-softcap"
-    ]  # fmt: skip
+        "llama-tiny",
+        "gpt2-tiny",
+        "phi3-tiny",
+        "gemma3-tiny-softcap",
+    ]
     assert all(ok for _, _, ok in checks), checks
     from horse.hf import forwards
 

@@ -31,9 +31,15 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 def hf_gpt2(vocab: int = 101, tie: bool = True) -> torch.nn.Module:
     config = transformers.GPT2Config(
-        vocab_size=vocab, n_positions=48, n_embd=32, n_layer=2, n_head=4, bos_token_id=None,
-        eos_token_id=None, tie_word_embeddings=tie,
-    )  # fmt: skip
+        vocab_size=vocab,
+        n_positions=48,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=None,
+        eos_token_id=None,
+        tie_word_embeddings=tie,
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).eval()
     _randomize(model, 1)

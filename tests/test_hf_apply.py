@@ -461,10 +461,18 @@ def test_trainer_runs_three_steps_with_the_unpatched_losses(family, tmp_path, re
         if patch:
             horse.hf.apply(model)
         args = transformers.TrainingArguments(
-            output_dir=str(tmp_path / str(patch)), max_steps=3, per_device_train_batch_size=2,
-            gradient_accumulation_steps=2, learning_rate=1e-2, logging_steps=1, save_strategy="no",
-            report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-        )  # fmt: skip
+            output_dir=str(tmp_path / str(patch)),
+            max_steps=3,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            learning_rate=1e-2,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            disable_tqdm=True,
+        )
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
         trainer.train()
         assert trainer.model_accepts_loss_kwargs  # num_items_in_batch reaches the fused loss

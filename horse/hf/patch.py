@@ -58,9 +58,20 @@ if major_minor(transformers.__version__) < MIN_TRANSFORMERS:
     )
 
 SUPPORTED_MODEL_TYPES = (
-    "llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3", "granite", "ministral", "smollm3", "olmo2", "glm4",
-    "gemma", "gemma3_text",
-)  # fmt: skip
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gpt2",
+    "phi3",
+    "granite",
+    "ministral",
+    "smollm3",
+    "olmo2",
+    "glm4",
+    "gemma",
+    "gemma3_text",
+)
 # Families that need what the kernels do not do yet (issue 49), with what: named in apply's refusal.
 WAITING_FOR_KERNELS = {
     "gemma2": "attention logit softcapping (attn_logit_softcapping)",
@@ -71,10 +82,19 @@ MAX_HEAD_DIM = 256
 _PATCH = "_horse_hf_patch"  # the model's attribute holding what apply changed
 # The families built like LLaMA: {model_type: the prefix of their modeling module's class names}
 _LLAMA_LIKE = {
-    "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
-    "granite": "Granite", "ministral": "Ministral", "smollm3": "SmolLM3", "olmo2": "Olmo2", "glm4": "Glm4",
-    "gemma": "Gemma", "gemma3_text": "Gemma3",
-}  # fmt: skip
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "phi3": "Phi3",
+    "granite": "Granite",
+    "ministral": "Ministral",
+    "smollm3": "SmolLM3",
+    "olmo2": "Olmo2",
+    "glm4": "Glm4",
+    "gemma": "Gemma",
+    "gemma3_text": "Gemma3",
+}
 # Families whose modeling module is not named after their model type
 _MODELING_MODULE = {"gemma3_text": "gemma3"}
 
