@@ -7,7 +7,7 @@ import itertools
 
 import torch
 
-from bench.compile_report.config import KernelConfig, kernel_config
+from bench.compile_report.config import KernelConfig, kernel_config, plan_config
 from horse.kernels import runtime
 
 # Attention passes: their plan functions in horse.kernels.attention.launch.
@@ -23,25 +23,6 @@ ATTENTION_TABLES = {
 
 # The mask variants each pass compiles to (its MASK): none, the causal diagonal, a sliding window.
 ATTENTION_MASKS = ("full", "causal", "local")
-
-
-def plan_config(plan, shape_class: str, dtype: torch.dtype, arch: str, **fields) -> KernelConfig:
-    """The KernelConfig of a launcher's plan (horse.kernels.attention.launch.Plan): its kernel,
-    constexprs, launch options, tuple arguments, descriptors and float32 partials, as launched."""
-    kernel = f"{plan.kernel.fn.__module__.removeprefix('horse.kernels.')}.{plan.kernel.fn.__name__}"
-    return kernel_config(
-        kernel,
-        shape_class,
-        dtype,
-        plan.constexprs,
-        plan.num_warps,
-        arch,
-        plan.num_stages,
-        pointers=dict.fromkeys(plan.partials, "fp32"),
-        tuples=plan.tuples,
-        descriptors=plan.descriptors,
-        **fields,
-    )
 
 
 def attention_pass_configs(

@@ -17,6 +17,7 @@ from horse.kernels.attention.backward import (
 from horse.kernels.attention.configs import AttnConfig, dkdv_outputs, head_dim_block
 from horse.kernels.attention.decode import _attn_decode_kernel, _attn_decode_reduce_kernel
 from horse.kernels.attention.forward import _attn_fwd_kernel
+from horse.kernels.runtime import Plan
 
 # Tiles by TMA where tma_usable allows; False sends every pass down the pointer path (the bench's
 # "ours-pointer" row measures the difference).
@@ -109,37 +110,6 @@ def _pass_args(q, k, lse, causal, window, softmax_scale, packed: Packed | None) 
         softmax_scale=softmax_scale, INLINE_PTX=runtime.inline_ptx(q), **runtime.COMPILE_OPTIONS
     )
     return dict(values=values, mask=mask, launch_args=launch_args)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How one launch of an attention pass goes, decided from sizes alone: the kernel, its grid, its
-    constexprs and launch options, its tuple arguments by their elements' names (in the order the
-    launch packs them: :meth:`pack`), the arguments whose tiles host-built TMA descriptors load (their
-    block shapes) and those written as float32 partials. The launchers launch by it; the compile
-    report (bench.compile_report.attention) compiles the same plans, so neither re-derives the other."""
-
-    kernel: object  # the @triton.jit function
-    grid: tuple[int, ...]
-    constexprs: dict
-    num_warps: int
-    num_stages: int
-    tuples: dict  # tuple argument -> its elements' names
-    descriptors: dict  # argument -> the block shape of its host-built TMA descriptor
-    partials: tuple[str, ...] = ()
-
-    def pack(self, values: dict) -> dict:
-        """The tuple arguments, each element taken from values by its name."""
-        return {
-            name: tuple(values[element] for element in elements) for name, elements in self.tuples.items()
-        }
-
-    def operand(self, name: str, t: torch.Tensor):
-        """Argument name: t, or the descriptor of it the plan loads by."""
-        return runtime.tma_operand(t, self.descriptors.get(name), name in self.descriptors)
-
-    def options(self) -> dict:
-        return dict(self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 SEQUENCES = {
