@@ -1,5 +1,6 @@
 """A kernel config (:class:`KernelConfig`: one compilation of a kernel for a GPU family), and what
-the kernel families' modules build theirs with (:func:`kernel_config`, :func:`row_sizes`).
+the kernel families' modules build theirs with (:func:`plan_config` of a launcher's plan, on
+:func:`kernel_config`; :func:`row_sizes`).
 """
 
 import argparse
