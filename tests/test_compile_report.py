@@ -781,7 +781,8 @@ def test_batched_disassembly_counts_each_kernel_as_cuobjdump_does_alone():
 @pytest.mark.interpreter
 def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_with(monkeypatch):
     """The report's cubins are the launches' only if both pass runtime.COMPILE_OPTIONS (FMA
-    contraction, which Triton 3.10 stops doing by default): every kernel's launch is checked."""
+    contraction, which Triton 3.10 stops doing by default) and name their stages, as the report
+    compiles their plans with theirs (Triton's default is 3): every kernel's launch is checked."""
     from triton.runtime.interpreter import GridExecutor  # runs every launch in the interpreter
 
     from horse import kernels
@@ -792,7 +793,8 @@ def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_wi
     launch = GridExecutor.__call__
 
     def recording_launch(self, *args, **kwargs):
-        launches.append((self.fn.__name__, {k: kwargs.get(k) for k in runtime.COMPILE_OPTIONS}))
+        options = ("num_stages", *runtime.COMPILE_OPTIONS)
+        launches.append((self.fn.__name__, {k: kwargs.get(k) for k in options}))
         return launch(self, *args, **kwargs)
 
     monkeypatch.setattr(GridExecutor, "__call__", recording_launch)
@@ -838,7 +840,9 @@ def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_wi
     defined = {name for module in modules for name, value in vars(module).items()
                if isinstance(value, interpreted) and name.endswith("_kernel")}  # fmt: skip
     assert {name for name, _ in launches} == defined
-    assert all(options == runtime.COMPILE_OPTIONS for _, options in launches), launches
+    compile_options = [{k: options.pop(k) for k in runtime.COMPILE_OPTIONS} for _, options in launches]
+    assert all(options == runtime.COMPILE_OPTIONS for options in compile_options), launches
+    assert not {name for name, options in launches if options["num_stages"] is None}
 
 
 NARROW_TTIR = """

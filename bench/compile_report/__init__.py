@@ -22,8 +22,9 @@ functions.
 
 Where each step lives, in the order a run takes them:
 
-- ``norms.py``, ``attention.py``, ``mlp.py``, ``loss.py``: each kernel family's configs, built with
-  ``config.kernel_config``; a family adds its function to ``CONFIG_FAMILIES`` below.
+- ``norms.py``, ``attention.py``, ``mlp.py``, ``loss.py``: each kernel family's configs, built from
+  the plans its launchers launch by (``config.plan_config``); a family adds its function to
+  ``CONFIG_FAMILIES`` below.
 - ``config.py``: :class:`~bench.compile_report.config.KernelConfig`, one compilation of a kernel.
 - ``cache.py``: each config's row key, the rows already proven (bench/compile_report_cache.json),
   which configs to compile, and the check of a sample of the reused rows.

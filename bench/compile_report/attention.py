@@ -7,7 +7,7 @@ import itertools
 
 import torch
 
-from bench.compile_report.config import KernelConfig, kernel_config
+from bench.compile_report.config import KernelConfig, plan_config
 from horse.kernels import runtime
 
 # Attention passes: their plan functions in horse.kernels.attention.launch.
@@ -23,25 +23,6 @@ ATTENTION_TABLES = {
 
 # The mask variants each pass compiles to (its MASK): none, the causal diagonal, a sliding window.
 ATTENTION_MASKS = ("full", "causal", "local")
-
-
-def plan_config(plan, shape_class: str, dtype: torch.dtype, arch: str, **fields) -> KernelConfig:
-    """The KernelConfig of a launcher's plan (horse.kernels.attention.launch.Plan): its kernel,
-    constexprs, launch options, tuple arguments, descriptors and float32 partials, as launched."""
-    kernel = f"{plan.kernel.fn.__module__.removeprefix('horse.kernels.')}.{plan.kernel.fn.__name__}"
-    return kernel_config(
-        kernel,
-        shape_class,
-        dtype,
-        plan.constexprs,
-        plan.num_warps,
-        arch,
-        plan.num_stages,
-        pointers=dict.fromkeys(plan.partials, "fp32"),
-        tuples=plan.tuples,
-        descriptors=plan.descriptors,
-        **fields,
-    )
 
 
 def attention_pass_configs(
@@ -121,25 +102,11 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
 
     configs, dtypes = [], (torch.float16, torch.bfloat16)
     block_dims = sorted(attention_configs.FWD_CONFIGS[arch.name])
-    for dtype, block_d, packed in itertools.product(dtypes, block_dims, (0, 1)):
+    for dtype, block_d, packed in itertools.product(dtypes, block_dims, (False, True)):
         for head_dim in dict.fromkeys((block_d, block_d * 3 // 4)):
-            constexprs = {
-                "HEAD_DIM": head_dim,
-                "BLOCK_D": block_d,
-                "HAS_DLSE": True,
-                "VARLEN": bool(packed),
-                "BLOCK_M": attention_configs.PREPROCESS_BLOCK_M,
-            }
-            configs.append(
-                kernel_config(
-                    "attention.backward._attn_bwd_preprocess_kernel",
-                    f"d={head_dim}" + " varlen" * packed,
-                    dtype,
-                    constexprs,
-                    attention_configs.PREPROCESS_NUM_WARPS,
-                    arch.name,
-                )
-            )
+            plan = launch.preprocess_plan(1, 1, 1, head_dim, has_dlse=True, packed=packed)
+            shape_class = f"d={head_dim}" + " varlen" * packed
+            configs.append(plan_config(plan, shape_class, dtype, arch.name))
     for table in ATTENTION_TABLES:
         for block_d, cfg in sorted(getattr(attention_configs, table)[arch.name].items()):
             configs += attention_entry_configs(table, cfg, block_d, arch)
@@ -157,16 +124,7 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
         configs += [
             plan_config(plan, shape_class, dtype, arch.name, matmul=True) for plan in by_block_m.values()
         ]
-        dims = {"HEAD_DIM": head_dim, "BLOCK_D": block_d}
         if mask == "full":  # and its reduce of the split keys' partial outputs
-            configs.append(
-                kernel_config(
-                    "attention.decode._attn_decode_reduce_kernel",
-                    shape_class,
-                    dtype,
-                    dims | {"BLOCK_S": attention_configs.DECODE_REDUCE_BLOCK_S},
-                    attention_configs.DECODE_REDUCE_NUM_WARPS,
-                    arch.name,
-                )
-            )
+            reduce = launch.decode_reduce_plan(1, head_dim)
+            configs.append(plan_config(reduce, shape_class, dtype, arch.name))
     return configs

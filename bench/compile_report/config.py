@@ -1,5 +1,6 @@
 """A kernel config (:class:`KernelConfig`: one compilation of a kernel for a GPU family), and what
-the kernel families' modules build theirs with (:func:`kernel_config`, :func:`row_sizes`).
+the kernel families' modules build theirs with (:func:`plan_config` of a launcher's plan, on
+:func:`kernel_config`; :func:`row_sizes`).
 """
 
 import argparse
@@ -160,5 +161,25 @@ def kernel_config(
         stages,
         arch=arch,
         tuples=tuples,
+        **fields,
+    )
+
+
+def plan_config(plan, shape_class: str, dtype: torch.dtype, arch: str, **fields) -> KernelConfig:
+    """The KernelConfig of a launcher's plan (horse.kernels.runtime.Plan, made by the kernel family's plan
+    functions): its kernel, constexprs, launch options, tuple arguments, descriptors and float32
+    partials, as launched; fields: name, matmul."""
+    kernel = f"{plan.kernel.fn.__module__.removeprefix('horse.kernels.')}.{plan.kernel.fn.__name__}"
+    return kernel_config(
+        kernel,
+        shape_class,
+        dtype,
+        plan.constexprs,
+        plan.num_warps,
+        arch,
+        plan.num_stages,
+        pointers=dict.fromkeys(plan.partials, "fp32"),
+        tuples=plan.tuples,
+        descriptors=plan.descriptors,
         **fields,
     )

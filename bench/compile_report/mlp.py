@@ -2,40 +2,39 @@
 launched in, the split-K epilogue and the elementwise backward.
 """
 
+import dataclasses
 import itertools
 
 import torch
 
-from bench.compile_report.config import KernelConfig, kernel_config
+from bench.compile_report.config import KernelConfig, plan_config
 from horse.kernels import runtime
 
-# MLP GEMM tables, each with a bias and gated ("gated_<table>": gated, no bias), built with the
-# epilogue that keeps the most values live (Epilogue.store: the stored pre-activation, the recomputed
-# h): kernel (module of horse.kernels.mlp and name), unit strides as constexprs (x, dy and the weights
-# row-major; the backward reads W_out transposed, unit stride along N), and each TMA descriptor's
-# block as (rows, columns) dims.
-MLP_GEMMS = {
-    "fwd": (
-        "forward._fwd_kernel",
-        {"x_strides[1]": 1, "w_strides[1]": 1},
-        {"X": "mk", "W": "nk", "WU": "nk"},
-    ),
-    "dh_bwd": (
-        "backward._dh_act_bwd_kernel",
-        {"dy_strides[1]": 1, "w_strides[0]": 1},
-        {"DY": "mk", "W": "kn"},
-    ),
+# The unit strides the MLP kernels are compiled with, as constexprs (Triton specialises a stride of 1 on
+# a GPU): x, dy and the weights row-major (the backward reads W_out transposed, unit stride along N).
+# The persistent forward reads only descriptors.
+UNIT_STRIDES = {
+    "_fwd_kernel": {"x_strides[1]": 1, "w_strides[1]": 1},
+    "_fwd_persistent_kernel": {},
+    "_dh_act_bwd_kernel": {"dy_strides[1]": 1, "w_strides[0]": 1},
+    "_split_k_epilogue_kernel": {},
+    "_act_bwd_kernel": {"dh_strides[1]": 1},
 }
-
-
-# The forwards' persistent kernel (TMA only): its descriptors (the outputs' in epilogue subtiles, "s").
-# Both forward kernels take GATED; a plain forward is passed W for WU and PRE for UP, which it does not read.
-MLP_PERSISTENT_TILES = {"X": "mk", "W": "nk", "WU": "nk", "Y": "ms", "PRE": "ms", "UP": "ms"}
+NUM_SMS = 132  # the persistent forward's grid only: its compiled code takes no SM count
 
 
 def _inline_ptx(arch: str) -> bool:
     """Epilogue.inline_ptx as the launchers set it (runtime.inline_ptx) on a GPU of family arch."""
     return not runtime.ARCHS[arch].hip_target
+
+
+def mlp_plan_config(
+    plan, table: str, shape_class: str, dtype: torch.dtype, arch: str, **fields
+) -> KernelConfig:
+    """The KernelConfig of an MLP launcher's plan, named mlp_<table>, compiled with its unit strides."""
+    strides = UNIT_STRIDES[plan.kernel.fn.__name__]
+    plan = dataclasses.replace(plan, constexprs=plan.constexprs | strides)
+    return plan_config(plan, shape_class, dtype, arch, name=f"mlp_{table}", **fields)
 
 
 def mlp_gemm_config(
@@ -49,15 +48,16 @@ def mlp_gemm_config(
     split_k: bool = False,
     persistent: bool = False,
 ):
-    """The KernelConfig of MLP GEMM ``table`` (a key of MLP_GEMMS, or gated_<key>) run with the
+    """The KernelConfig of MLP GEMM ``table`` ("fwd" or "dh_bwd", or gated_<it>) run with the
     horse.kernels.mlp.configs.GemmConfig ``cfg`` and activation, pointer or TMA loads, for GPU family
-    arch; split_k: a forward's split-K variant (partial sums stored, no epilogue); persistent: a
-    forward's persistent kernel (TMA)."""
+    arch, with the epilogue that keeps the most values live (Epilogue.store: the stored
+    pre-activation, the recomputed h): the launcher's plan (horse.kernels.mlp.launch); split_k: a
+    forward's split-K variant (partial sums stored, no epilogue); persistent: a forward's persistent
+    kernel (TMA)."""
+    from horse.kernels.mlp import launch
     from horse.kernels.mlp.configs import Epilogue
 
     gated = table.startswith("gated_")
-    kernel, unit_strides, tiles = MLP_GEMMS[table.removeprefix("gated_")]
-    dims = {"m": cfg.block_m, "n": cfg.block_n, "k": cfg.block_k, "s": cfg.block_n // cfg.epilogue_split}
     epilogue = Epilogue(
         activation,
         gated,
@@ -66,36 +66,13 @@ def mlp_gemm_config(
         split=cfg.epilogue_split,
         inline_ptx=_inline_ptx(arch),
     )
-    constexprs = {
-        "EPILOGUE": epilogue,
-        **unit_strides,
-        "BLOCK_M": cfg.block_m,
-        "BLOCK_N": cfg.block_n,
-        "BLOCK_K": cfg.block_k,
-        "GROUP_M": cfg.group_m,
-        "TMA": tma,
-    }
-    if kernel == "forward._fwd_kernel":
-        constexprs["SPLIT_K"] = split_k
-    if persistent:
-        kernel, tiles = "forward._fwd_persistent_kernel", MLP_PERSISTENT_TILES
-        # no strides tuples: the persistent kernel reads only descriptors
-        constexprs = {k: v for k, v in constexprs.items() if k not in ("TMA", "SPLIT_K") and "[" not in k}
-    descriptors = {a: tuple(dims[d] for d in block) for a, block in tiles.items()} if tma else {}
+    if table.removeprefix("gated_") == "fwd":
+        plan = launch.fwd_plan(cfg, 1, 1, epilogue, tma, 2 if split_k else 1, persistent, NUM_SMS)
+    else:
+        plan = launch.dh_plan(cfg, 1, 1, epilogue, tma)
     kind = " persistent" if persistent else " tma" if tma else ""
     shape = f"{shape_class}/{activation}{kind}{' split-k' if split_k else ''}"
-    return kernel_config(
-        f"mlp.{kernel}",
-        shape,
-        dtype,
-        constexprs,
-        cfg.num_warps,
-        arch,
-        cfg.num_stages,
-        name=f"mlp_{table}",
-        descriptors=descriptors,
-        matmul=True,
-    )
+    return mlp_plan_config(plan, table, shape, dtype, arch, matmul=True)
 
 
 def mlp_entry_configs(table: str, shape_class: str, cfg, arch: runtime.Arch) -> list[KernelConfig]:
@@ -125,7 +102,7 @@ def mlp_entry_configs(table: str, shape_class: str, cfg, arch: runtime.Arch) -> 
 def mlp_configs(arch: runtime.Arch) -> list[KernelConfig]:
     """Every GEMM table entry of horse.kernels.mlp.configs for arch (:func:`mlp_entry_configs`), and the
     elementwise backward, plain and gated, in both dtypes."""
-    from horse.kernels.mlp import configs
+    from horse.kernels.mlp import configs, launch
 
     kernel_configs = []
     for table, entries in configs.GEMM_CONFIGS[arch.name].items():
@@ -134,40 +111,17 @@ def mlp_configs(arch: runtime.Arch) -> list[KernelConfig]:
     # The split-K epilogue in the small tiles, and the elementwise backward, plain and gated.
     activations = ("gelu", "gelu_tanh")
     for gated, dtype, activation in itertools.product((False, True), configs.SUPPORTED_DTYPES, activations):
-        cfg = configs.GEMM_CONFIGS[arch.name]["gated_fwd" if gated else "fwd"]["small"]
-        # The forward's epilogue, unsplit, as _fwd_gemm passes it.
+        table = "gated_fwd" if gated else "fwd"
+        cfg = configs.GEMM_CONFIGS[arch.name][table]["small"]
         epilogue = configs.Epilogue(
             activation, gated, has_bias=not gated, store=True, inline_ptx=_inline_ptx(arch.name)
         )
-        constexprs = {"EPILOGUE": epilogue, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}
-        kernel_configs.append(
-            kernel_config(
-                "mlp.forward._split_k_epilogue_kernel",
-                f"small/{activation}",
-                dtype,
-                constexprs,
-                configs.SPLIT_K_EPILOGUE_WARPS,
-                arch.name,
-                name=f"mlp_{'gated_' * gated}split_k_epilogue",
-            )
-        )
-    row = configs.ACT_BWD_CONFIG
+        plan = launch.split_k_epilogue_plan(cfg, 1, 1, epilogue)
+        name = f"{'gated_' * gated}split_k_epilogue"
+        kernel_configs.append(mlp_plan_config(plan, name, f"small/{activation}", dtype, arch.name))
     for dtype, gated in itertools.product(configs.SUPPORTED_DTYPES, (False, True)):
-        constexprs = {
-            "EPILOGUE": configs.Epilogue("gelu", gated, has_bias=not gated, store=False),
-            "dh_strides[1]": 1,
-            "BLOCK_M": row.block_m,
-            "BLOCK_N": row.block_n,
-        }
-        kernel_configs.append(
-            kernel_config(
-                "mlp.backward._act_bwd_kernel",
-                "any/gelu",
-                dtype,
-                constexprs,
-                row.num_warps,
-                arch.name,
-                name=f"mlp_{'gated_' * gated}act_bwd",
-            )
-        )
+        epilogue = configs.Epilogue("gelu", gated, has_bias=not gated, store=False)
+        plan, _ = launch.act_bwd_plan(1, 1, epilogue, NUM_SMS)
+        name = f"{'gated_' * gated}act_bwd"
+        kernel_configs.append(mlp_plan_config(plan, name, "any/gelu", dtype, arch.name))
     return kernel_configs

@@ -253,9 +253,55 @@ def row_config(n_cols: int, arch: runtime.Arch) -> RowConfig:
     return RowConfig(block_v, max(1, min(16, block_v // (8 * arch.warp_size))))
 
 
-def _coefficients(label_smoothing: float, z_loss: float) -> tuple[float, float]:
-    """The kernels' coefficients argument, floats (an int 0 would compile another kernel)."""
-    return float(label_smoothing), float(z_loss)
+# The kernels' tuple arguments by their elements' names (runtime.Plan.tuples): the loss's coefficients
+# (ε and λ), the fused kernel's row strides and the statistics kernel's sizes.
+COEFFICIENTS = ("label_smoothing", "z_loss")
+FUSED_TUPLES = {"strides": ("stride_logits", "stride_dlogits", "dloss_stride"), "coefficients": COEFFICIENTS}
+STATS_TUPLES = {"sizes": ("M", "N")}
+GRAD_TUPLES = {"coefficients": COEFFICIENTS}
+
+
+def _row_plan(kernel, rows: int, vocab: int, arch: runtime.Arch, tuples: dict, **constexprs) -> runtime.Plan:
+    """A plan of a loss kernel: a program per row of vocab logits, in row_config's blocks."""
+    cfg = row_config(vocab, arch)
+    constexprs |= {"BLOCK_V": cfg.block_v}
+    return runtime.Plan(kernel, (rows,), constexprs, cfg.num_warps, num_stages=1, tuples=tuples)
+
+
+def cross_entropy_plan(
+    rows: int, vocab: int, arch: runtime.Arch, smoothing: bool, write_grad: bool, softcap: float | None
+) -> runtime.Plan:
+    """The fused kernel's plan for logits (rows, vocab) on GPU family arch: with label smoothing or
+    not, writing the gradient or not, softcapped by softcap unless None."""
+    return _row_plan(
+        _cross_entropy_kernel,
+        rows,
+        vocab,
+        arch,
+        FUSED_TUPLES,
+        HAS_SMOOTHING=smoothing,
+        WRITE_GRAD=write_grad,
+        SOFTCAP=softcap,
+    )
+
+
+def stats_plan(
+    rows: int, vocab: int, arch: runtime.Arch, smoothing: bool, softcap: float | None
+) -> runtime.Plan:
+    """The statistics kernel's plan for a vocabulary shard's logits (rows, vocab)."""
+    return _row_plan(
+        _cross_entropy_stats_kernel, rows, vocab, arch, STATS_TUPLES, HAS_SMOOTHING=smoothing, SOFTCAP=softcap
+    )
+
+
+def grad_plan(rows: int, vocab: int, arch: runtime.Arch, softcap: float | None) -> runtime.Plan:
+    """The gradient kernel's plan for a vocabulary shard's logits (rows, vocab)."""
+    return _row_plan(_cross_entropy_grad_kernel, rows, vocab, arch, GRAD_TUPLES, SOFTCAP=softcap)
+
+
+def _coefficients(label_smoothing: float, z_loss: float) -> dict:
+    """The values of the kernels' coefficients, floats (an int 0 would compile another kernel)."""
+    return dict(label_smoothing=float(label_smoothing), z_loss=float(z_loss))
 
 
 def cross_entropy_fwd(
@@ -279,15 +325,19 @@ def cross_entropy_fwd(
     lse = runtime.empty((M,), torch.float32, logits.device)
     if M == 0:
         return loss, lse
-    cfg = row_config(V, runtime.arch(logits.device))
     write_grad = dloss is not None
+    plan = cross_entropy_plan(M, V, runtime.arch(logits.device), label_smoothing > 0, write_grad, softcap)
     out = dlogits if write_grad else logits
     dloss = dloss if write_grad else loss
-    dloss_stride = dloss.stride(0) if dloss.dim() else 0  # 0: one value for every row
+    values = _coefficients(label_smoothing, z_loss) | dict(
+        stride_logits=logits.stride(0),
+        stride_dlogits=out.stride(0),
+        dloss_stride=dloss.stride(0) if dloss.dim() else 0,  # 0: one value for every row
+    )
     with runtime.device_guard(logits):
         runtime.launch(
-            _cross_entropy_kernel,
-            (M,),
+            plan.kernel,
+            plan.grid,
             LOGITS=logits,
             DLOGITS=out,
             TARGET=target,
@@ -295,14 +345,9 @@ def cross_entropy_fwd(
             LOSS=loss,
             LSE=lse,
             N=V,
-            strides=(logits.stride(0), out.stride(0), dloss_stride),
             ignore_index=ignore_index,
-            coefficients=_coefficients(label_smoothing, z_loss),
-            HAS_SMOOTHING=label_smoothing > 0,
-            WRITE_GRAD=write_grad,
-            SOFTCAP=softcap,
-            BLOCK_V=cfg.block_v,
-            num_warps=cfg.num_warps,
+            **plan.pack(values),
+            **plan.options(),
             **runtime.COMPILE_OPTIONS,
         )
     return loss, lse
@@ -316,20 +361,17 @@ def cross_entropy_stats(
     stats = runtime.empty((4, M), torch.float32, logits.device)
     if M == 0:
         return stats
-    cfg = row_config(V, runtime.arch(logits.device))
+    plan = stats_plan(M, V, runtime.arch(logits.device), smoothing, softcap)
     with runtime.device_guard(logits):
         runtime.launch(
-            _cross_entropy_stats_kernel,
-            (M,),
+            plan.kernel,
+            plan.grid,
             LOGITS=logits,
             TARGET=target,
             STATS=stats,
-            sizes=(M, V),
             stride_logits=logits.stride(0),
-            HAS_SMOOTHING=smoothing,
-            SOFTCAP=softcap,
-            BLOCK_V=cfg.block_v,
-            num_warps=cfg.num_warps,
+            **plan.pack(dict(M=M, N=V)),
+            **plan.options(),
             **runtime.COMPILE_OPTIONS,
         )
     return stats
@@ -349,11 +391,11 @@ def cross_entropy_grad_(
     M, V = logits.shape
     if M == 0:
         return
-    cfg = row_config(V, runtime.arch(logits.device))
+    plan = grad_plan(M, V, runtime.arch(logits.device), softcap)
     with runtime.device_guard(logits):
         runtime.launch(
-            _cross_entropy_grad_kernel,
-            (M,),
+            plan.kernel,
+            plan.grid,
             LOGITS=logits,
             TARGET=target,
             LSE=lse,
@@ -361,10 +403,8 @@ def cross_entropy_grad_(
             N=V,
             stride_logits=logits.stride(0),
             vocab=vocab,
-            coefficients=_coefficients(label_smoothing, z_loss),
-            SOFTCAP=softcap,
-            BLOCK_V=cfg.block_v,
-            num_warps=cfg.num_warps,
+            **plan.pack(_coefficients(label_smoothing, z_loss)),
+            **plan.options(),
             **runtime.COMPILE_OPTIONS,
         )
 

@@ -401,6 +401,50 @@ def row_config(n: int, backward: bool, dtype: torch.dtype, arch: runtime.Arch) -
     return RowConfig(block_m, block_n, num_warps, row_in_registers=True)
 
 
+# The kernels' tuple arguments by their elements' names (runtime.Plan.tuples): the row statistics, the
+# sizes and the row strides.
+FWD_TUPLES = {
+    "row_stats": ("MEAN", "RSTD"),
+    "sizes": ("M", "N"),
+    "strides": ("stride_x_row", "stride_res_row"),
+}
+BWD_TUPLES = {
+    "row_stats": ("MEAN", "RSTD"),
+    "sizes": ("M", "N", "rows_per_program"),
+    "strides": ("stride_dy_row", "stride_dres_row", "stride_x_row"),
+}
+
+
+def fwd_plan(M: int, N: int, dtype: torch.dtype, arch: runtime.Arch, flags: dict) -> runtime.Plan:
+    """The forward's plan for x (M, N) of dtype on GPU family arch, with flags its IS_RMS and HAS_*
+    constexprs: a program per tile of row_config's rows."""
+    cfg = row_config(N, backward=False, dtype=dtype, arch=arch)
+    blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ROW_IN_REGISTERS=cfg.row_in_registers)
+    grid = (triton.cdiv(M, cfg.block_m),)
+    constexprs = flags | blocks
+    return runtime.Plan(_norm_fwd_kernel, grid, constexprs, cfg.num_warps, num_stages=1, tuples=FWD_TUPLES)
+
+
+def bwd_plan(
+    M: int, N: int, dtype: torch.dtype, arch: runtime.Arch, num_sms: int, flags: dict
+) -> tuple[runtime.Plan, int]:
+    """(plan, rows_per_program) of the backward for (M, N) of dtype on a GPU of family arch with num_sms
+    SMs, with flags its IS_RMS and HAS_* constexprs: a program per column block of a slab of rows
+    (:func:`backward_rows_per_program`)."""
+    cfg = row_config(N, backward=True, dtype=dtype, arch=arch)
+    rows_per_program = backward_rows_per_program(M, N, cfg, num_sms) if M else 1
+    blocks = dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        ROW_IN_TILE=cfg.row_in_registers,
+        SWEEP_BLOCK_N=BWD_SWEEP_BLOCK_N,
+    )
+    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, rows_per_program))
+    constexprs = flags | blocks
+    plan = runtime.Plan(_norm_bwd_kernel, grid, constexprs, cfg.num_warps, num_stages=1, tuples=BWD_TUPLES)
+    return plan, rows_per_program
+
+
 def _dummy_if_none(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     # A pointer argument that its HAS_* flag keeps the kernel from reading.
     return like if t is None else t
@@ -438,42 +482,42 @@ def norm_fwd(
     y, residual_out, mean, rstd = _fwd_outputs(x, residual, rms)
     if M == 0:
         return y, residual_out, mean, rstd
-    cfg = row_config(N, backward=False, dtype=x.dtype, arch=runtime.arch(x.device))
     residual_in = _dummy_if_none(residual, x)
+    flags = dict(
+        IS_RMS=rms,
+        HAS_RESIDUAL=residual is not None,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+    )
+    plan = fwd_plan(M, N, x.dtype, runtime.arch(x.device), flags)
+    values = dict(
+        MEAN=mean, RSTD=rstd, M=M, N=N, stride_x_row=x.stride(0), stride_res_row=residual_in.stride(0)
+    )
     with runtime.device_guard(x):
         runtime.launch(
-            _norm_fwd_kernel,
-            (triton.cdiv(M, cfg.block_m),),
+            plan.kernel,
+            plan.grid,
             X=x,
             RESIDUAL=residual_in,
             W=_dummy_if_none(weight, x),
             B=_dummy_if_none(bias, x),
             Y=y,
             RESIDUAL_OUT=residual_out,
-            row_stats=(mean, rstd),
-            sizes=(M, N),
-            strides=(x.stride(0), residual_in.stride(0)),
             eps=eps,
-            IS_RMS=rms,
-            HAS_RESIDUAL=residual is not None,
-            HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            ROW_IN_REGISTERS=cfg.row_in_registers,
-            num_warps=cfg.num_warps,
+            **plan.pack(values),
+            **plan.options(),
             **runtime.COMPILE_OPTIONS,
         )
     return y, residual_out, mean, rstd
 
 
-def backward_rows_per_program(M: int, N: int, cfg: RowConfig, device: torch.device) -> int:
+def backward_rows_per_program(M: int, N: int, cfg: RowConfig, num_sms: int) -> int:
     """Rows in each program's slab: enough programs, counting a row's column blocks, to fill the
     GPU, and a whole number of tiles. The partial sums take a row of N per slab."""
     # A split row's 16-warp program holds over 100 registers a thread: one fits an SM, so one wave of
     # them, all resident at once, every slab's blocks in step.
     programs_per_sm = max(1, 32 // cfg.num_warps) if cfg.row_in_registers else 1
-    programs = runtime.num_sms(device) * programs_per_sm
+    programs = num_sms * programs_per_sm
     slabs = max(1, programs // triton.cdiv(N, cfg.block_n))
     return triton.cdiv(triton.cdiv(M, slabs), cfg.block_m) * cfg.block_m
 
@@ -499,38 +543,43 @@ def norm_bwd(
     M, N = x.shape
     dy, dresidual_out = _unit_column_stride(dy), _unit_column_stride(dresidual_out)
     dx = runtime.empty((M, N) if needs_dx else (0,), x.dtype, x.device)
-    cfg = row_config(N, backward=True, dtype=x.dtype, arch=runtime.arch(x.device))
-    rows_per_program = backward_rows_per_program(M, N, cfg, x.device) if M else 1
-    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, rows_per_program))
-    dw_partial = runtime.empty((grid[1], N) if needs_dw else (0,), torch.float32, x.device)
-    db_partial = runtime.empty((grid[1], N) if needs_db else (0,), torch.float32, x.device)
+    flags = dict(
+        IS_RMS=rms,
+        HAS_DRESIDUAL=dresidual_out is not None,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=needs_db,
+        HAS_DX=needs_dx,
+        HAS_DW=needs_dw,
+    )
+    plan, rows_per_program = bwd_plan(M, N, x.dtype, runtime.arch(x.device), runtime.num_sms(x.device), flags)
+    programs = plan.grid[1]  # each sums its slab's rows into a row of partial dweight and dbias
+    dw_partial = runtime.empty((programs, N) if needs_dw else (0,), torch.float32, x.device)
+    db_partial = runtime.empty((programs, N) if needs_db else (0,), torch.float32, x.device)
     if M > 0:
         dres = _dummy_if_none(dresidual_out, dy)
+        values = dict(
+            MEAN=mean,
+            RSTD=rstd,
+            M=M,
+            N=N,
+            rows_per_program=rows_per_program,
+            stride_dy_row=dy.stride(0),
+            stride_dres_row=dres.stride(0),
+            stride_x_row=x.stride(0),
+        )
         with runtime.device_guard(x):
             runtime.launch(
-                _norm_bwd_kernel,
-                grid,
+                plan.kernel,
+                plan.grid,
                 DY=dy,
                 DRESIDUAL_OUT=dres,
                 X=x,
                 W=_dummy_if_none(weight, x),
-                row_stats=(mean, rstd),
                 DX=dx,
                 DW_PARTIAL=dw_partial,
                 DB_PARTIAL=db_partial,
-                sizes=(M, N, rows_per_program),
-                strides=(dy.stride(0), dres.stride(0), x.stride(0)),
-                IS_RMS=rms,
-                HAS_DRESIDUAL=dresidual_out is not None,
-                HAS_WEIGHT=weight is not None,
-                HAS_BIAS=needs_db,
-                HAS_DX=needs_dx,
-                HAS_DW=needs_dw,
-                BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n,
-                ROW_IN_TILE=cfg.row_in_registers,
-                SWEEP_BLOCK_N=BWD_SWEEP_BLOCK_N,
-                num_warps=cfg.num_warps,
+                **plan.pack(values),
+                **plan.options(),
                 **runtime.COMPILE_OPTIONS,
             )
     param_dtype = weight.dtype if weight is not None else x.dtype

@@ -17,7 +17,7 @@ import json
 import os
 import pathlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -234,6 +234,38 @@ def check_grid(grid: tuple[int, ...], name: str = "kernel") -> tuple[int, ...]:
                 f"{limit:,} there; the input is too large for this kernel"
             )
     return grid
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one launch of a kernel goes, decided from sizes alone: the kernel, its grid, its constexprs
+    and launch options, its tuple arguments by their elements' names (in the order the launch packs
+    them: :meth:`pack`), the arguments whose tiles host-built TMA descriptors load (their block
+    shapes) and those written as float32 partials. Each family's plan functions make them; its
+    launchers launch by them and the compile report (bench.compile_report) compiles the same plans,
+    so neither re-derives the other."""
+
+    kernel: object  # the @triton.jit function
+    grid: tuple[int, ...]
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    tuples: dict = field(default_factory=dict)  # tuple argument -> its elements' names
+    descriptors: dict = field(default_factory=dict)  # argument -> its TMA descriptor's block shape
+    partials: tuple[str, ...] = ()
+
+    def pack(self, values: dict) -> dict:
+        """The tuple arguments, each element taken from values by its name."""
+        return {
+            name: tuple(values[element] for element in elements) for name, elements in self.tuples.items()
+        }
+
+    def operand(self, name: str, t: torch.Tensor):
+        """Argument name: t, or the descriptor of it the plan loads by."""
+        return tma_operand(t, self.descriptors.get(name), name in self.descriptors)
+
+    def options(self) -> dict:
+        return dict(self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs):

@@ -17,6 +17,7 @@ from horse.kernels.attention.backward import (
 from horse.kernels.attention.configs import AttnConfig, dkdv_outputs, head_dim_block
 from horse.kernels.attention.decode import _attn_decode_kernel, _attn_decode_reduce_kernel
 from horse.kernels.attention.forward import _attn_fwd_kernel
+from horse.kernels.runtime import Plan
 
 # Tiles by TMA where tma_usable allows; False sends every pass down the pointer path (the bench's
 # "ours-pointer" row measures the difference).
@@ -109,37 +110,6 @@ def _pass_args(q, k, lse, causal, window, softmax_scale, packed: Packed | None) 
         softmax_scale=softmax_scale, INLINE_PTX=runtime.inline_ptx(q), **runtime.COMPILE_OPTIONS
     )
     return dict(values=values, mask=mask, launch_args=launch_args)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How one launch of an attention pass goes, decided from sizes alone: the kernel, its grid, its
-    constexprs and launch options, its tuple arguments by their elements' names (in the order the
-    launch packs them: :meth:`pack`), the arguments whose tiles host-built TMA descriptors load (their
-    block shapes) and those written as float32 partials. The launchers launch by it; the compile
-    report (bench.compile_report.attention) compiles the same plans, so neither re-derives the other."""
-
-    kernel: object  # the @triton.jit function
-    grid: tuple[int, ...]
-    constexprs: dict
-    num_warps: int
-    num_stages: int
-    tuples: dict  # tuple argument -> its elements' names
-    descriptors: dict  # argument -> the block shape of its host-built TMA descriptor
-    partials: tuple[str, ...] = ()
-
-    def pack(self, values: dict) -> dict:
-        """The tuple arguments, each element taken from values by its name."""
-        return {
-            name: tuple(values[element] for element in elements) for name, elements in self.tuples.items()
-        }
-
-    def operand(self, name: str, t: torch.Tensor):
-        """Argument name: t, or the descriptor of it the plan loads by."""
-        return runtime.tma_operand(t, self.descriptors.get(name), name in self.descriptors)
-
-    def options(self) -> dict:
-        return dict(self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 SEQUENCES = {
@@ -332,6 +302,17 @@ def decode_plan(entry: AttnConfig, shape: tuple, mask: str, num_sms: int) -> tup
     ), keys_per_split
 
 
+def decode_reduce_plan(rows: int, head_dim: int) -> Plan:
+    """The plan of the decode's reduce of the splits' partial outputs and lse: a program per output row
+    of (batch, heads, seqlen_q) ``rows``, DECODE_REDUCE_BLOCK_S splits at a time."""
+    constexprs = dict(
+        HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), BLOCK_S=configs.DECODE_REDUCE_BLOCK_S
+    )
+    return Plan(
+        _attn_decode_reduce_kernel, (rows,), constexprs, configs.DECODE_REDUCE_NUM_WARPS, num_stages=1
+    )
+
+
 def attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -348,7 +329,6 @@ def attention_decode(
     seqlen_cache, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group_size = heads // kv_heads
     (window_left, window_right), mask = _mask(causal, window, seqlen_q, seqlen_cache)
-    block_d = head_dim_block(head_dim)
     entry = configs.attn_config(configs.DECODE_CONFIGS, head_dim, q.device)
     shape = (batch, seqlen_q, seqlen_cache, heads, kv_heads, head_dim)
     plan, keys_per_split = decode_plan(entry, shape, mask, runtime.num_sms(q.device))
@@ -374,22 +354,20 @@ def attention_decode(
         **plan.options(),
         **runtime.COMPILE_OPTIONS,
     )
-    out_rows = batch * heads * seqlen_q  # (batch, heads, seqlen_q): each the reduce of its splits
+    # (batch, heads, seqlen_q) rows: each the reduce of its splits
+    reduce = decode_reduce_plan(batch * heads * seqlen_q, head_dim)
     reduce_args = dict(
         splits=splits,
-        rows=out_rows,
+        rows=reduce.grid[0],
         heads=heads,
         seqlen_q=seqlen_q,
         o_strides=_strides(out),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_S=configs.DECODE_REDUCE_BLOCK_S,
-        num_warps=configs.DECODE_REDUCE_NUM_WARPS,
+        **reduce.options(),
         **runtime.COMPILE_OPTIONS,
     )
     with runtime.device_guard(q):
         runtime.launch(plan.kernel, plan.grid, q, k_cache, v_cache, o_split, lse_split, seqlens_k, **args)
-        runtime.launch(_attn_decode_reduce_kernel, (out_rows,), o_split, lse_split, out, **reduce_args)
+        runtime.launch(reduce.kernel, reduce.grid, o_split, lse_split, out, **reduce_args)
     return out
 
 
@@ -409,11 +387,28 @@ def dkdv_head_splits(programs: int, group_size: int, num_sms: int) -> tuple[int,
     return heads_per_split, triton.cdiv(group_size, heads_per_split)
 
 
+def preprocess_plan(
+    batch: int, seqlen_q: int, heads: int, head_dim: int, has_dlse: bool, packed: bool
+) -> Plan:
+    """The backward preprocess's plan for batch sequences (padded, or packed: seqlen_q the longest) of
+    heads query heads: a program per PREPROCESS_BLOCK_M rows of a (sequence, head), reading dlse or not."""
+    constexprs = dict(
+        HEAD_DIM=head_dim,
+        BLOCK_D=head_dim_block(head_dim),
+        BLOCK_M=configs.PREPROCESS_BLOCK_M,
+        HAS_DLSE=has_dlse,
+        VARLEN=packed,
+    )
+    grid = (triton.cdiv(seqlen_q, configs.PREPROCESS_BLOCK_M) * batch * heads,)
+    return Plan(_attn_bwd_preprocess_kernel, grid, constexprs, configs.PREPROCESS_NUM_WARPS, num_stages=1)
+
+
 def _bwd_preprocess(out, dout, lse, dlse, args: dict, batch: int, heads: int, packed: Packed | None):
     """The backward's first pass: delta = rowsum(dO * O) - dlse and lse in log2 units (+inf where a
     row sees no key), the row statistics both gradient passes read. Returns (lse_log2, delta), each
     lse's shape (the kernels address them with lse's strides; lse, from the forward, is contiguous)."""
     seqlen_q, head_dim = args["values"]["seqlen_q"], out.shape[-1]
+    plan = preprocess_plan(batch, seqlen_q, heads, head_dim, dlse is not None, packed is not None)
     delta, lse_log2 = (runtime.empty(lse.shape, torch.float32, lse.device) for _ in range(2))
     preprocess_args = dict(
         CU_SEQLENS_Q=args["values"]["CU_SEQLENS_Q"],
@@ -422,18 +417,12 @@ def _bwd_preprocess(out, dout, lse, dlse, args: dict, batch: int, heads: int, pa
         o_strides=_strides(out),
         do_strides=_strides(dout),
         lse_strides=_lse_strides(lse),
-        HEAD_DIM=head_dim,
-        BLOCK_D=head_dim_block(head_dim),
-        BLOCK_M=configs.PREPROCESS_BLOCK_M,
-        HAS_DLSE=dlse is not None,
-        VARLEN=packed is not None,
-        num_warps=configs.PREPROCESS_NUM_WARPS,
+        **plan.options(),
         **runtime.COMPILE_OPTIONS,
     )
-    grid = (triton.cdiv(seqlen_q, configs.PREPROCESS_BLOCK_M) * batch * heads,)
     dlse_or_unread = dlse if dlse is not None else delta
     tensors = (out, dout, lse, dlse_or_unread, delta, lse_log2)
-    runtime.launch(_attn_bwd_preprocess_kernel, grid, *tensors, **preprocess_args)
+    runtime.launch(plan.kernel, plan.grid, *tensors, **preprocess_args)
     return lse_log2, delta
 
 

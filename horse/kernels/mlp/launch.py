@@ -11,7 +11,7 @@ from horse.kernels.mlp import configs
 from horse.kernels.mlp.backward import _act_bwd_kernel, _dh_act_bwd_kernel
 from horse.kernels.mlp.configs import ACT_BWD_CONFIG, SPLIT_K_EPILOGUE_WARPS, Epilogue, GemmConfig
 from horse.kernels.mlp.forward import _fwd_kernel, _fwd_persistent_kernel, _split_k_epilogue_kernel
-from horse.kernels.runtime import inline_ptx
+from horse.kernels.runtime import Plan, inline_ptx
 
 # Operand tiles by TMA where tma_usable allows; False sends every GEMM down the pointer path (the
 # bench's "ours-pointer" row measures the difference).
@@ -23,21 +23,70 @@ def _grid(cfg: GemmConfig, M: int, N: int, splits: int = 1) -> tuple[int, ...]:
     return (tiles,) if splits == 1 else (tiles, splits)
 
 
-def _launch_options(cfg: GemmConfig, tma: bool | None) -> dict:
-    """The tile's constexprs and the launch options of a GEMM kernel; tma None for the persistent
-    kernels (TMA only: no TMA constexpr). The epilogue split travels in the kernel's Epilogue."""
-    options = {
-        "BLOCK_M": cfg.block_m,
-        "BLOCK_N": cfg.block_n,
-        "BLOCK_K": cfg.block_k,
-        "GROUP_M": cfg.group_m,
-        "num_warps": cfg.num_warps,
-        "num_stages": cfg.num_stages,
-        **runtime.COMPILE_OPTIONS,
-    }
-    if tma is not None:
-        options["TMA"] = tma
-    return options
+# Each GEMM's operands loaded by TMA, with their blocks' dims: m, n, k, and s, an epilogue subtile's
+# columns (block_n // epilogue_split). The persistent forward also stores its outputs by TMA; the dh
+# GEMM reads W_out as stored, (block_k, block_n) tiles, as a descriptor needs its unit stride last.
+FWD_TILES = {"X": "mk", "W": "nk", "WU": "nk"}
+PERSISTENT_TILES = FWD_TILES | {"Y": "ms", "PRE": "ms", "UP": "ms"}
+DH_TILES = {"DY": "mk", "W": "kn"}
+
+
+def _gemm_plan(kernel, grid, cfg: GemmConfig, epilogue: Epilogue, tiles: dict, **constexprs) -> Plan:
+    """A GEMM kernel's plan with table entry cfg, the operands in tiles loaded by TMA (none: pointer
+    loads). The epilogue split travels in the kernel's Epilogue."""
+    blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
+    dims = dict(m=cfg.block_m, n=cfg.block_n, k=cfg.block_k, s=cfg.block_n // cfg.epilogue_split)
+    descriptors = {a: tuple(dims[d] for d in block) for a, block in tiles.items()}
+    constexprs = dict(EPILOGUE=epilogue) | blocks | constexprs
+    return Plan(kernel, grid, constexprs, cfg.num_warps, cfg.num_stages, descriptors=descriptors)
+
+
+def fwd_plan(
+    cfg: GemmConfig,
+    M: int,
+    N: int,
+    epilogue: Epilogue,
+    tma: bool,
+    splits: int,
+    persistent: bool,
+    num_sms: int,
+) -> Plan:
+    """The forward GEMM's plan with table entry cfg for an (M, N) output, by TMA or pointer loads: its
+    K loop split over splits programs a tile (float32 partials: :func:`split_k_epilogue_plan`), or
+    persistent, one program an SM of num_sms (or one a tile if fewer) walking the tiles."""
+    if persistent:
+        programs = min(configs.output_tiles(cfg, M, N), num_sms)
+        return _gemm_plan(_fwd_persistent_kernel, (programs,), cfg, epilogue, PERSISTENT_TILES)  # TMA only
+    grid = _grid(cfg, M, N, splits)
+    tiles = FWD_TILES if tma else {}
+    return _gemm_plan(_fwd_kernel, grid, cfg, epilogue, tiles, SPLIT_K=splits > 1, TMA=tma)
+
+
+def split_k_epilogue_plan(cfg: GemmConfig, M: int, N: int, epilogue: Epilogue) -> Plan:
+    """The plan of the split-K forward's epilogue (the partials' sum, then the forward's epilogue,
+    unsplit), in the GEMM's tiles."""
+    constexprs = dict(EPILOGUE=epilogue._replace(split=1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))
+    return Plan(_split_k_epilogue_kernel, grid, constexprs, SPLIT_K_EPILOGUE_WARPS, num_stages=1)
+
+
+def dh_plan(cfg: GemmConfig, M: int, N: int, epilogue: Epilogue, tma: bool) -> Plan:
+    """The dh GEMM's plan (dh = dy W_out, act' in its epilogue) with table entry cfg for an (M, N) dh."""
+    tiles = DH_TILES if tma else {}
+    return _gemm_plan(_dh_act_bwd_kernel, _grid(cfg, M, N), cfg, epilogue, tiles, TMA=tma)
+
+
+def act_bwd_plan(M: int, N: int, epilogue: Epilogue, num_sms: int) -> tuple[Plan, int]:
+    """(plan, rows_per_program) of the elementwise backward of an (M, N) pre-activation: enough slabs of
+    rows to fill num_sms SMs, a program per slab's column block, each summing its own rows of db
+    (float32, fixed order)."""
+    cfg = ACT_BWD_CONFIG
+    column_blocks = triton.cdiv(N, cfg.block_n)
+    slabs = max(1, 4 * num_sms // max(1, column_blocks))
+    rows_per_program = triton.cdiv(triton.cdiv(max(M, 1), slabs), cfg.block_m) * cfg.block_m
+    grid = (column_blocks, triton.cdiv(M, rows_per_program))
+    constexprs = dict(EPILOGUE=epilogue, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+    return Plan(_act_bwd_kernel, grid, constexprs, cfg.num_warps, num_stages=1), rows_per_program
 
 
 def _persistent(cfg: GemmConfig, tma: bool, splits: int, y: torch.Tensor) -> bool:
@@ -47,11 +96,11 @@ def _persistent(cfg: GemmConfig, tma: bool, splits: int, y: torch.Tensor) -> boo
     return cfg.persistent and tma and splits == 1 and runtime.tma_compatible(y)
 
 
-def _output_tiles(cfg: GemmConfig, *outputs: torch.Tensor) -> list:
-    """Descriptors of (M, N) outputs for the persistent kernels' epilogue subtiles; an empty output
-    (pre not saved) gets the first one's, which the kernel does not write."""
-    block = (cfg.block_m, cfg.block_n // cfg.epilogue_split)
-    tiles = [runtime.tma_operand(t, block, True) if t.numel() else None for t in outputs]
+def _output_tiles(plan: Plan, *outputs: torch.Tensor) -> list:
+    """Descriptors of the (M, N) outputs Y, PRE, UP for the persistent kernel's epilogue subtiles; an
+    empty output (pre not saved) gets the first one's, which the kernel does not write."""
+    named = zip(("Y", "PRE", "UP"), outputs, strict=True)
+    tiles = [plan.operand(name, t) if t.numel() else None for name, t in named]
     return [t if t is not None else tiles[0] for t in tiles]
 
 
@@ -90,9 +139,6 @@ def _fwd_gemm(
         return y, pre, up
     cfg = configs.gemm_config("gated_fwd" if gated else "fwd", M, N, x.device)
     tma = tma_usable(cfg, x, weight, *([w_up] if gated else []))
-    x_tiles = runtime.tma_operand(x, (cfg.block_m, cfg.block_k), tma)
-    w_tiles = runtime.tma_operand(weight, (cfg.block_n, cfg.block_k), tma)
-    wu_tiles = runtime.tma_operand(w_up, (cfg.block_n, cfg.block_k), tma) if gated else w_tiles
     b = bias if bias is not None else x if gated else weight  # a dummy pointer without a bias
     epilogue = Epilogue(
         activation,
@@ -103,28 +149,31 @@ def _fwd_gemm(
         inline_ptx=inline_ptx(x),
     )
     splits = configs.split_k(cfg, M, N, K, x.device)
+    persistent = _persistent(cfg, tma, splits, y)
+    # The persistent kernel takes one program an SM (runtime.num_sms: the interpreter's stand-in is 4).
+    plan = fwd_plan(cfg, M, N, epilogue, tma, splits, persistent, runtime.num_sms(x.device))
+    x_tiles, w_tiles = plan.operand("X", x), plan.operand("W", weight)
+    wu_tiles = plan.operand("WU", w_up) if gated else w_tiles
     partial = runtime.empty(((1 + gated) * splits, M, N) if splits > 1 else (0,), torch.float32, x.device)
     with runtime.device_guard(x):
-        if _persistent(cfg, tma, splits, y):
-            # One program an SM (runtime.num_sms: the interpreter's stand-in is 4), or one a tile if fewer.
-            programs = min(_grid(cfg, M, N)[0], runtime.num_sms(x.device))
+        if persistent:
             runtime.launch(
-                _fwd_persistent_kernel, (programs,),
-                x_tiles, w_tiles, wu_tiles, b, *_output_tiles(cfg, y, pre, up), M, N, K,
-                EPILOGUE=epilogue, **_launch_options(cfg, None),
+                plan.kernel, plan.grid,
+                x_tiles, w_tiles, wu_tiles, b, *_output_tiles(plan, y, pre, up), M, N, K,
+                **plan.options(), **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
         else:
             runtime.launch(
-                _fwd_kernel, _grid(cfg, M, N, splits),
+                plan.kernel, plan.grid,
                 x_tiles, w_tiles, wu_tiles, b, y, pre, up, partial, M, N, K, x.stride(), weight.stride(),
-                EPILOGUE=epilogue, SPLIT_K=splits > 1, **_launch_options(cfg, tma),
+                **plan.options(), **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
         if splits > 1:  # the epilogue, after the float32 partials' sum in split order, in the GEMM's tiles
+            reduce = split_k_epilogue_plan(cfg, M, N, epilogue)
             runtime.launch(
-                _split_k_epilogue_kernel, (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m)),
+                reduce.kernel, reduce.grid,
                 partial, bias if bias is not None else y, y, pre, up, M, N, splits,
-                EPILOGUE=epilogue._replace(split=1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                num_warps=SPLIT_K_EPILOGUE_WARPS, **runtime.COMPILE_OPTIONS,
+                **reduce.options(), **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
     return y, pre, up
 
@@ -181,15 +230,15 @@ def _dh_act_bwd(
             inline_ptx=inline_ptx(pre),
         )
         w = w_out.t()  # (N, K) view of the (K, N) weight: dh = dy (w_outᵀ)ᵀ, read in place
-        # TMA reads w_out as stored, (block_k, block_n) tiles: a descriptor needs its unit stride last.
         tma = tma_usable(cfg, dy, w_out)
-        dy_tiles = runtime.tma_operand(dy, (cfg.block_m, cfg.block_k), tma)
-        w_tiles = runtime.tma_operand(w_out, (cfg.block_k, cfg.block_n), tma) if tma else w
+        plan = dh_plan(cfg, M, N, epilogue, tma)
+        w_tiles = plan.operand("W", w_out) if tma else w
         with runtime.device_guard(pre):
             runtime.launch(
-                _dh_act_bwd_kernel, _grid(cfg, M, N),
-                dy_tiles, w_tiles, pre, up if gated else pre, dpre_rows, dup_rows, h, db_partial, M, N, K,
-                dy.stride(), w.stride(), stride_dpre, EPILOGUE=epilogue, **_launch_options(cfg, tma),
+                plan.kernel, plan.grid,
+                plan.operand("DY", dy), w_tiles, pre, up if gated else pre, dpre_rows, dup_rows, h,
+                db_partial, M, N, K, dy.stride(), w.stride(), stride_dpre,
+                **plan.options(), **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
     return dpre, h, _db(db_partial, has_bias, pre.dtype)
 
@@ -201,21 +250,16 @@ def _act_bwd(
     :func:`_pre_grads` lays it out."""
     M, N = pre.shape
     gated = up is not None
-    cfg = ACT_BWD_CONFIG
-    # Enough slabs of rows to fill the GPU; each sums its own rows of db (float32, fixed order).
-    column_blocks = triton.cdiv(N, cfg.block_n)
-    slabs = max(1, 4 * runtime.num_sms(pre.device) // max(1, column_blocks))
-    rows_per_program = triton.cdiv(triton.cdiv(max(M, 1), slabs), cfg.block_m) * cfg.block_m
-    grid = (column_blocks, triton.cdiv(M, rows_per_program))
+    epilogue = Epilogue(activation, gated, has_bias, store=False)
+    plan, rows_per_program = act_bwd_plan(M, N, epilogue, runtime.num_sms(pre.device))
     dpre, dpre_rows, dup_rows, stride_dpre = _pre_grads(M, N, gated, pre)
-    db_partial = runtime.empty((grid[1], N) if has_bias else (0,), torch.float32, pre.device)
+    db_partial = runtime.empty((plan.grid[1], N) if has_bias else (0,), torch.float32, pre.device)
     if M > 0 and N > 0:
         with runtime.device_guard(pre):
             runtime.launch(
-                _act_bwd_kernel, grid,
+                plan.kernel, plan.grid,
                 dh, pre, up if gated else pre, dpre_rows, dup_rows, db_partial, M, N, rows_per_program,
-                dh.stride(), stride_dpre, EPILOGUE=Epilogue(activation, gated, has_bias, store=False),
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS,
+                dh.stride(), stride_dpre, **plan.options(), **runtime.COMPILE_OPTIONS,
             )  # fmt: skip
     return dpre, _db(db_partial, has_bias, pre.dtype)
 
