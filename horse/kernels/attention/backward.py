@@ -85,10 +85,10 @@ def _attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _load_row_stats(LSE, DELTA, offs_m, seqlen_q):
-    """lse in log2 units, +inf where a row sees no key or lies past seqlen_q, so that p = 0 there."""
-    lse = tl.load(LSE + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+def _load_row_stats(LSE_LOG2, DELTA, offs_m, seqlen_q):
+    """lse in log2 units as the preprocess stored it (+inf where a row sees no key), +inf past seqlen_q
+    too, so that p = 0 there; and delta."""
+    lse = tl.load(LSE_LOG2 + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
     delta = tl.load(DELTA + offs_m, mask=offs_m < seqlen_q, other=0.0)
     return lse, delta
 
@@ -520,7 +520,7 @@ def _attn_bwd_dq_kernel(
     K,
     V,
     DO,
-    row_stats,  # (LSE, DELTA): as in _attn_bwd_dkdv_kernel, LSE the forward's
+    row_stats,  # (LSE_LOG2, DELTA): as in _attn_bwd_dkdv_kernel
     DQ,  # like Q; Q, K, V, DO, DQ are TMA descriptors with TMA (padded)
     cu_seqlens,  # as in _attn_fwd_kernel
     softmax_scale,
@@ -540,7 +540,7 @@ def _attn_bwd_dq_kernel(
     # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): as the preprocess, batch x heads on axis 0.
     CAUSAL: tl.constexpr = MASK == "causal"
     LOCAL: tl.constexpr = MASK == "local"
-    LSE, DELTA = row_stats
+    LSE_LOG2, DELTA = row_stats
     seqlen_q, seqlen_k = seqlens
     heads, group_size = sizes
     q_strides, k_strides, v_strides, do_strides, dq_strides, lse_strides = strides
@@ -592,7 +592,9 @@ def _attn_bwd_dq_kernel(
         TMA=TMA,
     )
     row0 = q_seq.to(tl.int64) * lse_strides[0] + h.to(tl.int64) * lse_strides[1]
-    lse, delta = _load_row_stats(LSE=LSE + row0, DELTA=DELTA + row0, offs_m=offs_m, seqlen_q=seqlen_q)
+    lse, delta = _load_row_stats(
+        LSE_LOG2=LSE_LOG2 + row0, DELTA=DELTA + row0, offs_m=offs_m, seqlen_q=seqlen_q
+    )
     qk_scale = softmax_scale * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     seqlens = (seqlen_q, seqlen_k)

@@ -244,7 +244,7 @@ def dq_plan(entry: AttnConfig, shape: tuple, mask: str, tma: bool, packed: bool)
     cfg = entry.loads(tma)
     grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
     tuples = {
-        "row_stats": ("LSE", "DELTA"),
+        "row_stats": ("LSE_LOG2", "DELTA"),
         "sizes": ("heads", "group_size"),
         "strides": ("q_strides", "k_strides", "v_strides", "do_strides", "dq_strides", "lse_strides"),
     }
@@ -441,7 +441,6 @@ def _bwd_values(q, k, v, dout, row_stats, args: dict, shape: tuple) -> dict:
     """The named values both gradient passes' plans pack, but for their gradients' strides."""
     _, _, _, heads, kv_heads, _ = shape
     return args["values"] | dict(
-        LSE=row_stats[0],
         LSE_LOG2=row_stats[0],
         DELTA=row_stats[1],
         heads=heads,
@@ -548,9 +547,9 @@ def attention_bwd(
         return dq.zero_(), dk.zero_(), dv.zero_()
     args = _pass_args(q, k, lse, causal, window, softmax_scale, packed)
     with runtime.device_guard(q):
-        lse_log2, delta = _bwd_preprocess(out, dout, lse, dlse, args, batch, heads, packed)
+        row_stats = _bwd_preprocess(out, dout, lse, dlse, args, batch, heads, packed)  # (lse_log2, delta)
         if needs[1]:
-            _bwd_dkdv(q, k, v, dout, (lse_log2, delta), dk, dv, args, shape, packed)
+            _bwd_dkdv(q, k, v, dout, row_stats, dk, dv, args, shape, packed)
         if needs[0]:
-            _bwd_dq(q, k, v, dout, (lse, delta), dq, args, shape, packed)
+            _bwd_dq(q, k, v, dout, row_stats, dq, args, shape, packed)
     return dq, dk, dv
