@@ -26,7 +26,7 @@ gradient passes read), a pass per key block that accumulates dk and dv over ever
 query head of its group (under 2 programs per SM, GQA/MQA split a group's heads over programs,
 float32 partials summed in a fixed order), a pass per query block for dq. No atomics: the gradients
 are bit-identical run to run. Where holding dk and dv together spills (head dim 256 on sm_90), dv and
-dk take a launch each (``split_outputs``).
+dk take a launch each of a kernel of their own (``split_outputs``).
 
 Tiles move by TMA on Hopper and newer (sm_90+): descriptors whose loads read out-of-bounds rows and
 head-dim columns as zeros and whose stores drop them. Unaligned inputs (start or strides not

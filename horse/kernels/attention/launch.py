@@ -11,10 +11,11 @@ from horse.kernels import runtime
 from horse.kernels.attention import configs
 from horse.kernels.attention.backward import (
     _attn_bwd_dkdv_kernel,
+    _attn_bwd_dkdv_split_outputs_kernel,
     _attn_bwd_dq_kernel,
     _attn_bwd_preprocess_kernel,
 )
-from horse.kernels.attention.configs import AttnConfig, dkdv_outputs, head_dim_block
+from horse.kernels.attention.configs import AttnConfig, head_dim_block
 from horse.kernels.attention.decode import _attn_decode_kernel, _attn_decode_reduce_kernel
 from horse.kernels.attention.forward import _attn_fwd_kernel
 
@@ -197,9 +198,10 @@ def fwd_plan(entry: AttnConfig, shape: tuple, mask: str, tma: bool, packed: bool
 def dkdv_plans(
     entry: AttnConfig, shape: tuple, mask: str, tma: bool, packed: bool, splits: int
 ) -> list[Plan]:
-    """The dk/dv pass's plans (a launch each: configs.dkdv_outputs) with table entry ``entry`` at
-    shape (as :func:`fwd_plan`'s), a GQA group's query heads split over ``splits`` programs per key
-    block (more than one: float32 partials). Split outputs read K and V by pointers."""
+    """The dk/dv pass's plans with table entry ``entry`` at shape (as :func:`fwd_plan`'s), a GQA group's
+    query heads split over ``splits`` programs per key block (more than one: float32 partials): one
+    launch of _attn_bwd_dkdv_kernel, or with split outputs a launch for dv, then one for dk, of
+    _attn_bwd_dkdv_split_outputs_kernel (K and V by pointers)."""
     batch, _, seqlen_k, _, kv_heads, head_dim = shape
     cfg = entry.loads(tma)
     grid = (triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads, splits * cfg.column_splits)
@@ -217,6 +219,24 @@ def dkdv_plans(
         ),
     }
     partials = ("DK", "DV") if splits > 1 else ()
+    if cfg.split_outputs:
+        return [
+            _tile_plan(
+                _attn_bwd_dkdv_split_outputs_kernel,
+                grid,
+                cfg,
+                head_dim,
+                mask,
+                tma,
+                packed,
+                ("Q", "DO"),
+                ("DK", "DV"),
+                tuples,
+                constexprs=dict(OUTPUT=output),
+                partials=partials,
+            )
+            for output in ("dv", "dk")
+        ]
     block_d_out = head_dim_block(head_dim) // cfg.column_splits
     return [
         _tile_plan(
@@ -228,12 +248,11 @@ def dkdv_plans(
             tma,
             packed,
             ("Q", "DO"),
-            ("K", "V", "DK", "DV") if output == "dkdv" else ("DK", "DV"),
+            ("K", "V", "DK", "DV"),
             tuples,
-            constexprs=dict(BLOCK_D_OUT=block_d_out, OUTPUT=output),
+            constexprs=dict(BLOCK_D_OUT=block_d_out),
             partials=partials,
         )
-        for output in dkdv_outputs(cfg)
     ]
 
 
