@@ -359,16 +359,16 @@ class EntrySearch:
 def attention_candidates(pass_name: str, start, block_d: int, tma: bool) -> list:
     """start, then every tile no larger: block_m and block_n in ATTENTION_TILES (the forward and dq
     passes loop over key blocks, so block_n <= block_m; dk/dv over query blocks, block_m <= block_n),
-    8 or 4 warps, ATTENTION_STAGES, the dk/dv pass at head dim 256 also with 2 column splits, TMA
-    (tma: the family has it) and pointers. Largest tile first, then the longest side, fewer splits,
-    start's warps, more stages, TMA before pointers."""
+    8 or 4 warps, ATTENTION_STAGES, the dk/dv pass at head dim 256 also with 2 column splits (not with
+    split outputs, whose kernel takes whole rows), TMA (tma: the family has it) and pointers. Largest
+    tile first, then the longest side, fewer splits, start's warps, more stages, TMA before pointers."""
     by_queries = pass_name == "attn_bwd_dkdv"
     tiles = [
         (m, n)
         for m, n in itertools.product(ATTENTION_TILES, repeat=2)
         if (m <= n if by_queries else n <= m) and m * n <= start.block_m * start.block_n
     ]
-    splits = (1, 2) if pass_name == "attn_bwd_dkdv" and block_d == 256 else (1,)
+    splits = (1, 2) if pass_name == "attn_bwd_dkdv" and block_d == 256 and not start.split_outputs else (1,)
     out = [
         dataclasses.replace(start, block_m=m, block_n=n, num_warps=w, num_stages=st, column_splits=sp, tma=t)
         for (m, n), w, st, sp, t in itertools.product(tiles, WARPS, ATTENTION_STAGES, splits, (tma, False))

@@ -407,7 +407,8 @@ def test_backward_is_deterministic(device):
 
 
 def dkdv_grids(launches) -> list[tuple[int, ...]]:
-    return [grid for name, grid in launches if name == "_attn_bwd_dkdv_kernel"]
+    dkdv_kernels = ("_attn_bwd_dkdv_kernel", "_attn_bwd_dkdv_split_outputs_kernel")
+    return [grid for name, grid in launches if name in dkdv_kernels]
 
 
 # GQA and MQA at awkward sizes: groups of 3, 5 and 7 query heads (splits of unequal heads), a prime
@@ -479,7 +480,13 @@ def test_dkdv_split_outputs_match_reference(shape, causal, window, device, monke
     monkeypatch.setitem(configs.BWD_DKDV_CONFIGS, arch, split)
     launches = record_launches(monkeypatch)
     check(shape, causal, torch.float16, device, window_size=window)
-    assert len(dkdv_grids(launches)) == 2
+    assert [name for name, _ in launches if "dkdv" in name] == ["_attn_bwd_dkdv_split_outputs_kernel"] * 2
+
+
+def test_split_outputs_refuse_column_splits():
+    # The split outputs' kernel takes whole head-dim rows: a table entry asking for both is refused.
+    with pytest.raises(ValueError, match="split_outputs takes whole head-dim rows: column_splits 2"):
+        configs.AttnConfig(64, 128, 8, 1, column_splits=2, split_outputs=True)
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])

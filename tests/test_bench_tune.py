@@ -242,6 +242,9 @@ def test_attention_candidates_start_from_the_entry_and_never_grow_the_tile():
     assert all(c.block_m <= c.block_n and not c.tma for c in dkdv)
     assert {c.column_splits for c in dkdv} == {1, 2}
     assert {c.column_splits for c in tune.attention_candidates("attn_bwd_dkdv", dkdv[0], 128, False)} == {1}
+    split_outputs = AttnConfig(64, 128, 8, 1, split_outputs=True)  # its kernel takes whole head-dim rows
+    descent = tune.attention_candidates("attn_bwd_dkdv", split_outputs, 256, tma=True)
+    assert {c.column_splits for c in descent} == {1}
 
 
 def test_gemm_candidates_keep_32_columns_an_epilogue_subtile():

@@ -707,11 +707,11 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
     # Packed batches' by TMA too, their descriptors built on the device (no descriptor arguments).
     tma = [c for c in dkdv if c.constexprs["TMA"]]
     assert [c.constexprs["OUTPUT"] for c in tma] == ["dv", "dk"] * (len(tma) // 2) and len(tma) == 60
+    assert {c.fn.fn.__name__ for c in tma} == {"_attn_bwd_dkdv_split_outputs_kernel"}
     assert all(set(c.descriptors) == {"Q", "DO", "DK", "DV"} for c in tma if not c.constexprs["VARLEN"])
     assert sum(not c.descriptors for c in tma if c.constexprs["VARLEN"]) == 30
-    assert {(c.constexprs["OUTPUT"], c.constexprs["BLOCK_M"]) for c in dkdv if not c.constexprs["TMA"]} == {
-        ("dkdv", 16)
-    }
+    pointer = {(c.fn.fn.__name__, c.constexprs["BLOCK_M"]) for c in dkdv if not c.constexprs["TMA"]}
+    assert pointer == {("_attn_bwd_dkdv_kernel", 16)}
     bwd = attention_entry_configs("BWD_DQ_CONFIGS", cfg, 128, runtime.SM80)
     assert len(bwd) == 24 and not any(c.descriptors for c in bwd)  # padded and packed, no TMA on sm_80
     gemm = mlp.configs.GemmConfig(128, 128, 64, 8, 8, 4)
@@ -809,6 +809,11 @@ def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_wi
         backward(kernels.layer_norm(x, (n,), w, torch.randn(n, requires_grad=True)))
     q, k, v = (torch.randn(1, 2, 24, 16, **f16, requires_grad=True) for _ in range(3))
     backward(kernels.flash_attention(q, k, v, causal=True))
+    dkdv_table = attention.configs.BWD_DKDV_CONFIGS[runtime.arch(q.device).name]
+    monkeypatch.setitem(
+        dkdv_table, 16, dataclasses.replace(dkdv_table[16], split_outputs=True, column_splits=1)
+    )
+    backward(kernels.flash_attention(q, k, v, causal=True))  # dv and dk by launches of their own
     x = torch.randn(20, 32, **f16, requires_grad=True)
     w1, w2, w3 = (torch.randn(48, 32, **f16).mul_(0.2).requires_grad_() for _ in range(3))
     backward(kernels.linear_act(x, w1, None, activation="gelu"))
@@ -892,7 +897,8 @@ def test_the_pointer_paths_compile_no_32_bit_stride_product():
     )
     assert run.returncode == 0, run.stderr
     products = json.loads(run.stdout)
-    assert len(products) == 18, sorted(products)  # with the MLP's two split-K epilogues
+    # with the MLP's two split-K epilogues and the dk/dv pass's split outputs (packed: no descriptor argument)
+    assert len(products) == 19, sorted(products)
     assert {kernel: found for kernel, found in products.items() if found} == {}
 
 
@@ -994,7 +1000,13 @@ def test_attention_configs_are_the_launchers_plans(use_tma, monkeypatch):
     monkeypatch.setattr(
         runtime, "launch", lambda kernel, grid, *args, **kw: launches.append((kernel, args, kw))
     )
-    passes = ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_attn_decode_kernel")
+    passes = (
+        "_attn_fwd_kernel",
+        "_attn_bwd_dkdv_kernel",
+        "_attn_bwd_dkdv_split_outputs_kernel",
+        "_attn_bwd_dq_kernel",
+        "_attn_decode_kernel",
+    )
     built = {repr(_compiled(c)) for c in compile_report.all_configs(["sm90"]) if c.fn.fn.__name__ in passes}
     # GQA with its heads split at the power-of-two head dims: the report builds the float32 partials'
     # store at those alone (the loop is the padded head dim's).
@@ -1013,7 +1025,8 @@ def test_attention_configs_are_the_launchers_plans(use_tma, monkeypatch):
                     q.detach()[:, :seqlen_q], k.detach(), v.detach(), **cache
                 )
     launched = [_launched(*launch) for launch in launches if launch[0].fn.__name__ in passes]
-    assert {name for name, *_ in launched} == set(passes)
+    split_outputs = "_attn_bwd_dkdv_split_outputs_kernel"  # the 256 entry's TMA launches alone
+    assert {name for name, *_ in launched} == set(passes) - ({split_outputs} if not use_tma else set())
     assert any(c[1].get("TMA") for c in launched) == use_tma
     for signature in launched:
         assert repr(signature) in built, signature

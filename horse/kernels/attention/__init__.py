@@ -21,11 +21,12 @@ rows cu_seqlens[b]:cu_seqlens[b + 1]; the kernels address a sequence by its firs
 descriptors of its rows alone that each pass builds on the device (pointers in the backward's
 preprocess); the grid covers the longest sequence and tiles past a shorter one return at once.
 
-Backward: a preprocess (delta = rowsum(dO·O) - dlse; lse in log2 units), a pass per key block that
-accumulates dk and dv over every query block and query head of its group (under 2 programs per SM,
-GQA/MQA split a group's heads over programs, float32 partials summed in a fixed order), a pass per
-query block for dq. No atomics: the gradients are bit-identical run to run. Where holding dk and dv
-together spills (head dim 256 on sm_90), dv and dk take a launch each (``split_outputs``).
+Backward: a preprocess (delta = rowsum(dO·O) - dlse; lse in log2 units, the row statistics both
+gradient passes read), a pass per key block that accumulates dk and dv over every query block and
+query head of its group (under 2 programs per SM, GQA/MQA split a group's heads over programs,
+float32 partials summed in a fixed order), a pass per query block for dq. No atomics: the gradients
+are bit-identical run to run. Where holding dk and dv together spills (head dim 256 on sm_90), dv and
+dk take a launch each of a kernel of their own (``split_outputs``).
 
 Tiles move by TMA on Hopper and newer (sm_90+): descriptors whose loads read out-of-bounds rows and
 head-dim columns as zeros and whose stores drop them. Unaligned inputs (start or strides not

@@ -85,10 +85,10 @@ def _attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _load_row_stats(LSE, DELTA, offs_m, seqlen_q):
-    """lse in log2 units, +inf where a row sees no key or lies past seqlen_q, so that p = 0 there."""
-    lse = tl.load(LSE + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+def _load_row_stats(LSE_LOG2, DELTA, offs_m, seqlen_q):
+    """lse in log2 units as the preprocess stored it (+inf where a row sees no key), +inf past seqlen_q
+    too, so that p = 0 there; and delta."""
+    lse = tl.load(LSE_LOG2 + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
     delta = tl.load(DELTA + offs_m, mask=offs_m < seqlen_q, other=0.0)
     return lse, delta
 
@@ -274,15 +274,14 @@ def _attn_bwd_dkdv_kernel(
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
     INLINE_PTX: tl.constexpr,  # as in _attn_fwd_kernel
-    OUTPUT: tl.constexpr,  # "dkdv", or one of them: "dk", "dv" (AttnConfig.split_outputs)
 ):
     # grid = (cdiv(seqlen_k, BLOCK_N) * batch * kv_heads, head_splits * BLOCK_D // BLOCK_D_OUT): one
-    # key block, query heads [split * heads_per_split, + heads_per_split) of its group, dk and/or dv
-    # columns [column * BLOCK_D_OUT, + BLOCK_D_OUT). Batch x heads goes on axis 0 (2**31 - 1
-    # programs; 65,535 on axis 1), a (batch, head)'s key blocks side by side, so the programs running
-    # together share its queries in L2. With head splits (GQA/MQA grids too small for the GPU), each
-    # split writes its partial dk and dv to its own slice of DK and DV (seq), summed afterwards
-    # in a fixed order: no atomics.
+    # key block, query heads [split * heads_per_split, + heads_per_split) of its group, dk and dv
+    # columns [column * BLOCK_D_OUT, + BLOCK_D_OUT) (AttnConfig.column_splits). Batch x heads goes on
+    # axis 0 (2**31 - 1 programs; 65,535 on axis 1), a (batch, head)'s key blocks side by side, so the
+    # programs running together share its queries in L2. With head splits (GQA/MQA grids too small for
+    # the GPU), each split writes its partial dk and dv to its own slice of DK and DV (seq), summed
+    # afterwards in a fixed order: no atomics. dk or dv alone: _attn_bwd_dkdv_split_outputs_kernel.
     CAUSAL: tl.constexpr = MASK == "causal"
     LOCAL: tl.constexpr = MASK == "local"
     LSE_LOG2, DELTA = row_stats
@@ -310,31 +309,26 @@ def _attn_bwd_dkdv_kernel(
         q_view = _sequence_view(q_view, heads=heads, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_M, BLOCK_C=BLOCK_D)
         do_view = _sequence_view(do_view, heads=heads, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_M, BLOCK_C=BLOCK_D)
         out_seq = k_seq + split * split_seqs
-        if OUTPUT != "dv":
-            dk_view = _sequence_view(
-                (DK, out_seq, dk_strides, seqlen_k),
-                heads=kv_heads,
-                HEAD_DIM=HEAD_DIM,
-                BLOCK_S=BLOCK_N,
-                BLOCK_C=BLOCK_D,
-            )
-        if OUTPUT != "dk":
-            dv_view = _sequence_view(
-                (DV, out_seq, dv_strides, seqlen_k),
-                heads=kv_heads,
-                HEAD_DIM=HEAD_DIM,
-                BLOCK_S=BLOCK_N,
-                BLOCK_C=BLOCK_D,
-            )
+        dk_view = _sequence_view(
+            (DK, out_seq, dk_strides, seqlen_k),
+            heads=kv_heads,
+            HEAD_DIM=HEAD_DIM,
+            BLOCK_S=BLOCK_N,
+            BLOCK_C=BLOCK_D,
+        )
+        dv_view = _sequence_view(
+            (DV, out_seq, dv_strides, seqlen_k),
+            heads=kv_heads,
+            HEAD_DIM=HEAD_DIM,
+            BLOCK_S=BLOCK_N,
+            BLOCK_C=BLOCK_D,
+        )
     first_head = split * heads_per_split
     last_head = tl.minimum(first_head + heads_per_split, group_size)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    # One output: K and V come by pointers (the launcher passes no descriptors for them), which feeds
-    # wgmma from shared memory (TUNING.md).
-    KV_TMA: tl.constexpr = TMA and OUTPUT == "dkdv"
     k_view = (K, k_seq, k_strides, seqlen_k)
     v_view = (V, k_seq, v_strides, seqlen_k)
-    if VARLEN and KV_TMA:
+    if VARLEN and TMA:
         k_view = _sequence_view(k_view, heads=kv_heads, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_N, BLOCK_C=BLOCK_D)
         v_view = _sequence_view(v_view, heads=kv_heads, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_N, BLOCK_C=BLOCK_D)
     k = _load_tile(
@@ -346,21 +340,19 @@ def _attn_bwd_dkdv_kernel(
         BLOCK_S=BLOCK_N,
         BLOCK_C=BLOCK_D,
         MASK_ROWS=True,
-        TMA=KV_TMA,
+        TMA=TMA,
     )
-    v = k  # dv alone never reads V
-    if OUTPUT != "dv":
-        v = _load_tile(
-            v_view,
-            head=kv_h,
-            row=start_n,
-            col=0,
-            HEAD_DIM=HEAD_DIM,
-            BLOCK_S=BLOCK_N,
-            BLOCK_C=BLOCK_D,
-            MASK_ROWS=True,
-            TMA=KV_TMA,
-        )
+    v = _load_tile(
+        v_view,
+        head=kv_h,
+        row=start_n,
+        col=0,
+        HEAD_DIM=HEAD_DIM,
+        BLOCK_S=BLOCK_N,
+        BLOCK_C=BLOCK_D,
+        MASK_ROWS=True,
+        TMA=TMA,
+    )
     dk = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     qk_scale = softmax_scale * 1.4426950408889634
@@ -368,15 +360,9 @@ def _attn_bwd_dkdv_kernel(
     # contribute nothing. Causal: one loop, the mask behind a uniform branch taken by the query blocks
     # before unmasked_m (those crossing the diagonal); two loops (masked, unmasked) spilled (TUNING.md).
     causal_offset = seqlen_k - seqlen_q
-    # A packed batch's causal dk launch by TMA runs as the window (-1, 0), the causal mask itself: its
-    # causal build spilled (TUNING.md).
-    WINDOW: tl.constexpr = LOCAL or (CAUSAL and VARLEN and TMA and OUTPUT == "dk")
-    if WINDOW and not LOCAL:
-        window_left = seqlen_q + seqlen_k  # reaches past every key, as _mask's unbounded side
-        window_right = 0
     lo = 0
     hi = seqlen_q
-    if WINDOW:
+    if LOCAL:
         lo = tl.maximum(start_n - causal_offset - window_right, 0) // BLOCK_M * BLOCK_M
         hi = tl.minimum(start_n + BLOCK_N - causal_offset + window_left, seqlen_q)
     elif CAUSAL:
@@ -403,40 +389,206 @@ def _attn_bwd_dkdv_kernel(
                 BLOCK_D=BLOCK_D,
                 BLOCK_D_OUT=BLOCK_D_OUT,
                 MASKED=CAUSAL or LOCAL,
-                LOCAL=WINDOW,
+                LOCAL=LOCAL,
                 TMA=TMA,
                 INLINE_PTX=INLINE_PTX,
-                OUTPUT=OUTPUT,
+                OUTPUT="dkdv",
             )
     seq = k_seq + split * split_seqs  # with head splits, the first row of this split's float32 partials
     if not (VARLEN and TMA):  # (with both, views of DK's and DV's descriptors of those rows, above)
         dk_view = (DK, seq, dk_strides, seqlen_k)
         dv_view = (DV, seq, dv_strides, seqlen_k)
-    if OUTPUT != "dv":
-        dk *= softmax_scale
-        _store_tile(
-            dk_view,
-            dk,
+    dk *= softmax_scale
+    _store_tile(
+        dk_view,
+        dk,
+        head=kv_h,
+        row=start_n,
+        col=col,
+        HEAD_DIM=HEAD_DIM,
+        BLOCK_S=BLOCK_N,
+        BLOCK_C=BLOCK_D_OUT,
+        TMA=TMA,
+    )
+    _store_tile(
+        dv_view,
+        dv,
+        head=kv_h,
+        row=start_n,
+        col=col,
+        HEAD_DIM=HEAD_DIM,
+        BLOCK_S=BLOCK_N,
+        BLOCK_C=BLOCK_D_OUT,
+        TMA=TMA,
+    )
+
+
+@triton.jit
+def _output_view(outputs, seq, strides, seqlen_k, OUTPUT: tl.constexpr):
+    """The view (tiles.py) of the sequence at row seq of DK or DV (outputs), by OUTPUT."""
+    DK, DV = outputs
+    dk_strides, dv_strides = strides
+    if OUTPUT == "dk":
+        view = (DK, seq, dk_strides, seqlen_k)
+    else:
+        view = (DV, seq, dv_strides, seqlen_k)
+    return view
+
+
+@triton.jit
+def _attn_bwd_dkdv_split_outputs_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    row_stats,
+    DK,
+    DV,  # as in _attn_bwd_dkdv_kernel; K and V by pointers, DK or DV unwritten (OUTPUT)
+    cu_seqlens,
+    softmax_scale,
+    seqlens,
+    window,
+    sizes,
+    strides,  # as in _attn_bwd_dkdv_kernel
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+    TMA: tl.constexpr,
+    VARLEN: tl.constexpr,
+    INLINE_PTX: tl.constexpr,
+    OUTPUT: tl.constexpr,  # "dk" or "dv"
+):
+    # grid = (cdiv(seqlen_k, BLOCK_N) * batch * kv_heads, head_splits): _attn_bwd_dkdv_kernel's program
+    # with one accumulator, dk's or dv's (AttnConfig.split_outputs: a launch each, the scores computed in
+    # both), whole rows of the head dim. K and V come by pointers, which feeds wgmma from shared memory
+    # (TUNING.md); dv alone never reads V.
+    CAUSAL: tl.constexpr = MASK == "causal"
+    LOCAL: tl.constexpr = MASK == "local"
+    LSE_LOG2, DELTA = row_stats
+    seqlen_q, seqlen_k = seqlens
+    window_left, window_right = window
+    heads, kv_heads, group_size, heads_per_split, split_seqs = sizes
+    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, lse_strides = strides
+    n_blocks = tl.cdiv(seqlen_k, BLOCK_N)
+    start_n = tl.program_id(0) % n_blocks * BLOCK_N
+    batch_kv_head = tl.program_id(0) // n_blocks
+    b = batch_kv_head // kv_heads
+    kv_h = batch_kv_head % kv_heads
+    q_seq, seqlen_q = _sequence(cu_seqlens[0], b=b, seqlen=seqlen_q, VARLEN=VARLEN)
+    k_seq, seqlen_k = _sequence(cu_seqlens[1], b=b, seqlen=seqlen_k, VARLEN=VARLEN)
+    if VARLEN and start_n >= seqlen_k:  # the grid covers the longest sequence
+        return
+    split = tl.program_id(1)
+    q_view = (Q, q_seq, q_strides, seqlen_q)
+    do_view = (DO, q_seq, do_strides, seqlen_q)
+    if VARLEN and TMA:  # as in _attn_bwd_dkdv_kernel, the output's view built before the loop
+        q_view = _sequence_view(q_view, heads=heads, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_M, BLOCK_C=BLOCK_D)
+        do_view = _sequence_view(do_view, heads=heads, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_M, BLOCK_C=BLOCK_D)
+        out_view = _output_view(
+            (DK, DV),
+            seq=k_seq + split * split_seqs,
+            strides=(dk_strides, dv_strides),
+            seqlen_k=seqlen_k,
+            OUTPUT=OUTPUT,
+        )
+        out_view = _sequence_view(
+            out_view, heads=kv_heads, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_N, BLOCK_C=BLOCK_D
+        )
+    first_head = split * heads_per_split
+    last_head = tl.minimum(first_head + heads_per_split, group_size)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = _load_tile(
+        (K, k_seq, k_strides, seqlen_k),
+        head=kv_h,
+        row=start_n,
+        col=0,
+        HEAD_DIM=HEAD_DIM,
+        BLOCK_S=BLOCK_N,
+        BLOCK_C=BLOCK_D,
+        MASK_ROWS=True,
+        TMA=False,
+    )
+    v = k  # unread by dv
+    if OUTPUT == "dk":
+        v = _load_tile(
+            (V, k_seq, v_strides, seqlen_k),
             head=kv_h,
             row=start_n,
-            col=col,
+            col=0,
             HEAD_DIM=HEAD_DIM,
             BLOCK_S=BLOCK_N,
-            BLOCK_C=BLOCK_D_OUT,
-            TMA=TMA,
+            BLOCK_C=BLOCK_D,
+            MASK_ROWS=True,
+            TMA=False,
         )
-    if OUTPUT != "dk":
-        _store_tile(
-            dv_view,
-            dv,
-            head=kv_h,
-            row=start_n,
-            col=col,
-            HEAD_DIM=HEAD_DIM,
-            BLOCK_S=BLOCK_N,
-            BLOCK_C=BLOCK_D_OUT,
-            TMA=TMA,
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    qk_scale = softmax_scale * 1.4426950408889634
+    # A packed batch's causal dk launch by TMA runs as the window (-1, 0), the causal mask itself: its
+    # causal build spilled (TUNING.md).
+    WINDOW: tl.constexpr = LOCAL or (CAUSAL and VARLEN and TMA and OUTPUT == "dk")
+    if WINDOW and not LOCAL:
+        window_left = seqlen_q + seqlen_k  # reaches past every key, as _mask's unbounded side
+        window_right = 0
+    causal_offset = seqlen_k - seqlen_q
+    lo = 0
+    hi = seqlen_q
+    if WINDOW:  # the query range as _attn_bwd_dkdv_kernel's
+        lo = tl.maximum(start_n - causal_offset - window_right, 0) // BLOCK_M * BLOCK_M
+        hi = tl.minimum(start_n + BLOCK_N - causal_offset + window_left, seqlen_q)
+    elif CAUSAL:
+        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
+    unmasked_m = tl.cdiv(start_n + BLOCK_N - 1 - causal_offset, BLOCK_M) * BLOCK_M
+    for g in range(first_head, last_head):
+        h = kv_h * group_size + g
+        row0 = q_seq.to(tl.int64) * lse_strides[0] + h.to(tl.int64) * lse_strides[1]
+        for start_m in range(lo, hi, BLOCK_M):
+            dk, dv = _attn_bwd_dkdv_block(
+                grads=(dk, dv),
+                kv=(k, v),
+                queries=(q_view, do_view, (LSE_LOG2 + row0, DELTA + row0), h),
+                offs_n=offs_n,
+                start_m=start_m,
+                unmasked_m=unmasked_m,
+                col=0,
+                seqlens=(seqlen_q, seqlen_k),
+                window=(window_left, window_right),
+                qk_scale=qk_scale,
+                HEAD_DIM=HEAD_DIM,
+                BLOCK_M=BLOCK_M,
+                BLOCK_D=BLOCK_D,
+                BLOCK_D_OUT=BLOCK_D,
+                MASKED=CAUSAL or LOCAL,
+                LOCAL=WINDOW,
+                TMA=TMA,
+                INLINE_PTX=INLINE_PTX,
+                OUTPUT=OUTPUT,
+            )
+    if not (VARLEN and TMA):  # with head splits, from the first row of this split's float32 partials
+        out_view = _output_view(
+            (DK, DV),
+            seq=k_seq + split * split_seqs,
+            strides=(dk_strides, dv_strides),
+            seqlen_k=seqlen_k,
+            OUTPUT=OUTPUT,
         )
+    if OUTPUT == "dk":
+        grad = dk * softmax_scale
+    else:
+        grad = dv
+    _store_tile(
+        out_view,
+        grad,
+        head=kv_h,
+        row=start_n,
+        col=0,
+        HEAD_DIM=HEAD_DIM,
+        BLOCK_S=BLOCK_N,
+        BLOCK_C=BLOCK_D,
+        TMA=TMA,
+    )
 
 
 @triton.jit
@@ -520,7 +672,7 @@ def _attn_bwd_dq_kernel(
     K,
     V,
     DO,
-    row_stats,  # (LSE, DELTA): as in _attn_bwd_dkdv_kernel, LSE the forward's
+    row_stats,  # (LSE_LOG2, DELTA): as in _attn_bwd_dkdv_kernel
     DQ,  # like Q; Q, K, V, DO, DQ are TMA descriptors with TMA (padded)
     cu_seqlens,  # as in _attn_fwd_kernel
     softmax_scale,
@@ -540,7 +692,7 @@ def _attn_bwd_dq_kernel(
     # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): as the preprocess, batch x heads on axis 0.
     CAUSAL: tl.constexpr = MASK == "causal"
     LOCAL: tl.constexpr = MASK == "local"
-    LSE, DELTA = row_stats
+    LSE_LOG2, DELTA = row_stats
     seqlen_q, seqlen_k = seqlens
     heads, group_size = sizes
     q_strides, k_strides, v_strides, do_strides, dq_strides, lse_strides = strides
@@ -592,7 +744,9 @@ def _attn_bwd_dq_kernel(
         TMA=TMA,
     )
     row0 = q_seq.to(tl.int64) * lse_strides[0] + h.to(tl.int64) * lse_strides[1]
-    lse, delta = _load_row_stats(LSE=LSE + row0, DELTA=DELTA + row0, offs_m=offs_m, seqlen_q=seqlen_q)
+    lse, delta = _load_row_stats(
+        LSE_LOG2=LSE_LOG2 + row0, DELTA=DELTA + row0, offs_m=offs_m, seqlen_q=seqlen_q
+    )
     qk_scale = softmax_scale * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     seqlens = (seqlen_q, seqlen_k)

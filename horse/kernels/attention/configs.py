@@ -36,8 +36,14 @@ class AttnConfig:
     # The config taken when tiles move by pointers (None: this one), for entries whose TMA tile spills there.
     pointer: "AttnConfig | None" = None
     # dk/dv pass: dv and dk by two launches of their own, one accumulator live in each (5 GEMMs against
-    # the fused pass's 4: the scores computed twice).
+    # the fused pass's 4: the scores computed twice), whole rows of the head dim (no column_splits).
     split_outputs: bool = False
+
+    def __post_init__(self):
+        if self.split_outputs and self.column_splits != 1:
+            raise ValueError(
+                f"split_outputs takes whole head-dim rows: column_splits {self.column_splits}, expected 1"
+            )
 
     def loads(self, tma: bool) -> "AttnConfig":
         """The config a launch takes with TMA loads (tma) or with pointers."""
@@ -85,8 +91,3 @@ def attn_config(table: dict, head_dim: int, device: torch.device) -> AttnConfig:
     """The entry of table (FWD_CONFIGS, ...) for head_dim on device's GPU family."""
     cfg = table[runtime.arch(device).name][head_dim_block(head_dim)]
     return dataclasses.replace(cfg, **INTERPRETER_BLOCKS) if runtime.INTERPRET else cfg
-
-
-def dkdv_outputs(cfg: AttnConfig) -> tuple[str, ...]:
-    """The dk/dv pass's launches under cfg, by their OUTPUT: one for both, or one each."""
-    return ("dv", "dk") if cfg.split_outputs else ("dkdv",)

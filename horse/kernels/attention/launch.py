@@ -11,10 +11,11 @@ from horse.kernels import runtime
 from horse.kernels.attention import configs
 from horse.kernels.attention.backward import (
     _attn_bwd_dkdv_kernel,
+    _attn_bwd_dkdv_split_outputs_kernel,
     _attn_bwd_dq_kernel,
     _attn_bwd_preprocess_kernel,
 )
-from horse.kernels.attention.configs import AttnConfig, dkdv_outputs, head_dim_block
+from horse.kernels.attention.configs import AttnConfig, head_dim_block
 from horse.kernels.attention.decode import _attn_decode_kernel, _attn_decode_reduce_kernel
 from horse.kernels.attention.forward import _attn_fwd_kernel
 from horse.kernels.runtime import Plan
@@ -167,9 +168,10 @@ def fwd_plan(entry: AttnConfig, shape: tuple, mask: str, tma: bool, packed: bool
 def dkdv_plans(
     entry: AttnConfig, shape: tuple, mask: str, tma: bool, packed: bool, splits: int
 ) -> list[Plan]:
-    """The dk/dv pass's plans (a launch each: configs.dkdv_outputs) with table entry ``entry`` at
-    shape (as :func:`fwd_plan`'s), a GQA group's query heads split over ``splits`` programs per key
-    block (more than one: float32 partials). Split outputs read K and V by pointers."""
+    """The dk/dv pass's plans with table entry ``entry`` at shape (as :func:`fwd_plan`'s), a GQA group's
+    query heads split over ``splits`` programs per key block (more than one: float32 partials): one
+    launch of _attn_bwd_dkdv_kernel, or with split outputs a launch for dv, then one for dk, of
+    _attn_bwd_dkdv_split_outputs_kernel (K and V by pointers)."""
     batch, _, seqlen_k, _, kv_heads, head_dim = shape
     cfg = entry.loads(tma)
     grid = (triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads, splits * cfg.column_splits)
@@ -187,6 +189,24 @@ def dkdv_plans(
         ),
     }
     partials = ("DK", "DV") if splits > 1 else ()
+    if cfg.split_outputs:
+        return [
+            _tile_plan(
+                _attn_bwd_dkdv_split_outputs_kernel,
+                grid,
+                cfg,
+                head_dim,
+                mask,
+                tma,
+                packed,
+                ("Q", "DO"),
+                ("DK", "DV"),
+                tuples,
+                constexprs=dict(OUTPUT=output),
+                partials=partials,
+            )
+            for output in ("dv", "dk")
+        ]
     block_d_out = head_dim_block(head_dim) // cfg.column_splits
     return [
         _tile_plan(
@@ -198,12 +218,11 @@ def dkdv_plans(
             tma,
             packed,
             ("Q", "DO"),
-            ("K", "V", "DK", "DV") if output == "dkdv" else ("DK", "DV"),
+            ("K", "V", "DK", "DV"),
             tuples,
-            constexprs=dict(BLOCK_D_OUT=block_d_out, OUTPUT=output),
+            constexprs=dict(BLOCK_D_OUT=block_d_out),
             partials=partials,
         )
-        for output in dkdv_outputs(cfg)
     ]
 
 
@@ -214,7 +233,7 @@ def dq_plan(entry: AttnConfig, shape: tuple, mask: str, tma: bool, packed: bool)
     cfg = entry.loads(tma)
     grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
     tuples = {
-        "row_stats": ("LSE", "DELTA"),
+        "row_stats": ("LSE_LOG2", "DELTA"),
         "sizes": ("heads", "group_size"),
         "strides": ("q_strides", "k_strides", "v_strides", "do_strides", "dq_strides", "lse_strides"),
     }
@@ -430,7 +449,6 @@ def _bwd_values(q, k, v, dout, row_stats, args: dict, shape: tuple) -> dict:
     """The named values both gradient passes' plans pack, but for their gradients' strides."""
     _, _, _, heads, kv_heads, _ = shape
     return args["values"] | dict(
-        LSE=row_stats[0],
         LSE_LOG2=row_stats[0],
         DELTA=row_stats[1],
         heads=heads,
@@ -537,9 +555,9 @@ def attention_bwd(
         return dq.zero_(), dk.zero_(), dv.zero_()
     args = _pass_args(q, k, lse, causal, window, softmax_scale, packed)
     with runtime.device_guard(q):
-        lse_log2, delta = _bwd_preprocess(out, dout, lse, dlse, args, batch, heads, packed)
+        row_stats = _bwd_preprocess(out, dout, lse, dlse, args, batch, heads, packed)  # (lse_log2, delta)
         if needs[1]:
-            _bwd_dkdv(q, k, v, dout, (lse_log2, delta), dk, dv, args, shape, packed)
+            _bwd_dkdv(q, k, v, dout, row_stats, dk, dv, args, shape, packed)
         if needs[0]:
-            _bwd_dq(q, k, v, dout, (lse, delta), dq, args, shape, packed)
+            _bwd_dq(q, k, v, dout, row_stats, dq, args, shape, packed)
     return dq, dk, dv
