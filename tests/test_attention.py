@@ -1007,7 +1007,12 @@ def check_score_mods(run, reference_of, leaves, with_dlse: bool = False):
     out, lse and every gradient (the sinks' too), by the suite's rule."""
     q, k, v, sinks = leaves
     out, lse = run(q, k, v, sinks)
-    grad_outputs = [torch.randn_like(out)] + ([torch.randn_like(lse)] if with_dlse else [])
+    gen = torch.Generator().manual_seed(2)  # the same gradients whatever ran before
+
+    def randn_like(t):
+        return torch.randn(t.shape, generator=gen).to(t)
+
+    grad_outputs = [randn_like(out)] + ([randn_like(lse)] if with_dlse else [])
     wanted = [t for t in leaves if t is not None]
     grads = torch.autograd.grad([out, lse][: len(grad_outputs)], wanted, grad_outputs)
     ours = dict(zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads), strict=False))
