@@ -90,3 +90,9 @@ def attn_config(table: dict, head_dim: int, device: torch.device) -> AttnConfig:
 def dkdv_outputs(cfg: AttnConfig) -> tuple[str, ...]:
     """The dk/dv pass's launches under cfg, by their OUTPUT: one for both, or one each."""
     return ("dv", "dk") if cfg.split_outputs else ("dkdv",)
+
+
+# The softcap's backward runs at head dims up to this: above it the dk/dv pass's tiles spill on sm_90
+# with the softcap's work added (head dim 128: 8 to 40 bytes; 256 by TMA: 8 to 104; compile report,
+# 2026-12-06), and flash_attention refuses the softcap with gradients there until tiles of its own.
+SOFTCAP_BACKWARD_MAX_HEAD_DIM = 64
