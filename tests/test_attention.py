@@ -1089,7 +1089,7 @@ def test_softcap_and_sinks_gradient_through_lse(mods, device):
 
 @pytest.mark.parametrize(("causal", "window"), VARLEN_MASKS, ids=str)
 @pytest.mark.parametrize("mods", SCORE_MODS, ids=score_mods_id)
-@pytest.mark.parametrize("case", VARLEN_CASES[:3], ids=str)
+@pytest.mark.parametrize("case", [VARLEN_CASES[i] for i in (0, 2, 3, 4)], ids=str)  # head dims <= 64
 def test_varlen_softcap_and_sinks_match_reference(case, mods, causal, window, device):
     softcap, with_sinks = mods
     lengths_q, lengths_k, heads, *_ = case
