@@ -613,10 +613,13 @@ def test_cpu_without_interpreter_uses_the_reference(monkeypatch):
 @pytest.mark.interpreter
 def test_custom_op_passes_opcheck_and_compiles_fullgraph():
     q, k, v = make_qkv(Shape(1, 24, 24, 2, 1, 32), torch.float16, "cpu")
-    for mask in ((True, 0.125, -1, -1), (False, 0.125, 5, 3)):
-        torch.library.opcheck(torch.ops.horse.flash_attn_fwd.default, (q, k, v, *mask, None, None, 0, 0))
+    sinks = torch.randn(2, requires_grad=True)
+    for mods in ((None, 0.0), (sinks, 4.0)):
+        for mask in ((True, 0.125, -1, -1), (False, 0.125, 5, 3)):
+            args = (q, k, v, *mods, *mask, None, None, 0, 0)
+            torch.library.opcheck(torch.ops.horse.flash_attn_fwd.default, args)
     cu = torch.tensor([0, 9, 24], dtype=torch.int32)
-    packed = (q[0], k[0], v[0], True, 0.125, -1, -1, cu, cu, 15, 15)
+    packed = (q[0], k[0], v[0], None, 0.0, True, 0.125, -1, -1, cu, cu, 15, 15)
     torch.library.opcheck(torch.ops.horse.flash_attn_fwd.default, packed)
     eager = kernels.flash_attention(q, k, v, causal=True)
     torch._dynamo.reset()
@@ -625,6 +628,10 @@ def test_custom_op_passes_opcheck_and_compiles_fullgraph():
     varlen = functools.partial(kernels.flash_attention_varlen, max_seqlen_q=15, max_seqlen_k=15, causal=True)
     compiled = torch.compile(varlen, fullgraph=True)
     torch.testing.assert_close(compiled(*packed[:3], cu, cu), varlen(*packed[:3], cu, cu), rtol=0, atol=0)
+    modified = functools.partial(kernels.flash_attention, causal=True, softcap=4.0)
+    torch._dynamo.reset()
+    compiled = torch.compile(modified, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v, sinks=sinks), modified(q, k, v, sinks=sinks), rtol=0, atol=0)
 
 
 @pytest.mark.gpu
@@ -967,3 +974,299 @@ def test_kvcache_bad_input_is_named():
         fn(q, cache, cache.clone(), cache_seqlens=torch.tensor([2, 11], dtype=torch.int32))
     with pytest.raises(ValueError, match="must be a multiple of"):
         fn(torch.randn(2, 1, 3, 16, dtype=torch.float16), cache, cache.clone())
+
+
+# Softcapping and attention sinks (issue 49)
+# ----------------------------------------------------------------------------------------------
+
+
+def make_sinks(heads: int, device, seed: int = 1) -> torch.Tensor:
+    """Sink logits around the scores' own size, float32 and learnable."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.randn(heads, generator=gen) * 1.5).to(device).requires_grad_()
+
+
+def reference_grads(leaves, upcast: bool, outputs_of, grad_outputs) -> dict:
+    """The float64 truth (upcast) or PyTorch's computation in the inputs' dtype, of outputs_of(q, k, v,
+    sinks): out, lse and the gradients of q, k, v and the sinks (those given, float32 in the baseline)."""
+    q, k, v, sinks = leaves
+    given = [t for t in (q, k, v, sinks) if t is not None]
+    tensors = [(t.detach().double() if upcast else t.detach().clone()).requires_grad_() for t in given]
+    out, lse = outputs_of(*tensors[:3], tensors[3] if sinks is not None else None)
+    outputs = [out, lse][: len(grad_outputs)]
+    grad_outputs = [g.to(o.dtype) for g, o in zip(grad_outputs, outputs, strict=True)]
+    grads = torch.autograd.grad(outputs, tensors, grad_outputs, allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads, strict=True)]
+    return dict(zip(("out", "lse", "dq", "dk", "dv", "dsinks"), (out, lse, *grads), strict=False))
+
+
+def sinks_grad_baseline(truth: dict, baseline: dict, sinks, grad_outputs) -> torch.Tensor:
+    """PyTorch's error at the baseline's precision for d sink = -Σ_rows exp(sink - lse) (dO · O - dlse),
+    propagated from its output's and lse's errors without cancellation: every flash backward (ours,
+    flash-attn's) forms dO · O of the output as stored, which PyTorch's autograd never does, so its
+    sum over rows cancels by chance (4x under this, measured on b2-q17-k17 with a window). Returned
+    as the truth plus that error, so that assert_close reads it as PyTorch's."""
+    out_error = (grad_outputs[0].double() * (baseline["out"].double() - truth["out"])).abs().sum(-1)
+    delta = (grad_outputs[0].double() * truth["out"]).sum(-1).movedim(-2, -1)  # lse's layout
+    if len(grad_outputs) > 1:
+        delta = delta - grad_outputs[1].double()
+    lse_error = (baseline["lse"].double() - truth["lse"]).abs()
+    p_sink = torch.exp(sinks.detach().double().view(-1, 1) - truth["lse"].detach())
+    per_row = p_sink * (out_error.movedim(-2, -1) + delta.abs() * lse_error)
+    return truth["dsinks"] + per_row.movedim(-2, 0).flatten(1).sum(1)
+
+
+def check_score_mods(run, reference_of, leaves, with_dlse: bool = False):
+    """run(q, k, v, sinks) -> (out, lse) of the kernels against reference_of(q, k, v, sinks, upcast):
+    out, lse and every gradient (the sinks' too), by the suite's rule."""
+    q, k, v, sinks = leaves
+    out, lse = run(q, k, v, sinks)
+    gen = torch.Generator().manual_seed(2)  # the same gradients whatever ran before
+
+    def randn_like(t):
+        return torch.randn(t.shape, generator=gen).to(t)
+
+    grad_outputs = [randn_like(out)] + ([randn_like(lse)] if with_dlse else [])
+    wanted = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad([out, lse][: len(grad_outputs)], wanted, grad_outputs)
+    ours = dict(zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads), strict=False))
+    truth, baseline = (
+        reference_grads(leaves, upcast, functools.partial(reference_of, upcast=upcast), grad_outputs)
+        for upcast in (True, False)
+    )
+    if sinks is not None:
+        baseline["dsinks"] = sinks_grad_baseline(truth, baseline, sinks, grad_outputs)
+    for name, value in ours.items():
+        assert torch.isfinite(value).all(), f"{name} has non-finite values"
+        assert_close(name, value, truth[name], baseline[name].to(value.dtype))
+    assert_lse_close(lse, truth["lse"], baseline["lse"].float())
+
+
+# (softcap, sinks): each alone and both; a softcap of 2 bends most scores of these unit-variance
+# inputs (scaled scores ~ N(0, 1)) into tanh's curve, so a missing derivative shows.
+SCORE_MODS = [(2.0, False), (0.0, True), (5.0, True)]
+MOD_SHAPES = [
+    Shape(1, 1, 1, 2, 2, 64),
+    Shape(2, 17, 17, 2, 2, 64),
+    Shape(1, 129, 129, 4, 2, 64),
+    Shape(1, 129, 17, 4, 1, 64),
+    Shape(1, 17, 129, 2, 2, 48),
+]
+MOD_MASKS = [(False, (-1, -1)), (True, (-1, -1)), (True, (10, -1)), (False, (6, 9))]
+
+
+def score_mods_id(mods) -> str:
+    softcap, sinks = mods
+    return "-".join([f"softcap{softcap:g}"] * (softcap > 0) + ["sinks"] * sinks)
+
+
+@pytest.mark.parametrize(("causal", "window"), MOD_MASKS, ids=str)
+@pytest.mark.parametrize("mods", SCORE_MODS, ids=score_mods_id)
+@pytest.mark.parametrize("shape", MOD_SHAPES, ids=str)
+def test_softcap_and_sinks_match_reference(shape, mods, causal, window, device):
+    softcap, with_sinks = mods
+    q, k, v = make_qkv(shape, torch.float16, device, scale=1.5)
+    sinks = make_sinks(shape.heads, device) if with_sinks else None
+    options = dict(causal=causal, window_size=window, softcap=softcap)
+
+    def run(q, k, v, sinks):
+        return kernels.flash_attention(q, k, v, sinks=sinks, return_lse=True, **options)
+
+    def reference_of(q, k, v, sinks, upcast):
+        return reference.attention(q, k, v, upcast=upcast, sinks=sinks, **options)
+
+    check_score_mods(run, reference_of, (q, k, v, sinks))
+
+
+@pytest.mark.parametrize("mods", SCORE_MODS, ids=score_mods_id)
+def test_softcap_and_sinks_gradient_through_lse(mods, device):
+    softcap, with_sinks = mods
+    shape = Shape(1, 40, 40, 4, 2, 64)
+    q, k, v = make_qkv(shape, torch.float16, device, scale=1.5)
+    sinks = make_sinks(shape.heads, device) if with_sinks else None
+
+    def run(q, k, v, sinks):
+        return kernels.flash_attention(q, k, v, causal=True, softcap=softcap, sinks=sinks, return_lse=True)
+
+    def reference_of(q, k, v, sinks, upcast):
+        return reference.attention(q, k, v, True, upcast=upcast, softcap=softcap, sinks=sinks)
+
+    check_score_mods(run, reference_of, (q, k, v, sinks), with_dlse=True)
+
+
+@pytest.mark.parametrize(("causal", "window"), VARLEN_MASKS, ids=str)
+@pytest.mark.parametrize("mods", SCORE_MODS, ids=score_mods_id)
+@pytest.mark.parametrize("case", [VARLEN_CASES[i] for i in (0, 2, 3, 4)], ids=str)  # head dims <= 64
+def test_varlen_softcap_and_sinks_match_reference(case, mods, causal, window, device):
+    softcap, with_sinks = mods
+    lengths_q, lengths_k, heads, *_ = case
+    q, k, v, cu_q, cu_k = make_packed(*case[:2], *case[2:], torch.float16, device)
+    sinks = make_sinks(heads, device) if with_sinks else None
+    options = dict(causal=causal, window_size=window, softcap=softcap)
+
+    def run(q, k, v, sinks):
+        longest = (max(lengths_q), max(lengths_k))
+        return kernels.flash_attention_varlen(
+            q, k, v, cu_q, cu_k, *longest, sinks=sinks, return_lse=True, **options
+        )
+
+    def reference_of(q, k, v, sinks, upcast):
+        return reference.attention_varlen(q, k, v, cu_q, cu_k, upcast=upcast, sinks=sinks, **options)
+
+    check_score_mods(run, reference_of, (q, k, v, sinks), with_dlse=True)
+
+
+def test_sinks_backward_is_deterministic(device):
+    """The same inputs, several runs: every gradient, the sinks' (a reduction over every row of a
+    head) included, bit-equal."""
+    shape = Shape(2, 129, 129, 4, 1, 64)
+    results = []
+    for _ in range(3):
+        q, k, v = make_qkv(shape, torch.float16, device)
+        sinks = make_sinks(shape.heads, device)
+        out, lse = kernels.flash_attention(q, k, v, causal=True, softcap=3.0, sinks=sinks, return_lse=True)
+        torch.autograd.backward([out, lse], [torch.ones_like(out), torch.full_like(lse, 0.5)])
+        results.append([out.detach(), q.grad, k.grad, v.grad, sinks.grad])
+    for again in results[1:]:
+        for name, first, other in zip(("out", "dq", "dk", "dv", "dsinks"), results[0], again, strict=True):
+            assert torch.equal(first, other), f"{name} changed between identical runs"
+
+
+def reference_on_cache(q, k_cache, v_cache, lengths, upcast: bool, **options):
+    """reference.attention of each sequence's queries on its first lengths[b] cache rows, in float64
+    (upcast) or in the inputs' dtype."""
+    outs = []
+    for b, n in enumerate(lengths):
+        tensors = [t[b : b + 1, : n if t is not q else None] for t in (q, k_cache, v_cache)]
+        if upcast:
+            tensors = [t.double() for t in tensors]
+        outs.append(reference.attention(*tensors, upcast=upcast, **options)[0])
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (6, -1))], ids=str)
+@pytest.mark.parametrize("mods", SCORE_MODS, ids=score_mods_id)
+@pytest.mark.parametrize("case", [CACHE_CASES[i] for i in (0, 1, 3, 6)], ids=str)
+def test_kvcache_softcap_and_sinks_match_reference(case, mods, causal, window, device):
+    softcap, with_sinks = mods
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return (torch.randn(*shape, generator=gen) * 1.5).to(device=device, dtype=torch.float16)
+
+    q = randn(case.batch, case.seqlen_q, case.heads, case.head_dim)
+    kv_shape = (case.batch, case.seqlen_cache, case.kv_heads, case.head_dim)
+    k_cache, v_cache = randn(*kv_shape), randn(*kv_shape)
+    new_shape = (case.batch, case.seqlen_new, case.kv_heads, case.head_dim)
+    k, v = randn(*new_shape), randn(*new_shape)
+    sinks = make_sinks(case.heads, device).detach() if with_sinks else None
+    cached = torch.tensor(case.cached, dtype=torch.int32, device=device)
+    options = dict(causal=causal, window_size=window, softcap=softcap, sinks=sinks)
+    out = kernels.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cached, k=k, v=v, **options)
+    lengths = [n + case.seqlen_new for n in case.cached]
+    tensors = [t.cpu() for t in (q, k_cache, v_cache)]
+    options["sinks"] = None if sinks is None else sinks.cpu()
+    truth = reference_on_cache(*tensors, lengths, upcast=True, **options)
+    baseline = reference_on_cache(*tensors, lengths, upcast=False, **options)
+    assert_close("out", out.cpu(), truth, baseline.to(out.dtype))
+
+
+def test_kvcache_prompt_with_softcap_and_sinks_takes_the_prefill_kernel(device, monkeypatch):
+    """More than DECODE_MAX_SEQLEN_Q new tokens: the forward kernel on the cache's rows, with the
+    score modifications too."""
+    launches = record_launches(monkeypatch)
+    q, k_cache, v_cache = make_qkv(
+        Shape(2, 20, 50, 4, 2, 64), torch.float16, device, 1.5, requires_grad=False
+    )
+    sinks = make_sinks(4, device).detach()
+    options = dict(causal=True, softcap=2.0, sinks=sinks)
+    out = kernels.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=30, **options)
+    assert [name for name, _ in launches] == ["_attn_fwd_kernel"]
+    tensors = [t.cpu() for t in (q, k_cache, v_cache)]
+    options["sinks"] = sinks.cpu()
+    truth = reference_on_cache(*tensors, [30, 30], upcast=True, **options)
+    baseline = reference_on_cache(*tensors, [30, 30], upcast=False, **options)
+    assert_close("out", out.cpu(), truth, baseline.to(out.dtype))
+
+
+def test_cpu_without_interpreter_honours_softcap_and_sinks(monkeypatch):
+    monkeypatch.setattr(runtime, "INTERPRET", False)
+    q, k, v = make_qkv(Shape(1, 9, 9, 2, 1, 32), torch.float32, "cpu")
+    sinks = make_sinks(2, "cpu")
+    out = kernels.flash_attention(q, k, v, causal=True, softcap=2.0, sinks=sinks)
+    expected = reference.attention(q, k, v, causal=True, softcap=2.0, sinks=sinks)[0]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert not torch.equal(out, reference.attention(q, k, v, causal=True)[0])
+    out.sum().backward()
+    assert sinks.grad is not None and torch.isfinite(sinks.grad).all()
+    cache = kernels.flash_attention_with_kvcache(
+        q, k.detach(), v.detach(), causal=True, softcap=2.0, sinks=sinks.detach()
+    )
+    torch.testing.assert_close(cache, expected.detach().to(cache.dtype), rtol=0, atol=0)
+
+
+BAD_SOFTCAPS = (-1.0, float("nan"), float("inf"), True, "50")
+SCORE_MOD_BAD_INPUTS = [
+    *[(dict(softcap=bad), ValueError, "softcap must be a finite number >= 0") for bad in BAD_SOFTCAPS],
+    (dict(sinks=[0.0, 0.0, 0.0, 0.0]), TypeError, r"sinks must be a torch.Tensor of shape \(4,\)"),
+    (dict(sinks=torch.zeros(2)), ValueError, r"sinks must have shape \(4,\)"),
+    (dict(sinks=torch.zeros(4, 1)), ValueError, r"sinks must have shape \(4,\)"),
+    (dict(sinks=torch.zeros(4, dtype=torch.float16)), TypeError, "sinks must be float32"),
+    (dict(sinks=torch.zeros(4, device="meta")), ValueError, "sinks is on meta"),
+]
+
+
+@pytest.mark.parametrize(
+    "function", ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache"]
+)
+@pytest.mark.parametrize("options,error,message", SCORE_MOD_BAD_INPUTS)
+def test_softcap_and_sinks_bad_input_is_named(function, options, error, message):
+    q = torch.randn(2, 6, 4, 16, dtype=torch.float16)
+    k = torch.randn(2, 6, 2, 16, dtype=torch.float16)
+    if function == "flash_attention_varlen":
+        cu = torch.tensor([0, 6, 12], dtype=torch.int32)
+        call = functools.partial(
+            kernels.flash_attention_varlen, q.flatten(0, 1), *[k.flatten(0, 1)] * 2, cu, cu, 6, 6
+        )
+    else:
+        call = functools.partial(getattr(kernels, function), q, k, k.clone())
+    with pytest.raises(error, match=f"{function}: {message}"):
+        call(**options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("causal", "window"), MOD_MASKS, ids=str)
+@pytest.mark.parametrize("mods", SCORE_MODS, ids=score_mods_id)
+@pytest.mark.parametrize("shape", [Shape(2, 1000, 1000, 8, 2, 64), Shape(1, 300, 300, 4, 4, 48)], ids=str)
+def test_gpu_softcap_and_sinks(shape, mods, causal, window, dtype):
+    softcap, with_sinks = mods
+    q, k, v = make_qkv(shape, dtype, "cuda", scale=1.5)
+    sinks = make_sinks(shape.heads, "cuda") if with_sinks else None
+    options = dict(causal=causal, window_size=window, softcap=softcap)
+
+    def run(q, k, v, sinks):
+        return kernels.flash_attention(q, k, v, sinks=sinks, return_lse=True, **options)
+
+    def reference_of(q, k, v, sinks, upcast):
+        return reference.attention(q, k, v, upcast=upcast, sinks=sinks, **options)
+
+    check_score_mods(run, reference_of, (q, k, v, sinks), with_dlse=True)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("head_dim", [96, 256])
+def test_softcap_above_its_backwards_head_dims_runs_forward_only(head_dim):
+    shape = Shape(1, 20, 20, 2, 1, head_dim)
+    q, k, v = make_qkv(shape, torch.float16, "cpu", scale=1.5)
+    with pytest.raises(
+        NotImplementedError, match=f"flash_attention: softcap with gradients .* got {head_dim}"
+    ):
+        kernels.flash_attention(q, k, v, softcap=5.0)
+    sinks = make_sinks(2, "cpu")
+    with torch.no_grad():
+        out = kernels.flash_attention(q, k, v, causal=True, softcap=5.0, sinks=sinks)
+    options = dict(causal=True, softcap=5.0, sinks=sinks.detach())
+    truth = reference.attention(*(t.detach().double() for t in (q, k, v)), **options)[0]
+    baseline = reference.attention(*(t.detach() for t in (q, k, v)), upcast=False, **options)[0]
+    assert_close("out", out, truth, baseline)

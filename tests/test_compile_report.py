@@ -18,7 +18,7 @@ import triton
 
 from bench import compile_report
 from bench.compile_report import cache, compiler, disassembly, gate
-from bench.compile_report.attention import attention_entry_configs
+from bench.compile_report.attention import SOFTCAP, attention_entry_configs
 from bench.compile_report.compiler import CompileResult
 from bench.compile_report.config import TRITON_TYPES, KernelConfig, describe
 from bench.compile_report.mlp import mlp_entry_configs
@@ -943,6 +943,8 @@ def _launched(kernel, args: tuple, kwargs: dict):
     warps, stages, and each other argument as its kind and type (a tuple's element by element)."""
 
     def kind(value):
+        if value is None:  # an argument off (the attention's sinks): a constexpr None
+            return "None"
         if isinstance(value, tuple):
             return tuple(kind(v) for v in value)
         if isinstance(value, torch.Tensor):
@@ -967,6 +969,8 @@ def _compiled(config: KernelConfig):
     """A config as _launched describes a launch."""
 
     def kind(name):
+        if name in config.constexprs:  # an argument off, as _launched gives it
+            return repr(config.constexprs[name])
         if name in config.descriptors:
             return ("desc", config.pointer_types[name], tuple(config.descriptors[name]))
         elements = config.tuples.get(name)
@@ -977,9 +981,8 @@ def _compiled(config: KernelConfig):
         return ("ptr", config.pointer_types[name]) if name in config.pointer_types else "scalar"
 
     kernel = config.fn
-    constexprs = {
-        n: config.constexprs[n] for n in sorted(config.constexprs) if n != "INLINE_PTX" and "[" not in n
-    }
+    annotated = _arguments(kernel)[0]  # an argument off (None) is among the others, as _launched has it
+    constexprs = {n: config.constexprs[n] for n in sorted(config.constexprs) if n in annotated}
     values = tuple((name, kind(name)) for name in _arguments(kernel)[1])
     return kernel.fn.__name__, constexprs, config.num_warps, config.num_stages, values
 
@@ -1021,6 +1024,20 @@ def test_attention_configs_are_the_launchers_plans(use_tma, monkeypatch):
             for seqlen_q in (1, 40):  # a tile of 16 rows, of the entry's 64
                 lengths = torch.full((2,), 40, dtype=torch.int32)  # a tensor: never the prefill kernel
                 cache = {"cache_seqlens": lengths, "causal": True, "window_size": window}
+                kernels.flash_attention_with_kvcache(
+                    q.detach()[:, :seqlen_q], k.detach(), v.detach(), **cache
+                )
+        else:  # softcap and sinks together (the report's rows), at the power-of-two head dims; the softcap's
+            # backward up to its head dim, the forward and the decode pass at every one
+            mods = {"softcap": SOFTCAP, "sinks": torch.zeros(4, requires_grad=True)}
+            with torch.set_grad_enabled(head_dim <= attention_configs.SOFTCAP_BACKWARD_MAX_HEAD_DIM):
+                out = kernels.flash_attention(q, k, v, causal=True, window_size=window, **mods)
+                packed_out = kernels.flash_attention_varlen(*packed, cu, cu, 30, 30, **mods)
+            if out.requires_grad:
+                (out.sum() + packed_out.sum()).backward()
+            for seqlen_q in (1, 40):
+                lengths = torch.full((2,), 40, dtype=torch.int32)
+                cache = {"cache_seqlens": lengths, "causal": True, "window_size": window, **mods}
                 kernels.flash_attention_with_kvcache(
                     q.detach()[:, :seqlen_q], k.detach(), v.detach(), **cache
                 )

@@ -1,6 +1,6 @@
 """The attention kernels' configs (horse.kernels.attention, its tables in
 horse.kernels.attention.configs): every table entry in every variant it can be launched in, the
-backward's preprocess and the decode kernels.
+backward's preprocess and the decode kernels; on sm_90, the score modifications (softcap and sinks).
 """
 
 import itertools
@@ -23,6 +23,8 @@ ATTENTION_TABLES = {
 
 # The mask variants each pass compiles to (its MASK): none, the causal diagonal, a sliding window.
 ATTENTION_MASKS = ("full", "causal", "local")
+# The softcap the score-modification rows compile with (Gemma 2's): a constexpr, each value its own build.
+SOFTCAP = 50.0
 
 
 def attention_pass_configs(
@@ -35,24 +37,24 @@ def attention_pass_configs(
     packed: bool = False,
     arch: str = "sm90",
     head_split: bool = False,
+    score_mods: bool = False,
 ) -> list[KernelConfig]:
     """The KernelConfigs of attention pass ``name`` (one of ATTENTION_PASSES) launched with the table
     entry ``entry`` (horse.kernels.attention.configs.AttnConfig) at ``head_dim``, mask one of
     ATTENTION_MASKS, pointer or TMA loads, on a padded batch or a packed one, for GPU family arch:
     the launcher's own plans (horse.kernels.attention.launch: a launch each, the dk/dv pass's split
     outputs two); with head_split, the dk/dv pass writing float32 partials (a GQA group's query heads
-    split over programs)."""
+    split over programs); with score_mods, the softcap SOFTCAP and (the forward) the sinks."""
     from horse.kernels.attention import launch
 
     shape = (1, 1, 1, 2, 1, head_dim)  # (batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim): the grid's
+    softcap = SOFTCAP if score_mods else None
     if name == "attn_bwd_dkdv":
-        plans = launch.dkdv_plans(entry, shape, mask, tma, packed, splits=2 if head_split else 1)
+        plans = launch.dkdv_plans(entry, shape, mask, tma, packed, 2 if head_split else 1, softcap)
+    elif name == "attn_fwd":
+        plans = [launch.fwd_plan(entry, shape, mask, tma, packed, softcap, sinks=score_mods)]
     else:
-        plans = [
-            {"attn_fwd": launch.fwd_plan, "attn_bwd_dq": launch.dq_plan}[name](
-                entry, shape, mask, tma, packed
-            )
-        ]
+        plans = [launch.dq_plan(entry, shape, mask, tma, packed, softcap)]
     configs = []
     for plan in plans:
         output = plan.constexprs.get("OUTPUT", "dkdv")
@@ -62,6 +64,8 @@ def attention_pass_configs(
             ("varlen", packed),
             ("head split", head_split),
             (output, output != "dkdv"),
+            ("softcap", score_mods),
+            ("sinks", score_mods and name == "attn_fwd"),
         )
         shape_class = " ".join([f"d={head_dim}", *(mode for mode, on in flags if on)])
         configs.append(plan_config(plan, shape_class, dtype, arch, matmul=True))
@@ -91,6 +95,46 @@ def attention_entry_configs(table: str, cfg, block_d: int, arch: runtime.Arch) -
             configs += attention_pass_configs(
                 name, cfg, head_dim, dtype, mask, tma, packed, arch.name, head_split
             )
+    return configs
+
+
+def score_mod_configs(arch: runtime.Arch) -> list[KernelConfig]:
+    """The passes with the score modifications on (softcap; the forward's sinks too; the decode pass's
+    softcap and its reduce's sinks): every table entry at its power-of-two head dim, every mask, both
+    dtypes, on the table's batches, by pointer loads and (where the entry may) TMA; the dk/dv pass's
+    float32 partials too. The gradient passes up to SOFTCAP_BACKWARD_MAX_HEAD_DIM, as they run."""
+    from horse.kernels.attention import configs as attention_configs
+    from horse.kernels.attention import launch
+
+    configs, dtypes = [], (torch.float16, torch.bfloat16)
+    for table, (name, batches) in ATTENTION_TABLES.items():
+        for block_d, cfg in sorted(getattr(attention_configs, table)[arch.name].items()):
+            if name != "attn_fwd" and block_d > attention_configs.SOFTCAP_BACKWARD_MAX_HEAD_DIM:
+                continue  # refused by flash_attention
+            loads = (False, True) if cfg.tma and arch.tma else (False,)
+            # the dk/dv pass's float32 partials (GQA head splits) in one dtype, as attention_entry_configs
+            variants = [(dtypes, False)] + [((torch.float16,), True)] * (name == "attn_bwd_dkdv")
+            for kinds, head_split in variants:
+                for mask, dtype, packed, tma in itertools.product(
+                    reversed(ATTENTION_MASKS), kinds, batches, loads
+                ):
+                    configs += attention_pass_configs(
+                        name, cfg, block_d, dtype, mask, tma, packed, arch.name, head_split, score_mods=True
+                    )
+    decode = sorted(attention_configs.DECODE_CONFIGS[arch.name].items())
+    for (block_d, cfg), mask, dtype in itertools.product(decode, reversed(ATTENTION_MASKS), dtypes):
+        shape_class = f"d={block_d}" + ("" if mask == "full" else f" {mask}") + " softcap"
+        plans = (
+            launch.decode_plan(cfg, (1, rows, 4096, 1, 1, block_d), mask, 132, SOFTCAP)[0]
+            for rows in (1, cfg.block_m)
+        )
+        by_block_m = {plan.constexprs["BLOCK_M"]: plan for plan in plans}
+        configs += [
+            plan_config(plan, shape_class, dtype, arch.name, matmul=True) for plan in by_block_m.values()
+        ]
+        if mask == "full":  # and its reduce, which adds the sinks
+            reduce = launch.decode_reduce_plan(1, block_d, sinks=True)
+            configs.append(plan_config(reduce, f"d={block_d} sinks", dtype, arch.name))
     return configs
 
 
@@ -127,4 +171,6 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
         if mask == "full":  # and its reduce of the split keys' partial outputs
             reduce = launch.decode_reduce_plan(1, head_dim)
             configs.append(plan_config(reduce, shape_class, dtype, arch.name))
+    if arch.name == "sm90":
+        configs += score_mod_configs(arch)
     return configs

@@ -100,7 +100,7 @@ KERNEL_POINTERS = {
     ),
     "attention": (
         ("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"),
-        ("LSE", "LSE_LOG2", "DLSE", "DELTA", "O_SPLIT", "LSE_SPLIT", "CU_SEQLENS_Q", "CU_SEQLENS_K"),
+        ("LSE", "LSE_LOG2", "DLSE", "DELTA", "O_SPLIT", "LSE_SPLIT", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SINKS"),
         {"SEQLENS_K": "i32"},
     ),
     "mlp": (

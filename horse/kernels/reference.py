@@ -72,13 +72,18 @@ def attention(
     softmax_scale: float | None = None,
     upcast: bool = True,
     window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks=None,
 ):
     """Explicit-softmax attention in float32 (float64 for float64 inputs): (out, lse).
 
     Layout (batch, seqlen, heads, head_dim); k and v may have fewer heads (grouped-query). causal
     is aligned to the bottom-right corner; window_size (left, right) limits query i to keys
     i + seqlen_k - seqlen_q - left .. i + seqlen_k - seqlen_q + right (-1: unbounded); a query that
-    sees no key gets zeros and lse = -inf.
+    sees no key gets zeros and lse = -inf. softcap > 0 turns the scaled scores s into softcap ·
+    tanh(s / softcap) before the mask; sinks (heads,) add exp(sinks[h]) to each row's softmax
+    denominator of head h (a key of value 0 every row sees: lse includes it, a row with no key gets
+    zeros and lse = its sink).
     With upcast=False it computes in the inputs' dtype instead, rounding the scores and the
     probabilities as a fused kernel does: PyTorch's own error at that precision, for the tests.
     """
@@ -89,6 +94,8 @@ def attention(
     k = k.repeat_interleave(heads // kv_heads, dim=2)
     v = v.repeat_interleave(heads // kv_heads, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     left, right = window_size
     if causal:
         right = 0
@@ -102,6 +109,10 @@ def attention(
         if left >= 0:
             hidden |= cols < diagonal - left
         scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is not None:  # the sink's column: every row's lse finite, a row without keys no NaN
+        sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+        lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1, keepdim=True)
+        return torch.einsum("bhqk,bkhd->bqhd", torch.exp(scores - lse), v), lse.squeeze(-1)
     # A row with no visible key would give -inf - -inf = NaN, in the values and in the gradients:
     # give it finite dummy scores, then zero its probabilities and set its lse to -inf.
     has_key = (scores > float("-inf")).any(dim=-1, keepdim=True)
@@ -112,12 +123,22 @@ def attention(
     return torch.einsum("bhqk,bkhd->bqhd", probs, v), lse
 
 
-def attention_kvcache(q, k_cache, v_cache, seqlens_k, causal=False, softmax_scale=None, window_size=(-1, -1)):
+def attention_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    seqlens_k,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    softcap=0.0,
+    sinks=None,
+):
     """:func:`attention` of each sequence b of q (batch, seqlen_q, heads, head_dim) to the first
     seqlens_k[b] keys of the caches (batch, seqlen_cache, kv_heads, head_dim): out only."""
     outs = [
         attention(q[b : b + 1], k_cache[b : b + 1, :n], v_cache[b : b + 1, :n], causal, softmax_scale,
-                  window_size=window_size)[0]
+                  window_size=window_size, softcap=softcap, sinks=sinks)[0]
         for b, n in enumerate(torch.as_tensor(seqlens_k).tolist())
     ]  # fmt: skip
     return torch.cat(outs)
@@ -133,6 +154,8 @@ def attention_varlen(
     softmax_scale: float | None = None,
     upcast: bool = True,
     window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks=None,
 ):
     """:func:`attention` of each sequence of a packed batch: q (total_q, heads, head_dim), k, v
     (total_k, kv_heads, head_dim), sequence b in rows cu_seqlens[b]:cu_seqlens[b + 1]. Returns out
@@ -143,7 +166,15 @@ def attention_varlen(
     )
     for (q0, q1), (k0, k1) in bounds:
         out, lse = attention(
-            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, softmax_scale, upcast, window_size
+            q[None, q0:q1],
+            k[None, k0:k1],
+            v[None, k0:k1],
+            causal,
+            softmax_scale,
+            upcast,
+            window_size,
+            softcap,
+            sinks,
         )
         outs.append(out[0])
         lses.append(lse[0])

@@ -15,6 +15,13 @@ limits query i to keys i + seqlen_k - seqlen_q - left .. i + seqlen_k - seqlen_q
 a side unbounded; causal is the window's right side at 0. Windowed passes visit only the key (or
 query) blocks inside the window.
 
+Score modifications, in every pass and path: a softcap c turns the scaled scores s into c · tanh(s / c)
+before the mask (``scores.py``; the backward's ds times 1 - tanh²), and sinks (heads,) add exp(sink)
+to each row's softmax denominator: the forward starts its online softmax with the sink as a seen key
+of value 0 (so lse includes it), the gradient passes need nothing more, and d sink = -Σ_rows exp(sink -
+lse) · delta is summed by torch from the preprocess's delta; the decode pass adds the sinks in its
+reduce. Off (softcap 0, sinks None), both are constexpr None and their code is not compiled.
+
 Packed batches (:func:`flash_attention_varlen`, flash-attn's varlen layout): q (total_q, heads,
 head_dim) and k, v (total_k, kv_heads, head_dim) hold the sequences one after another, sequence b in
 rows cu_seqlens[b]:cu_seqlens[b + 1]; the kernels address a sequence by its first row, with TMA by
@@ -48,7 +55,8 @@ Where each part lives, in the order a call takes them:
 - ``configs.py``: :class:`~horse.kernels.attention.configs.AttnConfig` and the tables of tiles, read
   from ``configs.json`` beside it; why each entry stands: ``TUNING.md``.
 - ``forward.py``, ``backward.py``, ``decode.py``: the kernels of each pass; ``masks.py`` and
-  ``tiles.py``: the device helpers they share (which keys a query sees; where a tile lies).
+  ``tiles.py``: the device helpers they share (which keys a query sees; where a tile lies);
+  ``scores.py``: the softcapped scores.
 """
 
 from horse.kernels.attention.api import (

@@ -8,7 +8,7 @@ import torch
 
 from horse.kernels import reference, runtime
 from horse.kernels.attention import launch
-from horse.kernels.attention.configs import MAX_HEAD_DIM
+from horse.kernels.attention.configs import MAX_HEAD_DIM, SOFTCAP_BACKWARD_MAX_HEAD_DIM
 from horse.kernels.attention.launch import Packed, attention_fwd
 from horse.kernels.attention.ops import _attn_fwd_op
 
@@ -102,6 +102,29 @@ def resolve_softmax_scale(softmax_scale: float | None, head_dim: int, fn: str) -
     return scale
 
 
+def validate_score_mods(softcap, sinks, q: torch.Tensor, fn: str) -> tuple[float, torch.Tensor | None]:
+    """(softcap, sinks) checked: softcap a finite number >= 0 (0: off), sinks None or a float32 tensor
+    (heads,) on q's device, one logit per query head (made contiguous: the kernels index it by head)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
+        raise ValueError(f"{fn}: softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    if sinks is None:
+        return float(softcap), None
+    heads = q.shape[-2]
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(
+            f"{fn}: sinks must be a torch.Tensor of shape ({heads},) or None, got {type(sinks).__name__}"
+        )
+    if sinks.shape != (heads,):
+        raise ValueError(
+            f"{fn}: sinks must have shape ({heads},) (one logit per query head), got {list(sinks.shape)}"
+        )
+    if sinks.dtype != torch.float32:
+        raise TypeError(f"{fn}: sinks must be float32, got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise ValueError(f"{fn}: sinks is on {sinks.device} but q is on {q.device}")
+    return float(softcap), sinks.contiguous()
+
+
 def normalize_mask(causal: bool, window_size, fn: str = "flash_attention") -> tuple[bool, tuple[int, int]]:
     """(causal, window) with the window validated and causal folded into it: causal is the right
     side at 0, a window of (-1, 0) is plain causal, and a returned window other than (-1, -1) is
@@ -120,10 +143,13 @@ def normalize_mask(causal: bool, window_size, fn: str = "flash_attention") -> tu
     return (False, (left, right)) if (left, right) != (-1, -1) else (causal, (-1, -1))
 
 
-def _attention(fn: str, q, k, v, packed: Packed | None, causal, softmax_scale, return_lse, window_size):
+def _attention(
+    fn: str, q, k, v, packed: Packed | None, causal, softmax_scale, return_lse, window_size, softcap, sinks
+):
     """:func:`flash_attention`, or with packed :func:`flash_attention_varlen`, after their arguments."""
     q, k, v = runtime.autocast(q, k, v)
     _validate(q, k, v, fn, packed=packed is not None)
+    softcap, sinks = validate_score_mods(softcap, sinks, q, fn)
     if packed is not None:
         _validate_sequences(q, k, packed)
     causal, window = normalize_mask(causal, window_size, fn)
@@ -133,11 +159,26 @@ def _attention(fn: str, q, k, v, packed: Packed | None, causal, softmax_scale, r
         cu_q, cu_k = packed.cu_seqlens_q.contiguous(), packed.cu_seqlens_k.contiguous()
         sequences = (cu_q, cu_k, packed.max_seqlen_q, packed.max_seqlen_k)
     if _runs_triton(q, fn):
-        out, lse = _attn_fwd_op(q, k, v, causal, scale, *window, *sequences)
+        head_dim, wants_grad = (
+            q.shape[-1],
+            torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+        )
+        if softcap and wants_grad and head_dim > SOFTCAP_BACKWARD_MAX_HEAD_DIM:
+            raise NotImplementedError(
+                f"{fn}: softcap with gradients of q, k or v takes head_dim <= "
+                f"{SOFTCAP_BACKWARD_MAX_HEAD_DIM} on the Triton path, got {head_dim} (its dk/dv pass spills "
+                "there); the forward alone "
+                "(torch.no_grad, inputs without requires_grad) runs at every head dim"
+            )
+        out, lse = _attn_fwd_op(q, k, v, sinks, softcap, causal, scale, *window, *sequences)
     elif packed is None:
-        out, lse = reference.attention(q, k, v, causal, scale, window_size=window)
+        out, lse = reference.attention(
+            q, k, v, causal, scale, window_size=window, softcap=softcap, sinks=sinks
+        )
     else:
-        out, lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal, scale, window_size=window)
+        out, lse = reference.attention_varlen(
+            q, k, v, cu_q, cu_k, causal, scale, window_size=window, softcap=softcap, sinks=sinks
+        )
     out = out.to(q.dtype)  # the reference's float32 back to q's dtype
     return (out, lse) if return_lse else out
 
@@ -151,8 +192,10 @@ def flash_attention(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention, FlashAttention-style, differentiable in q, k, v (and through lse).
+    """Exact attention, FlashAttention-style, differentiable in q, k, v and sinks (and through lse).
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, kv_heads, head_dim), heads a
     multiple of kv_heads; float16 or bfloat16 (float32 only on the CPU reference path); head_dim at
@@ -164,12 +207,21 @@ def flash_attention(
     after v is keyword-only: flash-attn's fourth positional argument is dropout_p, which this
     function does not take, so ``flash_attention(q, k, v, 0.1)`` raises rather than runs causal.
 
+    softcap (flash-attn's): > 0 turns the scaled scores s into softcap · tanh(s / softcap) before the
+    mask and the softmax (Gemma 2's 50); 0 leaves them. sinks (gpt-oss's s_aux): None, or a float32
+    tensor (heads,) of learnable logits, one per query head, each adding exp(sinks[h]) to the softmax
+    denominator of every row of head h (a sink attends to nothing: out = Σ_j exp(s_j) v_j / (Σ_j
+    exp(s_j) + exp(sinks[h]))); lse includes it, and a row that sees no key gets zeros and lse = its
+    sink. Both compose with causal, windows, GQA, the packed batch and the KV cache.
+
     Under torch.autocast the inputs are cast to its dtype first, as a matmul's would be.
 
     Returns out (batch, seqlen_q, heads, head_dim) in q's dtype, or (out, lse) with return_lse,
     lse (batch, heads, seqlen_q) float32 the natural log-sum-exp of each row's scaled scores.
     """
-    return _attention("flash_attention", q, k, v, None, causal, softmax_scale, return_lse, window_size)
+    return _attention(
+        "flash_attention", q, k, v, None, causal, softmax_scale, return_lse, window_size, softcap, sinks
+    )
 
 
 def flash_attention_varlen(
@@ -185,6 +237,8 @@ def flash_attention_varlen(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`flash_attention` over a packed batch of variable-length sequences, flash-attn's varlen
     layout: no padding, each sequence attending only within itself.
@@ -194,13 +248,23 @@ def flash_attention_varlen(
     cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v (int32, batch + 1 offsets rising from 0 to the
     total; a sequence may be empty). max_seqlen_q and max_seqlen_k bound the lengths: they size the
     launch without reading the offsets back from the device, so on a GPU the offsets and maxima are
-    trusted, as flash-attn trusts them (on the CPU they are checked). causal, window_size and
-    softmax_scale as in :func:`flash_attention`, per sequence (causal aligned to each one's
+    trusted, as flash-attn trusts them (on the CPU they are checked). causal, window_size,
+    softmax_scale, softcap and sinks as in :func:`flash_attention`, per sequence (causal aligned to each one's
     bottom-right corner). Returns out like q, or (out, lse) with return_lse, lse (heads, total_q).
     """
     packed = Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return _attention(
-        "flash_attention_varlen", q, k, v, packed, causal, softmax_scale, return_lse, window_size
+        "flash_attention_varlen",
+        q,
+        k,
+        v,
+        packed,
+        causal,
+        softmax_scale,
+        return_lse,
+        window_size,
+        softcap,
+        sinks,
     )
 
 
@@ -215,6 +279,8 @@ def flash_attention_with_kvcache(
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a few new queries to a KV cache, appending the new keys and values to it in
     place first: flash-attn's ``flash_attn_with_kvcache``, for decoding.
@@ -226,7 +292,8 @@ def flash_attention_with_kvcache(
     cache_seqlens[b] + seqlen_new - 1; sequence b then attends to its first cache_seqlens[b] +
     seqlen_new keys. causal and window_size align to each sequence's bottom-right corner, as in
     :func:`flash_attention`: query i is at position i + seqlen_k - seqlen_q, so the new tokens see
-    the cache and the new tokens before them. float16 or bfloat16 (float32 only on the CPU reference
+    the cache and the new tokens before them; softcap and sinks as there (the sinks join in the
+    reduce of the splits). float16 or bfloat16 (float32 only on the CPU reference
     path), the caches in q's dtype; a unit stride in the last dimension. The keys are split among
     programs (two per SM) and a GQA group's query heads share one tile; a second pass reduces the
     splits. The lengths are trusted on a GPU (checked on the CPU). Returns out like q.
@@ -234,6 +301,7 @@ def flash_attention_with_kvcache(
     fn = "flash_attention_with_kvcache"
     q = runtime.autocast(q)[0]
     _validate(q, k_cache, v_cache, fn, packed=False)
+    softcap, sinks = validate_score_mods(softcap, sinks, q, fn)
     batch, seqlen_q, _, head_dim = q.shape
     seqlen_cache = k_cache.shape[1]
     if (k is None) != (v is None):
@@ -286,6 +354,10 @@ def flash_attention_with_kvcache(
     if _runs_triton(q, fn, "q and the caches"):
         if seqlen_q > DECODE_MAX_SEQLEN_Q and is_int:  # a prompt: the prefill kernel
             end = cache_seqlens + seqlen_new
-            return attention_fwd(q, k_cache[:, :end], v_cache[:, :end], causal, scale, window)[0]
-        return launch.attention_decode(q, k_cache, v_cache, lengths, causal, scale, window)
-    return reference.attention_kvcache(q, k_cache, v_cache, lengths, causal, scale, window).to(q.dtype)
+            cache = (k_cache[:, :end], v_cache[:, :end])
+            return attention_fwd(q, *cache, causal, scale, window, None, softcap or None, sinks)[0]
+        return launch.attention_decode(
+            q, k_cache, v_cache, lengths, causal, scale, window, softcap or None, sinks
+        )
+    out = reference.attention_kvcache(q, k_cache, v_cache, lengths, causal, scale, window, softcap, sinks)
+    return out.to(q.dtype)

@@ -18,6 +18,7 @@ from horse.kernels.attention.masks import (
     _masked_key_block,
     _visible,
 )
+from horse.kernels.attention.scores import _softcapped_scores
 from horse.kernels.attention.tiles import _load_tile, _sequence, _sequence_view, _store_tile
 
 
@@ -157,13 +158,14 @@ def _attn_bwd_dkdv_block(
     TMA: tl.constexpr,
     INLINE_PTX: tl.constexpr,
     OUTPUT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """grads (dk, dv) after the query block at start_m: kv is the key block's (k, v) tiles (keys
     offs_n), queries (q_view, do_view, (LSE_LOG2, DELTA) at the head's first row, head). Works on the
     transposed scores (keys x queries) so dk and dv accumulate in (BLOCK_N, head-dim columns [col, +
     BLOCK_D_OUT)): all of them, or a slice, q and dO then read twice. OUTPUT: "dkdv" accumulates both,
     "dk" or "dv" one (the other is returned as it came). MASKED: the causal mask, or with LOCAL the
-    window."""
+    window. SOFTCAP: as in the forward's block, ds times the softcap's derivative 1 - tanh²."""
     dk, dv = grads
     k, v = kv
     q_view, do_view, row_stats, h = queries
@@ -208,6 +210,8 @@ def _attn_bwd_dkdv_block(
     lse = tl.load(LSE_LOG2 + start_m + rows, mask=rows < seqlen_q - start_m, other=0.0)
     delta = tl.load(DELTA + start_m + rows, mask=rows < seqlen_q - start_m, other=0.0)
     qk_t = tl.dot(k, tl.trans(q))  # (BLOCK_N, BLOCK_M)
+    if SOFTCAP is not None:
+        qk_t, tanh_t = _softcapped_scores(qk_t, qk_scale, SOFTCAP=SOFTCAP)
     if MASKED and not LOCAL:  # causal; keys past seqlen_k are dropped by the store
         if start_m < unmasked_m:  # a uniform branch: only the query blocks crossing the diagonal
             qk_t = _causal_scores(
@@ -244,7 +248,10 @@ def _attn_bwd_dkdv_block(
             dp_t = tl.dot(v, tl.trans(do)) - delta[None, :]
         else:  # delta as the accumulator's start: dk alone spilled without (TUNING.md)
             dp_t = tl.dot(v, tl.trans(do), tl.zeros_like(p_t) - delta[None, :])
-        dk = tl.dot((p_t * dp_t).to(q.dtype), q_out, dk)
+        ds_t = p_t * dp_t
+        if SOFTCAP is not None:
+            ds_t *= 1.0 - tanh_t * tanh_t
+        dk = tl.dot(ds_t.to(q.dtype), q_out, dk)
     return dk, dv
 
 
@@ -274,6 +281,7 @@ def _attn_bwd_dkdv_kernel(
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
     INLINE_PTX: tl.constexpr,  # as in _attn_fwd_kernel
+    SOFTCAP: tl.constexpr,  # as in _attn_fwd_kernel
 ):
     # grid = (cdiv(seqlen_k, BLOCK_N) * batch * kv_heads, head_splits * BLOCK_D // BLOCK_D_OUT): one
     # key block, query heads [split * heads_per_split, + heads_per_split) of its group, dk and dv
@@ -393,6 +401,7 @@ def _attn_bwd_dkdv_kernel(
                 TMA=TMA,
                 INLINE_PTX=INLINE_PTX,
                 OUTPUT="dkdv",
+                SOFTCAP=SOFTCAP,
             )
     seq = k_seq + split * split_seqs  # with head splits, the first row of this split's float32 partials
     if not (VARLEN and TMA):  # (with both, views of DK's and DV's descriptors of those rows, above)
@@ -565,6 +574,7 @@ def _attn_bwd_dkdv_split_outputs_kernel(
                 TMA=TMA,
                 INLINE_PTX=INLINE_PTX,
                 OUTPUT=OUTPUT,
+                SOFTCAP=None,  # split outputs serve head dims the softcap's backward refuses
             )
     if not (VARLEN and TMA):  # with head splits, from the first row of this split's float32 partials
         out_view = _output_view(
@@ -611,9 +621,11 @@ def _attn_bwd_dq_block(
     LOCAL: tl.constexpr,
     TMA: tl.constexpr,
     INLINE_PTX: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """dq after the key block at start_n (K and V read in head kv_h of their views): queries is the
-    query block's (q, do, lse, delta), lse in log2 units; MASKED as in the forward's block."""
+    query block's (q, do, lse, delta), lse in log2 units; MASKED and SOFTCAP as in the forward's
+    block."""
     q, do, lse, delta = queries
     seqlen_q, seqlen_k = seqlens
     k = _load_tile(
@@ -639,6 +651,8 @@ def _attn_bwd_dq_block(
         TMA=TMA,
     )
     qk = tl.dot(q, tl.trans(k))
+    if SOFTCAP is not None:
+        qk, tanh = _softcapped_scores(qk, qk_scale, SOFTCAP=SOFTCAP)
     if MASKED and CAUSAL:
         qk = _causal_scores(
             qk,
@@ -663,6 +677,8 @@ def _attn_bwd_dq_block(
         )
         p = tl.where(visible, p, 0.0)
     ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+    if SOFTCAP is not None:
+        ds *= 1.0 - tanh * tanh
     return tl.dot(ds.to(k.dtype), k, dq)
 
 
@@ -688,6 +704,7 @@ def _attn_bwd_dq_kernel(
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
     INLINE_PTX: tl.constexpr,  # as in _attn_fwd_kernel
+    SOFTCAP: tl.constexpr,  # as in _attn_fwd_kernel
 ):
     # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): as the preprocess, batch x heads on axis 0.
     CAUSAL: tl.constexpr = MASK == "causal"
@@ -776,6 +793,7 @@ def _attn_bwd_dq_kernel(
                 LOCAL=LOCAL,
                 TMA=TMA,
                 INLINE_PTX=INLINE_PTX,
+                SOFTCAP=SOFTCAP,
             )
     dq *= softmax_scale
     if VARLEN and TMA:

@@ -91,3 +91,9 @@ def attn_config(table: dict, head_dim: int, device: torch.device) -> AttnConfig:
     """The entry of table (FWD_CONFIGS, ...) for head_dim on device's GPU family."""
     cfg = table[runtime.arch(device).name][head_dim_block(head_dim)]
     return dataclasses.replace(cfg, **INTERPRETER_BLOCKS) if runtime.INTERPRET else cfg
+
+
+# The softcap's backward runs at head dims up to this: above it the dk/dv pass's tiles spill on sm_90
+# with the softcap's work added (head dim 128: 8 to 40 bytes; 256 by TMA: 8 to 104; compile report,
+# 2026-12-06), and flash_attention refuses the softcap with gradients there until tiles of its own.
+SOFTCAP_BACKWARD_MAX_HEAD_DIM = 64

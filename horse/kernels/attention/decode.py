@@ -28,6 +28,7 @@ def _attn_decode_kernel(
     BLOCK_N: tl.constexpr,
     MASK: tl.constexpr,  # "full", "causal" or "local"
     INLINE_PTX: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # as in _attn_fwd_kernel (the sinks join in the reduce)
 ):
     # grid = (batch * kv_heads, splits, cdiv(group_size * seqlen_q, BLOCK_M)): keys
     # [split * keys_per_split, + keys_per_split) of one sequence against BLOCK_M rows of its query
@@ -87,6 +88,7 @@ def _attn_decode_kernel(
             LOCAL=LOCAL,
             TMA=False,
             INLINE_PTX=INLINE_PTX,
+            SOFTCAP=SOFTCAP,
         )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     has_key = l_i > 0.0
@@ -111,6 +113,7 @@ def _attn_decode_reduce_kernel(
     heads,
     seqlen_q,
     o_strides,  # as in _attn_fwd_kernel
+    SINKS,  # None, or (heads,) float32 as in _attn_fwd_kernel: a split of its own, of output 0
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -127,6 +130,9 @@ def _attn_decode_reduce_kernel(
             tl.load(LSE_SPLIT + offs_s.to(tl.int64) * rows + row, mask=offs_s < splits, other=float("-inf")),
         )
     m_max = tl.max(m, axis=0)
+    if SINKS is not None:
+        sink = tl.load(SINKS + (row // seqlen_q) % heads)
+        m_max = tl.maximum(m_max, sink)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no split saw a key: every weight is 0
     total = tl.zeros([BLOCK_S], dtype=tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -142,7 +148,10 @@ def _attn_decode_reduce_kernel(
         )
         total += weights
         acc += tl.sum(o_s * weights[:, None], axis=0)
-    out = acc / tl.maximum(tl.sum(total, axis=0), 1e-30)
+    denominator = tl.sum(total, axis=0)
+    if SINKS is not None:
+        denominator += tl.math.exp(sink - m_max)
+    out = acc / tl.maximum(denominator, 1e-30)
     i = row % seqlen_q
     bh = (row // seqlen_q).to(tl.int64)
     base = OUT + (bh // heads) * o_strides[0] + i.to(tl.int64) * o_strides[1] + (bh % heads) * o_strides[2]

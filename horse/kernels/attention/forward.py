@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from horse.kernels.attention.masks import _causal_scores, _key_loop, _key_range, _masked_key_block, _visible
+from horse.kernels.attention.scores import _softcapped_scores
 from horse.kernels.attention.tiles import _load_tile, _sequence, _sequence_view, _store_tile
 
 
@@ -36,11 +37,12 @@ def _attn_fwd_block(
     LOCAL: tl.constexpr,
     TMA: tl.constexpr,
     INLINE_PTX: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """The online softmax's step over the key block at start_n: acc, l_i and m_i (the output's
     unnormalized rows, their sums and their running maxima, in log2 units) after it. q (BLOCK_M,
     BLOCK_D) holds the queries offs_m; K and V are read in head kv_h of their views; MASKED, a block
-    that may cross the mask's edges or seqlen_k."""
+    that may cross the mask's edges or seqlen_k; SOFTCAP (None: off) softcaps the scores first."""
     seqlen_q, seqlen_k = seqlens
     k = _load_tile(
         k_view,
@@ -54,6 +56,8 @@ def _attn_fwd_block(
         TMA=TMA,
     )
     qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N) raw scores
+    if SOFTCAP is not None:  # before the mask: tanh(-inf) would unmask a hidden score
+        qk = _softcapped_scores(qk, qk_scale, SOFTCAP=SOFTCAP)[0]
     if MASKED and CAUSAL:
         qk = _causal_scores(
             qk,
@@ -120,11 +124,13 @@ def _attn_fwd_tile(
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
     INLINE_PTX: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS,
 ):
     """Output and lse of tile ``tile``: BLOCK_M queries of one (batch, head). Tiles go head-major,
     so the programs running together share their head's k and v in L2; causal ones go longest
     query block first, so the last tiles to run are the short ones. tensors is (Q, K, V, OUT, LSE),
-    the other groups the kernel's."""
+    the other groups, SOFTCAP and SINKS the kernel's."""
     Q, K, V, OUT, LSE = tensors
     _, heads, group_size = sizes
     q_strides, k_strides, v_strides, o_strides, lse_strides = strides
@@ -171,6 +177,9 @@ def _attn_fwd_tile(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if SINKS is not None:  # the sink: a key every row sees, of score sink and value 0, seen first
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINKS + h) * 1.4426950408889634
+        l_i += 1.0
     keys = _key_range(
         start_m, seqlens=seqlens, window=window, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LOCAL=LOCAL
     )
@@ -201,6 +210,7 @@ def _attn_fwd_tile(
                 LOCAL=LOCAL,
                 TMA=TMA,
                 INLINE_PTX=INLINE_PTX,
+                SOFTCAP=SOFTCAP,
             )
     # A query that sees no key: l = 0, so the output is 0 and lse = log 0 = -inf.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -237,6 +247,8 @@ def _attn_fwd_kernel(
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
     INLINE_PTX: tl.constexpr,  # an NVIDIA target: the causal mask as PTX (see _causal_scores)
+    SOFTCAP: tl.constexpr,  # None, or c > 0: the scaled scores are c tanh(scores / c)
+    SINKS,  # None, or (heads,) float32: each head's sink logit, in every row's softmax denominator
 ):
     # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): a program per tile
     CAUSAL: tl.constexpr = MASK == "causal"
@@ -262,4 +274,6 @@ def _attn_fwd_kernel(
         TMA=TMA,
         VARLEN=VARLEN,
         INLINE_PTX=INLINE_PTX,
+        SOFTCAP=SOFTCAP,
+        SINKS=SINKS,
     )

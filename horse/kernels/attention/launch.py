@@ -149,10 +149,20 @@ def _tile_plan(kernel, grid, cfg: AttnConfig, head_dim, mask, tma, packed, by_qu
     )
 
 
-def fwd_plan(entry: AttnConfig, shape: tuple, mask: str, tma: bool, packed: bool) -> Plan:
+def fwd_plan(
+    entry: AttnConfig,
+    shape: tuple,
+    mask: str,
+    tma: bool,
+    packed: bool,
+    softcap: float | None = None,
+    sinks: bool = False,
+) -> Plan:
     """The forward's plan with table entry ``entry`` at shape (batch, seqlen_q, seqlen_k, heads,
     kv_heads, head_dim; a packed batch's longest seqlens), by TMA or pointer loads: a program per
-    query tile."""
+    query tile. softcap (None: off) and sinks are the score modifications: without them the kernel's
+    SOFTCAP and SINKS are constexpr None and their code is pruned (the plain kernel compiles as
+    before them)."""
     batch, seqlen_q, _, heads, _, head_dim = shape
     cfg = entry.loads(tma)
     grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
@@ -160,18 +170,37 @@ def fwd_plan(entry: AttnConfig, shape: tuple, mask: str, tma: bool, packed: bool
         "sizes": ("batch", "heads", "group_size"),
         "strides": ("q_strides", "k_strides", "v_strides", "o_strides", "lse_strides"),
     }
+    modifications = dict(SOFTCAP=softcap) | ({} if sinks else dict(SINKS=None))
     return _tile_plan(
-        _attn_fwd_kernel, grid, cfg, head_dim, mask, tma, packed, ("Q", "OUT"), ("K", "V"), tuples
+        _attn_fwd_kernel,
+        grid,
+        cfg,
+        head_dim,
+        mask,
+        tma,
+        packed,
+        ("Q", "OUT"),
+        ("K", "V"),
+        tuples,
+        constexprs=modifications,
     )
 
 
 def dkdv_plans(
-    entry: AttnConfig, shape: tuple, mask: str, tma: bool, packed: bool, splits: int
+    entry: AttnConfig,
+    shape: tuple,
+    mask: str,
+    tma: bool,
+    packed: bool,
+    splits: int,
+    softcap: float | None = None,
 ) -> list[Plan]:
     """The dk/dv pass's plans with table entry ``entry`` at shape (as :func:`fwd_plan`'s), a GQA group's
     query heads split over ``splits`` programs per key block (more than one: float32 partials): one
     launch of _attn_bwd_dkdv_kernel, or with split outputs a launch for dv, then one for dk, of
-    _attn_bwd_dkdv_split_outputs_kernel (K and V by pointers)."""
+    _attn_bwd_dkdv_split_outputs_kernel (K and V by pointers). softcap as in :func:`fwd_plan` (the
+    sinks change neither gradient pass: lse holds them); the split outputs serve only head dims above
+    configs.SOFTCAP_BACKWARD_MAX_HEAD_DIM, where flash_attention refuses the softcap's backward."""
     batch, _, seqlen_k, _, kv_heads, head_dim = shape
     cfg = entry.loads(tma)
     grid = (triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads, splits * cfg.column_splits)
@@ -220,15 +249,17 @@ def dkdv_plans(
             ("Q", "DO"),
             ("K", "V", "DK", "DV"),
             tuples,
-            constexprs=dict(BLOCK_D_OUT=block_d_out),
+            constexprs=dict(BLOCK_D_OUT=block_d_out, SOFTCAP=softcap),
             partials=partials,
         )
     ]
 
 
-def dq_plan(entry: AttnConfig, shape: tuple, mask: str, tma: bool, packed: bool) -> Plan:
+def dq_plan(
+    entry: AttnConfig, shape: tuple, mask: str, tma: bool, packed: bool, softcap: float | None = None
+) -> Plan:
     """The dq pass's plan with table entry ``entry`` at shape (as :func:`fwd_plan`'s): a program per
-    query tile."""
+    query tile; softcap as in :func:`dkdv_plans`."""
     batch, seqlen_q, _, heads, _, head_dim = shape
     cfg = entry.loads(tma)
     grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
@@ -238,7 +269,17 @@ def dq_plan(entry: AttnConfig, shape: tuple, mask: str, tma: bool, packed: bool)
         "strides": ("q_strides", "k_strides", "v_strides", "do_strides", "dq_strides", "lse_strides"),
     }
     return _tile_plan(
-        _attn_bwd_dq_kernel, grid, cfg, head_dim, mask, tma, packed, ("Q", "DO", "DQ"), ("K", "V"), tuples
+        _attn_bwd_dq_kernel,
+        grid,
+        cfg,
+        head_dim,
+        mask,
+        tma,
+        packed,
+        ("Q", "DO", "DQ"),
+        ("K", "V"),
+        tuples,
+        constexprs=dict(SOFTCAP=softcap),
     )
 
 
@@ -250,9 +291,13 @@ def attention_fwd(
     softmax_scale: float,
     window: tuple[int, int] = (-1, -1),
     packed: Packed | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward on validated inputs and a window normalized by :func:`normalize_mask`; returns out
-    like q and lse float32: (batch, heads, seqlen_q), or (heads, total_q) for a packed batch."""
+    like q and lse float32: (batch, heads, seqlen_q), or (heads, total_q) for a packed batch. softcap
+    (> 0, None: off) and sinks ((heads,) float32 or None) as flash_attention takes them; lse holds
+    the sinks."""
     batch, seqlen_q, _, heads, kv_heads, head_dim = _shape(q, k, packed)
     out = runtime.empty(q.shape, q.dtype, q.device)
     lse_shape = (batch, heads, seqlen_q) if packed is None else (heads, q.shape[0])
@@ -262,7 +307,9 @@ def attention_fwd(
     )
     shared = _pass_args(q, k, lse, causal, window, softmax_scale, packed)
     tma = tma_usable(entry, q, k, v, out)
-    plan = fwd_plan(entry, _shape(q, k, packed), shared["mask"], tma, packed is not None)
+    plan = fwd_plan(
+        entry, _shape(q, k, packed), shared["mask"], tma, packed is not None, softcap, sinks is not None
+    )
     if plan.grid[0] == 0:  # a packed batch of empty sequences
         return out, lse
     values = shared["values"] | dict(
@@ -285,6 +332,7 @@ def attention_fwd(
             **plan.pack(values),
             **shared["launch_args"],
             **plan.options(),
+            **({} if sinks is None else dict(SINKS=sinks)),
         )
     return out, lse
 
@@ -295,11 +343,13 @@ def decode_splits(programs: int, max_seqlen_k: int, block_n: int, num_sms: int) 
     return max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seqlen_k, block_n)))
 
 
-def decode_plan(entry: AttnConfig, shape: tuple, mask: str, num_sms: int) -> tuple[Plan, int]:
+def decode_plan(
+    entry: AttnConfig, shape: tuple, mask: str, num_sms: int, softcap: float | None = None
+) -> tuple[Plan, int]:
     """(plan, keys per split) of the decode pass with table entry ``entry`` at shape (batch, seqlen_q,
     seqlen_cache, heads, kv_heads, head_dim): a program per (sequence and kv head, split of the keys,
     tile of a GQA group's rows), the tile the smaller of the entry's and the least power of two of at
-    least 16 that holds the group's rows."""
+    least 16 that holds the group's rows. softcap as in :func:`fwd_plan`."""
     batch, seqlen_q, seqlen_cache, heads, kv_heads, head_dim = shape
     rows = heads // kv_heads * seqlen_q
     block_m = min(entry.block_m, max(16, triton.next_power_of_2(rows)))
@@ -308,7 +358,12 @@ def decode_plan(entry: AttnConfig, shape: tuple, mask: str, num_sms: int) -> tup
     keys_per_split = triton.cdiv(triton.cdiv(seqlen_cache, splits), entry.block_n) * entry.block_n
     splits = triton.cdiv(seqlen_cache, keys_per_split)  # none left without keys by the rounding
     constexprs = dict(
-        HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), BLOCK_M=block_m, BLOCK_N=entry.block_n, MASK=mask
+        HEAD_DIM=head_dim,
+        BLOCK_D=head_dim_block(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=entry.block_n,
+        MASK=mask,
+        SOFTCAP=softcap,
     )
     tuples = {
         "window": SEQUENCES["window"],
@@ -321,12 +376,13 @@ def decode_plan(entry: AttnConfig, shape: tuple, mask: str, num_sms: int) -> tup
     ), keys_per_split
 
 
-def decode_reduce_plan(rows: int, head_dim: int) -> Plan:
+def decode_reduce_plan(rows: int, head_dim: int, sinks: bool = False) -> Plan:
     """The plan of the decode's reduce of the splits' partial outputs and lse: a program per output row
-    of (batch, heads, seqlen_q) ``rows``, DECODE_REDUCE_BLOCK_S splits at a time."""
+    of (batch, heads, seqlen_q) ``rows``, DECODE_REDUCE_BLOCK_S splits at a time; with sinks, the launch
+    passes SINKS, (heads,) float32, else SINKS is the constexpr None (its code pruned)."""
     constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), BLOCK_S=configs.DECODE_REDUCE_BLOCK_S
-    )
+    ) | ({} if sinks else {"SINKS": None})
     return Plan(
         _attn_decode_reduce_kernel, (rows,), constexprs, configs.DECODE_REDUCE_NUM_WARPS, num_stages=1
     )
@@ -340,17 +396,20 @@ def attention_decode(
     causal: bool,
     softmax_scale: float,
     window: tuple[int, int] = (-1, -1),
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q (batch, seqlen_q, heads, head_dim) to the first seqlens_k[b] (int32 (batch,))
     keys of the caches (batch, seqlen_cache, kv_heads, head_dim): split over the keys, each split's
-    partial output and lse reduced in a second pass. Returns out like q."""
+    partial output and lse reduced in a second pass, which adds the sinks. softcap and sinks as in
+    :func:`attention_fwd`. Returns out like q."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_cache, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group_size = heads // kv_heads
     (window_left, window_right), mask = _mask(causal, window, seqlen_q, seqlen_cache)
     entry = configs.attn_config(configs.DECODE_CONFIGS, head_dim, q.device)
     shape = (batch, seqlen_q, seqlen_cache, heads, kv_heads, head_dim)
-    plan, keys_per_split = decode_plan(entry, shape, mask, runtime.num_sms(q.device))
+    plan, keys_per_split = decode_plan(entry, shape, mask, runtime.num_sms(q.device), softcap)
     splits = plan.grid[1]
     out = runtime.empty(q.shape, q.dtype, q.device)
     o_split = runtime.empty((splits, batch, heads, seqlen_q, head_dim), torch.float32, q.device)
@@ -374,13 +433,14 @@ def attention_decode(
         **runtime.COMPILE_OPTIONS,
     )
     # (batch, heads, seqlen_q) rows: each the reduce of its splits
-    reduce = decode_reduce_plan(batch * heads * seqlen_q, head_dim)
+    reduce = decode_reduce_plan(batch * heads * seqlen_q, head_dim, sinks is not None)
     reduce_args = dict(
         splits=splits,
         rows=reduce.grid[0],
         heads=heads,
         seqlen_q=seqlen_q,
         o_strides=_strides(out),
+        **({} if sinks is None else {"SINKS": sinks}),
         **reduce.options(),
         **runtime.COMPILE_OPTIONS,
     )
@@ -471,7 +531,7 @@ def _bwd_dkdv(q, k, v, dout, row_stats, dk, dv, args: dict, shape: tuple, packed
     tma = tma_usable(entry, q, k, v, dout, dk, dv)
     programs = triton.cdiv(seqlen_k, entry.loads(tma).block_n) * batch * kv_heads
     heads_per_split, splits = dkdv_head_splits(programs, heads // kv_heads, bwd_num_sms(q.device))
-    plans = dkdv_plans(entry, shape, args["mask"], tma, packed is not None, splits)
+    plans = dkdv_plans(entry, shape, args["mask"], tma, packed is not None, splits, args["softcap"])
     # Split: float32 partials (splits, *k.shape), the splits stacked on the first axis.
     dk_out, dv_out = dk, dv
     if plans[0].partials:
@@ -508,7 +568,7 @@ def _bwd_dq(q, k, v, dout, row_stats, dq, args: dict, shape: tuple, packed: Pack
     head_dim = shape[-1]
     entry = configs.attn_config(configs.BWD_DQ_CONFIGS, head_dim, q.device)
     tma = tma_usable(entry, q, k, v, dout, dq)
-    plan = dq_plan(entry, shape, args["mask"], tma, packed is not None)
+    plan = dq_plan(entry, shape, args["mask"], tma, packed is not None, args["softcap"])
     values = _bwd_values(q, k, v, dout, row_stats, args, shape) | dict(dq_strides=_strides(dq))
     q_k_v_do = [plan.operand(name, t) for name, t in (("Q", q), ("K", k), ("V", v), ("DO", dout))]
     tuples = plan.pack(values)
@@ -536,12 +596,15 @@ def attention_bwd(
     softmax_scale: float,
     window: tuple[int, int] = (-1, -1),
     packed: Packed | None = None,
-    needs: tuple[bool, bool] = (True, True),
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of :func:`attention_fwd`; dlse is the gradient of lse, or None. Returns dq, dk, dv;
-    needs says whether dq and whether dk and dv are wanted: a pass nobody wants is not launched, its
-    gradients empty tensors (frozen inputs). Three passes: the row statistics (:func:`_bwd_preprocess`),
-    dk and dv (:func:`_bwd_dkdv`), dq (:func:`_bwd_dq`)."""
+    needs: tuple[bool, bool, bool] = (True, True, False),
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`attention_fwd`; dlse is the gradient of lse, or None. Returns dq, dk, dv and
+    dsinks; needs says whether dq, whether dk and dv, and whether dsinks are wanted: a pass nobody
+    wants is not launched, its gradients empty tensors (frozen inputs). Three passes: the row
+    statistics (:func:`_bwd_preprocess`), dk and dv (:func:`_bwd_dkdv`), dq (:func:`_bwd_dq`); then
+    the sinks' gradient from the row statistics (:func:`_sinks_grad`)."""
     shape = _shape(q, k, packed)
     batch, _, _, heads, _, _ = shape
     if dout.stride(-1) != 1:  # gradients can arrive expanded (stride 0) or transposed
@@ -551,13 +614,28 @@ def attention_bwd(
     dq = runtime.empty(q.shape if needs[0] else (0,), q.dtype, q.device)
     dk = runtime.empty(k.shape if needs[1] else (0,), k.dtype, k.device)
     dv = runtime.empty(v.shape if needs[1] else (0,), v.dtype, v.device)
+    dsinks = torch.zeros(sinks.shape if needs[2] else (0,), dtype=torch.float32, device=q.device)
     if q.shape[0] == 0 or k.shape[0] == 0 or not any(needs):  # nothing to compute
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    args = _pass_args(q, k, lse, causal, window, softmax_scale, packed)
+        if needs[2] and dlse is not None and q.shape[0]:  # no key: out = 0, so delta = -dlse
+            dsinks = _sinks_grad(sinks, lse, -dlse)
+        return dq.zero_(), dk.zero_(), dv.zero_(), dsinks
+    args = _pass_args(q, k, lse, causal, window, softmax_scale, packed) | dict(softcap=softcap)
     with runtime.device_guard(q):
         row_stats = _bwd_preprocess(out, dout, lse, dlse, args, batch, heads, packed)  # (lse_log2, delta)
         if needs[1]:
             _bwd_dkdv(q, k, v, dout, row_stats, dk, dv, args, shape, packed)
         if needs[0]:
             _bwd_dq(q, k, v, dout, row_stats, dq, args, shape, packed)
-    return dq, dk, dv
+        if needs[2]:
+            dsinks = _sinks_grad(sinks, lse, row_stats[1])
+    return dq, dk, dv, dsinks
+
+
+def _sinks_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """d sink_h = -Σ_rows exp(sink_h - lse_row) · delta_row: the sink's probability in each row of head
+    h (lse holds the sink) times d lse - rowsum(dO · O), as ds of a key whose value is 0. lse and delta
+    (batch, heads, seqlen_q), or a packed batch's (heads, total_q); torch's sums in a fixed order, so
+    the gradient is the same every run (no atomics)."""
+    per_head = sinks[:, None] if lse.dim() == 2 else sinks[None, :, None]
+    dims = (1,) if lse.dim() == 2 else (0, 2)
+    return -(torch.exp(per_head - lse) * delta).sum(dims)
