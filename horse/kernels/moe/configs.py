@@ -33,6 +33,7 @@ class Epilogue(NamedTuple):
 
     activation: str  # "silu" or "gelu_tanh"
     limit: float | None  # gpt-oss's clamped SwiGLU (activation "silu") at this limit; None: plain
+    interleaved: bool  # gate_up_proj's gate and up rows alternate (gpt-oss); else gate rows, then up
     has_bias: bool  # the forward adds gate_up_bias
     store: bool  # the forward stores gate and up for the backward
 

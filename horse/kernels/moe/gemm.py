@@ -60,6 +60,15 @@ def _glu_bwd(gate, up, dh, EPILOGUE: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_columns(cols, N, EPILOGUE: tl.constexpr):
+    """The rows of gate_up_proj (columns of dpre) of gate j and up j for j in cols: j and N + j, or
+    EPILOGUE.interleaved 2j and 2j + 1 (gpt-oss)."""
+    if EPILOGUE.interleaved:
+        return 2 * cols, 2 * cols + 1
+    return cols, N + cols
+
+
+@triton.jit
 def _tile_rows(tile, TILE_ROW, OFFSETS, expert, BLOCK_M: tl.constexpr):
     """(rows, row_mask) of row tile `tile` of expert: its BLOCK_M sorted rows, those past the expert's
     last replaced by its first (loads need no mask), and which of them are the expert's."""
@@ -88,7 +97,7 @@ def _expert_matmul(
     """The float32 (BLOCK_M, BLOCK_N) tiles A[a_rows] W[w_cols]ᵀ and, GATED, A[a_rows] W[w_cols_up]ᵀ
     (one pass over A, two accumulators; otherwise the second is zeros), summed over K. A is (rows, K)
     by a_strides; W is one expert's (N, K) matrix by w_strides (n, k), w_cols its rows in bounds."""
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)  # index * stride passes 2**31 (a transposed weight's column)
     a_ptrs = A + a_rows.to(tl.int64)[:, None] * a_strides[0] + offs_k[None, :] * a_strides[1]
     w_ptrs = W + w_cols.to(tl.int64)[None, :] * w_strides[0] + offs_k[:, None] * w_strides[1]
     wu_ptrs = W + w_cols_up.to(tl.int64)[None, :] * w_strides[0] + offs_k[:, None] * w_strides[1]
@@ -110,23 +119,21 @@ def _expert_matmul(
 
 @triton.jit
 def _gate_up_fwd_kernel(
-    X,  # (tokens, hidden) by x_strides
-    W,  # (experts, 2 inter, hidden) gate_up_proj by w_strides (expert, row, column): gate row j is row
-    # j * gate_up_step, up row j is row up_offset + j * gate_up_step
-    B,  # (experts, 2 inter) gate_up_bias by b_strides, rows as W's; read when EPILOGUE.has_bias
+    X,  # (tokens, K = hidden) by x_strides
+    W,  # (experts, 2 N, K) gate_up_proj by w_strides (expert, row, column), gate and up rows as
+    # _gate_up_columns gives them
+    B,  # (experts, 2 N) gate_up_bias by b_strides, rows as W's; read when EPILOGUE.has_bias
     SORTED_PAIRS,  # (pairs,) int32: the pair (token * top_k + k) at each sorted row
     TILE_EXPERT,  # (tiles,) int32: each row tile's expert; experts for a tile past the last
     TILE_ROW,  # (tiles,) int32: each row tile's first sorted row
     OFFSETS,  # (experts + 1,) int32: expert e's rows are OFFSETS[e] .. OFFSETS[e + 1]
-    H,  # (pairs, inter) contiguous, sorted rows: act(gate) · up
-    GATE,  # (pairs, inter) contiguous: x W_gateᵀ + b_gate; written when EPILOGUE.store
-    UP,  # (pairs, inter) contiguous: x W_upᵀ + b_up; written when EPILOGUE.store
-    inter,
-    hidden,
+    H,  # (pairs, N = inter) contiguous, sorted rows: act(gate) · up
+    GATE,  # (pairs, N) contiguous: x W_gateᵀ + b_gate; written when EPILOGUE.store
+    UP,  # (pairs, N) contiguous: x W_upᵀ + b_up; written when EPILOGUE.store
+    N,
+    K,
     experts,
     top_k,
-    up_offset,
-    gate_up_step,
     x_strides,
     w_strides,
     b_strides,
@@ -135,7 +142,7 @@ def _gate_up_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # grid = (row tiles, cdiv(inter, BLOCK_N)): x's rows gathered by token, one pass for gate and up
+    # grid = (row tiles, cdiv(N, BLOCK_N)): x's rows gathered by token, one pass for gate and up
     tile = tl.program_id(0)
     expert = tl.load(TILE_EXPERT + tile)
     if expert >= experts:
@@ -143,9 +150,8 @@ def _gate_up_fwd_kernel(
     rows, row_mask = _tile_rows(tile, TILE_ROW, OFFSETS, expert, BLOCK_M=BLOCK_M)
     tokens = tl.load(SORTED_PAIRS + rows) // top_k
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = offs_n % inter  # columns past the edge wrap (in bounds) and are not stored
-    gate_rows = cols * gate_up_step
-    up_rows = up_offset + cols * gate_up_step
+    cols = offs_n % N  # columns past the edge wrap (in bounds) and are not stored
+    gate_rows, up_rows = _gate_up_columns(cols, N, EPILOGUE=EPILOGUE)
     W_e = W + expert.to(tl.int64) * w_strides[0]
     gate, up = _expert_matmul(
         X,
@@ -153,7 +159,7 @@ def _gate_up_fwd_kernel(
         tokens,
         gate_rows,
         up_rows,
-        hidden,
+        K,
         x_strides,
         (w_strides[1], w_strides[2]),
         BLOCK_M=BLOCK_M,
@@ -165,8 +171,8 @@ def _gate_up_fwd_kernel(
         B_e = B + expert.to(tl.int64) * b_strides[0]
         gate += tl.load(B_e + gate_rows * b_strides[1]).to(tl.float32)[None, :]
         up += tl.load(B_e + up_rows * b_strides[1]).to(tl.float32)[None, :]
-    mask = row_mask[:, None] & (offs_n < inter)[None, :]
-    out = rows.to(tl.int64)[:, None] * inter + offs_n[None, :]
+    mask = row_mask[:, None] & (offs_n < N)[None, :]
+    out = rows.to(tl.int64)[:, None] * N + offs_n[None, :]
     if EPILOGUE.store:
         tl.store(GATE + out, gate.to(GATE.dtype.element_ty), mask=mask)
         tl.store(UP + out, up.to(UP.dtype.element_ty), mask=mask)
@@ -229,24 +235,22 @@ def _expert_gemm_kernel(
 
 @triton.jit
 def _dh_bwd_kernel(
-    DY,  # (tokens, hidden) by dy_strides, gathered by token
-    W,  # (experts, inter, hidden): down_proj read as each expert's (inter, hidden) by w_strides
+    DY,  # (tokens, K = hidden) by dy_strides, gathered by token
+    W,  # (experts, N = inter, K): down_proj read as each expert's (N, K) by w_strides
     SCALE,  # (tokens * top_k,) the routing weights by pair
-    GATE,  # (pairs, inter) contiguous, sorted rows: the forward's saved pre-activations
-    UP,  # (pairs, inter) contiguous
+    GATE,  # (pairs, N) contiguous, sorted rows: the forward's saved pre-activations
+    UP,  # (pairs, N) contiguous
     SORTED_PAIRS,  # (pairs,) int32
     TILE_EXPERT,  # (tiles,) int32
     TILE_ROW,  # (tiles,) int32
     OFFSETS,  # (experts + 1,) int32
-    DPRE,  # (pairs, 2 inter) contiguous: dgate at column j * gate_up_step, dup at up_offset + j * step
-    H,  # (pairs, inter) contiguous: act(gate) · up, recomputed for dW_down
-    DSCALE_PARTIAL,  # (pairs, cdiv(inter, BLOCK_N)) float32: Σ h g over each column tile
-    inter,
-    hidden,
+    DPRE,  # (pairs, 2 N) contiguous: dgate and dup in gate_up_proj's row order (_gate_up_columns)
+    H,  # (pairs, N) contiguous: act(gate) · up, recomputed for dW_down
+    DSCALE_PARTIAL,  # (pairs, cdiv(N, BLOCK_N)) float32: Σ h g over each column tile
+    N,
+    K,
     experts,
     top_k,
-    up_offset,
-    gate_up_step,
     dy_strides,
     w_strides,
     EPILOGUE: tl.constexpr,  # horse.kernels.moe.configs.Epilogue (store: unused)
@@ -254,7 +258,7 @@ def _dh_bwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # grid = (row tiles, cdiv(inter, BLOCK_N)): g = dy[token] W_down,e; dh = weight · g; the product
+    # grid = (row tiles, cdiv(N, BLOCK_N)): g = dy[token] W_down,e; dh = weight · g; the product
     # rule and act' in the epilogue; the routing weight's gradient Σ_n h g (+ dy · b_down outside)
     # as one float32 partial per column tile, summed in a fixed order by the launcher.
     tile = tl.program_id(0)
@@ -264,14 +268,14 @@ def _dh_bwd_kernel(
     rows, row_mask = _tile_rows(tile, TILE_ROW, OFFSETS, expert, BLOCK_M=BLOCK_M)
     pairs = tl.load(SORTED_PAIRS + rows)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = offs_n % inter
+    cols = offs_n % N
     g, _ = _expert_matmul(
         DY,
         W + expert.to(tl.int64) * w_strides[0],
         pairs // top_k,
         cols,
         cols,
-        hidden,
+        K,
         dy_strides,
         (w_strides[1], w_strides[2]),
         BLOCK_M=BLOCK_M,
@@ -279,17 +283,18 @@ def _dh_bwd_kernel(
         BLOCK_K=BLOCK_K,
         GATED=False,
     )
-    mask = row_mask[:, None] & (offs_n < inter)[None, :]
-    saved = rows.to(tl.int64)[:, None] * inter + offs_n[None, :]
+    mask = row_mask[:, None] & (offs_n < N)[None, :]
+    saved = rows.to(tl.int64)[:, None] * N + offs_n[None, :]
     gate = tl.load(GATE + saved, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(UP + saved, mask=mask, other=0.0).to(tl.float32)
     weight = tl.load(SCALE + pairs).to(tl.float32)
     dgate, dup, h = _glu_bwd(gate, up, weight[:, None] * g, EPILOGUE=EPILOGUE)
     h = h.to(H.dtype.element_ty)
     tl.store(H + saved, h, mask=mask)
-    dpre = DPRE + rows.to(tl.int64)[:, None] * (2 * inter)
-    tl.store(dpre + (offs_n * gate_up_step)[None, :], dgate.to(DPRE.dtype.element_ty), mask=mask)
-    tl.store(dpre + (up_offset + offs_n * gate_up_step)[None, :], dup.to(DPRE.dtype.element_ty), mask=mask)
+    dpre = DPRE + rows.to(tl.int64)[:, None] * (2 * N)
+    gate_cols, up_cols = _gate_up_columns(offs_n, N, EPILOGUE=EPILOGUE)
+    tl.store(dpre + gate_cols[None, :], dgate.to(DPRE.dtype.element_ty), mask=mask)
+    tl.store(dpre + up_cols[None, :], dup.to(DPRE.dtype.element_ty), mask=mask)
     dscale = tl.sum(tl.where(mask, h.to(tl.float32) * g, 0.0), axis=1)
     tiles_n = tl.num_programs(1)
     tl.store(DSCALE_PARTIAL + rows.to(tl.int64) * tiles_n + tl.program_id(1), dscale, mask=row_mask)

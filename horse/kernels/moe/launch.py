@@ -98,11 +98,6 @@ def row_tiles(offsets: torch.Tensor, block_m: int, pairs: int) -> tuple[torch.Te
     return tile_expert.to(torch.int32), tile_row.to(torch.int32)
 
 
-def _gate_up_layout(inter: int, interleaved: bool) -> tuple[int, int]:
-    """(up_offset, gate_up_step): gate j is row j · step of gate_up_proj, up j row up_offset + j · step."""
-    return (1, 2) if interleaved else (inter, 1)
-
-
 def _combine(rows: torch.Tensor, pair_rows: torch.Tensor, tokens: int) -> torch.Tensor:
     out = runtime.empty((tokens, rows.shape[1]), rows.dtype, rows.device)
     if out.numel():
@@ -141,8 +136,7 @@ def moe_fwd(
     up = runtime.empty((pairs, inter) if save else (0,), x.dtype, x.device)
     y_rows = runtime.empty((pairs, hidden), x.dtype, x.device)
     if pairs:
-        epilogue = Epilogue(activation, limit, has_bias=gate_up_bias is not None, store=save)
-        up_offset, step = _gate_up_layout(inter, interleaved)
+        epilogue = Epilogue(activation, limit, interleaved, has_bias=gate_up_bias is not None, store=save)
         cfg = configs.gemm_config("gate_up", x.device)
         tile_expert, tile_row = row_tiles(offsets, cfg.block_m, pairs)
         plan = gate_up_plan(cfg, tile_expert.numel(), inter, epilogue)
@@ -151,7 +145,7 @@ def moe_fwd(
             _launch(
                 plan,
                 x, gate_up_proj, b, sorted_pairs, tile_expert, tile_row, offsets, h, gate, up,
-                inter, hidden, experts, expert_ids.shape[1], up_offset, step,
+                inter, hidden, experts, expert_ids.shape[1],
                 x.stride(), gate_up_proj.stride(), _strides_2d(gate_up_bias),
             )  # fmt: skip
         cfg = configs.gemm_config("down", x.device)
@@ -236,16 +230,18 @@ def moe_bwd(
     ]
     dx, dweights, dgate_up_proj, ddown_proj, dgate_up_bias, ddown_bias = grads
     if pairs:
-        up_offset, step = _gate_up_layout(inter, interleaved)
         tile_expert, tile_row = row_tiles(offsets, cfg.block_m, pairs)
         plan = dh_plan(
-            cfg, tile_expert.numel(), inter, Epilogue(activation, limit, has_bias=False, store=False)
+            cfg,
+            tile_expert.numel(),
+            inter,
+            Epilogue(activation, limit, interleaved, has_bias=False, store=False),
         )
         with runtime.device_guard(x):
             _launch(
                 plan,
                 dy, down_proj, weights, gate, up, sorted_pairs, tile_expert, tile_row, offsets, dpre, h,
-                dscale_partial, inter, hidden, experts, top_k, up_offset, step,
+                dscale_partial, inter, hidden, experts, top_k,
                 dy.stride(), down_proj.transpose(1, 2).stride(),
             )  # fmt: skip
         if needs[0]:
