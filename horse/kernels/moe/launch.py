@@ -125,7 +125,9 @@ def moe_fwd(
     save: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward of :func:`horse.kernels.moe_mlp` on validated input: (y, gate, up, sorted_pairs,
-    pair_rows, offsets), gate and up (pairs, inter) in sorted order (empty unless save)."""
+    pair_rows, offsets), gate and up (pairs, inter) in sorted order (empty unless save). The rows past
+    offsets[experts] (as many as dropped pairs: ids outside the experts) of gate, up and sorted_pairs
+    are left unwritten; nothing reads them."""
     tokens, hidden = x.shape
     experts, two_inter, _ = gate_up_proj.shape
     inter = two_inter // 2
