@@ -9,6 +9,7 @@ the output in float16). float16 through the kernels in the interpreter (its bf16
 float32 is the reference path's, off the Triton path, as for the MLP kernels.
 """
 
+import copy
 import functools
 import zlib
 
@@ -254,3 +255,86 @@ def test_torch_compile_fullgraph_runs_through_the_ops():
     compiled = run(compiled_call, t)
     for name in eager:
         torch.testing.assert_close(compiled[name], eager[name], rtol=0, atol=0)
+
+
+def _hf_block(model_type: str):
+    """A tiny transformers sparse MoE block of model_type, its weights random, and the FusedMoE options
+    that match its router."""
+    from transformers import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    sizes = dict(hidden_size=24, num_experts_per_tok=2, hidden_act="silu")
+    if model_type == "qwen3_moe":
+        config = Qwen3MoeConfig(**sizes, moe_intermediate_size=20, num_experts=8, norm_topk_prob=True)
+        block, normalize = Qwen3MoeSparseMoeBlock(config), True
+    elif model_type == "mixtral":
+        config = MixtralConfig(**sizes, intermediate_size=20, num_local_experts=8, router_jitter_noise=0.0)
+        block, normalize = MixtralSparseMoeBlock(config), True
+    else:
+        config = OlmoeConfig(**sizes, intermediate_size=20, num_experts=8, norm_topk_prob=False)
+        block, normalize = OlmoeSparseMoeBlock(config), False
+    gen = torch.Generator().manual_seed(_seed(model_type))
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    return block.eval(), dict(normalize=normalize)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe"])
+def test_fused_moe_loads_transformers_blocks_and_matches_them(model_type, device):
+    from horse.layers import FusedMoE
+
+    block, options = _hf_block(model_type)
+    ours = FusedMoE(24, 20, 8, 2, **options, dtype=torch.float16, device=device)
+    ours.load_state_dict(block.state_dict())
+    assert set(ours.state_dict()) == set(block.state_dict())
+    x = torch.randn(2, 7, 24, generator=torch.Generator().manual_seed(1))
+    y, router_logits = ours(x.to(device, torch.float16))
+    truth = block.double()(x.double())
+    baseline = copy.deepcopy(block).half()(x.half())
+    assert_close("y", y, truth, baseline.to(device))
+    assert router_logits.shape == (14, 8)
+    block.float().load_state_dict(ours.float().state_dict())  # and back
+
+
+def test_load_balancing_loss_is_transformers(device):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from horse.layers import load_balancing_loss
+
+    gen = torch.Generator().manual_seed(2)
+    logits = tuple(
+        torch.randn(2 * 9, 8, generator=gen).to(device) for _ in range(3)
+    )  # 3 layers, 2 x 9 tokens
+    mask = (torch.rand(2, 9, generator=gen) > 0.3).long().to(device)
+    for attention_mask in (None, mask):
+        expected = load_balancing_loss_func(logits, 8, 2, attention_mask)
+        torch.testing.assert_close(load_balancing_loss(logits, 8, 2, attention_mask), expected)
+
+
+def test_sigmoid_router_without_renormalisation():
+    from horse.layers import FusedMoE
+
+    moe = FusedMoE(16, 12, 6, 3, router="sigmoid", normalize=False, dtype=torch.float16)
+    x = torch.randn(5, 16, dtype=torch.float16)
+    logits, weights, ids = moe.gate(x)
+    expected_weights, expected_ids = logits.float().sigmoid().topk(3, dim=-1)
+    assert torch.equal(ids, expected_ids) and torch.equal(weights, expected_weights)
+    y, _ = moe(x)
+    experts = moe.experts
+    expected = reference.moe_mlp(x, ids, weights, experts.gate_up_proj, experts.down_proj, activation="silu")
+    torch.testing.assert_close(y, expected.half(), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [({"router": "softmax_topk"}, "unknown router 'softmax_topk'"),
+     ({"activation": "gelu"}, "unknown activation"), ({"top_k": 9}, "top_k must be 1 to experts")],
+)  # fmt: skip
+def test_fused_moe_rejects_what_it_cannot_run(options, message):
+    from horse.layers import FusedMoE
+
+    with pytest.raises(ValueError, match=message):
+        FusedMoE(16, 12, 8, **({"top_k": 2} | options))
