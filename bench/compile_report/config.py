@@ -113,7 +113,9 @@ KERNEL_POINTERS = {
     "moe": (
         ("X", "W", "B", "H", "GATE", "UP", "A", "OUT", "DY", "DPRE", "DW", "DB", "ROWS"),
         ("SCALE", "DSCALE_PARTIAL"),
-        dict.fromkeys(("SORTED_PAIRS", "TILE_EXPERT", "TILE_ROW", "OFFSETS", "PAIR_ROWS"), "i32")
+        dict.fromkeys(
+            ("SORTED_PAIRS", "TILE_EXPERT", "TILE_ROW", "OFFSETS", "PAIR_ROWS", "COUNTS", "BLOCK_ROWS"), "i32"
+        )
         | {"EXPERT_IDS": "i64"},
     ),
 }

@@ -16,7 +16,8 @@ UNIT_STRIDES = {
     "_expert_gemm_kernel": {"a_strides[1]": 1, "b_strides[1]": 1},
     "_dh_bwd_kernel": {"dy_strides[1]": 1, "w_strides[1]": 1},
     "_weight_grad_kernel": {"a_strides[1]": 1, "b_strides[1]": 1, "dw_strides[2]": 1, "db_strides[1]": 1},
-    "_count_sort_kernel": {},
+    "_count_kernel": {},
+    "_place_kernel": {},
     "_combine_kernel": {},
 }
 # Each epilogue the gated kernels take: (activation, limit, interleaved): the activations on
@@ -57,6 +58,6 @@ def moe_configs(arch: runtime.Arch) -> list[KernelConfig]:
             out.append(moe_plan_config(plan, name, "any", dtype, arch.name, matmul=True))
         out.append(moe_plan_config(launch.combine_plan(1, 1), "combine", "any", dtype, arch.name))
     for experts in (2**p for p in range(configs.MAX_EXPERTS.bit_length())):
-        plan = launch.sort_plan(experts)
-        out.append(moe_plan_config(plan, "sort", f"E<={experts}", torch.float16, arch.name))
+        for name, plan in zip(("sort_count", "sort_place"), launch.sort_plans(1, experts), strict=True):
+            out.append(moe_plan_config(plan, name, f"E<={experts}", torch.float16, arch.name))
     return out

@@ -10,12 +10,14 @@ transposed storage, gate and up interleaved by ``gate_up_interleaved``): every k
 strides, nothing is copied. Dropless: every routed (token, k) pair is computed, no capacity factor.
 float16 or bfloat16 on the Triton path (float32 accumulation); off it, the float32 reference of
 ``horse.kernels.reference`` (float32 allowed there). At most 1,024 experts on the Triton path (the
-sort's one-hot block).
+sort's one-hot blocks).
 
-Forward, five launches and no host sync:
-1. ``routing._count_sort_kernel``: a stable counting sort of the tokens·top_k pairs by expert, one
-   program reading the ids in pair order (the same order on every run): each expert's rows, each
-   pair's sorted row and the inverse.
+Forward, no host sync:
+1. ``routing._count_kernel`` and ``routing._place_kernel``: a stable counting sort of the tokens·top_k
+   pairs by expert, a program a block of pairs: each block's count by expert, integer prefix sums
+   over experts and blocks (tensor ops on the device), then each pair its row, a block's pairs of an
+   expert in pair order after the earlier blocks' (the same order on every run): each expert's rows,
+   each pair's sorted row and the inverse.
 2. ``launch.row_tiles`` (a few tensor ops on the device): row tiles that never cross an expert, a
    number fixed by the sizes (cdiv(pairs, BLOCK_M) + experts at most), so the grid needs no sync;
    an expert with no rows gets no tile, the tiles past the last exit at once.

@@ -53,8 +53,10 @@ def gemm_config(kernel: str, device: torch.device) -> GemmConfig:
     return INTERPRETER_GEMM_CONFIG if runtime.INTERPRET else GEMM_CONFIGS[runtime.arch(device).name][kernel]
 
 
-# The sort holds a (BLOCK_PAIRS, experts) one-hot block in registers: at most this many elements.
+# The sort's programs hold a (BLOCK_PAIRS, experts) one-hot block in registers: at most this many
+# elements. In the interpreter, blocks of 4 pairs, so that the tests' few pairs span several blocks.
 SORT_ELEMENTS = 4096
+INTERPRETER_SORT_PAIRS = 4
 MAX_EXPERTS = 1024
 SORT_WARPS = 4
 
@@ -62,7 +64,8 @@ SORT_WARPS = 4
 def sort_blocks(experts: int) -> tuple[int, int]:
     """(BLOCK_PAIRS, BLOCK_EXPERTS) of the counting sort for this many experts (at most MAX_EXPERTS)."""
     block_experts = triton.next_power_of_2(max(experts, 1))
-    return max(4, SORT_ELEMENTS // block_experts), block_experts
+    block_pairs = INTERPRETER_SORT_PAIRS if runtime.INTERPRET else max(4, SORT_ELEMENTS // block_experts)
+    return block_pairs, block_experts
 
 
 COMBINE_BLOCK_N = 1024  # the combine's columns a program: one 16-byte load a thread on 4 warps (fp16)

@@ -15,15 +15,19 @@ from horse.kernels.moe.gemm import (
     _gate_up_fwd_kernel,
     _weight_grad_kernel,
 )
-from horse.kernels.moe.routing import _combine_kernel, _count_sort_kernel
+from horse.kernels.moe.routing import _combine_kernel, _count_kernel, _place_kernel
 from horse.kernels.runtime import Plan
 
 
-def sort_plan(experts: int) -> Plan:
-    """The counting sort's plan: one program (:func:`configs.sort_blocks`)."""
+def sort_plans(pairs: int, experts: int) -> tuple[Plan, Plan]:
+    """The counting sort's plans, its count pass and its place pass: a program a block of pairs
+    (:func:`configs.sort_blocks`)."""
     block_pairs, block_experts = configs.sort_blocks(experts)
     constexprs = dict(BLOCK_PAIRS=block_pairs, BLOCK_EXPERTS=block_experts)
-    return Plan(_count_sort_kernel, (1,), constexprs, configs.SORT_WARPS, num_stages=1)
+    grid = (triton.cdiv(pairs, block_pairs),)
+    return tuple(
+        Plan(kernel, grid, constexprs, configs.SORT_WARPS, 1) for kernel in (_count_kernel, _place_kernel)
+    )
 
 
 def combine_plan(tokens: int, N: int) -> Plan:
@@ -76,9 +80,18 @@ def count_sort(expert_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, to
     # Index buffers take no NaN poison (runtime.empty): every element the GEMMs read is written.
     sorted_pairs = torch.empty((pairs,), dtype=torch.int32, device=ids.device)
     pair_rows = torch.empty((pairs,), dtype=torch.int32, device=ids.device)
-    offsets = torch.empty((experts + 1,), dtype=torch.int32, device=ids.device)
+    count_plan, place_plan = sort_plans(pairs, experts)
+    counts = torch.empty((count_plan.grid[0], experts), dtype=torch.int32, device=ids.device)
     with runtime.device_guard(ids):
-        _launch(sort_plan(experts), ids, offsets, sorted_pairs, pair_rows, pairs, experts)
+        if pairs:
+            _launch(count_plan, ids, counts, pairs, experts)
+        # Expert e's rows start after every earlier expert's; block b's after the earlier blocks' (integer
+        # prefix sums: exact, the same on every run).
+        ends = counts.sum(0).cumsum(0)
+        offsets = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
+        block_rows = (counts.cumsum(0) - counts + offsets[:-1]).to(torch.int32)
+        if pairs:
+            _launch(place_plan, ids, block_rows, sorted_pairs, pair_rows, pairs, experts)
     return sorted_pairs, pair_rows, offsets
 
 

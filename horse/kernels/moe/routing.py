@@ -1,5 +1,6 @@
-"""The routing kernels: the stable counting sort of the routed (token, k) pairs by expert, and the
-combine that sums each token's top_k rows back in token order.
+"""The routing kernels: the stable counting sort of the routed (token, k) pairs by expert (a count
+pass and a place pass over blocks of pairs, the blocks' rows between them by a prefix sum on the
+device), and the combine that sums each token's top_k rows back in token order.
 """
 
 import triton
@@ -7,41 +8,54 @@ import triton.language as tl
 
 
 @triton.jit
-def _count_sort_kernel(
+def _one_hot_block(EXPERT_IDS, pairs, BLOCK_PAIRS: tl.constexpr, BLOCK_EXPERTS: tl.constexpr):
+    """(pair indices, ids, one-hot (BLOCK_PAIRS, BLOCK_EXPERTS) int32) of this program's block of pairs;
+    a pair past the end or with an id outside [0, BLOCK_EXPERTS) has a row of zeros."""
+    offs_p = tl.program_id(0) * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
+    ids = tl.load(EXPERT_IDS + offs_p, mask=offs_p < pairs, other=-1)
+    one_hot = (ids[:, None] == tl.arange(0, BLOCK_EXPERTS)[None, :]).to(tl.int32)
+    return offs_p, ids, one_hot
+
+
+@triton.jit
+def _count_kernel(
     EXPERT_IDS,  # (pairs,) int: pair p = token * top_k + k routed to expert EXPERT_IDS[p]
-    OFFSETS,  # (experts + 1,) int32: expert e's rows are OFFSETS[e] .. OFFSETS[e + 1] of the sorted order
-    SORTED_PAIRS,  # (pairs,) int32: the pair at each sorted row (rows past OFFSETS[experts] unwritten)
-    PAIR_ROWS,  # (pairs,) int32: each pair's sorted row; -1 for an id outside [0, experts) (dropped)
+    COUNTS,  # (blocks, experts) int32: how many of each block's pairs each expert takes
     pairs,
     experts,
     BLOCK_PAIRS: tl.constexpr,
     BLOCK_EXPERTS: tl.constexpr,  # experts rounded up to a power of two
 ):
-    # grid = (1,): one program reads the ids twice, block by block in pair order, so the sort is
-    # stable and the same on every run. Pass one counts each expert's pairs; pass two gives each pair
-    # its expert's next free row (a block's pairs of one expert take rows in pair order: the exclusive
-    # prefix sum of the block's one-hot matrix).
+    # grid = (cdiv(pairs, BLOCK_PAIRS),): pass one of the counting sort
+    _, _, one_hot = _one_hot_block(EXPERT_IDS, pairs, BLOCK_PAIRS=BLOCK_PAIRS, BLOCK_EXPERTS=BLOCK_EXPERTS)
     offs_e = tl.arange(0, BLOCK_EXPERTS)
-    counts = tl.zeros((BLOCK_EXPERTS,), dtype=tl.int32)
-    for start in range(0, pairs, BLOCK_PAIRS):
-        offs_p = start + tl.arange(0, BLOCK_PAIRS)
-        ids = tl.load(EXPERT_IDS + offs_p, mask=offs_p < pairs, other=-1)
-        one_hot = (ids[:, None] == offs_e[None, :]).to(tl.int32)
-        counts += tl.sum(one_hot, axis=0)
-    ends = tl.cumsum(counts, axis=0)
-    tl.store(OFFSETS + 1 + offs_e, ends, mask=offs_e < experts)
-    tl.store(OFFSETS + offs_e, tl.zeros_like(offs_e), mask=offs_e == 0)
-    next_row = ends - counts
-    for start in range(0, pairs, BLOCK_PAIRS):
-        offs_p = start + tl.arange(0, BLOCK_PAIRS)
-        ids = tl.load(EXPERT_IDS + offs_p, mask=offs_p < pairs, other=-1)
-        one_hot = (ids[:, None] == offs_e[None, :]).to(tl.int32)
-        earlier = tl.cumsum(one_hot, axis=0) - one_hot  # this block's earlier pairs of the same expert
-        row = tl.sum(one_hot * (next_row[None, :] + earlier), axis=1)
-        routed = (ids >= 0) & (ids < experts)
-        tl.store(SORTED_PAIRS + row, offs_p, mask=routed & (offs_p < pairs))
-        tl.store(PAIR_ROWS + offs_p, tl.where(routed, row, -1), mask=offs_p < pairs)
-        next_row += tl.sum(one_hot, axis=0)
+    tl.store(COUNTS + tl.program_id(0) * experts + offs_e, tl.sum(one_hot, axis=0), mask=offs_e < experts)
+
+
+@triton.jit
+def _place_kernel(
+    EXPERT_IDS,  # (pairs,) int
+    BLOCK_ROWS,  # (blocks, experts) int32: the first sorted row of each block's pairs of each expert
+    SORTED_PAIRS,  # (pairs,) int32: the pair at each sorted row (rows past the routed pairs unwritten)
+    PAIR_ROWS,  # (pairs,) int32: each pair's sorted row; -1 for an id outside [0, experts) (dropped)
+    pairs,
+    experts,
+    BLOCK_PAIRS: tl.constexpr,
+    BLOCK_EXPERTS: tl.constexpr,
+):
+    # grid = (cdiv(pairs, BLOCK_PAIRS),): pass two. A block's pairs of one expert take its rows in pair
+    # order (the exclusive prefix sum of the block's one-hot matrix), after the earlier blocks' pairs
+    # of that expert: a stable sort, the same on every run whatever order the programs run in.
+    offs_p, ids, one_hot = _one_hot_block(
+        EXPERT_IDS, pairs, BLOCK_PAIRS=BLOCK_PAIRS, BLOCK_EXPERTS=BLOCK_EXPERTS
+    )
+    offs_e = tl.arange(0, BLOCK_EXPERTS)
+    first = tl.load(BLOCK_ROWS + tl.program_id(0) * experts + offs_e, mask=offs_e < experts, other=0)
+    earlier = tl.cumsum(one_hot, axis=0) - one_hot  # this block's earlier pairs of the same expert
+    row = tl.sum(one_hot * (first[None, :] + earlier), axis=1)
+    routed = (ids >= 0) & (ids < experts)
+    tl.store(SORTED_PAIRS + row, offs_p, mask=routed & (offs_p < pairs))
+    tl.store(PAIR_ROWS + offs_p, tl.where(routed, row, -1), mask=offs_p < pairs)
 
 
 @triton.jit
