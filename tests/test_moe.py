@@ -290,12 +290,24 @@ def test_fused_moe_loads_transformers_blocks_and_matches_them(model_type, device
     ours = FusedMoE(24, 20, 8, 2, **options, dtype=torch.float16, device=device)
     ours.load_state_dict(block.state_dict())
     assert set(ours.state_dict()) == set(block.state_dict())
-    x = torch.randn(2, 7, 24, generator=torch.Generator().manual_seed(1))
-    y, router_logits = ours(x.to(device, torch.float16))
-    truth = block.double()(x.double())
-    baseline = copy.deepcopy(block).half()(x.half())
-    assert_close("y", y, truth, baseline.to(device))
-    assert router_logits.shape == (14, 8)
+    gen = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(2, 7, 24, generator=gen), torch.randn(2, 7, 24, generator=gen)
+
+    def output_and_grads(module, dtype, device):
+        module = copy.deepcopy(module).to(device, dtype)
+        leaf = x.to(device, dtype).requires_grad_()
+        y = module(leaf)
+        y = y[0] if isinstance(y, tuple) else y
+        y.backward(dy.to(device, dtype))
+        return {"y": y.detach(), "dx": leaf.grad} | {f"d{n}": p.grad for n, p in module.named_parameters()}
+
+    got = output_and_grads(ours, torch.float16, device)
+    truth = output_and_grads(block, torch.float64, "cpu")
+    baseline = output_and_grads(block, torch.float16, "cpu")
+    assert got.keys() == truth.keys()
+    for name in truth:
+        assert_close(name, got[name], truth[name].to(device), baseline[name].to(device))
+    assert ours(x.to(device, torch.float16))[1].shape == (14, 8)  # the router logits, (tokens, experts)
     block.float().load_state_dict(ours.float().state_dict())  # and back
 
 
