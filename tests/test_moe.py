@@ -121,6 +121,17 @@ def test_activations_clamp_biases_and_layouts(variant, device):
     check(t, activation, limit, interleaved, transposed)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[2]], ids=["silu", "gpt-oss"])
+def test_gpu_table_tiles_in_both_dtypes(variant, dtype):
+    # The GPU's own table entries (128-row tiles: several a busy expert, partial ones, idle experts)
+    # and bfloat16, which the interpreter cannot run through tl.dot.
+    activation, limit, interleaved, transposed, bias = variant
+    t = make_case(1000, 512, 384, 16, 4, "random", dtype, "cuda", bias=bias, seed=_seed(variant, dtype))
+    check(t, activation, limit, interleaved, transposed)
+
+
 def test_float32_runs_the_reference_off_the_triton_path(monkeypatch):
     monkeypatch.setattr(runtime, "INTERPRET", False)
     t = make_case(13, 24, 20, 8, 2, "dropped", torch.float32, "cpu", bias=True, seed=3)
