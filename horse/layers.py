@@ -322,10 +322,12 @@ class MoERouter(nn.Module):
     ``normalize``. Its forward returns (logits, weights, ids): logits (tokens, experts) in x's dtype,
     weights (tokens, top_k) float32, ids (tokens, top_k) int64, as transformers' top-k routers."""
 
-    def __init__(self, hidden: int, experts: int, top_k: int, scoring: str, normalize: bool, factory: dict):
+    def __init__(
+        self, hidden: int, experts: int, top_k: int, *, scoring: str, normalize: bool, device=None, dtype=None
+    ):
         super().__init__()
         self.top_k, self.scoring, self.normalize = top_k, scoring, normalize
-        self.weight = nn.Parameter(torch.empty(experts, hidden, **factory))
+        self.weight = nn.Parameter(torch.empty(experts, hidden, device=device, dtype=dtype))
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)  # nn.Linear's
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -341,9 +343,10 @@ class MoEExperts(nn.Module):
     """The experts of a mixture-of-experts block, stacked as transformers 5.25 stores them: gate_up_proj
     (experts, 2·inter, hidden), gate rows first, and down_proj (experts, hidden, inter)."""
 
-    def __init__(self, hidden: int, inter: int, experts: int, activation: str, factory: dict):
+    def __init__(self, hidden: int, inter: int, experts: int, *, activation: str, device=None, dtype=None):
         super().__init__()
         self.activation = activation
+        factory = {"device": device, "dtype": dtype}
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden, **factory))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter, **factory))
         for weight in (self.gate_up_proj, self.down_proj):
@@ -390,8 +393,8 @@ class FusedMoE(nn.Module):
         if not 1 <= top_k <= experts:
             raise ValueError(f"FusedMoE: top_k must be 1 to experts ({experts}), got {top_k}")
         factory = {"device": device, "dtype": dtype}
-        self.gate = MoERouter(hidden, experts, top_k, router, normalize, factory)
-        self.experts = MoEExperts(hidden, inter, experts, activation, factory)
+        self.gate = MoERouter(hidden, experts, top_k, scoring=router, normalize=normalize, **factory)
+        self.experts = MoEExperts(hidden, inter, experts, activation=activation, **factory)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = x.reshape(-1, x.shape[-1])  # (tokens, hidden)
