@@ -199,9 +199,17 @@ def _weight_grad(a, b, weights, sorted_pairs, offsets, dw, db, top_k, gather_a, 
         )  # fmt: skip
 
 
-def _like(t: torch.Tensor, need: bool) -> torch.Tensor:
-    """A gradient buffer with t's strides (a transposed weight's gradient too), or an empty tensor."""
-    return torch.empty_like(t) if need else t.new_empty((0,))
+def grad_buffers(x, expert_weights, gate_up_proj, down_proj, needs: list[bool]) -> list[torch.Tensor]:
+    """The backward's outputs as it allocates them, in :func:`moe_bwd`'s order (the fake's too): the
+    weights' gradients with their weights' strides (a transposed weight's too), the others contiguous;
+    an empty tensor where needs says no gradient."""
+    experts, two_inter, hidden = gate_up_proj.shape
+    shapes = [x.shape, expert_weights.shape, None, None, (experts, two_inter), (experts, hidden)]
+    likes = [x, expert_weights, gate_up_proj, down_proj, x, x]
+    return [
+        (t.new_empty(shape) if shape is not None else torch.empty_like(t)) if need else t.new_empty((0,))
+        for t, shape, need in zip(likes, shapes, needs, strict=True)
+    ]
 
 
 def moe_bwd(
@@ -235,14 +243,7 @@ def moe_bwd(
     cfg = configs.gemm_config("dh", x.device)
     tiles_n = triton.cdiv(inter, cfg.block_n)
     dscale_partial = runtime.empty((pairs, tiles_n), torch.float32, x.device)
-    grads = [
-        _like(x, needs[0]),
-        _like(expert_weights, needs[1]),
-        _like(gate_up_proj, needs[2]),
-        _like(down_proj, needs[3]),
-        x.new_empty((experts, two_inter) if needs[4] else (0,)),
-        x.new_empty((experts, hidden) if needs[5] else (0,)),
-    ]
+    grads = grad_buffers(x, expert_weights, gate_up_proj, down_proj, needs)
     dx, dweights, dgate_up_proj, ddown_proj, dgate_up_bias, ddown_bias = grads
     if pairs:
         tile_expert, tile_row = row_tiles(offsets, cfg.block_m, pairs)

@@ -7,7 +7,7 @@ import torch
 
 from horse.kernels import reference, runtime
 from horse.kernels.moe import configs
-from horse.kernels.moe.launch import moe_bwd, moe_fwd
+from horse.kernels.moe.launch import grad_buffers, moe_bwd, moe_fwd
 
 REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -64,19 +64,7 @@ def _moe_bwd_fake(
     dy, x, expert_ids, expert_weights, gate_up_proj, down_proj, down_bias, gate, up, sorted_pairs, pair_rows,
     offsets, activation, limit, interleaved, needs,
 ):  # fmt: skip
-    experts, two_inter, hidden = gate_up_proj.shape
-
-    def like(t, need):
-        return torch.empty_like(t) if need else t.new_empty((0,))
-
-    return (
-        like(x, needs[0]),
-        like(expert_weights, needs[1]),
-        like(gate_up_proj, needs[2]),
-        like(down_proj, needs[3]),
-        x.new_empty((experts, two_inter) if needs[4] else (0,)),
-        x.new_empty((experts, hidden) if needs[5] else (0,)),
-    )
+    return tuple(grad_buffers(x, expert_weights, gate_up_proj, down_proj, needs))
 
 
 _moe_bwd_op = runtime.custom_op("moe_mlp_bwd", _moe_bwd_fake)(moe_bwd)
