@@ -16,7 +16,7 @@ def test_cases_cover_every_model_on_every_implementation_and_quick_keeps_the_gat
     assert [(c.params["model"], c.implementation) for c in cases] == [
         (model.name, name) for model in hf.MODELS for name in hf.IMPLEMENTATIONS
     ]
-    llama, gpt2, phi3, gemma3 = (cases[i * len(hf.IMPLEMENTATIONS)] for i in range(4))
+    llama, gpt2, phi3, gemma3, qwen3_moe = (cases[i * len(hf.IMPLEMENTATIONS)] for i in range(5))
     assert llama.params == {"model": "llama-1b", "layers": 16, "d_model": 2048, "batch": 1, "seq_len": 4096}
     assert gpt2.params == {"model": "gpt2-124m", "layers": 12, "d_model": 768, "batch": 16, "seq_len": 1024}
     assert phi3.params == {"model": "phi3-mini", "layers": 32, "d_model": 3072, "batch": 2, "seq_len": 2048}
@@ -27,14 +27,25 @@ def test_cases_cover_every_model_on_every_implementation_and_quick_keeps_the_gat
         "batch": 1,
         "seq_len": 4096,
     }
+    assert qwen3_moe.params == {
+        "model": "qwen3-moe-4l",
+        "layers": 4,
+        "d_model": 2048,
+        "batch": 1,
+        "seq_len": 4096,
+    }
     assert hf.GEMMA3_1B.make_config().final_logit_softcapping == 30.0
     assert all(c.direction == "forward+backward" and c.unit == "flop" for c in cases)
     # 6 N + 12 L d T a token: N is Llama 3.2 1B's 1.236 B parameters (tied head), GPT-2's 124.4 M,
-    # Phi-3-mini's 3.821 B, Gemma 3 1B's 1.000 B (tied head).
+    # Phi-3-mini's 3.821 B, Gemma 3 1B's 1.000 B (tied head); the Qwen3-MoE's 0.8499 B active of 3.115 B
+    # (each layer's 604 M expert weights, 8 of 128 experts' share: 37.7 M).
     assert llama.work == pytest.approx((6 * 1.2358e9 + 12 * 16 * 2048 * 4096) * 4096, rel=1e-3)
     assert gpt2.work == pytest.approx((6 * 124.44e6 + 12 * 12 * 768 * 1024) * 16 * 1024, rel=1e-3)
     assert phi3.work == pytest.approx((6 * 3.8211e9 + 12 * 32 * 3072 * 2048) * 2 * 2048, rel=1e-3)
     assert gemma3.work == pytest.approx((6 * 0.99989e9 + 12 * 26 * 1152 * 4096) * 4096, rel=1e-3)
+    active = 3.1148e9 - 4 * 128 * 3 * 768 * 2048 * (128 - 8) // 128
+    assert qwen3_moe.work == pytest.approx((6 * active + 12 * 4 * 2048 * 4096) * 4096, rel=1e-3)
+    assert active == pytest.approx(0.8499e9, rel=1e-3)
     quick = suite.gated_cases(hf.cases(quick=True), suite.load_gates())
     assert [(c.params["model"], c.implementation) for c in quick] == [
         (model.name, name) for model in hf.MODELS for name in ("ours", "sdpa", "liger")
@@ -84,6 +95,7 @@ def test_interpreter_check_passes_and_fails_on_a_wrong_gradient(monkeypatch):
         "llama-tiny",
         "gpt2-tiny",
         "phi3-tiny",
+        "qwen3-moe-tiny",
         "gemma3-tiny-softcap",
     ]
     assert all(ok for _, _, ok in checks), checks
