@@ -486,7 +486,7 @@ def test_attn_implementation_horse_and_auto_horse_load_a_saved_model(tmp_path, r
         torch.testing.assert_close(m(input_ids=ids, attention_mask=mask).logits[mask.bool()], expected)
 
 
-@pytest.mark.parametrize("family", ["llama", "granite"])
+@pytest.mark.parametrize("family", ["llama", "granite", "gemma2"])
 def test_trainer_runs_three_steps_with_the_unpatched_losses(family, tmp_path, reference_path):
     pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
     generator = torch.Generator().manual_seed(0)
