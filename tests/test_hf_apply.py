@@ -523,7 +523,8 @@ def gpt_oss_config():
 def test_gpt_oss_attention_with_its_sinks_matches_eager_on_the_reference_path(reference_path):
     """gpt-oss's attention (sinks as the kernels' sinks=, a window on one layer, GQA, biased projections) on
     "horse", its experts left as they are (apply refuses gpt-oss for them): loss, logits, every gradient
-    (the sinks' included) against eager, the sinks large enough to take a good part of each softmax."""
+    (the sinks' included) against eager, the sinks large enough to take a good part of each softmax; greedy
+    generation token for token."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         gpt_oss_config(),
@@ -541,6 +542,10 @@ def test_gpt_oss_attention_with_its_sinks_matches_eager_on_the_reference_path(re
     truth, baseline, actual = (run(m, input_ids=ids, labels=labels) for m in (truth_model, model, ours))
     assert "model.layers.0.self_attn.sinks" in actual[2]
     compare("gpt_oss float32", actual, truth, [baseline], labels)
+    model.eval(), ours.eval()  # greedy generation: the decode steps' kernel with the sinks too
+    options = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    torch.testing.assert_close(ours.generate(ids[:1, :6], **options), model.generate(ids[:1, :6], **options),
+                               rtol=0, atol=0)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
