@@ -26,6 +26,12 @@ SDPA's flash backend: causal on right-padded rows keeps every real row exact), a
 varlen. Their rates count the work the window or the documents need, whatever a baseline spends.
 ``attention_decode`` (one new token a sequence against a KV cache), in quick runs too: gated by
 issue 25 against our prefill kernel and flash-attn's flash_attn_with_kvcache.
+``attention_score_mods``, in quick runs too and gated (issue 49): causal attention at seqlen 4096 with
+Gemma 2's logit softcap (SOFTCAP) or gpt-oss's attention sinks (a float32 logit per head), against
+PyTorch's ``flex_attention`` compiled with the same modification (SDPA has neither): the softcap as its
+score_mod, the sinks from its log-sum-exp, out · σ(lse - sink), which is the sink's share of the
+softmax taken out exactly. The softcap's backward at head dim 64, where the kernels take it
+(``SOFTCAP_BACKWARD_MAX_HEAD_DIM``), its forward at 128 too; the sinks at 128 both ways.
 """
 
 import contextlib
@@ -61,6 +67,14 @@ EXTRA_HEAD_DIM = 128  # of both, with MODEL_DIM // EXTRA_HEAD_DIM heads
 # heads, 8 kv heads, head dim 128), batch x cache length; bytes of the cache read per call.
 DECODE_HEADS, DECODE_KV_HEADS = 32, 8
 DECODE_SHAPES = ((1, 4096), (1, 16384), (16, 4096), (64, 1024))
+# attention_score_mods: (modification, head_dim, directions) at seqlen SCORE_MOD_SEQLEN, causal.
+SOFTCAP = 50.0  # Gemma 2's attn_logit_softcapping
+SCORE_MOD_SEQLEN = 4096
+SCORE_MODS = (
+    ("softcap", 128, ("forward",)),  # the kernels refuse the softcap's backward above head dim 64
+    ("softcap", 64, ("forward", "forward+backward")),
+    ("sinks", 128, ("forward", "forward+backward")),
+)
 
 
 @dataclass(frozen=True)
@@ -141,24 +155,43 @@ def _ours(name: str = "flash_attention", **options):
     return functools.partial(getattr(kernels, name), **options)
 
 
-def check(shape: Shape, causal: bool, device, attention=None, window_size=(-1, -1)) -> tuple[dict, bool]:
+def make_sinks(shape: Shape, device, requires_grad: bool = False) -> torch.Tensor:
+    """Attention sinks: a float32 logit per head ~ N(0, 1), as the scores of random q, k."""
+    return torch.randn(shape.heads, dtype=torch.float32, device=device).requires_grad_(requires_grad)
+
+
+def check(
+    shape: Shape, causal: bool, device, attention=None, window_size=(-1, -1), softcap=0.0, sinks=False
+) -> tuple[dict, bool]:
     """out, dq, dk, dv of ours (or ``attention``) for a random dout against the float32 reference
     (:func:`bench.correctness.check`). Ours runs on the whole shape and must be finite everywhere;
-    the reference on the leading block of :func:`checked_batch_heads` (every pair is independent)."""
+    the reference on the leading block of :func:`checked_batch_heads` (every pair is independent).
+    softcap, and sinks (then a fourth input, :func:`make_sinks`, and its gradient "dsinks") go to both."""
     from horse.kernels import reference
 
-    attention = attention or _ours(causal=causal, window_size=window_size)
     torch.manual_seed(0)
     batch, heads = checked_batch_heads(shape, REFERENCE_SCORE_ELEMENTS)
+    inputs = make_qkv(shape, device, requires_grad=True)
+    if softcap:  # scaled scores of about ±softcap, where the cap bends them (N(0, 1) inputs score about ±1)
+        inputs[0] = (inputs[0].detach() * softcap).requires_grad_()
+    if sinks:
+        inputs.append(make_sinks(shape, device, requires_grad=True))
+    options = {"causal": causal, "window_size": window_size, "softcap": softcap}
+    attention = attention or functools.partial(_with_sinks, _ours(**options))
     return correctness.check(
         attention,
-        lambda *qkv: reference.attention(*qkv, causal=causal, window_size=window_size)[0],
-        make_qkv(shape, device, requires_grad=True),
-        NAMES,
+        lambda *qkv: reference.attention(*qkv[:3], **options, sinks=qkv[3] if sinks else None)[0],
+        inputs,
+        (*NAMES, "dsinks") if sinks else NAMES,
         TOLERANCE,
         floor=0.0,
-        crop=lambda t: t.detach()[:batch, :, :heads],
+        crop=lambda t: t.detach()[:heads] if t.dim() == 1 else t.detach()[:batch, :, :heads],
     )
+
+
+def _with_sinks(attention, q, k, v, sinks=None):
+    """attention(q, k, v) with sinks= where given (a case's fourth input)."""
+    return attention(q, k, v) if sinks is None else attention(q, k, v, sinks=sinks)
 
 
 def offsets(lengths, device) -> torch.Tensor:
@@ -279,7 +312,9 @@ def cases(quick: bool) -> list[suite.Case]:
             ),
             check=functools.partial(check, shape, causal, "cuda"),
         )
-    return out + decode_cases() if quick else out + window_cases() + packed_cases() + decode_cases()
+    if quick:
+        return out + decode_cases() + score_mod_cases()
+    return out + window_cases() + packed_cases() + decode_cases() + score_mod_cases()
 
 
 def window_cases() -> list[suite.Case]:
@@ -418,18 +453,85 @@ def decode_cases() -> list[suite.Case]:
     return out
 
 
+def _flex(modification: str, seqlen: int, device):
+    """PyTorch's flex_attention, causal (a block mask: fully masked blocks skipped), with the
+    modification on our layout (transposed views): "softcap", SOFTCAP · tanh(s / SOFTCAP) as its
+    score_mod on the scaled scores; "sinks", fn(q, k, v, sinks) taking out · σ(lse - sink) from its
+    natural-log lse, what a sink's exp(sink) in the denominator leaves of each row."""
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+    block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, seqlen, seqlen, device=device)
+
+    def softcap(score, batch, head, q_idx, kv_idx):
+        return SOFTCAP * torch.tanh(score / SOFTCAP)
+
+    def softcapped(q, k, v):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seqlen, head_dim) views
+        return flex_attention(q, k, v, score_mod=softcap, block_mask=block_mask).transpose(1, 2)
+
+    def with_sinks(q, k, v, sinks):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out, aux = flex_attention(q, k, v, block_mask=block_mask, return_aux=AuxRequest(lse=True))
+        # exp(lse) / (exp(lse) + exp(sink)), (batch, heads, seqlen); one fused pass when compiled
+        kept = torch.sigmoid(aux.lse - sinks[:, None])
+        return (out.float() * kept[..., None]).to(out.dtype).transpose(1, 2)
+
+    return softcapped if modification == "softcap" else with_sinks
+
+
+def score_mod_cases() -> list[suite.Case]:
+    """attention_score_mods: ours with the softcap or the sinks against flex_attention compiled with
+    the same (SCORE_MODS); checked against the reference with the same modification."""
+    device, out = torch.device("cuda"), []
+    for modification, head_dim, directions in SCORE_MODS:
+        shape = benchmark_shape(SCORE_MOD_SEQLEN, head_dim)
+        sinks = modification == "sinks"
+        params = {
+            "seqlen": shape.seqlen,
+            "head_dim": head_dim,
+            "causal": True,
+            "batch": shape.batch,
+            "heads": shape.heads,
+            "softcap": 0.0 if sinks else SOFTCAP,
+            "sinks": sinks,
+        }
+        options = {"causal": True} | ({} if sinks else {"softcap": SOFTCAP})
+        impls = {
+            "ours": lambda o=options: functools.partial(_with_sinks, _ours(**o)),
+            "flex": lambda m=modification, s=shape: suite.compiled(_flex(m, s.seqlen, device))(),
+        }
+
+        def inputs(requires_grad, s=shape, with_sinks=sinks):
+            qkv = make_qkv(s, device, requires_grad)
+            return [*qkv, make_sinks(s, device, requires_grad)] if with_sinks else qkv
+
+        out += suite.family_cases(
+            "attention_score_mods",
+            params,
+            impls,
+            directions,
+            work=functools.partial(direction_flops, shape=shape, causal=True),
+            unit="flop",
+            setup=lambda name, make_fn, d, s=shape, i=inputs: _setup(d, make_fn, s, make_inputs=i),
+            check=functools.partial(check, shape, True, "cuda", softcap=params["softcap"], sinks=sinks),
+        )
+    return out
+
+
 def interpreter_checks() -> list[tuple[str, dict, bool]]:
     """The correctness checks on tiny shapes, on the CPU (in Triton's interpreter when it is on)."""
     checks = []
     for s, causal in itertools.product(INTERPRETER_SHAPES, (False, True)):
         label = f"attention seqlen={s.seqlen} head_dim={s.head_dim} {'causal' if causal else 'full'}"
         checks.append((label, *check(s, causal, "cpu")))
-    small, lengths = INTERPRETER_SHAPES[1], (40, 1, 77, 0, 19)
+    (tiny, small), lengths = INTERPRETER_SHAPES, (40, 1, 77, 0, 19)
     window = check(small, True, "cpu", window_size=(20, -1))
     return checks + [
         (f"attention_window seqlen={small.seqlen} window=20", *window),
         (f"attention_packed documents={lengths}", *check_packed(lengths, 2, 64, "cpu")),
         ("attention_decode batch=2 cache=70", *check_decode(2, 70, 64, "cpu")),
+        (f"attention_score_mods softcap={SOFTCAP} head_dim=64", *check(tiny, True, "cpu", softcap=SOFTCAP)),
+        (f"attention_score_mods sinks seqlen={small.seqlen}", *check(small, True, "cpu", sinks=True)),
     ]
 
 

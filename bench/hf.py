@@ -6,10 +6,13 @@ A step is forward with labels, backward and ``torch.optim.AdamW`` (foreach), thr
 model classes, in bfloat16 weights (``from_pretrained(..., torch_dtype=torch.bfloat16)`` as the users of
 ``horse.hf`` load them), on one fixed random batch made on the GPU beforehand. Implementations:
 
-* ``eager`` and ``sdpa``: transformers' own attention implementations;
-* ``ours``: the sdpa model after ``horse.hf.apply`` (our attention, norms, MLP and the loss without logits);
+* ``eager`` and ``sdpa``: transformers' own attention implementations (Gemma 2 has no sdpa: "sdpa does not
+  support softcapping");
+* ``ours``: the sdpa model (Gemma 2's eager one) after ``horse.hf.apply`` (our attention, norms, MLP and the
+  loss without logits);
 * ``liger``: Liger-Kernel's instance patch (``apply_liger_kernel_to_llama(model=...)``, ``..._phi3``,
-  ``..._gemma3_text``) where it is installed, an optional baseline; it has no GPT-2.
+  ``..._gemma2``, ``..._gemma3_text``, ``..._qwen3_moe``) where it is installed, an optional baseline; it has
+  no GPT-2.
 
 Models (random weights, no download): a LLaMA of 1.2 B parameters (Llama 3.2 1B's shape: d_model 2,048, 16
 layers, 32 query and 8 key-value heads, MLP 8,192, vocabulary 128,256, tied embeddings) at 4,096 tokens a
@@ -19,19 +22,25 @@ sequence; GPT-2 124M at 16 × 1,024 tokens; a Phi-3 of 3.8 B (Phi-3-mini's shape
 the 31 GB of weights, gradients and AdamW state: estimated, too near an H100's 80); a Gemma 3 of 1.0 B (Gemma
 3 1B's shape: d_model 1,152, 26 layers of 4 query heads over 1 key-value head of dim 256, GeGLU MLP 6,912,
 vocabulary 262,144, windows of 512 on five layers in six, tied embeddings) with Gemma 2's final-logit
-softcapping of 30 at 4,096 tokens; a Qwen3-MoE of 3.1 B, 0.85 B of them active (Qwen3-30B-A3B's shape with 4
-of its 48 layers: d_model 2,048, 32 query heads over 4 key-value heads of dim 128, 128 experts of inter 768,
-top 8, vocabulary 151,936, the router's aux loss on) at 4,096 tokens. A Gemma-2-style model waits for the
-attention kernel's softcapping (horse.hf.apply refuses gemma2). Work: 6·N + 12·L·d·T FLOPs a token
-(bench.train's count; N the parameters once, only the routed experts' share of an MoE's experts, T the
-sequence length; for the Gemma it counts full attention on every layer, as for the others). Peak memory (the
-suite's ``peak_memory_bytes``: what the case allocated at most, model and optimizer included) is gated with
-tokens/s: gates.toml holds ours to at least sdpa's tokens/s and at most its peak memory, and to Liger's
-tokens/s where Liger is installed.
+softcapping of 30 at 4,096 tokens; a Gemma 2 of 2.6 B (Gemma 2 2B's shape and caps: d_model 2,304, 26 layers,
+GeGLU MLP 9,216, vocabulary 256,000, attention softcap 50, final-logit softcap 30, windows of 4,096 on
+alternate layers, tied embeddings) with its 8 query heads over 4 of dim 256 recut as 32 over 16 of dim 64 (the
+same projections), as the kernels take the softcap's backward up to head dim 64, at 2,048 tokens (eager's
+saved scores, 26 layers × 32 heads × 2,048² in bfloat16 and the softmax's in float32, about 28 GB beside 21 GB
+of weights, gradients and AdamW state: estimated; four times that at 4,096); a Qwen3-MoE of 3.1 B, 0.85 B of
+them active (Qwen3-30B-A3B's shape with 4 of its 48 layers: d_model 2,048, 32 query heads over 4 key-value
+heads of dim 128, 128 experts of inter 768, top 8, vocabulary 151,936, the router's aux loss on) at 4,096
+tokens. Work: 6·N + 12·L·d·T FLOPs a token (bench.train's count; N the parameters once, only the routed
+experts' share of an MoE's experts, T the sequence length; for the Gemmas it counts full attention on every
+layer, as for the others). Peak memory (the suite's ``peak_memory_bytes``: what the case allocated at most,
+model and optimizer included) is gated with tokens/s: gates.toml holds ours to at least sdpa's tokens/s and at
+most its peak memory (eager's where the family has no sdpa: the param ``sdpa`` false), and to Liger's tokens/s
+where Liger is installed.
 
-Before ours is timed, its loss on the batch is compared with sdpa's on the same weights (bfloat16: within 2%).
-Without a GPU, :func:`interpreter_checks` runs a tiny model of each family (the Gemma with its softcap, a
-Qwen3-MoE with its aux loss) in float16 in Triton's interpreter against eager in float32.
+Before ours is timed, its loss on the batch is compared with sdpa's (Gemma 2: eager's) on the same weights
+(bfloat16: within 2%). Without a GPU, :func:`interpreter_checks` runs a tiny model of each family (the Gemmas
+with their softcaps, a Qwen3-MoE with its aux loss) in float16 in Triton's interpreter against eager in
+float32.
 """
 
 import dataclasses
@@ -55,6 +64,7 @@ class Model:
     config: dict  # the transformers config's arguments
     batch: int
     seq_len: int
+    attention: str = "sdpa"  # transformers' attention the family runs: ours is checked and gated against it
 
     def make_config(self):
         import transformers
@@ -70,6 +80,7 @@ class Model:
             "d_model": config.hidden_size,
             "batch": self.batch,
             "seq_len": self.seq_len,
+            "sdpa": self.attention == "sdpa",  # the gates' choice of baseline: sdpa, else eager
         }
 
 
@@ -129,6 +140,27 @@ GEMMA3_1B = Model(
     batch=1,
     seq_len=4096,
 )
+GEMMA2_2B = Model(
+    "gemma2-2b-hd64",
+    "gemma2",
+    {
+        "vocab_size": 256000,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 16,
+        "head_dim": 64,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "max_position_embeddings": 8192,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    },
+    batch=1,
+    seq_len=2048,
+    attention="eager",
+)
 # Qwen3-30B-A3B's shape with 4 of its 48 layers: 128 experts of inter 768, top 8, the aux loss on.
 QWEN3_MOE = Model(
     "qwen3-moe-4l",
@@ -150,11 +182,12 @@ QWEN3_MOE = Model(
     batch=1,
     seq_len=4096,
 )
-MODELS = (LLAMA_1B, GPT2_124M, PHI3_MINI, GEMMA3_1B, QWEN3_MOE)
+MODELS = (LLAMA_1B, GPT2_124M, PHI3_MINI, GEMMA3_1B, GEMMA2_2B, QWEN3_MOE)
 # Liger-Kernel's instance patch for each family it has
 LIGER_PATCHES = {
     "llama": "apply_liger_kernel_to_llama",
     "phi3": "apply_liger_kernel_to_phi3",
+    "gemma2": "apply_liger_kernel_to_gemma2",
     "gemma3_text": "apply_liger_kernel_to_gemma3_text",
     "qwen3_moe": "apply_liger_kernel_to_qwen3_moe",
 }
@@ -184,7 +217,7 @@ def build(spec: Model, implementation: str, device: str, dtype: torch.dtype = DT
     import horse.hf
 
     torch.manual_seed(0)
-    attention = "eager" if implementation == "eager" else "sdpa"
+    attention = "eager" if implementation == "eager" else spec.attention
     model = transformers.AutoModelForCausalLM.from_config(spec.make_config(), attn_implementation=attention)
     model = model.to(device=device, dtype=dtype).train()
     if implementation == "ours":
@@ -223,10 +256,11 @@ def make_step(spec: Model, implementation: str, device: str = "cuda"):
 
 
 def check(spec: Model, device: str = "cuda") -> tuple[dict, bool]:
-    """Ours' loss on a batch against sdpa's on the same weights (forward, bfloat16)."""
+    """Ours' loss on a batch against transformers' own attention's (spec.attention) on the same weights
+    (forward, bfloat16)."""
     import horse.hf
 
-    model = build(spec, "sdpa", device)
+    model = build(spec, spec.attention, device)
     ids = torch.randint(model.config.vocab_size, (spec.batch, spec.seq_len), device=device)
     with torch.no_grad():
         expected = model(input_ids=ids, labels=ids).loss.item()
@@ -236,8 +270,13 @@ def check(spec: Model, device: str = "cuda") -> tuple[dict, bool]:
     return {"loss": error}, error <= LOSS_TOLERANCE
 
 
+def implementations(spec: Model) -> tuple[str, ...]:
+    """IMPLEMENTATIONS, without sdpa where the family has none (Gemma 2)."""
+    return tuple(name for name in IMPLEMENTATIONS if name != "sdpa" or spec.attention == "sdpa")
+
+
 def cases(quick: bool) -> list[suite.Case]:
-    """Every model on every implementation (the quick run keeps those the gates name)."""
+    """Every model on every implementation it has (the quick run keeps those the gates name)."""
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -246,11 +285,11 @@ def cases(quick: bool) -> list[suite.Case]:
     result = []
     for spec in MODELS:
         with torch.device("meta"):
-            work = flops_per_step(build(spec, "sdpa", "meta"), spec)
+            work = flops_per_step(build(spec, spec.attention, "meta"), spec)
         result += suite.family_cases(
             KERNEL,
             spec.params,
-            {name: name for name in IMPLEMENTATIONS},
+            {name: name for name in implementations(spec)},
             ["forward+backward"],
             lambda direction, work=work: work,
             "flop",
@@ -260,7 +299,7 @@ def cases(quick: bool) -> list[suite.Case]:
     return result
 
 
-# Tiny models for the interpreter: two layers, GQA in the LLaMA and the Gemma, 16 tokens a sequence.
+# Tiny models for the interpreter: two layers, GQA in the LLaMA and the Gemmas, 16 tokens a sequence.
 INTERPRETER_MODELS = (
     Model(
         "llama-tiny",
@@ -350,6 +389,28 @@ INTERPRETER_MODELS = (
         },
         batch=2,
         seq_len=16,
+    ),
+    # Both caps biting: scaled attention scores reach about ±9 with query_pre_attn_scalar 16 (capped at 2).
+    Model(
+        "gemma2-tiny-softcap",
+        "gemma2",
+        {
+            "vocab_size": 96,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "sliding_window": 5,
+            "query_pre_attn_scalar": 16,
+            "initializer_range": 0.2,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 5.0,
+        },
+        batch=2,
+        seq_len=16,
+        attention="eager",
     ),
 )
 FLOOR = 1e-3  # float16's, as the tests' accuracy rule (times the largest magnitude)

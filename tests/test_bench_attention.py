@@ -154,7 +154,8 @@ def test_window_and_packed_cases_in_full_runs_only():
     assert {c.work for c in packed if c.direction == "forward"} == {
         attention.packed_flops(attention.PACKED_LENGTHS, 16, 128)
     }
-    assert not {c.kernel for c in attention.cases(quick=True)} - {"attention", "attention_decode"}
+    quick_kernels = {c.kernel for c in attention.cases(quick=True)}
+    assert not quick_kernels - {"attention", "attention_decode", "attention_score_mods"}
 
 
 def test_decode_cases_read_the_cache_once():
@@ -199,10 +200,78 @@ def test_check_packed_passes_ours_and_fails_a_wrong_result(monkeypatch):
     assert not ok and errors["out"] > attention.TOLERANCE
 
 
+def test_score_mod_cases_time_ours_and_flex_where_the_kernels_take_the_direction():
+    from horse.kernels.attention.configs import SOFTCAP_BACKWARD_MAX_HEAD_DIM
+
+    for quick in (False, True):
+        cases = [c for c in attention.cases(quick) if c.kernel == "attention_score_mods"]
+        assert {c.implementation for c in cases} == {"ours", "flex"}
+        assert len(cases) == 2 * sum(len(directions) for _, _, directions in attention.SCORE_MODS)
+    assert all(c.check is not None for c in cases if c.implementation == "ours")
+    softcapped = {(c.params["head_dim"], c.direction) for c in cases if c.params["softcap"]}
+    assert softcapped == {(128, "forward"), (64, "forward"), (64, "forward+backward")}
+    assert all(d <= SOFTCAP_BACKWARD_MAX_HEAD_DIM for d, direction in softcapped if direction != "forward")
+    with_sinks = {(c.params["head_dim"], c.direction) for c in cases if c.params["sinks"]}
+    assert with_sinks == {(128, "forward"), (128, "forward+backward")}
+    for c in cases:
+        shape = attention.benchmark_shape(c.params["seqlen"], c.params["head_dim"])
+        assert c.work == attention.direction_flops(c.direction, shape, causal=True)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("modification", ["softcap", "sinks"])
+def test_the_flex_baselines_compute_the_same_modification_as_the_reference(modification):
+    """flex_attention (uncompiled, forward: its CPU path has no backward) with the score_mod or the sinks
+    taken from its lse, against the float32 reference with softcap= or sinks=."""
+    torch.manual_seed(0)
+    shape = attention.Shape(2, 37, 3, 16)
+    q, k, v = (t.float() for t in attention.make_qkv(shape, "cpu"))
+    q = q * 30  # scores of ~±100 on the scaled scale: SOFTCAP (50) bends them
+    sinks = attention.make_sinks(shape, "cpu") * 3
+    flex = attention._flex(modification, shape.seqlen, "cpu")
+    if modification == "softcap":
+        got = flex(q, k, v)
+        expected, _ = reference.attention(q, k, v, causal=True, softcap=attention.SOFTCAP)
+        plain, _ = reference.attention(q, k, v, causal=True)
+    else:
+        got = flex(q, k, v, sinks)
+        expected, _ = reference.attention(q, k, v, causal=True, sinks=sinks)
+        plain, _ = reference.attention(q, k, v, causal=True)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert (plain - expected).abs().max() > 0.1  # the modification matters at these scores
+
+
+def test_check_tells_sinks_from_none():
+    def with_sinks(q, k, v, sinks):
+        return reference.attention(q, k, v, True, upcast=False, sinks=sinks)[0]
+
+    def ignoring_sinks(q, k, v, sinks):
+        return reference.attention(q, k, v, True, upcast=False)[0] + 0 * sinks.sum()
+
+    shape = attention.Shape(2, 48, 2, 32)
+    errors, ok = attention.check(shape, True, "cpu", with_sinks, sinks=True)
+    assert ok and list(errors) == ["out", "dq", "dk", "dv", "dsinks"], errors
+    assert not attention.check(shape, True, "cpu", ignoring_sinks, sinks=True)[1]
+
+
+@pytest.mark.interpreter
+def test_check_with_a_softcap_fails_ours_without_it(monkeypatch):
+    from horse import kernels
+
+    shape = attention.INTERPRETER_SHAPES[0]  # head dim 64: the softcap's backward runs
+    assert attention.check(shape, True, "cpu", softcap=attention.SOFTCAP)[1]
+    flash_attention = kernels.flash_attention
+    monkeypatch.setattr(
+        kernels, "flash_attention", lambda *a, **kw: flash_attention(*a, **kw | {"softcap": 0})
+    )
+    errors, ok = attention.check(shape, True, "cpu", softcap=attention.SOFTCAP)
+    assert not ok and errors["out"] > attention.TOLERANCE
+
+
 @pytest.mark.interpreter
 def test_interpreter_checks_pass():
     results = attention.interpreter_checks()
-    assert len(results) == 2 * len(attention.INTERPRETER_SHAPES) + 3
+    assert len(results) == 2 * len(attention.INTERPRETER_SHAPES) + 5
     assert all(ok for _, _, ok in results), results
 
 

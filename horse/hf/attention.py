@@ -19,13 +19,16 @@ Which kernel, in the order transformers' own flash path decides it:
 
 Causal masks align to the bottom-right corner, as transformers' do with a cache. The sliding window follows
 transformers' masks: query q sees keys kv with q - w < kv <= q, w keys counting its own, flash-attn's
-``window_size=(w - 1, 0)``.
+``window_size=(w - 1, 0)``. A ``softcap`` (Gemma 2's attn_logit_softcapping) is the kernels' own: the scaled
+scores become softcap · tanh(s / softcap) before the mask, as in transformers' eager attention. So are the
+attention sinks ``s_aux`` (gpt-oss's, a logit per head): each adds exp(sink) to its head's softmax
+denominator.
 
 The padding mask reaches the function only because :func:`padding_mask` is registered under the same name in
 transformers' mask interface: a name without a mask function gets ``attention_mask=None``, padding ignored.
 
 Refused, each with an error that says what to do: attention dropout above 0 in training,
-``output_attentions``, logit softcapping, attention sinks (``s_aux``), 4-D (custom) masks, float32 activations
+``output_attentions``, 4-D (custom) masks, float32 activations
 on the Triton path (see :func:`check_half_precision`).
 """
 
@@ -52,7 +55,7 @@ def check_half_precision(x: torch.Tensor, what: str) -> None:
         )
 
 
-def _refuse_unsupported(module, attention_mask, dropout, softcap, s_aux, kwargs) -> None:
+def _refuse_unsupported(module, attention_mask, dropout, kwargs) -> None:
     layer = type(module).__name__
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
@@ -67,10 +70,6 @@ def _refuse_unsupported(module, attention_mask, dropout, softcap, s_aux, kwargs)
             "from_pretrained(..., attn_pdrop=0.0) (its default is 0.1), or on a built GPT-2 model "
             "`for block in model.transformer.h: block.attn.attn_dropout.p = 0.0`."
         )
-    if softcap is not None:
-        raise ValueError(f"horse.hf attention ({layer}): logit softcapping ({softcap}) is not supported")
-    if s_aux is not None:
-        raise ValueError(f"horse.hf attention ({layer}): attention sinks (s_aux) are not supported")
     if kwargs.get("output_attentions"):
         raise ValueError(
             f"horse.hf attention ({layer}): output_attentions=True: the fused attention never forms the "
@@ -209,12 +208,14 @@ def attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface on our kernels (see the module docstring); returns (out, None)."""
-    _refuse_unsupported(module, attention_mask, dropout, softcap, s_aux, kwargs)
+    _refuse_unsupported(module, attention_mask, dropout, kwargs)
     causal = module.is_causal if is_causal is None else is_causal
     # transformers' window of w keys counts the query's own: flash-attn's left side is w - 1 (causal sets
     # the right side to 0).
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
-    options = {"causal": causal, "softmax_scale": scaling, "window_size": window}
+    options = {"causal": causal, "softmax_scale": scaling, "window_size": window, "softcap": softcap or 0.0}
+    if s_aux is not None:  # the kernels take the sinks in float32; the cast passes their gradient back
+        options["sinks"] = s_aux.float()
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (batch, seqlen, heads, head_dim) views
     check_half_precision(q, f"attention ({type(module).__name__})")
     batch, seqlen_q = q.shape[:2]

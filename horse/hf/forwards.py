@@ -247,10 +247,10 @@ def glm4_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> t
 
 
 @checkpointed
-def gemma3_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
-    """Gemma 3's decoder layer: sandwich norms, the attention's output normalized (post_attention_layernorm)
-    before its add, which is fused into pre_feedforward_layernorm; the MLP's output normalized
-    (post_feedforward_layernorm) before its add."""
+def gemma2_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Gemma 2's and Gemma 3's decoder layer: sandwich norms, the attention's output normalized
+    (post_attention_layernorm) before its add, which is fused into pre_feedforward_layernorm; the MLP's output
+    normalized (post_feedforward_layernorm) before its add."""
     attention_output, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
     attention_output = self.post_attention_layernorm(attention_output)
     normalized, hidden_states = _add_rms_norm(self.pre_feedforward_layernorm, attention_output, hidden_states)

@@ -17,10 +17,12 @@ Per family, by ``config.model_type``:
     glm4              as LLaMA with Phi-3's MLP and sandwich norms (each branch normalized before its add)
     gemma             as LLaMA with Gemma's RMSNorm (x̂ · (1 + weight) in float32, then the cast) and its
                       GeGLU MLP (tanh GELU); its embedding scaling stays in transformers' module
-    gemma3_text       as gemma, with its q_norm and k_norm (Gemma's RMSNorm over the head dim), sliding
+    gemma2            as gemma, with attn_logit_softcapping as the attention kernel's softcap, sliding
                       windows on the layers whose layer_type says so, query_pre_attn_scalar in the module's
-                      scaling, and sandwich norms (the add fused into pre_feedforward_layernorm); the loss
-                      over its 262,208 classes, with final_logit_softcapping when set as the loss's softcap
+                      scaling, sandwich norms (the add fused into pre_feedforward_layernorm), and
+                      final_logit_softcapping as the loss's softcap
+    gemma3_text       as gemma2, with its q_norm and k_norm (Gemma's RMSNorm over the head dim); the loss
+                      over its 262,208 classes; either softcap when set
     mixtral, olmoe,   as LLaMA, with the packed experts (gate_up_proj, down_proj) as one moe_mlp call on
     qwen3_moe         the module's own parameters (horse.hf.moe); the router, its logits and the aux loss
                       (output_router_logits, router_aux_loss_coef) as the model computes them
@@ -28,13 +30,12 @@ Per family, by ``config.model_type``:
                       and the dense layers of mlp_only_layers as the others
     gpt2              attention, LayerNorm, the MLP, the residual add into ln_2, the loss
 
-Any other model type raises (those of WAITING_FOR_KERNELS with what they need: gemma2, gemma4_text,
-gpt_oss): a model is never left unpatched without a word. Rotary embeddings,
-partial (Phi-3's partial_rotary_factor, GLM-4's interleaved half) or none, and Granite's embedding_multiplier
-stay in transformers' own modules, which are not replaced. Refused at apply, naming what:
-quantized models, cross-attention (GPT-2's add_cross_attention), Gemma's use_bidirectional_attention, head
-dims above 256, attention logit softcapping (attn_logit_softcapping), a head with more classes
-than the loss takes (cross_entropy.MAX_VOCAB), MLP biases on a gated MLP, activations the kernels lack,
+Any other model type raises (those of WAITING_FOR_KERNELS with what they need: gemma4_text, gpt_oss): a model
+is never left unpatched without a word. Rotary embeddings, partial (Phi-3's partial_rotary_factor, GLM-4's
+interleaved half) or none, and Granite's embedding_multiplier stay in transformers' own modules, which are not
+replaced. Refused at apply, naming what: quantized models, cross-attention (GPT-2's add_cross_attention),
+Gemma's use_bidirectional_attention, head dims above 256, a head with more classes than the loss takes
+(cross_entropy.MAX_VOCAB), MLP biases on a gated MLP, activations the kernels lack,
 wrapped layers (anything but a plain ``nn.Linear`` / ``Conv1D`` where a fused forward reads the weight, hooks
 on them) and modules whose forward something else has replaced already. Refused at call: see
 ``horse.hf.attention`` and ``horse.hf.forwards``. Float32 activations on a GPU are refused rather than run on
@@ -75,17 +76,24 @@ SUPPORTED_MODEL_TYPES = (
     "olmo2",
     "glm4",
     "gemma",
+    "gemma2",
     "gemma3_text",
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
     "olmoe",
 )
-# Families that need what the kernels do not do yet (issue 49), with what: named in apply's refusal.
+# Families that need what the kernels do not do yet (issue 49), with what: named in apply's refusal. gpt-oss's
+# attention would run exactly today (its sinks as the kernels' sinks=, its windows per layer_type, its biases
+# in the projections); Gemma 4's layers also need forwards of their own, listed after the kernels' part.
 WAITING_FOR_KERNELS = {
-    "gemma2": "attention logit softcapping (attn_logit_softcapping)",
-    "gemma4_text": "head dim 512 on its global layers",
-    "gpt_oss": "attention sinks (s_aux) and its packed experts",
+    "gemma4_text": (
+        "head dim 512 on its global layers (global_head_dim) and the packed experts of enable_moe_block (the "
+        "MoE kernels); then forwards of its own for Gemma4RMSNorm (the weight, without Gemma's offset, "
+        "multiplied in float32 before the cast, as OLMo-2's; v_norm and the router's norm without a weight) "
+        "and for its decoder layer (sandwich norms, the per-layer input's gated branch, layer_scalar)"
+    ),
+    "gpt_oss": "its packed experts (the MoE kernels)",
 }
 MAX_HEAD_DIM = 256
 _PATCH = "_horse_hf_patch"  # the model's attribute holding what apply changed
@@ -102,6 +110,7 @@ _LLAMA_LIKE = {
     "olmo2": "Olmo2",
     "glm4": "Glm4",
     "gemma": "Gemma",
+    "gemma2": "Gemma2",
     "gemma3_text": "Gemma3",
     "mixtral": "Mixtral",
     "qwen2_moe": "Qwen2Moe",
@@ -190,9 +199,13 @@ _UNLIKE_LLAMA = {
     "olmo2": {"norm_forward": forwards.olmo2_rms_norm_forward, "layer": None},
     "glm4": {**_GATE_UP_MLP, "layer_forward": forwards.glm4_decoder_layer_forward},
     "gemma": {"norm_forward": forwards.gemma_rms_norm_forward},
+    "gemma2": {
+        "norm_forward": forwards.gemma_rms_norm_forward,
+        "layer_forward": forwards.gemma2_decoder_layer_forward,
+    },
     "gemma3_text": {
         "norm_forward": forwards.gemma_rms_norm_forward,
-        "layer_forward": forwards.gemma3_decoder_layer_forward,
+        "layer_forward": forwards.gemma2_decoder_layer_forward,
     },
 }
 
@@ -242,14 +255,6 @@ def _refusals(model: PreTrainedModel, fam: Family, plan) -> list[str]:
     # Gemma's own masks stay causal where its attention does not; Gemma 3's bidirectional masks are untested
     if getattr(config, "use_bidirectional_attention", False):
         problems.append("bidirectional attention (use_bidirectional_attention=True)")
-    # the loss softcaps the final logits (forwards.final_logit_softcap); the attention kernel has no softcap
-    attention_softcapping = {
-        k: v
-        for k, v in config.to_dict().items()
-        if "softcap" in k and k != "final_logit_softcapping" and v is not None
-    }
-    if attention_softcapping:
-        problems.append(f"attention logit softcapping {attention_softcapping}")
     for name, module in model.named_modules():
         if isinstance(module, fam.attention) and module.head_dim > MAX_HEAD_DIM:
             problems.append(f"{name}: head_dim {module.head_dim} (the kernels take up to {MAX_HEAD_DIM})")
