@@ -5,18 +5,17 @@ machine's GPU, gated.
                     [pytest options: --durations N, -k ..., --benchmark-save NAME, ...]
 
 Measures the device's ceilings (copy bandwidth, a large float16 matmul), then times every case of
-the families below under pytest-benchmark with CUDA events (norms, attention, MLP, the fused
-loss, the end-to-end training step of bench/train.py, and a transformers model's training step with
-horse.hf.apply against its own attention implementations in bench/hf.py), ours checked against the float32
-reference first
-where a family has a check. Prints a table, writes results.json (with the machine) and a PNG per
-kernel to --out (default bench/results/<date>-<gpu>/), and with --gate exits 1 naming each kernel
-and shape below its threshold in bench/gates.toml (a gated case of ours without a result fails as
-"not measured"). ``--quick`` times only what the gates need: ours on the gated shapes and
-directions, and the baselines those gates name. ``--compare PREVIOUS.json`` prints each case's time
-over an earlier run's and exits 1 where ours is more than 5 % slower. Options it does not know
-(``--durations 20``: where the time went, compilation included; ``--benchmark-save NAME``, ``-k``)
-go to pytest.
+the families below under pytest-benchmark with CUDA events (norms, attention, MLP, the MoE experts
+against transformers' own, the fused loss, the end-to-end training step of bench/train.py, and a
+transformers model's training step with horse.hf.apply against its own attention implementations in
+bench/hf.py), ours checked against the float32 reference first where a family has a check. Prints a
+table, writes results.json (with the machine) and a PNG per kernel to --out (default
+bench/results/<date>-<gpu>/), and with --gate exits 1 naming each kernel and shape below its
+threshold in bench/gates.toml (a gated case of ours without a result fails as "not measured").
+``--quick`` times only what the gates need: ours on the gated shapes and directions, and the
+baselines those gates name. ``--compare PREVIOUS.json`` prints each case's time over an earlier
+run's and exits 1 where ours is more than 5 % slower. Options it does not know (``--durations 20``:
+where the time went, compilation included; ``--benchmark-save NAME``, ``-k``) go to pytest.
 
 Without a GPU it runs each family's correctness check on small shapes in Triton's interpreter and
 the compile report for sm_90 (the GPU the suite times; ``python -m bench.compile_report`` builds
@@ -36,7 +35,7 @@ import torch
 
 # bench/<name>.py, each with cases(quick) -> list[suite.Case] and interpreter_checks() -> list of
 # (label, errors, passed).
-FAMILIES = ("norms", "attention", "mlp", "loss", "train", "hf")
+FAMILIES = ("norms", "attention", "mlp", "moe", "loss", "train", "hf")
 BENCH_DIR = Path(__file__).resolve().parent
 
 

@@ -11,7 +11,8 @@ model classes, in bfloat16 weights (``from_pretrained(..., torch_dtype=torch.bfl
 * ``ours``: the sdpa model (Gemma 2's eager one) after ``horse.hf.apply`` (our attention, norms, MLP and the
   loss without logits);
 * ``liger``: Liger-Kernel's instance patch (``apply_liger_kernel_to_llama(model=...)``, ``..._phi3``,
-  ``..._gemma2``, ``..._gemma3_text``) where it is installed, an optional baseline; it has no GPT-2.
+  ``..._gemma2``, ``..._gemma3_text``, ``..._qwen3_moe``) where it is installed, an optional baseline; it has
+  no GPT-2.
 
 Models (random weights, no download): a LLaMA of 1.2 B parameters (Llama 3.2 1B's shape: d_model 2,048, 16
 layers, 32 query and 8 key-value heads, MLP 8,192, vocabulary 128,256, tied embeddings) at 4,096 tokens a
@@ -26,17 +27,20 @@ GeGLU MLP 9,216, vocabulary 256,000, attention softcap 50, final-logit softcap 3
 alternate layers, tied embeddings) with its 8 query heads over 4 of dim 256 recut as 32 over 16 of dim 64 (the
 same projections), as the kernels take the softcap's backward up to head dim 64, at 2,048 tokens (eager's
 saved scores, 26 layers × 32 heads × 2,048² in bfloat16 and the softmax's in float32, about 28 GB beside 21 GB
-of weights, gradients and AdamW state: estimated; four times that at 4,096). Work: 6·N + 12·L·d·T FLOPs a
-token (bench.train's count; N the parameters once, T the sequence length; for the Gemmas it counts full
-attention on every layer, as for the others). Peak
-memory (the suite's ``peak_memory_bytes``: what the case allocated at most, model and optimizer included) is
-gated with tokens/s: gates.toml holds ours to at least sdpa's tokens/s and at most its peak memory (eager's
-where the family has no sdpa: the param ``sdpa`` false), and to Liger's tokens/s where Liger is installed.
+of weights, gradients and AdamW state: estimated; four times that at 4,096); a Qwen3-MoE of 3.1 B, 0.85 B of
+them active (Qwen3-30B-A3B's shape with 4 of its 48 layers: d_model 2,048, 32 query heads over 4 key-value
+heads of dim 128, 128 experts of inter 768, top 8, vocabulary 151,936, the router's aux loss on) at 4,096
+tokens. Work: 6·N + 12·L·d·T FLOPs a token (bench.train's count; N the parameters once, only the routed
+experts' share of an MoE's experts, T the sequence length; for the Gemmas it counts full attention on every
+layer, as for the others). Peak memory (the suite's ``peak_memory_bytes``: what the case allocated at most,
+model and optimizer included) is gated with tokens/s: gates.toml holds ours to at least sdpa's tokens/s and at
+most its peak memory (eager's where the family has no sdpa: the param ``sdpa`` false), and to Liger's tokens/s
+where Liger is installed.
 
 Before ours is timed, its loss on the batch is compared with sdpa's (Gemma 2: eager's) on the same weights
-(bfloat16: within 2%).
-Without a GPU, :func:`interpreter_checks` runs a tiny model of each family (the Gemma with its softcap) in
-float16 in Triton's interpreter against eager in float32.
+(bfloat16: within 2%). Without a GPU, :func:`interpreter_checks` runs a tiny model of each family (the Gemmas
+with their softcaps, a Qwen3-MoE with its aux loss) in float16 in Triton's interpreter against eager in
+float32.
 """
 
 import dataclasses
@@ -157,20 +161,52 @@ GEMMA2_2B = Model(
     seq_len=2048,
     attention="eager",
 )
-MODELS = (LLAMA_1B, GPT2_124M, PHI3_MINI, GEMMA3_1B, GEMMA2_2B)
+# Qwen3-30B-A3B's shape with 4 of its 48 layers: 128 experts of inter 768, top 8, the aux loss on.
+QWEN3_MOE = Model(
+    "qwen3-moe-4l",
+    "qwen3_moe",
+    {
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "output_router_logits": True,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "max_position_embeddings": 4096,
+    },
+    batch=1,
+    seq_len=4096,
+)
+MODELS = (LLAMA_1B, GPT2_124M, PHI3_MINI, GEMMA3_1B, GEMMA2_2B, QWEN3_MOE)
 # Liger-Kernel's instance patch for each family it has
 LIGER_PATCHES = {
     "llama": "apply_liger_kernel_to_llama",
     "phi3": "apply_liger_kernel_to_phi3",
     "gemma2": "apply_liger_kernel_to_gemma2",
     "gemma3_text": "apply_liger_kernel_to_gemma3_text",
+    "qwen3_moe": "apply_liger_kernel_to_qwen3_moe",
 }
 
 
-def flops_per_step(model, spec: Model) -> int:
-    """Training FLOPs of a step: (6·N + 12·L·d·T) a token, N the parameters (tied ones once)."""
+def active_params(model) -> int:
+    """The parameters a token uses (tied ones once): all of them, less, in a mixture of experts, the share of
+    the experts' weights it is not routed to (num_experts - num_experts_per_tok of num_experts)."""
     params = sum(p.numel() for p in model.parameters())
-    per_token = 6 * params + 12 * spec.params["layers"] * spec.params["d_model"] * spec.seq_len
+    experts = getattr(model.config, "num_experts", None)
+    if experts is None:
+        return params
+    expert_params = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    return params - expert_params * (experts - model.config.num_experts_per_tok) // experts
+
+
+def flops_per_step(model, spec: Model) -> int:
+    """Training FLOPs of a step: (6·N + 12·L·d·T) a token, N the parameters a token uses (active_params)."""
+    per_token = 6 * active_params(model) + 12 * spec.params["layers"] * spec.params["d_model"] * spec.seq_len
     return per_token * spec.batch * spec.seq_len
 
 
@@ -309,6 +345,27 @@ INTERPRETER_MODELS = (
             "pad_token_id": 0,  # Phi-3's 32,000 lies outside this vocabulary
             "bos_token_id": 1,
             "eos_token_id": 2,
+        },
+        batch=2,
+        seq_len=16,
+    ),
+    # Weights 10x the default spread: the router's top 2 of 8 well apart, so that float16 routes as float32.
+    Model(
+        "qwen3-moe-tiny",
+        "qwen3_moe",
+        {
+            "vocab_size": 96,
+            "hidden_size": 64,
+            "moe_intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "output_router_logits": True,
+            "router_aux_loss_coef": 0.1,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "initializer_range": 0.2,
         },
         batch=2,
         seq_len=16,

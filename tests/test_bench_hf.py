@@ -18,7 +18,7 @@ def test_cases_cover_every_model_on_every_implementation_and_quick_keeps_the_gat
         for model in hf.MODELS
         for name in (hf.IMPLEMENTATIONS if model.attention == "sdpa" else ("ours", "eager", "liger"))
     ]
-    llama, gpt2, phi3, gemma3, gemma2 = (cases[i * len(hf.IMPLEMENTATIONS)] for i in range(5))
+    llama, gpt2, phi3, gemma3, gemma2, qwen3_moe = (c for c in cases if c.implementation == "ours")
     shapes = {"model": "llama-1b", "layers": 16, "d_model": 2048, "batch": 1, "seq_len": 4096}
     assert llama.params == shapes | {"sdpa": True}
     shapes = {"model": "gpt2-124m", "layers": 12, "d_model": 768, "batch": 16, "seq_len": 1024}
@@ -41,18 +41,24 @@ def test_cases_cover_every_model_on_every_implementation_and_quick_keeps_the_gat
         "seq_len": 2048,
         "sdpa": False,  # transformers' Gemma 2 refuses sdpa (softcapping): eager is its baseline
     }
+    shapes = {"model": "qwen3-moe-4l", "layers": 4, "d_model": 2048, "batch": 1, "seq_len": 4096}
+    assert qwen3_moe.params == shapes | {"sdpa": True}
     assert hf.GEMMA3_1B.make_config().final_logit_softcapping == 30.0
     gemma2_config = hf.GEMMA2_2B.make_config()
     assert (gemma2_config.attn_logit_softcapping, gemma2_config.final_logit_softcapping) == (50.0, 30.0)
     assert gemma2_config.layer_types[:2] == ["sliding_attention", "full_attention"]
     assert all(c.direction == "forward+backward" and c.unit == "flop" for c in cases)
     # 6 N + 12 L d T a token: N is Llama 3.2 1B's 1.236 B parameters (tied head), GPT-2's 124.4 M,
-    # Phi-3-mini's 3.821 B, Gemma 3 1B's 1.000 B (tied head), Gemma 2 2B's 2.614 B (tied head).
+    # Phi-3-mini's 3.821 B, Gemma 3 1B's 1.000 B (tied head), Gemma 2 2B's 2.614 B (tied head), the
+    # Qwen3-MoE's 0.8499 B active of 3.115 B (each layer's 604 M expert weights, 8 of 128 experts' share).
     assert llama.work == pytest.approx((6 * 1.2358e9 + 12 * 16 * 2048 * 4096) * 4096, rel=1e-3)
     assert gpt2.work == pytest.approx((6 * 124.44e6 + 12 * 12 * 768 * 1024) * 16 * 1024, rel=1e-3)
     assert phi3.work == pytest.approx((6 * 3.8211e9 + 12 * 32 * 3072 * 2048) * 2 * 2048, rel=1e-3)
     assert gemma3.work == pytest.approx((6 * 0.99989e9 + 12 * 26 * 1152 * 4096) * 4096, rel=1e-3)
     assert gemma2.work == pytest.approx((6 * 2.6142e9 + 12 * 26 * 2304 * 2048) * 2048, rel=1e-3)
+    active = 3.1148e9 - 4 * 128 * 3 * 768 * 2048 * (128 - 8) // 128
+    assert qwen3_moe.work == pytest.approx((6 * active + 12 * 4 * 2048 * 4096) * 4096, rel=1e-3)
+    assert active == pytest.approx(0.8499e9, rel=1e-3)
     quick = suite.gated_cases(hf.cases(quick=True), suite.load_gates())
     assert [(c.params["model"], c.implementation) for c in quick] == [
         (model.name, name)
@@ -118,6 +124,7 @@ def test_interpreter_check_passes_and_fails_on_a_wrong_gradient(monkeypatch):
         "llama-tiny",
         "gpt2-tiny",
         "phi3-tiny",
+        "qwen3-moe-tiny",
         "gemma3-tiny-softcap",
         "gemma2-tiny-softcap",
     ]

@@ -27,6 +27,7 @@ LAYERS = {
     "horse.demo": 1,
     "horse.hf.attention": 1,  # transformers' modules patched: they build on the kernels only
     "horse.hf.forwards": 1,
+    "horse.hf.moe": 1,
     "horse.hf.patch": 1,
     "horse.model": 2,
     "horse.parallel": 3,

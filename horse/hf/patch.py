@@ -23,6 +23,11 @@ Per family, by ``config.model_type``:
                       final_logit_softcapping as the loss's softcap
     gemma3_text       as gemma2, with its q_norm and k_norm (Gemma's RMSNorm over the head dim); the loss
                       over its 262,208 classes; either softcap when set
+    mixtral, olmoe,   as LLaMA, with the packed experts (gate_up_proj, down_proj) as one moe_mlp call on
+    qwen3_moe         the module's own parameters (horse.hf.moe); the router, its logits and the aux loss
+                      (output_router_logits, router_aux_loss_coef) as the model computes them
+    qwen2_moe         as qwen3_moe, with its shared expert (a gated MLP) patched as LLaMA's; its sigmoid gate
+                      and the dense layers of mlp_only_layers as the others
     gpt2              attention, LayerNorm, the MLP, the residual add into ln_2, the loss
 
 Any other model type raises (those of WAITING_FOR_KERNELS with what they need: gemma4_text, gpt_oss): a model
@@ -47,7 +52,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedMod
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.pytorch_utils import Conv1D
 
-from horse.hf import attention, forwards
+from horse.hf import attention, forwards, moe
 from horse.kernels.cross_entropy import MAX_VOCAB
 from horse.kernels.runtime import major_minor
 
@@ -73,6 +78,10 @@ SUPPORTED_MODEL_TYPES = (
     "gemma",
     "gemma2",
     "gemma3_text",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
 )
 # Families that need what the kernels do not do yet (issue 49), with what: named in apply's refusal. gpt-oss's
 # attention would run exactly today (its sinks as the kernels' sinks=, its windows per layer_type, its biases
@@ -103,6 +112,10 @@ _LLAMA_LIKE = {
     "gemma": "Gemma",
     "gemma2": "Gemma2",
     "gemma3_text": "Gemma3",
+    "mixtral": "Mixtral",
+    "qwen2_moe": "Qwen2Moe",
+    "qwen3_moe": "Qwen3Moe",
+    "olmoe": "Olmoe",
 }
 # Families whose modeling module is not named after their model type
 _MODELING_MODULE = {"gemma3_text": "gemma3"}
@@ -115,7 +128,7 @@ class Family:
     norm: type
     norm_kind: str
     norm_forward: types.FunctionType
-    mlp: type
+    mlp: type | None  # None: the family has no dense MLP (Mixtral's layers are all experts)
     mlp_kind: str
     mlp_forward: types.FunctionType
     mlp_layers: tuple[str, ...]  # the projections whose weights the fused MLP reads
@@ -126,6 +139,7 @@ class Family:
     layer_forward: types.FunctionType
     attention: type
     causal_lm: type
+    experts: type | None = None  # the MoE families' packed experts, run by horse.hf.moe.experts_forward
 
 
 def family(model_type: str) -> Family:
@@ -156,7 +170,7 @@ def family(model_type: str) -> Family:
         norm=getattr(module, f"{prefix}RMSNorm"),
         norm_kind="rms_norm",
         norm_forward=forwards.rms_norm_forward,
-        mlp=getattr(module, f"{prefix}MLP"),
+        mlp=getattr(module, f"{prefix}MLP", None),  # None: Mixtral (its layers' MLPs are all experts)
         mlp_kind="gated_mlp",
         mlp_forward=forwards.gated_mlp_forward,
         mlp_layers=("gate_proj", "up_proj", "down_proj"),
@@ -167,6 +181,7 @@ def family(model_type: str) -> Family:
         layer_forward=forwards.decoder_layer_forward,
         attention=getattr(module, f"{prefix}Attention"),
         causal_lm=getattr(module, f"{prefix}ForCausalLM"),
+        experts=getattr(module, f"{prefix}Experts", None),
     )
     return dataclasses.replace(llama_like, **_UNLIKE_LLAMA.get(model_type, {}))
 
@@ -211,14 +226,17 @@ class _Patch:
 
 def _plan(model: PreTrainedModel, fam: Family) -> list[tuple[str, str, nn.Module, types.FunctionType]]:
     """(kind, name, module, forward) of every module apply replaces the forward of."""
-    kinds = {
-        fam.norm: (fam.norm_kind, fam.norm_forward),
-        fam.mlp: (fam.mlp_kind, fam.mlp_forward),
-    }
+    kinds = {fam.norm: (fam.norm_kind, fam.norm_forward)}
+    if fam.mlp is not None:
+        kinds[fam.mlp] = (fam.mlp_kind, fam.mlp_forward)
     if fam.layer is not None:
         kinds[fam.layer] = (fam.layer_kind, fam.layer_forward)
+    causal_lm_forward_for = forwards.causal_lm_forward_for
+    if fam.experts is not None:
+        kinds[fam.experts] = ("moe_experts", moe.experts_forward)
+        causal_lm_forward_for = moe.causal_lm_forward_for  # the loss plus the router's aux loss
     if isinstance(model, fam.causal_lm):
-        kinds[type(model)] = ("linear_cross_entropy", forwards.causal_lm_forward_for(type(model)))
+        kinds[type(model)] = ("linear_cross_entropy", causal_lm_forward_for(type(model)))
     plan = []
     for name, module in model.named_modules():
         if type(module) in kinds:
@@ -254,6 +272,8 @@ def _refusals(model: PreTrainedModel, fam: Family, plan) -> list[str]:
                 problems.append(f"{name}: activation {type(activation).__name__}, which the fused MLP lacks")
             if kind == "gated_mlp" and any(getattr(module, p).bias is not None for p in fam.mlp_layers):
                 problems.append(f"{name}: MLP biases (mlp_bias=True): the fused gated MLP has none")
+        if kind == "moe_experts":
+            problems += moe.experts_refusals(name, module)
         if kind == "linear_cross_entropy":
             problems += forwards.unfused_layers(module, ("lm_head",), nn.Linear)
             if (vocab := module.lm_head.out_features) > MAX_VOCAB:
@@ -273,8 +293,9 @@ def apply(model: PreTrainedModel) -> dict[str, list[str]]:
     """Run model (a transformers model of a supported family) on our fused kernels, in place.
 
     Returns {kind: [module names]} of what now runs them ("" names the model itself): "attention",
-    "rms_norm" / "layer_norm", "gated_mlp" / "mlp", "add_rms_norm" / "add_layer_norm" (decoder layers whose
-    post-attention residual add is fused into the norm), "linear_cross_entropy" (the causal LM's loss).
+    "rms_norm" / "layer_norm", "gated_mlp" / "mlp", "moe_experts" (an MoE layer's packed experts),
+    "add_rms_norm" / "add_layer_norm" (decoder layers whose post-attention residual add is fused into the
+    norm), "linear_cross_entropy" (the causal LM's loss).
     Calling it again returns the same report and changes nothing. Raises ValueError for a model type not in
     SUPPORTED_MODEL_TYPES and for what it refuses (see the module docstring), before changing anything.
     """
