@@ -2,6 +2,8 @@
 float64 truth, forward and every gradient: rows packing documents shorter than a block, longer
 than one, of one token, and a row that is one document."""
 
+import functools
+
 import pytest
 import torch
 from helpers import assert_close, record_launches
@@ -9,6 +11,7 @@ from test_attention import Shape, assert_lse_close, make_qkv
 
 from horse import kernels
 from horse.kernels import reference
+from horse.kernels.attention import launch
 
 
 def document_starts(rows: list[list[int]]) -> torch.Tensor:
@@ -44,9 +47,9 @@ def run_reference(q, k, v, dout, starts, window, upcast):
     return {"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
 
 
-@pytest.mark.parametrize(("shape", "documents", "window"), CASES, ids=str)
-def test_document_masking_matches_reference(shape, documents, window, device):
-    q, k, v = make_qkv(shape, torch.float16, device)
+def check(shape: Shape, documents: list[list[int]], window, dtype, device):
+    """Forward, lse and every gradient of flash_attention with the rows' documents against the truth."""
+    q, k, v = make_qkv(shape, dtype, device)
     starts = document_starts(documents).to(device)
     out, lse = kernels.flash_attention(
         q, k, v, causal=True, window_size=window, return_lse=True, document_starts=starts
@@ -59,6 +62,25 @@ def test_document_masking_matches_reference(shape, documents, window, device):
     for name, value in ours.items():
         assert_close(name, value, truth[name], baseline[name])
     assert_lse_close(lse, truth["lse"], baseline["lse"].float())
+
+
+@pytest.mark.parametrize(("shape", "documents", "window"), CASES, ids=str)
+def test_document_masking_matches_reference(shape, documents, window, device):
+    check(shape, documents, window, torch.float16, device)
+
+
+# The tables' tiles: 1,024-token rows, one document of a token among long ones; head dim 256, whose sm_90
+# dk/dv entry splits its outputs by TMA and takes its pointer tile for documents.
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("shape", "documents", "window", "dtype"),
+    [(Shape(2, 1024, 1024, 8, 2, 128), [[100, 500, 1, 423], [1024]], (-1, -1), torch.float16),
+     (Shape(1, 1000, 1000, 4, 4, 64), [[1] * 10 + [700, 290]], (256, -1), torch.bfloat16),
+     (Shape(1, 700, 700, 2, 1, 256), [[300, 400]], (-1, -1), torch.float16)],
+    ids=str,
+)  # fmt: skip
+def test_gpu_document_masking(shape, documents, window, dtype):
+    check(shape, documents, window, dtype, "cuda")
 
 
 def test_reference_documents_are_the_documents_apart():
@@ -110,3 +132,16 @@ def test_document_starts_bad_input_is_named():
             kernels.flash_attention(q, q, q, **({"causal": True} | kwargs))
     with pytest.raises(ValueError, match="seqlen_k = seqlen_q"):
         kernels.flash_attention(q, q[:, :5], q[:, :5], causal=True, document_starts=good)
+
+
+@pytest.mark.interpreter
+def test_document_masking_op_passes_opcheck_and_compiles_fullgraph():
+    q, k, v = make_qkv(Shape(1, 24, 24, 2, 1, 32), torch.float16, "cpu")
+    starts = document_starts([[9, 15]])
+    first_keys = launch.document_first_keys(starts, window_left=-1)
+    args = (q, k, v, None, 0.0, True, 0.125, -1, -1, None, None, 0, 0, first_keys)
+    torch.library.opcheck(torch.ops.horse.flash_attn_fwd.default, args)
+    call = functools.partial(kernels.flash_attention, causal=True, document_starts=starts)
+    torch._dynamo.reset()
+    compiled = torch.compile(call, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), call(q, k, v), rtol=0, atol=0)
