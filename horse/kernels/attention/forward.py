@@ -12,6 +12,7 @@ import triton.language as tl
 
 from horse.kernels.attention.masks import (
     _causal_scores,
+    _document_first_keys,
     _document_scores,
     _key_loop,
     _key_range,
@@ -196,10 +197,9 @@ def _attn_fwd_tile(
     first_keys = None
     tile_first_keys = None
     if FIRST_KEYS is not None:  # document masking: each query's first key, and the tile's edges
-        row_first_keys = FIRST_KEYS + b.to(tl.int64) * seqlen_q
-        first_keys = tl.load(row_first_keys + offs_m, mask=offs_m < seqlen_q, other=0)
-        last_m = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
-        tile_first_keys = (tl.load(row_first_keys + start_m), tl.load(row_first_keys + last_m))
+        first_keys, tile_first_keys = _document_first_keys(
+            FIRST_KEYS, b=b, start_m=start_m, offs_m=offs_m, seqlen_q=seqlen_q, BLOCK_M=BLOCK_M
+        )
     # Masked key blocks on both sides of the unmasked ones: a window's, or the documents' (masks.py).
     TWO_SIDED: tl.constexpr = LOCAL or FIRST_KEYS is not None
     keys = _key_range(

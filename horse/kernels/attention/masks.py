@@ -160,6 +160,17 @@ def _causal_scores(
 
 
 @triton.jit
+def _document_first_keys(FIRST_KEYS, b, start_m, offs_m, seqlen_q, BLOCK_M: tl.constexpr):
+    """Document masking's first keys of a query tile (row b of FIRST_KEYS, (batch, seqlen_q) int32):
+    its queries offs_m's, for the block's mask, and (its first query's, its last query's), for
+    :func:`_key_range`."""
+    row_first_keys = FIRST_KEYS + b.to(tl.int64) * seqlen_q
+    first_keys = tl.load(row_first_keys + offs_m, mask=offs_m < seqlen_q, other=0)
+    last_m = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+    return first_keys, (tl.load(row_first_keys + start_m), tl.load(row_first_keys + last_m))
+
+
+@triton.jit
 def _document_scores(qk, offs_m, offs_n, first_keys, fill):
     """qk (queries offs_m x keys offs_n) with fill where the key lies outside the query's document's
     keys up to its own, first_keys (BLOCK_M,) to offs_m (document masking)."""
