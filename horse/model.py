@@ -203,18 +203,13 @@ class Documents:
 
     positions: (B, T) int64, each token's position in its document (0 at its first token)
     document: (B, T) int64, each token's document's number in its row (0, 1, ...)
-    cu_seqlens: (B·T + 1,) int32, the documents' first rows in the flattened (B·T) tokens, then B·T
-        padding the rest: flash_attention_varlen's offsets, a fixed size whatever the data, so no
-        launch size depends on the data. Its grid is a program per (sequence, query tile of T): T
-        times the dense kernel's, most of them (empty sequences, tiles past a document's end)
-        returning after reading two offsets
-    max_seqlen: T, the longest a document can be
+    starts: (B, T) int32, each token's document's first column: flash_attention's document_starts,
+        whose kernels keep the dense grid (a program per query tile) whatever the documents
     """
 
     positions: torch.Tensor
     document: torch.Tensor
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
+    starts: torch.Tensor
 
 
 def documents_of(idx: torch.Tensor, eot_id: int) -> Documents:
@@ -224,12 +219,7 @@ def documents_of(idx: torch.Tensor, eot_id: int) -> Documents:
     starts[:, 1:] = idx[:, :-1] == eot_id
     columns = torch.arange(seqlen, device=idx.device).expand(batch, seqlen)
     first = torch.where(starts, columns, 0).cummax(dim=1).values  # (B, T): its document's first column
-    tokens = batch * seqlen
-    flat = torch.arange(tokens, device=idx.device)
-    # The starts' flat rows in order, then the padding (tokens): sorting puts every start first.
-    offsets = torch.where(starts.flatten(), flat, tokens).sort().values
-    cu_seqlens = torch.cat([offsets, offsets.new_full((1,), tokens)]).to(torch.int32)
-    return Documents(columns - first, starts.cumsum(dim=1) - 1, cu_seqlens, seqlen)
+    return Documents(columns - first, starts.cumsum(dim=1) - 1, first.to(torch.int32))
 
 
 def causal_attention(
@@ -244,7 +234,7 @@ def causal_attention(
     tokens decode against a longer cache); with a window, each query also sees only the window keys
     before its own; with documents (Tq = Tk), only the keys of its own document. Returns (B, Tq,
     n_head, hd). horse.kernels.flash_attention(q, k, v, causal=True, window_size=(window, -1)) takes
-    the same layout and mask, and flash_attention_varlen the documents (CausalSelfAttention)."""
+    the same layout and mask, and its document_starts the documents (CausalSelfAttention)."""
     tq, tk = q.shape[1], k.shape[1]
     mask = None
     if window is not None and window < tk - 1:
@@ -314,12 +304,10 @@ class CausalSelfAttention(FusedSelfAttention):
         position = {"offset": start} if documents is None else {"positions": documents.positions}
         q, k, v = self.qkv(x, **position)  # (B, T, n_heads, hd), (B, T, n_kv_heads, hd) twice
         if documents is not None and runs_half_kernels(self.backend, q):
-            # The rows' documents as one packed batch: (B·T, heads, hd), a sequence per document.
-            cu, longest = documents.cu_seqlens, documents.max_seqlen
-            packed = (t.flatten(0, 1) for t in (q, k, v))
-            y = kernels.flash_attention_varlen(
-                *packed, cu, cu, longest, longest, causal=True, window_size=self.window_size
-            ).view_as(q)  # (B, T, n_heads, hd)
+            # Each query sees its own document's keys up to itself: the dense kernels' grid.
+            y = kernels.flash_attention(
+                q, k, v, causal=True, window_size=self.window_size, document_starts=documents.starts
+            )  # (B, T, n_heads, hd)
         elif cache is not None and runs_half_kernels(self.backend, q):
             # Appends k, v to the cache in place and decodes against it: keys split among programs.
             k_cache, v_cache = cache.buffers(layer, k, v)  # (B, block_size, n_kv_heads, hd)

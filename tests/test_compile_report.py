@@ -999,8 +999,8 @@ def _compiled(config: KernelConfig):
 def test_attention_configs_are_the_launchers_plans(use_tma, monkeypatch):
     # The sm90 tables' own tiles (the interpreter emulates sm_90), walked without running a kernel:
     # every attention pass the launchers start, padded and packed, at a padded head dim and at 256 (its
-    # dk/dv entry launches dv and dk apart by TMA, its pointer tile fused), is one the compile report
-    # builds; the decode pass's too.
+    # dk/dv entry launches dv and dk apart by TMA, its pointer tile fused), with document masking too, is
+    # one the compile report builds; the decode pass's too.
     from horse import kernels
     from horse.kernels.attention import configs as attention_configs
     from horse.kernels.attention import launch
@@ -1025,6 +1025,9 @@ def test_attention_configs_are_the_launchers_plans(use_tma, monkeypatch):
         shapes = ((2, 40, heads, head_dim) for heads in (4, kv_heads, kv_heads))
         q, k, v = (torch.randn(shape, dtype=torch.float16, requires_grad=True) for shape in shapes)
         kernels.flash_attention(q, k, v, causal=True, window_size=window).sum().backward()
+        starts = torch.tensor([[0] * 15 + [15] * 25] * 2, dtype=torch.int32)  # documents of 15 and 25
+        documents = kernels.flash_attention(q, k, v, causal=True, window_size=window, document_starts=starts)
+        documents.sum().backward()
         cu = torch.tensor([0, 30, 40], dtype=torch.int32)
         packed = [t.detach().flatten(0, 1)[:40].requires_grad_() for t in (q, k, v)]
         kernels.flash_attention_varlen(*packed, cu, cu, 30, 30, causal=False).sum().backward()

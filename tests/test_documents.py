@@ -79,9 +79,9 @@ def test_documents_of_finds_starts_positions_and_offsets():
     documents = documents_of(idx, EOT)
     assert documents.positions.tolist() == [[0, 1, 2, 0, 1, 0, 0], [0, 0, 1, 2, 3, 0, 1]]
     assert documents.document.tolist() == [[0, 0, 0, 1, 1, 2, 3], [0, 1, 1, 1, 1, 2, 2]]
-    # The starts in the flattened 14 tokens, then 14 for each empty sequence: a fixed B·T + 1 offsets.
-    assert documents.cu_seqlens.tolist() == [0, 3, 5, 6, 7, 8, 12] + [14] * 8
-    assert documents.cu_seqlens.dtype == torch.int32 and documents.max_seqlen == 7
+    # Each token's document's first column: flash_attention's document_starts.
+    assert documents.starts.tolist() == [[0, 0, 0, 3, 3, 5, 6], [0, 1, 1, 1, 1, 5, 5]]
+    assert documents.starts.dtype == torch.int32
 
 
 @pytest.mark.parametrize("variant", CONFIGS)
@@ -102,16 +102,21 @@ def test_a_packed_row_computes_its_documents_apart_on_the_reference_path(variant
 
 @pytest.mark.parametrize("variant", CONFIGS)
 def test_a_packed_row_on_the_kernels_in_fp16_matches_its_documents_apart(variant, monkeypatch):
-    """The kernels' packed row (flash_attention_varlen) against the documents apart in float64 (the
-    truth), within twice the error of the reference path's own float16 run of the documents apart."""
+    """The kernels' packed row (flash_attention's document_starts) against the documents apart in float64
+    (the truth), within twice the error of the reference path's own float16 run of the documents apart."""
     config = CONFIGS[variant]
     calls = []
-    varlen = kernels.flash_attention_varlen
-    monkeypatch.setattr(kernels, "flash_attention_varlen", lambda *a, **k: calls.append(1) or varlen(*a, **k))
+    dense = kernels.flash_attention
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("document_starts") is not None)
+        return dense(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "flash_attention", recording)
     idx, targets = _packed_row()
     spans = [(idx[:, span], targets[:, span]) for span in _spans()]
     actual = _loss_sum_and_grads(_model(config, "triton"), [(idx, targets)], autocast=torch.float16)
-    assert len(calls) == config.n_layer
+    assert calls == [True] * config.n_layer
     truth = _loss_sum_and_grads(_model(config, dtype=torch.float64), spans)
     baseline = _loss_sum_and_grads(_model(config), spans, autocast=torch.float16)
     assert_close("loss", actual[0], truth[0], baseline[0])

@@ -1,6 +1,7 @@
 """The attention kernels' configs (horse.kernels.attention, its tables in
 horse.kernels.attention.configs): every table entry in every variant it can be launched in, the
-backward's preprocess and the decode kernels; on sm_90, the score modifications (softcap and sinks).
+backward's preprocess and the decode kernels; on sm_90, the score modifications (softcap and sinks);
+document masking on sm_90 (DOCUMENT_ARCHS).
 """
 
 import itertools
@@ -25,6 +26,9 @@ ATTENTION_TABLES = {
 ATTENTION_MASKS = ("full", "causal", "local")
 # The softcap the score-modification rows compile with (Gemma 2's): a constexpr, each value its own build.
 SOFTCAP = 50.0
+# The families whose document-masking rows are built: sm_90. On sm_80 the dk/dv pass spilled 8 bytes at
+# head dims 24 and 32 (blocks 32x64x128x32, 8 warps; the causal rows do not), sm86, sm100, gfx942 not built.
+DOCUMENT_ARCHS = ("sm90",)
 
 
 def attention_pass_configs(
@@ -38,23 +42,26 @@ def attention_pass_configs(
     arch: str = "sm90",
     head_split: bool = False,
     score_mods: bool = False,
+    documents: bool = False,
 ) -> list[KernelConfig]:
     """The KernelConfigs of attention pass ``name`` (one of ATTENTION_PASSES) launched with the table
     entry ``entry`` (horse.kernels.attention.configs.AttnConfig) at ``head_dim``, mask one of
     ATTENTION_MASKS, pointer or TMA loads, on a padded batch or a packed one, for GPU family arch:
     the launcher's own plans (horse.kernels.attention.launch: a launch each, the dk/dv pass's split
     outputs two); with head_split, the dk/dv pass writing float32 partials (a GQA group's query heads
-    split over programs); with score_mods, the softcap SOFTCAP and (the forward) the sinks."""
+    split over programs); with score_mods, the softcap SOFTCAP and (the forward) the sinks; with
+    documents, document masking (mask "causal")."""
     from horse.kernels.attention import launch
 
     shape = (1, 1, 1, 2, 1, head_dim)  # (batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim): the grid's
     softcap = SOFTCAP if score_mods else None
     if name == "attn_bwd_dkdv":
-        plans = launch.dkdv_plans(entry, shape, mask, tma, packed, 2 if head_split else 1, softcap)
+        splits = 2 if head_split else 1
+        plans = launch.dkdv_plans(entry, shape, mask, tma, packed, splits, softcap, documents)
     elif name == "attn_fwd":
-        plans = [launch.fwd_plan(entry, shape, mask, tma, packed, softcap, sinks=score_mods)]
+        plans = [launch.fwd_plan(entry, shape, mask, tma, packed, softcap, score_mods, documents)]
     else:
-        plans = [launch.dq_plan(entry, shape, mask, tma, packed, softcap)]
+        plans = [launch.dq_plan(entry, shape, mask, tma, packed, softcap, documents)]
     configs = []
     for plan in plans:
         output = plan.constexprs.get("OUTPUT", "dkdv")
@@ -66,6 +73,7 @@ def attention_pass_configs(
             (output, output != "dkdv"),
             ("softcap", score_mods),
             ("sinks", score_mods and name == "attn_fwd"),
+            ("documents", documents),
         )
         shape_class = " ".join([f"d={head_dim}", *(mode for mode, on in flags if on)])
         configs.append(plan_config(plan, shape_class, dtype, arch, matmul=True))
@@ -138,6 +146,41 @@ def score_mod_configs(arch: runtime.Arch) -> list[KernelConfig]:
     return configs
 
 
+def document_configs(arch: runtime.Arch) -> list[KernelConfig]:
+    """The passes with document masking (flash_attention's document_starts: padded batches, causal):
+    every table entry at its power-of-two head dim and a padded one, both dtypes, by pointer loads and
+    (where the entry may) TMA; the dk/dv pass's float32 partials too. A dk/dv entry with split outputs
+    takes its pointer tile for documents (launch._bwd_dkdv), so only that one builds."""
+    from horse.kernels.attention import configs as attention_configs
+
+    configs, dtypes = [], (torch.float16, torch.bfloat16)
+    for table, (name, batches) in ATTENTION_TABLES.items():
+        if False not in batches:
+            continue  # the packed forward's table: document masking runs on padded batches
+        for block_d, cfg in sorted(getattr(attention_configs, table)[arch.name].items()):
+            tma_allowed = cfg.tma and arch.tma and not cfg.split_outputs
+            loads = (False, True) if tma_allowed else (False,)
+            head_dims = dict.fromkeys((block_d, block_d * 3 // 4))
+            variants = [(head_dims, dtypes, False)]
+            if name == "attn_bwd_dkdv":
+                variants.append(((block_d,), (torch.float16,), True))
+            for dims, kinds, head_split in variants:
+                for head_dim, dtype, tma in itertools.product(dims, kinds, loads):
+                    configs += attention_pass_configs(
+                        name,
+                        cfg,
+                        head_dim,
+                        dtype,
+                        "causal",
+                        tma,
+                        False,
+                        arch.name,
+                        head_split,
+                        documents=True,
+                    )
+    return configs
+
+
 def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
     """Every table entry of horse.kernels.attention for arch (:func:`attention_entry_configs`), the
     backward's preprocess for each head dim, padded and packed, and the decode kernels."""
@@ -173,4 +216,6 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
             configs.append(plan_config(reduce, shape_class, dtype, arch.name))
     if arch.name == "sm90":
         configs += score_mod_configs(arch)
+    if arch.name in DOCUMENT_ARCHS:
+        configs += document_configs(arch)
     return configs

@@ -101,7 +101,7 @@ KERNEL_POINTERS = {
     "attention": (
         ("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"),
         ("LSE", "LSE_LOG2", "DLSE", "DELTA", "O_SPLIT", "LSE_SPLIT", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SINKS"),
-        {"SEQLENS_K": "i32"},
+        {"SEQLENS_K": "i32", "FIRST_KEYS": "i32", "LAST_QUERIES": "i32"},
     ),
     "mlp": (
         ("X", "W", "B", "Y", "PRE", "WU", "UP", "DY", "DH", "DPRE", "DUP", "H"),

@@ -74,6 +74,7 @@ def attention(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     sinks=None,
+    document_starts=None,
 ):
     """Explicit-softmax attention in float32 (float64 for float64 inputs): (out, lse).
 
@@ -83,7 +84,9 @@ def attention(
     sees no key gets zeros and lse = -inf. softcap > 0 turns the scaled scores s into softcap ·
     tanh(s / softcap) before the mask; sinks (heads,) add exp(sinks[h]) to each row's softmax
     denominator of head h (a key of value 0 every row sees: lse includes it, a row with no key gets
-    zeros and lse = its sink).
+    zeros and lse = its sink). document_starts (batch, seqlen_q) (with seqlen_q = seqlen_k): query i
+    sees only keys from document_starts[b, i], its document's first column, on (with causal: keys of
+    its own document up to itself).
     With upcast=False it computes in the inputs' dtype instead, rounding the scores and the
     probabilities as a fused kernel does: PyTorch's own error at that precision, for the tests.
     """
@@ -109,6 +112,10 @@ def attention(
         if left >= 0:
             hidden |= cols < diagonal - left
         scores = scores.masked_fill(hidden, float("-inf"))
+    if document_starts is not None:  # (batch, 1, seqlen_q, seqlen_k): keys before the query's document
+        cols = torch.arange(k.shape[1], device=q.device)
+        before = cols[None, None, :] < document_starts[:, :, None].to(q.device)
+        scores = scores.masked_fill(before[:, None], float("-inf"))
     if sinks is not None:  # the sink's column: every row's lse finite, a row without keys no NaN
         sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
         lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1, keepdim=True)

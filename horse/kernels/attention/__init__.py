@@ -22,6 +22,13 @@ of value 0 (so lse includes it), the gradient passes need nothing more, and d si
 lse) · delta is summed by torch from the preprocess's delta; the decode pass adds the sinks in its
 reduce. Off (softcap 0, sinks None), both are constexpr None and their code is not compiled.
 
+Document masking (flash_attention's ``document_starts``, rows that pack several documents): query i
+of a row sees keys first_key[i] .. i, first_key[i] its document's first column (a window's left edge
+folded in by the launcher), in the dense passes' grid. first_key rises along a row, so a query tile's
+keys take the sliding window's two-sided loops (``masks.py``): masked blocks from its first query's
+first key, unmasked ones from its last query's first key to its first query's diagonal; the dk/dv
+pass reads each key's last query instead (launch.document_last_queries, found on the device).
+
 Packed batches (:func:`flash_attention_varlen`, flash-attn's varlen layout): q (total_q, heads,
 head_dim) and k, v (total_k, kv_heads, head_dim) hold the sequences one after another, sequence b in
 rows cu_seqlens[b]:cu_seqlens[b + 1]; the kernels address a sequence by its first row, with TMA by

@@ -125,6 +125,40 @@ def validate_score_mods(softcap, sinks, q: torch.Tensor, fn: str) -> tuple[float
     return float(softcap), sinks.contiguous()
 
 
+def validate_document_starts(document_starts, q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
+    """document_starts checked: an int32 tensor (batch, seqlen) on q's device, with causal and as many
+    keys as queries; on the CPU in eager mode (no read back from a GPU, no graph break) its values too:
+    each row from 0, each column its own (a document begins) or the previous column's value."""
+    fn = "flash_attention"
+    batch, seqlen = q.shape[0], q.shape[1]
+    if not isinstance(document_starts, torch.Tensor):
+        raise TypeError(
+            f"{fn}: document_starts must be a torch.Tensor ({batch}, {seqlen}) or None, got "
+            f"{type(document_starts).__name__}"
+        )
+    if document_starts.shape != (batch, seqlen) or document_starts.dtype != torch.int32:
+        raise ValueError(
+            f"{fn}: document_starts must be an int32 tensor (batch, seqlen_q) = ({batch}, {seqlen}), got "
+            f"{document_starts.dtype} of shape {list(document_starts.shape)}"
+        )
+    if document_starts.device != q.device:
+        raise ValueError(f"{fn}: document_starts is on {document_starts.device} but q is on {q.device}")
+    if not causal or k.shape[1] != seqlen:
+        raise ValueError(
+            f"{fn}: document_starts takes causal=True and seqlen_k = seqlen_q, got causal={causal}, "
+            f"seqlen_q {seqlen} and seqlen_k {k.shape[1]}"
+        )
+    if q.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    columns = torch.arange(seqlen, dtype=torch.int32)
+    previous = torch.cat([document_starts.new_zeros(batch, 1), document_starts[:, :-1]], dim=1)
+    if not ((document_starts == columns) | (document_starts == previous)).all():
+        raise ValueError(
+            f"{fn}: document_starts[b, i] must be i (a document begins) or document_starts[b, i - 1] "
+            f"(from 0 in each row), got {document_starts.tolist()}"
+        )
+
+
 def normalize_mask(causal: bool, window_size, fn: str = "flash_attention") -> tuple[bool, tuple[int, int]]:
     """(causal, window) with the window validated and causal folded into it: causal is the right
     side at 0, a window of (-1, 0) is plain causal, and a returned window other than (-1, -1) is
@@ -144,7 +178,18 @@ def normalize_mask(causal: bool, window_size, fn: str = "flash_attention") -> tu
 
 
 def _attention(
-    fn: str, q, k, v, packed: Packed | None, causal, softmax_scale, return_lse, window_size, softcap, sinks
+    fn: str,
+    q,
+    k,
+    v,
+    packed: Packed | None,
+    causal,
+    softmax_scale,
+    return_lse,
+    window_size,
+    softcap,
+    sinks,
+    document_starts=None,
 ):
     """:func:`flash_attention`, or with packed :func:`flash_attention_varlen`, after their arguments."""
     q, k, v = runtime.autocast(q, k, v)
@@ -152,6 +197,8 @@ def _attention(
     softcap, sinks = validate_score_mods(softcap, sinks, q, fn)
     if packed is not None:
         _validate_sequences(q, k, packed)
+    if document_starts is not None:
+        validate_document_starts(document_starts, q, k, causal)
     causal, window = normalize_mask(causal, window_size, fn)
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1], fn)
     sequences = (None, None, 0, 0)
@@ -170,10 +217,24 @@ def _attention(
                 "there); the forward alone "
                 "(torch.no_grad, inputs without requires_grad) runs at every head dim"
             )
-        out, lse = _attn_fwd_op(q, k, v, sinks, softcap, causal, scale, *window, *sequences)
+        mask = (causal, window, None)
+        if document_starts is not None:  # causal with each query's first key, the window's left edge in it
+            mask = (True, (-1, -1), launch.document_first_keys(document_starts, window[0]))
+        causal_mask, window_mask, first_keys = mask
+        out, lse = _attn_fwd_op(
+            q, k, v, sinks, softcap, causal_mask, scale, *window_mask, *sequences, first_keys
+        )
     elif packed is None:
         out, lse = reference.attention(
-            q, k, v, causal, scale, window_size=window, softcap=softcap, sinks=sinks
+            q,
+            k,
+            v,
+            causal,
+            scale,
+            window_size=window,
+            softcap=softcap,
+            sinks=sinks,
+            document_starts=document_starts,
         )
     else:
         out, lse = reference.attention_varlen(
@@ -194,6 +255,7 @@ def flash_attention(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    document_starts: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention, FlashAttention-style, differentiable in q, k, v and sinks (and through lse).
 
@@ -214,13 +276,31 @@ def flash_attention(
     exp(s_j) + exp(sinks[h]))); lse includes it, and a row that sees no key gets zeros and lse = its
     sink. Both compose with causal, windows, GQA, the packed batch and the KV cache.
 
+    document_starts (document masking of rows that pack several documents): None, or an int32 tensor
+    (batch, seqlen) of each token's document's first column (document_starts[b, i] is i where a
+    document begins, else document_starts[b, i - 1]), with causal=True and seqlen_k = seqlen_q: query
+    i sees keys document_starts[b, i] to i, its document's up to itself (and within a window, if
+    given). The dense kernels' grid, a program per query tile, whatever the documents; the values are
+    trusted on a GPU (checked on the CPU). Composes with GQA, windows, softcap and sinks.
+
     Under torch.autocast the inputs are cast to its dtype first, as a matmul's would be.
 
     Returns out (batch, seqlen_q, heads, head_dim) in q's dtype, or (out, lse) with return_lse,
     lse (batch, heads, seqlen_q) float32 the natural log-sum-exp of each row's scaled scores.
     """
     return _attention(
-        "flash_attention", q, k, v, None, causal, softmax_scale, return_lse, window_size, softcap, sinks
+        "flash_attention",
+        q,
+        k,
+        v,
+        None,
+        causal,
+        softmax_scale,
+        return_lse,
+        window_size,
+        softcap,
+        sinks,
+        document_starts,
     )
 
 

@@ -12,6 +12,9 @@ import triton.language as tl
 
 from horse.kernels.attention.masks import (
     _causal_scores,
+    _document_first_keys,
+    _document_scores,
+    _document_scores_transposed,
     _in_window,
     _key_loop,
     _key_range,
@@ -159,13 +162,17 @@ def _attn_bwd_dkdv_block(
     INLINE_PTX: tl.constexpr,
     OUTPUT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    documents=None,
 ):
     """grads (dk, dv) after the query block at start_m: kv is the key block's (k, v) tiles (keys
     offs_n), queries (q_view, do_view, (LSE_LOG2, DELTA) at the head's first row, head). Works on the
     transposed scores (keys x queries) so dk and dv accumulate in (BLOCK_N, head-dim columns [col, +
     BLOCK_D_OUT)): all of them, or a slice, q and dO then read twice. OUTPUT: "dkdv" accumulates both,
     "dk" or "dv" one (the other is returned as it came). MASKED: the causal mask, or with LOCAL the
-    window. SOFTCAP: as in the forward's block, ds times the softcap's derivative 1 - tanh²."""
+    window. SOFTCAP: as in the forward's block, ds times the softcap's derivative 1 - tanh². documents
+    (None: off): document masking's (last_queries, all_seen_end), the key block's last queries
+    (masks.py) and the end of the query blocks that see every key of it, past which, or before
+    unmasked_m, a query block needs the mask."""
     dk, dv = grads
     k, v = kv
     q_view, do_view, row_stats, h = queries
@@ -212,7 +219,14 @@ def _attn_bwd_dkdv_block(
     qk_t = tl.dot(k, tl.trans(q))  # (BLOCK_N, BLOCK_M)
     if SOFTCAP is not None:
         qk_t, tanh_t = _softcapped_scores(qk_t, qk_scale, SOFTCAP=SOFTCAP)
-    if MASKED and not LOCAL:  # causal; keys past seqlen_k are dropped by the store
+    if MASKED and documents is not None:
+        last_queries, all_seen_end = documents
+        if (start_m < unmasked_m) | (start_m + BLOCK_M > all_seen_end):  # uniform, as the causal branch
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            qk_t = _document_scores_transposed(
+                qk_t, offs_n=offs_n, offs_m=offs_m, last_queries=last_queries, fill=float("-inf")
+            )
+    elif MASKED and not LOCAL:  # causal; keys past seqlen_k are dropped by the store
         if start_m < unmasked_m:  # a uniform branch: only the query blocks crossing the diagonal
             qk_t = _causal_scores(
                 qk_t,
@@ -282,6 +296,7 @@ def _attn_bwd_dkdv_kernel(
     VARLEN: tl.constexpr,
     INLINE_PTX: tl.constexpr,  # as in _attn_fwd_kernel
     SOFTCAP: tl.constexpr,  # as in _attn_fwd_kernel
+    LAST_QUERIES,  # None, or with MASK "causal" (batch, seqlen) int32: key j's last query (document masking)
 ):
     # grid = (cdiv(seqlen_k, BLOCK_N) * batch * kv_heads, head_splits * BLOCK_D // BLOCK_D_OUT): one
     # key block, query heads [split * heads_per_split, + heads_per_split) of its group, dk and dv
@@ -377,6 +392,15 @@ def _attn_bwd_dkdv_kernel(
         lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
     # Causal: query blocks from unmasked_m on see every key of the block (none crosses the diagonal).
     unmasked_m = tl.cdiv(start_n + BLOCK_N - 1 - causal_offset, BLOCK_M) * BLOCK_M
+    documents = None
+    if LAST_QUERIES is not None:
+        # Document masking: the queries from the block's first key to its last key's last query; those
+        # before the first key's last query see every key of the block from unmasked_m on (masks.py).
+        last_queries = tl.load(
+            LAST_QUERIES + b.to(tl.int64) * seqlen_k + offs_n, mask=offs_n < seqlen_k, other=seqlen_q - 1
+        )
+        hi = tl.minimum(tl.max(last_queries) + 1, seqlen_q)
+        documents = (last_queries, tl.min(last_queries) + 1)
     for g in range(first_head, last_head):
         h = kv_h * group_size + g
         row0 = q_seq.to(tl.int64) * lse_strides[0] + h.to(tl.int64) * lse_strides[1]
@@ -402,6 +426,7 @@ def _attn_bwd_dkdv_kernel(
                 INLINE_PTX=INLINE_PTX,
                 OUTPUT="dkdv",
                 SOFTCAP=SOFTCAP,
+                documents=documents,
             )
     seq = k_seq + split * split_seqs  # with head splits, the first row of this split's float32 partials
     if not (VARLEN and TMA):  # (with both, views of DK's and DV's descriptors of those rows, above)
@@ -622,10 +647,11 @@ def _attn_bwd_dq_block(
     TMA: tl.constexpr,
     INLINE_PTX: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    first_keys=None,
 ):
     """dq after the key block at start_n (K and V read in head kv_h of their views): queries is the
-    query block's (q, do, lse, delta), lse in log2 units; MASKED and SOFTCAP as in the forward's
-    block."""
+    query block's (q, do, lse, delta), lse in log2 units; MASKED, SOFTCAP and first_keys as in the
+    forward's block."""
     q, do, lse, delta = queries
     seqlen_q, seqlen_k = seqlens
     k = _load_tile(
@@ -653,7 +679,10 @@ def _attn_bwd_dq_block(
     qk = tl.dot(q, tl.trans(k))
     if SOFTCAP is not None:
         qk, tanh = _softcapped_scores(qk, qk_scale, SOFTCAP=SOFTCAP)
-    if MASKED and CAUSAL:
+    if MASKED and first_keys is not None:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        qk = _document_scores(qk, offs_m=offs_m, offs_n=offs_n, first_keys=first_keys, fill=float("-inf"))
+    elif MASKED and CAUSAL:
         qk = _causal_scores(
             qk,
             offs=offs_m,
@@ -705,6 +734,7 @@ def _attn_bwd_dq_kernel(
     VARLEN: tl.constexpr,
     INLINE_PTX: tl.constexpr,  # as in _attn_fwd_kernel
     SOFTCAP: tl.constexpr,  # as in _attn_fwd_kernel
+    FIRST_KEYS,  # as in _attn_fwd_kernel
 ):
     # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): as the preprocess, batch x heads on axis 0.
     CAUSAL: tl.constexpr = MASK == "causal"
@@ -767,13 +797,27 @@ def _attn_bwd_dq_kernel(
     qk_scale = softmax_scale * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     seqlens = (seqlen_q, seqlen_k)
+    first_keys = None
+    tile_first_keys = None
+    if FIRST_KEYS is not None:  # document masking, as in the forward
+        first_keys, tile_first_keys = _document_first_keys(
+            FIRST_KEYS, b=b, start_m=start_m, offs_m=offs_m, seqlen_q=seqlen_q, BLOCK_M=BLOCK_M
+        )
+    TWO_SIDED: tl.constexpr = LOCAL or FIRST_KEYS is not None
     keys = _key_range(
-        start_m, seqlens=seqlens, window=window, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LOCAL=LOCAL
+        start_m,
+        seqlens=seqlens,
+        window=window,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        CAUSAL=CAUSAL,
+        LOCAL=LOCAL,
+        first_keys=tile_first_keys,
     )
     for masked in tl.static_range(2):  # the unmasked key blocks, then the masked ones, as in the forward
-        lo, hi, step, blocks = _key_loop(keys, masked=masked, BLOCK_N=BLOCK_N, LOCAL=LOCAL)
+        lo, hi, step, blocks = _key_loop(keys, masked=masked, BLOCK_N=BLOCK_N, LOCAL=TWO_SIDED)
         for n in range(lo, hi, step):
-            start_n = _masked_key_block(n, blocks=blocks, BLOCK_N=BLOCK_N) if masked and LOCAL else n
+            start_n = _masked_key_block(n, blocks=blocks, BLOCK_N=BLOCK_N) if masked and TWO_SIDED else n
             dq = _attn_bwd_dq_block(
                 dq=dq,
                 queries=(q, do, lse, delta),
@@ -794,6 +838,7 @@ def _attn_bwd_dq_kernel(
                 TMA=TMA,
                 INLINE_PTX=INLINE_PTX,
                 SOFTCAP=SOFTCAP,
+                first_keys=first_keys,
             )
     dq *= softmax_scale
     if VARLEN and TMA:

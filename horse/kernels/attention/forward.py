@@ -10,7 +10,15 @@ device helpers take views of the tensors (``tiles.py``) and are called by keywor
 import triton
 import triton.language as tl
 
-from horse.kernels.attention.masks import _causal_scores, _key_loop, _key_range, _masked_key_block, _visible
+from horse.kernels.attention.masks import (
+    _causal_scores,
+    _document_first_keys,
+    _document_scores,
+    _key_loop,
+    _key_range,
+    _masked_key_block,
+    _visible,
+)
 from horse.kernels.attention.scores import _softcapped_scores
 from horse.kernels.attention.tiles import _load_tile, _sequence, _sequence_view, _store_tile
 
@@ -38,11 +46,13 @@ def _attn_fwd_block(
     TMA: tl.constexpr,
     INLINE_PTX: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    first_keys=None,
 ):
     """The online softmax's step over the key block at start_n: acc, l_i and m_i (the output's
     unnormalized rows, their sums and their running maxima, in log2 units) after it. q (BLOCK_M,
     BLOCK_D) holds the queries offs_m; K and V are read in head kv_h of their views; MASKED, a block
-    that may cross the mask's edges or seqlen_k; SOFTCAP (None: off) softcaps the scores first."""
+    that may cross the mask's edges or seqlen_k; SOFTCAP (None: off) softcaps the scores first;
+    first_keys (None: off), the queries' first keys under document masking (masks.py)."""
     seqlen_q, seqlen_k = seqlens
     k = _load_tile(
         k_view,
@@ -58,7 +68,10 @@ def _attn_fwd_block(
     qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N) raw scores
     if SOFTCAP is not None:  # before the mask: tanh(-inf) would unmask a hidden score
         qk = _softcapped_scores(qk, qk_scale, SOFTCAP=SOFTCAP)[0]
-    if MASKED and CAUSAL:
+    if MASKED and first_keys is not None:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        qk = _document_scores(qk, offs_m=offs_m, offs_n=offs_n, first_keys=first_keys, fill=float("-inf"))
+    elif MASKED and CAUSAL:
         qk = _causal_scores(
             qk,
             offs=offs_m,
@@ -126,11 +139,12 @@ def _attn_fwd_tile(
     INLINE_PTX: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS,
+    FIRST_KEYS,
 ):
     """Output and lse of tile ``tile``: BLOCK_M queries of one (batch, head). Tiles go head-major,
     so the programs running together share their head's k and v in L2; causal ones go longest
     query block first, so the last tiles to run are the short ones. tensors is (Q, K, V, OUT, LSE),
-    the other groups, SOFTCAP and SINKS the kernel's."""
+    the other groups, SOFTCAP, SINKS and FIRST_KEYS the kernel's."""
     Q, K, V, OUT, LSE = tensors
     _, heads, group_size = sizes
     q_strides, k_strides, v_strides, o_strides, lse_strides = strides
@@ -180,15 +194,30 @@ def _attn_fwd_tile(
     if SINKS is not None:  # the sink: a key every row sees, of score sink and value 0, seen first
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINKS + h) * 1.4426950408889634
         l_i += 1.0
+    first_keys = None
+    tile_first_keys = None
+    if FIRST_KEYS is not None:  # document masking: each query's first key, and the tile's edges
+        first_keys, tile_first_keys = _document_first_keys(
+            FIRST_KEYS, b=b, start_m=start_m, offs_m=offs_m, seqlen_q=seqlen_q, BLOCK_M=BLOCK_M
+        )
+    # Masked key blocks on both sides of the unmasked ones: a window's, or the documents' (masks.py).
+    TWO_SIDED: tl.constexpr = LOCAL or FIRST_KEYS is not None
     keys = _key_range(
-        start_m, seqlens=seqlens, window=window, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LOCAL=LOCAL
+        start_m,
+        seqlens=seqlens,
+        window=window,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        CAUSAL=CAUSAL,
+        LOCAL=LOCAL,
+        first_keys=tile_first_keys,
     )
     # The unmasked key blocks, then the masked ones: masked is a constexpr, so each is a compiled loop of
     # its own, and the block's mask code is compiled into the second alone.
     for masked in tl.static_range(2):
-        lo, hi, step, blocks = _key_loop(keys, masked=masked, BLOCK_N=BLOCK_N, LOCAL=LOCAL)
+        lo, hi, step, blocks = _key_loop(keys, masked=masked, BLOCK_N=BLOCK_N, LOCAL=TWO_SIDED)
         for n in range(lo, hi, step):
-            start_n = _masked_key_block(n, blocks=blocks, BLOCK_N=BLOCK_N) if masked and LOCAL else n
+            start_n = _masked_key_block(n, blocks=blocks, BLOCK_N=BLOCK_N) if masked and TWO_SIDED else n
             acc, l_i, m_i = _attn_fwd_block(
                 acc=acc,
                 l_i=l_i,
@@ -211,6 +240,7 @@ def _attn_fwd_tile(
                 TMA=TMA,
                 INLINE_PTX=INLINE_PTX,
                 SOFTCAP=SOFTCAP,
+                first_keys=first_keys,
             )
     # A query that sees no key: l = 0, so the output is 0 and lse = log 0 = -inf.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -249,6 +279,7 @@ def _attn_fwd_kernel(
     INLINE_PTX: tl.constexpr,  # an NVIDIA target: the causal mask as PTX (see _causal_scores)
     SOFTCAP: tl.constexpr,  # None, or c > 0: the scaled scores are c tanh(scores / c)
     SINKS,  # None, or (heads,) float32: each head's sink logit, in every row's softmax denominator
+    FIRST_KEYS,  # None, or with MASK "causal" (batch, seqlen) int32: query i's first key (document masking)
 ):
     # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): a program per tile
     CAUSAL: tl.constexpr = MASK == "causal"
@@ -276,4 +307,5 @@ def _attn_fwd_kernel(
         INLINE_PTX=INLINE_PTX,
         SOFTCAP=SOFTCAP,
         SINKS=SINKS,
+        FIRST_KEYS=FIRST_KEYS,
     )

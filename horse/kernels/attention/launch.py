@@ -65,6 +65,26 @@ def _mask(causal: bool, window: tuple[int, int], seqlen_q: int, seqlen_k: int) -
     return sides, "causal" if causal else "full"
 
 
+def document_first_keys(document_starts: torch.Tensor, window_left: int) -> torch.Tensor:
+    """Each query's first key under document masking, (batch, seqlen) int32 contiguous: its document's
+    first column, or with a window (window_left >= 0) the later of that and i - window_left; both
+    rise along a row, so the kernels' tiles keep their two-sided structure (masks.py)."""
+    first_keys = document_starts
+    if window_left >= 0:
+        columns = torch.arange(document_starts.shape[1], device=document_starts.device, dtype=torch.int32)
+        first_keys = torch.maximum(first_keys, columns - window_left)
+    return first_keys.to(torch.int32).contiguous()
+
+
+def document_last_queries(first_keys: torch.Tensor) -> torch.Tensor:
+    """Each key's last query under document masking, (batch, seqlen) int32 contiguous: the last i
+    with first_keys[i] <= j (first_keys rise along a row, so the queries that see key j are j to that
+    one), found on the device without a read back."""
+    columns = torch.arange(first_keys.shape[1], device=first_keys.device, dtype=first_keys.dtype)
+    keys = columns.expand_as(first_keys).contiguous()
+    return (torch.searchsorted(first_keys, keys, right=True) - 1).to(torch.int32)
+
+
 @dataclass(frozen=True)
 class Packed:
     """A packed (variable-length) batch: sequence b's queries are rows cu_seqlens_q[b] to
@@ -157,12 +177,14 @@ def fwd_plan(
     packed: bool,
     softcap: float | None = None,
     sinks: bool = False,
+    documents: bool = False,
 ) -> Plan:
     """The forward's plan with table entry ``entry`` at shape (batch, seqlen_q, seqlen_k, heads,
     kv_heads, head_dim; a packed batch's longest seqlens), by TMA or pointer loads: a program per
     query tile. softcap (None: off) and sinks are the score modifications: without them the kernel's
     SOFTCAP and SINKS are constexpr None and their code is pruned (the plain kernel compiles as
-    before them)."""
+    before them). documents: document masking (mask "causal", the launch passes FIRST_KEYS), else
+    FIRST_KEYS is the constexpr None."""
     batch, seqlen_q, _, heads, _, head_dim = shape
     cfg = entry.loads(tma)
     grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
@@ -171,6 +193,7 @@ def fwd_plan(
         "strides": ("q_strides", "k_strides", "v_strides", "o_strides", "lse_strides"),
     }
     modifications = dict(SOFTCAP=softcap) | ({} if sinks else dict(SINKS=None))
+    modifications |= {} if documents else dict(FIRST_KEYS=None)
     return _tile_plan(
         _attn_fwd_kernel,
         grid,
@@ -194,13 +217,16 @@ def dkdv_plans(
     packed: bool,
     splits: int,
     softcap: float | None = None,
+    documents: bool = False,
 ) -> list[Plan]:
     """The dk/dv pass's plans with table entry ``entry`` at shape (as :func:`fwd_plan`'s), a GQA group's
     query heads split over ``splits`` programs per key block (more than one: float32 partials): one
     launch of _attn_bwd_dkdv_kernel, or with split outputs a launch for dv, then one for dk, of
     _attn_bwd_dkdv_split_outputs_kernel (K and V by pointers). softcap as in :func:`fwd_plan` (the
     sinks change neither gradient pass: lse holds them); the split outputs serve only head dims above
-    configs.SOFTCAP_BACKWARD_MAX_HEAD_DIM, where flash_attention refuses the softcap's backward."""
+    configs.SOFTCAP_BACKWARD_MAX_HEAD_DIM, where flash_attention refuses the softcap's backward.
+    documents: document masking (the launch passes LAST_QUERIES, else the constexpr None), by the
+    fused kernel alone: a split-output entry's documents take its pointer tile (_bwd_dkdv)."""
     batch, _, seqlen_k, _, kv_heads, head_dim = shape
     cfg = entry.loads(tma)
     grid = (triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads, splits * cfg.column_splits)
@@ -219,6 +245,7 @@ def dkdv_plans(
     }
     partials = ("DK", "DV") if splits > 1 else ()
     if cfg.split_outputs:
+        assert not documents, "document masking's dk/dv pass takes the fused kernel"
         return [
             _tile_plan(
                 _attn_bwd_dkdv_split_outputs_kernel,
@@ -249,17 +276,24 @@ def dkdv_plans(
             ("Q", "DO"),
             ("K", "V", "DK", "DV"),
             tuples,
-            constexprs=dict(BLOCK_D_OUT=block_d_out, SOFTCAP=softcap),
+            constexprs=dict(BLOCK_D_OUT=block_d_out, SOFTCAP=softcap)
+            | ({} if documents else dict(LAST_QUERIES=None)),
             partials=partials,
         )
     ]
 
 
 def dq_plan(
-    entry: AttnConfig, shape: tuple, mask: str, tma: bool, packed: bool, softcap: float | None = None
+    entry: AttnConfig,
+    shape: tuple,
+    mask: str,
+    tma: bool,
+    packed: bool,
+    softcap: float | None = None,
+    documents: bool = False,
 ) -> Plan:
     """The dq pass's plan with table entry ``entry`` at shape (as :func:`fwd_plan`'s): a program per
-    query tile; softcap as in :func:`dkdv_plans`."""
+    query tile; softcap as in :func:`dkdv_plans`, documents as in :func:`fwd_plan`."""
     batch, seqlen_q, _, heads, _, head_dim = shape
     cfg = entry.loads(tma)
     grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
@@ -279,7 +313,7 @@ def dq_plan(
         ("Q", "DO", "DQ"),
         ("K", "V"),
         tuples,
-        constexprs=dict(SOFTCAP=softcap),
+        constexprs=dict(SOFTCAP=softcap) | ({} if documents else dict(FIRST_KEYS=None)),
     )
 
 
@@ -293,11 +327,14 @@ def attention_fwd(
     packed: Packed | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    first_keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward on validated inputs and a window normalized by :func:`normalize_mask`; returns out
     like q and lse float32: (batch, heads, seqlen_q), or (heads, total_q) for a packed batch. softcap
     (> 0, None: off) and sinks ((heads,) float32 or None) as flash_attention takes them; lse holds
-    the sinks."""
+    the sinks. first_keys: document masking, with causal and no window, of a padded batch: (batch,
+    seqlen) int32, contiguous, query i's first key (its document's first column, a window's left edge
+    folded in), as :func:`document_first_keys` gives them."""
     batch, seqlen_q, _, heads, kv_heads, head_dim = _shape(q, k, packed)
     out = runtime.empty(q.shape, q.dtype, q.device)
     lse_shape = (batch, heads, seqlen_q) if packed is None else (heads, q.shape[0])
@@ -308,7 +345,14 @@ def attention_fwd(
     shared = _pass_args(q, k, lse, causal, window, softmax_scale, packed)
     tma = tma_usable(entry, q, k, v, out)
     plan = fwd_plan(
-        entry, _shape(q, k, packed), shared["mask"], tma, packed is not None, softcap, sinks is not None
+        entry,
+        _shape(q, k, packed),
+        shared["mask"],
+        tma,
+        packed is not None,
+        softcap,
+        sinks is not None,
+        first_keys is not None,
     )
     if plan.grid[0] == 0:  # a packed batch of empty sequences
         return out, lse
@@ -333,6 +377,7 @@ def attention_fwd(
             **shared["launch_args"],
             **plan.options(),
             **({} if sinks is None else dict(SINKS=sinks)),
+            **({} if first_keys is None else dict(FIRST_KEYS=first_keys)),
         )
     return out, lse
 
@@ -527,11 +572,16 @@ def _bwd_dkdv(q, k, v, dout, row_stats, dk, dv, args: dict, shape: tuple, packed
     group's query heads split over programs when there are too few (float32 partials, summed here)."""
     batch, _, seqlen_k, heads, kv_heads, head_dim = shape
     entry = configs.attn_config(configs.BWD_DKDV_CONFIGS, head_dim, q.device)
-    # dk and dv stand for the float32 partials of head splits: new, contiguous, as aligned.
-    tma = tma_usable(entry, q, k, v, dout, dk, dv)
+    last_queries = args["last_queries"]
+    # dk and dv stand for the float32 partials of head splits: new, contiguous, as aligned. Document
+    # masking takes the fused kernel: a split-output entry's pointer tile.
+    tma = tma_usable(entry, q, k, v, dout, dk, dv) and not (last_queries is not None and entry.split_outputs)
     programs = triton.cdiv(seqlen_k, entry.loads(tma).block_n) * batch * kv_heads
     heads_per_split, splits = dkdv_head_splits(programs, heads // kv_heads, bwd_num_sms(q.device))
-    plans = dkdv_plans(entry, shape, args["mask"], tma, packed is not None, splits, args["softcap"])
+    documents = last_queries is not None
+    plans = dkdv_plans(
+        entry, shape, args["mask"], tma, packed is not None, splits, args["softcap"], documents
+    )
     # Split: float32 partials (splits, *k.shape), the splits stacked on the first axis.
     dk_out, dv_out = dk, dv
     if plans[0].partials:
@@ -557,6 +607,7 @@ def _bwd_dkdv(q, k, v, dout, row_stats, dk, dv, args: dict, shape: tuple, packed
             **tuples,
             **args["launch_args"],
             **plan.options(),
+            **({} if last_queries is None else dict(LAST_QUERIES=last_queries)),
         )
     if splits > 1:  # torch's sum over the splits: the same order every run
         dk.copy_(dk_out.view(splits, *k.shape).sum(0))
@@ -568,7 +619,10 @@ def _bwd_dq(q, k, v, dout, row_stats, dq, args: dict, shape: tuple, packed: Pack
     head_dim = shape[-1]
     entry = configs.attn_config(configs.BWD_DQ_CONFIGS, head_dim, q.device)
     tma = tma_usable(entry, q, k, v, dout, dq)
-    plan = dq_plan(entry, shape, args["mask"], tma, packed is not None, args["softcap"])
+    first_keys = args["first_keys"]
+    plan = dq_plan(
+        entry, shape, args["mask"], tma, packed is not None, args["softcap"], first_keys is not None
+    )
     values = _bwd_values(q, k, v, dout, row_stats, args, shape) | dict(dq_strides=_strides(dq))
     q_k_v_do = [plan.operand(name, t) for name, t in (("Q", q), ("K", k), ("V", v), ("DO", dout))]
     tuples = plan.pack(values)
@@ -581,6 +635,7 @@ def _bwd_dq(q, k, v, dout, row_stats, dq, args: dict, shape: tuple, packed: Pack
         **tuples,
         **args["launch_args"],
         **plan.options(),
+        **({} if first_keys is None else dict(FIRST_KEYS=first_keys)),
     )
 
 
@@ -599,12 +654,14 @@ def attention_bwd(
     needs: tuple[bool, bool, bool] = (True, True, False),
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    first_keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`attention_fwd`; dlse is the gradient of lse, or None. Returns dq, dk, dv and
     dsinks; needs says whether dq, whether dk and dv, and whether dsinks are wanted: a pass nobody
     wants is not launched, its gradients empty tensors (frozen inputs). Three passes: the row
     statistics (:func:`_bwd_preprocess`), dk and dv (:func:`_bwd_dkdv`), dq (:func:`_bwd_dq`); then
-    the sinks' gradient from the row statistics (:func:`_sinks_grad`)."""
+    the sinks' gradient from the row statistics (:func:`_sinks_grad`). first_keys as in
+    :func:`attention_fwd`; the dk/dv pass reads each key's last query (:func:`document_last_queries`)."""
     shape = _shape(q, k, packed)
     batch, _, _, heads, _, _ = shape
     if dout.stride(-1) != 1:  # gradients can arrive expanded (stride 0) or transposed
@@ -619,7 +676,9 @@ def attention_bwd(
         if needs[2] and dlse is not None and q.shape[0]:  # no key: out = 0, so delta = -dlse
             dsinks = _sinks_grad(sinks, lse, -dlse)
         return dq.zero_(), dk.zero_(), dv.zero_(), dsinks
-    args = _pass_args(q, k, lse, causal, window, softmax_scale, packed) | dict(softcap=softcap)
+    last_queries = None if first_keys is None or not needs[1] else document_last_queries(first_keys)
+    documents = dict(first_keys=first_keys, last_queries=last_queries)
+    args = _pass_args(q, k, lse, causal, window, softmax_scale, packed) | dict(softcap=softcap) | documents
     with runtime.device_guard(q):
         row_stats = _bwd_preprocess(out, dout, lse, dlse, args, batch, heads, packed)  # (lse_log2, delta)
         if needs[1]:

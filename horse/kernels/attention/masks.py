@@ -5,6 +5,12 @@ diagonal, a sliding window's edges or the end of the sequence.
 The passes hand them the sequence lengths as ``seqlens``, (seqlen_q, seqlen_k), and the window as
 ``window``, (left, right): query i sees keys i + seqlen_k - seqlen_q - left to i + seqlen_k -
 seqlen_q + right (the launchers make an unbounded side reach past every key).
+
+Document masking (causal, seqlen_q = seqlen_k): query i sees keys first_key[i] to i, first_key[i] its
+document's first column (the launcher folds a window's left edge in); first_key never decreases along
+a row, so a query tile's keys run from its first query's first key to its last query's diagonal,
+and the keys from its last query's first key to its first query's diagonal are seen by all of it:
+the sliding window's two-sided structure, its left edge per query.
 """
 
 import triton
@@ -20,18 +26,27 @@ def _key_range(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     LOCAL: tl.constexpr,
+    first_keys=None,
 ):
     """Keys a query block [start_m, start_m + BLOCK_M) attends to, in key blocks from start:
     [unmasked_start, unmasked_end) are visible to every query of the block; [start, unmasked_start)
-    (only with LOCAL: the window's left edge, see :func:`_local_masked_blocks`) and
+    (only with LOCAL or documents: the window's left edge, see :func:`_local_masked_blocks`) and
     [unmasked_end, end) (the causal diagonal or the window's right edge, and the ragged last key
-    block) need the mask."""
+    block) need the mask. first_keys (None: no documents) is the first key of the block's first
+    query and of its last (the module's document masking), whose keys are then a causal block's with
+    a left edge: the loops take them as LOCAL's."""
     seqlen_q, seqlen_k = seqlens
     window_left, window_right = window
     causal_offset = seqlen_k - seqlen_q
     start = 0
     unmasked_start = 0
-    if LOCAL:
+    if first_keys is not None:
+        first_key_of_first, first_key_of_last = first_keys
+        start = first_key_of_first // BLOCK_N * BLOCK_N
+        end = tl.minimum(seqlen_k, start_m + BLOCK_M)
+        unmasked_start = tl.maximum(tl.cdiv(first_key_of_last, BLOCK_N) * BLOCK_N, start)
+        unmasked_end = tl.maximum(tl.minimum(start_m + 1, end) // BLOCK_N * BLOCK_N, unmasked_start)
+    elif LOCAL:
         start = tl.maximum(start_m + causal_offset - window_left, 0) // BLOCK_N * BLOCK_N
         end = tl.minimum(seqlen_k, start_m + BLOCK_M + causal_offset + window_right)
         # Keys from the last query's left edge to the first query's right edge are seen by all.
@@ -142,3 +157,30 @@ def _causal_scores(
     else:
         qk = tl.where((cols >= limit) if TRANSPOSED else (cols <= limit), qk, float("-inf"))
     return qk
+
+
+@triton.jit
+def _document_first_keys(FIRST_KEYS, b, start_m, offs_m, seqlen_q, BLOCK_M: tl.constexpr):
+    """Document masking's first keys of a query tile (row b of FIRST_KEYS, (batch, seqlen_q) int32):
+    its queries offs_m's, for the block's mask, and (its first query's, its last query's), for
+    :func:`_key_range`."""
+    row_first_keys = FIRST_KEYS + b.to(tl.int64) * seqlen_q
+    first_keys = tl.load(row_first_keys + offs_m, mask=offs_m < seqlen_q, other=0)
+    last_m = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+    return first_keys, (tl.load(row_first_keys + start_m), tl.load(row_first_keys + last_m))
+
+
+@triton.jit
+def _document_scores(qk, offs_m, offs_n, first_keys, fill):
+    """qk (queries offs_m x keys offs_n) with fill where the key lies outside the query's document's
+    keys up to its own, first_keys (BLOCK_M,) to offs_m (document masking)."""
+    visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= first_keys[:, None])
+    return tl.where(visible, qk, fill)
+
+
+@triton.jit
+def _document_scores_transposed(qk_t, offs_n, offs_m, last_queries, fill):
+    """qk_t (keys offs_n x queries offs_m) with fill where the query lies outside the queries that see
+    the key: from the key to last_queries (BLOCK_N,), its document's last query (document masking)."""
+    visible = (offs_m[None, :] >= offs_n[:, None]) & (offs_m[None, :] <= last_queries[:, None])
+    return tl.where(visible, qk_t, fill)
