@@ -2,7 +2,8 @@
 
 The norms subclass ``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``, so a state dict loads either way,
 ``isinstance`` checks still hold, and :func:`replace_norms` swaps a whole model in one line.
-:class:`FusedMLP` keeps the GPT-2 or the LLaMA MLP's submodule names, so their state dicts load. Where
+:class:`FusedMLP` keeps the GPT-2 or the LLaMA MLP's submodule names, so their state dicts load, and
+:class:`FusedMoE` those of transformers' sparse MoE blocks (Qwen3-MoE, Mixtral, OLMoE). Where
 they run follows ``horse.kernels.runtime``: Triton kernels on CUDA tensors, the float32 reference on CPU
 tensors unless ``TRITON_INTERPRET=1`` was set before triton was imported.
 """
@@ -310,3 +311,121 @@ class FusedMLP(nn.Module):
 
     def extra_repr(self) -> str:
         return f"gated={self.gated}, activation={self.activation!r}"
+
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+class MoERouter(nn.Module):
+    """The router of a mixture-of-experts block: logits = x Wᵀ (W (experts, hidden), no bias), then the
+    top_k experts by softmax or sigmoid score, their scores renormalised to sum to 1 if
+    ``normalize``. Its forward returns (logits, weights, ids): logits (tokens, experts) in x's dtype,
+    weights (tokens, top_k) float32, ids (tokens, top_k) int64, as transformers' top-k routers."""
+
+    def __init__(
+        self, hidden: int, experts: int, top_k: int, *, scoring: str, normalize: bool, device=None, dtype=None
+    ):
+        super().__init__()
+        self.top_k, self.scoring, self.normalize = top_k, scoring, normalize
+        self.weight = nn.Parameter(torch.empty(experts, hidden, device=device, dtype=dtype))
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)  # nn.Linear's
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = nn.functional.linear(x, self.weight)
+        scores = logits.float().softmax(-1) if self.scoring == "softmax" else logits.float().sigmoid()
+        weights, ids = scores.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights, ids
+
+
+class MoEExperts(nn.Module):
+    """The experts of a mixture-of-experts block, stacked as transformers 5.25 stores them: gate_up_proj
+    (experts, 2·inter, hidden), gate rows first, and down_proj (experts, hidden, inter)."""
+
+    def __init__(self, hidden: int, inter: int, experts: int, *, activation: str, device=None, dtype=None):
+        super().__init__()
+        self.activation = activation
+        factory = {"device": device, "dtype": dtype}
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden, **factory))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter, **factory))
+        for weight in (self.gate_up_proj, self.down_proj):
+            bound = weight.shape[-1] ** -0.5  # nn.Linear's, an expert's fan_in
+            nn.init.uniform_(weight, -bound, bound)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return kernels.moe_mlp(x, ids, weights, self.gate_up_proj, self.down_proj, activation=self.activation)
+
+
+class FusedMoE(nn.Module):
+    """A mixture-of-experts MLP block on ``horse.kernels.moe_mlp``, with transformers' parameter names
+    (``gate.weight``, ``experts.gate_up_proj``, ``experts.down_proj``), so the sparse MoE blocks of
+    Qwen3-MoE, Mixtral and OLMoE load as they are and load back (Qwen2-MoE's shared expert is not
+    part of it).
+
+    Each token goes to its top_k experts by router score, ``router`` "softmax" (Qwen3-MoE, Mixtral,
+    OLMoE) or "sigmoid"; ``normalize`` renormalises the top_k scores to sum to 1 (Mixtral: always;
+    Qwen3-MoE and OLMoE: their config's norm_topk_prob). The experts are SwiGLU (``activation``
+    "silu") or GeGLU ("gelu_tanh"). forward(x (..., hidden)) returns (y (..., hidden), router_logits
+    (tokens, experts)): the logits are what :func:`load_balancing_loss` takes, as transformers'
+    ``output_router_logits`` gives them. float16 or bfloat16 (float32 only on the CPU reference path).
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        experts: int,
+        top_k: int,
+        *,
+        router: str = "softmax",
+        normalize: bool = True,
+        activation: str = "silu",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if router not in ROUTERS:
+            raise ValueError(f"FusedMoE: unknown router {router!r}; expected one of {', '.join(ROUTERS)}")
+        if activation not in kernels.moe.ACTIVATIONS:
+            expected = ", ".join(kernels.moe.ACTIVATIONS)
+            raise ValueError(f"FusedMoE: unknown activation {activation!r}; expected one of {expected}")
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"FusedMoE: top_k must be 1 to experts ({experts}), got {top_k}")
+        factory = {"device": device, "dtype": dtype}
+        self.gate = MoERouter(hidden, experts, top_k, scoring=router, normalize=normalize, **factory)
+        self.experts = MoEExperts(hidden, inter, experts, activation=activation, **factory)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = x.reshape(-1, x.shape[-1])  # (tokens, hidden)
+        router_logits, weights, ids = self.gate(tokens)
+        y = self.experts(tokens, ids, weights)  # (tokens, hidden)
+        return y.view(x.shape), router_logits
+
+    def extra_repr(self) -> str:
+        gate = self.gate
+        return f"top_k={gate.top_k}, router={gate.scoring!r}, normalize={gate.normalize}"
+
+
+def load_balancing_loss(
+    router_logits, experts: int, top_k: int, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The load-balancing auxiliary loss (Switch Transformer's) over a model's MoE layers, as
+    transformers 5.25 computes it (``load_balancing_loss_func``): experts · Σ_e f_e · P_e, f_e the
+    share of the top_k choices that went to expert e and P_e its mean softmax probability, both
+    taken over every layer's tokens together (not a sum of per-layer losses), and over the tokens
+    attention_mask (batch, seqlen) keeps. router_logits: one (tokens, experts) tensor a layer."""
+    layers = tuple(router_logits)
+    keep = None if attention_mask is None else attention_mask.reshape(-1, 1).float()
+    choices = torch.zeros(experts, dtype=torch.float32, device=layers[0].device)
+    probability = torch.zeros(experts, dtype=torch.float32, device=layers[0].device)
+    rows = 0.0
+    for logits in layers:
+        probs = logits.float().softmax(-1)  # (tokens, experts)
+        chosen = nn.functional.one_hot(probs.topk(top_k, dim=-1).indices, experts).sum(1).float()
+        if keep is not None:
+            probs, chosen = probs * keep, chosen * keep
+        choices = choices + chosen.sum(0)
+        probability = probability + probs.sum(0)
+        rows = rows + (probs.shape[0] if keep is None else keep.sum())
+    return experts * torch.sum((choices / rows) * (probability / rows))

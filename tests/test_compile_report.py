@@ -505,7 +505,7 @@ def test_the_norm_kernels_rewritten_without_their_comments_and_layout_keep_every
 
 
 def test_every_family_has_an_entry_in_every_table():
-    from horse.kernels import mlp
+    from horse.kernels import mlp, moe
     from horse.kernels.attention import configs as attention_configs
 
     for table in (attention_configs.FWD_CONFIGS, attention_configs.PACKED_FWD_CONFIGS,
@@ -516,6 +516,9 @@ def test_every_family_has_an_entry_in_every_table():
     assert set(gemm_tables) == set(runtime.ARCHS)
     for tables in gemm_tables.values():
         assert {k: set(v) for k, v in tables.items()} == {k: set(v) for k, v in gemm_tables["sm90"].items()}
+    moe_tables = moe.configs.GEMM_CONFIGS
+    assert set(moe_tables) == set(runtime.ARCHS)
+    assert all(set(tables) == {"gate_up", "down", "dh", "weight_grad"} for tables in moe_tables.values())
     for name, arch in runtime.ARCHS.items():
         configs = compile_report.all_configs([name])
         assert {c.arch for c in configs} == {name}
@@ -786,7 +789,7 @@ def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_wi
     from triton.runtime.interpreter import GridExecutor  # runs every launch in the interpreter
 
     from horse import kernels
-    from horse.kernels import attention, layernorm, mlp
+    from horse.kernels import attention, layernorm, mlp, moe
 
     interpreted = type(layernorm._norm_fwd_kernel)  # the interpreter's stand-in for a JIT function
     launches = []
@@ -825,6 +828,9 @@ def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_wi
     backward(kernels.gated_linear(rows, w1, w2, activation="silu"))
     backward(kernels.fused_mlp(x, w1, None, w3.t().contiguous(), None, activation="gelu"))
     backward(kernels.fused_gated_mlp(x, w1, w2, w3.t().contiguous(), activation="silu"))
+    ids, weights = torch.tensor([[0, 2], [2, 1], [0, 1]]), torch.rand(3, 2, **f16, requires_grad=True)
+    gate_up, down = torch.randn(3, 96, 32, **f16).mul_(0.2), torch.randn(3, 32, 48, **f16).mul_(0.2)
+    backward(kernels.moe_mlp(x[:3], ids, weights, gate_up.requires_grad_(), down, activation="silu"))
     cache = torch.randn(1, 8, 2, 16, **f16)
     kernels.flash_attention_with_kvcache(q[:, :1], cache, cache.clone(), cache_seqlens=3)  # decode
     logits, target = torch.randn(5, 70, requires_grad=True), torch.randint(0, 70, (5,))
@@ -840,6 +846,8 @@ def test_every_kernel_launch_asks_for_the_compile_options_the_report_compiles_wi
         layernorm,
         mlp.forward,
         mlp.backward,
+        moe.routing,
+        moe.gemm,
         loss,
     )
     defined = {name for module in modules for name, value in vars(module).items()

@@ -263,10 +263,14 @@ POSITIONAL = {
     kernels.flash_attention_with_kvcache: (["q", "k_cache", "v_cache"], None),  # flash-attn's fourth is k
     kernels.cross_entropy: (["logits", "target", "weight"], None),  # F.cross_entropy's; weight only None
     kernels.linear_cross_entropy: (["x", "weight", "target", "bias"], None),  # as Liger's (fifth: ce_weight)
+    kernels.moe_mlp: (["x", "expert_ids", "expert_weights", "gate_up_proj", "down_proj"], None),
     layers.FusedLayerNorm: (None, nn.LayerNorm),
     layers.FusedRMSNorm: (None, nn.RMSNorm),
     layers.FusedSelfAttention: (["d_model", "n_heads"], nn.MultiheadAttention),  # then dropout
     layers.FusedMLP: (["d_model", "hidden"], None),
+    layers.FusedMoE: (["hidden", "inter", "experts", "top_k"], None),
+    layers.MoERouter: (["hidden", "experts", "top_k"], None),
+    layers.MoEExperts: (["hidden", "inter", "experts"], None),
     layers.RotaryEmbedding: (["head_dim", "max_seqlen", "base", "device"], None),  # as HF's (dim, max, base)
 }
 

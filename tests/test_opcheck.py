@@ -109,7 +109,35 @@ def loss_cases(dtype, bias):
     ]
 
 
-CASE_MAKERS = (norm_cases, attention_cases, mlp_cases, loss_cases)
+def moe_cases(dtype, bias):
+    # 9 tokens, top 2 of 4 experts (every pair routed: a dropped pair's saved rows are never written);
+    # transformers' layout, and gpt-oss's (transposed views, interleaved, clamped) with float32 weights.
+    ids = torch.tensor([[0, 2], [2, 1], [3, 0], [1, 2], [2, 3], [0, 1], [3, 2], [1, 0], [2, 0]])
+    x, weights = _randn(M, K, dtype=dtype), torch.rand(M, 2, generator=torch.Generator().manual_seed(0))
+    gate_up, down = _randn(4, 2 * N, K, dtype=dtype), _randn(4, K, N, dtype=dtype)
+    gate_up_t = _randn(4, K, 2 * N, dtype=dtype).transpose(1, 2)
+    biases = (_randn(4, 2 * N, dtype=dtype), _randn(4, K, dtype=dtype)) if bias else (None, None)
+    forwards = [
+        (x, ids, weights.to(dtype).requires_grad_(), gate_up, down, *biases, "silu", None, False, True),
+        (x, ids, weights.requires_grad_(), gate_up_t, down, *biases, "silu", 7.0, True, True),
+        _plain(
+            (x, ids, weights.to(dtype), gate_up, down, *biases, "gelu_tanh", None, False, False)
+        ),  # no grad
+    ]
+    cases = []
+    for args in forwards:
+        cases.append((OPS.moe_mlp_fwd, args))
+        if not args[-1]:
+            continue
+        plain = _plain(args)
+        y, gate, up, sorted_pairs, pair_rows, offsets = OPS.moe_mlp_fwd(*plain)
+        saved = (*plain[:5], plain[6], gate, up, sorted_pairs, pair_rows, offsets, *plain[7:10])
+        for needs in ([True] * 4 + [bias] * 2, [True] + [False] * 5, [False, False, True, True, bias, bias]):
+            cases.append((OPS.moe_mlp_bwd, (torch.ones_like(y), *saved, needs)))
+    return cases
+
+
+CASE_MAKERS = (norm_cases, attention_cases, mlp_cases, loss_cases, moe_cases)
 
 
 def test_every_registered_op_is_checked():

@@ -22,9 +22,9 @@ functions.
 
 Where each step lives, in the order a run takes them:
 
-- ``norms.py``, ``attention.py``, ``mlp.py``, ``loss.py``: each kernel family's configs, built from
-  the plans its launchers launch by (``config.plan_config``); a family adds its function to
-  ``CONFIG_FAMILIES`` below.
+- ``norms.py``, ``attention.py``, ``mlp.py``, ``loss.py``, ``moe.py``: each kernel family's configs,
+  built from the plans its launchers launch by (``config.plan_config``); a family adds its function
+  to ``CONFIG_FAMILIES`` below.
 - ``config.py``: :class:`~bench.compile_report.config.KernelConfig`, one compilation of a kernel.
 - ``cache.py``: each config's row key, the rows already proven (bench/compile_report_cache.json),
   which configs to compile, and the check of a sample of the reused rows.
@@ -33,7 +33,7 @@ Where each step lives, in the order a run takes them:
 - ``gate.py``: the table printed, and the failures that make the report exit 1.
 """
 
-from bench.compile_report import attention, loss, mlp, norms
+from bench.compile_report import attention, loss, mlp, moe, norms
 from bench.compile_report.config import KernelConfig
 from horse.kernels.runtime import ARCHS
 
@@ -42,6 +42,7 @@ CONFIG_FAMILIES = {
     "attention": attention.attention_configs,
     "mlp": mlp.mlp_configs,
     "loss": loss.loss_configs,
+    "moe": moe.moe_configs,
 }
 
 

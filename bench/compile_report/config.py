@@ -109,7 +109,18 @@ KERNEL_POINTERS = {
         {},
     ),
     "cross_entropy": (("LOGITS", "DLOGITS"), ("DLOSS", "LOSS", "LSE", "STATS", "SCALE"), {"TARGET": "i64"}),
+    # The routing weights (SCALE) as a router's softmax gives them, float32; the ids as torch.topk's.
+    "moe": (
+        ("X", "W", "B", "H", "GATE", "UP", "A", "OUT", "DY", "DPRE", "DW", "DB", "ROWS"),
+        ("SCALE", "DSCALE_PARTIAL"),
+        dict.fromkeys(
+            ("SORTED_PAIRS", "TILE_EXPERT", "TILE_ROW", "OFFSETS", "PAIR_ROWS", "COUNTS", "BLOCK_ROWS"), "i32"
+        )
+        | {"EXPERT_IDS": "i64"},
+    ),
 }
+# The strides tuples of three elements, (expert, row, column), of the stacked expert weights.
+EXPERT_STRIDES = ("w_strides", "dw_strides")
 
 
 def kernel_config(
@@ -142,7 +153,10 @@ def kernel_config(
     tuples = dict(tuples or {})
     names = [*arg_names, *(element for elements in tuples.values() for element in elements)]
     strides = [a for a in names if a.endswith("_strides")]
-    tuples |= {a: 2 if kernels_module == "mlp" or a == "lse_strides" else 3 for a in strides}
+    if kernels_module == "moe":
+        tuples |= {a: 3 if a in EXPERT_STRIDES else 2 for a in strides}
+    else:
+        tuples |= {a: 2 if kernels_module == "mlp" or a == "lse_strides" else 3 for a in strides}
     if "INLINE_PTX" in arg_names:
         constexprs = constexprs | {"INLINE_PTX": not ARCHS[arch].hip_target}
     if constexprs.get("VARLEN"):

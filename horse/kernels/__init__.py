@@ -10,6 +10,7 @@ from horse.kernels.attention import flash_attention, flash_attention_varlen, fla
 from horse.kernels.cross_entropy import cross_entropy, linear_cross_entropy
 from horse.kernels.layernorm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from horse.kernels.mlp import fused_gated_mlp, fused_mlp, gated_linear, linear_act
+from horse.kernels.moe import moe_mlp
 
 __all__ = [
     "add_layer_norm",
@@ -24,5 +25,6 @@ __all__ = [
     "layer_norm",
     "linear_cross_entropy",
     "linear_act",
+    "moe_mlp",
     "rms_norm",
 ]

@@ -255,3 +255,57 @@ def linear_cross_entropy(x, weight, target, bias=None, **options) -> torch.Tenso
     """:func:`cross_entropy` of the logits x Wᵀ + b, with them materialised (the truth of the fused op)."""
     bias = None if bias is None else _upcast(bias)
     return cross_entropy(torch.nn.functional.linear(_upcast(x), _upcast(weight), bias), target, **options)
+
+
+GPT_OSS_SWIGLU_ALPHA = 1.702  # transformers' GptOssConfig.swiglu_alpha
+
+
+def moe_glu(
+    gate: torch.Tensor, up: torch.Tensor, activation: str, limit: float | None = None
+) -> torch.Tensor:
+    """act(gate) · up of an expert: SwiGLU ("silu"), GeGLU ("gelu_tanh"), or with limit gpt-oss's
+    clamped SwiGLU, (clamp(up, ±limit) + 1) · g · sigmoid(1.702 g), g = min(gate, limit)."""
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+        return (up + 1) * gate * torch.sigmoid(gate * GPT_OSS_SWIGLU_ALPHA)
+    return apply_activation(gate, activation) * up
+
+
+def moe_mlp(
+    x,
+    expert_ids,
+    expert_weights,
+    gate_up_proj,
+    down_proj,
+    *,
+    activation: str,
+    gate_up_bias=None,
+    down_bias=None,
+    limit: float | None = None,
+    gate_up_interleaved: bool = False,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """The routed experts as a loop over experts (horse.kernels.moe_mlp's arguments), in float32
+    (float64 for float64 inputs). With upcast=False it computes in the inputs' dtype instead, as
+    transformers' eager loop does (each product rounded, the weighted rows added to the output in
+    that dtype): PyTorch's own error at that precision, for the tests."""
+    cast = _upcast if upcast else (lambda t: t)
+    x, gate_up_proj, down_proj = cast(x), cast(gate_up_proj), cast(down_proj)
+    expert_weights = cast(expert_weights).to(x.dtype)
+    out = torch.zeros_like(x)
+    inter = gate_up_proj.shape[1] // 2
+    for expert in range(gate_up_proj.shape[0]):
+        token, k = torch.where(expert_ids == expert)
+        gate_up = torch.nn.functional.linear(x[token], gate_up_proj[expert])
+        if gate_up_bias is not None:
+            gate_up = gate_up + cast(gate_up_bias[expert])
+        if gate_up_interleaved:
+            gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+        else:
+            gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        rows = torch.nn.functional.linear(moe_glu(gate, up, activation, limit), down_proj[expert])
+        if down_bias is not None:
+            rows = rows + cast(down_bias[expert])
+        out = out.index_add(0, token, rows * expert_weights[token, k, None])
+    return out
