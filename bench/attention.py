@@ -199,17 +199,18 @@ def offsets(lengths, device) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
 
 
-def check_packed(lengths, heads: int, head_dim: int, device) -> tuple[dict, bool]:
-    """:func:`check` for flash_attention_varlen (causal) on documents of these lengths packed; the
-    reference runs each document of the first two heads on its own."""
-    from horse import kernels
+def check_packed(lengths, heads: int, head_dim: int, device, attention=None) -> tuple[dict, bool]:
+    """:func:`check` for flash_attention_varlen (or ``attention``, which takes its arguments) causal on
+    documents of these lengths packed; the reference runs each document of the first two heads on its
+    own."""
     from horse.kernels import reference
 
+    attention = attention or _ours("flash_attention_varlen")
     torch.manual_seed(0)
     qkv = [t[0].detach().requires_grad_() for t in make_qkv(Shape(1, sum(lengths), heads, head_dim), device)]
     cu = offsets(lengths, device)
     return correctness.check(
-        lambda *a: kernels.flash_attention_varlen(*a, cu, cu, max(lengths), max(lengths), causal=True),
+        lambda *a: attention(*a, cu, cu, max(lengths), max(lengths), causal=True),
         lambda *a: reference.attention_varlen(*a, cu, cu, causal=True)[0],
         qkv,
         NAMES,

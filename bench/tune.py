@@ -20,10 +20,13 @@ What is timed: an attention forward times ``attention_fwd`` on the bench shape (
 head_dim = 2048, float16), causal and not, and the packed forward the bench's nine documents (16K
 tokens, causal); a backward pass the whole backward with only that pass's entry changed. An MLP
 GEMM times its launcher alone on the bench shape that falls in its class (GPT-2 1.3B or LLaMA 7B at
-16K tokens for large; 124M at 1K tokens or 7B at 512 for medium). The entries tuned are those of
-this GPU's family (horse.kernels.runtime.arch). Stops at --seconds (shared by the targets in order) and
-prints every measurement with TFLOP/s, the table's entry and the best found; --json keeps them.
-The kernel tables are changed from what this measured, never at run time.
+16K tokens for large; 124M at 1K tokens or 7B at 512 for medium). The candidate reaches the
+launchers as an argument (``attention_fwd``'s entry, ``attention_bwd``'s dkdv_entry and dq_entry, the
+MLP's ``_fwd_gemm`` and ``_dh_act_bwd``'s entry), so the check and the timing run it while every table
+stays as it is. The entries tuned are those of this GPU's family (horse.kernels.runtime.arch). Stops
+at --seconds (shared by the targets in order) and prints every measurement with TFLOP/s, the table's
+entry and the best found; --json keeps them. The kernel tables are changed by hand from what this
+measured, never at run time.
 
 With --compile-only nothing runs on a GPU: for each entry of the family --arch, the first of its
 candidates (the entry, or --start-from's, then smaller tiles from the largest down) that compiles
@@ -51,13 +54,13 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from bench import timing
+from bench import correctness, timing
 from bench.compile_report import compiler, gate
 from bench.compile_report.attention import ATTENTION_MASKS, attention_entry_configs, attention_pass_configs
 from bench.compile_report.config import check_capabilities
 from bench.compile_report.mlp import mlp_entry_configs, mlp_gemm_config
 from bench.report import format_table
-from horse.kernels import runtime
+from horse.kernels import reference, runtime
 from horse.kernels.attention import configs as attention_configs
 from horse.kernels.attention.launch import Packed, attention_bwd, attention_fwd
 from horse.kernels.mlp import configs as mlp_tables
@@ -91,14 +94,14 @@ DEVICE = "cuda"  # where targets check and time; the CPU tests run them in the i
 
 @dataclasses.dataclass
 class Target:
-    """One table entry to tune, and how to compile, check and time a candidate for it."""
+    """One table entry to tune, and how to compile, check and time a candidate for it: each takes the
+    candidate, which the launchers run in place of the table's entry."""
 
     title: str
-    table: dict
-    key: object
+    entry: object  # the table's entry, where the descent starts
     compile_configs: Callable[[object], list]  # candidate -> bench.compile_report KernelConfig list
-    check: Callable[[], bool]  # ours correct with the table as it is now (on the GPU)
-    calls: Callable[[], dict]  # mode -> (zero-argument call, FLOPs a call does)
+    check: Callable[[object], bool]  # candidate -> ours with it correct (on the GPU)
+    calls: Callable[[object], dict]  # candidate -> {mode: (zero-argument call, FLOPs a call does)}
     tma: bool = True  # candidates toggle TMA (the GPU has it: sm_90+)
 
 
@@ -186,23 +189,21 @@ def compiles_clean(configs: list) -> tuple[bool, str]:
 
 def gpu_measure(target: Target) -> Callable[[object], Measurement]:
     """A measure(cfg) for :func:`descend`: compile check, correctness check, then CUDA-event timing
-    of the target's calls, with target.table[target.key] = cfg for the duration."""
+    of the target's calls, each given cfg (no table is changed)."""
 
     def measure(cfg) -> Measurement:
         compiled, note = compiles_clean(target.compile_configs(cfg))
         result = Measurement(dataclasses.asdict(cfg), compiled, note=note)
         if not compiled:
             return result
-        previous, target.table[target.key] = target.table[target.key], cfg
         try:
-            result.correct = target.check()
-            for mode, (call, flops) in target.calls().items() if result.correct else ():
+            result.correct = target.check(cfg)
+            for mode, (call, flops) in target.calls(cfg).items() if result.correct else ():
                 result.ms[mode] = timing.time_gpu(lambda c: c(), [call], warmup=5, repeats=30).median_ms
                 result.tflops[mode] = flops / (result.ms[mode] * 1e-3) / 1e12
         except Exception as error:  # e.g. out of resources at launch: this config is out
             result.correct, result.note = False, " ".join(str(error).split())[:200]
         finally:
-            target.table[target.key] = previous
             torch.cuda.empty_cache()
         return result
 
@@ -237,10 +238,9 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
             table = getattr(attention_configs, "PACKED_FWD_CONFIGS" if packed else table_name)[arch.name]
             target = Target(
                 title=f"attention {name}{' packed' if packed else ''} d={head_dim} ({arch.name})",
-                table=table,
-                key=attention_configs.head_dim_block(head_dim),
+                entry=table[attention_configs.head_dim_block(head_dim)],
                 compile_configs=variants(pass_name, head_dim, packed),
-                check=functools.partial(_attention_check, head_dim, packed),
+                check=functools.partial(_attention_check, pass_name, head_dim, packed),
                 calls=functools.partial(_attention_calls, pass_name, shape, packed),
                 tma=arch.tma,
             )
@@ -248,40 +248,85 @@ def attention_targets(passes, head_dims, seqlen: int, arch: runtime.Arch = runti
     return targets
 
 
-def _attention_check(head_dim: int, packed: bool) -> bool:
-    """Ours against the float32 reference at head_dim: CHECK_SEQLEN long, full and causal, or packed,
-    three ragged documents."""
+def _forward(q, k, v, causal: bool, packed: Packed | None, entries: dict):
+    """attention_fwd at the default scale, by entries ({compile report pass: config}) where they name
+    the forward, else by its table: (out, lse)."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    return attention_fwd(q, k, v, causal, scale, packed=packed, entry=entries.get("attn_fwd"))
+
+
+def _backward(dout, q, k, v, out, lse, causal: bool, packed: Packed | None, entries: dict):
+    """attention_bwd of :func:`_forward`, each gradient pass by entries where they name it, else by
+    its table: (dq, dk, dv, dsinks)."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    passes = dict(dkdv_entry=entries.get("attn_bwd_dkdv"), dq_entry=entries.get("attn_bwd_dq"))
+    return attention_bwd(dout, None, q, k, v, out, lse, causal, scale, packed=packed, **passes)
+
+
+class _Attention(torch.autograd.Function):
+    """flash_attention's forward and backward by :func:`_forward` and :func:`_backward`: a candidate
+    checked as the public function runs, passed to the launchers, not put into a table."""
+
+    @staticmethod
+    def forward(ctx, causal: bool, packed: Packed | None, entries: dict, q, k, v):
+        out, lse = _forward(q, k, v, causal, packed, entries)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = (causal, packed, entries)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        dq, dk, dv, _ = _backward(dout, *ctx.saved_tensors, *ctx.options)
+        return None, None, None, dq, dk, dv
+
+
+def _attention_check(pass_name: str, head_dim: int, packed: bool, cfg) -> bool:
+    """Ours with cfg for the pass against the float32 reference at head_dim, forward and backward:
+    CHECK_SEQLEN long, full and causal, or packed, three ragged documents."""
     from bench import attention as bench_attention
 
+    entries = {pass_name: cfg}
     if packed:
-        return bench_attention.check_packed((CHECK_SEQLEN, 1, CHECK_SEQLEN // 3), 2, head_dim, DEVICE)[1]
+
+        def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+            batch = Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            return _Attention.apply(causal, batch, entries, q, k, v)
+
+        lengths = (CHECK_SEQLEN, 1, CHECK_SEQLEN // 3)
+        return bench_attention.check_packed(lengths, 2, head_dim, DEVICE, varlen)[1]
     shape = bench_attention.Shape(1, CHECK_SEQLEN, 2, head_dim)
-    return all(bench_attention.check(shape, causal, DEVICE)[1] for causal in (False, True))
+    return all(
+        bench_attention.check(
+            shape, causal, DEVICE, functools.partial(_Attention.apply, causal, None, entries)
+        )[1]
+        for causal in (False, True)
+    )
 
 
-def _attention_calls(pass_name: str, shape, packed: bool) -> dict:
-    """The pass on shape, full and causal: the forward alone, or the whole backward of one forward;
-    packed, the forward on the bench's documents at shape's heads and head dim, causal."""
+def _attention_calls(pass_name: str, shape, packed: bool, cfg) -> dict:
+    """The pass with cfg on shape, full and causal: the forward alone, or the whole backward of one
+    forward (the table's); packed, the forward on the bench's documents at shape's heads and head dim,
+    causal."""
     from bench import attention as bench_attention
 
-    scale = 1 / math.sqrt(shape.head_dim)
+    entries = {pass_name: cfg}
     if packed:
         lengths = bench_attention.PACKED_LENGTHS
         documents = bench_attention.Shape(1, sum(lengths), shape.heads, shape.head_dim)
         q, k, v = (t[0] for t in bench_attention.make_qkv(documents, DEVICE))  # (tokens, heads, head_dim)
         cu = bench_attention.offsets(lengths, DEVICE)
         batch = Packed(cu, cu, max(lengths), max(lengths))
-        call = functools.partial(attention_fwd, q, k, v, True, scale, packed=batch)
+        call = functools.partial(_forward, q, k, v, True, batch, entries)
         return {"causal": (call, bench_attention.packed_flops(lengths, shape.heads, shape.head_dim))}
     direction = "forward" if pass_name == "attn_fwd" else "backward"
     q, k, v = bench_attention.make_qkv(shape, torch.device(DEVICE))
     calls = {}
     for causal in (False, True):
-        call = functools.partial(attention_fwd, q, k, v, causal, scale)
+        call = functools.partial(_forward, q, k, v, causal, None, entries)
         if direction == "backward":
             out, lse = call()
             dout = torch.randn_like(out)
-            call = functools.partial(attention_bwd, dout, None, q, k, v, out, lse, causal, scale)
+            call = functools.partial(_backward, dout, q, k, v, out, lse, causal, None, entries)
         flops = bench_attention.direction_flops(direction, shape, causal)
         calls["causal" if causal else "full"] = (call, flops)
     return calls
@@ -299,12 +344,11 @@ def mlp_targets(gemms, shape_classes, arch: runtime.Arch = runtime.SM90) -> list
             raise ValueError(f"MLP_SHAPES: {model.name} at {tokens} tokens is not {shape_class}")
         target = Target(
             title=f"mlp {gemm} {shape_class} ({model.name}, {tokens} tokens; {arch.name})",
-            table=mlp_tables.GEMM_CONFIGS[arch.name][gemm],
-            key=shape_class,
+            entry=mlp_tables.GEMM_CONFIGS[arch.name][gemm][shape_class],
             compile_configs=lambda cfg, g=gemm, c=shape_class, a=model.activation: [
                 mlp_gemm_config(g, c, cfg, torch.float16, a, cfg.tma, arch.name)
             ],
-            check=lambda m=model, t=tokens: bench_mlp.check(m, t, DEVICE, whole_mlp=True)[1],
+            check=functools.partial(_mlp_check, gemm, model, tokens),
             calls=functools.partial(_mlp_calls, gemm, model, tokens),
             tma=arch.tma,
         )
@@ -312,24 +356,71 @@ def mlp_targets(gemms, shape_classes, arch: runtime.Arch = runtime.SM90) -> list
     return targets
 
 
-def _mlp_calls(gemm: str, model, tokens: int) -> dict:
-    """The GEMM's launcher alone on the model's tensors: {"gemm": (call, 2·M·N·K per GEMM)}."""
+def _mlp_tensors(gemm: str, model, tokens: int) -> dict:
+    """The GEMM's inputs by name, from the model's tensors (bench.mlp.make_inputs); the dh GEMM's dy
+    and its saved pre (and up, gated) random."""
     from bench import mlp as bench_mlp
 
     t = bench_mlp.make_inputs(model, tokens, torch.device(DEVICE))
-    x, act = t["x"], model.activation
+    if gemm == "fwd":
+        return {name: t[name] for name in ("x", "w_in", "b_in")}
+    if gemm == "gated_fwd":
+        return {name: t[name] for name in ("x", "w_gate", "w_up")}
+    gated = gemm == "gated_dh_bwd"
+    pre = torch.randn(tokens, model.hidden, dtype=t["x"].dtype, device=t["x"].device)
+    tensors = {"dy": torch.randn_like(t["x"]), "w_out": t["w_down"] if gated else t["w_out"], "pre": pre}
+    return tensors | ({"up": torch.randn_like(pre)} if gated else {})
+
+
+def _mlp_gemm(gemm: str, activation: str, cfg, t: dict) -> torch.Tensor:
+    """The GEMM's launcher with cfg on the tensors t (:func:`_mlp_tensors`): the forward's y, or the dh
+    GEMM's dpre."""
+    if gemm == "fwd":
+        return mlp_launch._fwd_gemm(t["x"], t["w_in"], None, t["b_in"], activation, False, cfg)[0]
+    if gemm == "gated_fwd":
+        return mlp_launch._fwd_gemm(t["x"], t["w_gate"], t["w_up"], None, activation, False, cfg)[0]
+    has_bias = gemm == "dh_bwd"  # the GPT-2 MLP's b_in; the gated MLP has none
+    dh_act = mlp_launch._dh_act_bwd(
+        t["dy"], t["w_out"], t["pre"], t.get("up"), activation, has_bias, entry=cfg
+    )
+    return dh_act[0]
+
+
+def _mlp_reference(gemm: str, activation: str, t: dict) -> torch.Tensor:
+    """:func:`_mlp_gemm`'s output by the float32 reference: y, or dpre, the gradient of h = act(pre)
+    (⊙ up, gated: [dgate | dup]) for dh = dy W_out."""
+    if gemm == "fwd":
+        return reference.linear_act(t["x"], t["w_in"], t["b_in"], activation=activation)
+    if gemm == "gated_fwd":
+        return reference.gated_linear(t["x"], t["w_gate"], t["w_up"], activation=activation)
+    saved = [t[name].requires_grad_() for name in ("pre", "up") if name in t]
+    h = reference.apply_activation(saved[0], activation) * (t["up"] if "up" in t else 1)
+    return torch.cat(torch.autograd.grad(h, saved, t["dy"] @ t["w_out"]), dim=1)
+
+
+def _mlp_check(gemm: str, model, tokens: int, cfg) -> bool:
+    """The GEMM's launcher with cfg on the model's tensors against the float32 reference
+    (:func:`bench.correctness.check`)."""
+    from bench import mlp as bench_mlp
+
+    torch.manual_seed(0)
+    tensors = _mlp_tensors(gemm, model, tokens)
+    return correctness.check(
+        lambda *ts: _mlp_gemm(gemm, model.activation, cfg, dict(zip(tensors, ts, strict=True))),
+        lambda *ts: _mlp_reference(gemm, model.activation, dict(zip(tensors, ts, strict=True))),
+        list(tensors.values()),
+        ["y" if gemm.endswith("fwd") else "dpre"],
+        bench_mlp.TOLERANCE,
+    )[1]
+
+
+def _mlp_calls(gemm: str, model, tokens: int, cfg) -> dict:
+    """The GEMM's launcher alone with cfg on the model's tensors: {"gemm": (call, 2·M·N·K per GEMM)}."""
+    from bench import mlp as bench_mlp
+
     # (tokens, d_model) x (d_model, hidden), twice in the gated forward; dh = dy W_out is the same.
     flops = (2 if gemm == "gated_fwd" else 1) * bench_mlp.gemm_flops(tokens, model.hidden, model.d_model)
-    if gemm == "fwd":
-        call = functools.partial(mlp_launch.linear_act_fwd, x, t["w_in"], t["b_in"], act, False)
-    elif gemm == "gated_fwd":
-        call = functools.partial(mlp_launch.gated_linear_fwd, x, t["w_gate"], t["w_up"], act, False)
-    else:
-        gated = gemm == "gated_dh_bwd"
-        pre, up = (torch.randn(tokens, model.hidden, dtype=x.dtype, device=x.device) for _ in range(2))
-        dy, w_out = torch.randn_like(x), t["w_down"] if gated else t["w_out"]
-        saved_up = up if gated else None
-        call = functools.partial(mlp_launch._dh_act_bwd, dy, w_out, pre, saved_up, act, not gated)
+    call = functools.partial(_mlp_gemm, gemm, model.activation, cfg, _mlp_tensors(gemm, model, tokens))
     return {"gemm": (call, flops)}
 
 
@@ -580,7 +671,7 @@ def tune(targets: list[Target], seconds: float, make_measure=gpu_measure) -> dic
     for index, target in enumerate(targets):
         now = time.monotonic()
         target_deadline = now + (deadline - now) / (len(targets) - index)
-        start = target.table[target.key]
+        start = target.entry
         best, measurements = descend(start, make_measure(target), target_deadline, tma=target.tma)
         result = report[target.title] = {
             "table": dataclasses.asdict(start),

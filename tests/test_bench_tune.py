@@ -1,7 +1,9 @@
 """CPU tests of the table tuner: its neighbourhood, its descent, its targets, its compile filter, its
 measurement plumbing (timing faked) and its CLI."""
 
+import copy
 import dataclasses
+import importlib
 import itertools
 import json
 import os
@@ -100,44 +102,46 @@ def test_wrong_results_never_win():
     assert tune.descend(start, measure, deadline=float("inf"))[0] == start
 
 
-def test_targets_point_at_the_tables_and_shapes_of_their_class():
+def test_targets_start_from_the_entries_and_shapes_of_their_class():
     from horse.kernels import mlp
 
     fwd, packed, dq = tune.attention_targets(["fwd", "bwd_dq"], [64], seqlen=4096)
-    assert fwd.table is attention_configs.FWD_CONFIGS["sm90"] and fwd.key == 64 and fwd.tma
+    assert fwd.entry == attention_configs.FWD_CONFIGS["sm90"][64] and fwd.tma
     # Packed batches load by TMA through per-sequence descriptors.
-    assert packed.table is attention_configs.PACKED_FWD_CONFIGS["sm90"] and packed.key == 64 and packed.tma
-    assert dq.table is attention_configs.BWD_DQ_CONFIGS["sm90"]
+    assert packed.entry == attention_configs.PACKED_FWD_CONFIGS["sm90"][64] and packed.tma
+    assert dq.entry == attention_configs.BWD_DQ_CONFIGS["sm90"][64]
     targets = tune.mlp_targets(["fwd", "gated_fwd", "dh_bwd", "gated_dh_bwd"], ["large", "medium"])
     assert len(targets) == 8  # each (gemm, class) shape checked to fall in its class
-    assert targets[0].table is mlp.configs.GEMM_CONFIGS["sm90"]["fwd"] and targets[0].key == "large"
+    assert targets[0].entry == mlp.configs.GEMM_CONFIGS["sm90"]["fwd"]["large"]
     a100, a100_packed = tune.attention_targets(["fwd"], [128], seqlen=4096, arch=runtime.SM80)
-    assert a100.table is attention_configs.FWD_CONFIGS["sm80"] and not a100.tma  # no TMA before sm_90
-    assert a100_packed.table is attention_configs.PACKED_FWD_CONFIGS["sm80"]
-    assert a100_packed.table is not a100.table  # tuning one never edits the other
+    assert a100.entry == attention_configs.FWD_CONFIGS["sm80"][128] and not a100.tma  # no TMA before sm_90
+    assert a100_packed.entry == attention_configs.PACKED_FWD_CONFIGS["sm80"][128]
 
 
-def _fake_target(table, key, check):
-    return tune.Target("fake", table, key, lambda cfg: [], check, lambda: {"full": (lambda: None, 2e12)})
+def _fake_target(entry, check, calls=lambda cfg: {"full": (lambda: None, 2e12)}):
+    return tune.Target("fake", entry, lambda cfg: [], check, calls)
 
 
-def test_measure_runs_the_candidate_in_the_table_and_puts_the_entry_back(monkeypatch):
+def test_measure_passes_the_candidate_to_the_check_and_the_calls(monkeypatch):
     monkeypatch.setattr(
         timing, "time_gpu", lambda fn, inputs, **kw: (fn(inputs[0]), timing.Timing(4.0, 3, 5, 30))[1]
     )
     entry, candidate = AttnConfig(128, 64, 4, 3), AttnConfig(64, 64, 4, 3)
-    table = {"k": entry}
-    seen = []
-    measure = tune.gpu_measure(_fake_target(table, "k", lambda: seen.append(table["k"]) or True))
+    checked, timed = [], []
+
+    def calls(cfg):
+        return {"full": (lambda: timed.append(cfg), 2e12)}
+
+    measure = tune.gpu_measure(_fake_target(entry, lambda cfg: checked.append(cfg) or True, calls))
     result = measure(candidate)
-    assert seen == [candidate] and table == {"k": entry}
+    assert checked == timed == [candidate]
     assert result.correct and result.ms == {"full": 4.0} and result.tflops == {"full": 500.0}
 
-    def launch_fails():
+    def launch_fails(cfg):
         raise RuntimeError("out of resource: shared memory")
 
-    result = tune.gpu_measure(_fake_target(table, "k", launch_fails))(candidate)
-    assert result.correct is False and "shared memory" in result.note and table == {"k": entry}
+    result = tune.gpu_measure(_fake_target(entry, launch_fails))(candidate)
+    assert result.correct is False and "shared memory" in result.note
 
 
 @pytest.fixture
@@ -161,9 +165,49 @@ def tiny_targets_on_the_cpu(monkeypatch):
     )
 
 
+def _tables() -> dict:
+    """Every attention and GEMM table, copied."""
+    names = ("FWD_CONFIGS", "PACKED_FWD_CONFIGS", "BWD_DKDV_CONFIGS", "BWD_DQ_CONFIGS", "DECODE_CONFIGS")
+    tables = {name: getattr(attention_configs, name) for name in names}
+    return copy.deepcopy(tables | {"GEMM_CONFIGS": mlp_configs.GEMM_CONFIGS})
+
+
+# The plan function that launches each target's kernel: (family, pass or GEMM) -> (module, function).
+TARGET_PLANS = {
+    ("attention", "fwd"): ("horse.kernels.attention.launch", "fwd_plan"),
+    ("attention", "bwd_dkdv"): ("horse.kernels.attention.launch", "dkdv_plans"),
+    ("attention", "bwd_dq"): ("horse.kernels.attention.launch", "dq_plan"),
+    ("mlp", "fwd"): ("horse.kernels.mlp.launch", "fwd_plan"),
+    ("mlp", "gated_fwd"): ("horse.kernels.mlp.launch", "fwd_plan"),
+    ("mlp", "dh_bwd"): ("horse.kernels.mlp.launch", "dh_plan"),
+    ("mlp", "gated_dh_bwd"): ("horse.kernels.mlp.launch", "dh_plan"),
+}
+
+
+@pytest.fixture
+def plans_seen(monkeypatch) -> list:
+    """Every call of a plan function of TARGET_PLANS, recorded as (module, function, its entry, whether
+    every table was as before at the call)."""
+    before, seen = _tables(), []
+
+    def recording(plan, where):
+        def record(entry, *args, **kwargs):
+            seen.append((*where, entry, _tables() == before))
+            return plan(entry, *args, **kwargs)
+
+        return record
+
+    for module_name, name in set(TARGET_PLANS.values()):
+        module = importlib.import_module(module_name)
+        monkeypatch.setattr(module, name, recording(getattr(module, name), (module_name, name)))
+    return seen
+
+
 @pytest.mark.interpreter
-def test_every_target_checks_and_times_a_candidate(tiny_targets_on_the_cpu):
-    # In the interpreter the tiles are its own, but TMA follows the candidate.
+def test_every_target_checks_and_times_a_candidate_with_the_tables_untouched(
+    tiny_targets_on_the_cpu, plans_seen
+):
+    # The launchers run the candidate given, its tiles too (the table's entries get the interpreter's).
     targets = tune.attention_targets(list(tune.ATTENTION_PASSES), [64], seqlen=4096)
     assert [t.title for t in targets if "fwd" in t.title] == [
         "attention fwd d=64 (sm90)",
@@ -172,13 +216,40 @@ def test_every_target_checks_and_times_a_candidate(tiny_targets_on_the_cpu):
     targets += tune.mlp_targets(["fwd", "gated_fwd", "dh_bwd", "gated_dh_bwd"], ["medium"])
     for target in targets:
         target.compile_configs = lambda cfg: []  # the sm_90 compile needs TRITON_INTERPRET unset
-        entry = target.table[target.key]
-        for candidate in (entry, *tune.neighbours(entry)[-2:]):
+        plan = TARGET_PLANS[tuple(target.title.split()[:2])]
+        for candidate in (target.entry, *tune.neighbours(target.entry)[-2:]):
+            plans_seen.clear()
             result = tune.gpu_measure(target)(candidate)
             assert result.correct, (target.title, candidate, result.note)
             modes = {"causal"} if "packed" in target.title else {"full", "causal"}
             assert set(result.ms) == ({"gemm"} if target.title.startswith("mlp") else modes)
-            assert target.table[target.key] == entry
+            # The target's kernel planned with the candidate at every launch, checked and timed ...
+            entries = [entry for *where, entry, _ in plans_seen if tuple(where) == plan]
+            assert len(entries) >= 2 and set(entries) == {candidate}, (target.title, entries)
+            # ... and every table as it was while it ran.
+            assert all(unchanged for *_, unchanged in plans_seen), target.title
+
+
+@pytest.mark.interpreter
+def test_a_candidate_that_computes_wrong_fails_its_check(tiny_targets_on_the_cpu, monkeypatch):
+    from horse.kernels.mlp import launch as mlp_launch
+
+    [dkdv] = tune.attention_targets(["bwd_dkdv"], [64], seqlen=4096)
+    [dh] = tune.mlp_targets(["gated_dh_bwd"], ["medium"])
+    assert dkdv.check(dkdv.entry) and dh.check(dh.entry)
+    attention_bwd, dh_act_bwd = tune.attention_bwd, mlp_launch._dh_act_bwd
+
+    def dk_off(*args, **kwargs):
+        dq, dk, dv, dsinks = attention_bwd(*args, **kwargs)
+        return dq, 1.05 * dk, dv, dsinks
+
+    def dpre_off(*args, **kwargs):
+        dpre, h, db = dh_act_bwd(*args, **kwargs)
+        return 1.05 * dpre, h, db
+
+    monkeypatch.setattr(tune, "attention_bwd", dk_off)
+    monkeypatch.setattr(mlp_launch, "_dh_act_bwd", dpre_off)
+    assert not dkdv.check(dkdv.entry) and not dh.check(dh.entry)
 
 
 def test_compile_filter_passes_the_tables_and_rejects_shared_memory_over_budget():
@@ -206,16 +277,14 @@ def test_compile_filter_passes_the_tables_and_rejects_shared_memory_over_budget(
 def test_tune_reports_each_target_as_strict_json(capsys):
     best = GemmConfig(64, 64, 32, 8, 4, 2)
     table = {"large": GemmConfig(128, 128, 64, 8, 8, 4), "medium": GemmConfig(64, 128, 64, 8, 4, 4)}
-    targets = [_fake_target(table, key, lambda: True) for key in table]
+    targets = [_fake_target(entry, lambda cfg: True) for entry in table.values()]
     for target, key in zip(targets, table, strict=True):
         target.title = f"fake {key}"
-    before = dict(table)
     report = tune.tune(targets, seconds=60, make_measure=lambda t: _synthetic(best, broken={best})[0])
     assert list(report) == ["fake large", "fake medium"]
-    assert report["fake medium"]["table"] == dataclasses.asdict(before["medium"])
+    assert report["fake medium"]["table"] == dataclasses.asdict(table["medium"])
     assert report["fake medium"]["best"] != dataclasses.asdict(best)  # it did not compile
     json.dumps(report, allow_nan=False)
-    assert table == before  # the tables are never changed for good
     assert "== fake large: table 128x128x64 w8 s4 tma, best " in capsys.readouterr().out
 
 

@@ -55,7 +55,7 @@ _TABLES = runtime.load_configs(CONFIG_FILE, AttnConfig)
 # Each table: GPU family (runtime.arch) -> padded head dim (16 ... 256) -> entry.
 FWD_CONFIGS = _TABLES["FWD_CONFIGS"]
 # Packed batches' forward: the padded entries (TMA descriptors built per sequence on the device), a
-# dict of its own per family so that tuning one table (bench.tune) never edits the other.
+# dict of its own per family, so that an entry measured for packed batches (bench.tune) can differ.
 PACKED_FWD_CONFIGS = {arch: dict(table) for arch, table in FWD_CONFIGS.items()}
 # block_n is the key block each program owns (dk, dv accumulate there); block_m the query step.
 BWD_DKDV_CONFIGS = _TABLES["BWD_DKDV_CONFIGS"]

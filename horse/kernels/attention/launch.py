@@ -328,18 +328,20 @@ def attention_fwd(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     first_keys: torch.Tensor | None = None,
+    entry: AttnConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward on validated inputs and a window normalized by :func:`normalize_mask`; returns out
     like q and lse float32: (batch, heads, seqlen_q), or (heads, total_q) for a packed batch. softcap
     (> 0, None: off) and sinks ((heads,) float32 or None) as flash_attention takes them; lse holds
     the sinks. first_keys: document masking, with causal and no window, of a padded batch: (batch,
     seqlen) int32, contiguous, query i's first key (its document's first column, a window's left edge
-    folded in), as :func:`document_first_keys` gives them."""
+    folded in), as :func:`document_first_keys` gives them. entry: the config to launch with instead
+    of the table's (bench.tune's candidates)."""
     batch, seqlen_q, _, heads, kv_heads, head_dim = _shape(q, k, packed)
     out = runtime.empty(q.shape, q.dtype, q.device)
     lse_shape = (batch, heads, seqlen_q) if packed is None else (heads, q.shape[0])
     lse = runtime.empty(lse_shape, torch.float32, q.device)
-    entry = configs.attn_config(
+    entry = entry or configs.attn_config(
         configs.FWD_CONFIGS if packed is None else configs.PACKED_FWD_CONFIGS, head_dim, q.device
     )
     shared = _pass_args(q, k, lse, causal, window, softmax_scale, packed)
@@ -567,11 +569,24 @@ def _bwd_values(q, k, v, dout, row_stats, args: dict, shape: tuple) -> dict:
     )
 
 
-def _bwd_dkdv(q, k, v, dout, row_stats, dk, dv, args: dict, shape: tuple, packed: Packed | None) -> None:
+def _bwd_dkdv(
+    q,
+    k,
+    v,
+    dout,
+    row_stats,
+    dk,
+    dv,
+    args: dict,
+    shape: tuple,
+    packed: Packed | None,
+    entry: AttnConfig | None,
+) -> None:
     """The pass per key block: dk and dv (of shape (batch, seqlen_k, kv_heads, head_dim)), a GQA
-    group's query heads split over programs when there are too few (float32 partials, summed here)."""
+    group's query heads split over programs when there are too few (float32 partials, summed here);
+    by entry, or the table's when None."""
     batch, _, seqlen_k, heads, kv_heads, head_dim = shape
-    entry = configs.attn_config(configs.BWD_DKDV_CONFIGS, head_dim, q.device)
+    entry = entry or configs.attn_config(configs.BWD_DKDV_CONFIGS, head_dim, q.device)
     last_queries = args["last_queries"]
     # dk and dv stand for the float32 partials of head splits: new, contiguous, as aligned. Document
     # masking takes the fused kernel: a split-output entry's pointer tile.
@@ -614,10 +629,12 @@ def _bwd_dkdv(q, k, v, dout, row_stats, dk, dv, args: dict, shape: tuple, packed
         dv.copy_(dv_out.view(splits, *v.shape).sum(0))
 
 
-def _bwd_dq(q, k, v, dout, row_stats, dq, args: dict, shape: tuple, packed: Packed | None) -> None:
-    """The pass per query block: dq (q's shape)."""
+def _bwd_dq(
+    q, k, v, dout, row_stats, dq, args: dict, shape: tuple, packed: Packed | None, entry: AttnConfig | None
+) -> None:
+    """The pass per query block: dq (q's shape); by entry, or the table's when None."""
     head_dim = shape[-1]
-    entry = configs.attn_config(configs.BWD_DQ_CONFIGS, head_dim, q.device)
+    entry = entry or configs.attn_config(configs.BWD_DQ_CONFIGS, head_dim, q.device)
     tma = tma_usable(entry, q, k, v, dout, dq)
     first_keys = args["first_keys"]
     plan = dq_plan(
@@ -655,13 +672,17 @@ def attention_bwd(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     first_keys: torch.Tensor | None = None,
+    dkdv_entry: AttnConfig | None = None,
+    dq_entry: AttnConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`attention_fwd`; dlse is the gradient of lse, or None. Returns dq, dk, dv and
     dsinks; needs says whether dq, whether dk and dv, and whether dsinks are wanted: a pass nobody
     wants is not launched, its gradients empty tensors (frozen inputs). Three passes: the row
     statistics (:func:`_bwd_preprocess`), dk and dv (:func:`_bwd_dkdv`), dq (:func:`_bwd_dq`); then
     the sinks' gradient from the row statistics (:func:`_sinks_grad`). first_keys as in
-    :func:`attention_fwd`; the dk/dv pass reads each key's last query (:func:`document_last_queries`)."""
+    :func:`attention_fwd`; the dk/dv pass reads each key's last query (:func:`document_last_queries`).
+    dkdv_entry and dq_entry: the configs of those passes instead of the tables' (bench.tune's
+    candidates)."""
     shape = _shape(q, k, packed)
     batch, _, _, heads, _, _ = shape
     if dout.stride(-1) != 1:  # gradients can arrive expanded (stride 0) or transposed
@@ -682,9 +703,9 @@ def attention_bwd(
     with runtime.device_guard(q):
         row_stats = _bwd_preprocess(out, dout, lse, dlse, args, batch, heads, packed)  # (lse_log2, delta)
         if needs[1]:
-            _bwd_dkdv(q, k, v, dout, row_stats, dk, dv, args, shape, packed)
+            _bwd_dkdv(q, k, v, dout, row_stats, dk, dv, args, shape, packed, dkdv_entry)
         if needs[0]:
-            _bwd_dq(q, k, v, dout, row_stats, dq, args, shape, packed)
+            _bwd_dq(q, k, v, dout, row_stats, dq, args, shape, packed, dq_entry)
         if needs[2]:
             dsinks = _sinks_grad(sinks, lse, row_stats[1])
     return dq, dk, dv, dsinks

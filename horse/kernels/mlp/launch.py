@@ -123,10 +123,12 @@ def _fwd_gemm(
     bias: torch.Tensor | None,
     activation: str,
     store_pre: bool,
+    entry: GemmConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """act(x Wᵀ + b), or with w_up (weight is then W_gate, no bias) act(x W_gateᵀ) ⊙ x W_upᵀ in one
     pass over x with two accumulators. Returns (y, pre, up), each (M, N) in x's dtype: pre = x Wᵀ + b
-    (the gate), up = x W_upᵀ (pre again without w_up), both empty unless store_pre."""
+    (the gate), up = x W_upᵀ (pre again without w_up), both empty unless store_pre. entry: the config
+    to launch with instead of the table's (bench.tune's candidates)."""
     M, K = x.shape
     N = weight.shape[0]
     gated = w_up is not None
@@ -137,7 +139,7 @@ def _fwd_gemm(
     up = runtime.empty((M, N) if store_pre else (0,), x.dtype, x.device) if gated else pre
     if M == 0 or N == 0:
         return y, pre, up
-    cfg = configs.gemm_config("gated_fwd" if gated else "fwd", M, N, x.device)
+    cfg = entry or configs.gemm_config("gated_fwd" if gated else "fwd", M, N, x.device)
     tma = tma_usable(cfg, x, weight, *([w_up] if gated else []))
     b = bias if bias is not None else x if gated else weight  # a dummy pointer without a bias
     epilogue = Epilogue(
@@ -203,12 +205,14 @@ def _dh_act_bwd(
     activation: str,
     has_bias: bool,
     need_h: bool = True,
+    entry: GemmConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dh = dy W_out in a GEMM whose epilogue applies act' (and the gate's product rule).
 
     Returns (dpre, h, db): dpre (M, N), or gated (up given) (M, 2N), [dgate | dup]; h, the hidden
     activation recomputed from pre (M, N), or pre itself for ``none`` (empty unless need_h: only
-    the gradient of W_out uses it); db (N,) or empty.
+    the gradient of W_out uses it); db (N,) or empty. entry: the config to launch with instead of
+    the table's (bench.tune's candidates).
     """
     M, N = pre.shape
     K = dy.shape[1]
@@ -216,7 +220,7 @@ def _dh_act_bwd(
     store_h = need_h and (gated or activation != "none")
     dpre, dpre_rows, dup_rows, stride_dpre = _pre_grads(M, N, gated, pre)
     h = runtime.empty((M, N), pre.dtype, pre.device) if store_h else pre if need_h else pre[:0]
-    cfg = configs.gemm_config("gated_dh_bwd" if gated else "dh_bwd", M, N, pre.device)
+    cfg = entry or configs.gemm_config("gated_dh_bwd" if gated else "dh_bwd", M, N, pre.device)
     db_partial = runtime.empty(
         (triton.cdiv(M, cfg.block_m), N) if has_bias else (0,), torch.float32, pre.device
     )
