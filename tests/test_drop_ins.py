@@ -346,11 +346,13 @@ def test_add_rms_norm_is_the_sum_then_f_rms_norm_or_refuses(case, device):
 # ----------------------------------------------------------------------------------------------
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)):
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
     """flash-attn's flash_attn_func, for the arguments our flash_attention shares with it, by
     F.scaled_dot_product_attention: (batch, seqlen, heads, head_dim) in and out, k and v heads a
     divisor of q's, causal and the window aligned to the bottom-right corner (query i stands at key
-    position i + seqlen_k - seqlen_q), a query that sees no key gets zeros (as SDPA gives them)."""
+    position i + seqlen_k - seqlen_q), a query that sees no key gets zeros (as SDPA gives them); softcap
+    > 0: the scaled scores become softcap · tanh(scores / softcap) before the mask, by hand (SDPA has no
+    softcap)."""
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     left, right = window_size[0], 0 if causal else window_size[1]
     key_minus_query = (
@@ -362,6 +364,12 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     if right >= 0:
         sees &= key_minus_query <= right
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seqlen, head_dim)
+    if softcap > 0:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        scores = softcap * torch.tanh((q.float() @ k.float().transpose(-1, -2)) * scale / softcap)
+        p = scores.masked_fill(~sees.to(q.device), float("-inf")).softmax(-1).nan_to_num(0.0)
+        return (p @ v.float()).to(q.dtype).transpose(1, 2)
     # The math backend: the plain computation, whose zeros for a query that sees no key were checked
     # on the CPU (flash-attn gives zeros there too).
     with sdpa_kernel(SDPBackend.MATH):
@@ -403,7 +411,7 @@ ATTENTION = [
     Case("bfloat16", _qkv(1, 5, 5, 2, 2, 16, dtype=BF16), gpu_only=True),
     Case("float32", _qkv(1, 4, 4, 1, 1, 16, dtype=F32), refuses="q"),
     Case("dropout_p", _qkv(1, 4, 4, 1, 1, 16), {"dropout_p": 0.1}, refuses="dropout_p"),
-    Case("softcap", _qkv(1, 4, 4, 1, 1, 16), {"softcap": 30.0}, refuses="softcap"),
+    Case("softcap", _qkv(1, 5, 5, 2, 1, 16), {"softcap": 2.0, "causal": True}),
     Case("alibi_slopes", _qkv(1, 4, 4, 1, 1, 16), {"alibi_slopes": torch.ones(1)}, refuses="alibi_slopes"),
     Case("deterministic", _qkv(1, 4, 4, 1, 1, 16), {"deterministic": True}, refuses="deterministic"),
     Case(
