@@ -74,11 +74,13 @@ def test_document_masking_matches_reference(shape, documents, window, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("shape", "documents", "window", "dtype"),
-    [(Shape(2, 1024, 1024, 8, 2, 128), [[100, 500, 1, 423], [1024]], (-1, -1), torch.float16),
-     (Shape(1, 1000, 1000, 4, 4, 64), [[1] * 10 + [700, 290]], (256, -1), torch.bfloat16),
-     (Shape(1, 700, 700, 2, 1, 256), [[300, 400]], (-1, -1), torch.float16)],
+    [
+        (Shape(2, 1024, 1024, 8, 2, 128), [[100, 500, 1, 423], [1024]], (-1, -1), torch.float16),
+        (Shape(1, 1000, 1000, 4, 4, 64), [[1] * 10 + [700, 290]], (256, -1), torch.bfloat16),
+        (Shape(1, 700, 700, 2, 1, 256), [[300, 400]], (-1, -1), torch.float16),
+    ],
     ids=str,
-)  # fmt: skip
+)
 def test_gpu_document_masking(shape, documents, window, dtype):
     check(shape, documents, window, dtype, "cuda")
 

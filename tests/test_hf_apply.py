@@ -514,10 +514,20 @@ def test_trainer_runs_three_steps_with_the_unpatched_losses(family, tmp_path, re
 def gpt_oss_config():
     """A two-layer gpt-oss: a sliding window of 5 on the first layer, biased projections, 4 experts."""
     return transformers.GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
-        layer_types=["sliding_attention", "full_attention"], initializer_range=INIT, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+        initializer_range=INIT,
+        pad_token_id=0,
+    )
 
 
 def test_gpt_oss_attention_with_its_sinks_matches_eager_on_the_reference_path(reference_path):
@@ -544,8 +554,9 @@ def test_gpt_oss_attention_with_its_sinks_matches_eager_on_the_reference_path(re
     compare("gpt_oss float32", actual, truth, [baseline], labels)
     model.eval(), ours.eval()  # greedy generation: the decode steps' kernel with the sinks too
     options = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
-    torch.testing.assert_close(ours.generate(ids[:1, :6], **options), model.generate(ids[:1, :6], **options),
-                               rtol=0, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        ours.generate(ids[:1, :6], **options), model.generate(ids[:1, :6], **options), rtol=0, atol=0
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,11 +24,19 @@ def tiny_config(family: str):
     it counts in the loss); Qwen2-MoE with a shared expert of inter 48, its second layer dense
     (mlp_only_layers), Qwen3-MoE with the top-k weights renormalized."""
     common = {
-        "vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": 1,
-        "eos_token_id": 2, "num_experts_per_tok": 2, "output_router_logits": True,
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "num_experts_per_tok": 2,
+        "output_router_logits": True,
         "router_aux_loss_coef": 0.1,
-    }  # fmt: skip
+    }
     experts = {"num_experts": 8, "moe_intermediate_size": 32, "intermediate_size": 96}
     configs = {
         "mixtral": lambda: transformers.MixtralConfig(**common, num_local_experts=4, intermediate_size=48),
@@ -142,8 +150,9 @@ def test_greedy_generation_matches_sdpa_token_for_token(family, reference_path):
     mask[1, :2] = 0  # left padding, as generation pads
     options = {"max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
     for inputs in ({"input_ids": ids[:1]}, {"input_ids": ids, "attention_mask": mask}):
-        torch.testing.assert_close(patched.generate(**inputs, **options), model.generate(**inputs, **options),
-                                   rtol=0, atol=0)  # fmt: skip
+        torch.testing.assert_close(
+            patched.generate(**inputs, **options), model.generate(**inputs, **options), rtol=0, atol=0
+        )
 
 
 def test_experts_the_kernel_cannot_run_are_refused():

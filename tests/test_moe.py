@@ -78,10 +78,18 @@ def _call(fn, t: dict, activation: str, limit, interleaved: bool, transposed: bo
         gate_up = gate_up.transpose(1, 2).contiguous().transpose(1, 2)
         down = down.transpose(1, 2).contiguous().transpose(1, 2)
     return fn(
-        t["x"], t["expert_ids"], t["expert_weights"], gate_up, down, activation=activation,
-        gate_up_bias=t.get("gate_up_bias"), down_bias=t.get("down_bias"), limit=limit,
-        gate_up_interleaved=interleaved, **options,
-    )  # fmt: skip
+        t["x"],
+        t["expert_ids"],
+        t["expert_weights"],
+        gate_up,
+        down,
+        activation=activation,
+        gate_up_bias=t.get("gate_up_bias"),
+        down_bias=t.get("down_bias"),
+        limit=limit,
+        gate_up_interleaved=interleaved,
+        **options,
+    )
 
 
 def run(fn, t: dict, dtype=None) -> dict:
@@ -203,29 +211,54 @@ def _bad(**changes):
 BAD_INPUTS = [
     (_bad(x=lambda t: t["x"].numpy()), TypeError, "x must be a torch.Tensor"),
     (_bad(x=lambda t: t["x"][None]), ValueError, r"x must be \(tokens, hidden\)"),
-    (_bad(x=lambda t: t["x"].float(), gate_up_proj=lambda t: t["gate_up_proj"].float(),
-          down_proj=lambda t: t["down_proj"].float(), expert_weights=lambda t: t["expert_weights"].float()),
-     TypeError, "float16 or bfloat16 on the Triton path"),
+    (
+        _bad(
+            x=lambda t: t["x"].float(),
+            gate_up_proj=lambda t: t["gate_up_proj"].float(),
+            down_proj=lambda t: t["down_proj"].float(),
+            expert_weights=lambda t: t["expert_weights"].float(),
+        ),
+        TypeError,
+        "float16 or bfloat16 on the Triton path",
+    ),
     (_bad(expert_ids=lambda t: t["expert_ids"].float()), TypeError, "expert_ids must be int32 or int64"),
-    (_bad(expert_ids=lambda t: t["expert_ids"][:3]), ValueError,
-     r"expert_ids must be \(tokens, top_k\) = \(5"),
-    (_bad(expert_weights=lambda t: t["expert_weights"][:, :1]), ValueError,
-     r"expert_weights must have shape \[5, 2\]"),
-    (_bad(expert_weights=lambda t: t["expert_weights"].double()), TypeError,
-     "expert_weights must be torch.float16 or float32"),
-    (_bad(gate_up_proj=lambda t: t["gate_up_proj"].transpose(1, 2)), ValueError,
-     r"gate_up_proj must be \(experts, 2 \* inter, hidden\).*pass gate_up_proj.transpose\(1, 2\)"),
+    (
+        _bad(expert_ids=lambda t: t["expert_ids"][:3]),
+        ValueError,
+        r"expert_ids must be \(tokens, top_k\) = \(5",
+    ),
+    (
+        _bad(expert_weights=lambda t: t["expert_weights"][:, :1]),
+        ValueError,
+        r"expert_weights must have shape \[5, 2\]",
+    ),
+    (
+        _bad(expert_weights=lambda t: t["expert_weights"].double()),
+        TypeError,
+        "expert_weights must be torch.float16 or float32",
+    ),
+    (
+        _bad(gate_up_proj=lambda t: t["gate_up_proj"].transpose(1, 2)),
+        ValueError,
+        r"gate_up_proj must be \(experts, 2 \* inter, hidden\).*pass gate_up_proj.transpose\(1, 2\)",
+    ),
     (_bad(gate_up_proj=lambda t: t["gate_up_proj"][0]), ValueError, "gate_up_proj must have 3 dimensions"),
-    (_bad(down_proj=lambda t: t["down_proj"][:, :, :5]), ValueError,
-     r"down_proj must have shape \[4, 16, 12\]"),
+    (
+        _bad(down_proj=lambda t: t["down_proj"][:, :, :5]),
+        ValueError,
+        r"down_proj must have shape \[4, 16, 12\]",
+    ),
     (_bad(down_proj=lambda t: t["down_proj"].bfloat16()), TypeError, "down_proj must be x's dtype"),
     (_bad(gate_up_bias=lambda t: t["down_bias"]), ValueError, r"gate_up_bias must have shape \[4, 24\]"),
     (_bad(down_bias=lambda t: t["down_bias"][0]), ValueError, r"down_bias must have shape \[4, 16\]"),
     (_bad(activation=lambda t: "gelu"), ValueError, "unknown activation 'gelu'"),
-    (_bad(activation=lambda t: "gelu_tanh", limit=lambda t: 7.0), ValueError,
-     "limit .* needs activation 'silu'"),
+    (
+        _bad(activation=lambda t: "gelu_tanh", limit=lambda t: 7.0),
+        ValueError,
+        "limit .* needs activation 'silu'",
+    ),
     (_bad(x=lambda t: t["x"].to("meta")), ValueError, "expert_ids is on cpu but input is on meta"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.interpreter
@@ -343,9 +376,12 @@ def test_sigmoid_router_without_renormalisation():
 
 @pytest.mark.parametrize(
     "options,message",
-    [({"router": "softmax_topk"}, "unknown router 'softmax_topk'"),
-     ({"activation": "gelu"}, "unknown activation"), ({"top_k": 9}, "top_k must be 1 to experts")],
-)  # fmt: skip
+    [
+        ({"router": "softmax_topk"}, "unknown router 'softmax_topk'"),
+        ({"activation": "gelu"}, "unknown activation"),
+        ({"top_k": 9}, "top_k must be 1 to experts"),
+    ],
+)
 def test_fused_moe_rejects_what_it_cannot_run(options, message):
     from horse.layers import FusedMoE
 

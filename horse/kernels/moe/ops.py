@@ -14,9 +14,18 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _moe_fwd_fake(
-    x, expert_ids, expert_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, limit,
-    interleaved, save,
-):  # fmt: skip
+    x,
+    expert_ids,
+    expert_weights,
+    gate_up_proj,
+    down_proj,
+    gate_up_bias,
+    down_bias,
+    activation,
+    limit,
+    interleaved,
+    save,
+):
     pairs, inter = expert_ids.numel(), gate_up_proj.shape[1] // 2
     saved = (pairs, inter) if save else (0,)
     index = expert_ids.new_empty((pairs,), dtype=torch.int32)
@@ -61,9 +70,23 @@ _moe_fwd_op = runtime.custom_op("moe_mlp_fwd", _moe_fwd_fake, _moe_backward, _mo
 
 
 def _moe_bwd_fake(
-    dy, x, expert_ids, expert_weights, gate_up_proj, down_proj, down_bias, gate, up, sorted_pairs, pair_rows,
-    offsets, activation, limit, interleaved, needs,
-):  # fmt: skip
+    dy,
+    x,
+    expert_ids,
+    expert_weights,
+    gate_up_proj,
+    down_proj,
+    down_bias,
+    gate,
+    up,
+    sorted_pairs,
+    pair_rows,
+    offsets,
+    activation,
+    limit,
+    interleaved,
+    needs,
+):
     return tuple(grad_buffers(x, expert_weights, gate_up_proj, down_proj, needs))
 
 
@@ -174,9 +197,13 @@ def moe_mlp(
     tensors = (x, expert_ids, expert_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
     if not _validate(*tensors, activation, limit):
         return reference.moe_mlp(
-            *tensors[:5], activation=activation, gate_up_bias=gate_up_bias, down_bias=down_bias, limit=limit,
+            *tensors[:5],
+            activation=activation,
+            gate_up_bias=gate_up_bias,
+            down_bias=down_bias,
+            limit=limit,
             gate_up_interleaved=gate_up_interleaved,
-        ).to(x.dtype)  # fmt: skip
+        ).to(x.dtype)
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     limit = None if limit is None else float(limit)
     return _moe_fwd_op(*tensors, activation, limit, bool(gate_up_interleaved), save)[0]
