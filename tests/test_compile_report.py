@@ -1021,7 +1021,9 @@ def test_attention_configs_are_the_launchers_plans(use_tma, monkeypatch):
     built = {repr(_compiled(c)) for c in compile_report.all_configs(["sm90"]) if c.fn.fn.__name__ in passes}
     # GQA with its heads split at the power-of-two head dims: the report builds the float32 partials'
     # store at those alone (the loop is the padded head dim's).
-    for (head_dim, kv_heads), window in itertools.product(((64, 2), (96, 4), (256, 2)), ((-1, -1), (7, 0))):
+    for (head_dim, kv_heads), window in itertools.product(
+        ((64, 2), (96, 4), (128, 2), (256, 2)), ((-1, -1), (7, 0))
+    ):
         shapes = ((2, 40, heads, head_dim) for heads in (4, kv_heads, kv_heads))
         q, k, v = (torch.randn(shape, dtype=torch.float16, requires_grad=True) for shape in shapes)
         kernels.flash_attention(q, k, v, causal=True, window_size=window).sum().backward()
@@ -1038,14 +1040,12 @@ def test_attention_configs_are_the_launchers_plans(use_tma, monkeypatch):
                 kernels.flash_attention_with_kvcache(
                     q.detach()[:, :seqlen_q], k.detach(), v.detach(), **cache
                 )
-        else:  # softcap and sinks together (the report's rows), at the power-of-two head dims; the softcap's
-            # backward up to its head dim, the forward and the decode pass at every one
+        else:  # softcap and sinks together (the report's rows), at the power-of-two head dims, forward and
+            # backward (the gradient passes on their entries' softcap tiles) and the decode pass
             mods = {"softcap": SOFTCAP, "sinks": torch.zeros(4, requires_grad=True)}
-            with torch.set_grad_enabled(head_dim <= attention_configs.SOFTCAP_BACKWARD_MAX_HEAD_DIM):
-                out = kernels.flash_attention(q, k, v, causal=True, window_size=window, **mods)
-                packed_out = kernels.flash_attention_varlen(*packed, cu, cu, 30, 30, **mods)
-            if out.requires_grad:
-                (out.sum() + packed_out.sum()).backward()
+            out = kernels.flash_attention(q, k, v, causal=True, window_size=window, **mods)
+            packed_out = kernels.flash_attention_varlen(*packed, cu, cu, 30, 30, **mods)
+            (out.sum() + packed_out.sum()).backward()
             for seqlen_q in (1, 40):
                 lengths = torch.full((2,), 40, dtype=torch.int32)
                 cache = {"cache_seqlens": lengths, "causal": True, "window_size": window, **mods}
