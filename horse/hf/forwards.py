@@ -5,8 +5,9 @@ Each computes what the module's own forward computes, in the same dtypes, on ``h
 - RMSNorm (LLaMA's and the families like it, Qwen3's per-head q_norm and k_norm): transformers' cast order,
   ``weight * normalized.to(input dtype)``: ``rms_norm`` without a weight gives the normalized input in its
   own dtype, and the weight multiplies it as transformers does (a float32 weight on 16-bit activations
-  gives float32, as there). OLMo-2's RMSNorm (its q_norm and k_norm too) multiplies first and casts after,
-  ``(weight * normalized).to(input dtype)``: ``rms_norm`` with the weight, whose kernel does just that.
+  gives float32, as there). OLMo-2's RMSNorm (its q_norm and k_norm too) and gpt-oss's multiply first and
+  cast after, ``(weight * normalized).to(input dtype)``: ``rms_norm`` with the weight, whose kernel does just
+  that (gpt-oss keeps its norms' weights in float32 on 16-bit activations: the output in theirs, as there).
   Gemma's RMSNorm scales by ``1 + weight``, added and multiplied in float32 before the cast: ``rms_norm``
   with ``weight_offset=1.0``.
 - GPT-2's ``nn.LayerNorm``: ``layer_norm`` (in float32 under autocast, as autocast runs layer_norm).
@@ -18,6 +19,7 @@ Each computes what the module's own forward computes, in the same dtypes, on ``h
   ``add_layer_norm``), which returns the sum rounded to the activations' dtype, as the unfused add, and the
   norm of that sum. Only where nothing can tell: the two addends of one dtype, no autocast around a
   LayerNorm, no hooks on the norm, and the norm running our forward; otherwise the layer adds as before.
+  gpt-oss's MoE block returns (output, router scores): its layer takes the output.
   What a family does to the attention's output before that add stays as it was: Phi-3's residual dropout,
   Granite's residual_multiplier, GLM-4's post_self_attn_layernorm and Gemma 3's post_attention_layernorm
   (sandwich norms; Gemma 3's add goes into its pre_feedforward_layernorm).
@@ -105,7 +107,8 @@ def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def olmo2_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """OLMo-2's RMSNorm: ``(weight * x · rsqrt(mean(x²) + eps)).to(x.dtype)``, weight times float32."""
+    """OLMo-2's and gpt-oss's RMSNorm: ``(weight * x · rsqrt(mean(x²) + eps)).to(x.dtype)``, weight times
+    float32."""
     return rms_norm(hidden_states, hidden_states.shape[-1:], self.weight, self.variance_epsilon)
 
 
@@ -137,6 +140,8 @@ def _add_rms_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
         return norm.weight * normalized, hidden_states
     if _fusable(norm, gemma_rms_norm_forward, x, residual):
         return add_rms_norm(x, residual, x.shape[-1:], norm.weight, norm.eps, weight_offset=1.0)
+    if _fusable(norm, olmo2_rms_norm_forward, x, residual):
+        return add_rms_norm(x, residual, x.shape[-1:], norm.weight, norm.variance_epsilon)
     hidden_states = residual + x
     return norm(hidden_states), hidden_states
 
@@ -255,6 +260,16 @@ def gemma2_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) ->
     attention_output = self.post_attention_layernorm(attention_output)
     normalized, hidden_states = _add_rms_norm(self.pre_feedforward_layernorm, attention_output, hidden_states)
     return hidden_states + self.post_feedforward_layernorm(self.mlp(normalized))
+
+
+@checkpointed
+def gpt_oss_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+    """gpt-oss's decoder layer: LLaMA's, its MoE block returning (output, router scores), the scores unused
+    (the router's logits reach the output through transformers' recorder on the router)."""
+    attention_output, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    normalized, hidden_states = _add_rms_norm(self.post_attention_layernorm, attention_output, hidden_states)
+    mlp_output, _ = self.mlp(normalized)
+    return hidden_states + mlp_output
 
 
 @checkpointed

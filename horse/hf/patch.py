@@ -28,9 +28,13 @@ Per family, by ``config.model_type``:
                       (output_router_logits, router_aux_loss_coef) as the model computes them
     qwen2_moe         as qwen3_moe, with its shared expert (a gated MLP) patched as LLaMA's; its sigmoid gate
                       and the dense layers of mlp_only_layers as the others
+    gpt_oss           as mixtral, with its experts' transposed, interleaved gate_up_proj, their biases and the
+                      clamped SwiGLU (swiglu_limit) in the one moe_mlp call; its attention sinks as the
+                      kernels' sinks, sliding windows on the layers whose layer_type says so, OLMo-2's RMSNorm
+                      (the weight inside the cast); MXFP4-quantized experts refused (load them dequantized)
     gpt2              attention, LayerNorm, the MLP, the residual add into ln_2, the loss
 
-Any other model type raises (those of WAITING_FOR_KERNELS with what they need: gemma4_text, gpt_oss): a model
+Any other model type raises (those of WAITING_FOR_KERNELS with what they need: gemma4_text): a model
 is never left unpatched without a word. Rotary embeddings, partial (Phi-3's partial_rotary_factor, GLM-4's
 interleaved half) or none, and Granite's embedding_multiplier stay in transformers' own modules, which are not
 replaced. Refused at apply, naming what: quantized models, cross-attention (GPT-2's add_cross_attention),
@@ -82,10 +86,10 @@ SUPPORTED_MODEL_TYPES = (
     "qwen2_moe",
     "qwen3_moe",
     "olmoe",
+    "gpt_oss",
 )
-# Families that need what the kernels do not do yet (issue 49), with what: named in apply's refusal. gpt-oss's
-# attention would run exactly today (its sinks as the kernels' sinks=, its windows per layer_type, its biases
-# in the projections); Gemma 4's layers also need forwards of their own, listed after the kernels' part.
+# Families that need what the kernels do not do yet (issue 49), with what: named in apply's refusal. Gemma 4's
+# layers also need forwards of their own, listed after the kernels' part.
 WAITING_FOR_KERNELS = {
     "gemma4_text": (
         "head dim 512 on its global layers (global_head_dim) and the packed experts of enable_moe_block (the "
@@ -93,7 +97,6 @@ WAITING_FOR_KERNELS = {
         "multiplied in float32 before the cast, as OLMo-2's; v_norm and the router's norm without a weight) "
         "and for its decoder layer (sandwich norms, the per-layer input's gated branch, layer_scalar)"
     ),
-    "gpt_oss": "its packed experts (the MoE kernels)",
 }
 MAX_HEAD_DIM = 256
 _PATCH = "_horse_hf_patch"  # the model's attribute holding what apply changed
@@ -116,6 +119,7 @@ _LLAMA_LIKE = {
     "qwen2_moe": "Qwen2Moe",
     "qwen3_moe": "Qwen3Moe",
     "olmoe": "Olmoe",
+    "gpt_oss": "GptOss",
 }
 # Families whose modeling module is not named after their model type
 _MODELING_MODULE = {"gemma3_text": "gemma3"}
@@ -139,7 +143,9 @@ class Family:
     layer_forward: types.FunctionType
     attention: type
     causal_lm: type
-    experts: type | None = None  # the MoE families' packed experts, run by horse.hf.moe.experts_forward
+    experts: type | None = None  # the MoE families' packed experts
+    experts_forward: types.FunctionType = moe.experts_forward
+    experts_refusals: types.FunctionType = moe.experts_refusals
 
 
 def family(model_type: str) -> Family:
@@ -207,6 +213,14 @@ _UNLIKE_LLAMA = {
         "norm_forward": forwards.gemma_rms_norm_forward,
         "layer_forward": forwards.gemma2_decoder_layer_forward,
     },
+    # GptOssMLP is its MoE block (router and experts), not a gated MLP: only the experts are replaced
+    "gpt_oss": {
+        "norm_forward": forwards.olmo2_rms_norm_forward,
+        "mlp": None,
+        "layer_forward": forwards.gpt_oss_decoder_layer_forward,
+        "experts_forward": moe.gpt_oss_experts_forward,
+        "experts_refusals": moe.gpt_oss_experts_refusals,
+    },
 }
 
 
@@ -233,7 +247,7 @@ def _plan(model: PreTrainedModel, fam: Family) -> list[tuple[str, str, nn.Module
         kinds[fam.layer] = (fam.layer_kind, fam.layer_forward)
     causal_lm_forward_for = forwards.causal_lm_forward_for
     if fam.experts is not None:
-        kinds[fam.experts] = ("moe_experts", moe.experts_forward)
+        kinds[fam.experts] = ("moe_experts", fam.experts_forward)
         causal_lm_forward_for = moe.causal_lm_forward_for  # the loss plus the router's aux loss
     if isinstance(model, fam.causal_lm):
         kinds[type(model)] = ("linear_cross_entropy", causal_lm_forward_for(type(model)))
@@ -248,7 +262,9 @@ def _plan(model: PreTrainedModel, fam: Family) -> list[tuple[str, str, nn.Module
 def _refusals(model: PreTrainedModel, fam: Family, plan) -> list[str]:
     """What in model the fused forwards cannot run exactly, in words; empty when apply may go on."""
     config, problems = model.config, []
-    if getattr(model, "is_quantized", False) or getattr(config, "quantization_config", None) is not None:
+    if (mxfp4 := moe.mxfp4_refusal(model)) is not None:
+        problems.append(mxfp4)
+    elif getattr(model, "is_quantized", False) or getattr(config, "quantization_config", None) is not None:
         problems.append(f"the model is quantized ({getattr(config, 'quantization_config', None)!r})")
     if getattr(config, "add_cross_attention", False):
         problems.append("cross-attention (add_cross_attention=True)")
@@ -273,7 +289,7 @@ def _refusals(model: PreTrainedModel, fam: Family, plan) -> list[str]:
             if kind == "gated_mlp" and any(getattr(module, p).bias is not None for p in fam.mlp_layers):
                 problems.append(f"{name}: MLP biases (mlp_bias=True): the fused gated MLP has none")
         if kind == "moe_experts":
-            problems += moe.experts_refusals(name, module)
+            problems += fam.experts_refusals(name, module)
         if kind == "linear_cross_entropy":
             problems += forwards.unfused_layers(module, ("lm_head",), nn.Linear)
             if (vocab := module.lm_head.out_features) > MAX_VOCAB:
