@@ -100,11 +100,11 @@ def run(model, **inputs):
     return out.loss, out.logits, grads, out.aux_loss
 
 
-def against_unpatched(family: str, dtype: torch.dtype, **inputs):
+def against_unpatched(family: str, dtype: torch.dtype, keep=None, **inputs):
     """Our patched model at dtype against the model at float64, with PyTorch's error (test_hf_apply.compare)
     the worse of the model's own runs at dtype: sdpa (gpt-oss: eager) with transformers' default experts
     (torch's grouped_mm), and eager attention with the experts' loop (eager: grouped_mm takes no float64);
-    the aux loss too."""
+    the aux loss too; keep selects the logits' positions that count (test_hf_apply.compare)."""
     model, patched = build(family)
     truth_model = copy.deepcopy(model).double()
     truth_model.set_experts_implementation("eager")
@@ -115,7 +115,7 @@ def against_unpatched(family: str, dtype: torch.dtype, **inputs):
     baselines = [run(model.to(dtype), **inputs), run(eager_model, **inputs)]
     actual = run(patched.to(dtype), **inputs)
     name = f"{family} {dtype}"
-    compare(name, actual[:3], truth[:3], [b[:3] for b in baselines], inputs["labels"])
+    compare(name, actual[:3], truth[:3], [b[:3] for b in baselines], inputs["labels"], keep)
     worse = max((b[3] for b in baselines), key=lambda aux: (aux.double() - truth[3]).abs().item())
     assert_close(f"{name} aux loss", actual[3], truth[3], worse)
     return patched
@@ -142,6 +142,19 @@ def test_loss_logits_aux_loss_and_every_gradient_match_unpatched_on_the_referenc
 def test_float16_triton_kernels_hold_flash_attns_accuracy_rule(family):
     ids, labels = batch(seqlen=8)
     against_unpatched(family, torch.float16, input_ids=ids, labels=labels)
+
+
+def test_gpt_oss_right_padded_batch_matches_eager_where_tokens_are_real(reference_path):
+    """Padding through the sinks' attention, the windowed layer, and the aux loss's mask (its padded tokens'
+    router logits left out, as load_balancing_loss_func leaves them); on the right, as eager alone compares:
+    at float64 a left pad's query sees no key there and turns to NaN."""
+    ids, labels = batch(seqlen=12, rows=3)
+    mask = torch.ones_like(ids)
+    for row, pads in enumerate((0, 3, 7)):
+        mask[row, 12 - pads :] = 0
+        labels[row, 12 - pads :] = -100
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    against_unpatched("gpt_oss", torch.float32, keep=mask.bool(), **inputs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
