@@ -159,6 +159,35 @@ def test_greedy_generation_matches_sdpa_token_for_token(variant, reference_path)
         )
 
 
+@pytest.mark.parametrize("how", ["position_ids", "flash_attn_kwargs"])
+def test_packed_documents_match_the_documents_run_apart(how, reference_path):
+    _, patched = build("moe_per_layer_shared_kv")
+    lengths = (5, 8, 3)
+    documents = [batch(seqlen=n, rows=1, seed=i)[0] for i, n in enumerate(lengths)]
+    items = sum(n - 1 for n in lengths)  # tokens predicted: all but each document's first
+    collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=how == "flash_attn_kwargs")
+    packed = collate([{"input_ids": d[0].tolist(), "labels": d[0].tolist()} for d in documents])
+    loss, logits, grads = run(patched, **packed, num_items_in_batch=items)
+    alone = [run(patched, input_ids=d, labels=d, num_items_in_batch=items) for d in documents]
+    torch.testing.assert_close(loss, sum(a[0] for a in alone), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, torch.cat([a[1] for a in alone], dim=1), rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, sum(a[2][name] for a in alone), rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_gradient_checkpointing_recomputes_the_patched_layers(reference_path):
+    """Each layer's per-layer input reaches the recomputation as the forward's (a positional argument)."""
+    _, patched = build("moe_per_layer_shared_kv")
+    ids, labels = batch()
+    expected = run(patched, input_ids=ids, labels=labels)
+    calls = []
+    patched.model.layers[3].self_attn.register_forward_pre_hook(lambda *args: calls.append(args))
+    patched.activation_checkpointing_enable()
+    got = run(patched, input_ids=ids, labels=labels)
+    assert len(calls) == 2  # the forward, and its recomputation in the backward
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_gemma4s_rms_norm_multiplies_before_the_cast_and_some_have_no_weight(reference_path):
     """A float32 weight on float16 activations: Gemma 4's RMSNorm multiplies in float32 before the cast to
     float16 (as OLMo-2's, without Gemma's 1 + weight); v_norm and the router's norm have no weight."""

@@ -5,8 +5,9 @@ Each computes what the module's own forward computes, in the same dtypes, on ``h
 - RMSNorm (LLaMA's and the families like it, Qwen3's per-head q_norm and k_norm): transformers' cast order,
   ``weight * normalized.to(input dtype)``: ``rms_norm`` without a weight gives the normalized input in its
   own dtype, and the weight multiplies it as transformers does (a float32 weight on 16-bit activations
-  gives float32, as there). OLMo-2's RMSNorm (its q_norm and k_norm too) multiplies first and casts after,
-  ``(weight * normalized).to(input dtype)``: ``rms_norm`` with the weight, whose kernel does just that.
+  gives float32, as there). OLMo-2's and Gemma 4's RMSNorm (their q_norm and k_norm too) multiply first and
+  cast after, ``(weight * normalized).to(input dtype)``: ``rms_norm`` with the weight, whose kernel does just
+  that (Gemma 4's norms without a weight: ``rms_norm`` without one).
   Gemma's RMSNorm scales by ``1 + weight``, added and multiplied in float32 before the cast: ``rms_norm``
   with ``weight_offset=1.0``.
 - GPT-2's ``nn.LayerNorm``: ``layer_norm`` (in float32 under autocast, as autocast runs layer_norm).
@@ -20,10 +21,12 @@ Each computes what the module's own forward computes, in the same dtypes, on ``h
   LayerNorm, no hooks on the norm, and the norm running our forward; otherwise the layer adds as before.
   What a family does to the attention's output before that add stays as it was: Phi-3's residual dropout,
   Granite's residual_multiplier, GLM-4's post_self_attn_layernorm and Gemma 3's post_attention_layernorm
-  (sandwich norms; Gemma 3's add goes into its pre_feedforward_layernorm).
+  (sandwich norms; Gemma 3's add goes into its pre_feedforward_layernorm). Gemma 4's layer is Gemma 3's, then
+  its MoE block, its per-layer input's branch and layer_scalar, in the order of its own forward.
 - The causal LM: its loss from the last hidden states by ``linear_cross_entropy`` (:func:`causal_lm_forward`),
   Granite's ``logits / logits_scaling`` folded into the hidden states, Gemma's final_logit_softcapping as
-  the loss's ``softcap`` (the logits it returns softcapped as transformers does).
+  the loss's ``softcap`` (the logits it returns softcapped as transformers does); Gemma 4's text model given
+  logits_to_keep as indices of every row (:func:`_every_row`).
 
 A projection these forwards read the weight of must be a plain ``nn.Linear`` (GPT-2: ``Conv1D``) without
 hooks: a LoRA, quantized or hooked layer would be skipped, so its call raises instead, naming it.

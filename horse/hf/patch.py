@@ -23,6 +23,11 @@ Per family, by ``config.model_type``:
                       final_logit_softcapping as the loss's softcap
     gemma3_text       as gemma2, with its q_norm and k_norm (Gemma's RMSNorm over the head dim); the loss
                       over its 262,208 classes; either softcap when set
+    gemma4_text       as gemma3_text with OLMo-2's RMSNorm (v_norm and the router's without a weight) and a
+                      scale of 1; its layer's MoE block (the packed experts on moe_mlp, transformers' router),
+                      per-layer inputs' gated branch (transformers' linears) and layer_scalar as its forward
+                      takes them; keys as values and layers reusing others' keys and values are the
+                      attention module's affair; global layers of head dim 512 are refused by head dim
     mixtral, olmoe,   as LLaMA, with the packed experts (gate_up_proj, down_proj) as one moe_mlp call on
     qwen3_moe         the module's own parameters (horse.hf.moe); the router, its logits and the aux loss
                       (output_router_logits, router_aux_loss_coef) as the model computes them
@@ -30,7 +35,7 @@ Per family, by ``config.model_type``:
                       and the dense layers of mlp_only_layers as the others
     gpt2              attention, LayerNorm, the MLP, the residual add into ln_2, the loss
 
-Any other model type raises (those of WAITING_FOR_KERNELS with what they need: gemma4_text, gpt_oss): a model
+Any other model type raises (those of WAITING_FOR_KERNELS with what they need: gpt_oss): a model
 is never left unpatched without a word. Rotary embeddings, partial (Phi-3's partial_rotary_factor, GLM-4's
 interleaved half) or none, and Granite's embedding_multiplier stay in transformers' own modules, which are not
 replaced. Refused at apply, naming what: quantized models, cross-attention (GPT-2's add_cross_attention),
