@@ -102,15 +102,16 @@ def gpt_oss_experts_forward(
 
 def mxfp4_refusal(model: nn.Module) -> str | None:
     """Why model's experts are MXFP4-quantized (gpt-oss's released checkpoints), with what to load instead;
-    None when they are not: the config's quantization_config names mxfp4, or a parameter holds packed
-    blocks or their scales (named so, or of an integer dtype: transformers' Mxfp4GptOssExperts)."""
+    None when they are not: the config's quantization_config names mxfp4, or an experts module's parameter
+    holds packed blocks or their scales (named so, or of an integer dtype: transformers'
+    Mxfp4GptOssExperts)."""
     quantization = getattr(model.config, "quantization_config", None)
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
     method = getattr(quantization, "quant_method", method)
     packed = [
         f"{name} ({param.dtype})"
         for name, param in model.named_parameters()
-        if name.endswith(("_blocks", "_scales")) or not param.is_floating_point()
+        if ".experts." in name and (name.endswith(("_blocks", "_scales")) or not param.is_floating_point())
     ]
     if method != "mxfp4" and not packed:
         return None
