@@ -1245,7 +1245,16 @@ def test_softcap_and_sinks_bad_input_is_named(function, options, error, message)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(("causal", "window"), MOD_MASKS, ids=str)
 @pytest.mark.parametrize("mods", SCORE_MODS, ids=score_mods_id)
-@pytest.mark.parametrize("shape", [Shape(2, 1000, 1000, 8, 2, 64), Shape(1, 300, 300, 4, 4, 48)], ids=str)
+@pytest.mark.parametrize(
+    "shape",
+    [
+        Shape(2, 1000, 1000, 8, 2, 64),
+        Shape(1, 300, 300, 4, 4, 48),
+        Shape(1, 300, 300, 4, 2, 128),  # the softcap tiles of the gradient passes (sm_90's dk/dv)
+        Shape(1, 300, 300, 4, 1, 256),
+    ],
+    ids=str,
+)
 def test_gpu_softcap_and_sinks(shape, mods, causal, window, dtype):
     softcap, with_sinks = mods
     q, k, v = make_qkv(shape, dtype, "cuda", scale=1.5)
@@ -1261,9 +1270,9 @@ def test_gpu_softcap_and_sinks(shape, mods, causal, window, dtype):
     check_score_mods(run, reference_of, (q, k, v, sinks), with_dlse=True)
 
 
-# Above head dim 64 the gradient passes take their entries' softcap tiles (configs.attn_config): in the
-# interpreter (sm_90's tables) at 256 a fused dk/dv tile with column splits for the entry's split outputs,
-# which have no softcap.
+# The softcap's backward above head dim 64, where entries whose gradient tile spilled with the softcap hold
+# one of their own for it (configs.attn_config): in the interpreter (sm_90's tables) at 256 the dk/dv
+# entry's split outputs, which have no softcap, give way to a fused tile with column splits.
 LARGE_HEAD_DIMS = [96, 128, 256]
 LARGE_HEAD_DIM_MASKS = [(False, (-1, -1)), (True, (-1, -1)), (True, (5, -1))]
 

@@ -223,8 +223,8 @@ def dkdv_plans(
     query heads split over ``splits`` programs per key block (more than one: float32 partials): one
     launch of _attn_bwd_dkdv_kernel, or with split outputs a launch for dv, then one for dk, of
     _attn_bwd_dkdv_split_outputs_kernel (K and V by pointers). softcap as in :func:`fwd_plan` (the
-    sinks change neither gradient pass: lse holds them) by the fused kernel alone: with it on, the
-    launchers take the entry's softcap tile (configs.attn_config). documents: document masking (the
+    sinks change neither gradient pass: lse holds them), by the fused kernel alone: with the softcap on
+    the launchers pass the entry's softcap tile (configs.attn_config). documents: document masking (the
     launch passes LAST_QUERIES, else the constexpr None), by the fused kernel alone: a split-output
     entry's documents take its pointer tile (_bwd_dkdv)."""
     batch, _, seqlen_k, _, kv_heads, head_dim = shape
