@@ -18,7 +18,7 @@ import triton
 
 from bench import compile_report
 from bench.compile_report import cache, compiler, disassembly, gate
-from bench.compile_report.attention import SOFTCAP, attention_entry_configs
+from bench.compile_report.attention import SOFTCAP, attention_entry_configs, score_mod_configs
 from bench.compile_report.compiler import CompileResult
 from bench.compile_report.config import TRITON_TYPES, KernelConfig, describe
 from bench.compile_report.mlp import mlp_entry_configs
@@ -725,6 +725,23 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
     )
     sm86_configs = compile_report.all_configs(["sm86"])
     assert all(c in sm86_configs for c in sm86_dkdv)
+
+
+def test_every_family_builds_its_gradient_passes_with_the_softcap_on_their_softcap_tiles():
+    # The forward and decode with the score modifications on sm_90 alone; the gradient passes with the
+    # softcap on every family, on each entry's softcap tile: sm_100's dq at 128 takes 2 stages (its own
+    # 3 spilled with the softcap), and no dk/dv row with the softcap is a split-output launch.
+    for name, arch in runtime.ARCHS.items():
+        configs = score_mod_configs(arch)
+        kernels = {c.kernel for c in configs}
+        assert {"attn_bwd_dkdv", "attn_bwd_dq"} <= kernels and ("attn_fwd" in kernels) == (name == "sm90")
+        assert not any("split_outputs" in c.kernel for c in configs)
+    sm100_dq = [
+        c
+        for c in score_mod_configs(runtime.ARCHS["sm100"])
+        if c.kernel == "attn_bwd_dq" and c.constexprs["HEAD_DIM"] == 128
+    ]
+    assert sm100_dq and {c.num_stages for c in sm100_dq} == {2}
 
 
 def test_dkdv_entries_compile_with_float32_partials_for_gqa_head_splits():
