@@ -15,11 +15,11 @@ import zlib
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, device_has_tma, record_tma_choices
 
 from horse import kernels
 from horse.kernels import reference, runtime
-from horse.kernels.moe import launch
+from horse.kernels.moe import configs, launch
 
 # (tokens, hidden, inter, experts, top_k, routing): routing "random" (distinct experts a token, as
 # top-k gives), "one_expert" (every token on expert 3), "dropped" (some ids = experts: no expert).
@@ -127,6 +127,21 @@ def test_activations_clamp_biases_and_layouts(variant, device):
     activation, limit, interleaved, transposed, bias = variant
     t = make_case(13, 24, 20, 8, 2, "random", torch.float16, device, bias=bias, seed=_seed(variant))
     check(t, activation, limit, interleaved, transposed)
+
+
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointer"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["transformers", "gpt-oss"])
+def test_down_gemm_by_tma_and_by_pointers_matches_reference(transposed, use_tma, device, monkeypatch):
+    # hidden and inter multiples of 8 (rows of 16-byte multiples in float16, as TMA needs), neither a
+    # multiple of the tiles: the descriptors' K edge, W's rows past an expert's last and the row tiles
+    # that end inside an expert all occur. gpt-oss's transposed down_proj takes the pointer path.
+    monkeypatch.setattr(launch, "USE_TMA", use_tma)
+    choices = record_tma_choices(monkeypatch, launch)
+    case = (29, 40, 24, 8, 2, "dropped")
+    t = make_case(*case, torch.float16, device, bias=True, seed=_seed(case, transposed))
+    check(t, "silu", None, False, transposed)
+    allowed = configs.gemm_config("down", torch.device(device)).tma and device_has_tma(device)
+    assert choices == [use_tma and allowed and not transposed]
 
 
 @pytest.mark.gpu
