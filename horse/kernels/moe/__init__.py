@@ -24,7 +24,8 @@ Forward, no host sync:
 3. ``gemm._gate_up_fwd_kernel``: the gated GEMM over the sorted rows (x's rows gathered by token),
    one pass over x with two accumulators, bias and act in the epilogue; gate and up saved for the
    backward.
-4. ``gemm._expert_gemm_kernel``: the down projection, bias and the routing weight in its epilogue.
+4. ``gemm._expert_gemm_kernel``: the down projection, bias and the routing weight in its epilogue;
+   on sm_90 h's and down_proj's tiles by TMA (``launch.tma_usable``: a contiguous down_proj).
 5. ``routing._combine_kernel``: each token's top_k rows summed in k order in float32 (no atomics).
 
 Backward: ``gemm._dh_bwd_kernel`` computes g = dy W_down,e by expert with the routing weight, act'
