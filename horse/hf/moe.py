@@ -1,4 +1,5 @@
-"""The mixture-of-experts forwards ``horse.hf.apply`` binds (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE).
+"""The mixture-of-experts forwards ``horse.hf.apply`` binds (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; Gemma 4's
+experts, whose causal LM has no aux loss and keeps ``forwards.causal_lm_forward``).
 
 - The experts (``<Family>Experts``: ``gate_up_proj`` (experts, 2 · inter, hidden), gate rows first, and
   ``down_proj`` (experts, hidden, inter), as transformers packs them): one ``moe_mlp`` call on the module's
