@@ -9,8 +9,8 @@ hidden, inter)). The routing is a random router's top-k (softmax over random log
 renormalized), fixed per copy of the inputs. Implementations, each a call on the same tensors:
 
 * ours: ``moe_mlp`` (counting sort, grouped GEMMs, the combine; forward and backward).
-* ours-pointer: ours with TMA off (``horse.kernels.moe.launch.USE_TMA = False``: the down GEMM on
-  pointer loads), what TMA brings on sm_90.
+* ours-pointer: ours with TMA off (``horse.kernels.moe.launch.USE_TMA = False``: the down and dx
+  GEMMs on pointer loads), what TMA brings on sm_90.
 * loop: transformers' eager experts forward (the family's ``<Family>Experts`` class), a Python loop
   over the experts that received tokens, a gather, two GEMMs and an ``index_add_`` each.
 * grouped_mm: transformers' "grouped_mm" experts implementation, its default: the pairs sorted by

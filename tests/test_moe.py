@@ -131,17 +131,22 @@ def test_activations_clamp_biases_and_layouts(variant, device):
 
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointer"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["transformers", "gpt-oss"])
-def test_down_gemm_by_tma_and_by_pointers_matches_reference(transposed, use_tma, device, monkeypatch):
-    # hidden and inter multiples of 8 (rows of 16-byte multiples in float16, as TMA needs), neither a
-    # multiple of the tiles: the descriptors' K edge, W's rows past an expert's last and the row tiles
-    # that end inside an expert all occur. gpt-oss's transposed down_proj takes the pointer path.
+@pytest.mark.parametrize("inter", [24, 20])
+def test_down_and_dx_gemms_by_tma_and_by_pointers_match_reference(
+    inter, transposed, use_tma, device, monkeypatch
+):
+    # TMA needs rows of 16-byte multiples: inter 24 takes it for the down GEMM (h's rows) and dx (dpre's,
+    # 2 inter); inter 20 for dx alone, whose K (2 inter = 40) then ends inside a block of every
+    # expert's weight. hidden 40 and the routing make the other edges: N past a tile, row tiles that end
+    # inside an expert, dropped pairs. gpt-oss's transposed weights take the pointer path.
     monkeypatch.setattr(launch, "USE_TMA", use_tma)
     choices = record_tma_choices(monkeypatch, launch)
-    case = (29, 40, 24, 8, 2, "dropped")
+    case = (29, 40, inter, 8, 2, "dropped")
     t = make_case(*case, torch.float16, device, bias=True, seed=_seed(case, transposed))
     check(t, "silu", None, False, transposed)
-    allowed = configs.gemm_config("down", torch.device(device)).tma and device_has_tma(device)
-    assert choices == [use_tma and allowed and not transposed]
+    allowed = use_tma and configs.gemm_config("down", torch.device(device)).tma and device_has_tma(device)
+    allowed = allowed and not transposed
+    assert choices == [allowed and inter % 8 == 0, allowed]  # the down GEMM, dx
 
 
 @pytest.mark.gpu

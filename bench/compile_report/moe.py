@@ -54,10 +54,10 @@ def moe_configs(arch: runtime.Arch) -> list[KernelConfig]:
             plan = launch.dh_plan(table["dh"], 1, 1, epilogue._replace(has_bias=False, store=False))
             out.append(moe_plan_config(plan, "dh", shape, dtype, arch.name, matmul=True))
         for name, bias_and_scale in (("down", True), ("dx", False)):
-            # The down GEMM also by TMA where the entry takes it (pointer loads stay selectable:
-            # launch.tma_usable); dx reads its weight transposed: pointers
-            down_tma = name == "down" and table["down"].tma and arch.tma
-            for tma in (False, True) if down_tma else (False,):
+            # Also by TMA where the entry takes it (pointer loads stay selectable: launch.tma_usable),
+            # each weight as stored: down_proj (experts, N, K), gate_up_proj (experts, K, N)
+            layouts = ("nk" if name == "down" else "kn",) if table["down"].tma and arch.tma else ()
+            for tma in (None, *layouts):
                 plan = launch.expert_gemm_plan(table["down"], 1, 1, bias_and_scale, bias_and_scale, tma)
                 shape = "any tma" if tma else "any"
                 out.append(moe_plan_config(plan, name, shape, dtype, arch.name, matmul=True))

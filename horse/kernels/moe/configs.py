@@ -26,7 +26,7 @@ class GemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    tma: bool = False  # the down GEMM's tiles by TMA where the GPU and strides allow (TUNING.md)
+    tma: bool = False  # the down and dx GEMMs' tiles by TMA where the GPU and strides allow (TUNING.md)
 
 
 class Epilogue(NamedTuple):

@@ -94,41 +94,58 @@ def _expert_matmul(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GATED: tl.constexpr,
-    TMA: tl.constexpr = False,
 ):
     """The float32 (BLOCK_M, BLOCK_N) tiles A[a_rows] W[w_cols]ᵀ and, GATED, A[a_rows] W[w_cols_up]ᵀ
     (one pass over A, two accumulators; otherwise the second is zeros), summed over K. A is (rows, K)
-    by a_strides; W is one expert's (N, K) matrix by w_strides (n, k), w_cols its rows in bounds.
-
-    TMA: A is a descriptor of (rows, K), (BLOCK_M, BLOCK_K) blocks, and a_rows the tile's first row
-    (BLOCK_M consecutive rows); W a descriptor of every expert's rows, (experts * N, K), (BLOCK_N,
-    BLOCK_K) blocks, and w_cols (w_cols_up) the first of the tile's BLOCK_N consecutive rows there.
-    A descriptor's loads read columns past K as zeros, so the K edge needs no mask."""
+    by a_strides; W is one expert's (N, K) matrix by w_strides (n, k), w_cols its rows in bounds."""
     offs_k = tl.arange(0, BLOCK_K).to(tl.int64)  # index * stride passes 2**31 (a transposed weight's column)
-    if not TMA:
-        a_ptrs = A + a_rows.to(tl.int64)[:, None] * a_strides[0] + offs_k[None, :] * a_strides[1]
-        w_ptrs = W + w_cols.to(tl.int64)[None, :] * w_strides[0] + offs_k[:, None] * w_strides[1]
-        wu_ptrs = W + w_cols_up.to(tl.int64)[None, :] * w_strides[0] + offs_k[:, None] * w_strides[1]
-        a_step = tl.cast(a_strides[1], tl.int64) * BLOCK_K
-        w_step = tl.cast(w_strides[1], tl.int64) * BLOCK_K
+    a_ptrs = A + a_rows.to(tl.int64)[:, None] * a_strides[0] + offs_k[None, :] * a_strides[1]
+    w_ptrs = W + w_cols.to(tl.int64)[None, :] * w_strides[0] + offs_k[:, None] * w_strides[1]
+    wu_ptrs = W + w_cols_up.to(tl.int64)[None, :] * w_strides[0] + offs_k[:, None] * w_strides[1]
+    a_step = tl.cast(a_strides[1], tl.int64) * BLOCK_K
+    w_step = tl.cast(w_strides[1], tl.int64) * BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if TMA:
-            a = A.load([a_rows, k * BLOCK_K])
-            acc = tl.dot(a, tl.trans(W.load([w_cols, k * BLOCK_K])), acc)
-            if GATED:
-                acc_up = tl.dot(a, tl.trans(W.load([w_cols_up, k * BLOCK_K])), acc_up)
-        else:
-            k_mask = offs_k < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-            acc = tl.dot(a, tl.load(w_ptrs, mask=k_mask[:, None], other=0.0), acc)
-            if GATED:
-                acc_up = tl.dot(a, tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0), acc_up)
-                wu_ptrs += w_step
-            a_ptrs += a_step
-            w_ptrs += w_step
+        k_mask = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+        acc = tl.dot(a, tl.load(w_ptrs, mask=k_mask[:, None], other=0.0), acc)
+        if GATED:
+            acc_up = tl.dot(a, tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0), acc_up)
+            wu_ptrs += w_step
+        a_ptrs += a_step
+        w_ptrs += w_step
     return acc, acc_up
+
+
+@triton.jit
+def _expert_matmul_tma(
+    A,
+    W,
+    row_start,
+    expert,
+    start_n,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    W_LAYOUT: tl.constexpr,
+):
+    """The float32 (BLOCK_M, BLOCK_N) tile A[rows] W_eᵀ[:, columns] summed over K, both operands by
+    TMA from the tile's first row row_start and column start_n of expert e = expert. A is a descriptor
+    of (rows, K), (BLOCK_M, BLOCK_K) blocks; W one of every expert's weight as stored: W_LAYOUT "nk",
+    (experts, N, K) in (1, BLOCK_N, BLOCK_K) blocks, or "kn", (experts, K, N) in (1, BLOCK_K, BLOCK_N)
+    blocks. A descriptor reads what lies past a dimension's end as zeros, so the K edge needs no mask
+    (an expert's K edge too: its own dimension)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = A.load([row_start, k * BLOCK_K])
+        if W_LAYOUT == "kn":
+            w = tl.reshape(W.load([expert, k * BLOCK_K, start_n]), (BLOCK_K, BLOCK_N))
+        else:
+            w = tl.trans(tl.reshape(W.load([expert, start_n, k * BLOCK_K]), (BLOCK_N, BLOCK_K)))
+        acc = tl.dot(a, w, acc)
+    return acc
 
 
 @triton.jit
@@ -197,7 +214,7 @@ def _gate_up_fwd_kernel(
 def _expert_gemm_kernel(
     A,  # (pairs, K) by a_strides, sorted rows; with TMA a descriptor, (BLOCK_M, BLOCK_K) blocks
     W,  # (experts, N, K) by w_strides (expert, n, k): each expert's matrix, read in place; with TMA a
-    # descriptor of its (experts * N, K) rows, (BLOCK_N, BLOCK_K) blocks
+    # descriptor of the weight as stored (_expert_matmul_tma's W)
     B,  # (experts, N) by b_strides; read when HAS_BIAS
     SCALE,  # (tokens * top_k,) the routing weights by pair; read when SCALE_ROWS
     SORTED_PAIRS,  # (pairs,) int32
@@ -214,7 +231,7 @@ def _expert_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    TMA: tl.constexpr,  # A's and W's tiles by TMA
+    TMA: tl.constexpr,  # None: pointer loads; "nk" or "kn": A and W by TMA, W stored as TMA says
 ):
     # grid = (row tiles, cdiv(N, BLOCK_N)): the down projection (routing weight and bias in the
     # epilogue), and the backward's dx rows (dpre W_gate_up, neither)
@@ -225,30 +242,36 @@ def _expert_gemm_kernel(
     rows, row_mask = _tile_rows(tile, TILES, expert, BLOCK_M=BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = offs_n % N
-    if TMA:  # the tile's first row, and its first row of W among every expert's; rows past the
-        # expert's (the next expert's rows, or zeros past the last) are not stored
-        a_rows = tl.load(TILES[1] + tile)
-        W_e = W
-        w_rows = expert * N + tl.program_id(1) * BLOCK_N
-    else:
-        a_rows = rows
-        W_e = W + expert.to(tl.int64) * w_strides[0]
-        w_rows = cols
-    acc, _ = _expert_matmul(
-        A,
-        W_e,
-        a_rows,
-        w_rows,
-        w_rows,
-        K,
-        a_strides,
-        (w_strides[1], w_strides[2]),
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        GATED=False,
-        TMA=TMA,
-    )
+    if TMA is None:
+        acc, _ = _expert_matmul(
+            A,
+            W + expert.to(tl.int64) * w_strides[0],
+            rows,
+            cols,
+            cols,
+            K,
+            a_strides,
+            (w_strides[1], w_strides[2]),
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+            GATED=False,
+        )
+    else:  # rows past the expert's last (the next expert's, zeros past the tensor) are not stored
+        row_start = tl.load(TILES[1] + tile)
+        start_n = tl.program_id(1) * BLOCK_N
+        acc = _expert_matmul_tma(
+            A,
+            W,
+            row_start,
+            expert,
+            start_n,
+            K,
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+            W_LAYOUT=TMA,
+        )
     if HAS_BIAS:
         acc += tl.load(B + expert.to(tl.int64) * b_strides[0] + cols * b_strides[1]).to(tl.float32)[None, :]
     if SCALE_ROWS:

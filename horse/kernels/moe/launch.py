@@ -42,9 +42,10 @@ ROW_TILES = {"TILES": ("TILE_EXPERT", "TILE_ROW", "OFFSETS")}
 
 
 def _gemm_plan(kernel, cfg: GemmConfig, row_tiles: int, N: int, tiles: dict, **constexprs) -> Plan:
-    """A row-tiled GEMM's plan, the operands in tiles (name -> block dims: m, n, k) loaded by TMA."""
+    """A row-tiled GEMM's plan, the operands in tiles (name -> block dims: m, n, k, or 1 for one
+    expert of a weight) loaded by TMA."""
     blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
-    dims = dict(m=cfg.block_m, n=cfg.block_n, k=cfg.block_k)
+    dims = {"m": cfg.block_m, "n": cfg.block_n, "k": cfg.block_k, "1": 1}
     descriptors = {name: tuple(dims[d] for d in block) for name, block in tiles.items()}
     grid = (row_tiles, triton.cdiv(N, cfg.block_n))
     return Plan(kernel, grid, constexprs | blocks, cfg.num_warps, cfg.num_stages, ROW_TILES, descriptors)
@@ -56,11 +57,13 @@ def gate_up_plan(cfg: GemmConfig, row_tiles: int, inter: int, epilogue: Epilogue
 
 
 def expert_gemm_plan(
-    cfg: GemmConfig, row_tiles: int, N: int, has_bias: bool, scale_rows: bool, tma: bool
+    cfg: GemmConfig, row_tiles: int, N: int, has_bias: bool, scale_rows: bool, tma: str | None
 ) -> Plan:
     """The plain grouped GEMM's plan (the down projection, the backward's dx rows), (pairs, N) out;
-    with tma (the down projection: :func:`tma_usable`), both operands' tiles by TMA."""
-    tiles = {"A": "mk", "W": "nk"} if tma else {}
+    with tma, both operands' tiles by TMA (:func:`tma_usable`), the weight stored as tma says: "nk",
+    (experts, N, K) (down_proj, for the down projection), or "kn", (experts, K, N) (gate_up_proj,
+    for dx)."""
+    tiles = {"A": "mk", "W": f"1{tma}"} if tma else {}
     return _gemm_plan(
         _expert_gemm_kernel, cfg, row_tiles, N, tiles, HAS_BIAS=has_bias, SCALE_ROWS=scale_rows, TMA=tma
     )
@@ -80,15 +83,15 @@ def weight_grad_plan(cfg: GemmConfig, experts: int, N1: int, N2: int, **flags) -
     return Plan(_weight_grad_kernel, grid, flags | blocks, cfg.num_warps, cfg.num_stages, sizes)
 
 
-# The down GEMM's tiles by TMA where tma_usable allows; False sends it down the pointer path.
+# The plain grouped GEMM's tiles (down, dx) by TMA where tma_usable allows; False: pointer loads.
 USE_TMA = True
 
 
-def tma_usable(cfg: GemmConfig, h: torch.Tensor, down_proj: torch.Tensor) -> bool:
-    """Whether the down GEMM loads its tiles by TMA: ``USE_TMA`` and the table entry allow it, down_proj
-    is contiguous (transformers' layout: every expert's rows one (experts * hidden, inter) matrix;
-    gpt-oss's transposed one takes pointers) and :func:`runtime.tma_compatible` holds for h and it."""
-    return USE_TMA and cfg.tma and down_proj.is_contiguous() and runtime.tma_compatible(h, down_proj)
+def tma_usable(cfg: GemmConfig, rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the plain grouped GEMM loads its tiles by TMA: ``USE_TMA`` and the table entry allow it
+    and :func:`runtime.tma_compatible` holds for its sorted rows and its weight as stored
+    (transformers' layout; gpt-oss's transposed weights, unit stride elsewhere, take pointers)."""
+    return USE_TMA and cfg.tma and runtime.tma_compatible(rows, weight)
 
 
 def _launch(plan: Plan, *args):
@@ -190,14 +193,12 @@ def moe_fwd(
             )  # fmt: skip
         cfg = configs.gemm_config("down", x.device)
         tile_expert, tile_row = row_tiles(offsets, cfg.block_m, pairs)
-        tma = tma_usable(cfg, h, down_proj)
+        tma = "nk" if tma_usable(cfg, h, down_proj) else None
         plan = expert_gemm_plan(cfg, tile_expert.numel(), hidden, down_bias is not None, True, tma=tma)
-        # By TMA, every expert's rows as one matrix: its descriptor's view
-        w = plan.operand("W", down_proj.view(experts * hidden, inter)) if tma else down_proj
         with runtime.device_guard(x):
             _launch(
                 plan,
-                plan.operand("A", h), w, down_bias if down_bias is not None else x,
+                plan.operand("A", h), plan.operand("W", down_proj), down_bias if down_bias is not None else x,
                 expert_weights.reshape(-1), sorted_pairs, (tile_expert, tile_row, offsets), y_rows,
                 hidden, inter, experts,
                 h.stride(), down_proj.stride(), _strides_2d(down_bias),
@@ -291,13 +292,15 @@ def moe_bwd(
         if needs[0]:
             cfg = configs.gemm_config("down", x.device)
             tile_expert, tile_row = row_tiles(offsets, cfg.block_m, pairs)
-            plan = expert_gemm_plan(cfg, tile_expert.numel(), hidden, False, False, tma=False)
+            tma = "kn" if tma_usable(cfg, dpre, gate_up_proj) else None
+            plan = expert_gemm_plan(cfg, tile_expert.numel(), hidden, False, False, tma=tma)
             dx_rows = runtime.empty((pairs, hidden), x.dtype, x.device)
             with runtime.device_guard(x):
                 _launch(
                     plan,
-                    dpre, gate_up_proj, x, weights, sorted_pairs, (tile_expert, tile_row, offsets), dx_rows,
-                    hidden, two_inter, experts, dpre.stride(), gate_up_proj.transpose(1, 2).stride(), (0, 0),
+                    plan.operand("A", dpre), plan.operand("W", gate_up_proj), x, weights, sorted_pairs,
+                    (tile_expert, tile_row, offsets), dx_rows, hidden, two_inter, experts, dpre.stride(),
+                    gate_up_proj.transpose(1, 2).stride(), (0, 0),
                 )  # fmt: skip
             dx = _combine(dx_rows, pair_rows, tokens)
         if needs[2] or needs[4]:
