@@ -175,7 +175,7 @@ def _gate_up_fwd_kernel(
 ):
     # grid = (row tiles, cdiv(N, BLOCK_N)): x's rows gathered by token, one pass for gate and up
     tile = tl.program_id(0)
-    expert = tl.load(TILES[0] + tile)
+    expert = tl.load(TILES[0] + tile)  # TILE_EXPERT
     if expert >= experts:
         return
     rows, row_mask = _tile_rows(tile, TILES, expert, BLOCK_M=BLOCK_M)
@@ -236,7 +236,7 @@ def _expert_gemm_kernel(
     # grid = (row tiles, cdiv(N, BLOCK_N)): the down projection (routing weight and bias in the
     # epilogue), and the backward's dx rows (dpre W_gate_up, neither)
     tile = tl.program_id(0)
-    expert = tl.load(TILES[0] + tile)
+    expert = tl.load(TILES[0] + tile)  # TILE_EXPERT
     if expert >= experts:
         return
     rows, row_mask = _tile_rows(tile, TILES, expert, BLOCK_M=BLOCK_M)
@@ -258,7 +258,7 @@ def _expert_gemm_kernel(
             GATED=False,
         )
     else:  # rows past the expert's last (the next expert's, zeros past the tensor) are not stored
-        row_start = tl.load(TILES[1] + tile)
+        row_start = tl.load(TILES[1] + tile)  # TILE_ROW
         start_n = tl.program_id(1) * BLOCK_N
         acc = _expert_matmul_tma(
             A,
@@ -307,7 +307,7 @@ def _dh_bwd_kernel(
     # rule and act' in the epilogue; the routing weight's gradient Σ_n h g (+ dy · b_down outside)
     # as one float32 partial per column tile, summed in a fixed order by the launcher.
     tile = tl.program_id(0)
-    expert = tl.load(TILES[0] + tile)
+    expert = tl.load(TILES[0] + tile)  # TILE_EXPERT
     if expert >= experts:
         return
     rows, row_mask = _tile_rows(tile, TILES, expert, BLOCK_M=BLOCK_M)
