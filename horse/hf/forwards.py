@@ -5,9 +5,10 @@ Each computes what the module's own forward computes, in the same dtypes, on ``h
 - RMSNorm (LLaMA's and the families like it, Qwen3's per-head q_norm and k_norm): transformers' cast order,
   ``weight * normalized.to(input dtype)``: ``rms_norm`` without a weight gives the normalized input in its
   own dtype, and the weight multiplies it as transformers does (a float32 weight on 16-bit activations
-  gives float32, as there). OLMo-2's and Gemma 4's RMSNorm (their q_norm and k_norm too) multiply first and
-  cast after, ``(weight * normalized).to(input dtype)``: ``rms_norm`` with the weight, whose kernel does just
-  that (Gemma 4's norms without a weight: ``rms_norm`` without one).
+  gives float32, as there). OLMo-2's, Gemma 4's and gpt-oss's RMSNorm (their q_norm and k_norm too) multiply
+  first and cast after, ``(weight * normalized).to(input dtype)``: ``rms_norm`` with the weight, whose kernel
+  does just that (Gemma 4's norms without a weight: ``rms_norm`` without one; gpt-oss keeps its norms' weights
+  in float32 on 16-bit activations: the output in theirs, as there).
   Gemma's RMSNorm scales by ``1 + weight``, added and multiplied in float32 before the cast: ``rms_norm``
   with ``weight_offset=1.0``.
 - GPT-2's ``nn.LayerNorm``: ``layer_norm`` (in float32 under autocast, as autocast runs layer_norm).
@@ -19,6 +20,7 @@ Each computes what the module's own forward computes, in the same dtypes, on ``h
   ``add_layer_norm``), which returns the sum rounded to the activations' dtype, as the unfused add, and the
   norm of that sum. Only where nothing can tell: the two addends of one dtype, no autocast around a
   LayerNorm, no hooks on the norm, and the norm running our forward; otherwise the layer adds as before.
+  gpt-oss's MoE block returns (output, router scores): its layer takes the output.
   What a family does to the attention's output before that add stays as it was: Phi-3's residual dropout,
   Granite's residual_multiplier, GLM-4's post_self_attn_layernorm and Gemma 3's post_attention_layernorm
   (sandwich norms; Gemma 3's add goes into its pre_feedforward_layernorm). Gemma 4's layer is Gemma 3's, then
@@ -108,8 +110,9 @@ def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def olmo2_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """OLMo-2's and Gemma 4's RMSNorm: ``(weight * x · rsqrt(mean(x²) + eps)).to(x.dtype)``, weight times
-    float32; Gemma 4's without a weight (``with_scale=False``: its v_norm, its router's norm) casts x̂."""
+    """OLMo-2's, Gemma 4's and gpt-oss's RMSNorm: ``(weight * x · rsqrt(mean(x²) + eps)).to(x.dtype)``,
+    weight times float32; Gemma 4's without a weight (``with_scale=False``: its v_norm, its router's norm)
+    casts x̂."""
     weight = getattr(self, "weight", None)  # Gemma4RMSNorm(with_scale=False) has none
     return rms_norm(hidden_states, hidden_states.shape[-1:], weight, self.variance_epsilon)
 
@@ -142,7 +145,7 @@ def _add_rms_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
         return norm.weight * normalized, hidden_states
     if _fusable(norm, gemma_rms_norm_forward, x, residual):
         return add_rms_norm(x, residual, x.shape[-1:], norm.weight, norm.eps, weight_offset=1.0)
-    if _fusable(norm, olmo2_rms_norm_forward, x, residual):  # Gemma 4's (OLMo-2's layer has no add to fuse)
+    if _fusable(norm, olmo2_rms_norm_forward, x, residual):  # Gemma 4's, gpt-oss's (OLMo-2's layer: no add)
         return add_rms_norm(x, residual, x.shape[-1:], getattr(norm, "weight", None), norm.variance_epsilon)
     hidden_states = residual + x
     return norm(hidden_states), hidden_states
@@ -290,6 +293,16 @@ def gemma4_decoder_layer_forward(
         hidden_states = hidden_states + self.post_per_layer_input_norm(self.per_layer_projection(gate))
     hidden_states *= self.layer_scalar  # in place, as there: the activations' dtype whatever the buffer's
     return hidden_states
+
+
+@checkpointed
+def gpt_oss_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+    """gpt-oss's decoder layer: LLaMA's, its MoE block returning (output, router scores), the scores unused
+    (the router's logits reach the output through transformers' recorder on the router)."""
+    attention_output, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    normalized, hidden_states = _add_rms_norm(self.post_attention_layernorm, attention_output, hidden_states)
+    mlp_output, _ = self.mlp(normalized)
+    return hidden_states + mlp_output
 
 
 @checkpointed

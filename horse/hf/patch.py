@@ -33,14 +33,18 @@ Per family, by ``config.model_type``:
                       (output_router_logits, router_aux_loss_coef) as the model computes them
     qwen2_moe         as qwen3_moe, with its shared expert (a gated MLP) patched as LLaMA's; its sigmoid gate
                       and the dense layers of mlp_only_layers as the others
+    gpt_oss           as mixtral, with its experts' transposed, interleaved gate_up_proj, their biases and the
+                      clamped SwiGLU (swiglu_limit) in the one moe_mlp call; its attention sinks as the
+                      kernels' sinks, sliding windows on the layers whose layer_type says so, OLMo-2's RMSNorm
+                      (the weight inside the cast); MXFP4-quantized experts refused (load them dequantized)
     gpt2              attention, LayerNorm, the MLP, the residual add into ln_2, the loss
 
-Any other model type raises (those of WAITING_FOR_KERNELS with what they need: gpt_oss): a model
-is never left unpatched without a word. Rotary embeddings, partial (Phi-3's partial_rotary_factor, GLM-4's
-interleaved half) or none, and Granite's embedding_multiplier stay in transformers' own modules, which are not
-replaced. Refused at apply, naming what: quantized models, cross-attention (GPT-2's add_cross_attention),
-Gemma's use_bidirectional_attention, head dims above 256, a head with more classes than the loss takes
-(cross_entropy.MAX_VOCAB), MLP biases on a gated MLP, activations the kernels lack,
+Any other model type raises, naming the supported ones: a model is never left unpatched without a word.
+Rotary embeddings, partial (Phi-3's partial_rotary_factor, GLM-4's interleaved half) or none, and Granite's
+embedding_multiplier stay in transformers' own modules, which are not replaced. Refused at apply, naming
+what: quantized models (MXFP4-quantized experts with what to load instead), cross-attention (GPT-2's
+add_cross_attention), Gemma's use_bidirectional_attention, head dims above 256, a head with more classes
+than the loss takes (cross_entropy.MAX_VOCAB), MLP biases on a gated MLP, activations the kernels lack,
 wrapped layers (anything but a plain ``nn.Linear`` / ``Conv1D`` where a fused forward reads the weight, hooks
 on them) and modules whose forward something else has replaced already. Refused at call: see
 ``horse.hf.attention`` and ``horse.hf.forwards``. Float32 activations on a GPU are refused rather than run on
@@ -89,13 +93,8 @@ SUPPORTED_MODEL_TYPES = (
     "qwen2_moe",
     "qwen3_moe",
     "olmoe",
+    "gpt_oss",
 )
-# Families that need what the kernels do not do yet (issue 49), with what: named in apply's refusal. gpt-oss's
-# attention would run exactly today (its sinks as the kernels' sinks=, its windows per layer_type, its biases
-# in the projections).
-WAITING_FOR_KERNELS = {
-    "gpt_oss": "its packed experts (the MoE kernels)",
-}
 MAX_HEAD_DIM = 256
 _PATCH = "_horse_hf_patch"  # the model's attribute holding what apply changed
 # The families built like LLaMA: {model_type: the prefix of their modeling module's class names}
@@ -117,6 +116,7 @@ _LLAMA_LIKE = {
     "qwen2_moe": "Qwen2Moe",
     "qwen3_moe": "Qwen3Moe",
     "olmoe": "Olmoe",
+    "gpt_oss": "GptOss",
 }
 # Families whose modeling module is not named after their model type
 _MODELING_MODULE = {"gemma3_text": "gemma3"}
@@ -140,7 +140,9 @@ class Family:
     layer_forward: types.FunctionType
     attention: type
     causal_lm: type
-    experts: type | None = None  # the MoE families' packed experts, run by horse.hf.moe.experts_forward
+    experts: type | None = None  # the MoE families' packed experts
+    experts_forward: types.FunctionType = moe.experts_forward
+    experts_refusals: types.FunctionType = moe.experts_refusals
     # the causal LM's forward: the loss alone, or with the router's aux loss (moe.causal_lm_forward_for)
     causal_lm_forward_for: Callable[[type], Callable] = forwards.causal_lm_forward_for
 
@@ -239,6 +241,14 @@ _UNLIKE_LLAMA = {
         "norm_forward": forwards.gemma_rms_norm_forward,
         "layer_forward": forwards.gemma2_decoder_layer_forward,
     },
+    # GptOssMLP is its MoE block (router and experts), not a gated MLP: only the experts are replaced
+    "gpt_oss": {
+        "norm_forward": forwards.olmo2_rms_norm_forward,
+        "mlp": None,
+        "layer_forward": forwards.gpt_oss_decoder_layer_forward,
+        "experts_forward": moe.gpt_oss_experts_forward,
+        "experts_refusals": moe.gpt_oss_experts_refusals,
+    },
 }
 
 
@@ -264,7 +274,7 @@ def _plan(model: PreTrainedModel, fam: Family) -> list[tuple[str, str, nn.Module
     if fam.layer is not None:
         kinds[fam.layer] = (fam.layer_kind, fam.layer_forward)
     if fam.experts is not None:
-        kinds[fam.experts] = ("moe_experts", moe.experts_forward)
+        kinds[fam.experts] = ("moe_experts", fam.experts_forward)
     if isinstance(model, fam.causal_lm):
         kinds[type(model)] = ("linear_cross_entropy", fam.causal_lm_forward_for(type(model)))
     plan = []
@@ -278,7 +288,9 @@ def _plan(model: PreTrainedModel, fam: Family) -> list[tuple[str, str, nn.Module
 def _refusals(model: PreTrainedModel, fam: Family, plan) -> list[str]:
     """What in model the fused forwards cannot run exactly, in words; empty when apply may go on."""
     config, problems = model.config, []
-    if getattr(model, "is_quantized", False) or getattr(config, "quantization_config", None) is not None:
+    if (mxfp4 := moe.mxfp4_refusal(model)) is not None:
+        problems.append(mxfp4)
+    elif getattr(model, "is_quantized", False) or getattr(config, "quantization_config", None) is not None:
         problems.append(f"the model is quantized ({getattr(config, 'quantization_config', None)!r})")
     if getattr(config, "add_cross_attention", False):
         problems.append("cross-attention (add_cross_attention=True)")
@@ -303,7 +315,7 @@ def _refusals(model: PreTrainedModel, fam: Family, plan) -> list[str]:
             if kind == "gated_mlp" and any(getattr(module, p).bias is not None for p in fam.mlp_layers):
                 problems.append(f"{name}: MLP biases (mlp_bias=True): the fused gated MLP has none")
         if kind == "moe_experts":
-            problems += moe.experts_refusals(name, module)
+            problems += fam.experts_refusals(name, module)
         if kind == "linear_cross_entropy":
             problems += forwards.unfused_layers(module, ("lm_head",), nn.Linear)
             if (vocab := module.lm_head.out_features) > MAX_VOCAB:
@@ -338,11 +350,9 @@ def apply(model: PreTrainedModel) -> dict[str, list[str]]:
         return patch.report
     model_type = model.config.model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
-        waiting = WAITING_FOR_KERNELS.get(model_type)
         raise ValueError(
-            f"horse.hf.apply: model type {model_type!r} ({type(model).__name__}) is not supported"
-            + ("" if waiting is None else f": it needs {waiting}, which the kernels do not do yet")
-            + f"; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"horse.hf.apply: model type {model_type!r} ({type(model).__name__}) is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     fam = family(model_type)
     plan = _plan(model, fam)
