@@ -89,8 +89,8 @@ def moe_configs(arch: runtime.Arch) -> list[KernelConfig]:
                 # each weight as stored: down_proj (experts, N, K), gate_up_proj (experts, K, N); not
                 # gpt-oss's weights, whose last stride is not their unit one (runtime.tma_compatible).
                 tma_usable = table["down"].tma and arch.tma and layout == "transformers"
-                layouts = ("nk" if name == "down" else "kn",) if tma_usable else ()
-                for tma in (None, *layouts):
+                tma_layouts = ("nk" if name == "down" else "kn",) if tma_usable else ()
+                for tma in (None, *tma_layouts):
                     plan = launch.expert_gemm_plan(table["down"], 1, 1, bias_and_scale, bias_and_scale, tma)
                     shape = "any tma" if tma else "any"
                     out.append(moe_plan_config(plan, name, shape, dtype, arch.name, layout, matmul=True))
