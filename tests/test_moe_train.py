@@ -1,0 +1,193 @@
+"""The GPT with a mixture of experts in place of each MLP (GPTConfig.moe_experts): its config refuses bad
+values by name; its training loss adds the load-balancing loss as transformers computes it; the tiny
+MoE preset learns the built-in corpus on the CPU; split over 2 gloo ranks by tensor parallelism or by
+FSDP2 it takes the steps of one process, step for step; a state dict cut by the plan gathers back,
+and the Hugging Face export refuses it by name."""
+
+import dataclasses
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import free_port
+
+from horse import hf, optim, train
+from horse.loss_scale import LossScaler
+from horse.model import GPT, GPTConfig, num_active_params, num_params, preset
+from horse.parallel import Parallel, gather_state_dicts, init_from_env, parallelize, shard_state_dict
+
+# Under pytest-xdist in one worker with the other multi-process tests: one group of ranks at a time.
+pytestmark = pytest.mark.xdist_group("multiprocess")
+# tiny-moe, smaller: 4 experts of width 32 (16 a rank at tp 2), 2 a token, over 2 blocks.
+SMALL = {"n_layer": 2, "d_model": 64, "n_head": 4, "block_size": 32, "moe_experts": 4, "moe_inter": 32}
+CONFIG = dataclasses.replace(preset("tiny-moe"), **SMALL)
+
+
+def test_the_moe_fields_refuse_bad_values_by_name():
+    for fields, message in [
+        ({"moe_experts": -1}, "moe_experts must be at least 0"),
+        ({"moe_experts": 4, "moe_top_k": 0}, r"moe_top_k must be between 1 and moe_experts \(4\), got 0"),
+        ({"moe_experts": 4, "moe_top_k": 5}, r"moe_top_k must be between 1 and moe_experts \(4\), got 5"),
+        ({"moe_experts": 4, "moe_inter": 0}, "moe_inter must be at least 1"),
+        ({"router_aux_loss_coef": -0.1}, "router_aux_loss_coef must be at least 0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            GPTConfig(**fields)
+    assert GPTConfig(moe_top_k=0).moe_experts == 0  # the dense MLP: the experts' fields unused
+
+
+def test_presets_state_their_total_and_active_parameters():
+    # The counts their docstrings give (python -m horse.model prints them).
+    counts = {
+        name: (num_params(preset(name)), num_active_params(preset(name)))
+        for name in ("tiny-moe", "moe-124m", "moe-1b-7b")
+    }
+    assert [round(total / 1e6, 1) for total, _ in counts.values()] == [7.4, 293.5, 6816.1]
+    assert [round(active / 1e6, 1) for _, active in counts.values()] == [2.7, 123.7, 1178.9]
+    dense = num_params(preset("gpt2-124m"))
+    assert num_active_params(preset("gpt2-124m")) == dense
+
+
+def test_the_training_loss_adds_transformers_load_balancing_loss():
+    pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    inputs = []  # each block's MoE input (B, T, C), from which the router logits are recomputed here
+    for block in model.blocks:
+        block.moe.register_forward_pre_hook(lambda module, args: inputs.append(args[0].detach()))
+    routers = [block.moe.gate.weight for block in model.blocks]
+    idx, targets = torch.randint(0, CONFIG.vocab_size, (2, 3, 17), generator=torch.Generator().manual_seed(1))
+
+    def reference(weights: list[torch.Tensor]) -> torch.Tensor:
+        logits = tuple(x.flatten(0, 1) @ w.T for x, w in zip(inputs, weights, strict=True))
+        return load_balancing_loss_func(logits, CONFIG.moe_experts, CONFIG.moe_top_k)
+
+    gradients = []  # of the routers' weights, without the load-balancing loss and with it at 1
+    for coef in (0.0, 1.0):
+        inputs.clear()
+        model.config = dataclasses.replace(CONFIG, router_aux_loss_coef=coef)
+        model.zero_grad()
+        loss = model.loss(idx, targets)
+        loss.backward()
+        gradients.append([w.grad.clone() for w in routers])
+    expected = reference(routers)
+    torch.testing.assert_close(model.router_aux_loss, expected.detach(), rtol=1e-6, atol=0)
+    # The load-balancing loss trains the routers: its gradient in the last router's weight is the
+    # reference's (the earlier routers' gradients also reach them through the later blocks' inputs).
+    weights = [w.detach().requires_grad_() for w in routers]
+    reference(weights).backward()
+    model.eval()  # the cross-entropy alone: the validation loss
+    torch.testing.assert_close(loss, model.loss(idx, targets) + expected, rtol=1e-6, atol=0)
+    with_aux, without = gradients[1][-1], gradients[0][-1]
+    torch.testing.assert_close(with_aux - without, weights[-1].grad, rtol=1e-4, atol=1e-7)
+
+
+def test_tiny_moe_learns_the_built_in_corpus(tmp_path):
+    quick = dict(
+        batch_size=8, max_steps=40, warmup_steps=2, eval_interval=40, eval_tokens=512, sample_tokens=0
+    )
+    cfg = train.TrainConfig(preset="tiny-moe", out_dir=str(tmp_path / "run"), device="cpu", **quick)
+    records = train.train(cfg, {k: v for k, v in SMALL.items() if not k.startswith("moe")})
+    losses = [r["loss"] for r in records]
+    assert losses[0] == pytest.approx(math.log(256) + 0.001 * 2, abs=0.3)  # uniform, plus coef x ~top_k
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.5
+    assert records[-1]["val_loss"] < losses[0] - 1.5
+    assert all(math.isfinite(r["router_aux_loss"]) for r in records)  # logged, before its coefficient
+
+
+def test_state_dicts_cut_by_the_plan_gather_back_and_the_export_refuses_by_name():
+    whole = GPT(CONFIG).state_dict()
+    shards = [shard_state_dict(whole, CONFIG, rank, 2) for rank in range(2)]
+    assert shards[0]["blocks.0.moe.experts.gate_up_proj"].shape == (4, 32, 64)  # half of gate, half of up
+    assert shards[0]["blocks.0.moe.experts.down_proj"].shape == (4, 64, 16)
+    assert shards[0]["blocks.0.moe.gate.weight"].shape == (4, 64)  # the router: whole on every rank
+    gate, up = whole["blocks.0.moe.experts.gate_up_proj"].split(32, dim=1)
+    torch.testing.assert_close(
+        shards[1]["blocks.0.moe.experts.gate_up_proj"], torch.cat([gate[:, 16:], up[:, 16:]], 1)
+    )
+    gathered = gather_state_dicts(shards, CONFIG)
+    assert all(torch.equal(gathered[name], whole[name]) for name in whole)
+    with pytest.raises(
+        ValueError, match=r"a mixture of experts \(moe_experts 4\) has no Hugging Face export"
+    ):
+        hf.hf_architecture(CONFIG)
+    with pytest.raises(ValueError, match="tensor parallel size 3 must divide .*moe_inter 32"):
+        shard_state_dict(whole, dataclasses.replace(CONFIG, n_head=3, d_model=48, vocab_size=255), 0, 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Two gloo ranks: tp 2 and dp_shard 2 against one process
+# ----------------------------------------------------------------------------------------------
+
+STEPS = 3
+BATCH = torch.randint(0, CONFIG.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
+
+
+def _steps(parallel: Parallel, micro_batches: list[torch.Tensor]) -> list[tuple[float, float, float]]:
+    """(loss, load-balancing loss, gradient norm) of STEPS training steps of the trainer's model in
+    parallel's layout (built from the seed by train.make_model), each on micro_batches."""
+    cfg = train.TrainConfig(grad_accum=len(micro_batches), warmup_steps=1)
+    model, loss_fn = train.make_model(cfg, CONFIG, "reference", parallel, "cpu", pretrained=False)
+    optimizer = optim.make_optimizer(model, cfg, "cpu")
+    batches = iter(micro_batches * STEPS)
+
+    def next_batch():
+        rows = next(batches)
+        return rows[:, :-1], rows[:, 1:]
+
+    results = []
+    for step in range(STEPS):
+        for group in optimizer.param_groups:
+            group["lr"] = optim.lr_at(step, STEPS, cfg)
+        loss, aux, norm, skipped = train.train_step(
+            loss_fn, next_batch, model, optimizer, LossScaler(enabled=False), cfg, parallel
+        )
+        assert not skipped
+        results.append((loss.item(), aux.item(), norm))
+    return results
+
+
+def _tp2_and_dp_shard2_take_one_process_steps() -> None:
+    rank = dist.get_rank()
+    one_process = Parallel()
+    # Tensor parallelism: both ranks on the whole batch, each holding half of every expert.
+    expected = _steps(one_process, [BATCH])
+    actual = _steps(init_from_env(tp=2, device_type="cpu"), [BATCH])
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-5, atol=0, msg="tp 2")
+    # FSDP2: each rank its half of the batch; one process takes both halves as two micro-batches.
+    halves = [BATCH[0::2], BATCH[1::2]]
+    expected = _steps(one_process, halves)
+    actual = _steps(init_from_env(device_type="cpu", dp_shard=2), [halves[rank]])
+    torch.testing.assert_close(
+        torch.tensor(actual), torch.tensor(expected), rtol=1e-5, atol=0, msg="dp_shard 2"
+    )
+    # Sequence parallelism would route each rank's chunk of the tokens alone: refused by name.
+    sequence_parallel = init_from_env(tp=2, sequence_parallel=True, device_type="cpu")
+    with pytest.raises(ValueError, match="sequence parallelism does not take a mixture of experts"):
+        parallelize(GPT(CONFIG), sequence_parallel)
+
+
+def _rank_main(rank: int, world: int, port: int, worker) -> None:
+    env = {
+        "RANK": rank,
+        "LOCAL_RANK": rank,
+        "WORLD_SIZE": world,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+    }
+    os.environ.update({k: str(v) for k, v in env.items()})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        worker()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp2_and_dp_shard2_take_the_steps_of_one_process():
+    mp.spawn(_rank_main, args=(2, free_port(), _tp2_and_dp_shard2_take_one_process_steps), nprocs=2)
