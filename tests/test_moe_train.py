@@ -5,6 +5,7 @@ FSDP2 it takes the steps of one process, step for step; a state dict cut by the 
 and the Hugging Face export refuses it by name."""
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -14,10 +15,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import free_port
 
-from horse import hf, optim, train
+from horse import checkpoint, hf, optim, train
 from horse.loss_scale import LossScaler
 from horse.model import GPT, GPTConfig, num_active_params, num_params, preset
-from horse.parallel import Parallel, gather_state_dicts, init_from_env, parallelize, shard_state_dict
+from horse.parallel import (
+    Parallel,
+    apply,
+    gather_state_dicts,
+    init_from_env,
+    parallelize,
+    shard_state_dict,
+)
 
 # Under pytest-xdist in one worker with the other multi-process tests: one group of ranks at a time.
 pytestmark = pytest.mark.xdist_group("multiprocess")
@@ -120,6 +128,36 @@ def test_state_dicts_cut_by_the_plan_gather_back_and_the_export_refuses_by_name(
         shard_state_dict(whole, dataclasses.replace(CONFIG, n_head=3, d_model=48, vocab_size=255), 0, 3)
 
 
+def test_activation_checkpointing_recomputes_the_experts_with_the_same_loss_and_gradients():
+    torch.manual_seed(0)
+    plain, checkpointed = GPT(CONFIG), GPT(CONFIG)
+    checkpointed.load_state_dict(plain.state_dict())
+    apply.checkpoint_blocks(checkpointed)  # the blocks' router logits come out of the checkpoint
+    idx = torch.randint(0, CONFIG.vocab_size, (2, 32))
+    losses = [model.loss(idx, idx) for model in (plain, checkpointed)]
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(*losses) and torch.equal(plain.router_aux_loss, checkpointed.router_aux_loss)
+    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_a_tp1_checkpoint_loads_into_tp2_shards(tmp_path):
+    # Each tp rank reads its slice of the experts from the whole tensors: gate_up_proj's gate and up
+    # rows (dim 1), down_proj's columns (dim 2); the reverse, tp 2 -> tp 1, runs in the ranks below.
+    torch.manual_seed(0)
+    whole = GPT(CONFIG)
+    optimizer = optim.make_optimizer(whole, train.TrainConfig(), "cpu")
+    ckpt = checkpoint.save(tmp_path, 1, whole, optimizer, {"step": 1}, "bytes")
+    for rank in range(2):
+        with torch.device("meta"):
+            shard = parallelize(GPT(CONFIG), Parallel(tp_rank=rank, tp_size=2))
+        shard.to_empty(device="cpu")
+        checkpoint.load_weights(ckpt, shard, Parallel(tp_rank=rank, tp_size=2))
+        expected = shard_state_dict(whole.state_dict(), CONFIG, rank, 2)
+        assert all(torch.equal(t, expected[name]) for name, t in shard.state_dict().items())
+
+
 # ----------------------------------------------------------------------------------------------
 # Two gloo ranks: tp 2 and dp_shard 2 against one process
 # ----------------------------------------------------------------------------------------------
@@ -128,9 +166,10 @@ STEPS = 3
 BATCH = torch.randint(0, CONFIG.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
 
 
-def _steps(parallel: Parallel, micro_batches: list[torch.Tensor]) -> list[tuple[float, float, float]]:
+def _steps(parallel: Parallel, micro_batches: list[torch.Tensor]) -> tuple[list[tuple], GPT, object]:
     """(loss, load-balancing loss, gradient norm) of STEPS training steps of the trainer's model in
-    parallel's layout (built from the seed by train.make_model), each on micro_batches."""
+    parallel's layout (built from the seed by train.make_model), each on micro_batches; the model and
+    its optimizer after them."""
     cfg = train.TrainConfig(grad_accum=len(micro_batches), warmup_steps=1)
     model, loss_fn = train.make_model(cfg, CONFIG, "reference", parallel, "cpu", pretrained=False)
     optimizer = optim.make_optimizer(model, cfg, "cpu")
@@ -149,20 +188,28 @@ def _steps(parallel: Parallel, micro_batches: list[torch.Tensor]) -> list[tuple[
         )
         assert not skipped
         results.append((loss.item(), aux.item(), norm))
-    return results
+    return results, model, optimizer
 
 
-def _tp2_and_dp_shard2_take_one_process_steps() -> None:
+def _tp2_and_dp_shard2_take_one_process_steps(tmp: str) -> None:
     rank = dist.get_rank()
     one_process = Parallel()
     # Tensor parallelism: both ranks on the whole batch, each holding half of every expert.
-    expected = _steps(one_process, [BATCH])
-    actual = _steps(init_from_env(tp=2, device_type="cpu"), [BATCH])
+    expected, _, _ = _steps(one_process, [BATCH])
+    tp2 = init_from_env(tp=2, device_type="cpu")
+    actual, model, optimizer = _steps(tp2, [BATCH])
     torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-5, atol=0, msg="tp 2")
+    # Its checkpoint loads at tp 1 (reading across the two shards): cut by the plan again, the whole
+    # model holds this rank's shard, bit for bit.
+    ckpt = checkpoint.save(tmp, STEPS, model, optimizer, {"step": STEPS}, "bytes", parallel=tp2)
+    gathered = GPT(CONFIG)
+    checkpoint.load_weights(ckpt, gathered)
+    cut = shard_state_dict(gathered.state_dict(), CONFIG, rank, 2)
+    assert all(torch.equal(t, cut[name]) for name, t in model.state_dict().items())
     # FSDP2: each rank its half of the batch; one process takes both halves as two micro-batches.
     halves = [BATCH[0::2], BATCH[1::2]]
-    expected = _steps(one_process, halves)
-    actual = _steps(init_from_env(device_type="cpu", dp_shard=2), [halves[rank]])
+    expected, _, _ = _steps(one_process, halves)
+    actual, _, _ = _steps(init_from_env(device_type="cpu", dp_shard=2), [halves[rank]])
     torch.testing.assert_close(
         torch.tensor(actual), torch.tensor(expected), rtol=1e-5, atol=0, msg="dp_shard 2"
     )
@@ -189,5 +236,6 @@ def _rank_main(rank: int, world: int, port: int, worker) -> None:
         dist.destroy_process_group()
 
 
-def test_tp2_and_dp_shard2_take_the_steps_of_one_process():
-    mp.spawn(_rank_main, args=(2, free_port(), _tp2_and_dp_shard2_take_one_process_steps), nprocs=2)
+def test_tp2_and_dp_shard2_take_the_steps_of_one_process(tmp_path):
+    worker = functools.partial(_tp2_and_dp_shard2_take_one_process_steps, str(tmp_path))
+    mp.spawn(_rank_main, args=(2, free_port(), worker), nprocs=2)
