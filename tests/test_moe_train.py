@@ -1,8 +1,9 @@
 """The GPT with a mixture of experts in place of each MLP (GPTConfig.moe_experts): its config refuses bad
 values by name; its training loss adds the load-balancing loss as transformers computes it; the tiny
-MoE preset learns the built-in corpus on the CPU; split over 2 gloo ranks by tensor parallelism or by
-FSDP2 it takes the steps of one process, step for step; a state dict cut by the plan gathers back,
-and the Hugging Face export refuses it by name."""
+MoE preset learns the built-in corpus on the CPU; activation checkpointing recomputes the experts
+alike; split over 2 gloo ranks by tensor parallelism or by FSDP2 it takes the steps of one process,
+step for step; state dicts and checkpoints cut by the plan gather back and reshard between tp 1 and
+tp 2; the Hugging Face export refuses it by name."""
 
 import dataclasses
 import functools
@@ -110,6 +111,10 @@ def test_tiny_moe_learns_the_built_in_corpus(tmp_path):
 
 def test_state_dicts_cut_by_the_plan_gather_back_and_the_export_refuses_by_name():
     whole = GPT(CONFIG).state_dict()
+    # GPT-2's initialisation: the experts' down projections, which write into the stream, scaled down.
+    assert whole["blocks.0.moe.experts.gate_up_proj"].std().item() == pytest.approx(0.02, rel=0.05)
+    down_std = 0.02 / math.sqrt(2 * CONFIG.n_layer)
+    assert whole["blocks.0.moe.experts.down_proj"].std().item() == pytest.approx(down_std, rel=0.05)
     shards = [shard_state_dict(whole, CONFIG, rank, 2) for rank in range(2)]
     assert shards[0]["blocks.0.moe.experts.gate_up_proj"].shape == (4, 32, 64)  # half of gate, half of up
     assert shards[0]["blocks.0.moe.experts.down_proj"].shape == (4, 64, 16)
