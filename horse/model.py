@@ -171,6 +171,7 @@ class GPTConfig:
 
     @property
     def swiglu_hidden(self) -> int:
+        """8/3·d_model rounded up to 64: a swiglu MLP of the FLOPs of a 4·d_model gelu one."""
         return -(-8 * self.d_model // 3 // 64) * 64
 
     @property
@@ -498,7 +499,7 @@ class MoE(FusedMoE):
         d, hidden, experts, top_k = config.d_model, config.expert_hidden, config.moe_experts, config.moe_top_k
         activation = expert_activation(config)
         super().__init__(d, hidden, experts, top_k, router="softmax", normalize=True, activation=activation)
-        self.experts = Experts(config, backend)  # in place of FusedMoE's own: the same parameters' shapes
+        self.experts = Experts(config, backend)  # FusedMoE's experts, with the model's backend switch
 
 
 def make_norm(config: GPTConfig, backend: str) -> nn.Module:
