@@ -1,10 +1,12 @@
 """The GPT with a mixture of experts in place of each MLP (GPTConfig.moe_experts): its config refuses bad
-values by name; its training loss adds the load-balancing loss as transformers computes it; the tiny
+values by name; its training loss adds the load-balancing loss as transformers computes it; on the
+triton backend in float16 its experts run horse.kernels.moe_mlp within the suite's accuracy rule; the tiny
 MoE preset learns the built-in corpus on the CPU; activation checkpointing recomputes the experts
 alike; split over 2 gloo ranks by tensor parallelism or by FSDP2 it takes the steps of one process,
 step for step; state dicts and checkpoints cut by the plan gather back and reshard between tp 1 and
 tp 2; the Hugging Face export refuses it by name."""
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -14,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import free_port
+from helpers import assert_close, free_port
 
-from horse import checkpoint, hf, optim, train
+from horse import checkpoint, hf, kernels, optim, train
 from horse.loss_scale import LossScaler
 from horse.model import GPT, GPTConfig, num_active_params, num_params, preset
 from horse.parallel import (
@@ -94,6 +96,38 @@ def test_the_training_loss_adds_transformers_load_balancing_loss():
     torch.testing.assert_close(loss, model.loss(idx, targets) + expected, rtol=1e-6, atol=0)
     with_aux, without = gradients[1][-1], gradients[0][-1]
     torch.testing.assert_close(with_aux - without, weights[-1].grad, rtol=1e-4, atol=1e-7)
+
+
+def test_the_triton_backend_in_float16_runs_the_experts_on_the_kernels(monkeypatch):
+    """Loss and every gradient within the suite's accuracy rule (a float64 truth, the reference
+    backend under the same autocast as the baseline), the experts on horse.kernels.moe_mlp (Triton's
+    interpreter without a GPU)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    calls = []
+    moe_mlp = kernels.moe_mlp
+    monkeypatch.setattr(
+        kernels, "moe_mlp", lambda *args, **kwargs: calls.append(1) or moe_mlp(*args, **kwargs)
+    )
+    config = dataclasses.replace(CONFIG, n_layer=1)
+    torch.manual_seed(0)
+    model, baseline, truth = GPT(config, backend="triton"), GPT(config), GPT(config).double()
+    for other in (baseline, truth):
+        other.load_state_dict(model.state_dict())
+    idx = torch.randint(0, config.vocab_size, (1, 13), device=device)
+
+    def loss_and_grads(m: GPT, dtype: torch.dtype | None) -> list[torch.Tensor]:
+        m.to(device)
+        with torch.autocast(device, dtype) if dtype else contextlib.nullcontext():
+            loss = m.loss(idx, idx)
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in m.parameters()]
+
+    results = [loss_and_grads(model, torch.float16), loss_and_grads(truth, None)]
+    assert len(calls) == 1  # the reference backend and float64 loop over the experts in plain torch
+    results.append(loss_and_grads(baseline, torch.float16))
+    names = ["loss"] + [name for name, _ in model.named_parameters()]
+    for name, actual, want, base in zip(names, *results, strict=True):
+        assert_close(name, actual, want, base)
 
 
 def test_tiny_moe_learns_the_built_in_corpus(tmp_path):
