@@ -18,9 +18,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import assert_close, free_port
 
-from horse import checkpoint, hf, kernels, optim, train
+from horse import checkpoint, hf, kernels, optim, recipes, train
+from horse.cli import parse_args
 from horse.loss_scale import LossScaler
-from horse.model import GPT, GPTConfig, num_active_params, num_params, preset
+from horse.model import GPT, PRESETS, GPTConfig, num_active_params, num_params, preset
 from horse.parallel import (
     Parallel,
     apply,
@@ -60,6 +61,18 @@ def test_presets_state_their_total_and_active_parameters():
     assert [round(active / 1e6, 1) for _, active in counts.values()] == [2.7, 123.7, 1178.9]
     dense = num_params(preset("gpt2-124m"))
     assert num_active_params(preset("gpt2-124m")) == dense
+
+
+def test_the_moe_presets_are_selectable_with_their_recipes_and_the_model_flags():
+    assert set(recipes.RECIPES) == set(PRESETS)  # every preset, the moe ones too, carries its recipe
+    flags = ["--preset", "moe-1b-7b", "--moe-top-k", "4", "--router-aux-loss-coef", "0.01"]
+    cfg, overrides = parse_args(flags)
+    assert (cfg.lr, cfg.warmup_steps, cfg.batch_tokens) == (2e-4, 358, 2**20)  # GPT-3 XL's
+    assert overrides == {"moe_top_k": 4, "router_aux_loss_coef": 0.01}
+    assert parse_args(["--preset", "moe-124m"])[0].lr == 6e-4  # GPT-3 Small's
+    assert parse_args(["--preset", "tiny-moe"])[0].lr == 2e-3  # tiny's
+    with pytest.raises(ValueError, match="--preset moe-124m trains on text tokenised with a BPE tokenizer"):
+        recipes.check_data(parse_args(["--preset", "moe-124m"])[0])
 
 
 def test_the_training_loss_adds_transformers_load_balancing_loss():
