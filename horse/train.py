@@ -88,7 +88,7 @@ from horse.generate import generate
 from horse.hf.weights import weight_source
 from horse.kernels import runtime
 from horse.loss_scale import LossScaler
-from horse.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params, preset
+from horse.model import GPT, PRESETS, GPTConfig, flops_per_token, num_active_params, num_params, preset
 from horse.parallel import (
     Parallel,
     allreduce_sequence_parallel_grads,
@@ -837,8 +837,14 @@ def _log_start(run: Run, backend_note: str, train_split: Split, val_split: Split
             f"parallel: {parallel.world_size} processes ({dist.get_backend()}) = tp {parallel.tp_size}"
             f"{sequence_parallel} x dp {parallel.dp_size}{fsdp}{restart}"
         )
+    experts = ""
+    if config.moe_experts:
+        experts = (
+            f" ({num_active_params(config) / 1e6:.2f}M active: {config.moe_top_k} of {config.moe_experts} "
+            f"experts of width {config.expert_hidden} a token)"
+        )
     run.log(
-        f"model {cfg.init_from or cfg.preset}: {num_params(config) / 1e6:.2f}M parameters, "
+        f"model {cfg.init_from or cfg.preset}: {num_params(config) / 1e6:.2f}M parameters{experts}, "
         f"{config.n_layer} layers, d_model "
         f"{config.d_model}, {config.n_head} heads ({config.kv_heads} kv), vocabulary {config.vocab_size}, "
         f"{config.positions} positions, {config.norm}, {config.mlp} | "

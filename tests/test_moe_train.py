@@ -143,7 +143,7 @@ def test_the_triton_backend_in_float16_runs_the_experts_on_the_kernels(monkeypat
         assert_close(name, actual, want, base)
 
 
-def test_tiny_moe_learns_the_built_in_corpus(tmp_path):
+def test_tiny_moe_learns_the_built_in_corpus(tmp_path, capsys):
     quick = dict(
         batch_size=8, max_steps=40, warmup_steps=2, eval_interval=40, eval_tokens=512, sample_tokens=0
     )
@@ -154,6 +154,11 @@ def test_tiny_moe_learns_the_built_in_corpus(tmp_path):
     assert sum(losses[-5:]) / 5 < losses[0] - 1.5
     assert records[-1]["val_loss"] < losses[0] - 1.5
     assert all(math.isfinite(r["router_aux_loss"]) for r in records)  # logged, before its coefficient
+    out = capsys.readouterr().out
+    assert (
+        "0.84M parameters (0.25M active: 2 of 8 experts of width 256 a token)" in out
+    )  # the preset's experts
+    assert "| aux loss " in out
 
 
 def test_state_dicts_cut_by_the_plan_gather_back_and_the_export_refuses_by_name():
