@@ -1,10 +1,10 @@
 """The GPT with a mixture of experts in place of each MLP (GPTConfig.moe_experts): its config refuses bad
 values by name; its training loss adds the load-balancing loss as transformers computes it; on the
-triton backend in float16 its experts run horse.kernels.moe_mlp within the suite's accuracy rule; the tiny
-MoE preset learns the built-in corpus on the CPU; activation checkpointing recomputes the experts
-alike; split over 2 gloo ranks by tensor parallelism or by FSDP2 it takes the steps of one process,
-step for step; state dicts and checkpoints cut by the plan gather back and reshard between tp 1 and
-tp 2; the Hugging Face export refuses it by name."""
+triton backend in float16 its experts run horse.kernels.moe_mlp within the suite's accuracy rule; the
+tiny MoE preset learns the built-in corpus on the CPU; activation checkpointing recomputes the experts
+alike; split over 2 gloo ranks by tensor parallelism or by FSDP2 it takes the steps of one process, step
+for step (and DDP too); state dicts and checkpoints cut by the plan gather back and reshard between tp 1
+and tp 2; the Hugging Face export refuses it by name."""
 
 import contextlib
 import dataclasses
@@ -268,6 +268,9 @@ def _tp2_and_dp_shard2_take_one_process_steps(tmp: str) -> None:
     torch.testing.assert_close(
         torch.tensor(actual), torch.tensor(expected), rtol=1e-5, atol=0, msg="dp_shard 2"
     )
+    # DDP likewise, on the same halves: every expert's weights take part in the graph.
+    actual, _, _ = _steps(init_from_env(device_type="cpu"), [halves[rank]])
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-5, atol=0, msg="DDP")
     # Sequence parallelism would route each rank's chunk of the tokens alone: refused by name.
     sequence_parallel = init_from_env(tp=2, sequence_parallel=True, device_type="cpu")
     with pytest.raises(ValueError, match="sequence parallelism does not take a mixture of experts"):
