@@ -727,15 +727,24 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
     assert all(c in sm86_configs for c in sm86_dkdv)
 
 
-def test_every_family_builds_its_gradient_passes_with_the_softcap_on_their_softcap_tiles():
-    # The forward and decode with the score modifications on sm_90 alone; the gradient passes with the
-    # softcap on every family, on each entry's softcap tile: sm_100's dq at 128 takes 2 stages (its own
-    # 3 spilled with the softcap), and no dk/dv row with the softcap is a split-output launch.
-    for name, arch in runtime.ARCHS.items():
+def test_every_family_builds_every_pass_with_the_score_modifications_on_their_softcap_tiles():
+    # Every family builds every pass with the score modifications: the forward (padded and packed) with
+    # the softcap and the sinks, the decode pass with the softcap and its reduce with the sinks, the
+    # gradient passes with the softcap on each entry's softcap tile: sm_100's dq at 128 takes 2 stages
+    # (its own 3 spilled with the softcap), and no dk/dv row with the softcap is a split-output launch.
+    passes = {"attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq", "attn_decode", "attn_decode_reduce"}
+    for arch in runtime.ARCHS.values():
         configs = score_mod_configs(arch)
-        kernels = {c.kernel for c in configs}
-        assert {"attn_bwd_dkdv", "attn_bwd_dq"} <= kernels and ("attn_fwd" in kernels) == (name == "sm90")
+        assert {c.kernel for c in configs} == passes
         assert not any("split_outputs" in c.kernel for c in configs)
+        forward = [c for c in configs if c.kernel == "attn_fwd"]
+        assert {c.constexprs["SOFTCAP"] for c in forward} == {SOFTCAP}
+        assert {"varlen" in c.shape_class for c in forward} == {False, True}
+        assert all("sinks" in c.shape_class for c in forward)
+        decode = [c for c in configs if c.kernel == "attn_decode"]
+        assert {c.constexprs["SOFTCAP"] for c in decode} == {SOFTCAP}
+        reduce = [c for c in configs if c.kernel == "attn_decode_reduce"]
+        assert reduce and all("SINKS" not in c.constexprs for c in reduce)  # the sinks passed, not None
     sm100_dq = [
         c
         for c in score_mod_configs(runtime.ARCHS["sm100"])

@@ -1,7 +1,7 @@
 """The attention kernels' configs (horse.kernels.attention, its tables in
 horse.kernels.attention.configs): every table entry in every variant it can be launched in, the
-backward's preprocess and the decode kernels; the score modifications (softcap and sinks) on sm_90, the
-softcap's gradient passes on every family; document masking on sm_90 (DOCUMENT_ARCHS).
+backward's preprocess and the decode kernels; the score modifications (softcap and sinks) in every pass
+on every family; document masking on sm_90 (DOCUMENT_ARCHS).
 """
 
 import itertools
@@ -26,9 +26,6 @@ ATTENTION_TABLES = {
 ATTENTION_MASKS = ("full", "causal", "local")
 # The softcap the score-modification rows compile with (Gemma 2's): a constexpr, each value its own build.
 SOFTCAP = 50.0
-# The families whose forward and decode rows with the score modifications are built: sm_90; every family
-# builds its gradient passes' softcap rows (the tiles of AttnConfig.softcap are chosen by them).
-SCORE_MOD_ARCHS = ("sm90",)
 # The families whose document-masking rows are built: sm_90. On sm_80 the dk/dv pass spilled 8 bytes at
 # head dims 24 and 32 (blocks 32x64x128x32, 8 warps; the causal rows do not), sm86, sm100, gfx942 not built.
 DOCUMENT_ARCHS = ("sm90",)
@@ -114,14 +111,13 @@ def score_mod_configs(arch: runtime.Arch) -> list[KernelConfig]:
     softcap and its reduce's sinks): every table entry at its power-of-two head dim, every mask, both
     dtypes, on the table's batches, by pointer loads and (where the entry may) TMA; the dk/dv pass's
     float32 partials too. The gradient passes take each entry's softcap tile, as the launchers do
-    (configs.attn_config). On SCORE_MOD_ARCHS every pass; on the other families the gradient passes."""
+    (configs.attn_config). Every family builds every pass: the tiles of AttnConfig.softcap are chosen by
+    these rows."""
     from horse.kernels.attention import configs as attention_configs
     from horse.kernels.attention import launch
 
-    configs, dtypes, every_pass = [], (torch.float16, torch.bfloat16), arch.name in SCORE_MOD_ARCHS
+    configs, dtypes = [], (torch.float16, torch.bfloat16)
     for table, (name, batches) in ATTENTION_TABLES.items():
-        if name == "attn_fwd" and not every_pass:
-            continue
         for block_d, entry in sorted(getattr(attention_configs, table)[arch.name].items()):
             cfg = entry if name == "attn_fwd" else entry.scored(SOFTCAP)
             loads = (False, True) if cfg.tma and arch.tma else (False,)
@@ -134,7 +130,7 @@ def score_mod_configs(arch: runtime.Arch) -> list[KernelConfig]:
                     configs += attention_pass_configs(
                         name, cfg, block_d, dtype, mask, tma, packed, arch.name, head_split, score_mods=True
                     )
-    decode = sorted(attention_configs.DECODE_CONFIGS[arch.name].items()) if every_pass else []
+    decode = sorted(attention_configs.DECODE_CONFIGS[arch.name].items())
     for (block_d, cfg), mask, dtype in itertools.product(decode, reversed(ATTENTION_MASKS), dtypes):
         shape_class = f"d={block_d}" + ("" if mask == "full" else f" {mask}") + " softcap"
         plans = (
