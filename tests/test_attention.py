@@ -496,6 +496,20 @@ def test_softcap_tiles_refuse_split_outputs():
         configs.AttnConfig(64, 128, 8, 1, softcap=split)
 
 
+def test_forward_takes_its_entrys_softcap_tile_with_the_softcap_on(monkeypatch):
+    # A forward entry with a softcap tile (sm_100's at 32, whose TMA tile spilled with the softcap): the
+    # launcher takes it with the softcap on, the entry's own tile without. Grids only: a query tile
+    # of 128 rows, or of 64 (the softcap tile's), over 256 queries of 2 heads.
+    entry = configs.AttnConfig(128, 64, 8, 2, softcap=configs.AttnConfig(64, 64, 4, 1, tma=False))
+    monkeypatch.setattr(configs, "INTERPRETER_BLOCKS", {})
+    monkeypatch.setitem(configs.FWD_CONFIGS["sm90"], 64, entry)
+    launches = record_launches(monkeypatch, execute=False)
+    q, k, v = make_qkv(Shape(1, 256, 256, 2, 2, 64), torch.float16, "cpu")
+    for softcap in (0.0, 50.0):
+        kernels.flash_attention(q, k, v, causal=True, softcap=softcap)
+    assert [grid for name, grid in launches if name == "_attn_fwd_kernel"] == [(4,), (8,)], launches
+
+
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_mqa_dkdv_launches_two_programs_per_sm(head_dim, monkeypatch):
     # MQA, batch 1, 4K keys on an H200 (132 SMs) at the sm90 table's tiles: 32 key blocks of 128 at

@@ -751,6 +751,13 @@ def test_every_family_builds_every_pass_with_the_score_modifications_on_their_so
         if c.kernel == "attn_bwd_dq" and c.constexprs["HEAD_DIM"] == 128
     ]
     assert sm100_dq and {c.num_stages for c in sm100_dq} == {2}
+    # sm_100's forward at 32 with the softcap takes its softcap tile, pointer loads (by TMA it spilled)
+    sm100_fwd = [
+        c
+        for c in score_mod_configs(runtime.ARCHS["sm100"])
+        if c.kernel == "attn_fwd" and c.constexprs["HEAD_DIM"] == 32
+    ]
+    assert sm100_fwd and not any(c.constexprs["TMA"] for c in sm100_fwd)
 
 
 def test_the_moe_down_and_dx_gemms_compile_by_tma_and_pointers_with_the_unit_strides_they_run_with():

@@ -110,16 +110,16 @@ def score_mod_configs(arch: runtime.Arch) -> list[KernelConfig]:
     """The passes with the score modifications on (softcap; the forward's sinks too; the decode pass's
     softcap and its reduce's sinks): every table entry at its power-of-two head dim, every mask, both
     dtypes, on the table's batches, by pointer loads and (where the entry may) TMA; the dk/dv pass's
-    float32 partials too. The gradient passes take each entry's softcap tile, as the launchers do
-    (configs.attn_config). Every family builds every pass: the tiles of AttnConfig.softcap are chosen by
-    these rows."""
+    float32 partials too. The forward and gradient passes take each entry's softcap tile, as the
+    launchers do (configs.attn_config). Every family builds every pass: the tiles of AttnConfig.softcap
+    are chosen by these rows."""
     from horse.kernels.attention import configs as attention_configs
     from horse.kernels.attention import launch
 
     configs, dtypes = [], (torch.float16, torch.bfloat16)
     for table, (name, batches) in ATTENTION_TABLES.items():
         for block_d, entry in sorted(getattr(attention_configs, table)[arch.name].items()):
-            cfg = entry if name == "attn_fwd" else entry.scored(SOFTCAP)
+            cfg = entry.scored(SOFTCAP)
             loads = (False, True) if cfg.tma and arch.tma else (False,)
             # the dk/dv pass's float32 partials (GQA head splits) in one dtype, as attention_entry_configs
             variants = [(dtypes, False)] + [((torch.float16,), True)] * (name == "attn_bwd_dkdv")

@@ -8,8 +8,9 @@ where tma is set on sm_90 and sm_100, with TMA loads: ``python -m bench.compile_
 builds them all, and its output is the record of how each builds. The sm90 entries were chosen for
 speed; the other families' are the first candidates, from sm90's tile down, that compile clean there
 (``python -m bench.tune attention --compile-only --arch FAMILY --start-from sm90 --write``), not
-measured yet. A gradient pass's entry may hold a tile of its own for the softcap (``softcap``), where
-its tile spills with the softcap's work added: :func:`attn_config` takes it when the softcap is on.
+measured yet. A forward or gradient pass's entry may hold a tile of its own for the softcap
+(``softcap``), where its tile spills with the softcap's work added: :func:`attn_config` takes it when
+the softcap is on.
 What was tried for each entry and why it stands: TUNING.md beside this file.
 """
 
@@ -40,9 +41,9 @@ class AttnConfig:
     # dk/dv pass: dv and dk by two launches of their own, one accumulator live in each (5 GEMMs against
     # the fused pass's 4: the scores computed twice), whole rows of the head dim (no column_splits).
     split_outputs: bool = False
-    # Gradient passes: the config taken with the softcap on (None: this one), for entries whose tile spills
-    # with the softcap's tanh and its derivative live (TUNING.md); never split_outputs (that kernel has no
-    # softcap).
+    # Forward and gradient passes: the config taken with the softcap on (None: this one), for entries whose
+    # tile spills with the softcap's tanh (and in a gradient pass its derivative) live (TUNING.md); never
+    # split_outputs (that kernel has no softcap).
     softcap: "AttnConfig | None" = None
 
     def __post_init__(self):
@@ -60,7 +61,7 @@ class AttnConfig:
         return self if tma or self.pointer is None else self.pointer
 
     def scored(self, softcap: float | None) -> "AttnConfig":
-        """The config a gradient pass takes with the softcap softcap (None or 0: off)."""
+        """The config a forward or gradient pass takes with the softcap softcap (None or 0: off)."""
         return self if not softcap or self.softcap is None else self.softcap
 
 
@@ -103,7 +104,7 @@ def head_dim_block(head_dim: int) -> int:
 
 def attn_config(table: dict, head_dim: int, device: torch.device, softcap: float | None = None) -> AttnConfig:
     """The entry of table (FWD_CONFIGS, ...) for head_dim on device's GPU family; with the softcap on
-    (softcap neither None nor 0), a gradient pass's softcap tile (AttnConfig.scored), taken before the
-    interpreter's blocks replace the tile's (they keep its column_splits and split_outputs)."""
+    (softcap neither None nor 0), a forward or gradient pass's softcap tile (AttnConfig.scored), taken
+    before the interpreter's blocks replace the tile's (they keep its column_splits and split_outputs)."""
     cfg = table[runtime.arch(device).name][head_dim_block(head_dim)].scored(softcap)
     return dataclasses.replace(cfg, **INTERPRETER_BLOCKS) if runtime.INTERPRET else cfg

@@ -342,7 +342,7 @@ def attention_fwd(
     lse_shape = (batch, heads, seqlen_q) if packed is None else (heads, q.shape[0])
     lse = runtime.empty(lse_shape, torch.float32, q.device)
     entry = entry or configs.attn_config(
-        configs.FWD_CONFIGS if packed is None else configs.PACKED_FWD_CONFIGS, head_dim, q.device
+        configs.FWD_CONFIGS if packed is None else configs.PACKED_FWD_CONFIGS, head_dim, q.device, softcap
     )
     shared = _pass_args(q, k, lse, causal, window, softmax_scale, packed)
     tma = tma_usable(entry, q, k, v, out)
