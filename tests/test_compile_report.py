@@ -758,6 +758,13 @@ def test_every_family_builds_every_pass_with_the_score_modifications_on_their_so
         if c.kernel == "attn_fwd" and c.constexprs["HEAD_DIM"] == 32
     ]
     assert sm100_fwd and not any(c.constexprs["TMA"] for c in sm100_fwd)
+    # gfx942's at 128 takes 64 keys a step (128 spilled with the softcap and the window)
+    gfx942_fwd = [
+        c
+        for c in score_mod_configs(runtime.ARCHS["gfx942"])
+        if c.kernel == "attn_fwd" and c.constexprs["HEAD_DIM"] == 128
+    ]
+    assert gfx942_fwd and {c.constexprs["BLOCK_N"] for c in gfx942_fwd} == {64}
 
 
 def test_the_moe_down_and_dx_gemms_compile_by_tma_and_pointers_with_the_unit_strides_they_run_with():
