@@ -34,7 +34,7 @@ Any other model type raises (those of WAITING_FOR_KERNELS with what they need: g
 is never left unpatched without a word. Rotary embeddings, partial (Phi-3's partial_rotary_factor, GLM-4's
 interleaved half) or none, and Granite's embedding_multiplier stay in transformers' own modules, which are not
 replaced. Refused at apply, naming what: quantized models, cross-attention (GPT-2's add_cross_attention),
-Gemma's use_bidirectional_attention, head dims above 256, a head with more classes than the loss takes
+Gemma's use_bidirectional_attention, head dims above 512, a head with more classes than the loss takes
 (cross_entropy.MAX_VOCAB), MLP biases on a gated MLP, activations the kernels lack,
 wrapped layers (anything but a plain ``nn.Linear`` / ``Conv1D`` where a fused forward reads the weight, hooks
 on them) and modules whose forward something else has replaced already. Refused at call: see
@@ -53,6 +53,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.pytorch_utils import Conv1D
 
 from horse.hf import attention, forwards, moe
+from horse.kernels.attention.configs import MAX_HEAD_DIM
 from horse.kernels.cross_entropy import MAX_VOCAB
 from horse.kernels.runtime import major_minor
 
@@ -95,7 +96,6 @@ WAITING_FOR_KERNELS = {
     ),
     "gpt_oss": "its packed experts (the MoE kernels)",
 }
-MAX_HEAD_DIM = 256
 _PATCH = "_horse_hf_patch"  # the model's attribute holding what apply changed
 # The families built like LLaMA: {model_type: the prefix of their modeling module's class names}
 _LLAMA_LIKE = {
