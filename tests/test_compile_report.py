@@ -998,9 +998,9 @@ def _compiled(config: KernelConfig):
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
 def test_attention_configs_are_the_launchers_plans(use_tma, monkeypatch):
     # The sm90 tables' own tiles (the interpreter emulates sm_90), walked without running a kernel:
-    # every attention pass the launchers start, padded and packed, at a padded head dim and at 256 (its
-    # dk/dv entry launches dv and dk apart by TMA, its pointer tile fused), with document masking too, is
-    # one the compile report builds; the decode pass's too.
+    # every attention pass the launchers start, padded and packed, at a padded head dim, at 256 and 512
+    # (their dk/dv entries launch dv and dk apart by TMA, their pointer tiles fused), with document masking
+    # too, is one the compile report builds; the decode pass's too.
     from horse import kernels
     from horse.kernels.attention import configs as attention_configs
     from horse.kernels.attention import launch
@@ -1021,7 +1021,9 @@ def test_attention_configs_are_the_launchers_plans(use_tma, monkeypatch):
     built = {repr(_compiled(c)) for c in compile_report.all_configs(["sm90"]) if c.fn.fn.__name__ in passes}
     # GQA with its heads split at the power-of-two head dims: the report builds the float32 partials'
     # store at those alone (the loop is the padded head dim's).
-    for (head_dim, kv_heads), window in itertools.product(((64, 2), (96, 4), (256, 2)), ((-1, -1), (7, 0))):
+    for (head_dim, kv_heads), window in itertools.product(
+        ((64, 2), (96, 4), (256, 2), (512, 2)), ((-1, -1), (7, 0))
+    ):
         shapes = ((2, 40, heads, head_dim) for heads in (4, kv_heads, kv_heads))
         q, k, v = (torch.randn(shape, dtype=torch.float16, requires_grad=True) for shape in shapes)
         kernels.flash_attention(q, k, v, causal=True, window_size=window).sum().backward()
