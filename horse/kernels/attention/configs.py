@@ -77,7 +77,6 @@ DECODE_REDUCE_NUM_WARPS = 8  # at 4 the head-dim-256 reduce spilled 8 bytes on s
 DECODE_REDUCE_BLOCK_S = 16  # splits the reduce loads at a time: up to 2 per SM, 264 on an H200
 # Small, unequal tiles in the interpreter: quick there, and several blocks cross every boundary.
 INTERPRETER_BLOCKS = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1}
-PREPROCESS_BLOCK_M = 64
 # At 4 warps the 64 x 128 tiles of o and dO spilled 8-32 bytes on sm_100 (at 48-56 registers).
 PREPROCESS_NUM_WARPS = 8
 
@@ -85,6 +84,12 @@ PREPROCESS_NUM_WARPS = 8
 def head_dim_block(head_dim: int) -> int:
     """Head dims are padded to a power of two of at least 16, the smallest tl.dot reduction."""
     return max(16, triton.next_power_of_2(head_dim))
+
+
+def preprocess_block_m(head_dim: int) -> int:
+    """Rows of the backward preprocess's tiles of o and dO: 64, of at most 256 head-dim columns (32 rows at
+    512, whose 64-row bfloat16 tiles spilled 8 bytes on sm_86)."""
+    return min(64, 64 * 256 // head_dim_block(head_dim))
 
 
 def attn_config(table: dict, head_dim: int, device: torch.device) -> AttnConfig:

@@ -517,15 +517,17 @@ def preprocess_plan(
     batch: int, seqlen_q: int, heads: int, head_dim: int, has_dlse: bool, packed: bool
 ) -> Plan:
     """The backward preprocess's plan for batch sequences (padded, or packed: seqlen_q the longest) of
-    heads query heads: a program per PREPROCESS_BLOCK_M rows of a (sequence, head), reading dlse or not."""
+    heads query heads: a program per configs.preprocess_block_m rows of a (sequence, head), reading dlse
+    or not."""
+    block_m = configs.preprocess_block_m(head_dim)
     constexprs = dict(
         HEAD_DIM=head_dim,
         BLOCK_D=head_dim_block(head_dim),
-        BLOCK_M=configs.PREPROCESS_BLOCK_M,
+        BLOCK_M=block_m,
         HAS_DLSE=has_dlse,
         VARLEN=packed,
     )
-    grid = (triton.cdiv(seqlen_q, configs.PREPROCESS_BLOCK_M) * batch * heads,)
+    grid = (triton.cdiv(seqlen_q, block_m) * batch * heads,)
     return Plan(_attn_bwd_preprocess_kernel, grid, constexprs, configs.PREPROCESS_NUM_WARPS, num_stages=1)
 
 
