@@ -7,12 +7,12 @@ model classes, in bfloat16 weights (``from_pretrained(..., torch_dtype=torch.bfl
 ``horse.hf`` load them), on one fixed random batch made on the GPU beforehand. Implementations:
 
 * ``eager`` and ``sdpa``: transformers' own attention implementations (Gemma 2 has no sdpa: "sdpa does not
-  support softcapping");
-* ``ours``: the sdpa model (Gemma 2's eager one) after ``horse.hf.apply`` (our attention, norms, MLP and the
-  loss without logits);
+  support softcapping"; nor has gpt-oss, for its sinks);
+* ``ours``: the sdpa model (Gemma 2's and gpt-oss's eager one) after ``horse.hf.apply`` (our attention,
+  norms, MLP or experts and the loss without logits);
 * ``liger``: Liger-Kernel's instance patch (``apply_liger_kernel_to_llama(model=...)``, ``..._phi3``,
-  ``..._gemma2``, ``..._gemma3_text``, ``..._qwen3_moe``) where it is installed, an optional baseline; it has
-  no GPT-2.
+  ``..._gemma2``, ``..._gemma3_text``, ``..._qwen3_moe``, ``..._gpt_oss``) where it is installed, an optional
+  baseline; it has no GPT-2.
 
 Models (random weights, no download): a LLaMA of 1.2 B parameters (Llama 3.2 1B's shape: d_model 2,048, 16
 layers, 32 query and 8 key-value heads, MLP 8,192, vocabulary 128,256, tied embeddings) at 4,096 tokens a
@@ -30,17 +30,20 @@ saved scores, 26 layers × 32 heads × 2,048² in bfloat16 and the softmax's in 
 of weights, gradients and AdamW state: estimated; four times that at 4,096); a Qwen3-MoE of 3.1 B, 0.85 B of
 them active (Qwen3-30B-A3B's shape with 4 of its 48 layers: d_model 2,048, 32 query heads over 4 key-value
 heads of dim 128, 128 experts of inter 768, top 8, vocabulary 151,936, the router's aux loss on) at 4,096
-tokens. Work: 6·N + 12·L·d·T FLOPs a token (bench.train's count; N the parameters once, only the routed
-experts' share of an MoE's experts, T the sequence length; for the Gemmas it counts full attention on every
-layer, as for the others). Peak memory (the suite's ``peak_memory_bytes``: what the case allocated at most,
-model and optimizer included) is gated with tokens/s: gates.toml holds ours to at least sdpa's tokens/s and at
-most its peak memory (eager's where the family has no sdpa: the param ``sdpa`` false), and to Liger's tokens/s
-where Liger is installed.
+tokens; a gpt-oss of 4.45 B, 1.66 B of them active (gpt-oss-20b's shape with 4 of its 24 layers: d_model
+2,880, 64 query heads over 8 key-value heads of dim 64 with sinks, windows of 128 on alternate layers, 32
+experts of inter 2,880 with biases and the clamped SwiGLU, top 4, vocabulary 201,088, the aux loss on) at
+2 × 2,048 tokens against its eager attention. Work: 6·N + 12·L·d·T FLOPs a token (bench.train's count; N the
+parameters once, only the routed experts' share of an MoE's experts, T the sequence length; for the Gemmas
+and gpt-oss it counts full attention on every layer, as for the others). Peak memory (the suite's
+``peak_memory_bytes``: what the case allocated at most, model and optimizer included) is gated with tokens/s:
+gates.toml holds ours to at least sdpa's tokens/s and at most its peak memory (eager's where the family has no
+sdpa: the param ``sdpa`` false), and to Liger's tokens/s where Liger is installed.
 
-Before ours is timed, its loss on the batch is compared with sdpa's (Gemma 2: eager's) on the same weights
-(bfloat16: within 2%). Without a GPU, :func:`interpreter_checks` runs a tiny model of each family (the Gemmas
-with their softcaps, a Qwen3-MoE with its aux loss) in float16 in Triton's interpreter against eager in
-float32.
+Before ours is timed, its loss on the batch is compared with sdpa's (Gemma 2, gpt-oss: eager's) on the same
+weights (bfloat16: within 2%). Without a GPU, :func:`interpreter_checks` runs a tiny model of each family (the
+Gemmas with their softcaps, a Qwen3-MoE and a gpt-oss with their aux losses) in float16 in Triton's
+interpreter against eager in float32.
 """
 
 import dataclasses
@@ -182,7 +185,31 @@ QWEN3_MOE = Model(
     batch=1,
     seq_len=4096,
 )
-MODELS = (LLAMA_1B, GPT2_124M, PHI3_MINI, GEMMA3_1B, GEMMA2_2B, QWEN3_MOE)
+# gpt-oss-20b's shape with 4 of its 24 layers: 32 experts of inter 2,880, top 4, with biases and the clamped
+# SwiGLU, attention sinks, windows of 128 on alternate layers; the aux loss on. Eager attention (transformers
+# refuses gpt-oss sdpa) saves about 5 copies of 64 heads x 2,048² scores in bfloat16 a layer: 2 x 2,048 tokens
+# keep that near 20 GB beside the 36 GB of weights, gradients and AdamW state (estimated).
+GPT_OSS = Model(
+    "gpt-oss-4l",
+    "gpt_oss",
+    {
+        "vocab_size": 201088,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "output_router_logits": True,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "sliding_window": 128,
+    },
+    batch=2,
+    seq_len=2048,
+    attention="eager",
+)
+MODELS = (LLAMA_1B, GPT2_124M, PHI3_MINI, GEMMA3_1B, GEMMA2_2B, QWEN3_MOE, GPT_OSS)
 # Liger-Kernel's instance patch for each family it has
 LIGER_PATCHES = {
     "llama": "apply_liger_kernel_to_llama",
@@ -190,6 +217,7 @@ LIGER_PATCHES = {
     "gemma2": "apply_liger_kernel_to_gemma2",
     "gemma3_text": "apply_liger_kernel_to_gemma3_text",
     "qwen3_moe": "apply_liger_kernel_to_qwen3_moe",
+    "gpt_oss": "apply_liger_kernel_to_gpt_oss",
 }
 
 
@@ -369,6 +397,31 @@ INTERPRETER_MODELS = (
         },
         batch=2,
         seq_len=16,
+    ),
+    # Weights 10x the default spread, as the Qwen3-MoE's; a swiglu_limit of 2 that the experts' gate and up
+    # cross (they reach about ±6), a window of 5 on the first layer; eager attention (no sdpa for gpt-oss).
+    Model(
+        "gpt-oss-tiny",
+        "gpt_oss",
+        {
+            "vocab_size": 96,
+            "hidden_size": 64,
+            "intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "swiglu_limit": 2.0,
+            "output_router_logits": True,
+            "router_aux_loss_coef": 0.1,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "sliding_window": 5,
+            "initializer_range": 0.2,
+        },
+        batch=2,
+        seq_len=16,
+        attention="eager",
     ),
     # Weights 10x the default spread: logits reach about ±10, where a softcap of 5 bends the large ones.
     Model(

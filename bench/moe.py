@@ -9,6 +9,8 @@ hidden, inter)). The routing is a random router's top-k (softmax over random log
 renormalized), fixed per copy of the inputs. Implementations, each a call on the same tensors:
 
 * ours: ``moe_mlp`` (counting sort, grouped GEMMs, the combine; forward and backward).
+* ours-pointer: ours with TMA off (``horse.kernels.moe.launch.USE_TMA = False``: the down and dx
+  GEMMs on pointer loads), what TMA brings on sm_90.
 * loop: transformers' eager experts forward (the family's ``<Family>Experts`` class), a Python loop
   over the experts that received tokens, a gather, two GEMMs and an ``index_add_`` each.
 * grouped_mm: transformers' "grouped_mm" experts implementation, its default: the pairs sorted by
@@ -172,8 +174,8 @@ def check(layer: Layer, tokens: int, device, dtype=DTYPE) -> tuple[dict, bool]:
 def layer_cases(
     layer: Layer, tokens: int, quick: bool = False, device="cuda", dtype=DTYPE
 ) -> list[suite.Case]:
-    """The cases of one layer: ours, the loop and grouped_mm, in every direction (quick: forward+backward,
-    where the gates are)."""
+    """The cases of one layer: ours, ours-pointer, the loop and grouped_mm, in every direction (quick:
+    forward+backward, where the gates are)."""
     params = {
         "tokens": tokens,
         "experts": layer.experts,
@@ -183,6 +185,7 @@ def layer_cases(
     }
     implementations = {
         "ours": ours_moe,
+        "ours-pointer": ours_moe,
         "loop": functools.partial(transformers_experts, "loop"),
         "grouped_mm": functools.partial(transformers_experts, "grouped_mm"),
     }
@@ -191,7 +194,10 @@ def layer_cases(
 
     def setup(name, fn, direction):
         make_copy = functools.partial(make_inputs, layer, tokens, device, dtype)
-        return timing.setup(lambda: functools.partial(fn, layer), make_copy, direction, read, device)
+        tma_off = "horse.kernels.moe.launch" if name == "ours-pointer" else None
+        return timing.setup(
+            lambda: functools.partial(fn, layer), make_copy, direction, read, device, tma_off=tma_off
+        )
 
     directions = ["forward+backward"] if quick else suite.DIRECTIONS
     return suite.family_cases(

@@ -18,7 +18,7 @@ def test_cases_cover_every_model_on_every_implementation_and_quick_keeps_the_gat
         for model in hf.MODELS
         for name in (hf.IMPLEMENTATIONS if model.attention == "sdpa" else ("ours", "eager", "liger"))
     ]
-    llama, gpt2, phi3, gemma3, gemma2, qwen3_moe = (c for c in cases if c.implementation == "ours")
+    llama, gpt2, phi3, gemma3, gemma2, qwen3_moe, gpt_oss = (c for c in cases if c.implementation == "ours")
     shapes = {"model": "llama-1b", "layers": 16, "d_model": 2048, "batch": 1, "seq_len": 4096}
     assert llama.params == shapes | {"sdpa": True}
     shapes = {"model": "gpt2-124m", "layers": 12, "d_model": 768, "batch": 16, "seq_len": 1024}
@@ -43,6 +43,8 @@ def test_cases_cover_every_model_on_every_implementation_and_quick_keeps_the_gat
     }
     shapes = {"model": "qwen3-moe-4l", "layers": 4, "d_model": 2048, "batch": 1, "seq_len": 4096}
     assert qwen3_moe.params == shapes | {"sdpa": True}
+    shapes = {"model": "gpt-oss-4l", "layers": 4, "d_model": 2880, "batch": 2, "seq_len": 2048}
+    assert gpt_oss.params == shapes | {"sdpa": False}  # transformers' gpt-oss refuses sdpa (its sinks)
     assert hf.GEMMA3_1B.make_config().final_logit_softcapping == 30.0
     gemma2_config = hf.GEMMA2_2B.make_config()
     assert (gemma2_config.attn_logit_softcapping, gemma2_config.final_logit_softcapping) == (50.0, 30.0)
@@ -59,6 +61,13 @@ def test_cases_cover_every_model_on_every_implementation_and_quick_keeps_the_gat
     active = 3.1148e9 - 4 * 128 * 3 * 768 * 2048 * (128 - 8) // 128
     assert qwen3_moe.work == pytest.approx((6 * active + 12 * 4 * 2048 * 4096) * 4096, rel=1e-3)
     assert active == pytest.approx(0.8499e9, rel=1e-3)
+    # gpt-oss: 4.451 B, each layer's 32 experts' weights and biases 796.5 M, 4 of 32 experts' share routed
+    experts = 4 * 32 * (2880 * 2 * 2880 + 2 * 2880 + 2880 * 2880 + 2880)
+    active = 4.4510e9 - experts * (32 - 4) // 32
+    assert gpt_oss.work == pytest.approx((6 * active + 12 * 4 * 2880 * 2048) * 2 * 2048, rel=1e-3)
+    assert active == pytest.approx(1.6631e9, rel=1e-3)
+    gpt_oss_config = hf.GPT_OSS.make_config()
+    assert gpt_oss_config.layer_types[:2] == ["sliding_attention", "full_attention"]
     quick = suite.gated_cases(hf.cases(quick=True), suite.load_gates())
     assert [(c.params["model"], c.implementation) for c in quick] == [
         (model.name, name)
@@ -125,6 +134,7 @@ def test_interpreter_check_passes_and_fails_on_a_wrong_gradient(monkeypatch):
         "gpt2-tiny",
         "phi3-tiny",
         "qwen3-moe-tiny",
+        "gpt-oss-tiny",
         "gemma3-tiny-softcap",
         "gemma2-tiny-softcap",
     ]
@@ -162,4 +172,15 @@ def test_interpreter_check_fails_without_gemma2s_attention_softcap(monkeypatch):
         attention, "flash_attention", lambda *a, **kw: flash_attention(*a, **kw | {"softcap": 0})
     )
     errors, ok = hf.interpreter_check(hf.INTERPRETER_MODELS[-1])
+    assert not ok, errors
+
+
+@pytest.mark.interpreter
+def test_interpreter_check_fails_without_gpt_osss_clamped_swiglu(monkeypatch):
+    from horse.hf import moe
+
+    moe_mlp = moe.moe_mlp
+    monkeypatch.setattr(moe, "moe_mlp", lambda *a, **kw: moe_mlp(*a, **kw | {"limit": None}))
+    [spec] = [spec for spec in hf.INTERPRETER_MODELS if spec.name == "gpt-oss-tiny"]
+    errors, ok = hf.interpreter_check(spec)
     assert not ok, errors

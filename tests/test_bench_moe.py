@@ -34,8 +34,8 @@ def test_a_wrong_kernel_fails_the_check(monkeypatch):
 def test_cases_cover_both_layers_every_direction_and_baseline():
     cases = moe.cases(quick=False)
     assert {c.kernel for c in cases} == {"moe_mlp"}
-    assert {c.implementation for c in cases} == {"ours", "loop", "grouped_mm"}
-    assert len(cases) == len(moe.LAYERS) * 3 * len(suite.DIRECTIONS)
+    assert {c.implementation for c in cases} == {"ours", "ours-pointer", "loop", "grouped_mm"}
+    assert len(cases) == len(moe.LAYERS) * 4 * len(suite.DIRECTIONS)
     assert all((c.check is not None) == (c.implementation == "ours") for c in cases)
     qwen3 = {"tokens": 8192, "experts": 128, "top_k": 8, "hidden": 2048, "inter": 768}
     [case] = [
@@ -46,7 +46,7 @@ def test_cases_cover_both_layers_every_direction_and_baseline():
     assert case.work == 3 * 6 * 8192 * 8 * 2048 * 768 and case.unit == "flop"
     assert {c.params["experts"] for c in cases} == {128, 8}
     quick = moe.cases(quick=True)
-    assert {c.direction for c in quick} == {"forward+backward"} and len(quick) == len(moe.LAYERS) * 3
+    assert {c.direction for c in quick} == {"forward+backward"} and len(quick) == len(moe.LAYERS) * 4
 
 
 @pytest.mark.interpreter

@@ -727,6 +727,21 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
     assert all(c in sm86_configs for c in sm86_dkdv)
 
 
+def test_the_moe_down_and_dx_gemms_compile_by_tma_and_pointers_with_the_unit_strides_they_run_with():
+    from bench.compile_report.moe import moe_configs
+
+    plain = [c for c in moe_configs(runtime.SM90) if c.kernel in ("moe_down", "moe_dx")]
+    # sm_90's down entry, for down and dx, in both dtypes, by pointers and by TMA (the sorted rows' tiles
+    # and one expert's weight tile as stored: down_proj (experts, N, K), gate_up_proj (experts, K, N)).
+    tma = {(c.kernel, c.constexprs["TMA"], c.descriptors["W"]) for c in plain if c.descriptors}
+    assert tma == {("moe_down", "nk", (1, 128, 64)), ("moe_dx", "kn", (1, 64, 128))}
+    assert len(plain) == 8 and sum(c.constexprs["TMA"] is None and not c.descriptors for c in plain) == 4
+    # The weight's stride of 1 that Triton specialises at run time: down_proj read as stored (along k),
+    # gate_up_proj transposed (along n).
+    assert all(c.constexprs["w_strides[2]" if c.kernel == "moe_down" else "w_strides[1]"] == 1 for c in plain)
+    assert not any(c.descriptors for c in moe_configs(runtime.SM100))  # the other families: pointers
+
+
 def test_dkdv_entries_compile_with_float32_partials_for_gqa_head_splits():
     from horse.kernels.attention.configs import AttnConfig
 

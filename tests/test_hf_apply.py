@@ -532,9 +532,9 @@ def gpt_oss_config():
 
 def test_gpt_oss_attention_with_its_sinks_matches_eager_on_the_reference_path(reference_path):
     """gpt-oss's attention (sinks as the kernels' sinks=, a window on one layer, GQA, biased projections) on
-    "horse", its experts left as they are (apply refuses gpt-oss for them): loss, logits, every gradient
-    (the sinks' included) against eager, the sinks large enough to take a good part of each softmax; greedy
-    generation token for token."""
+    "horse" alone, the rest as transformers runs it (apply on the whole model: tests/test_hf_moe.py): loss,
+    logits, every gradient (the sinks' included) against eager, the sinks large enough to take a good part of
+    each softmax; greedy generation token for token."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         gpt_oss_config(),
@@ -571,8 +571,6 @@ def test_an_unsupported_model_type_is_refused_by_name():
     model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match=r"'gpt_neox'.*llama, mistral, qwen2, qwen3, gpt2, phi3, granite"):
         horse.hf.apply(model)
-    with pytest.raises(ValueError, match=r"'gpt_oss'.*needs its packed experts \(the MoE kernels\)"):
-        horse.hf.apply(transformers.AutoModelForCausalLM.from_config(gpt_oss_config()))
     with pytest.raises(TypeError, match="PreTrainedModel"):
         horse.hf.apply(torch.nn.Linear(2, 2))
 

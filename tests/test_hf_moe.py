@@ -1,28 +1,33 @@
-"""horse.hf.apply on the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) against the same
-models unpatched, as tests/test_hf_apply.py does for the dense ones (its accuracy rule and comparisons):
-loss, logits, every gradient (the experts' packed weights, the routers', Qwen2-MoE's shared expert and its
-gate), the load-balancing aux loss, and greedy generation token for token."""
+"""horse.hf.apply on the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss) against
+the same models unpatched, as tests/test_hf_apply.py does for the dense ones (its accuracy rule and
+comparisons): loss, logits, every gradient (the experts' packed weights and gpt-oss's biases, the routers',
+Qwen2-MoE's shared expert and its gate, gpt-oss's attention sinks), the load-balancing aux loss, and greedy
+generation token for token. gpt-oss runs against eager attention: transformers refuses it sdpa."""
 
 import copy
 
 import pytest
 import torch
 from helpers import assert_close
-from test_hf_apply import INIT, VOCAB, batch, compare
+from test_hf_apply import INIT, VOCAB, batch, compare, gpt_oss_config
 
 transformers = pytest.importorskip("transformers")
 
 import horse.hf  # noqa: E402
-from horse.kernels import runtime  # noqa: E402
+from horse.kernels import add_rms_norm, runtime  # noqa: E402
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+# transformers' attention each family runs unpatched: gpt-oss has no sdpa (its sinks)
+ATTENTION = {"gpt_oss": "eager"}
 
 
 def tiny_config(family: str):
     """A two-layer model of family, hidden 64, 4 query heads over 2 key-value heads, 8 experts of inter 32
     (Mixtral: 4 of inter 48) with top 2, the router logits and their aux loss on (coefficient 0.1, so that
     it counts in the loss); Qwen2-MoE with a shared expert of inter 48, its second layer dense
-    (mlp_only_layers), Qwen3-MoE with the top-k weights renormalized."""
+    (mlp_only_layers), Qwen3-MoE with the top-k weights renormalized; gpt-oss as test_hf_apply's (4 experts
+    of inter 32, a window of 5 on its first layer) with swiglu_limit 2, where the clamp bites (its gate and
+    up reach about ±6)."""
     common = {
         "vocab_size": VOCAB,
         "hidden_size": 64,
@@ -48,16 +53,33 @@ def tiny_config(family: str):
         ),
         "olmoe": lambda: transformers.OlmoeConfig(**common, num_experts=8, intermediate_size=32),
     }
+    if family == "gpt_oss":
+        config = gpt_oss_config()
+        config.output_router_logits, config.router_aux_loss_coef, config.swiglu_limit = True, 0.1, 2.0
+        return config
     config = configs[family]()
     config.initializer_range = INIT
     return config
 
 
-def build(family: str):
-    """(sdpa model, patched deep copy), float32, from one seed, in training mode."""
+def unpatched(family: str, config=None):
+    """The model of family (config: tiny_config's unless given), float32, from one seed, in training mode,
+    on sdpa (gpt-oss on eager) and transformers' default experts; gpt-oss's experts' biases drawn as the
+    weights (transformers starts them at zero)."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="sdpa")
+    config = tiny_config(family) if config is None else config
+    attention = ATTENTION.get(family, "sdpa")
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention)
     model.train()
+    for name, param in model.named_parameters():
+        if name.endswith(("gate_up_proj_bias", "down_proj_bias")):
+            torch.nn.init.normal_(param, std=INIT)
+    return model
+
+
+def build(family: str):
+    """(unpatched model, patched deep copy)."""
+    model = unpatched(family)
     patched = copy.deepcopy(model)
     horse.hf.apply(patched)
     return model, patched
@@ -78,10 +100,11 @@ def run(model, **inputs):
     return out.loss, out.logits, grads, out.aux_loss
 
 
-def against_sdpa(family: str, dtype: torch.dtype, **inputs):
+def against_unpatched(family: str, dtype: torch.dtype, keep=None, **inputs):
     """Our patched model at dtype against the model at float64, with PyTorch's error (test_hf_apply.compare)
-    the worse of the model's own runs at dtype: sdpa with transformers' default experts (torch's grouped_mm),
-    and eager attention with the experts' loop (eager: grouped_mm takes no float64); the aux loss too."""
+    the worse of the model's own runs at dtype: sdpa (gpt-oss: eager) with transformers' default experts
+    (torch's grouped_mm), and eager attention with the experts' loop (eager: grouped_mm takes no float64);
+    the aux loss too; keep selects the logits' positions that count (test_hf_apply.compare)."""
     model, patched = build(family)
     truth_model = copy.deepcopy(model).double()
     truth_model.set_experts_implementation("eager")
@@ -92,16 +115,18 @@ def against_sdpa(family: str, dtype: torch.dtype, **inputs):
     baselines = [run(model.to(dtype), **inputs), run(eager_model, **inputs)]
     actual = run(patched.to(dtype), **inputs)
     name = f"{family} {dtype}"
-    compare(name, actual[:3], truth[:3], [b[:3] for b in baselines], inputs["labels"])
+    compare(name, actual[:3], truth[:3], [b[:3] for b in baselines], inputs["labels"], keep)
     worse = max((b[3] for b in baselines), key=lambda aux: (aux.double() - truth[3]).abs().item())
     assert_close(f"{name} aux loss", actual[3], truth[3], worse)
     return patched
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_loss_logits_aux_loss_and_every_gradient_match_sdpa_on_the_reference_path(family, reference_path):
+def test_loss_logits_aux_loss_and_every_gradient_match_unpatched_on_the_reference_path(
+    family, reference_path
+):
     ids, labels = batch()
-    patched = against_sdpa(family, torch.float32, input_ids=ids, labels=labels)
+    patched = against_unpatched(family, torch.float32, input_ids=ids, labels=labels)
     report = horse.hf.apply(patched)
     # Qwen2-MoE's second layer is dense (mlp_only_layers), its first one's shared expert a gated MLP
     moe_layers = 1 if family == "qwen2_moe" else 2
@@ -116,7 +141,20 @@ def test_loss_logits_aux_loss_and_every_gradient_match_sdpa_on_the_reference_pat
 @pytest.mark.parametrize("family", FAMILIES)
 def test_float16_triton_kernels_hold_flash_attns_accuracy_rule(family):
     ids, labels = batch(seqlen=8)
-    against_sdpa(family, torch.float16, input_ids=ids, labels=labels)
+    against_unpatched(family, torch.float16, input_ids=ids, labels=labels)
+
+
+def test_gpt_oss_right_padded_batch_matches_eager_where_tokens_are_real(reference_path):
+    """Padding through the sinks' attention, the windowed layer, and the aux loss's mask (its padded tokens'
+    router logits left out, as load_balancing_loss_func leaves them); on the right, as eager alone compares:
+    at float64 a left pad's query sees no key there and turns to NaN."""
+    ids, labels = batch(seqlen=12, rows=3)
+    mask = torch.ones_like(ids)
+    for row, pads in enumerate((0, 3, 7)):
+        mask[row, 12 - pads :] = 0
+        labels[row, 12 - pads :] = -100
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    against_unpatched("gpt_oss", torch.float32, keep=mask.bool(), **inputs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -139,7 +177,7 @@ def test_router_logits_and_the_aux_loss_follow_output_router_logits(family, refe
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_generation_matches_sdpa_token_for_token(family, reference_path):
+def test_greedy_generation_matches_unpatched_token_for_token(family, reference_path):
     model, patched = build(family)
     model.eval(), patched.eval()
     # transformers' own generate fails with the aux loss on and a padding mask (the unpatched model too: its
@@ -155,11 +193,68 @@ def test_greedy_generation_matches_sdpa_token_for_token(family, reference_path):
         )
 
 
-def test_experts_the_kernel_cannot_run_are_refused():
-    torch.manual_seed(0)
-    config = tiny_config("qwen3_moe")
-    config.hidden_act = "tanh"
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(ValueError, match=r"mlp\.experts: activation Tanh, which moe_mlp lacks"):
+def refused(model, message: str) -> None:
+    """apply refuses model with message, and leaves it as it was."""
+    with pytest.raises(ValueError, match=message):
         horse.hf.apply(model)
     assert not hasattr(model, "_horse_hf_patch") and all("forward" not in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    "family, field, value, message",
+    [
+        ("qwen3_moe", "hidden_act", "tanh", r"mlp\.experts: activation Tanh, which moe_mlp lacks"),
+        (
+            "gpt_oss",
+            "swiglu_alpha",
+            1.5,
+            r"mlp\.experts: swiglu_alpha 1\.5 \(moe_mlp's clamped SwiGLU has 1\.702\)",
+        ),
+    ],
+)
+def test_experts_the_kernel_cannot_run_are_refused(family, field, value, message):
+    config = tiny_config(family)
+    setattr(config, field, value)
+    refused(unpatched(family, config), message)
+
+
+def test_mxfp4_quantized_experts_are_refused_with_what_to_load_instead():
+    """A checkpoint's quantization_config, and transformers' MXFP4 experts (packed uint8 blocks) where no
+    quantization_config says so."""
+    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts
+
+    model = unpatched("gpt_oss")
+    model.config.quantization_config = {"quant_method": "mxfp4"}
+    dequantize = r"Mxfp4Config\(dequantize=True\).*or a bfloat16 checkpoint"
+    refused(model, rf"MXFP4-quantized experts \(quantization_config quant_method 'mxfp4'\).*{dequantize}")
+    del model.config.quantization_config
+    model.model.layers[1].mlp.experts = Mxfp4GptOssExperts(model.config)
+    refused(model, rf"\(model\.layers\.1\.mlp\.experts\.gate_up_proj \(torch\.uint8\)\).*{dequantize}")
+
+
+def test_gpt_oss_float32_norms_on_float16_activations_as_from_pretrained_keeps_them(
+    monkeypatch, reference_path
+):
+    """from_pretrained keeps gpt-oss's norms' weights in float32 (_keep_in_fp32_modules) under 16-bit
+    activations: its RMSNorm multiplies by the weight before the cast and gives float16, and the residual add
+    before post_attention_layernorm is still fused (add_rms_norm), with the same results."""
+    from horse.hf import forwards
+
+    model, patched = build("gpt_oss")
+    generator = torch.Generator().manual_seed(0)
+    for m in (model, patched):
+        m.half()
+    for (name, theirs), ours in zip(model.named_parameters(), patched.parameters(), strict=True):
+        if "norm" in name:
+            weight = torch.randn(64, generator=generator)  # away from ones: the order of the casts shows
+            theirs.data, ours.data = weight.clone(), weight.clone()
+    fused = []
+    monkeypatch.setattr(forwards, "add_rms_norm", lambda *a, **kw: fused.append(a) or add_rms_norm(*a, **kw))
+    x, residual = (torch.randn(2, 5, 64, generator=generator).half() for _ in range(2))
+    expected = model.model.norm(x)
+    torch.testing.assert_close(patched.model.norm(x), expected)
+    assert expected.dtype == torch.float16
+    theirs, ours = model.model.layers[0], patched.model.layers[0]
+    expected = (theirs.post_attention_layernorm(residual + x), residual + x)
+    torch.testing.assert_close(forwards._add_rms_norm(ours.post_attention_layernorm, x, residual), expected)
+    assert len(fused) == 1

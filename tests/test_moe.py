@@ -15,11 +15,11 @@ import zlib
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, device_has_tma, record_tma_choices
 
 from horse import kernels
 from horse.kernels import reference, runtime
-from horse.kernels.moe import launch
+from horse.kernels.moe import configs, launch
 
 # (tokens, hidden, inter, experts, top_k, routing): routing "random" (distinct experts a token, as
 # top-k gives), "one_expert" (every token on expert 3), "dropped" (some ids = experts: no expert).
@@ -127,6 +127,26 @@ def test_activations_clamp_biases_and_layouts(variant, device):
     activation, limit, interleaved, transposed, bias = variant
     t = make_case(13, 24, 20, 8, 2, "random", torch.float16, device, bias=bias, seed=_seed(variant))
     check(t, activation, limit, interleaved, transposed)
+
+
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointer"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["transformers", "gpt-oss"])
+@pytest.mark.parametrize("inter", [24, 20])
+def test_down_and_dx_gemms_by_tma_and_by_pointers_match_reference(
+    inter, transposed, use_tma, device, monkeypatch
+):
+    # TMA needs rows of 16-byte multiples: inter 24 takes it for the down GEMM (h's rows) and dx (dpre's,
+    # 2 inter); inter 20 for dx alone, whose K (2 inter = 40) then ends inside a block of every
+    # expert's weight. hidden 40 and the routing make the other edges: N past a tile, row tiles that end
+    # inside an expert, dropped pairs. gpt-oss's transposed weights take the pointer path.
+    monkeypatch.setattr(launch, "USE_TMA", use_tma)
+    choices = record_tma_choices(monkeypatch, launch)
+    case = (29, 40, inter, 8, 2, "dropped")
+    t = make_case(*case, torch.float16, device, bias=True, seed=_seed(case, transposed))
+    check(t, "silu", None, False, transposed)
+    allowed = use_tma and configs.gemm_config("down", torch.device(device)).tma and device_has_tma(device)
+    allowed = allowed and not transposed
+    assert choices == [allowed and inter % 8 == 0, allowed]  # the down GEMM, dx
 
 
 @pytest.mark.gpu

@@ -5,8 +5,10 @@ Each computes what the module's own forward computes, in the same dtypes, on ``h
 - RMSNorm (LLaMA's and the families like it, Qwen3's per-head q_norm and k_norm): transformers' cast order,
   ``weight * normalized.to(input dtype)``: ``rms_norm`` without a weight gives the normalized input in its
   own dtype, and the weight multiplies it as transformers does (a float32 weight on 16-bit activations
-  gives float32, as there). OLMo-2's RMSNorm (its q_norm and k_norm too) multiplies first and casts after,
-  ``(weight * normalized).to(input dtype)``: ``rms_norm`` with the weight, whose kernel does just that.
+  gives float32, as there). OLMo-2's, Gemma 4's and gpt-oss's RMSNorm (their q_norm and k_norm too) multiply
+  first and cast after, ``(weight * normalized).to(input dtype)``: ``rms_norm`` with the weight, whose kernel
+  does just that (Gemma 4's norms without a weight: ``rms_norm`` without one; gpt-oss keeps its norms' weights
+  in float32 on 16-bit activations: the output in theirs, as there).
   Gemma's RMSNorm scales by ``1 + weight``, added and multiplied in float32 before the cast: ``rms_norm``
   with ``weight_offset=1.0``.
 - GPT-2's ``nn.LayerNorm``: ``layer_norm`` (in float32 under autocast, as autocast runs layer_norm).
@@ -18,12 +20,15 @@ Each computes what the module's own forward computes, in the same dtypes, on ``h
   ``add_layer_norm``), which returns the sum rounded to the activations' dtype, as the unfused add, and the
   norm of that sum. Only where nothing can tell: the two addends of one dtype, no autocast around a
   LayerNorm, no hooks on the norm, and the norm running our forward; otherwise the layer adds as before.
+  gpt-oss's MoE block returns (output, router scores): its layer takes the output.
   What a family does to the attention's output before that add stays as it was: Phi-3's residual dropout,
   Granite's residual_multiplier, GLM-4's post_self_attn_layernorm and Gemma 3's post_attention_layernorm
-  (sandwich norms; Gemma 3's add goes into its pre_feedforward_layernorm).
+  (sandwich norms; Gemma 3's add goes into its pre_feedforward_layernorm). Gemma 4's layer is Gemma 3's, then
+  its MoE block, its per-layer input's branch and layer_scalar, in the order of its own forward.
 - The causal LM: its loss from the last hidden states by ``linear_cross_entropy`` (:func:`causal_lm_forward`),
   Granite's ``logits / logits_scaling`` folded into the hidden states, Gemma's final_logit_softcapping as
-  the loss's ``softcap`` (the logits it returns softcapped as transformers does).
+  the loss's ``softcap`` (the logits it returns softcapped as transformers does); Gemma 4's text model given
+  logits_to_keep as indices of every row (:func:`_every_row`).
 
 A projection these forwards read the weight of must be a plain ``nn.Linear`` (GPT-2: ``Conv1D``) without
 hooks: a LoRA, quantized or hooked layer would be skipped, so its call raises instead, naming it.
@@ -105,8 +110,11 @@ def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def olmo2_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """OLMo-2's RMSNorm: ``(weight * x · rsqrt(mean(x²) + eps)).to(x.dtype)``, weight times float32."""
-    return rms_norm(hidden_states, hidden_states.shape[-1:], self.weight, self.variance_epsilon)
+    """OLMo-2's, Gemma 4's and gpt-oss's RMSNorm: ``(weight * x · rsqrt(mean(x²) + eps)).to(x.dtype)``,
+    weight times float32; Gemma 4's without a weight (``with_scale=False``: its v_norm, its router's norm)
+    casts x̂."""
+    weight = getattr(self, "weight", None)  # Gemma4RMSNorm(with_scale=False) has none
+    return rms_norm(hidden_states, hidden_states.shape[-1:], weight, self.variance_epsilon)
 
 
 def gemma_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -137,6 +145,8 @@ def _add_rms_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
         return norm.weight * normalized, hidden_states
     if _fusable(norm, gemma_rms_norm_forward, x, residual):
         return add_rms_norm(x, residual, x.shape[-1:], norm.weight, norm.eps, weight_offset=1.0)
+    if _fusable(norm, olmo2_rms_norm_forward, x, residual):  # Gemma 4's, gpt-oss's (OLMo-2's layer: no add)
+        return add_rms_norm(x, residual, x.shape[-1:], getattr(norm, "weight", None), norm.variance_epsilon)
     hidden_states = residual + x
     return norm(hidden_states), hidden_states
 
@@ -258,6 +268,44 @@ def gemma2_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) ->
 
 
 @checkpointed
+def gemma4_decoder_layer_forward(
+    self, hidden_states: torch.Tensor, per_layer_input: torch.Tensor | None = None, **kwargs
+) -> torch.Tensor:
+    """Gemma 4's decoder layer: Gemma 3's, then the steps of its own as its forward takes them. With
+    enable_moe_block, the MLP's output (post_feedforward_layernorm_1) plus the experts' (routed on the
+    residual stream, from pre_feedforward_layernorm_2, then post_feedforward_layernorm_2) before
+    post_feedforward_layernorm; with per-layer inputs, a gated branch added to the residual stream,
+    ``post_per_layer_input_norm(per_layer_projection(act(per_layer_input_gate(h)) · per_layer_input))``
+    (transformers' linears: no kernel fuses a gate with an input of its own); the sum times layer_scalar."""
+    attention_output, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    attention_output = self.post_attention_layernorm(attention_output)
+    normalized, hidden_states = _add_rms_norm(self.pre_feedforward_layernorm, attention_output, hidden_states)
+    mlp_output = self.mlp(normalized)
+    if self.enable_moe_block:
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])  # (batch · seqlen, hidden)
+        _, top_k_weights, top_k_index = self.router(tokens)
+        experts_output = self.experts(self.pre_feedforward_layernorm_2(tokens), top_k_index, top_k_weights)
+        experts_output = self.post_feedforward_layernorm_2(experts_output.reshape(hidden_states.shape))
+        mlp_output = self.post_feedforward_layernorm_1(mlp_output) + experts_output
+    hidden_states = hidden_states + self.post_feedforward_layernorm(mlp_output)
+    if self.hidden_size_per_layer_input:
+        gate = self.act_fn(self.per_layer_input_gate(hidden_states)) * per_layer_input
+        hidden_states = hidden_states + self.post_per_layer_input_norm(self.per_layer_projection(gate))
+    hidden_states *= self.layer_scalar  # in place, as there: the activations' dtype whatever the buffer's
+    return hidden_states
+
+
+@checkpointed
+def gpt_oss_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+    """gpt-oss's decoder layer: LLaMA's, its MoE block returning (output, router scores), the scores unused
+    (the router's logits reach the output through transformers' recorder on the router)."""
+    attention_output, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    normalized, hidden_states = _add_rms_norm(self.post_attention_layernorm, attention_output, hidden_states)
+    mlp_output, _ = self.mlp(normalized)
+    return hidden_states + mlp_output
+
+
+@checkpointed
 def gpt2_block_forward(
     self,
     hidden_states: torch.Tensor,
@@ -363,6 +411,8 @@ def causal_lm_forward(self, *args, **kwargs):
     if labels is not None and self.loss_function is not ForCausalLMLoss:
         return original(self, *args, **kwargs)
     _require_plain(self, ("lm_head",), nn.Linear)
+    if getattr(self.config, "num_kv_shared_layers", 0):
+        arguments["logits_to_keep"] = _every_row(arguments)
     outputs = getattr(self, self.base_model_prefix)(**arguments, **extra)
     hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
     if skip_logits is None:
@@ -382,6 +432,16 @@ def causal_lm_forward(self, *args, **kwargs):
         logits = softcapped(logits, softcap)
     fields = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
     return _output_class(signature)(loss=loss, logits=logits, **fields)
+
+
+def _every_row(arguments: dict) -> torch.Tensor:
+    """logits_to_keep for Gemma 4's text model that keeps every row: the indices of all. With an int it cuts
+    the query rows of its KV-shared layers to the last logits_to_keep (all of them for the 0 it would get),
+    and its masks with them as 4-D masks, where ours is 2-D (batch, seqlen); with indices it cuts nothing.
+    This forward takes the rows of logits_to_keep from the last hidden states itself."""
+    inputs = arguments.get("input_ids")
+    inputs = arguments["inputs_embeds"] if inputs is None else inputs
+    return torch.arange(inputs.shape[1], device=inputs.device)
 
 
 @functools.cache

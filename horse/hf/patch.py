@@ -23,19 +23,28 @@ Per family, by ``config.model_type``:
                       final_logit_softcapping as the loss's softcap
     gemma3_text       as gemma2, with its q_norm and k_norm (Gemma's RMSNorm over the head dim); the loss
                       over its 262,208 classes; either softcap when set
+    gemma4_text       as gemma3_text with OLMo-2's RMSNorm (v_norm and the router's without a weight) and a
+                      scale of 1; its layer's MoE block (the packed experts on moe_mlp, transformers' router),
+                      per-layer inputs' gated branch (transformers' linears) and layer_scalar as its forward
+                      takes them; keys as values and layers reusing others' keys and values are the
+                      attention module's affair; global layers of head dim 512 are refused by head dim
     mixtral, olmoe,   as LLaMA, with the packed experts (gate_up_proj, down_proj) as one moe_mlp call on
     qwen3_moe         the module's own parameters (horse.hf.moe); the router, its logits and the aux loss
                       (output_router_logits, router_aux_loss_coef) as the model computes them
     qwen2_moe         as qwen3_moe, with its shared expert (a gated MLP) patched as LLaMA's; its sigmoid gate
                       and the dense layers of mlp_only_layers as the others
+    gpt_oss           as mixtral, with its experts' transposed, interleaved gate_up_proj, their biases and the
+                      clamped SwiGLU (swiglu_limit) in the one moe_mlp call; its attention sinks as the
+                      kernels' sinks, sliding windows on the layers whose layer_type says so, OLMo-2's RMSNorm
+                      (the weight inside the cast); MXFP4-quantized experts refused (load them dequantized)
     gpt2              attention, LayerNorm, the MLP, the residual add into ln_2, the loss
 
-Any other model type raises (those of WAITING_FOR_KERNELS with what they need: gemma4_text, gpt_oss): a model
-is never left unpatched without a word. Rotary embeddings, partial (Phi-3's partial_rotary_factor, GLM-4's
-interleaved half) or none, and Granite's embedding_multiplier stay in transformers' own modules, which are not
-replaced. Refused at apply, naming what: quantized models, cross-attention (GPT-2's add_cross_attention),
-Gemma's use_bidirectional_attention, head dims above 256, a head with more classes than the loss takes
-(cross_entropy.MAX_VOCAB), MLP biases on a gated MLP, activations the kernels lack,
+Any other model type raises, naming the supported ones: a model is never left unpatched without a word.
+Rotary embeddings, partial (Phi-3's partial_rotary_factor, GLM-4's interleaved half) or none, and Granite's
+embedding_multiplier stay in transformers' own modules, which are not replaced. Refused at apply, naming
+what: quantized models (MXFP4-quantized experts with what to load instead), cross-attention (GPT-2's
+add_cross_attention), Gemma's use_bidirectional_attention, head dims above 256, a head with more classes
+than the loss takes (cross_entropy.MAX_VOCAB), MLP biases on a gated MLP, activations the kernels lack,
 wrapped layers (anything but a plain ``nn.Linear`` / ``Conv1D`` where a fused forward reads the weight, hooks
 on them) and modules whose forward something else has replaced already. Refused at call: see
 ``horse.hf.attention`` and ``horse.hf.forwards``. Float32 activations on a GPU are refused rather than run on
@@ -45,6 +54,7 @@ the slow reference (``attention.check_half_precision``).
 import dataclasses
 import importlib
 import types
+from collections.abc import Callable
 
 import transformers
 from torch import nn
@@ -78,23 +88,13 @@ SUPPORTED_MODEL_TYPES = (
     "gemma",
     "gemma2",
     "gemma3_text",
+    "gemma4_text",
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
     "olmoe",
+    "gpt_oss",
 )
-# Families that need what the kernels do not do yet (issue 49), with what: named in apply's refusal. gpt-oss's
-# attention would run exactly today (its sinks as the kernels' sinks=, its windows per layer_type, its biases
-# in the projections); Gemma 4's layers also need forwards of their own, listed after the kernels' part.
-WAITING_FOR_KERNELS = {
-    "gemma4_text": (
-        "head dim 512 on its global layers (global_head_dim) and the packed experts of enable_moe_block (the "
-        "MoE kernels); then forwards of its own for Gemma4RMSNorm (the weight, without Gemma's offset, "
-        "multiplied in float32 before the cast, as OLMo-2's; v_norm and the router's norm without a weight) "
-        "and for its decoder layer (sandwich norms, the per-layer input's gated branch, layer_scalar)"
-    ),
-    "gpt_oss": "its packed experts (the MoE kernels)",
-}
 MAX_HEAD_DIM = 256
 _PATCH = "_horse_hf_patch"  # the model's attribute holding what apply changed
 # The families built like LLaMA: {model_type: the prefix of their modeling module's class names}
@@ -116,6 +116,7 @@ _LLAMA_LIKE = {
     "qwen2_moe": "Qwen2Moe",
     "qwen3_moe": "Qwen3Moe",
     "olmoe": "Olmoe",
+    "gpt_oss": "GptOss",
 }
 # Families whose modeling module is not named after their model type
 _MODELING_MODULE = {"gemma3_text": "gemma3"}
@@ -139,7 +140,11 @@ class Family:
     layer_forward: types.FunctionType
     attention: type
     causal_lm: type
-    experts: type | None = None  # the MoE families' packed experts, run by horse.hf.moe.experts_forward
+    experts: type | None = None  # the MoE families' packed experts
+    experts_forward: types.FunctionType = moe.experts_forward
+    experts_refusals: types.FunctionType = moe.experts_refusals
+    # the causal LM's forward: the loss alone, or with the router's aux loss (moe.causal_lm_forward_for)
+    causal_lm_forward_for: Callable[[type], Callable] = forwards.causal_lm_forward_for
 
 
 def family(model_type: str) -> Family:
@@ -163,9 +168,12 @@ def family(model_type: str) -> Family:
             attention=gpt2.GPT2Attention,
             causal_lm=gpt2.GPT2LMHeadModel,
         )
+    if model_type == "gemma4_text":
+        return _gemma4_text()
     name = _MODELING_MODULE.get(model_type, model_type)
     module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     prefix = _LLAMA_LIKE[model_type]
+    experts = getattr(module, f"{prefix}Experts", None)
     llama_like = Family(
         norm=getattr(module, f"{prefix}RMSNorm"),
         norm_kind="rms_norm",
@@ -181,9 +189,35 @@ def family(model_type: str) -> Family:
         layer_forward=forwards.decoder_layer_forward,
         attention=getattr(module, f"{prefix}Attention"),
         causal_lm=getattr(module, f"{prefix}ForCausalLM"),
-        experts=getattr(module, f"{prefix}Experts", None),
+        experts=experts,
+        # the MoE families' causal LMs add the router's aux loss to the loss
+        causal_lm_forward_for=moe.causal_lm_forward_for if experts else forwards.causal_lm_forward_for,
     )
     return dataclasses.replace(llama_like, **_UNLIKE_LLAMA.get(model_type, {}))
+
+
+def _gemma4_text() -> Family:
+    """Gemma 4's text model: its class names are not one prefix's (Gemma4RMSNorm, Gemma4TextMLP), its norm is
+    OLMo-2's (some without a weight), its experts have no aux loss in the causal LM."""
+    from transformers.models.gemma4 import modeling_gemma4 as gemma4
+
+    return Family(
+        norm=gemma4.Gemma4RMSNorm,
+        norm_kind="rms_norm",
+        norm_forward=forwards.olmo2_rms_norm_forward,
+        mlp=gemma4.Gemma4TextMLP,
+        mlp_kind="gated_mlp",
+        mlp_forward=forwards.gated_mlp_forward,
+        mlp_layers=("gate_proj", "up_proj", "down_proj"),
+        mlp_layer_type=nn.Linear,
+        mlp_activation="act_fn",
+        layer=gemma4.Gemma4TextDecoderLayer,
+        layer_kind="add_rms_norm",
+        layer_forward=forwards.gemma4_decoder_layer_forward,
+        attention=gemma4.Gemma4TextAttention,
+        causal_lm=gemma4.Gemma4ForCausalLM,
+        experts=gemma4.Gemma4TextExperts,
+    )
 
 
 _GATE_UP_MLP = {
@@ -206,6 +240,14 @@ _UNLIKE_LLAMA = {
     "gemma3_text": {
         "norm_forward": forwards.gemma_rms_norm_forward,
         "layer_forward": forwards.gemma2_decoder_layer_forward,
+    },
+    # GptOssMLP is its MoE block (router and experts), not a gated MLP: only the experts are replaced
+    "gpt_oss": {
+        "norm_forward": forwards.olmo2_rms_norm_forward,
+        "mlp": None,
+        "layer_forward": forwards.gpt_oss_decoder_layer_forward,
+        "experts_forward": moe.gpt_oss_experts_forward,
+        "experts_refusals": moe.gpt_oss_experts_refusals,
     },
 }
 
@@ -231,12 +273,10 @@ def _plan(model: PreTrainedModel, fam: Family) -> list[tuple[str, str, nn.Module
         kinds[fam.mlp] = (fam.mlp_kind, fam.mlp_forward)
     if fam.layer is not None:
         kinds[fam.layer] = (fam.layer_kind, fam.layer_forward)
-    causal_lm_forward_for = forwards.causal_lm_forward_for
     if fam.experts is not None:
-        kinds[fam.experts] = ("moe_experts", moe.experts_forward)
-        causal_lm_forward_for = moe.causal_lm_forward_for  # the loss plus the router's aux loss
+        kinds[fam.experts] = ("moe_experts", fam.experts_forward)
     if isinstance(model, fam.causal_lm):
-        kinds[type(model)] = ("linear_cross_entropy", causal_lm_forward_for(type(model)))
+        kinds[type(model)] = ("linear_cross_entropy", fam.causal_lm_forward_for(type(model)))
     plan = []
     for name, module in model.named_modules():
         if type(module) in kinds:
@@ -248,13 +288,15 @@ def _plan(model: PreTrainedModel, fam: Family) -> list[tuple[str, str, nn.Module
 def _refusals(model: PreTrainedModel, fam: Family, plan) -> list[str]:
     """What in model the fused forwards cannot run exactly, in words; empty when apply may go on."""
     config, problems = model.config, []
-    if getattr(model, "is_quantized", False) or getattr(config, "quantization_config", None) is not None:
+    if (mxfp4 := moe.mxfp4_refusal(model)) is not None:
+        problems.append(mxfp4)
+    elif getattr(model, "is_quantized", False) or getattr(config, "quantization_config", None) is not None:
         problems.append(f"the model is quantized ({getattr(config, 'quantization_config', None)!r})")
     if getattr(config, "add_cross_attention", False):
         problems.append("cross-attention (add_cross_attention=True)")
     # Gemma's own masks stay causal where its attention does not; Gemma 3's bidirectional masks are untested
-    if getattr(config, "use_bidirectional_attention", False):
-        problems.append("bidirectional attention (use_bidirectional_attention=True)")
+    if bidirectional := getattr(config, "use_bidirectional_attention", False):
+        problems.append(f"bidirectional attention (use_bidirectional_attention={bidirectional!r})")
     for name, module in model.named_modules():
         if isinstance(module, fam.attention) and module.head_dim > MAX_HEAD_DIM:
             problems.append(f"{name}: head_dim {module.head_dim} (the kernels take up to {MAX_HEAD_DIM})")
@@ -273,7 +315,7 @@ def _refusals(model: PreTrainedModel, fam: Family, plan) -> list[str]:
             if kind == "gated_mlp" and any(getattr(module, p).bias is not None for p in fam.mlp_layers):
                 problems.append(f"{name}: MLP biases (mlp_bias=True): the fused gated MLP has none")
         if kind == "moe_experts":
-            problems += moe.experts_refusals(name, module)
+            problems += fam.experts_refusals(name, module)
         if kind == "linear_cross_entropy":
             problems += forwards.unfused_layers(module, ("lm_head",), nn.Linear)
             if (vocab := module.lm_head.out_features) > MAX_VOCAB:
@@ -308,11 +350,9 @@ def apply(model: PreTrainedModel) -> dict[str, list[str]]:
         return patch.report
     model_type = model.config.model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
-        waiting = WAITING_FOR_KERNELS.get(model_type)
         raise ValueError(
-            f"horse.hf.apply: model type {model_type!r} ({type(model).__name__}) is not supported"
-            + ("" if waiting is None else f": it needs {waiting}, which the kernels do not do yet")
-            + f"; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"horse.hf.apply: model type {model_type!r} ({type(model).__name__}) is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     fam = family(model_type)
     plan = _plan(model, fam)

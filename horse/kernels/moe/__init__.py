@@ -24,15 +24,18 @@ Forward, no host sync:
 3. ``gemm._gate_up_fwd_kernel``: the gated GEMM over the sorted rows (x's rows gathered by token),
    one pass over x with two accumulators, bias and act in the epilogue; gate and up saved for the
    backward.
-4. ``gemm._expert_gemm_kernel``: the down projection, bias and the routing weight in its epilogue.
+4. ``gemm._expert_gemm_kernel``: the down projection, bias and the routing weight in its epilogue;
+   on sm_90 h's and down_proj's tiles by TMA (``launch.tma_usable``: weights as transformers stores
+   them).
 5. ``routing._combine_kernel``: each token's top_k rows summed in k order in float32 (no atomics).
 
 Backward: ``gemm._dh_bwd_kernel`` computes g = dy W_down,e by expert with the routing weight, act'
 and the product rule in its epilogue (dgate, dup in gate_up_proj's row order; h recomputed for
 dW_down; the routing weight's gradient Σ h g as per-column-tile float32 partials, summed in a fixed
-order, plus dy · b_down); dx rows are ``_expert_gemm_kernel`` again (dpre W_gate_up,e), combined as in
-the forward; the weight and bias gradients are ``gemm._weight_grad_kernel``, a program a tile of one
-expert's weight summing that expert's rows in sorted order: repeatable bit for bit, no atomics.
+order, plus dy · b_down); dx rows are ``_expert_gemm_kernel`` again (dpre W_gate_up,e; by TMA as the
+down projection), combined as in the forward; the weight and bias gradients are
+``gemm._weight_grad_kernel``, a program a tile of one expert's weight summing that expert's rows in
+sorted order: repeatable bit for bit, no atomics.
 
 The package, a module per concern: ``ops`` (the public function, its validation, the custom ops),
 ``launch`` (the launchers and their plans), ``configs`` (the GEMM table, data in configs.json, and the

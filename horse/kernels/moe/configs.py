@@ -26,6 +26,7 @@ class GemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    tma: bool = False  # the down and dx GEMMs' tiles by TMA where the GPU and strides allow (TUNING.md)
 
 
 class Epilogue(NamedTuple):
@@ -45,7 +46,8 @@ CONFIG_FILE = pathlib.Path(__file__).with_name("configs.json")
 GEMM_CONFIGS = runtime.load_configs(CONFIG_FILE, GemmConfig)["GEMM_CONFIGS"]
 
 # Small tiles in the interpreter: quick there, and several tiles cross every edge at the tests' sizes.
-INTERPRETER_GEMM_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=1)
+# TMA where it is allowed, so that the tests run that path too (the interpreter emulates sm_90's TMA).
+INTERPRETER_GEMM_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=1, tma=True)
 
 
 def gemm_config(kernel: str, device: torch.device) -> GemmConfig:

@@ -69,9 +69,10 @@ def _gate_up_columns(cols, N, EPILOGUE: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(tile, TILE_ROW, OFFSETS, expert, BLOCK_M: tl.constexpr):
+def _tile_rows(tile, TILES, expert, BLOCK_M: tl.constexpr):
     """(rows, row_mask) of row tile `tile` of expert: its BLOCK_M sorted rows, those past the expert's
     last replaced by its first (loads need no mask), and which of them are the expert's."""
+    _, TILE_ROW, OFFSETS = TILES
     row_start = tl.load(TILE_ROW + tile)
     row_end = tl.load(OFFSETS + expert + 1)
     offs_m = row_start + tl.arange(0, BLOCK_M)
@@ -118,15 +119,45 @@ def _expert_matmul(
 
 
 @triton.jit
+def _expert_matmul_tma(
+    A,
+    W,
+    row_start,
+    expert,
+    start_n,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    W_LAYOUT: tl.constexpr,
+):
+    """The float32 (BLOCK_M, BLOCK_N) tile A[rows] W_eᵀ[:, columns] summed over K, both operands by
+    TMA from the tile's first row row_start and column start_n of expert e = expert. A is a descriptor
+    of (rows, K), (BLOCK_M, BLOCK_K) blocks; W one of every expert's weight as stored: W_LAYOUT "nk",
+    (experts, N, K) in (1, BLOCK_N, BLOCK_K) blocks, or "kn", (experts, K, N) in (1, BLOCK_K, BLOCK_N)
+    blocks. A descriptor reads what lies past a dimension's end as zeros, so the K edge needs no mask
+    (an expert's K edge too: its own dimension)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = A.load([row_start, k * BLOCK_K])
+        if W_LAYOUT == "kn":
+            w = tl.reshape(W.load([expert, k * BLOCK_K, start_n]), (BLOCK_K, BLOCK_N))
+        else:
+            w = tl.trans(tl.reshape(W.load([expert, start_n, k * BLOCK_K]), (BLOCK_N, BLOCK_K)))
+        acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit
 def _gate_up_fwd_kernel(
     X,  # (tokens, K = hidden) by x_strides
     W,  # (experts, 2 N, K) gate_up_proj by w_strides (expert, row, column), gate and up rows as
     # _gate_up_columns gives them
     B,  # (experts, 2 N) gate_up_bias by b_strides, rows as W's; read when EPILOGUE.has_bias
     SORTED_PAIRS,  # (pairs,) int32: the pair (token * top_k + k) at each sorted row
-    TILE_EXPERT,  # (tiles,) int32: each row tile's expert; experts for a tile past the last
-    TILE_ROW,  # (tiles,) int32: each row tile's first sorted row
-    OFFSETS,  # (experts + 1,) int32: expert e's rows are OFFSETS[e] .. OFFSETS[e + 1]
+    TILES,  # (TILE_EXPERT, TILE_ROW, OFFSETS) int32, launch.row_tiles' map and the sort's offsets:
+    # (tiles,) each row tile's expert (experts for a tile past the last), (tiles,) its first sorted
+    # row, (experts + 1,) expert e's rows are OFFSETS[e] .. OFFSETS[e + 1]
     H,  # (pairs, N = inter) contiguous, sorted rows: act(gate) · up
     GATE,  # (pairs, N) contiguous: x W_gateᵀ + b_gate; written when EPILOGUE.store
     UP,  # (pairs, N) contiguous: x W_upᵀ + b_up; written when EPILOGUE.store
@@ -144,10 +175,10 @@ def _gate_up_fwd_kernel(
 ):
     # grid = (row tiles, cdiv(N, BLOCK_N)): x's rows gathered by token, one pass for gate and up
     tile = tl.program_id(0)
-    expert = tl.load(TILE_EXPERT + tile)
+    expert = tl.load(TILES[0] + tile)  # TILE_EXPERT
     if expert >= experts:
         return
-    rows, row_mask = _tile_rows(tile, TILE_ROW, OFFSETS, expert, BLOCK_M=BLOCK_M)
+    rows, row_mask = _tile_rows(tile, TILES, expert, BLOCK_M=BLOCK_M)
     tokens = tl.load(SORTED_PAIRS + rows) // top_k
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = offs_n % N  # columns past the edge wrap (in bounds) and are not stored
@@ -181,14 +212,13 @@ def _gate_up_fwd_kernel(
 
 @triton.jit
 def _expert_gemm_kernel(
-    A,  # (pairs, K) by a_strides, sorted rows
-    W,  # (experts, N, K) by w_strides (expert, n, k): each expert's matrix, read in place
+    A,  # (pairs, K) by a_strides, sorted rows; with TMA a descriptor, (BLOCK_M, BLOCK_K) blocks
+    W,  # (experts, N, K) by w_strides (expert, n, k): each expert's matrix, read in place; with TMA a
+    # descriptor of the weight as stored (_expert_matmul_tma's W)
     B,  # (experts, N) by b_strides; read when HAS_BIAS
     SCALE,  # (tokens * top_k,) the routing weights by pair; read when SCALE_ROWS
     SORTED_PAIRS,  # (pairs,) int32
-    TILE_EXPERT,  # (tiles,) int32
-    TILE_ROW,  # (tiles,) int32
-    OFFSETS,  # (experts + 1,) int32
+    TILES,  # (TILE_EXPERT, TILE_ROW, OFFSETS) int32, as _gate_up_fwd_kernel's
     OUT,  # (pairs, N) contiguous, sorted rows: (A W_eᵀ + b_e) · its pair's routing weight
     N,
     K,
@@ -201,30 +231,47 @@ def _expert_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TMA: tl.constexpr,  # None: pointer loads; "nk" or "kn": A and W by TMA, W stored as TMA says
 ):
     # grid = (row tiles, cdiv(N, BLOCK_N)): the down projection (routing weight and bias in the
     # epilogue), and the backward's dx rows (dpre W_gate_up, neither)
     tile = tl.program_id(0)
-    expert = tl.load(TILE_EXPERT + tile)
+    expert = tl.load(TILES[0] + tile)  # TILE_EXPERT
     if expert >= experts:
         return
-    rows, row_mask = _tile_rows(tile, TILE_ROW, OFFSETS, expert, BLOCK_M=BLOCK_M)
+    rows, row_mask = _tile_rows(tile, TILES, expert, BLOCK_M=BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = offs_n % N
-    acc, _ = _expert_matmul(
-        A,
-        W + expert.to(tl.int64) * w_strides[0],
-        rows,
-        cols,
-        cols,
-        K,
-        a_strides,
-        (w_strides[1], w_strides[2]),
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        GATED=False,
-    )
+    if TMA is None:
+        acc, _ = _expert_matmul(
+            A,
+            W + expert.to(tl.int64) * w_strides[0],
+            rows,
+            cols,
+            cols,
+            K,
+            a_strides,
+            (w_strides[1], w_strides[2]),
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+            GATED=False,
+        )
+    else:  # rows past the expert's last (the next expert's, zeros past the tensor) are not stored
+        row_start = tl.load(TILES[1] + tile)  # TILE_ROW
+        start_n = tl.program_id(1) * BLOCK_N
+        acc = _expert_matmul_tma(
+            A,
+            W,
+            row_start,
+            expert,
+            start_n,
+            K,
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+            W_LAYOUT=TMA,
+        )
     if HAS_BIAS:
         acc += tl.load(B + expert.to(tl.int64) * b_strides[0] + cols * b_strides[1]).to(tl.float32)[None, :]
     if SCALE_ROWS:
@@ -241,9 +288,7 @@ def _dh_bwd_kernel(
     GATE,  # (pairs, N) contiguous, sorted rows: the forward's saved pre-activations
     UP,  # (pairs, N) contiguous
     SORTED_PAIRS,  # (pairs,) int32
-    TILE_EXPERT,  # (tiles,) int32
-    TILE_ROW,  # (tiles,) int32
-    OFFSETS,  # (experts + 1,) int32
+    TILES,  # (TILE_EXPERT, TILE_ROW, OFFSETS) int32, as _gate_up_fwd_kernel's
     DPRE,  # (pairs, 2 N) contiguous: dgate and dup in gate_up_proj's row order (_gate_up_columns)
     H,  # (pairs, N) contiguous: act(gate) · up, recomputed for dW_down
     DSCALE_PARTIAL,  # (pairs, cdiv(N, BLOCK_N)) float32: Σ h g over each column tile
@@ -262,10 +307,10 @@ def _dh_bwd_kernel(
     # rule and act' in the epilogue; the routing weight's gradient Σ_n h g (+ dy · b_down outside)
     # as one float32 partial per column tile, summed in a fixed order by the launcher.
     tile = tl.program_id(0)
-    expert = tl.load(TILE_EXPERT + tile)
+    expert = tl.load(TILES[0] + tile)  # TILE_EXPERT
     if expert >= experts:
         return
-    rows, row_mask = _tile_rows(tile, TILE_ROW, OFFSETS, expert, BLOCK_M=BLOCK_M)
+    rows, row_mask = _tile_rows(tile, TILES, expert, BLOCK_M=BLOCK_M)
     pairs = tl.load(SORTED_PAIRS + rows)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = offs_n % N
@@ -309,9 +354,7 @@ def _weight_grad_kernel(
     OFFSETS,  # (experts + 1,) int32
     DW,  # (experts, N1, N2) by dw_strides: Σ over the expert's rows of (s A)ᵀ B
     DB,  # (experts, N1) by db_strides: Σ over the expert's rows of s A; written when HAS_BIAS
-    N1,
-    N2,
-    top_k,
+    sizes,  # (N1, N2, top_k)
     a_strides,
     b_strides,
     dw_strides,
@@ -327,6 +370,7 @@ def _weight_grad_kernel(
     # grid = (cdiv(N1, BLOCK_N1) * cdiv(N2, BLOCK_N2), experts): each program sums its expert's rows in
     # sorted order into one output tile, the same sum on every run (no atomics); an expert with no
     # rows writes zeros.
+    N1, N2, top_k = sizes
     expert = tl.program_id(1)
     tiles_n2 = tl.cdiv(N2, BLOCK_N2)
     pid_n1 = tl.program_id(0) // tiles_n2

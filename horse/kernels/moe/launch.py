@@ -37,25 +37,41 @@ def combine_plan(tokens: int, N: int) -> Plan:
     return Plan(_combine_kernel, grid, constexprs, configs.COMBINE_WARPS, num_stages=1)
 
 
-def _gemm_plan(kernel, cfg: GemmConfig, row_tiles: int, N: int, **constexprs) -> Plan:
+# The row-tiled GEMMs' tuple argument: the row tiles' map (:func:`row_tiles`) and the sort's offsets.
+ROW_TILES = {"TILES": ("TILE_EXPERT", "TILE_ROW", "OFFSETS")}
+
+
+def _gemm_plan(kernel, cfg: GemmConfig, row_tiles: int, N: int, tiles: dict, **constexprs) -> Plan:
+    """A row-tiled GEMM's plan, the operands in tiles (name -> block dims: m, n, k, or 1 for one
+    expert of a weight) loaded by TMA."""
     blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+    dims = {"m": cfg.block_m, "n": cfg.block_n, "k": cfg.block_k, "1": 1}
+    descriptors = {name: tuple(dims[d] for d in block) for name, block in tiles.items()}
     grid = (row_tiles, triton.cdiv(N, cfg.block_n))
-    return Plan(kernel, grid, constexprs | blocks, cfg.num_warps, cfg.num_stages)
+    return Plan(kernel, grid, constexprs | blocks, cfg.num_warps, cfg.num_stages, ROW_TILES, descriptors)
 
 
 def gate_up_plan(cfg: GemmConfig, row_tiles: int, inter: int, epilogue: Epilogue) -> Plan:
     """The gated forward GEMM's plan: row_tiles row tiles of (pairs, inter) outputs h, gate and up."""
-    return _gemm_plan(_gate_up_fwd_kernel, cfg, row_tiles, inter, EPILOGUE=epilogue)
+    return _gemm_plan(_gate_up_fwd_kernel, cfg, row_tiles, inter, {}, EPILOGUE=epilogue)
 
 
-def expert_gemm_plan(cfg: GemmConfig, row_tiles: int, N: int, has_bias: bool, scale_rows: bool) -> Plan:
-    """The plain grouped GEMM's plan (the down projection, the backward's dx rows), (pairs, N) out."""
-    return _gemm_plan(_expert_gemm_kernel, cfg, row_tiles, N, HAS_BIAS=has_bias, SCALE_ROWS=scale_rows)
+def expert_gemm_plan(
+    cfg: GemmConfig, row_tiles: int, N: int, has_bias: bool, scale_rows: bool, tma: str | None
+) -> Plan:
+    """The plain grouped GEMM's plan (the down projection, the backward's dx rows), (pairs, N) out;
+    with tma, both operands' tiles by TMA (:func:`tma_usable`), the weight stored as tma says: "nk",
+    (experts, N, K) (down_proj, for the down projection), or "kn", (experts, K, N) (gate_up_proj,
+    for dx)."""
+    tiles = {"A": "mk", "W": f"1{tma}"} if tma else {}
+    return _gemm_plan(
+        _expert_gemm_kernel, cfg, row_tiles, N, tiles, HAS_BIAS=has_bias, SCALE_ROWS=scale_rows, TMA=tma
+    )
 
 
 def dh_plan(cfg: GemmConfig, row_tiles: int, inter: int, epilogue: Epilogue) -> Plan:
     """The backward's dh GEMM's plan: (pairs, inter) outputs, act' and the product rule in its epilogue."""
-    return _gemm_plan(_dh_bwd_kernel, cfg, row_tiles, inter, EPILOGUE=epilogue)
+    return _gemm_plan(_dh_bwd_kernel, cfg, row_tiles, inter, {}, EPILOGUE=epilogue)
 
 
 def weight_grad_plan(cfg: GemmConfig, experts: int, N1: int, N2: int, **flags) -> Plan:
@@ -63,7 +79,19 @@ def weight_grad_plan(cfg: GemmConfig, experts: int, N1: int, N2: int, **flags) -
     block_k rows a step; flags: GATHER_A, GATHER_B, SCALE_ROWS, HAS_BIAS."""
     blocks = dict(BLOCK_N1=cfg.block_m, BLOCK_N2=cfg.block_n, BLOCK_R=cfg.block_k)
     grid = (triton.cdiv(N1, cfg.block_m) * triton.cdiv(N2, cfg.block_n), experts)
-    return Plan(_weight_grad_kernel, grid, flags | blocks, cfg.num_warps, cfg.num_stages)
+    sizes = {"sizes": ("N1", "N2", "top_k")}
+    return Plan(_weight_grad_kernel, grid, flags | blocks, cfg.num_warps, cfg.num_stages, sizes)
+
+
+# The plain grouped GEMM's tiles (down, dx) by TMA where tma_usable allows; False: pointer loads.
+USE_TMA = True
+
+
+def tma_usable(cfg: GemmConfig, rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the plain grouped GEMM loads its tiles by TMA: ``USE_TMA`` and the table entry allow it
+    and :func:`runtime.tma_compatible` holds for its sorted rows and its weight as stored
+    (transformers' layout; gpt-oss's transposed weights, unit stride elsewhere, take pointers)."""
+    return USE_TMA and cfg.tma and runtime.tma_compatible(rows, weight)
 
 
 def _launch(plan: Plan, *args):
@@ -159,20 +187,21 @@ def moe_fwd(
         with runtime.device_guard(x):
             _launch(
                 plan,
-                x, gate_up_proj, b, sorted_pairs, tile_expert, tile_row, offsets, h, gate, up,
+                x, gate_up_proj, b, sorted_pairs, (tile_expert, tile_row, offsets), h, gate, up,
                 inter, hidden, experts, expert_ids.shape[1],
                 x.stride(), gate_up_proj.stride(), _strides_2d(gate_up_bias),
             )  # fmt: skip
         cfg = configs.gemm_config("down", x.device)
         tile_expert, tile_row = row_tiles(offsets, cfg.block_m, pairs)
-        plan = expert_gemm_plan(cfg, tile_expert.numel(), hidden, down_bias is not None, scale_rows=True)
-        down = down_proj.stride()
+        tma = "nk" if tma_usable(cfg, h, down_proj) else None
+        plan = expert_gemm_plan(cfg, tile_expert.numel(), hidden, down_bias is not None, True, tma=tma)
         with runtime.device_guard(x):
             _launch(
                 plan,
-                h, down_proj, down_bias if down_bias is not None else x, expert_weights.reshape(-1),
-                sorted_pairs, tile_expert, tile_row, offsets, y_rows, hidden, inter, experts,
-                h.stride(), down, _strides_2d(down_bias),
+                plan.operand("A", h), plan.operand("W", down_proj), down_bias if down_bias is not None else x,
+                expert_weights.reshape(-1), sorted_pairs, (tile_expert, tile_row, offsets), y_rows,
+                hidden, inter, experts,
+                h.stride(), down_proj.stride(), _strides_2d(down_bias),
             )  # fmt: skip
     return _combine(y_rows, pair_rows, tokens), gate, up, sorted_pairs, pair_rows, offsets
 
@@ -194,7 +223,7 @@ def _weight_grad(a, b, weights, sorted_pairs, offsets, dw, db, top_k, gather_a, 
     with runtime.device_guard(dw):
         _launch(
             plan,
-            a, b, weights, sorted_pairs, offsets, dw, db if db is not None else dw, N1, N2, top_k,
+            a, b, weights, sorted_pairs, offsets, dw, db if db is not None else dw, (N1, N2, top_k),
             a.stride(), b.stride(), dw.stride(), _strides_2d(db),
         )  # fmt: skip
 
@@ -256,20 +285,22 @@ def moe_bwd(
         with runtime.device_guard(x):
             _launch(
                 plan,
-                dy, down_proj, weights, gate, up, sorted_pairs, tile_expert, tile_row, offsets, dpre, h,
+                dy, down_proj, weights, gate, up, sorted_pairs, (tile_expert, tile_row, offsets), dpre, h,
                 dscale_partial, inter, hidden, experts, top_k,
                 dy.stride(), down_proj.transpose(1, 2).stride(),
             )  # fmt: skip
         if needs[0]:
             cfg = configs.gemm_config("down", x.device)
             tile_expert, tile_row = row_tiles(offsets, cfg.block_m, pairs)
-            plan = expert_gemm_plan(cfg, tile_expert.numel(), hidden, has_bias=False, scale_rows=False)
+            tma = "kn" if tma_usable(cfg, dpre, gate_up_proj) else None
+            plan = expert_gemm_plan(cfg, tile_expert.numel(), hidden, False, False, tma=tma)
             dx_rows = runtime.empty((pairs, hidden), x.dtype, x.device)
             with runtime.device_guard(x):
                 _launch(
                     plan,
-                    dpre, gate_up_proj, x, weights, sorted_pairs, tile_expert, tile_row, offsets, dx_rows,
-                    hidden, two_inter, experts, dpre.stride(), gate_up_proj.transpose(1, 2).stride(), (0, 0),
+                    plan.operand("A", dpre), plan.operand("W", gate_up_proj), x, weights, sorted_pairs,
+                    (tile_expert, tile_row, offsets), dx_rows, hidden, two_inter, experts, dpre.stride(),
+                    gate_up_proj.transpose(1, 2).stride(), (0, 0),
                 )  # fmt: skip
             dx = _combine(dx_rows, pair_rows, tokens)
         if needs[2] or needs[4]:
