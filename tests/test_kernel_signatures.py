@@ -10,13 +10,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_PARAMETERS = 20
-# Over the limit until branch s46-moetma, which regroups the MoE GEMMs' arguments, is merged: then
-# the test fails on these names until they are deleted here.
-WAITING_FOR_MOE = {
-    "horse/kernels/moe/gemm.py:_dh_bwd_kernel": 22,
-    "horse/kernels/moe/gemm.py:_gate_up_fwd_kernel": 21,
-    "horse/kernels/moe/gemm.py:_weight_grad_kernel": 21,
-}
 
 
 def jit_parameter_counts(root: Path = ROOT) -> dict[str, int]:
@@ -38,7 +31,7 @@ def over_the_limit(counts: dict[str, int]) -> dict[str, int]:
 
 
 def test_every_jit_function_takes_at_most_20_parameters():
-    assert over_the_limit(jit_parameter_counts()) == WAITING_FOR_MOE
+    assert over_the_limit(jit_parameter_counts()) == {}
 
 
 def test_the_count_sees_every_parameter_of_a_jit_function(tmp_path):
