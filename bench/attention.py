@@ -30,8 +30,8 @@ issue 25 against our prefill kernel and flash-attn's flash_attn_with_kvcache.
 Gemma 2's logit softcap (SOFTCAP) or gpt-oss's attention sinks (a float32 logit per head), against
 PyTorch's ``flex_attention`` compiled with the same modification (SDPA has neither): the softcap as its
 score_mod, the sinks from its log-sum-exp, out · σ(lse - sink), which is the sink's share of the
-softmax taken out exactly. The softcap's backward at head dim 64, where the kernels take it
-(``SOFTCAP_BACKWARD_MAX_HEAD_DIM``), its forward at 128 too; the sinks at 128 both ways.
+softmax taken out exactly. The softcap at head dims 128 (Gemma 2 27B's) and 64, the sinks at 128, each
+forward and forward+backward.
 """
 
 import contextlib
@@ -71,7 +71,7 @@ DECODE_SHAPES = ((1, 4096), (1, 16384), (16, 4096), (64, 1024))
 SOFTCAP = 50.0  # Gemma 2's attn_logit_softcapping
 SCORE_MOD_SEQLEN = 4096
 SCORE_MODS = (
-    ("softcap", 128, ("forward",)),  # the kernels refuse the softcap's backward above head dim 64
+    ("softcap", 128, ("forward", "forward+backward")),
     ("softcap", 64, ("forward", "forward+backward")),
     ("sinks", 128, ("forward", "forward+backward")),
 )

@@ -24,10 +24,9 @@ the 31 GB of weights, gradients and AdamW state: estimated, too near an H100's 8
 vocabulary 262,144, windows of 512 on five layers in six, tied embeddings) with Gemma 2's final-logit
 softcapping of 30 at 4,096 tokens; a Gemma 2 of 2.6 B (Gemma 2 2B's shape and caps: d_model 2,304, 26 layers,
 GeGLU MLP 9,216, vocabulary 256,000, attention softcap 50, final-logit softcap 30, windows of 4,096 on
-alternate layers, tied embeddings) with its 8 query heads over 4 of dim 256 recut as 32 over 16 of dim 64 (the
-same projections), as the kernels take the softcap's backward up to head dim 64, at 2,048 tokens (eager's
-saved scores, 26 layers × 32 heads × 2,048² in bfloat16 and the softmax's in float32, about 28 GB beside 21 GB
-of weights, gradients and AdamW state: estimated; four times that at 4,096); a Qwen3-MoE of 3.1 B, 0.85 B of
+alternate layers, 8 query heads over 4 of dim 256, tied embeddings) at 2,048 tokens (eager's saved scores, 26
+layers × 8 heads × 2,048² in bfloat16 and the softmax's in float32, about 7 GB beside 21 GB of weights,
+gradients and AdamW state: estimated); a Qwen3-MoE of 3.1 B, 0.85 B of
 them active (Qwen3-30B-A3B's shape with 4 of its 48 layers: d_model 2,048, 32 query heads over 4 key-value
 heads of dim 128, 128 experts of inter 768, top 8, vocabulary 151,936, the router's aux loss on) at 4,096
 tokens; a gpt-oss of 4.45 B, 1.66 B of them active (gpt-oss-20b's shape with 4 of its 24 layers: d_model
@@ -144,16 +143,16 @@ GEMMA3_1B = Model(
     seq_len=4096,
 )
 GEMMA2_2B = Model(
-    "gemma2-2b-hd64",
+    "gemma2-2b",
     "gemma2",
     {
         "vocab_size": 256000,
         "hidden_size": 2304,
         "intermediate_size": 9216,
         "num_hidden_layers": 26,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 16,
-        "head_dim": 64,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
         "query_pre_attn_scalar": 256,
         "sliding_window": 4096,
         "max_position_embeddings": 8192,

@@ -860,6 +860,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in args.models:
         if name not in LLAMA_SHAPES and name not in PRESETS:
             parser.error(f"--models: {name!r} is neither a preset ({', '.join(PRESETS)}) nor a Llama shape")
+    for flag, names in (("--presets", args.presets), ("--models", args.models)):
+        experts = [name for name in names if name in PRESETS and preset(name).moe_experts]
+        if experts:
+            parser.error(
+                f"{flag}: {', '.join(experts)}: mixtures of experts; this model of a step counts dense MLPs"
+            )
     if args.nodes < 1:
         parser.error(f"--nodes must be at least 1, got {args.nodes}")
     if any(tp < 1 or GPUS_PER_NODE % tp for tp in args.tp):

@@ -117,7 +117,7 @@ def make_step(
         return x, y  # the same batch every step: data loading is not measured
 
     def step() -> tuple[torch.Tensor, bool]:
-        loss, _, skipped = train_step(loss_fn, batch, model, optimizer, scaler, cfg, autocast=autocast)
+        loss, _, _, skipped = train_step(loss_fn, batch, model, optimizer, scaler, cfg, autocast=autocast)
         return loss, skipped
 
     return step

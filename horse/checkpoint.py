@@ -785,12 +785,14 @@ class Pieces:
         self, name: str, key: str | None, rows: torch.Tensor, columns: torch.Tensor | None
     ) -> torch.Tensor:
         """``whole[rows][:, columns]`` of tensor name (key: as :meth:`shard_rows`; columns None: all),
-        rows and columns ascending indices of the whole tensor, reading from the saved tp shards
-        only the rows asked for (all of a shard's columns, then cut)."""
-        spec = shard_spec(name, self.config) if self.tp_size > 1 else None
+        or ``whole[rows][:, :, columns]`` for a tensor the plan cuts along dim 2 (the experts'
+        down_proj), rows and columns ascending indices of the whole tensor, reading from the saved tp
+        shards only the rows asked for (all of a shard's columns, then cut)."""
+        plan = shard_spec(name, self.config)
+        spec = plan if self.tp_size > 1 else None
         if spec is None or (spec.dim == 0 and len(rows) == 0):  # held whole by every saved tp rank
             values = self._rows(name, key, 0, rows)  # (or, none of its rows: any rank's width)
-            return values if columns is None else values.index_select(1, columns)
+            return values if columns is None else values.index_select(max(1, plan.dim), columns)
         whole = self.shapes[name][spec.dim]
         wanted = rows if spec.dim == 0 else torch.arange(whole) if columns is None else columns
         owner, position = torch.empty(whole, dtype=torch.long), torch.empty(whole, dtype=torch.long)
@@ -808,7 +810,7 @@ class Pieces:
                 parts.append(values if columns is None else values.index_select(1, columns))
             else:
                 values = self._rows(name, key, t, rows)
-                parts.append(values.index_select(1, local_indices))
+                parts.append(values.index_select(spec.dim, local_indices))
             order.append(mine.nonzero().flatten())
         values = torch.cat(parts, dim=spec.dim)  # in the saved ranks' order; put back in wanted's
         return values.index_select(spec.dim, torch.cat(order).argsort())

@@ -15,6 +15,11 @@ Backend ``"reference"`` runs the same weights on plain torch modules (``nn.Layer
 ``nn.RMSNorm``, SDPA, nn.Linear, unfused adds). Parameter names are the same on both, so a state
 dict loads either way.
 
+With ``moe_experts`` > 0 each block's MLP is a mixture of experts instead (``MoE``, on
+``horse.layers.FusedMoE``): a softmax top-k router sends each token to moe_top_k of moe_experts gated
+experts, and the training loss adds ``router_aux_loss_coef`` times the load-balancing loss of every
+block's router logits (``horse.layers.load_balancing_loss``, as transformers computes it).
+
 The model is dense: ``horse.parallel.parallelize(model, mesh)`` makes it one rank's
 tensor-parallel shard afterwards, by a plan that cuts its weights, hooks the collectives onto its
 modules and makes its down projections row-parallel; its own forwards run at every tp.
@@ -34,8 +39,17 @@ import torch.nn.functional as F  # noqa: N812 (the name every PyTorch reader kno
 from torch import nn
 
 from horse import kernels
+from horse.kernels import reference
 from horse.kernels.cross_entropy import VocabShard, head_loss
-from horse.layers import FusedLayerNorm, FusedRMSNorm, FusedSelfAttention, RotaryEmbedding
+from horse.layers import (
+    FusedLayerNorm,
+    FusedMoE,
+    FusedRMSNorm,
+    FusedSelfAttention,
+    MoEExperts,
+    RotaryEmbedding,
+    load_balancing_loss,
+)
 
 BACKENDS = ("triton", "reference")
 
@@ -62,6 +76,10 @@ class GPTConfig:
     tie_embeddings: the LM head is the token embedding (GPT-2); else a separate lm_head (LLaMA)
     document_masking: each document of a row (after an end of text, up to the next) attends within itself
     eot_id: the end-of-text token that ends a document; None: the data has none
+    moe_experts: experts of each block's MLP, then a mixture of experts (Mixtral's: see MoE); 0: the dense MLP
+    moe_top_k: experts each token goes to, 1 to moe_experts
+    moe_inter: hidden width of each expert; None: the swiglu MLP's (8/3·d_model rounded up to 64)
+    router_aux_loss_coef: weight of the load-balancing loss in the training loss (transformers' default)
     """
 
     vocab_size: int = 50304  # GPT-2's 50,257 rounded up to a multiple of 64 for the tensor cores
@@ -82,6 +100,10 @@ class GPTConfig:
     tie_embeddings: bool = True
     document_masking: bool = False
     eot_id: int | None = None
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_inter: int | None = None
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
@@ -115,6 +137,21 @@ class GPTConfig:
             )
         if self.positions == "rotary" and self.head_dim % 2:
             raise ValueError(f"GPTConfig: rotary positions need an even head_dim, got {self.head_dim}")
+        if self.moe_experts < 0:
+            raise ValueError(
+                f"GPTConfig.moe_experts must be at least 0 (0: the dense MLP), got {self.moe_experts}"
+            )
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(
+                f"GPTConfig.moe_top_k must be between 1 and moe_experts ({self.moe_experts}), "
+                f"got {self.moe_top_k}"
+            )
+        if self.moe_inter is not None and self.moe_inter < 1:
+            raise ValueError(f"GPTConfig.moe_inter must be at least 1 (or None), got {self.moe_inter}")
+        if not self.router_aux_loss_coef >= 0:
+            raise ValueError(
+                f"GPTConfig.router_aux_loss_coef must be at least 0, got {self.router_aux_loss_coef}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -129,8 +166,18 @@ class GPTConfig:
         if self.mlp_hidden is not None:
             return self.mlp_hidden
         if self.mlp == "swiglu":  # two input matrices instead of one: 2/3 of the width keeps the FLOPs
-            return -(-8 * self.d_model // 3 // 64) * 64
+            return self.swiglu_hidden
         return 4 * self.d_model
+
+    @property
+    def swiglu_hidden(self) -> int:
+        """8/3·d_model rounded up to 64: a swiglu MLP of the FLOPs of a 4·d_model gelu one."""
+        return -(-8 * self.d_model // 3 // 64) * 64
+
+    @property
+    def expert_hidden(self) -> int:
+        """Hidden width of each expert (moe_experts > 0)."""
+        return self.swiglu_hidden if self.moe_inter is None else self.moe_inter
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,12 +210,67 @@ def gpt2_1_5b() -> GPTConfig:
     return GPTConfig(n_layer=48, n_head=25, d_model=1600)
 
 
+def tiny_moe() -> GPTConfig:
+    """tiny with each MLP a mixture of 8 SwiGLU experts of width 256, 2 a token: 7.4M parameters,
+    2.7M of them active (a token's share of the experts: 2 of 8)."""
+    return GPTConfig(
+        vocab_size=256,
+        block_size=64,
+        n_layer=4,
+        n_head=4,
+        d_model=256,
+        mlp="swiglu",
+        moe_experts=8,
+        moe_top_k=2,
+        moe_inter=256,
+    )
+
+
+def moe_124m() -> GPTConfig:
+    """gpt2-124m's attention and embeddings, in LLaMA's style (rotary, RMSNorm, no biases), each MLP 8
+    SwiGLU experts of width 1024, 2 a token: a token computes GPT-2's 4·768-wide MLP's FLOPs (2 experts
+    x 3 matrices x 1024 = 2 x 3072); 124M active parameters, 294M in all (python -m horse.model)."""
+    return GPTConfig(
+        n_layer=12,
+        n_head=12,
+        d_model=768,
+        positions="rotary",
+        norm="rmsnorm",
+        mlp="swiglu",
+        bias=False,
+        moe_experts=8,
+        moe_top_k=2,
+        moe_inter=1024,
+    )
+
+
+def moe_1b_7b() -> GPTConfig:
+    """OLMoE-1B-7B's shape (16 layers, d_model 2048, 16 heads, 64 experts of width 1024, 8 a token),
+    its embedding tied: 1.18B active parameters, 6.8B in all."""
+    return GPTConfig(
+        block_size=4096,
+        n_layer=16,
+        n_head=16,
+        d_model=2048,
+        positions="rotary",
+        norm="rmsnorm",
+        mlp="swiglu",
+        bias=False,
+        moe_experts=64,
+        moe_top_k=8,
+        moe_inter=1024,
+    )
+
+
 PRESETS = {
     "tiny": tiny,
+    "tiny-moe": tiny_moe,
     "gpt2-124m": gpt2_124m,
+    "moe-124m": moe_124m,
     "gpt2-350m": gpt2_350m,
     "gpt2-774m": gpt2_774m,
     "gpt2-1.5b": gpt2_1_5b,
+    "moe-1b-7b": moe_1b_7b,
 }
 
 
@@ -361,6 +463,45 @@ class MLP(nn.Module):
         return down(h)
 
 
+def expert_activation(config: GPTConfig) -> str:
+    """The experts' gated activation: SwiGLU for mlp swiglu, GeGLU (tanh GELU) for gelu."""
+    return "silu" if config.mlp == "swiglu" else "gelu_tanh"
+
+
+class Experts(MoEExperts):
+    """``horse.layers.MoEExperts`` with the model's switch: ``horse.kernels.moe_mlp`` whenever the compute
+    dtype is float16 or bfloat16 on backend triton; else (the reference backend, or float32, which the
+    kernels do not take) the loop over experts in plain torch, in float32."""
+
+    def __init__(self, config: GPTConfig, backend: str):
+        activation = expert_activation(config)
+        super().__init__(config.d_model, config.expert_hidden, config.moe_experts, activation=activation)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x (tokens, C); ids, weights (tokens, top_k) -> (tokens, C)"""
+        if runs_half_kernels(self.backend, x):
+            return super().forward(x, ids, weights)
+        with torch.autocast(x.device.type, enabled=False):
+            experts = (self.gate_up_proj, self.down_proj)
+            y = reference.moe_mlp(x, ids, weights, *experts, activation=self.activation)
+        return y.to(x.dtype)
+
+
+class MoE(FusedMoE):
+    """The block's MLP as a mixture of experts: ``horse.layers.FusedMoE`` (its router ``gate`` and its
+    ``experts``, transformers' names and layout), Mixtral's: a softmax top-k router whose top-k weights
+    are renormalised to sum to 1, gated experts without biases (SwiGLU for mlp swiglu, GeGLU for gelu),
+    on the model's :class:`Experts`. forward(x (B, T, C)) returns (y (B, T, C), router logits (B·T,
+    moe_experts))."""
+
+    def __init__(self, config: GPTConfig, backend: str):
+        d, hidden, experts, top_k = config.d_model, config.expert_hidden, config.moe_experts, config.moe_top_k
+        activation = expert_activation(config)
+        super().__init__(d, hidden, experts, top_k, router="softmax", normalize=True, activation=activation)
+        self.experts = Experts(config, backend)  # FusedMoE's experts, with the model's backend switch
+
+
 def make_norm(config: GPTConfig, backend: str) -> nn.Module:
     """The block's norm: the fused Triton module or its torch twin (same parameters either way)."""
     if config.norm == "layernorm":
@@ -387,13 +528,19 @@ class Block(nn.Module):
         self.norm_1 = make_norm(config, backend)
         self.attn = CausalSelfAttention(config, backend, rotary)
         self.norm_2 = make_norm(config, backend)
-        self.mlp = MLP(config, backend)
+        # The MLP, or a mixture of experts in its place (their own names, so that the plans differ).
+        self.mlp = MLP(config, backend) if not config.moe_experts else None
+        self.moe = MoE(config, backend) if config.moe_experts else None
 
     def forward(self, x, h, cache: KVCache | None, layer: int, documents: Documents | None = None):
-        """x (B, T, C): the previous branch output, not yet added to the stream h (B, T, C)."""
+        """x (B, T, C): the previous branch output, not yet added to the stream h (B, T, C). Returns
+        (this block's MLP output, the stream, its router logits (B·T, moe_experts), None without experts)."""
         y, h = add_norm(self.norm_1, x, h)
         y, h = add_norm(self.norm_2, self.attn(y, cache, layer, documents), h)
-        return self.mlp(y), h
+        if self.moe is None:
+            return self.mlp(y), h, None
+        y, router_logits = self.moe(y)
+        return y, h, router_logits
 
 
 # ----------------------------------------------------------------------------------------------
@@ -422,7 +569,8 @@ def initial_rows(
         return torch.zeros(out_shape)
     if module.rpartition(".")[2].startswith("norm"):
         return torch.ones(out_shape)
-    std = 0.02 / math.sqrt(2 * config.n_layer) if module.endswith(("c_proj", "down_proj")) else 0.02
+    writes_stream = module.endswith(("c_proj", "down_proj")) or param == "down_proj"  # the experts' too
+    std = 0.02 / math.sqrt(2 * config.n_layer) if writes_stream else 0.02
     row_size = math.prod(shape[1:])
     out = torch.empty(len(rows), row_size)
     blocks = rows // ROWS_PER_SEED
@@ -505,6 +653,13 @@ class GPT(nn.Module):
 
     def features(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """idx (B, T) -> the final norm's output (B, T, C), the LM head's input."""
+        return self.features_and_router_logits(idx, cache)[0]
+
+    def features_and_router_logits(
+        self, idx: torch.Tensor, cache: KVCache | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """idx (B, T) -> (the final norm's output (B, T, C), each block's router logits (B·T,
+        moe_experts) in block order: none without experts)."""
         start = cache.length if cache is not None else 0
         if start + idx.shape[1] > self.config.block_size:
             raise ValueError(
@@ -515,42 +670,65 @@ class GPT(nn.Module):
         if self.config.document_masking and cache is None:
             documents = documents_of(idx, self.config.eot_id)
         x, h = self.embed(idx, start if documents is None else documents.positions), None
+        router_logits = []
         for layer, block in enumerate(self.blocks):
-            x, h = block(x, h, cache, layer, documents)
+            x, h, logits = block(x, h, cache, layer, documents)
+            if logits is not None:
+                router_logits.append(logits)
         y, _ = add_norm(self.norm_f, x, h)
         if cache is not None:
             cache.length += idx.shape[1]
-        return y
+        return y, router_logits
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of next-token prediction; idx, targets (B, T). With fused_loss (the
         default) the LM head and the loss run fused in row chunks and the logits never exist whole
         (``horse.kernels.cross_entropy.head_loss``): the Triton kernels on backend triton, their
-        plain-PyTorch twins on reference."""
+        plain-PyTorch twins on reference. With experts, in training mode, plus router_aux_loss_coef
+        times the load-balancing loss of the blocks' router logits together (``load_balancing_loss``),
+        whose value is kept, detached, in ``router_aux_loss``; in eval mode the cross-entropy alone."""
+        y, router_logits = self.features_and_router_logits(idx)
         if not self.fused_loss:
             if self.vocab_shard is not None:
                 raise ValueError("GPT.loss: the unfused loss (fused_loss False) runs at tp=1 only")
-            return F.cross_entropy(self(idx).flatten(0, 1), targets.flatten())
-        in_use = (self.config.vocab_used or self.config.vocab_size) - self.vocab_start
-        head = self.head_weight[: max(0, in_use)]  # the rows in use (the padding's left out)
-        y = self.head_input(self.features(idx)).flatten(0, 1)  # (B·T, C)
-        use_triton = self.backend == "triton"
-        return head_loss(
-            y, head, targets.flatten(), use_triton=use_triton, shard=self.vocab_shard, fn="GPT.loss"
-        )
+            loss = F.cross_entropy(self.logits(y).flatten(0, 1), targets.flatten())
+        else:
+            in_use = (self.config.vocab_used or self.config.vocab_size) - self.vocab_start
+            head = self.head_weight[: max(0, in_use)]  # the rows in use (the padding's left out)
+            y = self.head_input(y).flatten(0, 1)  # (B·T, C)
+            use_triton = self.backend == "triton"
+            loss = head_loss(
+                y, head, targets.flatten(), use_triton=use_triton, shard=self.vocab_shard, fn="GPT.loss"
+            )
+        if not router_logits or not self.training:
+            return loss
+        config = self.config
+        aux = load_balancing_loss(router_logits, config.moe_experts, config.moe_top_k)
+        self.router_aux_loss = aux.detach()
+        return loss + config.router_aux_loss_coef * aux
 
     def num_params(self) -> int:
         """Parameters (a tensor-parallel rank's own), a tied embedding / LM head counted once."""
         return sum(p.numel() for p in self.parameters())
 
+    def num_active_params(self) -> int:
+        """Parameters a token computes with: :meth:`num_params`, the experts counted moe_top_k of
+        moe_experts (each token's share); all of them in a dense model."""
+        experts = sum(p.numel() for block in self.blocks if block.moe for p in block.moe.experts.parameters())
+        inactive = (
+            experts * (self.config.moe_experts - self.config.moe_top_k) // max(1, self.config.moe_experts)
+        )
+        return self.num_params() - inactive
+
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at sequence length seq_len: 6·N (forward and backward of every
-        matmul; N leaves out the position table, a lookup, and keeps the token embedding only when
-        it is also the LM head) plus 12·n_layer·d_model·seq_len for attention's scores and weighted sum,
-        seq_len capped at attn_window + 1 with a sliding window (the most keys a query sees).
-        Counted from the layers, so a tensor-parallel rank's is its share: its parameters, its heads."""
+        matmul; N the active parameters (:meth:`num_active_params`), leaving out the position table,
+        a lookup, and keeping the token embedding only when it is also the LM head) plus
+        12·n_layer·d_model·seq_len for attention's scores and weighted sum, seq_len capped at
+        attn_window + 1 with a sliding window (the most keys a query sees). Counted from the layers,
+        so a tensor-parallel rank's is its share: its parameters, its heads."""
         lookups = [self.wpe] + ([self.wte] if self.lm_head is not None else [])
-        n = self.num_params() - sum(m.weight.numel() for m in lookups if m is not None)
+        n = self.num_active_params() - sum(m.weight.numel() for m in lookups if m is not None)
         window = self.config.attn_window
         keys = seq_len if window is None else min(seq_len, window + 1)
         width = sum(block.attn.n_heads * block.attn.head_dim for block in self.blocks)  # n_layer · d_model
@@ -563,6 +741,12 @@ def num_params(config: GPTConfig) -> int:
         return GPT(config).num_params()
 
 
+def num_active_params(config: GPTConfig) -> int:
+    """Parameters a token of a model of this config computes with (GPT.num_active_params, on meta)."""
+    with torch.device("meta"):
+        return GPT(config).num_active_params()
+
+
 def flops_per_token(config: GPTConfig, seq_len: int) -> int:
     """Training FLOPs per token of the whole model at seq_len (GPT.flops_per_token, on the meta device)."""
     with torch.device("meta"):
@@ -570,14 +754,23 @@ def flops_per_token(config: GPTConfig, seq_len: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    description = "The presets: parameters, layers, width, heads and training FLOPs per token."
+    description = (
+        "The presets: parameters (all, and those a token computes with), layers, width, heads, experts "
+        "and training FLOPs per token."
+    )
     argparse.ArgumentParser(prog="python -m horse.model", description=description).parse_args(argv)
-    print(f"{'preset':<10} {'params':>8} {'layers':>6} {'d_model':>7} {'heads':>5}  GFLOP/token (training)")
+    header = f"{'preset':<10} {'params':>8} {'active':>8} {'layers':>6} {'d_model':>7} {'heads':>5}"
+    print(f"{header} {'experts':>7}  GFLOP/token (training)")
     for name, make in PRESETS.items():
         config = make()
-        params, gflops = num_params(config) / 1e6, flops_per_token(config, config.block_size) / 1e9
+        params, active = num_params(config) / 1e6, num_active_params(config) / 1e6
+        gflops = flops_per_token(config, config.block_size) / 1e9
         shape = f"{config.n_layer:>6} {config.d_model:>7} {config.n_head:>5}"
-        print(f"{name:<10} {params:7.1f}M {shape}  {gflops:.2f} at seq_len {config.block_size}")
+        experts = f"{config.moe_top_k}/{config.moe_experts}" if config.moe_experts else "-"
+        print(
+            f"{name:<10} {params:7.1f}M {active:7.1f}M {shape} {experts:>7}  {gflops:.2f} at seq_len "
+            f"{config.block_size}"
+        )
 
 
 if __name__ == "__main__":

@@ -5,18 +5,23 @@ under its flags (a flag, or a --config key, overrides one):
 
     preset      lr       warm-up   tokens a step            weight decay  betas        eval tokens
     tiny        2e-3     30 steps  --batch-size x T         0.1           0.9, 0.95    20,480
+    tiny-moe    2e-3     30        --batch-size x T         0.1           0.9, 0.95    20,480
     gpt2-124m   6e-4     715       524,288 (0.5M)           0.1           0.9, 0.95    1,048,576
+    moe-124m    6e-4     715       524,288 (0.5M)           0.1           0.9, 0.95    1,048,576
     gpt2-350m   3e-4     715       524,288                  0.1           0.9, 0.95    1,048,576
     gpt2-774m   2.5e-4   715       524,288                  0.1           0.9, 0.95    1,048,576
     gpt2-1.5b   2e-4     358       1,048,576 (1M)           0.1           0.9, 0.95    1,048,576
+    moe-1b-7b   2e-4     358       1,048,576 (1M)           0.1           0.9, 0.95    1,048,576
 
 GPT-2's are the GPT-3 paper's (Brown et al. 2020, table 2.1 and appendix B) for the model of the
 nearest size (Small 125M, Medium 350M, Large 760M, XL 1.3B): Adam with betas 0.9 and 0.95, weight
 decay 0.1, gradients clipped at 1.0, a linear warm-up over the first 375M tokens (715 steps of
-2^19 tokens), cosine decay to 10 % of the peak. A step's tokens (--batch-tokens) are reached by
-gradient accumulation: --grad-accum = batch_tokens / (--batch-size x seq_len x data-parallel
-replicas). The GPT-2 presets need data prepared with a BPE tokenizer: without --data they stop
-and say how to make it (the built-in corpus is bytes, for the tiny model).
+2^19 tokens), cosine decay to 10 % of the peak. The mixtures of experts take the recipe of the GPT-3
+model nearest their active parameters (moe-124m: 124M, Small's; moe-1b-7b: 1.18B, XL's), tiny-moe
+tiny's. A step's tokens (--batch-tokens) are reached by gradient accumulation: --grad-accum =
+batch_tokens / (--batch-size x seq_len x data-parallel replicas). The GPT-2 and moe presets need
+data prepared with a BPE tokenizer: without --data they stop and say how to make it (the built-in
+corpus is bytes, for the tiny models).
 
 Running the model (``horse.parallel.parallelize_gpt`` applies both). ``--compile`` runs the training
 loss under torch.compile: the Triton kernels are registered custom ops with fake implementations, so
@@ -66,10 +71,13 @@ def _gpt3(lr: float, batch_tokens: int, size: str) -> Recipe:
 RECIPES = {
     # 32 windows of 64 bytes a step, 250 steps: see horse.model.tiny.
     "tiny": Recipe(2e-3, 30, None, 0.1, 0.9, 0.95, 20_480, "tuned on the built-in corpus"),
+    "tiny-moe": Recipe(2e-3, 30, None, 0.1, 0.9, 0.95, 20_480, "tiny's"),
     "gpt2-124m": _gpt3(6e-4, GPT3_BATCH, "Small, 125M"),
+    "moe-124m": _gpt3(6e-4, GPT3_BATCH, "Small, 125M, its active parameters' size"),
     "gpt2-350m": _gpt3(3e-4, GPT3_BATCH, "Medium, 350M"),
     "gpt2-774m": _gpt3(2.5e-4, GPT3_BATCH, "Large, 760M"),
     "gpt2-1.5b": _gpt3(2e-4, 2 * GPT3_BATCH, "XL, 1.3B"),
+    "moe-1b-7b": _gpt3(2e-4, 2 * GPT3_BATCH, "XL, 1.3B, its active parameters' size"),
 }
 FIELDS = [f.name for f in dataclasses.fields(Recipe) if f.name not in ("source", "needs_data")]
 

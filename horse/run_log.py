@@ -27,8 +27,10 @@ def start(out_dir: Path, cfg, config, resumed_step: int | None) -> Path:
 
 def line(record: dict, max_steps: int) -> str:
     """The console's log line of a step's record."""
-    text = (
-        f"step {record['step']:>{len(str(max_steps))}}/{max_steps} | loss {record['loss']:.4f} | "
+    text = f"step {record['step']:>{len(str(max_steps))}}/{max_steps} | loss {record['loss']:.4f} | "
+    if "router_aux_loss" in record:  # a mixture of experts: its load-balancing loss, before the coefficient
+        text += f"aux loss {record['router_aux_loss']:.4f} | "
+    text += (
         f"lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f} | {_si(record['tokens_per_s'])} tok/s"
     )
     if record["loss_scale"] is not None:

@@ -88,7 +88,7 @@ from horse.generate import generate
 from horse.hf.weights import weight_source
 from horse.kernels import runtime
 from horse.loss_scale import LossScaler
-from horse.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params, preset
+from horse.model import GPT, PRESETS, GPTConfig, flops_per_token, num_active_params, num_params, preset
 from horse.parallel import (
     Parallel,
     allreduce_sequence_parallel_grads,
@@ -105,7 +105,7 @@ TINY = recipes.RECIPES["tiny"]  # TrainConfig's defaults; the command line takes
 class TrainConfig:
     """A training run. Every field is also a flag: --batch-size for batch_size, and so on.
 
-    preset: model preset: tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b (model flags override its fields)
+    preset: model preset: tiny, tiny-moe, gpt2-124m, moe-124m, gpt2-*, moe-1b-7b (python -m horse.model)
     data: a prepared directory, or a mixture DIR=WEIGHT,... (or a .json/.toml); empty: the built-in corpus
     out_dir: checkpoints, metrics.jsonl, config.json and traces; empty: runs/<preset>-<date>-<time>
     resume: continue from the newest good checkpoint in --out-dir (automatic after a torchrun restart)
@@ -284,16 +284,18 @@ def train_step(
     cfg: TrainConfig,
     parallel: Parallel | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> tuple[torch.Tensor, float, bool]:
+) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
     """One optimizer step of cfg.grad_accum micro-batches (next_batch() gives each (x, y)): forward
     under autocast, scaled backward, then ``horse.optim.optimizer_step``. loss_fn is model.loss or
     its DDP wrapper (``horse.parallel.data_parallel``), whose gradients are all-reduced in the last
     micro-batch's backward only; under FSDP2 every micro-batch's backward reduce-scatters into
-    the sharded gradients. Returns (the mean loss over the data-parallel replicas, a CPU
-    tensor; gradient norm; skipped)."""
+    the sharded gradients. Returns (the mean loss over the data-parallel replicas, a CPU tensor;
+    the mean of the load-balancing losses within it (``GPT.router_aux_loss``, before its
+    coefficient; 0 without experts), likewise; gradient norm; skipped)."""
     parallel = parallel or Parallel()
     ddp = isinstance(loss_fn, nn.parallel.DistributedDataParallel)
-    loss_sum = torch.zeros((), device=next(model.parameters()).device)
+    experts = model.config.moe_experts > 0
+    sums = torch.zeros(2, device=next(model.parameters()).device)  # the loss, the load-balancing loss
     for micro in range(cfg.grad_accum):
         last = micro == cfg.grad_accum - 1
         sync = loss_fn.no_sync() if ddp and not last else contextlib.nullcontext()
@@ -304,14 +306,16 @@ def train_step(
                 loss = loss_fn(x, y) / cfg.grad_accum
             with nvtx_range("backward"):
                 scaler.scale(loss).backward()
-        loss_sum += loss.detach()
+        sums[0] += loss.detach()
+        if experts:
+            sums[1] += model.router_aux_loss / cfg.grad_accum
     with nvtx_range("optimizer"):
         allreduce_sequence_parallel_grads(model, parallel)
         # Copied to the host ahead of optimizer_step's host read of the gradient norm, which waits
         # for it: reading the loss after the step would wait for AdamW before the next step is queued.
-        loss = dp_mean(loss_sum, parallel).to("cpu", non_blocking=True)
+        loss, router_aux_loss = dp_mean(sums, parallel).to("cpu", non_blocking=True)
         grad_norm, skipped = optim.optimizer_step(model, optimizer, scaler, cfg.grad_clip, parallel)
-    return loss, grad_norm, skipped
+    return loss, router_aux_loss, grad_norm, skipped
 
 
 @torch.no_grad()
@@ -561,7 +565,7 @@ class Run:
         lr = optim.lr_at(self.step, self.max_steps, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss, grad_norm, skipped = train_step(
+        loss, router_aux_loss, grad_norm, skipped = train_step(
             self.loss_fn,
             self.train_loader.next,
             self.model,
@@ -580,9 +584,11 @@ class Run:
             )
         self.scaler.check(self.step, loss)
         peak = self.peak_flops
+        experts = {"router_aux_loss": router_aux_loss.item()} if self.config.moe_experts else {}
         return {
             "step": self.step,
             "loss": loss,
+            **experts,
             "lr": lr,
             "grad_norm": grad_norm,
             "loss_scale": self.scaler.get_scale() if self.scaler.is_enabled() else None,
@@ -831,8 +837,14 @@ def _log_start(run: Run, backend_note: str, train_split: Split, val_split: Split
             f"parallel: {parallel.world_size} processes ({dist.get_backend()}) = tp {parallel.tp_size}"
             f"{sequence_parallel} x dp {parallel.dp_size}{fsdp}{restart}"
         )
+    experts = ""
+    if config.moe_experts:
+        experts = (
+            f" ({num_active_params(config) / 1e6:.2f}M active: {config.moe_top_k} of {config.moe_experts} "
+            f"experts of width {config.expert_hidden} a token)"
+        )
     run.log(
-        f"model {cfg.init_from or cfg.preset}: {num_params(config) / 1e6:.2f}M parameters, "
+        f"model {cfg.init_from or cfg.preset}: {num_params(config) / 1e6:.2f}M parameters{experts}, "
         f"{config.n_layer} layers, d_model "
         f"{config.d_model}, {config.n_head} heads ({config.kv_heads} kv), vocabulary {config.vocab_size}, "
         f"{config.positions} positions, {config.norm}, {config.mlp} | "

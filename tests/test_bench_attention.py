@@ -200,17 +200,14 @@ def test_check_packed_passes_ours_and_fails_a_wrong_result(monkeypatch):
     assert not ok and errors["out"] > attention.TOLERANCE
 
 
-def test_score_mod_cases_time_ours_and_flex_where_the_kernels_take_the_direction():
-    from horse.kernels.attention.configs import SOFTCAP_BACKWARD_MAX_HEAD_DIM
-
+def test_score_mod_cases_time_ours_and_flex_both_ways():
     for quick in (False, True):
         cases = [c for c in attention.cases(quick) if c.kernel == "attention_score_mods"]
         assert {c.implementation for c in cases} == {"ours", "flex"}
         assert len(cases) == 2 * sum(len(directions) for _, _, directions in attention.SCORE_MODS)
     assert all(c.check is not None for c in cases if c.implementation == "ours")
     softcapped = {(c.params["head_dim"], c.direction) for c in cases if c.params["softcap"]}
-    assert softcapped == {(128, "forward"), (64, "forward"), (64, "forward+backward")}
-    assert all(d <= SOFTCAP_BACKWARD_MAX_HEAD_DIM for d, direction in softcapped if direction != "forward")
+    assert softcapped == {(d, direction) for d in (128, 64) for direction in ("forward", "forward+backward")}
     with_sinks = {(c.params["head_dim"], c.direction) for c in cases if c.params["sinks"]}
     assert with_sinks == {(128, "forward"), (128, "forward+backward")}
     for c in cases:
@@ -258,7 +255,7 @@ def test_check_tells_sinks_from_none():
 def test_check_with_a_softcap_fails_ours_without_it(monkeypatch):
     from horse import kernels
 
-    shape = attention.INTERPRETER_SHAPES[0]  # head dim 64: the softcap's backward runs
+    shape = attention.INTERPRETER_SHAPES[0]
     assert attention.check(shape, True, "cpu", softcap=attention.SOFTCAP)[1]
     flash_attention = kernels.flash_attention
     monkeypatch.setattr(

@@ -34,7 +34,7 @@ def test_cases_cover_every_model_on_every_implementation_and_quick_keeps_the_gat
         "sdpa": True,
     }
     assert gemma2.params == {
-        "model": "gemma2-2b-hd64",
+        "model": "gemma2-2b",
         "layers": 26,
         "d_model": 2304,
         "batch": 1,

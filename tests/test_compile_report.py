@@ -18,7 +18,7 @@ import triton
 
 from bench import compile_report
 from bench.compile_report import cache, compiler, disassembly, gate
-from bench.compile_report.attention import SOFTCAP, attention_entry_configs
+from bench.compile_report.attention import SOFTCAP, attention_entry_configs, score_mod_configs
 from bench.compile_report.compiler import CompileResult
 from bench.compile_report.config import TRITON_TYPES, KernelConfig, describe
 from bench.compile_report.mlp import mlp_entry_configs
@@ -727,10 +727,28 @@ def test_an_entry_compiles_in_every_variant_it_can_be_launched_in():
     assert all(c in sm86_configs for c in sm86_dkdv)
 
 
+def test_every_family_builds_its_gradient_passes_with_the_softcap_on_their_softcap_tiles():
+    # The forward and decode with the score modifications on sm_90 alone; the gradient passes with the
+    # softcap on every family, on each entry's softcap tile: sm_100's dq at 128 takes 2 stages (its own
+    # 3 spilled with the softcap), and no dk/dv row with the softcap is a split-output launch.
+    for name, arch in runtime.ARCHS.items():
+        configs = score_mod_configs(arch)
+        kernels = {c.kernel for c in configs}
+        assert {"attn_bwd_dkdv", "attn_bwd_dq"} <= kernels and ("attn_fwd" in kernels) == (name == "sm90")
+        assert not any("split_outputs" in c.kernel for c in configs)
+    sm100_dq = [
+        c
+        for c in score_mod_configs(runtime.ARCHS["sm100"])
+        if c.kernel == "attn_bwd_dq" and c.constexprs["HEAD_DIM"] == 128
+    ]
+    assert sm100_dq and {c.num_stages for c in sm100_dq} == {2}
+
+
 def test_the_moe_down_and_dx_gemms_compile_by_tma_and_pointers_with_the_unit_strides_they_run_with():
     from bench.compile_report.moe import moe_configs
 
     plain = [c for c in moe_configs(runtime.SM90) if c.kernel in ("moe_down", "moe_dx")]
+    plain = [c for c in plain if "gpt-oss" not in c.shape_class]  # transformers' layout
     # sm_90's down entry, for down and dx, in both dtypes, by pointers and by TMA (the sorted rows' tiles
     # and one expert's weight tile as stored: down_proj (experts, N, K), gate_up_proj (experts, K, N)).
     tma = {(c.kernel, c.constexprs["TMA"], c.descriptors["W"]) for c in plain if c.descriptors}
@@ -740,6 +758,66 @@ def test_the_moe_down_and_dx_gemms_compile_by_tma_and_pointers_with_the_unit_str
     # gate_up_proj transposed (along n).
     assert all(c.constexprs["w_strides[2]" if c.kernel == "moe_down" else "w_strides[1]"] == 1 for c in plain)
     assert not any(c.descriptors for c in moe_configs(runtime.SM100))  # the other families: pointers
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("layout", ["transformers", "gpt-oss"])
+def test_every_moe_gemm_launch_in_either_weight_layout_has_its_row_in_every_family(monkeypatch, layout):
+    """Each grouped GEMM moe_mlp launches, forward and backward, with transformers' weights as stored or
+    gpt-oss's as horse.hf.moe.gpt_oss_experts_forward passes them (transposed views, interleaved gate
+    and up rows, biases, the clamp at its limit), has a report row in every family and dtype with the
+    same flags and epilogue and the weights' strides of 1 that Triton specialises at that launch."""
+    from bench.compile_report.moe import moe_configs
+    from horse import kernels
+    from horse.kernels.moe import launch
+
+    launches = []
+    real_launch = launch._launch
+
+    def recording_launch(plan, *args):
+        names = plan.kernel.arg_names[: len(args)]  # the constexprs, last, come from the plan
+        units = {f"{name}[{i}]" for name, arg in zip(names, args, strict=True) if name.endswith("strides")
+                 for i, stride in enumerate(arg) if stride == 1}  # fmt: skip
+        flags = {k: v for k, v in plan.constexprs.items() if not k.startswith("BLOCK_")}
+        launches.append((plan.kernel.fn.__name__, flags, units))
+        real_launch(plan, *args)
+
+    monkeypatch.setattr(launch, "_launch", recording_launch)
+    torch.manual_seed(0)
+    f16 = {"dtype": torch.float16}
+    experts, hidden, inter = 3, 32, 48
+    x = torch.randn(5, hidden, **f16, requires_grad=True)
+    ids, weights = torch.tensor([[0, 2], [2, 1], [0, 1], [1, 2], [0, 0]]), torch.rand(5, 2, **f16)
+    gate_up, down = torch.randn(experts, 2 * inter, hidden, **f16), torch.randn(experts, hidden, inter, **f16)
+    if layout == "gpt-oss":  # stored (experts, hidden, 2 inter) and (experts, inter, hidden)
+        gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+    gate_up, down = gate_up.mul_(0.2).requires_grad_(), down.mul_(0.2).requires_grad_()
+    biases = (torch.randn(experts, 2 * inter, **f16), torch.randn(experts, hidden, **f16))
+    gate_up_bias, down_bias = (b.mul_(0.1).requires_grad_() for b in biases)
+    options = dict(activation="silu", gate_up_bias=gate_up_bias, down_bias=down_bias)
+    if layout == "gpt-oss":
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        options |= dict(limit=7.0, gate_up_interleaved=True)
+    y = kernels.moe_mlp(x, ids, weights.requires_grad_(), gate_up, down, **options)
+    y.float().sum().backward()
+    gemms = [launched for launched in launches if launched[0] not in ("_count_kernel", "_place_kernel")]
+    gemms = [launched for launched in gemms if launched[0] != "_combine_kernel"]
+    assert len(gemms) == 6  # gate_up, down, dh, dx, both weight gradients
+    for arch in runtime.ARCHS.values():
+        rows = moe_configs(arch)
+        for dtype in (torch.float16, torch.bfloat16):
+            built = [(c.fn_path.rsplit(".", 1)[1], c.constexprs) for c in rows if c.dtype == dtype]
+            for kernel, flags, units in gemms:
+                # The pointer rows stand in every family (TMA ones where it takes TMA), so pointers.
+                flags = flags | {"TMA": None} if "TMA" in flags else flags
+                assert any(
+                    name == kernel
+                    and all(constexprs.get(k) == v for k, v in flags.items())
+                    # the weight's and dW's (w_strides, dw_strides): the layouts' difference
+                    and {k for k, v in constexprs.items() if "w_strides" in k and v == 1}
+                    == {u for u in units if "w_strides" in u}
+                    for name, constexprs in built
+                ), (arch.name, dtype, kernel, flags, units)
 
 
 def test_dkdv_entries_compile_with_float32_partials_for_gqa_head_splits():
@@ -1043,7 +1121,9 @@ def test_attention_configs_are_the_launchers_plans(use_tma, monkeypatch):
     built = {repr(_compiled(c)) for c in compile_report.all_configs(["sm90"]) if c.fn.fn.__name__ in passes}
     # GQA with its heads split at the power-of-two head dims: the report builds the float32 partials'
     # store at those alone (the loop is the padded head dim's).
-    for (head_dim, kv_heads), window in itertools.product(((64, 2), (96, 4), (256, 2)), ((-1, -1), (7, 0))):
+    for (head_dim, kv_heads), window in itertools.product(
+        ((64, 2), (96, 4), (128, 2), (256, 2)), ((-1, -1), (7, 0))
+    ):
         shapes = ((2, 40, heads, head_dim) for heads in (4, kv_heads, kv_heads))
         q, k, v = (torch.randn(shape, dtype=torch.float16, requires_grad=True) for shape in shapes)
         kernels.flash_attention(q, k, v, causal=True, window_size=window).sum().backward()
@@ -1060,14 +1140,12 @@ def test_attention_configs_are_the_launchers_plans(use_tma, monkeypatch):
                 kernels.flash_attention_with_kvcache(
                     q.detach()[:, :seqlen_q], k.detach(), v.detach(), **cache
                 )
-        else:  # softcap and sinks together (the report's rows), at the power-of-two head dims; the softcap's
-            # backward up to its head dim, the forward and the decode pass at every one
+        else:  # softcap and sinks together (the report's rows), at the power-of-two head dims, forward and
+            # backward (the gradient passes on their entries' softcap tiles) and the decode pass
             mods = {"softcap": SOFTCAP, "sinks": torch.zeros(4, requires_grad=True)}
-            with torch.set_grad_enabled(head_dim <= attention_configs.SOFTCAP_BACKWARD_MAX_HEAD_DIM):
-                out = kernels.flash_attention(q, k, v, causal=True, window_size=window, **mods)
-                packed_out = kernels.flash_attention_varlen(*packed, cu, cu, 30, 30, **mods)
-            if out.requires_grad:
-                (out.sum() + packed_out.sum()).backward()
+            out = kernels.flash_attention(q, k, v, causal=True, window_size=window, **mods)
+            packed_out = kernels.flash_attention_varlen(*packed, cu, cu, 30, 30, **mods)
+            (out.sum() + packed_out.sum()).backward()
             for seqlen_q in (1, 40):
                 lengths = torch.full((2,), 40, dtype=torch.int32)
                 cache = {"cache_seqlens": lengths, "causal": True, "window_size": window, **mods}

@@ -1,7 +1,7 @@
 """The attention kernels' configs (horse.kernels.attention, its tables in
 horse.kernels.attention.configs): every table entry in every variant it can be launched in, the
-backward's preprocess and the decode kernels; on sm_90, the score modifications (softcap and sinks);
-document masking on sm_90 (DOCUMENT_ARCHS).
+backward's preprocess and the decode kernels; the score modifications (softcap and sinks) on sm_90, the
+softcap's gradient passes on every family; document masking on sm_90 (DOCUMENT_ARCHS).
 """
 
 import itertools
@@ -26,6 +26,9 @@ ATTENTION_TABLES = {
 ATTENTION_MASKS = ("full", "causal", "local")
 # The softcap the score-modification rows compile with (Gemma 2's): a constexpr, each value its own build.
 SOFTCAP = 50.0
+# The families whose forward and decode rows with the score modifications are built: sm_90; every family
+# builds its gradient passes' softcap rows (the tiles of AttnConfig.softcap are chosen by them).
+SCORE_MOD_ARCHS = ("sm90",)
 # The families whose document-masking rows are built: sm_90. On sm_80 the dk/dv pass spilled 8 bytes at
 # head dims 24 and 32 (blocks 32x64x128x32, 8 warps; the causal rows do not), sm86, sm100, gfx942 not built.
 DOCUMENT_ARCHS = ("sm90",)
@@ -110,15 +113,17 @@ def score_mod_configs(arch: runtime.Arch) -> list[KernelConfig]:
     """The passes with the score modifications on (softcap; the forward's sinks too; the decode pass's
     softcap and its reduce's sinks): every table entry at its power-of-two head dim, every mask, both
     dtypes, on the table's batches, by pointer loads and (where the entry may) TMA; the dk/dv pass's
-    float32 partials too. The gradient passes up to SOFTCAP_BACKWARD_MAX_HEAD_DIM, as they run."""
+    float32 partials too. The gradient passes take each entry's softcap tile, as the launchers do
+    (configs.attn_config). On SCORE_MOD_ARCHS every pass; on the other families the gradient passes."""
     from horse.kernels.attention import configs as attention_configs
     from horse.kernels.attention import launch
 
-    configs, dtypes = [], (torch.float16, torch.bfloat16)
+    configs, dtypes, every_pass = [], (torch.float16, torch.bfloat16), arch.name in SCORE_MOD_ARCHS
     for table, (name, batches) in ATTENTION_TABLES.items():
-        for block_d, cfg in sorted(getattr(attention_configs, table)[arch.name].items()):
-            if name != "attn_fwd" and block_d > attention_configs.SOFTCAP_BACKWARD_MAX_HEAD_DIM:
-                continue  # refused by flash_attention
+        if name == "attn_fwd" and not every_pass:
+            continue
+        for block_d, entry in sorted(getattr(attention_configs, table)[arch.name].items()):
+            cfg = entry if name == "attn_fwd" else entry.scored(SOFTCAP)
             loads = (False, True) if cfg.tma and arch.tma else (False,)
             # the dk/dv pass's float32 partials (GQA head splits) in one dtype, as attention_entry_configs
             variants = [(dtypes, False)] + [((torch.float16,), True)] * (name == "attn_bwd_dkdv")
@@ -129,7 +134,7 @@ def score_mod_configs(arch: runtime.Arch) -> list[KernelConfig]:
                     configs += attention_pass_configs(
                         name, cfg, block_d, dtype, mask, tma, packed, arch.name, head_split, score_mods=True
                     )
-    decode = sorted(attention_configs.DECODE_CONFIGS[arch.name].items())
+    decode = sorted(attention_configs.DECODE_CONFIGS[arch.name].items()) if every_pass else []
     for (block_d, cfg), mask, dtype in itertools.product(decode, reversed(ATTENTION_MASKS), dtypes):
         shape_class = f"d={block_d}" + ("" if mask == "full" else f" {mask}") + " softcap"
         plans = (
@@ -214,8 +219,7 @@ def attention_configs(arch: runtime.Arch) -> list[KernelConfig]:
         if mask == "full":  # and its reduce of the split keys' partial outputs
             reduce = launch.decode_reduce_plan(1, head_dim)
             configs.append(plan_config(reduce, shape_class, dtype, arch.name))
-    if arch.name == "sm90":
-        configs += score_mod_configs(arch)
+    configs += score_mod_configs(arch)
     if arch.name in DOCUMENT_ARCHS:
         configs += document_configs(arch)
     return configs

@@ -260,6 +260,12 @@ def from_hf_tensors(tensors: dict, config: GPTConfig, arch: str, source: Path) -
 
 def hf_architecture(config: GPTConfig) -> str:
     """The HF architecture a horse config exports as, or an error naming the fields neither takes."""
+    if config.moe_experts:
+        raise ValueError(
+            f"a mixture of experts (moe_experts {config.moe_experts}) has no Hugging Face export here: "
+            "GPT2LMHeadModel and LlamaForCausalLM are dense; its checkpoints load and generate with "
+            "horse itself (python -m horse.generate --ckpt ...)"
+        )
     gpt2 = {"positions": "learned", "norm": "layernorm", "mlp": "gelu", "attn_window": None}
     llama = {"positions": "rotary", "norm": "rmsnorm", "mlp": "swiglu", "attn_window": None}
     ours = {k: getattr(config, k) for k in gpt2}

@@ -9,15 +9,16 @@ over dp_replicate (HSDP; ``fully_shard_gpt``). Launched with torchrun; NCCL on G
 CPU (the tests).
 
 The model (``horse.model.GPT``) is dense; one table, ``GPT_PLAN``, says per module how it splits
-over the tp ranks (by rows, by columns, by heads, or not at all, and which tensor-parallel form
-it takes), Megatron's way: the token embedding (also the LM head) by vocabulary rows; attention by
+over the tp ranks (by rows, by columns, by heads, or not at all, and which tensor-parallel form it
+takes), Megatron's way: the token embedding (also the LM head) by vocabulary rows; attention by
 heads, its c_attn column-parallel (rows, in q, k and v sections) and its c_proj row-parallel
-(columns); the MLP by hidden units, its input taken whole once for its up projections (rows) and
-its down projection row-parallel (columns); norms, the position table and the biases added after
-a row-parallel projection stay whole on every rank. ``parallelize(model, mesh)`` applies the table
-to a model, making it this rank's shard; ``shard_spec`` reads the same table to cut whole state
-dicts into shards and gather them again (checkpoints, resharding on resume). A model is built on
-the meta device, cut there, and each rank allocates and draws from the seed only the rows and
+(columns); the MLP by hidden units, its input taken whole once for its up projections (rows) and its
+down projection row-parallel (columns); a mixture of experts in the MLP's place likewise, by each
+expert's hidden units, its router whole on every rank; norms, the position table and the biases
+added after a row-parallel projection stay whole on every rank. ``parallelize(model, mesh)`` applies
+the table to a model, making it this rank's shard; ``shard_spec`` reads the same table to cut whole
+state dicts into shards and gather them again (checkpoints, resharding on resume). A model is built
+on the meta device, cut there, and each rank allocates and draws from the seed only the rows and
 columns it holds (``build_model``, ``materialize``): every tp size and FSDP layout starts from the
 same weights, and no rank holds the whole model.
 
@@ -107,7 +108,13 @@ from horse.parallel.shard import (
     shard_state_dict,
     unshard,
 )
-from horse.parallel.tensor_parallel import column_parallel, row_parallel, vocab_parallel, vocab_parallel_head
+from horse.parallel.tensor_parallel import (
+    column_parallel,
+    experts_inter_parallel,
+    row_parallel,
+    vocab_parallel,
+    vocab_parallel_head,
+)
 from horse.parallel.vocab import (
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
@@ -133,6 +140,7 @@ __all__ = [
     "copy_to_tp",
     "data_parallel",
     "dp_mean",
+    "experts_inter_parallel",
     "found_nonfinite",
     "fully_shard_gpt",
     "gather_from_sequence",

@@ -100,7 +100,8 @@ def build_model(
 
 class WeightSource(Protocol):
     """Whole tensors by parameter name, read in parts: ``source(name, rows, columns)`` is the float32
-    tensor ``whole[rows][:, columns]`` (columns None: all of them); rows and columns are ascending
+    tensor ``whole[rows][:, columns]`` (columns None: all of them), or ``whole[rows][:, :, columns]``
+    for a tensor the plan cuts along dim 2 (the experts' down_proj); rows and columns are ascending
     indices of the whole tensor."""
 
     def __call__(self, name: str, rows: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor: ...
@@ -173,14 +174,14 @@ def _fill(
         _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         first_row = offset[0]
     rows = tp_indices(0)[first_row : first_row + local_part.shape[0]]
-    columns = tp_indices(1) if spec is not None and spec.dim == 1 else None
+    columns = tp_indices(spec.dim) if spec is not None and spec.dim > 0 else None  # along the cut dim
     if source is not None:
         local_part.copy_(source(name, rows, columns).view_as(local_part))
         return
     for start in range(0, len(rows), ROWS_AT_ONCE):
         values = initial_rows(name, torch.Size(whole_shape), rows[start : start + ROWS_AT_ONCE], config, seed)
         if columns is not None:
-            values = values.index_select(1, columns)
+            values = values.index_select(spec.dim, columns)
         local_part[start : start + ROWS_AT_ONCE].copy_(values)
 
 

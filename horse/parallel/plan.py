@@ -10,7 +10,13 @@ from torch import nn
 
 from horse.model import GPTConfig
 from horse.parallel.mesh import Parallel
-from horse.parallel.tensor_parallel import column_parallel, row_parallel, vocab_parallel, vocab_parallel_head
+from horse.parallel.tensor_parallel import (
+    column_parallel,
+    experts_inter_parallel,
+    row_parallel,
+    vocab_parallel,
+    vocab_parallel_head,
+)
 
 
 @dataclass(frozen=True)
@@ -20,26 +26,40 @@ class Style:
     split: what of the module is cut. "rows": its weight and bias, by output rows (dim 0);
         "columns": its weight, by input columns (dim 1), while its bias (added once, after the
         ranks' partial outputs are summed) stays whole on every rank; "heads": its head counts
-        (n_heads, n_kv_heads), divided by tp; None: nothing (its parameters whole on every rank)
+        (n_heads, n_kv_heads), divided by tp; "inter": the hidden units of every expert of a
+        mixture of experts (``horse.layers.MoEExperts``), gate_up_proj (experts, 2·inter, C) by its
+        rows (dim 1) and down_proj (experts, C, inter) by its columns (dim 2); None: nothing (its
+        parameters whole on every rank)
     sections: the consecutive sections of the cut dim that are cut separately, from the model's
         config: each rank takes its 1/tp of every section, in order (c_attn's q, k and v rows);
         None: the dim is cut as one
+    sectioned: the parameters whose cut dim has those sections (the others are cut as one)
     form: the module's tensor-parallel form (``horse.parallel.tensor_parallel``), a function
         ``form(module, parallel)`` that hooks the collectives onto the module, or returns the module
         that takes its place; None: the module runs as it is, its parent handing it what it needs
     """
 
-    split: Literal["rows", "columns", "heads"] | None = None
+    split: Literal["rows", "columns", "heads", "inter"] | None = None
     sections: Callable[[GPTConfig], list[int]] | None = None
+    sectioned: tuple[str, ...] = ("weight", "bias")
     form: Callable[[nn.Module, Parallel], nn.Module] | None = None
 
     def dim_of(self, param: str) -> int | None:
-        """The dim along which the module's parameter ``param`` ("weight", "bias") is cut; None: whole."""
+        """The dim along which the module's parameter ``param`` ("weight", "bias", "gate_up_proj", ...)
+        is cut; None: whole."""
         if self.split == "rows" and param in ("weight", "bias"):
             return 0
         if self.split == "columns" and param == "weight":
             return 1
+        if self.split == "inter":
+            return {"gate_up_proj": 1, "down_proj": 2}.get(param)
         return None
+
+    def sections_of(self, param: str, config: GPTConfig) -> list[int] | None:
+        """The sections of the module's parameter ``param``'s cut dim; None: cut as one."""
+        if self.sections is None or param not in self.sectioned:
+            return None
+        return self.sections(config)
 
 
 def qkv_sections(config: GPTConfig) -> list[int]:
@@ -47,6 +67,11 @@ def qkv_sections(config: GPTConfig) -> list[int]:
     q_rows = config.n_head * config.head_dim
     kv_rows = config.kv_heads * config.head_dim
     return [q_rows, kv_rows, kv_rows]
+
+
+def gate_up_sections(config: GPTConfig) -> list[int]:
+    """The experts' gate_up_proj rows (dim 1), in order: the gate's, the up projection's."""
+    return [config.expert_hidden, config.expert_hidden]
 
 
 # The GPT's plan, Megatron's. Attention is split by heads and the MLP by hidden units; each branch
@@ -70,6 +95,11 @@ GPT_PLAN: dict[str, Style] = {
     "blocks.*.mlp.up_proj": Style("rows"),
     "blocks.*.mlp.c_proj": Style("columns", form=row_parallel),
     "blocks.*.mlp.down_proj": Style("columns", form=row_parallel),
+    # A mixture of experts in the MLP's place: its router (gate) whole on every rank, each expert split
+    # by hidden units as the MLP is (gate_up by rows, down by columns: one all-reduce).
+    "blocks.*.moe.experts": Style(
+        "inter", sections=gate_up_sections, sectioned=("gate_up_proj",), form=experts_inter_parallel
+    ),
 }
 
 

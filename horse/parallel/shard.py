@@ -23,6 +23,8 @@ def check_divisible(config: GPTConfig, tp: int) -> None:
         "vocab_size": config.vocab_size,
         "mlp_hidden": config.hidden,
     }
+    if config.moe_experts:
+        sizes["moe_inter"] = config.expert_hidden
     bad = [f"{name} {size}" for name, size in sizes.items() if size % tp]
     if bad:
         raise ValueError(f"tensor parallel size {tp} must divide {', '.join(bad)}")
@@ -56,7 +58,7 @@ def shard_spec(name: str, config: GPTConfig) -> ShardSpec | None:
     dim = None if style is None else style.dim_of(param)
     if dim is None:
         return None
-    return ShardSpec(dim, style.sections(config) if style.sections else None)
+    return ShardSpec(dim, style.sections_of(param, config))
 
 
 def shard(full: torch.Tensor, spec: ShardSpec | None, rank: int, size: int) -> torch.Tensor:

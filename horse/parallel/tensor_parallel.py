@@ -7,7 +7,7 @@ replacement, holding the same parameters under the same names)."""
 
 from torch import nn
 
-from horse.parallel.collectives import column_parallel_input, split_sequence
+from horse.parallel.collectives import column_parallel_input, copy_to_tp, reduce_from_tp, split_sequence
 from horse.parallel.mesh import Parallel
 from horse.parallel.row_parallel import RowParallelLinear, VocabParallelEmbedding
 from horse.parallel.vocab import _vocab_shard
@@ -29,6 +29,35 @@ def column_parallel(module: nn.Module, parallel: Parallel) -> nn.Module:
 def row_parallel(module: nn.Module, parallel: Parallel) -> nn.Module:
     """An nn.Linear split by input columns, replaced by a :class:`RowParallelLinear` of its parameters."""
     return RowParallelLinear(module, parallel)
+
+
+def experts_inter_parallel(module: nn.Module, parallel: Parallel) -> nn.Module:
+    """The experts of a mixture of experts (``horse.layers.MoEExperts``: forward(x, ids, weights)), each
+    split by its hidden units as the dense MLP is: their inputs, the tokens x and their routing weights,
+    whole on every rank with their gradients summed over the ranks (``copy_to_tp``), each rank computing
+    its rows of every expert's gate and up projections and its columns of its down projection, and the
+    ranks' partial outputs summed (``reduce_from_tp``): one all-reduce forward; backward, one of x's
+    gradient and one of the routing weights' (tokens x top_k). The router before them runs whole on
+    every rank on the same input, so every rank routes each token alike, and its gradient (complete on
+    every rank, the routing weights' being summed) reaches the block's input once, not tp times.
+    Not under sequence parallelism, where each rank's router would see only its chunk of the tokens."""
+    if parallel.sequence_parallel:
+        raise ValueError(
+            "parallelize: sequence parallelism does not take a mixture of experts (moe_experts): each "
+            "rank's router would see only its chunk of the sequence; use tensor parallelism without it"
+        )
+    group = parallel.tp_group
+
+    def inputs_whole(module, args):
+        x, ids, weights = args
+        return copy_to_tp(x, group), ids, copy_to_tp(weights, group)
+
+    def sum_outputs(module, args, y):
+        return reduce_from_tp(y, group)
+
+    module.register_forward_pre_hook(inputs_whole)
+    module.register_forward_hook(sum_outputs)
+    return module
 
 
 def vocab_parallel(module: nn.Module, parallel: Parallel) -> nn.Module:

@@ -8,7 +8,7 @@ import torch
 
 from horse.kernels import reference, runtime
 from horse.kernels.attention import launch
-from horse.kernels.attention.configs import MAX_HEAD_DIM, SOFTCAP_BACKWARD_MAX_HEAD_DIM
+from horse.kernels.attention.configs import MAX_HEAD_DIM
 from horse.kernels.attention.launch import Packed, attention_fwd
 from horse.kernels.attention.ops import _attn_fwd_op
 
@@ -206,17 +206,6 @@ def _attention(
         cu_q, cu_k = packed.cu_seqlens_q.contiguous(), packed.cu_seqlens_k.contiguous()
         sequences = (cu_q, cu_k, packed.max_seqlen_q, packed.max_seqlen_k)
     if _runs_triton(q, fn):
-        head_dim, wants_grad = (
-            q.shape[-1],
-            torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-        )
-        if softcap and wants_grad and head_dim > SOFTCAP_BACKWARD_MAX_HEAD_DIM:
-            raise NotImplementedError(
-                f"{fn}: softcap with gradients of q, k or v takes head_dim <= "
-                f"{SOFTCAP_BACKWARD_MAX_HEAD_DIM} on the Triton path, got {head_dim} (its dk/dv pass spills "
-                "there); the forward alone "
-                "(torch.no_grad, inputs without requires_grad) runs at every head dim"
-            )
         mask = (causal, window, None)
         if document_starts is not None:  # causal with each query's first key, the window's left edge in it
             mask = (True, (-1, -1), launch.document_first_keys(document_starts, window[0]))

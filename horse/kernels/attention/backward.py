@@ -630,7 +630,7 @@ def _attn_bwd_dkdv_split_outputs_kernel(
                 TMA=TMA,
                 INLINE_PTX=INLINE_PTX,
                 OUTPUT=OUTPUT,
-                SOFTCAP=None,  # split outputs serve head dims the softcap's backward refuses
+                SOFTCAP=None,  # never with the softcap: AttnConfig.scored takes a fused tile then
             )
     if not (VARLEN and TMA):  # with head splits, from the first row of this split's float32 partials
         out_view = _output_view(

@@ -8,7 +8,9 @@ where tma is set on sm_90 and sm_100, with TMA loads: ``python -m bench.compile_
 builds them all, and its output is the record of how each builds. The sm90 entries were chosen for
 speed; the other families' are the first candidates, from sm90's tile down, that compile clean there
 (``python -m bench.tune attention --compile-only --arch FAMILY --start-from sm90 --write``), not
-measured yet. What was tried for each entry and why it stands: TUNING.md beside this file.
+measured yet. A gradient pass's entry may hold a tile of its own for the softcap (``softcap``), where
+its tile spills with the softcap's work added: :func:`attn_config` takes it when the softcap is on.
+What was tried for each entry and why it stands: TUNING.md beside this file.
 """
 
 import dataclasses
@@ -38,16 +40,28 @@ class AttnConfig:
     # dk/dv pass: dv and dk by two launches of their own, one accumulator live in each (5 GEMMs against
     # the fused pass's 4: the scores computed twice), whole rows of the head dim (no column_splits).
     split_outputs: bool = False
+    # Gradient passes: the config taken with the softcap on (None: this one), for entries whose tile spills
+    # with the softcap's tanh and its derivative live (TUNING.md); never split_outputs (that kernel has no
+    # softcap).
+    softcap: "AttnConfig | None" = None
 
     def __post_init__(self):
         if self.split_outputs and self.column_splits != 1:
             raise ValueError(
                 f"split_outputs takes whole head-dim rows: column_splits {self.column_splits}, expected 1"
             )
+        if self.softcap is not None and self.softcap.split_outputs:
+            raise ValueError(
+                "softcap: the split-output dk/dv kernel has no softcap; expected split_outputs False"
+            )
 
     def loads(self, tma: bool) -> "AttnConfig":
         """The config a launch takes with TMA loads (tma) or with pointers."""
         return self if tma or self.pointer is None else self.pointer
+
+    def scored(self, softcap: float | None) -> "AttnConfig":
+        """The config a gradient pass takes with the softcap softcap (None or 0: off)."""
+        return self if not softcap or self.softcap is None else self.softcap
 
 
 CONFIG_FILE = pathlib.Path(__file__).with_name("configs.json")  # bench.tune --write updates it
@@ -87,13 +101,9 @@ def head_dim_block(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def attn_config(table: dict, head_dim: int, device: torch.device) -> AttnConfig:
-    """The entry of table (FWD_CONFIGS, ...) for head_dim on device's GPU family."""
-    cfg = table[runtime.arch(device).name][head_dim_block(head_dim)]
+def attn_config(table: dict, head_dim: int, device: torch.device, softcap: float | None = None) -> AttnConfig:
+    """The entry of table (FWD_CONFIGS, ...) for head_dim on device's GPU family; with the softcap on
+    (softcap neither None nor 0), a gradient pass's softcap tile (AttnConfig.scored), taken before the
+    interpreter's blocks replace the tile's (they keep its column_splits and split_outputs)."""
+    cfg = table[runtime.arch(device).name][head_dim_block(head_dim)].scored(softcap)
     return dataclasses.replace(cfg, **INTERPRETER_BLOCKS) if runtime.INTERPRET else cfg
-
-
-# The softcap's backward runs at head dims up to this: above it the dk/dv pass's tiles spill on sm_90
-# with the softcap's work added (head dim 128: 8 to 40 bytes; 256 by TMA: 8 to 104; compile report,
-# 2026-12-06), and flash_attention refuses the softcap with gradients there until tiles of its own.
-SOFTCAP_BACKWARD_MAX_HEAD_DIM = 64

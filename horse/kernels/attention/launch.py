@@ -228,10 +228,10 @@ def dkdv_plans(
     query heads split over ``splits`` programs per key block (more than one: float32 partials): one
     launch of _attn_bwd_dkdv_kernel, or with split outputs a launch for dv, then one for dk, of
     _attn_bwd_dkdv_split_outputs_kernel (K and V by pointers). softcap as in :func:`fwd_plan` (the
-    sinks change neither gradient pass: lse holds them); the split outputs serve only head dims above
-    configs.SOFTCAP_BACKWARD_MAX_HEAD_DIM, where flash_attention refuses the softcap's backward.
-    documents: document masking (the launch passes LAST_QUERIES, else the constexpr None), by the
-    fused kernel alone: a split-output entry's documents take its pointer tile (_bwd_dkdv)."""
+    sinks change neither gradient pass: lse holds them), by the fused kernel alone: with the softcap on
+    the launchers pass the entry's softcap tile (configs.attn_config). documents: document masking (the
+    launch passes LAST_QUERIES, else the constexpr None), by the fused kernel alone: a split-output
+    entry's documents take its pointer tile (_bwd_dkdv)."""
     batch, _, seqlen_k, _, kv_heads, head_dim = shape
     cfg = entry.loads(tma)
     grid = (triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads, splits * cfg.column_splits)
@@ -251,7 +251,7 @@ def dkdv_plans(
     }
     partials = ("DK", "DV") if splits > 1 else ()
     if cfg.split_outputs:
-        assert not documents, "document masking's dk/dv pass takes the fused kernel"
+        assert not (documents or softcap), "document masking and the softcap take the fused dk/dv kernel"
         return [
             _tile_plan(
                 _attn_bwd_dkdv_split_outputs_kernel,
@@ -594,7 +594,7 @@ def _bwd_dkdv(
     group's query heads split over programs when there are too few (float32 partials, summed here);
     by entry, or the table's when None."""
     batch, _, seqlen_k, heads, kv_heads, head_dim = shape
-    entry = entry or configs.attn_config(configs.BWD_DKDV_CONFIGS, head_dim, q.device)
+    entry = entry or configs.attn_config(configs.BWD_DKDV_CONFIGS, head_dim, q.device, args["softcap"])
     last_queries = args["last_queries"]
     # dk and dv stand for the float32 partials of head splits: new, contiguous, as aligned. Document
     # masking takes the fused kernel: a split-output entry's pointer tile.
@@ -642,7 +642,7 @@ def _bwd_dq(
 ) -> None:
     """The pass per query block: dq (q's shape); by entry, or the table's when None."""
     head_dim = shape[-1]
-    entry = entry or configs.attn_config(configs.BWD_DQ_CONFIGS, head_dim, q.device)
+    entry = entry or configs.attn_config(configs.BWD_DQ_CONFIGS, head_dim, q.device, args["softcap"])
     tma = tma_usable(entry, q, k, v, dout, dq)
     first_keys = args["first_keys"]
     plan = dq_plan(
