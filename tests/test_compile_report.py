@@ -1046,6 +1046,9 @@ def _launched(kernel, args: tuple, kwargs: dict):
     def kind(value):
         if value is None:  # an argument off (the attention's sinks): a constexpr None
             return "None"
+        if isinstance(value, triton.language.constexpr):  # a tuple's constexpr element
+            # The only bool among them is the attention mask's INLINE_PTX, set per target by the report.
+            return ("constexpr", "INLINE_PTX" if isinstance(value.value, bool) else repr(value.value))
         if isinstance(value, tuple):
             return tuple(kind(v) for v in value)
         if isinstance(value, torch.Tensor):
@@ -1069,7 +1072,11 @@ def _launched(kernel, args: tuple, kwargs: dict):
 def _compiled(config: KernelConfig):
     """A config as _launched describes a launch."""
 
-    def kind(name):
+    def kind(name, in_tuple=False):
+        if name == "INLINE_PTX":  # a tuple's element, as _launched gives it (one of its own: _arguments)
+            return ("constexpr", "INLINE_PTX")
+        if name in config.constexprs and in_tuple and config.constexprs[name] is not None:
+            return ("constexpr", repr(config.constexprs[name]))
         if name in config.constexprs:  # an argument off, as _launched gives it
             return repr(config.constexprs[name])
         if name in config.descriptors:
@@ -1078,7 +1085,7 @@ def _compiled(config: KernelConfig):
         if isinstance(elements, int):  # a strides tuple
             return ("scalar",) * elements
         if elements is not None:
-            return tuple(kind(e) for e in elements)
+            return tuple(kind(e, in_tuple=True) for e in elements)
         return ("ptr", config.pointer_types[name]) if name in config.pointer_types else "scalar"
 
     kernel = config.fn
