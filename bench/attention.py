@@ -30,8 +30,9 @@ issue 25 against our prefill kernel and flash-attn's flash_attn_with_kvcache.
 Gemma 2's logit softcap (SOFTCAP) or gpt-oss's attention sinks (a float32 logit per head), against
 PyTorch's ``flex_attention`` compiled with the same modification (SDPA has neither): the softcap as its
 score_mod, the sinks from its log-sum-exp, out · σ(lse - sink), which is the sink's share of the
-softmax taken out exactly. The softcap at head dims 128 (Gemma 2 27B's) and 64, the sinks at 128, each
-forward and forward+backward.
+softmax taken out exactly. The softcap at head dims 128 (Gemma 2 27B's) and 64, the sinks at 128, and
+plain causal attention at head dim 512 (Gemma 4's global layers; flash-attn's kernels stop at 256),
+there against SDPA's own choice of backend too; each forward and forward+backward.
 """
 
 import contextlib
@@ -74,6 +75,7 @@ SCORE_MODS = (
     ("softcap", 128, ("forward", "forward+backward")),
     ("softcap", 64, ("forward", "forward+backward")),
     ("sinks", 128, ("forward", "forward+backward")),
+    ("none", 512, ("forward", "forward+backward")),  # head dim 512 alone: Gemma 4's global layers
 )
 
 
@@ -458,7 +460,7 @@ def _flex(modification: str, seqlen: int, device):
     """PyTorch's flex_attention, causal (a block mask: fully masked blocks skipped), with the
     modification on our layout (transposed views): "softcap", SOFTCAP · tanh(s / SOFTCAP) as its
     score_mod on the scaled scores; "sinks", fn(q, k, v, sinks) taking out · σ(lse - sink) from its
-    natural-log lse, what a sink's exp(sink) in the denominator leaves of each row."""
+    natural-log lse, what a sink's exp(sink) in the denominator leaves of each row; "none", plain."""
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
     block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, seqlen, seqlen, device=device)
@@ -466,9 +468,9 @@ def _flex(modification: str, seqlen: int, device):
     def softcap(score, batch, head, q_idx, kv_idx):
         return SOFTCAP * torch.tanh(score / SOFTCAP)
 
-    def softcapped(q, k, v):
+    def plain(q, k, v, score_mod=None):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seqlen, head_dim) views
-        return flex_attention(q, k, v, score_mod=softcap, block_mask=block_mask).transpose(1, 2)
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask).transpose(1, 2)
 
     def with_sinks(q, k, v, sinks):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -477,12 +479,14 @@ def _flex(modification: str, seqlen: int, device):
         kept = torch.sigmoid(aux.lse - sinks[:, None])
         return (out.float() * kept[..., None]).to(out.dtype).transpose(1, 2)
 
-    return softcapped if modification == "softcap" else with_sinks
+    modified = {"none": plain, "softcap": functools.partial(plain, score_mod=softcap), "sinks": with_sinks}
+    return modified[modification]
 
 
 def score_mod_cases() -> list[suite.Case]:
-    """attention_score_mods: ours with the softcap or the sinks against flex_attention compiled with
-    the same (SCORE_MODS); checked against the reference with the same modification."""
+    """attention_score_mods: ours with the softcap, the sinks or neither against flex_attention compiled
+    with the same (SCORE_MODS), and, with neither, against SDPA; checked against the reference with the
+    same modification."""
     device, out = torch.device("cuda"), []
     for modification, head_dim, directions in SCORE_MODS:
         shape = benchmark_shape(SCORE_MOD_SEQLEN, head_dim)
@@ -493,14 +497,16 @@ def score_mod_cases() -> list[suite.Case]:
             "causal": True,
             "batch": shape.batch,
             "heads": shape.heads,
-            "softcap": 0.0 if sinks else SOFTCAP,
+            "softcap": SOFTCAP if modification == "softcap" else 0.0,
             "sinks": sinks,
         }
-        options = {"causal": True} | ({} if sinks else {"softcap": SOFTCAP})
+        options = {"causal": True, "softcap": params["softcap"]}
         impls = {
             "ours": lambda o=options: functools.partial(_with_sinks, _ours(**o)),
             "flex": lambda m=modification, s=shape: suite.compiled(_flex(m, s.seqlen, device))(),
         }
+        if modification == "none":  # SDPA has no softcap or sinks; at head dim 512 no flash backend
+            impls["sdpa"] = lambda: _sdpa(is_causal=True)
 
         def inputs(requires_grad, s=shape, with_sinks=sinks):
             qkv = make_qkv(s, device, requires_grad)

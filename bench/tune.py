@@ -430,6 +430,7 @@ def _mlp_calls(gemm: str, model, tokens: int, cfg) -> dict:
 
 ATTENTION_TILES = (128, 64, 32, 16)  # block_m and block_n
 ATTENTION_STAGES = (3, 2, 1)
+COLUMN_SPLITS = {256: (1, 2), 512: (1, 2, 4)}  # the dk/dv pass's, by padded head dim
 GEMM_TILES = ((128, 64), (256, 128, 64), (64, 32))  # block_m, block_n, block_k
 GEMM_STAGES = (4, 3, 2)
 
@@ -450,16 +451,19 @@ class EntrySearch:
 def attention_candidates(pass_name: str, start, block_d: int, tma: bool) -> list:
     """start, then every tile no larger: block_m and block_n in ATTENTION_TILES (the forward and dq
     passes loop over key blocks, so block_n <= block_m; dk/dv over query blocks, block_m <= block_n),
-    8 or 4 warps, ATTENTION_STAGES, the dk/dv pass at head dim 256 also with 2 column splits (not with
-    split outputs, whose kernel takes whole rows), TMA (tma: the family has it) and pointers. Largest
-    tile first, then the longest side, fewer splits, start's warps, more stages, TMA before pointers."""
+    8 or 4 warps, ATTENTION_STAGES, the dk/dv pass at head dim 256 also with 2 column splits and at 512
+    with 2 or 4 (COLUMN_SPLITS; not with split outputs, whose kernel takes whole rows), TMA (tma: the
+    family has it) and pointers. Largest tile first, then the longest side, fewer splits, start's
+    warps, more stages, TMA before pointers."""
     by_queries = pass_name == "attn_bwd_dkdv"
     tiles = [
         (m, n)
         for m, n in itertools.product(ATTENTION_TILES, repeat=2)
         if (m <= n if by_queries else n <= m) and m * n <= start.block_m * start.block_n
     ]
-    splits = (1, 2) if pass_name == "attn_bwd_dkdv" and block_d == 256 and not start.split_outputs else (1,)
+    splits = (1,)
+    if pass_name == "attn_bwd_dkdv" and not start.split_outputs:
+        splits = COLUMN_SPLITS.get(block_d, (1,))
     out = [
         dataclasses.replace(start, block_m=m, block_n=n, num_warps=w, num_stages=st, column_splits=sp, tma=t)
         for (m, n), w, st, sp, t in itertools.product(tiles, WARPS, ATTENTION_STAGES, splits, (tma, False))

@@ -327,6 +327,36 @@ def test_varlen_backward_by_tma_matches_reference(case, causal, window, device, 
     assert [grid[1] for grid in grids] == [group_size] * (2 if case[-1] == 256 else 1), grids
 
 
+# Head dim 512 (Gemma 4's global layers) and 320, padded to it: GQA, causal and not, unequal lengths,
+# a window, a packed batch, the sinks with their gradient (decode: CACHE_CASES; the softcap:
+# test_softcap_above_its_backwards_head_dims_runs_forward_only). Tiny: the interpreter is slow at 512.
+HEAD_DIM_512_SHAPES = [Shape(1, 20, 20, 2, 1, 512), Shape(2, 13, 17, 2, 2, 320)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", HEAD_DIM_512_SHAPES, ids=str)
+def test_head_dim_512_matches_reference(shape, causal, device):
+    check(shape, causal, torch.float16, device)
+
+
+def test_head_dim_512_window_and_packed_batch_match_reference(device):
+    check(Shape(1, 20, 20, 2, 1, 320), True, torch.float16, device, window_size=(5, -1))
+    check_varlen(([7, 12], [7, 12], 2, 1, 512), True, (-1, -1), torch.float16, device)
+
+
+def test_head_dim_512_sinks_match_reference(device):
+    q, k, v = make_qkv(Shape(1, 17, 17, 2, 1, 512), torch.float16, device, scale=1.5)
+    sinks = make_sinks(2, device)
+
+    def run(q, k, v, sinks):
+        return kernels.flash_attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+
+    def reference_of(q, k, v, sinks, upcast):
+        return reference.attention(q, k, v, causal=True, upcast=upcast, sinks=sinks)
+
+    check_score_mods(run, reference_of, (q, k, v, sinks))
+
+
 def test_varlen_bad_input_is_named():
     q = torch.randn(10, 4, 16, dtype=torch.float16)
     k = torch.randn(10, 2, 16, dtype=torch.float16)
@@ -596,9 +626,9 @@ BAD_INPUTS = [
         "q must have a contiguous last",
     ),
     (
-        lambda q, k, v: kernels.flash_attention(*(torch.zeros(1, 2, 1, 300, dtype=torch.bfloat16),) * 3),
+        lambda q, k, v: kernels.flash_attention(*(torch.zeros(1, 2, 1, 513, dtype=torch.bfloat16),) * 3),
         ValueError,
-        r"head_dim must be in \[1, 256\]",
+        r"head_dim must be in \[1, 512\]",
     ),
     *[
         (
@@ -732,6 +762,7 @@ def test_every_gpu_familys_tiles_match_reference(family, device, monkeypatch):
     chosen = run_family_tables(monkeypatch, family, configs, "INTERPRETER_BLOCKS", "attn_config")
     for head_dim in (12, 32, 64, 96, 256):
         check(Shape(1, 150, 140, 2, 1, head_dim), True, torch.float16, device)
+    check(Shape(1, 40, 36, 2, 1, 500), True, torch.float16, device)  # the slowest in the interpreter: small
     tables = (configs.FWD_CONFIGS, configs.BWD_DKDV_CONFIGS, configs.BWD_DQ_CONFIGS)
     assert chosen == {cfg for table in tables for cfg in table[family].values()}
 
@@ -880,6 +911,7 @@ CACHE_CASES = [
     CacheCase(2, 16, 0, 3, 1, 64, 33, (33, 16)),
     CacheCase(2, 2, 2, 2, 2, 128, 19, (0, 0)),
     CacheCase(1, 3, 1, 2, 1, 256, 23, (7,)),
+    CacheCase(1, 2, 1, 2, 1, 512, 19, (9,)),
 ]
 
 
@@ -1167,7 +1199,7 @@ def reference_on_cache(q, k_cache, v_cache, lengths, upcast: bool, **options):
 
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (6, -1))], ids=str)
 @pytest.mark.parametrize("mods", SCORE_MODS, ids=score_mods_id)
-@pytest.mark.parametrize("case", [CACHE_CASES[i] for i in (0, 1, 3, 6)], ids=str)
+@pytest.mark.parametrize("case", [CACHE_CASES[i] for i in (0, 1, 3, 6, 7)], ids=str)
 def test_kvcache_softcap_and_sinks_match_reference(case, mods, causal, window, device):
     softcap, with_sinks = mods
     gen = torch.Generator().manual_seed(0)
@@ -1285,9 +1317,9 @@ def test_gpu_softcap_and_sinks(shape, mods, causal, window, dtype):
 
 
 # The softcap's backward above head dim 64, where entries whose gradient tile spilled with the softcap hold
-# one of their own for it (configs.attn_config): in the interpreter (sm_90's tables) at 256 the dk/dv
-# entry's split outputs, which have no softcap, give way to a fused tile with column splits.
-LARGE_HEAD_DIMS = [96, 128, 256]
+# one of their own for it (configs.attn_config): in the interpreter (sm_90's tables) at 256 and 512 the
+# dk/dv entry's split outputs, which have no softcap, give way to a fused tile with column splits.
+LARGE_HEAD_DIMS = [96, 128, 256, 512]
 LARGE_HEAD_DIM_MASKS = [(False, (-1, -1)), (True, (-1, -1)), (True, (5, -1))]
 
 

@@ -69,6 +69,11 @@ def test_document_masking_matches_reference(shape, documents, window, device):
     check(shape, documents, window, torch.float16, device)
 
 
+def test_document_masking_at_head_dim_512_matches_reference(device):
+    # The dk/dv entry at 512 (sm_90's, the interpreter's) splits its outputs; documents take its pointer tile.
+    check(Shape(1, 20, 20, 2, 1, 512), [[7, 13]], (-1, -1), torch.float16, device)
+
+
 # The tables' tiles: 1,024-token rows, one document of a token among long ones; head dim 256, whose sm_90
 # dk/dv entry splits its outputs by TMA and takes its pointer tile for documents.
 @pytest.mark.gpu

@@ -203,9 +203,16 @@ def test_check_packed_passes_ours_and_fails_a_wrong_result(monkeypatch):
 def test_score_mod_cases_time_ours_and_flex_both_ways():
     for quick in (False, True):
         cases = [c for c in attention.cases(quick) if c.kernel == "attention_score_mods"]
-        assert {c.implementation for c in cases} == {"ours", "flex"}
-        assert len(cases) == 2 * sum(len(directions) for _, _, directions in attention.SCORE_MODS)
+        assert {c.implementation for c in cases} == {"ours", "flex", "sdpa"}
+        plain = sum(
+            len(directions) for modification, _, directions in attention.SCORE_MODS if modification == "none"
+        )
+        assert len(cases) == 2 * sum(len(directions) for _, _, directions in attention.SCORE_MODS) + plain
     assert all(c.check is not None for c in cases if c.implementation == "ours")
+    with_sdpa = {(c.params["head_dim"], c.direction) for c in cases if c.implementation == "sdpa"}
+    assert with_sdpa == {(512, "forward"), (512, "forward+backward")}
+    plain_cases = [c for c in cases if not c.params["softcap"] and not c.params["sinks"]]
+    assert {c.params["head_dim"] for c in plain_cases} == {512}
     softcapped = {(c.params["head_dim"], c.direction) for c in cases if c.params["softcap"]}
     assert softcapped == {(d, direction) for d in (128, 64) for direction in ("forward", "forward+backward")}
     with_sinks = {(c.params["head_dim"], c.direction) for c in cases if c.params["sinks"]}
@@ -216,7 +223,7 @@ def test_score_mod_cases_time_ours_and_flex_both_ways():
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("modification", ["softcap", "sinks"])
+@pytest.mark.parametrize("modification", ["softcap", "sinks", "none"])
 def test_the_flex_baselines_compute_the_same_modification_as_the_reference(modification):
     """flex_attention (uncompiled, forward: its CPU path has no backward) with the score_mod or the sinks
     taken from its lse, against the float32 reference with softcap= or sinks=."""
@@ -230,12 +237,17 @@ def test_the_flex_baselines_compute_the_same_modification_as_the_reference(modif
         got = flex(q, k, v)
         expected, _ = reference.attention(q, k, v, causal=True, softcap=attention.SOFTCAP)
         plain, _ = reference.attention(q, k, v, causal=True)
-    else:
+    elif modification == "sinks":
         got = flex(q, k, v, sinks)
         expected, _ = reference.attention(q, k, v, causal=True, sinks=sinks)
         plain, _ = reference.attention(q, k, v, causal=True)
+    else:
+        got = flex(q, k, v)
+        expected, _ = reference.attention(q, k, v, causal=True)
+        plain = None
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert (plain - expected).abs().max() > 0.1  # the modification matters at these scores
+    if plain is not None:
+        assert (plain - expected).abs().max() > 0.1  # the modification matters at these scores
 
 
 def test_check_tells_sinks_from_none():

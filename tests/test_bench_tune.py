@@ -434,7 +434,7 @@ def test_a_search_built_for_several_gpus_needs_every_variant_clean_on_each():
         (["mlp", "--compile-only"], "--arch"),
         (["mlp", "--compile-only", "--arch", "sm80"], "TRITON_INTERPRET"),
         (["attention", "--arch", "sm80"], "go with --compile-only"),
-        (["attention", "--compile-only", "--arch", "sm80", "--head-dims", "512"], "--head-dims"),
+        (["attention", "--compile-only", "--arch", "sm80", "--head-dims", "513"], "--head-dims"),
     ],
 )
 def test_compile_only_flags_are_checked(argv, message, capsys):

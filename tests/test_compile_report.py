@@ -511,7 +511,7 @@ def test_every_family_has_an_entry_in_every_table():
     for table in (attention_configs.FWD_CONFIGS, attention_configs.PACKED_FWD_CONFIGS,
                   attention_configs.BWD_DKDV_CONFIGS, attention_configs.BWD_DQ_CONFIGS):  # fmt: skip
         assert set(table) == set(runtime.ARCHS)
-        assert all(set(entries) == {16, 32, 64, 128, 256} for entries in table.values())
+        assert all(set(entries) == {16, 32, 64, 128, 256, 512} for entries in table.values())
     gemm_tables = mlp.configs.GEMM_CONFIGS
     assert set(gemm_tables) == set(runtime.ARCHS)
     for tables in gemm_tables.values():
@@ -1069,6 +1069,9 @@ def _launched(kernel, args: tuple, kwargs: dict):
     def kind(value):
         if value is None:  # an argument off (the attention's sinks): a constexpr None
             return "None"
+        if isinstance(value, triton.language.constexpr):  # a tuple's constexpr element
+            # The only bool among them is the attention mask's INLINE_PTX, set per target by the report.
+            return ("constexpr", "INLINE_PTX" if isinstance(value.value, bool) else repr(value.value))
         if isinstance(value, tuple):
             return tuple(kind(v) for v in value)
         if isinstance(value, torch.Tensor):
@@ -1092,7 +1095,11 @@ def _launched(kernel, args: tuple, kwargs: dict):
 def _compiled(config: KernelConfig):
     """A config as _launched describes a launch."""
 
-    def kind(name):
+    def kind(name, in_tuple=False):
+        if name == "INLINE_PTX":  # a tuple's element, as _launched gives it (one of its own: _arguments)
+            return ("constexpr", "INLINE_PTX")
+        if name in config.constexprs and in_tuple and config.constexprs[name] is not None:
+            return ("constexpr", repr(config.constexprs[name]))
         if name in config.constexprs:  # an argument off, as _launched gives it
             return repr(config.constexprs[name])
         if name in config.descriptors:
@@ -1101,7 +1108,7 @@ def _compiled(config: KernelConfig):
         if isinstance(elements, int):  # a strides tuple
             return ("scalar",) * elements
         if elements is not None:
-            return tuple(kind(e) for e in elements)
+            return tuple(kind(e, in_tuple=True) for e in elements)
         return ("ptr", config.pointer_types[name]) if name in config.pointer_types else "scalar"
 
     kernel = config.fn
@@ -1114,9 +1121,9 @@ def _compiled(config: KernelConfig):
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
 def test_attention_configs_are_the_launchers_plans(use_tma, monkeypatch):
     # The sm90 tables' own tiles (the interpreter emulates sm_90), walked without running a kernel:
-    # every attention pass the launchers start, padded and packed, at a padded head dim and at 256 (its
-    # dk/dv entry launches dv and dk apart by TMA, its pointer tile fused), with document masking too, is
-    # one the compile report builds; the decode pass's too.
+    # every attention pass the launchers start, padded and packed, at a padded head dim, at 256 and 512
+    # (their dk/dv entries launch dv and dk apart by TMA, their pointer tiles fused), with document masking
+    # too, is one the compile report builds; the decode pass's too.
     from horse import kernels
     from horse.kernels.attention import configs as attention_configs
     from horse.kernels.attention import launch
@@ -1138,7 +1145,7 @@ def test_attention_configs_are_the_launchers_plans(use_tma, monkeypatch):
     # GQA with its heads split at the power-of-two head dims: the report builds the float32 partials'
     # store at those alone (the loop is the padded head dim's).
     for (head_dim, kv_heads), window in itertools.product(
-        ((64, 2), (96, 4), (128, 2), (256, 2)), ((-1, -1), (7, 0))
+        ((64, 2), (96, 4), (128, 2), (256, 2), (512, 2)), ((-1, -1), (7, 0))
     ):
         shapes = ((2, 40, heads, head_dim) for heads in (4, kv_heads, kv_heads))
         q, k, v = (torch.randn(shape, dtype=torch.float16, requires_grad=True) for shape in shapes)

@@ -229,6 +229,14 @@ def test_float16_triton_kernels_hold_flash_attns_accuracy_rule(family):
     against_eager(family, torch.float16, input_ids=ids, labels=labels)
 
 
+@pytest.mark.interpreter
+def test_head_dims_up_to_the_kernels_limit_run_on_the_kernels():
+    # 512, the kernels' MAX_HEAD_DIM (Gemma 4's global layers), GQA, float16 through the kernels.
+    ids, labels = batch(seqlen=8)
+    overrides = {"head_dim": 512, "num_attention_heads": 2, "num_key_value_heads": 1}
+    against_eager("llama", torch.float16, overrides=overrides, input_ids=ids, labels=labels)
+
+
 # The tiny Gemma 3's logits reach about ±10 (median 1): a cap of 5 bends the large ones by half.
 SOFTCAP = {"final_logit_softcapping": 5.0}
 
@@ -578,13 +586,13 @@ def test_an_unsupported_model_type_is_refused_by_name():
 @pytest.mark.parametrize(
     "family, overrides, message",
     [
-        ("llama", {"head_dim": 320, "num_attention_heads": 1, "num_key_value_heads": 1}, "head_dim 320"),
+        ("llama", {"head_dim": 576, "num_attention_heads": 1, "num_key_value_heads": 1}, "head_dim 576"),
         ("llama", {"mlp_bias": True}, "MLP biases"),
         ("llama", {"hidden_act": "tanh"}, "activation Tanh"),
         ("gpt2", {"add_cross_attention": True}, "cross-attention"),
         ("phi3", {"hidden_act": "tanh"}, "activation Tanh"),
         ("granite", {"mlp_bias": True}, "MLP biases"),
-        ("glm4", {"head_dim": 320, "num_attention_heads": 1, "num_key_value_heads": 1}, "head_dim 320"),
+        ("glm4", {"head_dim": 576, "num_attention_heads": 1, "num_key_value_heads": 1}, "head_dim 576"),
         ("gemma", {"use_bidirectional_attention": True}, "bidirectional attention"),
         ("gemma", {"hidden_act": "tanh"}, "activation Tanh"),
         ("gemma3_text", {"use_bidirectional_attention": True}, "bidirectional attention"),

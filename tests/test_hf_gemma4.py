@@ -2,8 +2,8 @@
 tests/test_hf_apply.py does for the dense families (its accuracy rule and comparisons): loss, logits, every
 gradient, padding on either side, greedy generation token for token. Two tiny models built from their configs:
 a plain one, and one with everything Gemma 4 adds (the MoE block beside the MLP, per-layer inputs, layers
-reusing earlier layers' keys and values, keys as values on the global layers); global_head_dim 32, so that
-nothing here waits on head dim 512."""
+reusing earlier layers' keys and values, keys as values on the global layers); global_head_dim 32, and once
+512 as in the released models (the kernels' limit)."""
 
 import copy
 
@@ -87,10 +87,11 @@ def reference_path(monkeypatch):
     monkeypatch.setattr(runtime, "INTERPRET", False)
 
 
-def against_sdpa(variant: str, dtype: torch.dtype, keep=None, **inputs):
+def against_sdpa(variant: str, dtype: torch.dtype, keep=None, overrides=None, **inputs):
     """Our patched model at dtype against the model at float64 on sdpa, with PyTorch's error the worse of the
-    model's own runs at dtype on sdpa and on eager (with the experts' loop: grouped_mm takes no float64)."""
-    model, patched = build(variant)
+    model's own runs at dtype on sdpa and on eager (with the experts' loop: grouped_mm takes no float64);
+    overrides: config fields for tiny_config."""
+    model, patched = build(variant, **(overrides or {}))
     truth_model = copy.deepcopy(model).double()
     truth_model.set_experts_implementation("eager")
     truth = run(truth_model, **inputs)
@@ -129,6 +130,13 @@ def test_logits_loss_and_every_gradient_match_sdpa_on_the_reference_path(variant
 def test_float16_triton_kernels_hold_flash_attns_accuracy_rule(variant):
     ids, labels = batch(seqlen=8)
     against_sdpa(variant, torch.float16, input_ids=ids, labels=labels)
+
+
+@pytest.mark.interpreter
+def test_the_released_global_head_dim_runs_on_the_kernels():
+    # 512, the released models' global_head_dim and the kernels' MAX_HEAD_DIM, float16 through the kernels.
+    ids, labels = batch(seqlen=8)
+    against_sdpa("plain", torch.float16, overrides={"global_head_dim": 512}, input_ids=ids, labels=labels)
 
 
 @pytest.mark.parametrize("side", ["left", "right"])

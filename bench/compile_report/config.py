@@ -157,7 +157,7 @@ def kernel_config(
         tuples |= {a: 3 if a in EXPERT_STRIDES else 2 for a in strides}
     else:
         tuples |= {a: 2 if kernels_module == "mlp" or a == "lse_strides" else 3 for a in strides}
-    if "INLINE_PTX" in arg_names:
+    if "INLINE_PTX" in names:
         constexprs = constexprs | {"INLINE_PTX": not ARCHS[arch].hip_target}
     if constexprs.get("VARLEN"):
         constexprs = constexprs | {"lse_strides[0]": 1}

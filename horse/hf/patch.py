@@ -27,7 +27,7 @@ Per family, by ``config.model_type``:
                       scale of 1; its layer's MoE block (the packed experts on moe_mlp, transformers' router),
                       per-layer inputs' gated branch (transformers' linears) and layer_scalar as its forward
                       takes them; keys as values and layers reusing others' keys and values are the
-                      attention module's affair; global layers of head dim 512 are refused by head dim
+                      attention module's affair; global layers of head dim 512 run on the kernels
     mixtral, olmoe,   as LLaMA, with the packed experts (gate_up_proj, down_proj) as one moe_mlp call on
     qwen3_moe         the module's own parameters (horse.hf.moe); the router, its logits and the aux loss
                       (output_router_logits, router_aux_loss_coef) as the model computes them
@@ -43,7 +43,7 @@ Any other model type raises, naming the supported ones: a model is never left un
 Rotary embeddings, partial (Phi-3's partial_rotary_factor, GLM-4's interleaved half) or none, and Granite's
 embedding_multiplier stay in transformers' own modules, which are not replaced. Refused at apply, naming
 what: quantized models (MXFP4-quantized experts with what to load instead), cross-attention (GPT-2's
-add_cross_attention), Gemma's use_bidirectional_attention, head dims above 256, a head with more classes
+add_cross_attention), Gemma's use_bidirectional_attention, head dims above 512, a head with more classes
 than the loss takes (cross_entropy.MAX_VOCAB), MLP biases on a gated MLP, activations the kernels lack,
 wrapped layers (anything but a plain ``nn.Linear`` / ``Conv1D`` where a fused forward reads the weight, hooks
 on them) and modules whose forward something else has replaced already. Refused at call: see
@@ -63,6 +63,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.pytorch_utils import Conv1D
 
 from horse.hf import attention, forwards, moe
+from horse.kernels.attention.configs import MAX_HEAD_DIM
 from horse.kernels.cross_entropy import MAX_VOCAB
 from horse.kernels.runtime import major_minor
 
@@ -95,7 +96,6 @@ SUPPORTED_MODEL_TYPES = (
     "olmoe",
     "gpt_oss",
 )
-MAX_HEAD_DIM = 256
 _PATCH = "_horse_hf_patch"  # the model's attribute holding what apply changed
 # The families built like LLaMA: {model_type: the prefix of their modeling module's class names}
 _LLAMA_LIKE = {

@@ -247,25 +247,44 @@ class Plan:
 
     kernel: object  # the @triton.jit function
     grid: tuple[int, ...]
-    constexprs: dict
+    constexprs: dict  # an argument's, or a tuple element's, by its name
     num_warps: int
     num_stages: int
-    tuples: dict = field(default_factory=dict)  # tuple argument -> its elements' names
+    tuples: dict = field(default_factory=dict)  # tuple argument or element -> its elements' names
     descriptors: dict = field(default_factory=dict)  # argument -> its TMA descriptor's block shape
     partials: tuple[str, ...] = ()
 
+    def _elements(self) -> set[str]:
+        """The names that are elements of a tuple."""
+        return {element for elements in self.tuples.values() for element in elements}
+
     def pack(self, values: dict) -> dict:
-        """The tuple arguments, each element taken from values by its name."""
-        return {
-            name: tuple(values[element] for element in elements) for name, elements in self.tuples.items()
-        }
+        """The tuple arguments, each element taken by its name: a tuple packed in turn, a constexpr of
+        the plan as triton.language.constexpr (Triton would take a tuple's plain value as a runtime
+        argument) but None as it is (a constexpr to Triton, which the interpreted kernels test with
+        ``is None``), any other from values."""
+
+        def packed(name: str):
+            if name in self.tuples:
+                return tuple(packed(element) for element in self.tuples[name])
+            if name in self.constexprs:
+                value = self.constexprs[name]
+                return value if value is None else triton.language.constexpr(value)
+            return values[name]
+
+        elements = self._elements()
+        return {name: packed(name) for name in self.tuples if name not in elements}
 
     def operand(self, name: str, t: torch.Tensor):
         """Argument name: t, or the descriptor of it the plan loads by."""
         return tma_operand(t, self.descriptors.get(name), name in self.descriptors)
 
     def options(self) -> dict:
-        return dict(self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+        """The constexprs that are arguments of their own (a tuple's go in by :meth:`pack`) and the
+        launch options."""
+        elements = self._elements()
+        constexprs = {name: value for name, value in self.constexprs.items() if name not in elements}
+        return dict(constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs):

@@ -5,7 +5,7 @@
 q (batch, seqlen_q, heads, head_dim); k, v (batch, seqlen_k, kv_heads, head_dim) with heads a
 multiple of kv_heads (grouped-query and multi-query attention); out like q; lse (batch, heads,
 seqlen_q) float32. float16 or bfloat16, float32 accumulation, any strides with a unit stride in the
-last dimension (nothing is copied). Head dims 1..256; those that are not powers of two are padded
+last dimension (nothing is copied). Head dims 1..512; those that are not powers of two are padded
 to the next one inside the kernels and masked. The S×S score matrix never reaches memory.
 
 Causal masking is aligned to the bottom-right corner: query i sees key j iff j <= i + seqlen_k -
@@ -39,8 +39,9 @@ Backward: a preprocess (delta = rowsum(dO·O) - dlse; lse in log2 units, the row
 gradient passes read), a pass per key block that accumulates dk and dv over every query block and
 query head of its group (under 2 programs per SM, GQA/MQA split a group's heads over programs,
 float32 partials summed in a fixed order), a pass per query block for dq. No atomics: the gradients
-are bit-identical run to run. Where holding dk and dv together spills (head dim 256 on sm_90), dv and
-dk take a launch each of a kernel of their own (``split_outputs``).
+are bit-identical run to run. Where holding dk and dv together spills (head dims 256 and 512 on sm_90), dv
+and dk take a launch each of a kernel of their own (``split_outputs``), or a key block's head-dim columns
+are shared among programs (``column_splits``: sm_80's at 256, every other family's at 512).
 
 Tiles move by TMA on Hopper and newer (sm_90+): descriptors whose loads read out-of-bounds rows and
 head-dim columns as zeros and whose stores drop them. Unaligned inputs (start or strides not

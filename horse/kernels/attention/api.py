@@ -250,7 +250,7 @@ def flash_attention(
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, kv_heads, head_dim), heads a
     multiple of kv_heads; float16 or bfloat16 (float32 only on the CPU reference path); head_dim at
-    most 256; any strides with a unit stride in the last dimension. causal masks to the
+    most 512; any strides with a unit stride in the last dimension. causal masks to the
     bottom-right corner (query i sees keys j <= i + seqlen_k - seqlen_q; a query that sees none
     gets zeros). window_size (left, right) is a sliding window, as flash-attn's: query i sees keys
     i + seqlen_k - seqlen_q - left to i + seqlen_k - seqlen_q + right, -1 for an unbounded side;

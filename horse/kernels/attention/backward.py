@@ -1,10 +1,12 @@
 """The backward passes: a preprocess of the rows (delta and lse in log2 units), a pass per key block
 for dk and dv, a pass per query block for dq. No atomics: every gradient is bit-identical run to run.
 
-The kernels' arguments come in groups, as :func:`horse.kernels.attention.launch.attention_bwd` packs
-them (``cu_seqlens``, ``seqlens``, ``window`` as in the forward; ``row_stats``, the preprocess's
-outputs; ``sizes``, the head counts; ``strides``, a tuple per tensor); the device helpers take views
-of the tensors (``tiles.py``) and are called by keyword.
+The kernels' arguments come in groups, as :func:`horse.kernels.attention.launch.dkdv_plans` and
+:func:`~horse.kernels.attention.launch.dq_plan` name them (``cu_seqlens``, ``seqlens``, ``mask`` and
+``score_mods`` as in the forward; ``row_stats``, the preprocess's outputs; ``layout``, the head counts
+(sizes) and a strides tuple per tensor); the tensors a launch may pass as TMA descriptors stay
+arguments of their own. The device helpers take views of the tensors (``tiles.py``) and are called by
+keyword.
 """
 
 import triton
@@ -143,9 +145,8 @@ def _load_query_tile(
 @triton.jit
 def _attn_bwd_dkdv_block(
     grads,
-    kv,
+    keys,
     queries,
-    offs_n,
     start_m,
     unmasked_m,
     col,
@@ -164,17 +165,17 @@ def _attn_bwd_dkdv_block(
     SOFTCAP: tl.constexpr,
     documents=None,
 ):
-    """grads (dk, dv) after the query block at start_m: kv is the key block's (k, v) tiles (keys
-    offs_n), queries (q_view, do_view, (LSE_LOG2, DELTA) at the head's first row, head). Works on the
-    transposed scores (keys x queries) so dk and dv accumulate in (BLOCK_N, head-dim columns [col, +
-    BLOCK_D_OUT)): all of them, or a slice, q and dO then read twice. OUTPUT: "dkdv" accumulates both,
-    "dk" or "dv" one (the other is returned as it came). MASKED: the causal mask, or with LOCAL the
-    window. SOFTCAP: as in the forward's block, ds times the softcap's derivative 1 - tanh². documents
-    (None: off): document masking's (last_queries, all_seen_end), the key block's last queries
-    (masks.py) and the end of the query blocks that see every key of it, past which, or before
+    """grads (dk, dv) after the query block at start_m: keys is the key block's (k, v, offs_n), its
+    tiles and its keys; queries (q_view, do_view, (LSE_LOG2, DELTA) at the head's first row, head).
+    Works on the transposed scores (keys x queries) so dk and dv accumulate in (BLOCK_N, head-dim
+    columns [col, + BLOCK_D_OUT)): all of them, or a slice, q and dO then read twice. OUTPUT: "dkdv"
+    accumulates both, "dk" or "dv" one (the other is returned as it came). MASKED: the causal mask, or
+    with LOCAL the window. SOFTCAP: as in the forward's block, ds times the softcap's derivative 1 -
+    tanh². documents (None: off): document masking's (last_queries, all_seen_end), the key block's last
+    queries (masks.py) and the end of the query blocks that see every key of it, past which, or before
     unmasked_m, a query block needs the mask."""
     dk, dv = grads
-    k, v = kv
+    k, v, offs_n = keys
     q_view, do_view, row_stats, h = queries
     LSE_LOG2, DELTA = row_stats
     seqlen_q, seqlen_k = seqlens
@@ -270,6 +271,50 @@ def _attn_bwd_dkdv_block(
 
 
 @triton.jit
+def _key_block_program(cu_seqlens, seqlens, kv_heads, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr):
+    """The key block of a dk/dv program (axis 0 of its grid): (b, kv_h, start_n, q_seq, k_seq,
+    (seqlen_q, seqlen_k)), its batch entry, kv head and first key, and its sequences as _sequence
+    gives them. With VARLEN, start_n may lie past its sequence: the program has nothing to do."""
+    seqlen_q, seqlen_k = seqlens
+    n_blocks = tl.cdiv(seqlen_k, BLOCK_N)
+    start_n = tl.program_id(0) % n_blocks * BLOCK_N
+    batch_kv_head = tl.program_id(0) // n_blocks
+    b = batch_kv_head // kv_heads
+    kv_h = batch_kv_head % kv_heads
+    q_seq, seqlen_q = _sequence(cu_seqlens[0], b=b, seqlen=seqlen_q, VARLEN=VARLEN)
+    k_seq, seqlen_k = _sequence(cu_seqlens[1], b=b, seqlen=seqlen_k, VARLEN=VARLEN)
+    return b, kv_h, start_n, q_seq, k_seq, (seqlen_q, seqlen_k)
+
+
+@triton.jit
+def _query_range(
+    start_n,
+    seqlens,
+    window,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
+):
+    """(lo, hi, unmasked_m) of the key block at start_n: the query blocks from lo to hi see some of its
+    keys (queries before the first that sees key start_n, causal or local, and after the last, local,
+    contribute nothing); causal, those from unmasked_m on see every key of it (none crosses the
+    diagonal)."""
+    seqlen_q, seqlen_k = seqlens
+    window_left, window_right = window
+    causal_offset = seqlen_k - seqlen_q
+    lo = 0
+    hi = seqlen_q
+    if LOCAL:
+        lo = tl.maximum(start_n - causal_offset - window_right, 0) // BLOCK_M * BLOCK_M
+        hi = tl.minimum(start_n + BLOCK_N - causal_offset + window_left, seqlen_q)
+    elif CAUSAL:
+        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
+    unmasked_m = tl.cdiv(start_n + BLOCK_N - 1 - causal_offset, BLOCK_M) * BLOCK_M
+    return lo, hi, unmasked_m
+
+
+@triton.jit
 def _attn_bwd_dkdv_kernel(
     Q,
     K,
@@ -281,22 +326,20 @@ def _attn_bwd_dkdv_kernel(
     cu_seqlens,  # as in _attn_fwd_kernel; Q, K, V, DO, DK, DV are TMA descriptors with TMA (padded)
     softmax_scale,
     seqlens,
-    window,  # as in _attn_fwd_kernel
-    sizes,  # (heads, kv_heads, group_size, heads_per_split, split_seqs): with head splits a program takes
-    # heads_per_split query heads of its group (else group_size), its partials split_seqs rows (batch;
-    # packed: total keys) after the previous split's
-    strides,  # (q, k, v, do, dk, dv, lse), as in _attn_fwd_kernel; LSE_LOG2 and DELTA share lse's
+    mask,  # as in _attn_fwd_kernel
+    layout,  # (sizes, strides): sizes (heads, kv_heads, group_size, heads_per_split, split_seqs), with
+    # head splits a program takes heads_per_split query heads of its group (else group_size), its
+    # partials split_seqs rows (batch; packed: total keys) after the previous split's; strides (q, k, v,
+    # do, dk, dv, lse), as in _attn_fwd_kernel; LSE_LOG2 and DELTA share lse's
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_D_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    MASK: tl.constexpr,  # "full", "causal" or "local"
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
-    INLINE_PTX: tl.constexpr,  # as in _attn_fwd_kernel
-    SOFTCAP: tl.constexpr,  # as in _attn_fwd_kernel
-    LAST_QUERIES,  # None, or with MASK "causal" (batch, seqlen) int32: key j's last query (document masking)
+    score_mods,  # (SOFTCAP, LAST_QUERIES): SOFTCAP as in _attn_fwd_kernel; LAST_QUERIES None, or with
+    # MASK "causal" (batch, seqlen) int32: key j's last query (document masking)
 ):
     # grid = (cdiv(seqlen_k, BLOCK_N) * batch * kv_heads, head_splits * BLOCK_D // BLOCK_D_OUT): one
     # key block, query heads [split * heads_per_split, + heads_per_split) of its group, dk and dv
@@ -305,20 +348,21 @@ def _attn_bwd_dkdv_kernel(
     # programs running together share its queries in L2. With head splits (GQA/MQA grids too small for
     # the GPU), each split writes its partial dk and dv to its own slice of DK and DV (seq), summed
     # afterwards in a fixed order: no atomics. dk or dv alone: _attn_bwd_dkdv_split_outputs_kernel.
+    MASK: tl.constexpr = mask[0]
+    window = mask[1]
+    INLINE_PTX: tl.constexpr = mask[2]
+    sizes, strides = layout
+    SOFTCAP: tl.constexpr = score_mods[0]
+    LAST_QUERIES = score_mods[1]
     CAUSAL: tl.constexpr = MASK == "causal"
     LOCAL: tl.constexpr = MASK == "local"
     LSE_LOG2, DELTA = row_stats
-    seqlen_q, seqlen_k = seqlens
-    window_left, window_right = window
     heads, kv_heads, group_size, heads_per_split, split_seqs = sizes
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, lse_strides = strides
-    n_blocks = tl.cdiv(seqlen_k, BLOCK_N)
-    start_n = tl.program_id(0) % n_blocks * BLOCK_N
-    batch_kv_head = tl.program_id(0) // n_blocks
-    b = batch_kv_head // kv_heads
-    kv_h = batch_kv_head % kv_heads
-    q_seq, seqlen_q = _sequence(cu_seqlens[0], b=b, seqlen=seqlen_q, VARLEN=VARLEN)
-    k_seq, seqlen_k = _sequence(cu_seqlens[1], b=b, seqlen=seqlen_k, VARLEN=VARLEN)
+    b, kv_h, start_n, q_seq, k_seq, seqlens = _key_block_program(
+        cu_seqlens, seqlens=seqlens, kv_heads=kv_heads, BLOCK_N=BLOCK_N, VARLEN=VARLEN
+    )
+    seqlen_q, seqlen_k = seqlens
     if VARLEN and start_n >= seqlen_k:  # the grid covers the longest sequence
         return
     columns = BLOCK_D // BLOCK_D_OUT
@@ -379,19 +423,11 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D_OUT], dtype=tl.float32)
     qk_scale = softmax_scale * 1.4426950408889634
-    # Queries before the first that sees key start_n (causal or local), and after the last (local),
-    # contribute nothing. Causal: one loop, the mask behind a uniform branch taken by the query blocks
-    # before unmasked_m (those crossing the diagonal); two loops (masked, unmasked) spilled (TUNING.md).
-    causal_offset = seqlen_k - seqlen_q
-    lo = 0
-    hi = seqlen_q
-    if LOCAL:
-        lo = tl.maximum(start_n - causal_offset - window_right, 0) // BLOCK_M * BLOCK_M
-        hi = tl.minimum(start_n + BLOCK_N - causal_offset + window_left, seqlen_q)
-    elif CAUSAL:
-        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
-    # Causal: query blocks from unmasked_m on see every key of the block (none crosses the diagonal).
-    unmasked_m = tl.cdiv(start_n + BLOCK_N - 1 - causal_offset, BLOCK_M) * BLOCK_M
+    # Causal: one loop, the mask behind a uniform branch taken by the query blocks before unmasked_m
+    # (those crossing the diagonal); two loops (masked, unmasked) spilled (TUNING.md).
+    lo, hi, unmasked_m = _query_range(
+        start_n, seqlens=seqlens, window=window, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LOCAL=LOCAL
+    )
     documents = None
     if LAST_QUERIES is not None:
         # Document masking: the queries from the block's first key to its last key's last query; those
@@ -407,14 +443,13 @@ def _attn_bwd_dkdv_kernel(
         for start_m in range(lo, hi, BLOCK_M):
             dk, dv = _attn_bwd_dkdv_block(
                 grads=(dk, dv),
-                kv=(k, v),
+                keys=(k, v, offs_n),
                 queries=(q_view, do_view, (LSE_LOG2 + row0, DELTA + row0), h),
-                offs_n=offs_n,
                 start_m=start_m,
                 unmasked_m=unmasked_m,
                 col=col,
-                seqlens=(seqlen_q, seqlen_k),
-                window=(window_left, window_right),
+                seqlens=seqlens,
+                window=window,
                 qk_scale=qk_scale,
                 HEAD_DIM=HEAD_DIM,
                 BLOCK_M=BLOCK_M,
@@ -481,37 +516,34 @@ def _attn_bwd_dkdv_split_outputs_kernel(
     cu_seqlens,
     softmax_scale,
     seqlens,
-    window,
-    sizes,
-    strides,  # as in _attn_bwd_dkdv_kernel
+    mask,
+    layout,  # as in _attn_bwd_dkdv_kernel
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    MASK: tl.constexpr,
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
-    INLINE_PTX: tl.constexpr,
     OUTPUT: tl.constexpr,  # "dk" or "dv"
 ):
     # grid = (cdiv(seqlen_k, BLOCK_N) * batch * kv_heads, head_splits): _attn_bwd_dkdv_kernel's program
     # with one accumulator, dk's or dv's (AttnConfig.split_outputs: a launch each, the scores computed in
     # both), whole rows of the head dim. K and V come by pointers, which feeds wgmma from shared memory
     # (TUNING.md); dv alone never reads V.
+    MASK: tl.constexpr = mask[0]
+    window = mask[1]
+    INLINE_PTX: tl.constexpr = mask[2]
+    sizes, strides = layout
     CAUSAL: tl.constexpr = MASK == "causal"
     LOCAL: tl.constexpr = MASK == "local"
     LSE_LOG2, DELTA = row_stats
-    seqlen_q, seqlen_k = seqlens
     window_left, window_right = window
     heads, kv_heads, group_size, heads_per_split, split_seqs = sizes
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, lse_strides = strides
-    n_blocks = tl.cdiv(seqlen_k, BLOCK_N)
-    start_n = tl.program_id(0) % n_blocks * BLOCK_N
-    batch_kv_head = tl.program_id(0) // n_blocks
-    b = batch_kv_head // kv_heads
-    kv_h = batch_kv_head % kv_heads
-    q_seq, seqlen_q = _sequence(cu_seqlens[0], b=b, seqlen=seqlen_q, VARLEN=VARLEN)
-    k_seq, seqlen_k = _sequence(cu_seqlens[1], b=b, seqlen=seqlen_k, VARLEN=VARLEN)
+    b, kv_h, start_n, q_seq, k_seq, seqlens = _key_block_program(
+        cu_seqlens, seqlens=seqlens, kv_heads=kv_heads, BLOCK_N=BLOCK_N, VARLEN=VARLEN
+    )
+    seqlen_q, seqlen_k = seqlens
     if VARLEN and start_n >= seqlen_k:  # the grid covers the longest sequence
         return
     split = tl.program_id(1)
@@ -566,28 +598,27 @@ def _attn_bwd_dkdv_split_outputs_kernel(
     if WINDOW and not LOCAL:
         window_left = seqlen_q + seqlen_k  # reaches past every key, as _mask's unbounded side
         window_right = 0
-    causal_offset = seqlen_k - seqlen_q
-    lo = 0
-    hi = seqlen_q
-    if WINDOW:  # the query range as _attn_bwd_dkdv_kernel's
-        lo = tl.maximum(start_n - causal_offset - window_right, 0) // BLOCK_M * BLOCK_M
-        hi = tl.minimum(start_n + BLOCK_N - causal_offset + window_left, seqlen_q)
-    elif CAUSAL:
-        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
-    unmasked_m = tl.cdiv(start_n + BLOCK_N - 1 - causal_offset, BLOCK_M) * BLOCK_M
+    lo, hi, unmasked_m = _query_range(
+        start_n,
+        seqlens=seqlens,
+        window=(window_left, window_right),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        CAUSAL=CAUSAL,
+        LOCAL=WINDOW,
+    )
     for g in range(first_head, last_head):
         h = kv_h * group_size + g
         row0 = q_seq.to(tl.int64) * lse_strides[0] + h.to(tl.int64) * lse_strides[1]
         for start_m in range(lo, hi, BLOCK_M):
             dk, dv = _attn_bwd_dkdv_block(
                 grads=(dk, dv),
-                kv=(k, v),
+                keys=(k, v, offs_n),
                 queries=(q_view, do_view, (LSE_LOG2 + row0, DELTA + row0), h),
-                offs_n=offs_n,
                 start_m=start_m,
                 unmasked_m=unmasked_m,
                 col=0,
-                seqlens=(seqlen_q, seqlen_k),
+                seqlens=seqlens,
                 window=(window_left, window_right),
                 qk_scale=qk_scale,
                 HEAD_DIM=HEAD_DIM,
@@ -630,8 +661,7 @@ def _attn_bwd_dkdv_split_outputs_kernel(
 def _attn_bwd_dq_block(
     dq,
     queries,
-    k_view,
-    v_view,
+    kv,
     kv_h,
     offs_m,
     start_n,
@@ -649,10 +679,11 @@ def _attn_bwd_dq_block(
     SOFTCAP: tl.constexpr,
     first_keys=None,
 ):
-    """dq after the key block at start_n (K and V read in head kv_h of their views): queries is the
+    """dq after the key block at start_n (kv, K's and V's views, read in head kv_h): queries is the
     query block's (q, do, lse, delta), lse in log2 units; MASKED, SOFTCAP and first_keys as in the
     forward's block."""
     q, do, lse, delta = queries
+    k_view, v_view = kv
     seqlen_q, seqlen_k = seqlens
     k = _load_tile(
         k_view,
@@ -722,21 +753,24 @@ def _attn_bwd_dq_kernel(
     cu_seqlens,  # as in _attn_fwd_kernel
     softmax_scale,
     seqlens,
-    window,  # as in _attn_fwd_kernel
-    sizes,  # (heads, group_size)
-    strides,  # (q, k, v, do, dq, lse), as in _attn_fwd_kernel; DELTA shares lse's
+    mask,  # as in _attn_fwd_kernel
+    layout,  # (sizes, strides): sizes (heads, group_size); strides (q, k, v, do, dq, lse), as in
+    # _attn_fwd_kernel; DELTA shares lse's
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    MASK: tl.constexpr,  # "full", "causal" or "local"
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
-    INLINE_PTX: tl.constexpr,  # as in _attn_fwd_kernel
-    SOFTCAP: tl.constexpr,  # as in _attn_fwd_kernel
-    FIRST_KEYS,  # as in _attn_fwd_kernel
+    score_mods,  # (SOFTCAP, FIRST_KEYS), as in _attn_fwd_kernel
 ):
     # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): as the preprocess, batch x heads on axis 0.
+    MASK: tl.constexpr = mask[0]
+    window = mask[1]
+    INLINE_PTX: tl.constexpr = mask[2]
+    sizes, strides = layout
+    SOFTCAP: tl.constexpr = score_mods[0]
+    FIRST_KEYS = score_mods[1]
     CAUSAL: tl.constexpr = MASK == "causal"
     LOCAL: tl.constexpr = MASK == "local"
     LSE_LOG2, DELTA = row_stats
@@ -821,8 +855,7 @@ def _attn_bwd_dq_kernel(
             dq = _attn_bwd_dq_block(
                 dq=dq,
                 queries=(q, do, lse, delta),
-                k_view=k_view,
-                v_view=v_view,
+                kv=(k_view, v_view),
                 kv_h=kv_h,
                 offs_m=offs_m,
                 start_n=start_n,

@@ -23,7 +23,7 @@ import triton
 
 from horse.kernels import runtime
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class AttnConfig:
 
 CONFIG_FILE = pathlib.Path(__file__).with_name("configs.json")  # bench.tune --write updates it
 _TABLES = runtime.load_configs(CONFIG_FILE, AttnConfig)
-# Each table: GPU family (runtime.arch) -> padded head dim (16 ... 256) -> entry.
+# Each table: GPU family (runtime.arch) -> padded head dim (16 ... 512) -> entry.
 FWD_CONFIGS = _TABLES["FWD_CONFIGS"]
 # Packed batches' forward: the padded entries (TMA descriptors built per sequence on the device), a
 # dict of its own per family, so that an entry measured for packed batches (bench.tune) can differ.
@@ -77,22 +77,21 @@ BWD_DKDV_CONFIGS = _TABLES["BWD_DKDV_CONFIGS"]
 BWD_DQ_CONFIGS = _TABLES["BWD_DQ_CONFIGS"]
 # Decode (flash_attention_with_kvcache): BLOCK_M query rows (a GQA group's heads x the new tokens)
 # by BLOCK_N cached keys, pointer loads (the rows are gathered across heads), the same rule on every
-# family; a tile of 16 rows (the smallest tl.dot) when the group's rows fit in it, and at head dim
-# 256, where 64 rows spilled with the window.
+# family; a tile of 16 rows (the smallest tl.dot) when the group's rows fit in it, and at head dims
+# 256 and 512, where 64 rows spilled with the window.
 DECODE_CONFIGS = {
     arch: {
         block_d: AttnConfig(16, 32, 4, 2, tma=False)
-        if block_d == 256
+        if block_d >= 256
         else AttnConfig(64, 64, 4, 2, tma=False)
-        for block_d in (16, 32, 64, 128, 256)
+        for block_d in (16, 32, 64, 128, 256, 512)
     }
     for arch in ("sm80", "sm86", "sm90", "sm100", "gfx942")
 }
 DECODE_REDUCE_NUM_WARPS = 8  # at 4 the head-dim-256 reduce spilled 8 bytes on sm_80
 DECODE_REDUCE_BLOCK_S = 16  # splits the reduce loads at a time: up to 2 per SM, 264 on an H200
 # Small, unequal tiles in the interpreter: quick there, and several blocks cross every boundary.
-INTERPRETER_BLOCKS = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1, "pointer": None}
-PREPROCESS_BLOCK_M = 64
+INTERPRETER_BLOCKS = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1}
 # At 4 warps the 64 x 128 tiles of o and dO spilled 8-32 bytes on sm_100 (at 48-56 registers).
 PREPROCESS_NUM_WARPS = 8
 
@@ -102,9 +101,19 @@ def head_dim_block(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def preprocess_block_m(head_dim: int) -> int:
+    """Rows of the backward preprocess's tiles of o and dO: 64, of at most 256 head-dim columns (32 rows at
+    512, whose 64-row bfloat16 tiles spilled 8 bytes on sm_86)."""
+    return min(64, 64 * 256 // head_dim_block(head_dim))
+
+
 def attn_config(table: dict, head_dim: int, device: torch.device, softcap: float | None = None) -> AttnConfig:
     """The entry of table (FWD_CONFIGS, ...) for head_dim on device's GPU family; with the softcap on
     (softcap neither None nor 0), a forward or gradient pass's softcap tile (AttnConfig.scored), taken
-    before the interpreter's blocks replace the tile's (they keep its column_splits and split_outputs)."""
+    before the interpreter's blocks replace the tile's (they keep its column_splits and split_outputs),
+    its pointer tile's too (a dk/dv entry with split outputs takes that for document masking)."""
     cfg = table[runtime.arch(device).name][head_dim_block(head_dim)].scored(softcap)
-    return dataclasses.replace(cfg, **INTERPRETER_BLOCKS) if runtime.INTERPRET else cfg
+    if not runtime.INTERPRET:
+        return cfg
+    pointer = None if cfg.pointer is None else dataclasses.replace(cfg.pointer, **INTERPRETER_BLOCKS)
+    return dataclasses.replace(cfg, **INTERPRETER_BLOCKS, pointer=pointer)

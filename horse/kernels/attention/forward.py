@@ -1,10 +1,12 @@
 """The forward pass: a program per BLOCK_M queries of one (batch, head), an online softmax over
 the key blocks that the mask leaves visible, out and lse stored once.
 
-The kernel's arguments come in groups, as :func:`horse.kernels.attention.launch.attention_fwd`
-packs them: ``cu_seqlens`` (CU_SEQLENS_Q, CU_SEQLENS_K), ``seqlens`` (seqlen_q, seqlen_k), ``window``
-(left, right), ``sizes`` (batch, heads, group_size) and ``strides`` (q, k, v, o, lse strides); the
-device helpers take views of the tensors (``tiles.py``) and are called by keyword.
+The kernel's arguments come in groups, as :func:`horse.kernels.attention.launch.fwd_plan` names
+them: ``cu_seqlens`` (CU_SEQLENS_Q, CU_SEQLENS_K), ``seqlens`` (seqlen_q, seqlen_k), ``mask`` (MASK,
+window (left, right), INLINE_PTX), ``layout`` (sizes (batch, heads, group_size), strides (q, k, v, o,
+lse strides)) and ``score_mods`` (SOFTCAP, SINKS, FIRST_KEYS); the tensors the launch may pass as TMA
+descriptors stay arguments of their own (Triton 3.6 launches no descriptor inside a tuple). The device
+helpers take views of the tensors (``tiles.py``) and are called by keyword.
 """
 
 import triton
@@ -28,11 +30,9 @@ def _attn_fwd_block(
     acc,
     l_i,
     m_i,
-    q,
-    offs_m,
+    queries,
     start_n,
-    k_view,
-    v_view,
+    kv,
     kv_h,
     seqlens,
     window,
@@ -49,10 +49,12 @@ def _attn_fwd_block(
     first_keys=None,
 ):
     """The online softmax's step over the key block at start_n: acc, l_i and m_i (the output's
-    unnormalized rows, their sums and their running maxima, in log2 units) after it. q (BLOCK_M,
-    BLOCK_D) holds the queries offs_m; K and V are read in head kv_h of their views; MASKED, a block
-    that may cross the mask's edges or seqlen_k; SOFTCAP (None: off) softcaps the scores first;
-    first_keys (None: off), the queries' first keys under document masking (masks.py)."""
+    unnormalized rows, their sums and their running maxima, in log2 units) after it. queries is (q,
+    offs_m): q (BLOCK_M, BLOCK_D) holds the queries offs_m; kv is (K's view, V's view), read in head
+    kv_h; MASKED, a block that may cross the mask's edges or seqlen_k; SOFTCAP (None: off) softcaps the
+    scores first; first_keys (None: off), the queries' first keys under document masking (masks.py)."""
+    q, offs_m = queries
+    k_view, v_view = kv
     seqlen_q, seqlen_k = seqlens
     k = _load_tile(
         k_view,
@@ -118,34 +120,49 @@ def _attn_fwd_block(
 
 
 @triton.jit
-def _attn_fwd_tile(
-    tile,
-    m_blocks,
-    qk_scale,
-    tensors,
-    cu_seqlens,
-    seqlens,
-    window,
-    sizes,
-    strides,
+def _attn_fwd_kernel(
+    Q,  # (batch, seqlen_q, heads, head_dim)
+    K,  # (batch, seqlen_k, kv_heads, head_dim)
+    V,  # (batch, seqlen_k, kv_heads, head_dim)
+    OUT,  # (batch, seqlen_q, heads, head_dim); Q, K, V, OUT are TMA descriptors with TMA (padded)
+    LSE,  # (batch, heads, seqlen_q) float32, natural log
+    cu_seqlens,  # (CU_SEQLENS_Q, CU_SEQLENS_K), with VARLEN: (batch + 1,) int32 sequence starts in Q; K
+    softmax_scale,
+    seqlens,  # (seqlen_q, seqlen_k); with VARLEN the longest sequences'
+    mask,  # (MASK, window, INLINE_PTX): MASK "full", "causal" or "local"; window (left, right), with
+    # "local": query i sees keys i + seqlen_k - seqlen_q - left ... + right; INLINE_PTX, an NVIDIA
+    # target: the causal mask as PTX (see _causal_scores)
+    layout,  # (sizes, strides): sizes (batch, heads, group_size), group_size query heads sharing a kv
+    # head; strides (q, k, v, o, lse), the (batch, seqlen, heads) strides of Q, K, V, OUT, as _strides
+    # gives them, and (batch, heads) of LSE; packed, (1, head stride): a sequence by its first row
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    LOCAL: tl.constexpr,
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
-    INLINE_PTX: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    SINKS,
-    FIRST_KEYS,
+    score_mods,  # (SOFTCAP, SINKS, FIRST_KEYS), each None (off) or: SOFTCAP c > 0, the scaled scores
+    # are c tanh(scores / c); SINKS (heads,) float32, each head's sink logit, in every row's softmax
+    # denominator; FIRST_KEYS, with MASK "causal", (batch, seqlen) int32: query i's first key
+    # (document masking)
 ):
-    """Output and lse of tile ``tile``: BLOCK_M queries of one (batch, head). Tiles go head-major,
-    so the programs running together share their head's k and v in L2; causal ones go longest
-    query block first, so the last tiles to run are the short ones. tensors is (Q, K, V, OUT, LSE),
-    the other groups, SOFTCAP, SINKS and FIRST_KEYS the kernel's."""
-    Q, K, V, OUT, LSE = tensors
+    # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): a program per tile, BLOCK_M queries of one
+    # (batch, head). Tiles go head-major, so the programs running together share their head's k and v
+    # in L2; causal ones go longest query block first, so the last tiles to run are the short ones.
+    # A tuple's constexpr element stays a constexpr only by an annotated assignment: unpacked with the
+    # others, Triton would make it a tensor.
+    MASK: tl.constexpr = mask[0]
+    window = mask[1]
+    INLINE_PTX: tl.constexpr = mask[2]
+    sizes, strides = layout
+    SOFTCAP: tl.constexpr = score_mods[0]
+    SINKS = score_mods[1]
+    FIRST_KEYS = score_mods[2]
+    CAUSAL: tl.constexpr = MASK == "causal"
+    LOCAL: tl.constexpr = MASK == "local"
+    m_blocks = tl.cdiv(seqlens[0], BLOCK_M)
+    qk_scale = softmax_scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
+    tile = tl.program_id(0)
     _, heads, group_size = sizes
     q_strides, k_strides, v_strides, o_strides, lse_strides = strides
     batch_head = tile // m_blocks
@@ -222,11 +239,9 @@ def _attn_fwd_tile(
                 acc=acc,
                 l_i=l_i,
                 m_i=m_i,
-                q=q,
-                offs_m=offs_m,
+                queries=(q, offs_m),
                 start_n=start_n,
-                k_view=k_view,
-                v_view=v_view,
+                kv=(k_view, v_view),
                 kv_h=kv_h,
                 seqlens=seqlens,
                 window=window,
@@ -253,59 +268,3 @@ def _attn_fwd_tile(
     else:  # the same offset, in fewer registers: the strided sum spilled at head dim 128 on triton 3.9
         lse_row = batch_head.to(tl.int64) * seqlen_q
     tl.store(LSE + lse_row + offs_m, lse, mask=offs_m < seqlen_q)
-
-
-@triton.jit
-def _attn_fwd_kernel(
-    Q,  # (batch, seqlen_q, heads, head_dim)
-    K,  # (batch, seqlen_k, kv_heads, head_dim)
-    V,  # (batch, seqlen_k, kv_heads, head_dim)
-    OUT,  # (batch, seqlen_q, heads, head_dim); Q, K, V, OUT are TMA descriptors with TMA (padded)
-    LSE,  # (batch, heads, seqlen_q) float32, natural log
-    cu_seqlens,  # (CU_SEQLENS_Q, CU_SEQLENS_K), with VARLEN: (batch + 1,) int32 sequence starts in Q; K
-    softmax_scale,
-    seqlens,  # (seqlen_q, seqlen_k); with VARLEN the longest sequences'
-    window,  # (left, right), with LOCAL: query i sees keys i + seqlen_k - seqlen_q - left ... + right
-    sizes,  # (batch, heads, group_size): group_size query heads share a kv head
-    strides,  # (q, k, v, o, lse): (batch, seqlen, heads) strides of Q, K, V, OUT, as _strides gives them,
-    # and (batch, heads) of LSE; packed, (1, head stride): a sequence by its first row
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASK: tl.constexpr,  # "full", "causal" or "local"
-    TMA: tl.constexpr,
-    VARLEN: tl.constexpr,
-    INLINE_PTX: tl.constexpr,  # an NVIDIA target: the causal mask as PTX (see _causal_scores)
-    SOFTCAP: tl.constexpr,  # None, or c > 0: the scaled scores are c tanh(scores / c)
-    SINKS,  # None, or (heads,) float32: each head's sink logit, in every row's softmax denominator
-    FIRST_KEYS,  # None, or with MASK "causal" (batch, seqlen) int32: query i's first key (document masking)
-):
-    # grid = (cdiv(seqlen_q, BLOCK_M) * batch * heads,): a program per tile
-    CAUSAL: tl.constexpr = MASK == "causal"
-    LOCAL: tl.constexpr = MASK == "local"
-    m_blocks = tl.cdiv(seqlens[0], BLOCK_M)
-    qk_scale = softmax_scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
-    _attn_fwd_tile(
-        tl.program_id(0),
-        m_blocks=m_blocks,
-        qk_scale=qk_scale,
-        tensors=(Q, K, V, OUT, LSE),
-        cu_seqlens=cu_seqlens,
-        seqlens=seqlens,
-        window=window,
-        sizes=sizes,
-        strides=strides,
-        HEAD_DIM=HEAD_DIM,
-        BLOCK_D=BLOCK_D,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        CAUSAL=CAUSAL,
-        LOCAL=LOCAL,
-        TMA=TMA,
-        VARLEN=VARLEN,
-        INLINE_PTX=INLINE_PTX,
-        SOFTCAP=SOFTCAP,
-        SINKS=SINKS,
-        FIRST_KEYS=FIRST_KEYS,
-    )

@@ -115,7 +115,8 @@ def _launch(tma: bool, packed: Packed | None):
 def _pass_args(q, k, lse, causal, window, softmax_scale, packed: Packed | None) -> dict:
     """The named values the forward and both backward passes share, for their plans to pack: a packed
     batch's offsets (lse, never read, when not packed), the sequence lengths (a packed batch's
-    longest), the window; and the mask, the scale and the compile options."""
+    longest), the window, whether the causal mask is built by PTX (a constexpr in the mask tuple);
+    and the mask, the scale and the compile options."""
     _, seqlen_q, seqlen_k, _, _, _ = _shape(q, k, packed)
     (window_left, window_right), mask = _mask(causal, window, seqlen_q, seqlen_k)
     cu_seqlens = (lse, lse) if packed is None else (packed.cu_seqlens_q, packed.cu_seqlens_k)
@@ -126,16 +127,18 @@ def _pass_args(q, k, lse, causal, window, softmax_scale, packed: Packed | None) 
         seqlen_k=seqlen_k,
         window_left=window_left,
         window_right=window_right,
+        INLINE_PTX=triton.language.constexpr(runtime.inline_ptx(q)),
     )
-    launch_args = dict(
-        softmax_scale=softmax_scale, INLINE_PTX=runtime.inline_ptx(q), **runtime.COMPILE_OPTIONS
-    )
+    launch_args = dict(softmax_scale=softmax_scale, **runtime.COMPILE_OPTIONS)
     return dict(values=values, mask=mask, launch_args=launch_args)
 
 
-SEQUENCES = {
+# The tuple arguments every pass takes: the sequences, and the mask (its kind, the window, and
+# whether the causal mask is built by PTX).
+PASS_TUPLES = {
     "cu_seqlens": ("CU_SEQLENS_Q", "CU_SEQLENS_K"),
     "seqlens": ("seqlen_q", "seqlen_k"),
+    "mask": ("MASK", "window", "INLINE_PTX"),
     "window": ("window_left", "window_right"),
 }
 
@@ -156,7 +159,7 @@ def _tile_plan(kernel, grid, cfg: AttnConfig, head_dim, mask, tma, packed, by_qu
     )
     block_rows = dict.fromkeys(by_query, cfg.block_m) | dict.fromkeys(by_key, cfg.block_n)
     descriptors = {a: (1, rows, 1, block_d) for a, rows in block_rows.items()} if tma and not packed else {}
-    tuples = SEQUENCES | tuples
+    tuples = PASS_TUPLES | tuples
     return Plan(
         kernel,
         grid,
@@ -189,8 +192,10 @@ def fwd_plan(
     cfg = entry.loads(tma)
     grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
     tuples = {
+        "layout": ("sizes", "strides"),
         "sizes": ("batch", "heads", "group_size"),
         "strides": ("q_strides", "k_strides", "v_strides", "o_strides", "lse_strides"),
+        "score_mods": ("SOFTCAP", "SINKS", "FIRST_KEYS"),
     }
     modifications = dict(SOFTCAP=softcap) | ({} if sinks else dict(SINKS=None))
     modifications |= {} if documents else dict(FIRST_KEYS=None)
@@ -232,6 +237,7 @@ def dkdv_plans(
     grid = (triton.cdiv(seqlen_k, cfg.block_n) * batch * kv_heads, splits * cfg.column_splits)
     tuples = {
         "row_stats": ("LSE_LOG2", "DELTA"),
+        "layout": ("sizes", "strides"),
         "sizes": ("heads", "kv_heads", "group_size", "heads_per_split", "split_seqs"),
         "strides": (
             "q_strides",
@@ -275,7 +281,7 @@ def dkdv_plans(
             packed,
             ("Q", "DO"),
             ("K", "V", "DK", "DV"),
-            tuples,
+            tuples | {"score_mods": ("SOFTCAP", "LAST_QUERIES")},
             constexprs=dict(BLOCK_D_OUT=block_d_out, SOFTCAP=softcap)
             | ({} if documents else dict(LAST_QUERIES=None)),
             partials=partials,
@@ -299,8 +305,10 @@ def dq_plan(
     grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * heads,)
     tuples = {
         "row_stats": ("LSE_LOG2", "DELTA"),
+        "layout": ("sizes", "strides"),
         "sizes": ("heads", "group_size"),
         "strides": ("q_strides", "k_strides", "v_strides", "do_strides", "dq_strides", "lse_strides"),
+        "score_mods": ("SOFTCAP", "FIRST_KEYS"),
     }
     return _tile_plan(
         _attn_bwd_dq_kernel,
@@ -367,6 +375,8 @@ def attention_fwd(
         v_strides=_strides(v),
         o_strides=_strides(out),
         lse_strides=_lse_strides(lse),
+        SINKS=sinks,
+        FIRST_KEYS=first_keys,
     )
     tensors = [plan.operand(name, t) for name, t in (("Q", q), ("K", k), ("V", v), ("OUT", out))]
     with runtime.device_guard(q):
@@ -378,8 +388,6 @@ def attention_fwd(
             **plan.pack(values),
             **shared["launch_args"],
             **plan.options(),
-            **({} if sinks is None else dict(SINKS=sinks)),
-            **({} if first_keys is None else dict(FIRST_KEYS=first_keys)),
         )
     return out, lse
 
@@ -413,7 +421,7 @@ def decode_plan(
         SOFTCAP=softcap,
     )
     tuples = {
-        "window": SEQUENCES["window"],
+        "window": PASS_TUPLES["window"],
         "sizes": ("kv_heads", "group_size"),
         "strides": ("q_strides", "k_strides", "v_strides"),
     }
@@ -517,15 +525,17 @@ def preprocess_plan(
     batch: int, seqlen_q: int, heads: int, head_dim: int, has_dlse: bool, packed: bool
 ) -> Plan:
     """The backward preprocess's plan for batch sequences (padded, or packed: seqlen_q the longest) of
-    heads query heads: a program per PREPROCESS_BLOCK_M rows of a (sequence, head), reading dlse or not."""
+    heads query heads: a program per configs.preprocess_block_m rows of a (sequence, head), reading dlse
+    or not."""
+    block_m = configs.preprocess_block_m(head_dim)
     constexprs = dict(
         HEAD_DIM=head_dim,
         BLOCK_D=head_dim_block(head_dim),
-        BLOCK_M=configs.PREPROCESS_BLOCK_M,
+        BLOCK_M=block_m,
         HAS_DLSE=has_dlse,
         VARLEN=packed,
     )
-    grid = (triton.cdiv(seqlen_q, configs.PREPROCESS_BLOCK_M) * batch * heads,)
+    grid = (triton.cdiv(seqlen_q, block_m) * batch * heads,)
     return Plan(_attn_bwd_preprocess_kernel, grid, constexprs, configs.PREPROCESS_NUM_WARPS, num_stages=1)
 
 
@@ -607,6 +617,7 @@ def _bwd_dkdv(
         split_seqs=k.shape[0],
         dk_strides=_strides(dk_out),
         dv_strides=_strides(dv_out),
+        LAST_QUERIES=last_queries,
     )
     for plan in plans:
         operands = (("Q", q), ("K", k), ("V", v), ("DO", dout))
@@ -622,7 +633,6 @@ def _bwd_dkdv(
             **tuples,
             **args["launch_args"],
             **plan.options(),
-            **({} if last_queries is None else dict(LAST_QUERIES=last_queries)),
         )
     if splits > 1:  # torch's sum over the splits: the same order every run
         dk.copy_(dk_out.view(splits, *k.shape).sum(0))
@@ -640,7 +650,9 @@ def _bwd_dq(
     plan = dq_plan(
         entry, shape, args["mask"], tma, packed is not None, args["softcap"], first_keys is not None
     )
-    values = _bwd_values(q, k, v, dout, row_stats, args, shape) | dict(dq_strides=_strides(dq))
+    values = _bwd_values(q, k, v, dout, row_stats, args, shape) | dict(
+        dq_strides=_strides(dq), FIRST_KEYS=first_keys
+    )
     q_k_v_do = [plan.operand(name, t) for name, t in (("Q", q), ("K", k), ("V", v), ("DO", dout))]
     tuples = plan.pack(values)
     _launch(tma, packed)(
@@ -652,7 +664,6 @@ def _bwd_dq(
         **tuples,
         **args["launch_args"],
         **plan.options(),
-        **({} if first_keys is None else dict(FIRST_KEYS=first_keys)),
     )
 
 
