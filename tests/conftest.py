@@ -25,6 +25,12 @@ if (workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+@pytest.fixture
+def reference_path(monkeypatch):
+    """CPU tensors take the kernels' float32 references, as they do without TRITON_INTERPRET."""
+    monkeypatch.setattr(runtime, "INTERPRET", False)
+
+
 def pytest_collection_modifyitems(config, items):
     # One process runs the kernels either compiled for its GPU or in the interpreter, never both.
     if HAS_CUDA:

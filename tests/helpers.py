@@ -4,9 +4,12 @@ with the tensor's magnitude (summation order alone moves float32 results by ~1e-
 
 import collections
 import itertools
+import os
 import socket
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from bench import timing
 from horse.kernels import runtime
@@ -182,6 +185,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_gloo_ranks(worker, world: int) -> None:
+    """worker() on world spawned processes, each a rank of one gloo process group (on a port of its
+    own, :func:`free_port`) with one torch thread, the group destroyed when the worker returns."""
+    mp.spawn(_gloo_rank, args=(world, free_port(), worker), nprocs=world)
+
+
+def _gloo_rank(rank: int, world: int, port: int, worker) -> None:
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1"}
+    os.environ.update({k: str(v) for k, v in (env | {"MASTER_PORT": port}).items()})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        worker()
+    finally:
+        dist.destroy_process_group()
 
 
 def record_launches(monkeypatch, execute: bool = True) -> list[tuple[str, tuple[int, ...]]]:

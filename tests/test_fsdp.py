@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import assert_close, command_line_flags, free_port
+from helpers import assert_close, command_line_flags, free_port, run_gloo_ranks
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
@@ -254,23 +253,6 @@ def test_the_fused_kernels_take_fsdps_gathered_float16_parameters():
 # ----------------------------------------------------------------------------------------------
 
 
-def _rank_main(rank: int, world: int, port: int, worker) -> None:
-    env = {
-        "RANK": rank,
-        "LOCAL_RANK": rank,
-        "WORLD_SIZE": world,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": port,
-    }
-    os.environ.update({k: str(v) for k, v in env.items()})
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        worker()
-    finally:
-        dist.destroy_process_group()
-
-
 CONFIG = train.model_config(train.TrainConfig(), GPT2, 256)
 GLOBAL_BATCH = torch.randint(0, 256, (4, 31), generator=torch.Generator().manual_seed(0))
 
@@ -450,7 +432,7 @@ def test_init_from_a_safetensors_folder_reads_slices_into_every_layout(tmp_path)
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path, max_shard_size="200KB")
     worker = functools.partial(_init_from_slices_at_every_layout, tmp_path)
-    mp.spawn(_rank_main, args=(4, free_port(), worker), nprocs=4)
+    run_gloo_ranks(worker, 4)
 
 
 def _run_all(workers: list[str]) -> None:
@@ -467,4 +449,4 @@ def test_initial_weights_bytes_norm_clipping_skips_mixed_precision_compile_and_g
         "_mixed_precision_and_compiled_blocks",
         "_generation_on_fsdp_shards",
     ]
-    mp.spawn(_rank_main, args=(4, free_port(), functools.partial(_run_all, workers)), nprocs=4)
+    run_gloo_ranks(functools.partial(_run_all, workers), 4)

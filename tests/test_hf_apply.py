@@ -18,7 +18,6 @@ from helpers import assert_close
 transformers = pytest.importorskip("transformers")
 
 import horse.hf  # noqa: E402
-from horse.kernels import runtime  # noqa: E402
 
 VOCAB = 96
 # Families with what the others lack (fused projections, multipliers, windows on some layers only, layers
@@ -115,12 +114,6 @@ def build(family: str, **overrides):
     patched = copy.deepcopy(model)
     horse.hf.apply(patched)
     return model, patched
-
-
-@pytest.fixture
-def reference_path(monkeypatch):
-    """CPU tensors take the kernels' float32 references, as they do without TRITON_INTERPRET."""
-    monkeypatch.setattr(runtime, "INTERPRET", False)
 
 
 def batch(seqlen: int = 12, rows: int = 2, seed: int = 1):

@@ -14,7 +14,6 @@ from test_hf_apply import INIT, VOCAB, batch, compare, run
 transformers = pytest.importorskip("transformers")
 
 import horse.hf  # noqa: E402
-from horse.kernels import runtime  # noqa: E402
 
 VARIANTS = ("plain", "moe_per_layer_shared_kv")
 
@@ -79,12 +78,6 @@ def build(variant: str, **overrides):
     patched = copy.deepcopy(model)
     horse.hf.apply(patched)
     return model, patched
-
-
-@pytest.fixture
-def reference_path(monkeypatch):
-    """CPU tensors take the kernels' float32 references, as they do without TRITON_INTERPRET."""
-    monkeypatch.setattr(runtime, "INTERPRET", False)
 
 
 def against_sdpa(variant: str, dtype: torch.dtype, keep=None, overrides=None, **inputs):

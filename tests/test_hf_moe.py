@@ -14,7 +14,7 @@ from test_hf_apply import INIT, VOCAB, batch, compare, gpt_oss_config
 transformers = pytest.importorskip("transformers")
 
 import horse.hf  # noqa: E402
-from horse.kernels import add_rms_norm, runtime  # noqa: E402
+from horse.kernels import add_rms_norm  # noqa: E402
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 # transformers' attention each family runs unpatched: gpt-oss has no sdpa (its sinks)
@@ -83,12 +83,6 @@ def build(family: str):
     patched = copy.deepcopy(model)
     horse.hf.apply(patched)
     return model, patched
-
-
-@pytest.fixture
-def reference_path(monkeypatch):
-    """CPU tensors take the kernels' float32 references, as they do without TRITON_INTERPRET."""
-    monkeypatch.setattr(runtime, "INTERPRET", False)
 
 
 def run(model, **inputs):

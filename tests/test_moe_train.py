@@ -10,13 +10,11 @@ import contextlib
 import dataclasses
 import functools
 import math
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import assert_close, free_port
+from helpers import assert_close, run_gloo_ranks
 
 from horse import checkpoint, hf, kernels, optim, recipes, train
 from horse.cli import parse_args
@@ -277,23 +275,6 @@ def _tp2_and_dp_shard2_take_one_process_steps(tmp: str) -> None:
         parallelize(GPT(CONFIG), sequence_parallel)
 
 
-def _rank_main(rank: int, world: int, port: int, worker) -> None:
-    env = {
-        "RANK": rank,
-        "LOCAL_RANK": rank,
-        "WORLD_SIZE": world,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": port,
-    }
-    os.environ.update({k: str(v) for k, v in env.items()})
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        worker()
-    finally:
-        dist.destroy_process_group()
-
-
 def test_tp2_and_dp_shard2_take_the_steps_of_one_process(tmp_path):
     worker = functools.partial(_tp2_and_dp_shard2_take_one_process_steps, str(tmp_path))
-    mp.spawn(_rank_main, args=(2, free_port(), worker), nprocs=2)
+    run_gloo_ranks(worker, 2)
