@@ -799,8 +799,13 @@ def test_every_moe_gemm_launch_in_either_weight_layout_has_its_row_in_every_fami
 
     def recording_launch(plan, *args):
         names = plan.kernel.arg_names[: len(args)]  # the constexprs, last, come from the plan
-        units = {f"{name}[{i}]" for name, arg in zip(names, args, strict=True) if name.endswith("strides")
-                 for i, stride in enumerate(arg) if stride == 1}  # fmt: skip
+        units = {
+            f"{name}[{i}]"
+            for name, arg in zip(names, args, strict=True)
+            if name.endswith("strides")
+            for i, stride in enumerate(arg)
+            if stride == 1
+        }
         flags = {k: v for k, v in plan.constexprs.items() if not k.startswith("BLOCK_")}
         launches.append((plan.kernel.fn.__name__, flags, units))
         real_launch(plan, *args)

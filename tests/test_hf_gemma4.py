@@ -27,11 +27,21 @@ def tiny_config(variant: str, **overrides):
     each MLP, per-layer inputs of 16, and the global layers' values their keys (attention_k_eq_v) over one
     key-value head."""
     common = {
-        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32, "sliding_window": 5,
-        "max_position_embeddings": 64, "final_logit_softcapping": 5.0, "initializer_range": INIT,
-        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
-    }  # fmt: skip
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "sliding_window": 5,
+        "max_position_embeddings": 64,
+        "final_logit_softcapping": 5.0,
+        "initializer_range": INIT,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
     variants = {
         "plain": {
             "num_hidden_layers": 2,
