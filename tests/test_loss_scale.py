@@ -75,7 +75,7 @@ def test_a_run_that_skips_every_step_stops_with_a_clear_error(monkeypatch, tmp_p
 
 def test_a_non_finite_fp16_loss_stops_the_run_as_in_the_other_precisions(monkeypatch, tmp_path):
     def nan_loss(*args, **kwargs):
-        return torch.tensor(float("nan")), 0.0, True
+        return torch.tensor(float("nan")), torch.tensor(0.0), 0.0, True  # loss, aux loss, grad norm, skipped
 
     monkeypatch.setattr(train, "train_step", nan_loss)
     for precision in ("fp32", "fp16"):

@@ -89,7 +89,7 @@ def test_config_files_load_as_tables_and_ship_with_the_package():
     for name in ("FWD_CONFIGS", "BWD_DKDV_CONFIGS", "BWD_DQ_CONFIGS"):  # sm90's as well
         assert set(tables[name]) == set(runtime.ARCHS) and tables[name] == getattr(attention_configs, name)
         for family in runtime.ARCHS:  # head dims as ints, in order: attn_config looks them up by number
-            assert list(tables[name][family]) == [16, 32, 64, 128, 256]
+            assert list(tables[name][family]) == [16, 32, 64, 128, 256, 512]
             assert all(isinstance(cfg, attention_configs.AttnConfig) for cfg in tables[name][family].values())
     # The MLP's file, beside its kernels, holds every family's GEMM tables, sm90's too.
     config_file = mlp.configs.CONFIG_FILE
